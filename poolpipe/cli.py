@@ -1,0 +1,394 @@
+"""The `poolpipe` command: import profiles, plan, compare strategies, manage the warehouse."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe import __version__
+from poolpipe.cluster import Cluster, load_cluster, load_clusters
+from poolpipe.errors import PoolpipeError
+from poolpipe.plan import PACKINGS, STRATEGIES, Plan
+from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
+from poolpipe.profiles import load_ppipe_dir
+from poolpipe.warehouse import ENV_VAR, REPO_ROOT, Warehouse, default_path
+
+# Without a terminal (CI logs, pipes) rich would wrap at 80 columns; plans need more.
+console = Console(width=None if sys.stdout.isatty() else 160)
+DEFAULT_PPIPE_DIR = REPO_ROOT.parent / "shared" / "profiles" / "ppipe-gpu"
+PPIPE_DIR_ENV = "POOLPIPE_PPIPE_PROFILES"
+
+
+def ppipe_dir() -> Path:
+    return Path(os.environ.get(PPIPE_DIR_ENV, DEFAULT_PPIPE_DIR))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def describe_pipeline(p) -> str:  # type: ignore[no-untyped-def]
+    return " → ".join(
+        f"[{q.start},{q.end}) {q.gpu}{'' if q.share == 1 else f'/{q.share}'}×{q.vgpus}"
+        for q in p.partitions
+    )
+
+
+def print_plan(plan: Plan) -> None:
+    t = Table(
+        title=f"{plan.strategy} plan on {plan.cluster.name} ({plan.packing}, "
+        f"margin {plan.margin}, P≤{plan.max_partitions})",
+        title_justify="left",
+    )
+    for col, just in (("model", "left"), ("req/s", "right"), ("batch", "right"),
+                      ("latency ms", "right"), ("SLO ms", "right"),
+                      ("partitions: blocks GPU/share×vGPUs", "left")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for m in plan.models:
+        if not m.pipelines:
+            t.add_row(m.name, "0", "", "", f"{m.slo_us / 1e3:.1f}", "(nothing fits)")
+        for i, p in enumerate(m.pipelines):
+            t.add_row(
+                m.name if i == 0 else "",
+                f"{p.throughput:,.1f}",
+                str(p.batch),
+                f"{p.latency_us / 1e3:.2f}",
+                f"{m.slo_us / 1e3:.1f}" if i == 0 else "",
+                describe_pipeline(p),
+            )
+        if len(m.pipelines) > 1:
+            t.add_row("", f"[bold]{m.throughput:,.1f}[/]", "", "", "", "[dim]model total[/]")
+    console.print(t)
+    used = plan.gpus_used()
+    gpus = ", ".join(f"{p.gpu} {used.get(p.gpu, 0)}/{p.count}" for p in plan.cluster.pools)
+    s = plan.solver
+    console.print(
+        f"objective {plan.objective:,.2f}  |  GPUs {gpus}  |  {s.name} {s.status}, "
+        f"gap {s.gap:.1e}, {s.seconds:.2f} s ({s.candidates} candidate pipelines)"
+    )
+
+
+def print_side_by_side(plans: list[Plan]) -> None:
+    t = Table(title=f"strategies side by side on {plans[0].cluster.name}", title_justify="left")
+    t.add_column("model")
+    for p in plans:
+        t.add_column(f"{p.strategy} req/s", justify="right")
+        t.add_column(f"{p.strategy} pipelines")
+    for i, m in enumerate(plans[0].models):
+        row = [m.name]
+        for p in plans:
+            pm = p.models[i]
+            row += [f"{pm.throughput:,.1f}", "\n".join(
+                f"b{pp.batch} {describe_pipeline(pp)}" for pp in pm.pipelines) or "-"]
+        t.add_row(*row)
+    t.add_section()
+    t.add_row("objective (max-min req/s ÷ weight)",
+              *[x for p in plans for x in (f"{p.objective:,.1f}", "")])
+    t.add_row("GPUs used", *[x for p in plans for x in (
+        ", ".join(f"{g} {n}" for g, n in sorted(p.gpus_used().items())), "")])
+    t.add_row("solve", *[x for p in plans for x in (
+        f"{p.solver.seconds:.2f} s", f"{p.solver.status} gap {p.solver.gap:.0e}")])
+    console.print(t)
+    base = {p.strategy: p for p in plans}
+    if "ppipe" in base:
+        for other in ("np", "dart-r"):
+            if other in base and base[other].objective > 0:
+                console.print(
+                    f"ppipe / {other}: {base['ppipe'].objective / base[other].objective:.2f}x"
+                )
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _open(args: argparse.Namespace) -> Warehouse:
+    return Warehouse.open(args.warehouse)
+
+
+def cmd_import_ppipe(args: argparse.Namespace) -> int:
+    root = Path(args.directory)
+    with console.status(f"reading {root} ..."):
+        profiles = load_ppipe_dir(root)
+        clusters_file = root / "clusters.toml"
+        clusters = list(load_clusters(clusters_file).values()) if clusters_file.is_file() else []
+    with _open(args) as wh:
+        wh.store_profiles(profiles, provenance={"importer": "ppipe", "path": str(root.resolve())})
+        wh.store_clusters(clusters, source=str(clusters_file))
+        console.print(
+            f"imported {len(profiles)} models ({sum(len(p.tables) for p in profiles)} latency "
+            f"tables) and {len(clusters)} clusters into {wh.path}"
+        )
+    return 0
+
+
+def cmd_profiles_list(args: argparse.Namespace) -> int:
+    with _open(args) as wh:
+        rows = wh.profile_summary()
+    if not rows:
+        console.print(
+            f"no models in {args.warehouse or default_path()}; run: poolpipe profiles "
+            f"import-ppipe {DEFAULT_PPIPE_DIR}"
+        )
+        return 0
+    t = Table(title="models in the warehouse", title_justify="left")
+    for col in ("model", "blocks", "ref ms", "SLO ms", "GPUs", "tables", "cells", "source"):
+        t.add_column(col)
+    for name, nb, ref, slo, gpus, ntab, ncell, src in rows:
+        t.add_row(name, str(nb), f"{ref / 1e3:.2f}" if ref else "-", f"{slo / 1e3:.1f}" if slo else "-",
+                  gpus or "-", str(ntab), str(ncell), src)
+    console.print(t)
+    return 0
+
+
+def cmd_profiles_show(args: argparse.Namespace) -> int:
+    with _open(args) as wh:
+        p = wh.load_profile(args.model)
+    console.print(
+        f"[bold]{p.name}[/]: {p.num_blocks} blocks, reference {p.reference_latency_us or 0:,.0f} µs, "
+        f"SLO {p.slo_us or 0:,.0f} µs, source {p.meta.get('source')}"
+    )
+    t = Table(title="block latency at batch 1 (µs); boundary = bytes leaving the block",
+              title_justify="left")
+    t.add_column("block", justify="right")
+    keys = sorted(p.tables)
+    for gpu, share in keys:
+        t.add_column(f"{gpu}/{share}" if share > 1 else gpu, justify="right")
+    t.add_column("boundary B", justify="right")
+    for i in range(p.num_blocks):
+        t.add_row(str(i), *[f"{p.tables[k].latency_us[i, 0]:,.0f}" for k in keys],
+                  f"{p.boundary_bytes[i]:,.0f}" if i < p.num_blocks - 1 else "")
+    t.add_section()
+    t.add_row("sum", *[f"{p.tables[k].latency_us[:, 0].sum():,.0f}" for k in keys], "")
+    t.add_row("batches", *[str(p.tables[k].max_batch) for k in keys], "")
+    console.print(t)
+    return 0
+
+
+def _parse_list(text: str, what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise PoolpipeError(f"--{what} is empty; give a comma-separated list")
+    return items
+
+
+def _parse_floats(text: str, what: str) -> list[float]:
+    out = []
+    for x in _parse_list(text, what):
+        try:
+            out.append(float(x))
+        except ValueError:
+            raise PoolpipeError(f"--{what}: {x!r} is not a number") from None
+    return out
+
+
+def _resolve_cluster(args: argparse.Namespace, wh: Warehouse) -> Cluster:
+    if args.clusters_file:
+        return load_cluster(Path(args.clusters_file), args.cluster)
+    return wh.load_cluster(args.cluster)
+
+
+def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> PlanRequest:
+    names = _parse_list(args.models, "models")
+    profiles = tuple(wh.load_profile(n) for n in names)
+    weights = _parse_floats(args.weights, "weights") if args.weights else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise PoolpipeError(f"--weights has {len(weights)} values for {len(names)} models")
+    slos = []
+    explicit: dict[str, float] = {}
+    if args.slo_us:
+        for item in _parse_list(args.slo_us, "slo-us"):
+            name, _, value = item.partition("=")
+            if name not in names:
+                raise PoolpipeError(f"--slo-us names {name!r}, which is not in --models {names}")
+            explicit[name] = _parse_floats(value, "slo-us")[0]
+    for p in profiles:
+        if p.name in explicit:
+            slos.append(explicit[p.name])
+        elif args.slo_scale is not None:
+            if not p.reference_latency_us:
+                raise PoolpipeError(f"model {p.name} has no reference latency; use --slo-us {p.name}=µs")
+            slos.append(p.reference_latency_us * args.slo_scale)
+        elif p.slo_us:
+            slos.append(p.slo_us)
+        else:
+            raise PoolpipeError(f"model {p.name} has no SLO; pass --slo-scale or --slo-us")
+    return PlanRequest(
+        models=profiles,
+        weights=tuple(weights),
+        slos_us=tuple(slos),
+        cluster=_resolve_cluster(args, wh),
+        strategy=strategy,
+        packing=args.packing,
+        margin=args.margin,
+        max_partitions=args.max_partitions,
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+        mip_gap=args.mip_gap,
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    with _open(args) as wh:
+        req = build_request(args, wh, args.strategy)
+        with console.status(f"planning {args.strategy} with {args.solver} ..."):
+            plan = make_plan(req)
+        plan_id = wh.store_plan(plan, label=args.label)
+    if args.out:
+        plan.save(Path(args.out))
+    if args.json:
+        print(plan.to_json())
+        return 0
+    print_plan(plan)
+    console.print(f"stored as plan {plan_id} in {wh.path}" + (f"; written to {args.out}" if args.out else ""))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    plans = []
+    with _open(args) as wh:
+        for strategy in args.strategies.split(","):
+            req = build_request(args, wh, strategy)
+            with console.status(f"planning {strategy} ..."):
+                plan = make_plan(req)
+            wh.store_plan(plan, label=args.label)
+            plans.append(plan)
+    print_side_by_side(plans)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job (until the end-to-end serving demo exists): import, plan, compare."""
+    root = Path(args.profiles)
+    if not (root / "block-latency").is_dir():
+        raise PoolpipeError(
+            f"{root} holds no PPipe profiles; pass --profiles DIR or set {PPIPE_DIR_ENV}"
+        )
+    args.directory = str(root)
+    cmd_import_ppipe(args)
+    workloads = tomllib.loads((root / "workloads.toml").read_text())
+    group = workloads["groups"][args.group]
+    args.models = ",".join(group)
+    args.weights = ",".join(str(w) for w in workloads["mixes"][args.mix])
+    args.clusters_file = str(root / "clusters.toml")
+    args.slo_us = None
+    args.slo_scale = float(workloads.get("slo_scale", 5))
+    args.margin = float(workloads.get("planning_margin", 0.4))
+    args.strategies = ",".join(STRATEGIES)
+    console.print(
+        f"group {args.group} ({', '.join(group)}), mix {args.mix}, cluster {args.cluster}, "
+        f"SLO {args.slo_scale:g}x reference, margin {args.margin}"
+    )
+    return cmd_compare(args)
+
+
+def cmd_warehouse_migrate(args: argparse.Namespace) -> int:
+    with Warehouse.open(args.warehouse, migrate=True) as wh:
+        console.print(f"{wh.path} is at schema version {wh.schema_version()}")
+    return 0
+
+
+def cmd_warehouse_info(args: argparse.Namespace) -> int:
+    with _open(args) as wh:
+        console.print(f"{wh.path}: schema version {wh.schema_version()}")
+        for (table,) in wh.con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema='main' ORDER BY 1"
+        ).fetchall():
+            row = wh.con.execute(f'SELECT count(*) FROM "{table}"').fetchone()
+            console.print(f"  {table:<18} {row[0] if row else 0:>8} rows")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def _planning_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", required=True, help="comma-separated model names (in the warehouse)")
+    p.add_argument("--weights", help="workload share per model, same order (default: equal)")
+    p.add_argument("--cluster", required=True, help="cluster name, e.g. hc2-large")
+    p.add_argument("--clusters-file", help="TOML file with the cluster (default: the warehouse)")
+    p.add_argument("--slo-scale", type=float, help="SLO = this x each model's reference latency")
+    p.add_argument("--slo-us", help="explicit SLOs, e.g. A=70000,B=23000 (µs)")
+    p.add_argument("--margin", type=float, default=0.4, help="fraction of the SLO held back (0.4)")
+    p.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (2)")
+    p.add_argument("--packing", choices=PACKINGS, default="per-share",
+                   help="per-share: MPS-realisable (default); per-position: PPipe's published rule")
+    p.add_argument("--solver", choices=SOLVERS, default="highs", help="MILP solver (highs)")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per MILP")
+    p.add_argument("--mip-gap", type=float, default=DEFAULT_MIP_GAP, help="relative gap (1e-4)")
+    p.add_argument("--label", help="free-text label stored with the plan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="poolpipe",
+        description="Pool-based pipeline-parallel CNN serving on heterogeneous GPU clusters.",
+    )
+    parser.add_argument("--version", action="version", version=f"poolpipe {__version__}")
+    parser.add_argument(
+        "--warehouse", default=None,
+        help=f"DuckDB warehouse file (default: ${ENV_VAR} or {default_path()})",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="import the PPipe profiles and compare all strategies")
+    demo.add_argument("--profiles", default=str(ppipe_dir()), help="PPipe profile folder")
+    demo.add_argument("--group", type=int, default=2, help="workload group index (0-5; default 2)")
+    demo.add_argument("--mix", default="maf19", help="workload mix (maf19, maf21, even)")
+    demo.add_argument("--cluster", default="hc2-large", help="cluster preset (hc2-large)")
+    demo.add_argument("--max-partitions", type=int, default=2)
+    demo.add_argument("--packing", choices=PACKINGS, default="per-position")
+    demo.add_argument("--solver", choices=SOLVERS, default="highs")
+    demo.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S)
+    demo.add_argument("--mip-gap", type=float, default=DEFAULT_MIP_GAP)
+    demo.add_argument("--label", default="demo")
+    demo.set_defaults(func=cmd_demo)
+
+    prof = sub.add_parser("profiles", help="import and inspect block profiles")
+    psub = prof.add_subparsers(dest="profiles_command", required=True, metavar="ACTION")
+    imp = psub.add_parser("import-ppipe", help="import a PPipe profile folder (idempotent)")
+    imp.add_argument("directory", help="e.g. ../shared/profiles/ppipe-gpu")
+    imp.set_defaults(func=cmd_import_ppipe)
+    psub.add_parser("list", help="models in the warehouse").set_defaults(func=cmd_profiles_list)
+    show = psub.add_parser("show", help="one model's block table")
+    show.add_argument("model")
+    show.set_defaults(func=cmd_profiles_show)
+
+    plan = sub.add_parser("plan", help="plan a model group on a cluster (MILP)")
+    _planning_options(plan)
+    plan.add_argument("--strategy", choices=STRATEGIES, default="ppipe")
+    plan.add_argument("--out", help="write the plan JSON here")
+    plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
+    plan.set_defaults(func=cmd_plan)
+
+    cmp_ = sub.add_parser("compare", help="plan with several strategies and print them side by side")
+    _planning_options(cmp_)
+    cmp_.add_argument("--strategies", default=",".join(STRATEGIES))
+    cmp_.set_defaults(func=cmd_compare)
+
+    wh = sub.add_parser("warehouse", help="warehouse maintenance")
+    wsub = wh.add_subparsers(dest="warehouse_command", required=True, metavar="ACTION")
+    wsub.add_parser("migrate", help="bring the file to this version's schema").set_defaults(
+        func=cmd_warehouse_migrate)
+    wsub.add_parser("info", help="schema version and row counts").set_defaults(
+        func=cmd_warehouse_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except PoolpipeError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

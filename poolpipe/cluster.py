@@ -1,0 +1,117 @@
+"""Cluster inventory: GPU types, counts, GPUs per server (sharing one NIC), allowed shares.
+
+Clusters are read from TOML files in the layout of `profiles/ppipe-gpu/clusters.toml`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poolpipe.errors import ClusterError, UnknownNameError
+
+
+@dataclass(frozen=True)
+class GpuPool:
+    """All GPUs of one type in a cluster."""
+
+    gpu: str
+    count: int
+    gpus_per_server: int  # these GPUs share one server NIC
+    shares: tuple[int, ...] = (1,)  # v values the planner may use (1 = whole GPU)
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ClusterError(f"GPU pool {self.gpu}: count must be >= 0, got {self.count}")
+        if self.gpus_per_server < 1:
+            raise ClusterError(f"GPU pool {self.gpu}: gpus_per_server must be >= 1")
+        if not self.shares or any(v < 1 for v in self.shares):
+            raise ClusterError(f"GPU pool {self.gpu}: shares must be a list of integers >= 1")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    bandwidth_gbps: float  # effective NIC bandwidth per server
+    pools: tuple[GpuPool, ...]
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_gbps <= 0:
+            raise ClusterError(f"cluster {self.name}: bandwidth_gbps must be > 0")
+        names = [p.gpu for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ClusterError(f"cluster {self.name}: a GPU type is listed twice ({names})")
+        if not self.pools:
+            raise ClusterError(f"cluster {self.name}: no GPU pools")
+
+    def pool(self, gpu: str) -> GpuPool:
+        for p in self.pools:
+            if p.gpu == gpu:
+                return p
+        raise UnknownNameError(f"cluster {self.name} has no GPU type {gpu!r}")
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(p.count for p in self.pools)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "gpus": [
+                {
+                    "type": p.gpu,
+                    "count": p.count,
+                    "gpus_per_server": p.gpus_per_server,
+                    "shares": list(p.shares),
+                }
+                for p in self.pools
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, name: str, data: dict[str, Any], where: str = "") -> Cluster:
+        where = where or f"cluster {name}"
+        try:
+            pools = tuple(
+                GpuPool(
+                    gpu=str(g["type"]),
+                    count=int(g["count"]),
+                    gpus_per_server=int(g.get("gpus_per_server", 1)),
+                    shares=tuple(int(v) for v in g.get("shares", [1])),
+                )
+                for g in data["gpus"]
+            )
+            return cls(name=name, bandwidth_gbps=float(data["bandwidth_gbps"]), pools=pools)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ClusterError(
+                f"{where}: malformed cluster entry ({type(e).__name__}: {e}); each cluster "
+                "needs bandwidth_gbps and gpus = [{type, count, gpus_per_server, shares}]"
+            ) from None
+
+
+def load_clusters(path: Path) -> dict[str, Cluster]:
+    """All clusters of a TOML file, by name."""
+    path = Path(path)
+    if not path.is_file():
+        raise ClusterError(f"{path}: clusters file is missing")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ClusterError(f"{path}: not valid TOML ({e})") from None
+    return {
+        name: Cluster.from_dict(name, entry, where=f"{path} [{name}]")
+        for name, entry in data.items()
+        if isinstance(entry, dict)
+    }
+
+
+def load_cluster(path: Path, name: str) -> Cluster:
+    clusters = load_clusters(path)
+    if name not in clusters:
+        raise UnknownNameError(
+            f"cluster {name!r} is not in {path}; known: {', '.join(sorted(clusters))}"
+        )
+    return clusters[name]

@@ -1,0 +1,310 @@
+"""The plan: pooled pipelines per model, as dataclasses, JSON, and a constraint check.
+
+`Plan.verify(profiles)` re-derives every latency and throughput from the profiles (through
+`ModelCosts`, the one definition of planner.md's formulas) and checks GPU counts, shares,
+contiguity, batch unification, partition count and the SLO budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from poolpipe.cluster import Cluster
+from poolpipe.errors import PlanVerificationError, UnknownNameError
+from poolpipe.costs import ModelCosts
+from poolpipe.profiles import ModelProfile
+
+STRATEGIES = ("ppipe", "np", "dart-r")
+PACKINGS = ("per-share", "per-position")
+# Relative slack when comparing re-derived figures with the stored ones (float round-off).
+VERIFY_RTOL = 1e-6
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    start: int  # blocks [start, end)
+    end: int
+    gpu: str
+    share: int  # v: each vGPU is 1/v of a physical GPU
+    vgpus: int
+    latency_us: float  # compute latency at the pipeline's batch
+    transfer_us: float  # sending the batch's output feature map (0 for the last partition)
+    vgpu_throughput: float  # samples/s of one vGPU
+
+    @property
+    def gpus(self) -> float:
+        return self.vgpus / self.share
+
+    @property
+    def throughput(self) -> float:
+        return self.vgpus * self.vgpu_throughput
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    batch: int
+    latency_us: float  # planned end-to-end latency
+    throughput: float  # req/s: min over partitions of vgpus x vGPU throughput
+    partitions: tuple[PartitionPlan, ...]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    name: str
+    weight: float
+    slo_us: float
+    throughput: float
+    pipelines: tuple[PipelinePlan, ...]
+    est_throughput: float | None = None  # λ̂ used for the batch-wait term
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    name: str
+    status: str
+    gap: float
+    seconds: float  # whole planning wall time (enumeration + all solves)
+    milp_seconds: float = 0.0
+    num_vars: int = 0
+    num_integer: int = 0
+    num_rows: int = 0
+    candidates: int = 0  # pipelines left after pruning
+    feasible_configs: int = 0  # SLO-feasible (cuts, buckets, batch) combinations before
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    cluster: Cluster
+    packing: str
+    margin: float
+    max_partitions: int
+    models: tuple[ModelPlan, ...]
+    objective: float
+    solver: SolverInfo
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def model(self, name: str) -> ModelPlan:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise UnknownNameError(f"plan has no model {name!r}; it has {[m.name for m in self.models]}")
+
+    # ------------------------------------------------------------------ GPU accounting
+
+    def gpus_used(self) -> dict[str, int]:
+        """Physical GPUs per type under the plan's packing rule."""
+        if self.packing == "per-share":
+            vgpus: dict[tuple[str, int], int] = defaultdict(int)
+            for m in self.models:
+                for p in m.pipelines:
+                    for part in p.partitions:
+                        vgpus[(part.gpu, part.share)] += part.vgpus
+            used: dict[str, int] = defaultdict(int)
+            for (gpu, share), n in vgpus.items():
+                used[gpu] += math.ceil(n / share - 1e-9)
+            return dict(used)
+        per_pos: dict[tuple[str, int, str], float] = defaultdict(float)
+        for m in self.models:
+            for p in m.pipelines:
+                for d, part in enumerate(p.partitions):
+                    per_pos[(m.name, d, part.gpu)] += part.gpus
+        used = defaultdict(int)
+        for (_, _, gpu), g in per_pos.items():
+            used[gpu] += math.ceil(g - 1e-9)
+        return dict(used)
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(self, profiles: Mapping[str, ModelProfile]) -> None:
+        """Raise PlanVerificationError listing every violated constraint."""
+        problems: list[str] = []
+        if self.strategy not in STRATEGIES:
+            problems.append(f"unknown strategy {self.strategy!r}")
+        if self.packing not in PACKINGS:
+            problems.append(f"unknown packing {self.packing!r}")
+        for m in self.models:
+            if m.name not in profiles:
+                problems.append(f"{m.name}: no profile to verify against")
+                continue
+            problems.extend(self._verify_model(m, profiles[m.name]))
+        for gpu, used in self.gpus_used().items():
+            try:
+                have = self.cluster.pool(gpu).count
+            except UnknownNameError:
+                problems.append(f"GPU type {gpu} is not in cluster {self.cluster.name}")
+                continue
+            if used > have:
+                problems.append(f"{gpu}: plan uses {used} GPUs ({self.packing}), cluster has {have}")
+        if self.models:
+            achieved = min(m.throughput / m.weight for m in self.models)
+            if self.objective > achieved * (1 + VERIFY_RTOL) + 1e-6:
+                problems.append(
+                    f"objective {self.objective:.6g} exceeds min throughput/weight {achieved:.6g}"
+                )
+        if problems:
+            raise PlanVerificationError(
+                f"plan ({self.strategy}, {self.cluster.name}) violates {len(problems)} "
+                "constraint(s):\n  " + "\n  ".join(problems)
+            )
+
+    def _verify_model(self, m: ModelPlan, profile: ModelProfile) -> list[str]:
+        problems: list[str] = []
+        costs = ModelCosts(profile, self.cluster, m.slo_us, self.margin, m.est_throughput)
+        budget = costs.budget_us()
+        total = 0.0
+        for pi, p in enumerate(m.pipelines):
+            where = f"{m.name} pipeline {pi}"
+            if not 1 <= len(p.partitions) <= self.max_partitions:
+                problems.append(f"{where}: {len(p.partitions)} partitions (max {self.max_partitions})")
+            if self.strategy in ("np", "dart-r") and any(q.share != 1 for q in p.partitions):
+                problems.append(f"{where}: {self.strategy} uses whole GPUs only")
+            if self.strategy == "np" and len(p.partitions) != 1:
+                problems.append(f"{where}: np plans do not partition")
+            edges = [q.start for q in p.partitions] + [p.partitions[-1].end] if p.partitions else []
+            contiguous = all(a.end == b.start for a, b in zip(p.partitions, p.partitions[1:], strict=False))
+            if not p.partitions or edges[0] != 0 or edges[-1] != profile.num_blocks or not contiguous:
+                problems.append(f"{where}: partitions {edges} do not cover blocks 0..{profile.num_blocks}")
+                continue
+            parts = []
+            capacity = math.inf
+            for d, q in enumerate(p.partitions):
+                if (q.gpu, q.share) not in costs.kvs:
+                    problems.append(f"{where} partition {d}: {q.gpu} share 1/{q.share} not allowed/profiled")
+                    capacity = 0.0
+                    continue
+                if q.vgpus < 1:
+                    problems.append(f"{where} partition {d}: {q.vgpus} vGPUs")
+                kv = costs.kv_index(q.gpu, q.share)
+                if p.batch > profile.tables[(q.gpu, q.share)].max_batch:
+                    problems.append(f"{where} partition {d}: batch {p.batch} not profiled on {q.gpu}/{q.share}")
+                    capacity = 0.0
+                    continue
+                parts.append((kv, q.start, q.end))
+                capacity = min(capacity, q.vgpus * costs.vgpu_throughput(kv, p.batch, q.start, q.end))
+            if len(parts) == len(p.partitions):
+                lat = costs.pipeline_latency_us(p.batch, parts)
+                if not lat <= budget * (1 + VERIFY_RTOL):
+                    problems.append(f"{where}: latency {lat:.1f} µs exceeds budget {budget:.1f} µs")
+            if p.throughput > capacity * (1 + VERIFY_RTOL) + 1e-9:
+                problems.append(f"{where}: throughput {p.throughput:.3f} > capacity {capacity:.3f}")
+            total += p.throughput
+        if abs(total - m.throughput) > VERIFY_RTOL * max(1.0, total) + 1e-6:
+            problems.append(f"{m.name}: throughput {m.throughput:.3f} != sum of pipelines {total:.3f}")
+        return problems
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "packing": self.packing,
+            "margin": self.margin,
+            "max_partitions": self.max_partitions,
+            "cluster": self.cluster.to_dict(),
+            "objective": self.objective,
+            "solver": {k: _json_float(v) for k, v in asdict(self.solver).items()},
+            "models": [
+                {
+                    "name": m.name,
+                    "weight": m.weight,
+                    "slo_us": m.slo_us,
+                    "est_throughput": m.est_throughput,
+                    "throughput": m.throughput,
+                    "pipelines": [
+                        {
+                            "throughput": p.throughput,
+                            "batch": p.batch,
+                            "latency_us": p.latency_us,
+                            "partitions": [
+                                {
+                                    "blocks": [q.start, q.end],
+                                    "gpu": q.gpu,
+                                    "share": q.share,
+                                    "vgpus": q.vgpus,
+                                    "gpus": q.gpus,
+                                    "latency_us": q.latency_us,
+                                    "transfer_us": q.transfer_us,
+                                    "vgpu_throughput": q.vgpu_throughput,
+                                }
+                                for q in p.partitions
+                            ],
+                        }
+                        for p in m.pipelines
+                    ],
+                }
+                for m in self.models
+            ],
+            "meta": dict(self.meta),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        c = d["cluster"]
+        solver = dict(d["solver"])
+        for k in ("gap", "seconds", "milp_seconds"):
+            if solver.get(k) is None and k in solver:
+                solver[k] = math.inf
+        return cls(
+            strategy=d["strategy"],
+            packing=d["packing"],
+            margin=float(d["margin"]),
+            max_partitions=int(d["max_partitions"]),
+            cluster=Cluster.from_dict(c["name"], c),
+            objective=float(d["objective"]),
+            solver=SolverInfo(**solver),
+            models=tuple(
+                ModelPlan(
+                    name=m["name"],
+                    weight=float(m["weight"]),
+                    slo_us=float(m["slo_us"]),
+                    est_throughput=m.get("est_throughput"),
+                    throughput=float(m["throughput"]),
+                    pipelines=tuple(
+                        PipelinePlan(
+                            batch=int(p["batch"]),
+                            latency_us=float(p["latency_us"]),
+                            throughput=float(p["throughput"]),
+                            partitions=tuple(
+                                PartitionPlan(
+                                    start=int(q["blocks"][0]),
+                                    end=int(q["blocks"][1]),
+                                    gpu=q["gpu"],
+                                    share=int(q["share"]),
+                                    vgpus=int(q["vgpus"]),
+                                    latency_us=float(q["latency_us"]),
+                                    transfer_us=float(q["transfer_us"]),
+                                    vgpu_throughput=float(q["vgpu_throughput"]),
+                                )
+                                for q in p["partitions"]
+                            ),
+                        )
+                        for p in m["pipelines"]
+                    ),
+                )
+                for m in d["models"]
+            ),
+            meta=d.get("meta", {}),
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> Plan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v

@@ -1,0 +1,160 @@
+"""Enumerate every SLO-feasible pooled pipeline of a model, then drop the dominated ones.
+
+A pipeline is (batch b, partitions (kv, [i, j)) covering all blocks). Its *signature* is the
+ordered list of (GPU type, share) buckets of its partitions. Two pipelines with the same
+signature consume the same resources per vGPU, so if one offers at least the other's vGPU
+throughput in every partition, the other can never be needed: any solution using it stays
+feasible, and is no worse, with the first one in its place (same vGPU counts). Pruning those
+is exact in both packing modes. In `per-share` packing, a pipeline with two adjacent
+partitions in the same bucket is also dominated, by the pipeline that merges them: with the
+same n1 + n2 vGPUs it serves at least min(n1·t1, n2·t2), because 1/t_merged <= 1/t1 + 1/t2
+(compute adds up, NIC limits only apply at the outer ends), and it is faster end to end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from poolpipe.costs import US_PER_S, ModelCosts
+
+# Relative tolerance under which two vGPU throughputs count as equal for dominance.
+DOMINANCE_RTOL = 1e-12
+
+
+@dataclass(frozen=True)
+class CandidatePartition:
+    kv: int  # index into ModelCosts.kvs
+    gpu: str
+    share: int
+    start: int  # blocks [start, end)
+    end: int
+    latency_us: float  # compute latency at the pipeline's batch
+    transfer_us: float  # time to send the batch's output feature map (0 for the last)
+    vgpu_throughput: float  # samples/s one vGPU sustains, NIC limits included
+
+
+@dataclass(frozen=True)
+class CandidatePipeline:
+    batch: int
+    partitions: tuple[CandidatePartition, ...]
+    latency_us: float  # planned end-to-end latency incl. transfers and batch wait
+
+    @property
+    def signature(self) -> tuple[int, ...]:
+        return tuple(p.kv for p in self.partitions)
+
+
+@dataclass
+class Enumeration:
+    pipelines: list[CandidatePipeline]
+    considered: int  # (cuts, signature, batch) combinations priced
+    feasible: int  # of those, meeting the SLO budget
+    best_latency_us: float  # smallest planned end-to-end latency of any combination
+
+
+def _pareto_keep(points: np.ndarray, order_key: np.ndarray) -> np.ndarray:
+    """Indices of non-dominated rows (maximising every column); ties keep lowest order_key."""
+    order = np.argsort(order_key, kind="stable")
+    pts = points[order]
+    n = len(pts)
+    if n <= 1:
+        return order
+    tol = DOMINANCE_RTOL * np.maximum(np.abs(pts[:, None, :]), np.abs(pts[None, :, :]))
+    ge = (pts[None, :, :] >= pts[:, None, :] - tol).all(-1)  # ge[i, j]: j >= i everywhere
+    eq = ge & ge.T
+    gt = ge & ~eq  # j dominates i strictly somewhere
+    earlier_dup = np.tril(eq, k=-1).any(axis=1)  # an equal row came earlier in order
+    keep = ~gt.any(axis=1) & ~earlier_dup
+    return order[keep]
+
+
+def enumerate_pipelines(
+    costs: ModelCosts, max_partitions: int, merge_same_bucket: bool
+) -> Enumeration:
+    """All non-dominated SLO-feasible pipelines with 1..max_partitions partitions."""
+    B = costs.num_blocks
+    K = len(costs.kvs)
+    budget = costs.budget_us()
+    out: list[CandidatePipeline] = []
+    considered = feasible_count = 0
+    best_latency = math.inf
+    if K == 0:
+        return Enumeration([], 0, 0, math.inf)
+    batches = np.arange(1, costs.max_batch + 1)
+    for D in range(1, min(max_partitions, B) + 1):
+        combos = list(itertools.combinations(range(1, B), D - 1))
+        C = len(combos)
+        cuts = np.array(combos, dtype=int).reshape(C, D - 1)
+        bounds = np.concatenate(
+            [np.zeros((C, 1), dtype=int), cuts, np.full((C, 1), B, dtype=int)], axis=1
+        )
+        starts, ends = bounds[:, :-1], bounds[:, 1:]  # [C, D]
+        # Per-segment latency and vGPU throughput for every kv and batch: [nb, K, C, D].
+        pre = costs.lat_prefix  # [K, nbmax, B+1]
+        lat_seg = np.stack(
+            [pre[:, b - 1, :][:, ends] - pre[:, b - 1, :][:, starts] for b in batches]
+        )
+        with np.errstate(divide="ignore", invalid="ignore"):
+            compute_thr = batches[:, None, None, None] * US_PER_S / lat_seg
+        nic = np.minimum(costs.down[:, starts], costs.up[:, ends])[None]  # [1, K, C, D]
+        thr_seg = np.minimum(compute_thr, nic)
+        # Transfers: sender of boundary ends[d]-1 for every internal cut, times batch.
+        tau_sum = costs.tau_us[cuts - 1].sum(axis=1) if D > 1 else np.zeros(C)  # [C]
+        fixed = batches[:, None] * tau_sum[None, :] + np.array(
+            [costs.batch_wait_us(int(b)) for b in batches]
+        )[:, None]  # [nb, C]
+        for sig in itertools.product(range(K), repeat=D):
+            if merge_same_bucket and any(sig[d] == sig[d + 1] for d in range(D - 1)):
+                continue
+            lat_parts = np.stack([lat_seg[:, k, :, d] for d, k in enumerate(sig)], axis=-1)
+            thr_parts = np.stack([thr_seg[:, k, :, d] for d, k in enumerate(sig)], axis=-1)
+            e2e = lat_parts.sum(axis=-1) + fixed  # [nb, C]; NaN where a batch is missing
+            valid = np.isfinite(e2e)
+            considered += int(valid.sum())
+            if valid.any():
+                best_latency = min(best_latency, float(e2e[valid].min()))
+            ok = valid & (e2e <= budget) & (thr_parts > 0).all(axis=-1)
+            if not ok.any():
+                continue
+            bi, ci = np.nonzero(ok)
+            feasible_count += len(bi)
+            keep = _pareto_keep(thr_parts[bi, ci], e2e[bi, ci])
+            for idx in keep:
+                b_idx, c_idx = int(bi[idx]), int(ci[idx])
+                out.append(
+                    _make_pipeline(costs, sig, int(batches[b_idx]), bounds[c_idx], lat_parts[
+                        b_idx, c_idx], thr_parts[b_idx, c_idx], float(e2e[b_idx, c_idx]))
+                )
+    return Enumeration(out, considered, feasible_count, best_latency)
+
+
+def _make_pipeline(
+    costs: ModelCosts,
+    sig: tuple[int, ...],
+    batch: int,
+    bounds: np.ndarray,
+    lats: np.ndarray,
+    thrs: np.ndarray,
+    e2e: float,
+) -> CandidatePipeline:
+    parts = []
+    for d, kv in enumerate(sig):
+        gpu, share = costs.kvs[kv]
+        start, end = int(bounds[d]), int(bounds[d + 1])
+        parts.append(
+            CandidatePartition(
+                kv=kv,
+                gpu=gpu,
+                share=share,
+                start=start,
+                end=end,
+                latency_us=float(lats[d]),
+                transfer_us=costs.transfer_out_us(batch, end),
+                vgpu_throughput=float(thrs[d]),
+            )
+        )
+    return CandidatePipeline(batch=batch, partitions=tuple(parts), latency_us=e2e)

@@ -1,0 +1,90 @@
+"""The group MILP over enumerated candidate pipelines: only vGPU counts are integer.
+
+Variables
+    z                      max-min normalised throughput (the objective)
+    x[c] >= 0              throughput of candidate pipeline c
+    n[c, d] in Z+          vGPUs of c's d-th partition
+    G[k, v] in Z+          (per-share)    GPUs of type k carved into v shares
+    C[m, d, k] in Z+       (per-position) GPUs of type k at position d of model m
+Constraints
+    (a) x[c] <= thr[c, d] * n[c, d]                    a pipeline runs at its slowest pool
+    (b) w[m] * z <= sum_c x[c]                         max-min over models
+    (c) per-share:    sum n[c,d] over bucket (k,v) <= v * G[k, v];  sum_v G[k, v] <= N[k]
+        per-position: sum n[c,d] / v over (m, d, k) <= C[m, d, k];  sum C[., ., k] <= N[k]
+    Whole-GPU buckets (v = 1) use the n's directly instead of a G / C variable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from poolpipe.cluster import Cluster
+from poolpipe.planner.candidates import CandidatePipeline
+from poolpipe.planner.solvers import Milp
+
+
+@dataclass
+class GroupMilp:
+    milp: Milp
+    z: int
+    x: list[list[int]]  # [model][candidate] -> var
+    n: list[list[list[int]]]  # [model][candidate][partition] -> var
+
+
+def build_group_milp(
+    candidates: list[list[CandidatePipeline]],
+    weights: list[float],
+    cluster: Cluster,
+    packing: str,
+) -> GroupMilp:
+    milp = Milp()
+    count = {p.gpu: p.count for p in cluster.pools}
+    z = milp.add_var(cost=1.0)
+    xs: list[list[int]] = []
+    ns: list[list[list[int]]] = []
+    # bucket -> {n var: coefficient}, per packing mode
+    buckets: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for m, cands in enumerate(candidates):
+        xm, nm = [], []
+        for c in cands:
+            cap = min(p.vgpu_throughput * p.share * count[p.gpu] for p in c.partitions)
+            x = milp.add_var(upper=cap)
+            n_vars = []
+            for d, p in enumerate(c.partitions):
+                n = milp.add_var(upper=p.share * count[p.gpu], integer=True)
+                milp.add_row({x: 1.0, n: -p.vgpu_throughput}, upper=0.0)  # (a)
+                key = (p.gpu, p.share) if packing == "per-share" else (p.gpu, m, d)
+                buckets[key][n] = 1.0 / p.share if packing == "per-position" else 1.0
+                n_vars.append(n)
+            xm.append(x)
+            nm.append(n_vars)
+        # (b) w z - sum x <= 0
+        milp.add_row({z: weights[m], **{x: -1.0 for x in xm}}, upper=0.0)
+        xs.append(xm)
+        ns.append(nm)
+    # (c) GPU packing
+    per_type: dict[str, dict[int, float]] = defaultdict(dict)
+    for key, terms in buckets.items():
+        gpu = key[0]
+        if packing == "per-share":
+            share = key[1]
+            if share == 1:
+                per_type[gpu].update(terms)
+                continue
+            g = milp.add_var(upper=count[gpu], integer=True)
+            milp.add_row({**terms, g: -float(share)}, upper=0.0)
+            per_type[gpu][g] = 1.0
+        else:
+            if all(abs(coef - 1.0) < 1e-12 for coef in terms.values()):
+                per_type[gpu].update(terms)
+                continue
+            # Scale by the lcm of the shares so the row has integer coefficients.
+            lcm = math.lcm(*(round(1.0 / coef) for coef in terms.values()))
+            g = milp.add_var(upper=count[gpu], integer=True)
+            milp.add_row({**{n: coef * lcm for n, coef in terms.items()}, g: -float(lcm)}, upper=0.0)
+            per_type[gpu][g] = 1.0
+    for gpu, terms in per_type.items():
+        milp.add_row(terms, upper=float(count[gpu]))
+    return GroupMilp(milp=milp, z=z, x=xs, n=ns)

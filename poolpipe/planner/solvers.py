@@ -1,0 +1,259 @@
+"""A minimal MILP container and its back ends: HiGHS (default, open source) and Gurobi.
+
+The formulation code fills a `Milp` (variables, rows, maximisation); a back end solves it and
+returns a `MilpResult`. Nothing here knows about pipelines.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from poolpipe.errors import SolverError
+
+SOLVERS = ("highs", "gurobi")
+DEFAULT_MIP_GAP = 1e-4
+DEFAULT_TIME_LIMIT_S = 60.0
+
+
+@dataclass
+class Milp:
+    """maximize c·x  s.t.  row_lower <= A x <= row_upper,  lower <= x <= upper."""
+
+    cost: list[float] = field(default_factory=list)
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    row_lower: list[float] = field(default_factory=list)
+    row_upper: list[float] = field(default_factory=list)
+    row_start: list[int] = field(default_factory=lambda: [0])
+    row_index: list[int] = field(default_factory=list)
+    row_value: list[float] = field(default_factory=list)
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.cost)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lower)
+
+    @property
+    def num_integer(self) -> int:
+        return sum(self.integer)
+
+    def add_var(
+        self, lower: float = 0.0, upper: float = math.inf, cost: float = 0.0, integer: bool = False
+    ) -> int:
+        self.cost.append(cost)
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def add_row(
+        self,
+        terms: dict[int, float],
+        lower: float = -math.inf,
+        upper: float = math.inf,
+    ) -> int:
+        for var, coef in terms.items():
+            if coef != 0.0:
+                self.row_index.append(var)
+                self.row_value.append(coef)
+        self.row_start.append(len(self.row_index))
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        return len(self.row_lower) - 1
+
+
+@dataclass
+class MilpResult:
+    solver: str
+    status: str  # optimal | time_limit | infeasible | error: <text>
+    values: np.ndarray | None
+    objective: float
+    bound: float
+    gap: float
+    seconds: float
+    nodes: int = 0
+
+    @property
+    def has_solution(self) -> bool:
+        return self.values is not None
+
+
+def solve(
+    milp: Milp,
+    solver: str = "highs",
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    mip_gap: float = DEFAULT_MIP_GAP,
+    threads: int | None = None,
+    start: dict[int, float] | None = None,
+) -> MilpResult:
+    """Solve; `start` is a (partial) feasible assignment the solver may complete and use."""
+    if solver == "highs":
+        return _solve_highs(milp, time_limit_s, mip_gap, threads, start)
+    if solver == "gurobi":
+        return _solve_gurobi(milp, time_limit_s, mip_gap, threads, start)
+    raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+
+
+def relative_gap(objective: float, bound: float) -> float:
+    if not math.isfinite(bound) or not math.isfinite(objective):
+        return math.inf
+    return abs(bound - objective) / max(abs(objective), 1e-9)
+
+
+def _solve_highs(
+    milp: Milp,
+    time_limit_s: float,
+    mip_gap: float,
+    threads: int | None,
+    start: dict[int, float] | None,
+) -> MilpResult:
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    if threads:
+        h.setOptionValue("threads", int(threads))
+    inf = highspy.kHighsInf
+
+    def clip(values: list[float]) -> np.ndarray:
+        return np.clip(np.asarray(values, dtype=float), -inf, inf)
+
+    lp = highspy.HighsLp()
+    lp.num_col_ = milp.num_vars
+    lp.num_row_ = milp.num_rows
+    lp.col_cost_ = np.asarray(milp.cost, dtype=float)
+    lp.col_lower_ = clip(milp.lower)
+    lp.col_upper_ = clip(milp.upper)
+    lp.row_lower_ = clip(milp.row_lower)
+    lp.row_upper_ = clip(milp.row_upper)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.num_col_ = milp.num_vars
+    lp.a_matrix_.num_row_ = milp.num_rows
+    lp.a_matrix_.start_ = np.asarray(milp.row_start, dtype=np.int32)
+    lp.a_matrix_.index_ = np.asarray(milp.row_index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.asarray(milp.row_value, dtype=float)
+    lp.integrality_ = [
+        highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+        for i in milp.integer
+    ]
+    lp.sense_ = highspy.ObjSense.kMaximize
+    t0 = time.perf_counter()
+    h.passModel(lp)
+    if start:
+        idx = np.fromiter(start.keys(), dtype=np.int32)
+        h.setSolution(len(idx), idx, np.fromiter(start.values(), dtype=float))
+    h.run()
+    seconds = time.perf_counter() - t0
+    model_status = h.getModelStatus()
+    text = h.modelStatusToString(model_status).lower()
+    info = h.getInfo()
+    has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    values = np.asarray(h.getSolution().col_value, dtype=float) if has_sol else None
+    objective = float(info.objective_function_value) if has_sol else -math.inf
+    bound = float(info.mip_dual_bound) if milp.num_integer else objective
+    if model_status == highspy.HighsModelStatus.kOptimal:
+        status = "optimal"
+    elif model_status == highspy.HighsModelStatus.kTimeLimit:
+        status = "time_limit"
+    elif model_status == highspy.HighsModelStatus.kInfeasible:
+        status = "infeasible"
+    else:
+        status = f"error: {text}"
+    gap = relative_gap(objective, bound) if has_sol else math.inf
+    if status == "optimal":
+        gap = min(gap, float(info.mip_gap)) if milp.num_integer else 0.0
+    return MilpResult(
+        solver="highs",
+        status=status,
+        values=values,
+        objective=objective,
+        bound=bound,
+        gap=gap,
+        seconds=seconds,
+        nodes=int(info.mip_node_count) if milp.num_integer else 0,
+    )
+
+
+def gurobi_available() -> tuple[bool, str]:
+    """(usable, reason): gurobipy imports and its license can build a model."""
+    try:
+        import gurobipy as gp
+    except ImportError:
+        return False, "gurobipy is not installed (pip install 'poolpipe[gurobi]')"
+    try:
+        env = gp.Env(empty=True)
+        env.setParam("OutputFlag", 0)
+        env.start()
+        env.dispose()
+    except gp.GurobiError as e:
+        return False, f"no working Gurobi license ({e})"
+    return True, "ok"
+
+
+def _solve_gurobi(
+    milp: Milp,
+    time_limit_s: float,
+    mip_gap: float,
+    threads: int | None,
+    start: dict[int, float] | None,
+) -> MilpResult:
+    ok, reason = gurobi_available()
+    if not ok:
+        raise SolverError(f"--solver gurobi is not usable: {reason}; use --solver highs")
+    import gurobipy as gp
+
+    env = gp.Env(empty=True)
+    env.setParam("OutputFlag", 0)
+    env.start()
+    m = gp.Model(env=env)
+    m.Params.TimeLimit = float(time_limit_s)
+    m.Params.MIPGap = float(mip_gap)
+    if threads:
+        m.Params.Threads = int(threads)
+    xs = [
+        m.addVar(
+            lb=lo if math.isfinite(lo) else -gp.GRB.INFINITY,
+            ub=up if math.isfinite(up) else gp.GRB.INFINITY,
+            obj=c,
+            vtype=gp.GRB.INTEGER if integer else gp.GRB.CONTINUOUS,
+        )
+        for c, lo, up, integer in zip(milp.cost, milp.lower, milp.upper, milp.integer, strict=True)
+    ]
+    for r in range(milp.num_rows):
+        s, e = milp.row_start[r], milp.row_start[r + 1]
+        expr = gp.LinExpr(milp.row_value[s:e], [xs[i] for i in milp.row_index[s:e]])
+        lo, up = milp.row_lower[r], milp.row_upper[r]
+        if math.isfinite(lo):
+            m.addLConstr(expr, gp.GRB.GREATER_EQUAL, lo)
+        if math.isfinite(up):
+            m.addLConstr(expr, gp.GRB.LESS_EQUAL, up)
+    m.ModelSense = gp.GRB.MAXIMIZE
+    for var, value in (start or {}).items():
+        xs[var].Start = value
+    t0 = time.perf_counter()
+    try:
+        m.optimize()
+    except gp.GurobiError as e:
+        raise SolverError(f"Gurobi failed: {e}; use --solver highs") from None
+    seconds = time.perf_counter() - t0
+    has_sol = m.SolCount > 0
+    status = {
+        gp.GRB.OPTIMAL: "optimal",
+        gp.GRB.TIME_LIMIT: "time_limit",
+        gp.GRB.INFEASIBLE: "infeasible",
+    }.get(m.Status, f"error: gurobi status {m.Status}")
+    values = np.array([x.X for x in xs]) if has_sol else None
+    objective = float(m.ObjVal) if has_sol else -math.inf
+    bound = float(m.ObjBound) if has_sol and milp.num_integer else objective
+    gap = relative_gap(objective, bound) if has_sol else math.inf
+    return MilpResult("gurobi", status, values, objective, bound, gap, seconds, int(m.NodeCount))

@@ -1,0 +1,216 @@
+"""Block latency tables and boundary sizes of a model, and the loader for PPipe's CSV layout.
+
+A model is cut into B blocks in execution order; its profile holds, per (GPU type, share),
+the latency of every block at every measured batch size, and the bytes of each boundary
+feature map at batch 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from poolpipe.errors import ProfileError
+
+# The paper's SLO is this multiple of the whole model's batch-1 latency on one L4.
+DEFAULT_SLO_SCALE = 5.0
+
+
+@dataclass(frozen=True)
+class LatencyTable:
+    """Latency (µs) of each block at batch sizes 1..max_batch on one GPU type at share 1/v."""
+
+    gpu: str
+    share: int  # v: the block ran on 1/v of a physical GPU
+    latency_us: np.ndarray  # shape (num_blocks, max_batch); column b-1 is batch b
+    source: str = "unknown"  # provenance: where the numbers come from
+
+    def __post_init__(self) -> None:
+        if self.share < 1:
+            raise ProfileError(f"{self.gpu}: share must be >= 1, got {self.share}")
+        if self.latency_us.ndim != 2 or self.latency_us.shape[1] < 1:
+            raise ProfileError(f"{self.gpu}/{self.share}: latency table must be blocks x batches")
+        if not np.all(np.isfinite(self.latency_us)) or np.any(self.latency_us < 0):
+            raise ProfileError(f"{self.gpu}/{self.share}: latencies must be finite and >= 0")
+
+    @property
+    def max_batch(self) -> int:
+        return int(self.latency_us.shape[1])
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Everything the planner needs to know about one model."""
+
+    name: str
+    num_blocks: int
+    tables: Mapping[tuple[str, int], LatencyTable]  # (gpu, share) -> table
+    boundary_bytes: tuple[float, ...]  # bytes leaving block i at batch 1, i = 0..B-2
+    reference_latency_us: float | None = None  # whole model, batch 1, reference GPU
+    slo_us: float | None = None  # default SLO (reference x DEFAULT_SLO_SCALE when imported)
+    meta: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ProfileError(f"model {self.name}: needs at least one block")
+        if len(self.boundary_bytes) != self.num_blocks - 1:
+            raise ProfileError(
+                f"model {self.name}: {len(self.boundary_bytes)} boundary sizes for "
+                f"{self.num_blocks} blocks (need {self.num_blocks - 1})"
+            )
+        for key, table in self.tables.items():
+            if table.latency_us.shape[0] != self.num_blocks:
+                raise ProfileError(
+                    f"model {self.name}: table {key[0]}/{key[1]} has "
+                    f"{table.latency_us.shape[0]} blocks, expected {self.num_blocks}"
+                )
+
+    @property
+    def gpus(self) -> list[str]:
+        return sorted({gpu for gpu, _ in self.tables})
+
+    def shares(self, gpu: str) -> list[int]:
+        return sorted(v for g, v in self.tables if g == gpu)
+
+    def whole_latency_us(self, gpu: str, share: int = 1, batch: int = 1) -> float:
+        """Sum of block latencies (each at least 1 µs, as the planner counts them)."""
+        table = self.tables[(gpu, share)]
+        return float(np.maximum(table.latency_us[:, batch - 1], 1.0).sum())
+
+
+# ----------------------------------------------------------------------------- CSV parsing
+
+
+def _parse_number(path: Path, row: int, col: int, cell: str) -> float:
+    try:
+        value = float(cell)
+    except ValueError:
+        raise ProfileError(
+            f"{path}: row {row}, column {col}: {cell.strip()!r} is not a number"
+        ) from None
+    if not math.isfinite(value) or value < 0:
+        raise ProfileError(
+            f"{path}: row {row}, column {col}: {cell.strip()!r} must be finite and >= 0"
+        )
+    return value
+
+
+def read_matrix(path: Path) -> np.ndarray:
+    """A header-less numeric CSV, all rows the same length; errors name file and row (1-based)."""
+    if not path.is_file():
+        raise ProfileError(f"{path}: file is missing")
+    rows: list[list[float]] = []
+    width: int | None = None
+    with path.open(newline="") as f:
+        for i, cells in enumerate(csv.reader(f), start=1):
+            if not cells or all(not c.strip() for c in cells):
+                continue
+            values = [_parse_number(path, i, j, c) for j, c in enumerate(cells, start=1)]
+            if width is None:
+                width = len(values)
+            elif len(values) != width:
+                raise ProfileError(
+                    f"{path}: row {i} has {len(values)} values, earlier rows have {width} "
+                    "(ragged table)"
+                )
+            rows.append(values)
+    if not rows:
+        raise ProfileError(f"{path}: file is empty")
+    return np.asarray(rows, dtype=float)
+
+
+def parse_block_latency_name(path: Path) -> tuple[str, str, int]:
+    """`<model>-<GPU>-<v>.csv` -> (model, gpu, v); model names may contain dashes."""
+    parts = path.stem.rsplit("-", 2)
+    if len(parts) != 3 or not parts[2].isdigit() or not parts[0] or not parts[1]:
+        raise ProfileError(
+            f"{path}: file name must be <model>-<GPU>-<share>.csv (e.g. resnet50-T4-2.csv)"
+        )
+    return parts[0], parts[1], int(parts[2])
+
+
+def load_ppipe_dir(root: Path) -> list[ModelProfile]:
+    """Read every model of a PPipe profile folder (see its README); all or nothing.
+
+    Raises ProfileError naming the file (and row) of the first problem found.
+    """
+    root = Path(root)
+    lat_dir = root / "block-latency"
+    bnd_dir = root / "boundary-bytes"
+    ref_file = root / "reference-latency.csv"
+    for needed in (lat_dir, bnd_dir):
+        if not needed.is_dir():
+            raise ProfileError(f"{needed}: folder is missing (is {root} a PPipe profile folder?)")
+    references = _read_reference_latency(ref_file)
+
+    tables: dict[str, dict[tuple[str, int], LatencyTable]] = {}
+    for path in sorted(lat_dir.glob("*.csv")):
+        model, gpu, share = parse_block_latency_name(path)
+        matrix = read_matrix(path)
+        tables.setdefault(model, {})[(gpu, share)] = LatencyTable(
+            gpu=gpu, share=share, latency_us=matrix, source="ppipe-artifact"
+        )
+    if not tables:
+        raise ProfileError(f"{lat_dir}: no <model>-<GPU>-<share>.csv files found")
+
+    profiles = []
+    for model, by_key in sorted(tables.items()):
+        block_counts = {t.latency_us.shape[0] for t in by_key.values()}
+        if len(block_counts) != 1:
+            detail = ", ".join(
+                f"{g}-{v}: {t.latency_us.shape[0]}" for (g, v), t in sorted(by_key.items())
+            )
+            raise ProfileError(
+                f"{lat_dir}: model {model} has tables with different block counts ({detail})"
+            )
+        num_blocks = block_counts.pop()
+        bnd_path = bnd_dir / f"{model}.csv"
+        boundary = read_matrix(bnd_path)
+        if boundary.shape[1] != 1:
+            raise ProfileError(f"{bnd_path}: expected one number per row, got {boundary.shape[1]}")
+        if boundary.shape[0] != num_blocks - 1:
+            raise ProfileError(
+                f"{bnd_path}: {boundary.shape[0]} rows, but model {model} has {num_blocks} "
+                f"blocks so it needs {num_blocks - 1} boundary sizes"
+            )
+        if model not in references:
+            raise ProfileError(f"{ref_file}: no row for model {model}")
+        reference = references[model]
+        profiles.append(
+            ModelProfile(
+                name=model,
+                num_blocks=num_blocks,
+                tables=by_key,
+                boundary_bytes=tuple(float(x) for x in boundary[:, 0]),
+                reference_latency_us=reference,
+                slo_us=reference * DEFAULT_SLO_SCALE,
+                meta={"source": "ppipe-artifact", "path": str(root)},
+            )
+        )
+    return profiles
+
+
+def _read_reference_latency(path: Path) -> dict[str, float]:
+    if not path.is_file():
+        raise ProfileError(f"{path}: file is missing")
+    out: dict[str, float] = {}
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or len(header) != 2:
+            raise ProfileError(f"{path}: row 1 must be the header model,<latency_us>")
+        for i, cells in enumerate(reader, start=2):
+            if not cells:
+                continue
+            if len(cells) != 2:
+                raise ProfileError(f"{path}: row {i} must have 2 values, has {len(cells)}")
+            value = _parse_number(path, i, 2, cells[1])
+            if value <= 0:
+                raise ProfileError(f"{path}: row {i}: latency must be > 0")
+            out[cells[0].strip()] = value
+    return out

@@ -1,0 +1,368 @@
+"""DuckDB warehouse: connect, migrate, and read/write profiles, clusters, plans and results.
+
+The SQL lives in `warehouse/migrations/vNNNN_*.sql`, applied in order and recorded in
+`schema_version`. A file of another schema version is refused with the command that fixes
+it. Every write that spans several rows runs in one transaction: all or nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+
+from poolpipe.cluster import Cluster, GpuPool
+from poolpipe.errors import UnknownNameError, WarehouseError
+from poolpipe.plan import Plan
+from poolpipe.profiles import LatencyTable, ModelProfile
+
+ENV_VAR = "POOLPIPE_WAREHOUSE"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MIGRATIONS_DIR = REPO_ROOT / "warehouse" / "migrations"
+_MIGRATION_RE = re.compile(r"v(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+def default_path() -> Path:
+    env = os.environ.get(ENV_VAR)
+    return Path(env) if env else REPO_ROOT / "warehouse" / "poolpipe.duckdb"
+
+
+def migrations() -> list[tuple[int, str, Path]]:
+    found = []
+    for path in sorted(MIGRATIONS_DIR.glob("v*.sql")):
+        m = _MIGRATION_RE.search(path.name)
+        if m:
+            found.append((int(m.group(1)), m.group(2), path))
+    if not found:
+        raise WarehouseError(f"no migrations found in {MIGRATIONS_DIR}")
+    return found
+
+
+LATEST_VERSION = migrations()[-1][0]
+
+
+def _now() -> datetime:
+    return datetime.now().replace(microsecond=0)
+
+
+def _insert_columns(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str, list]) -> None:
+    """Bulk insert column lists (much faster than executemany)."""
+    names = list(columns)
+    if not columns[names[0]]:
+        return
+    select = ", ".join(f"unnest(${i + 1}) AS {n}" for i, n in enumerate(names))
+    con.execute(
+        f"INSERT INTO {table} ({', '.join(names)}) SELECT * FROM (SELECT {select})",
+        [columns[n] for n in names],
+    )
+
+
+class Warehouse:
+    """An open warehouse file. Use `Warehouse.open(path)`; close with `.close()` or `with`."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, path: Path):
+        self.con = con
+        self.path = path
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def open(cls, path: Path | str | None = None, migrate: bool = False) -> Warehouse:
+        """Open (creating a new file at the latest schema); refuse other schema versions."""
+        path = Path(path) if path is not None else default_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            con = duckdb.connect(str(path))
+        except duckdb.Error as e:
+            raise WarehouseError(f"cannot open warehouse {path}: {e}") from None
+        wh = cls(con, path)
+        version = wh.schema_version()
+        if version is None and not wh._has_tables():
+            wh.migrate()
+        elif version != LATEST_VERSION:
+            if migrate and version is not None and version < LATEST_VERSION:
+                wh.migrate()
+            else:
+                con.close()
+                raise WarehouseError(wh._version_message(version))
+        return wh
+
+    def _version_message(self, version: int | None) -> str:
+        if version is None:
+            return (
+                f"{self.path} is not a poolpipe warehouse (it has tables but no schema_version); "
+                f"pass another --warehouse or move the file away"
+            )
+        if version > LATEST_VERSION:
+            return (
+                f"{self.path} has schema version {version}, newer than this poolpipe "
+                f"({LATEST_VERSION}); upgrade poolpipe or use another --warehouse"
+            )
+        return (
+            f"{self.path} has schema version {version}, this poolpipe needs {LATEST_VERSION}; "
+            f"run: poolpipe warehouse migrate --warehouse {self.path}"
+        )
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> Warehouse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _has_tables(self) -> bool:
+        n = self.con.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'main'"
+        ).fetchone()
+        return bool(n and n[0])
+
+    def schema_version(self) -> int | None:
+        exists = self.con.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'schema_version'"
+        ).fetchone()
+        if not exists or not exists[0]:
+            return None
+        row = self.con.execute("SELECT max(version) FROM schema_version").fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def migrate(self) -> list[int]:
+        """Apply every migration newer than the file's version; returns those applied."""
+        current = self.schema_version()
+        applied = []
+        with self.transaction():
+            if current is None:
+                self.con.execute(
+                    "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, "
+                    "name VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)"
+                )
+                current = 0
+            for version, name, path in migrations():
+                if version <= current:
+                    continue
+                self.con.execute(path.read_text())
+                self.con.execute(
+                    "INSERT INTO schema_version VALUES (?, ?, ?)", [version, name, _now()]
+                )
+                applied.append(version)
+        return applied
+
+    @contextmanager
+    def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            yield self.con
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        self.con.execute("COMMIT")
+
+    # ------------------------------------------------------------------ profiles
+
+    def store_profiles(
+        self, profiles: Sequence[ModelProfile], provenance: dict[str, Any] | None = None
+    ) -> None:
+        """Replace everything stored for these models (idempotent), in one transaction."""
+        now = _now()
+        prov = json.dumps(provenance or {"host": socket.gethostname()})
+        names = [p.name for p in profiles]
+        gpus = sorted({g for p in profiles for g in p.gpus})
+        lat: dict[str, list] = {k: [] for k in (
+            "model", "block_index", "gpu_type", "share", "batch", "latency_us", "source",
+            "provenance", "measured_at")}
+        bnd: dict[str, list] = {"model": [], "block_index": [], "bytes": []}
+        for p in profiles:
+            for (gpu, share), t in sorted(p.tables.items()):
+                blocks, batches = np.meshgrid(
+                    np.arange(p.num_blocks), np.arange(1, t.max_batch + 1), indexing="ij"
+                )
+                n = blocks.size
+                lat["model"] += [p.name] * n
+                lat["block_index"] += blocks.ravel().tolist()
+                lat["gpu_type"] += [gpu] * n
+                lat["share"] += [share] * n
+                lat["batch"] += batches.ravel().tolist()
+                lat["latency_us"] += t.latency_us.ravel().tolist()
+                lat["source"] += [t.source] * n
+                lat["provenance"] += [prov] * n
+                lat["measured_at"] += [now] * n
+            for i, b in enumerate(p.boundary_bytes):
+                bnd["model"].append(p.name)
+                bnd["block_index"].append(i)
+                bnd["bytes"].append(b)
+        with self.transaction() as con:
+            for table in ("block_latency", "block_boundaries", "blocks", "models"):
+                con.execute(f"DELETE FROM {table} WHERE {'name' if table == 'models' else 'model'} "
+                            "IN (SELECT unnest($1))", [names])
+            for g in gpus:
+                con.execute("INSERT OR IGNORE INTO gpu_types (name) VALUES (?)", [g])
+            for p in profiles:
+                con.execute(
+                    "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?)",
+                    [p.name, p.num_blocks, p.reference_latency_us, p.slo_us,
+                     p.meta.get("source", "unknown"), now],
+                )
+                _insert_columns(con, "blocks", {
+                    "model": [p.name] * p.num_blocks,
+                    "block_index": list(range(p.num_blocks)),
+                })
+            _insert_columns(con, "block_latency", lat)
+            _insert_columns(con, "block_boundaries", bnd)
+
+    def model_names(self) -> list[str]:
+        return [r[0] for r in self.con.execute("SELECT name FROM models ORDER BY name").fetchall()]
+
+    def load_profile(self, name: str) -> ModelProfile:
+        row = self.con.execute(
+            "SELECT num_blocks, reference_latency_us, slo_us, source FROM models WHERE name = ?",
+            [name],
+        ).fetchone()
+        if row is None:
+            known = self.model_names()
+            hint = (
+                f"known: {', '.join(known)}" if known else
+                "the warehouse has no models yet; run: poolpipe profiles import-ppipe "
+                "../shared/profiles/ppipe-gpu"
+            )
+            raise UnknownNameError(f"model {name!r} is not in warehouse {self.path}; {hint}")
+        num_blocks, ref, slo, source = row
+        rows = self.con.execute(
+            "SELECT gpu_type, share, block_index, batch, latency_us, source FROM block_latency "
+            "WHERE model = ? ORDER BY gpu_type, share, block_index, batch",
+            [name],
+        ).fetchall()
+        grouped: dict[tuple[str, int], list[tuple[int, int, float, str]]] = {}
+        for gpu, share, bi, b, lat_us, src in rows:
+            grouped.setdefault((gpu, share), []).append((bi, b, lat_us, src))
+        tables = {}
+        for (gpu, share), cells in grouped.items():
+            max_b = max(c[1] for c in cells)
+            arr = np.full((num_blocks, max_b), np.nan)
+            for bi, b, lat_us, _ in cells:
+                arr[bi, b - 1] = lat_us
+            # Keep only batch sizes measured for every block.
+            complete = ~np.isnan(arr).any(axis=0)
+            n_ok = int(np.argmin(complete)) if not complete.all() else max_b
+            if n_ok == 0:
+                continue
+            tables[(gpu, share)] = LatencyTable(gpu, share, arr[:, :n_ok], source=cells[0][3])
+        boundary = [
+            r[0] for r in self.con.execute(
+                "SELECT bytes FROM block_boundaries WHERE model = ? ORDER BY block_index", [name]
+            ).fetchall()
+        ]
+        return ModelProfile(
+            name=name,
+            num_blocks=num_blocks,
+            tables=tables,
+            boundary_bytes=tuple(boundary),
+            reference_latency_us=ref,
+            slo_us=slo,
+            meta={"source": source},
+        )
+
+    def profile_summary(self) -> list[tuple]:
+        return self.con.execute(
+            """SELECT m.name, m.num_blocks, m.reference_latency_us, m.slo_us,
+                      string_agg(DISTINCT l.gpu_type, ',' ORDER BY l.gpu_type),
+                      count(DISTINCT (l.gpu_type, l.share)), count(l.latency_us), m.source
+               FROM models m LEFT JOIN block_latency l ON l.model = m.name
+               GROUP BY ALL ORDER BY m.name"""
+        ).fetchall()
+
+    # ------------------------------------------------------------------ clusters
+
+    def store_clusters(self, clusters: Sequence[Cluster], source: str) -> None:
+        with self.transaction() as con:
+            for c in clusters:
+                con.execute("DELETE FROM cluster_pools WHERE cluster = ?", [c.name])
+                con.execute("DELETE FROM clusters WHERE name = ?", [c.name])
+                con.execute("INSERT INTO clusters VALUES (?, ?, ?)", [c.name, c.bandwidth_gbps, source])
+                for p in c.pools:
+                    con.execute(
+                        "INSERT INTO cluster_pools VALUES (?, ?, ?, ?, ?)",
+                        [c.name, p.gpu, p.count, p.gpus_per_server, list(p.shares)],
+                    )
+
+    def load_cluster(self, name: str) -> Cluster:
+        row = self.con.execute("SELECT bandwidth_gbps FROM clusters WHERE name = ?", [name]).fetchone()
+        if row is None:
+            known = [r[0] for r in self.con.execute("SELECT name FROM clusters ORDER BY 1").fetchall()]
+            raise UnknownNameError(
+                f"cluster {name!r} is not in warehouse {self.path} (known: {known or 'none'}); "
+                "pass --clusters-file FILE.toml or import one"
+            )
+        pools = tuple(
+            GpuPool(gpu, count, gps, tuple(shares))
+            for gpu, count, gps, shares in self.con.execute(
+                "SELECT gpu_type, count, gpus_per_server, shares FROM cluster_pools "
+                "WHERE cluster = ? ORDER BY rowid", [name]
+            ).fetchall()
+        )
+        return Cluster(name=name, bandwidth_gbps=row[0], pools=pools)
+
+    # ------------------------------------------------------------------ plans
+
+    def store_plan(self, plan: Plan, label: str | None = None) -> int:
+        """Store a plan as rows (models, pipelines, partitions) plus its JSON; returns its id."""
+        s = plan.solver
+        with self.transaction() as con:
+            run = con.execute(
+                """INSERT INTO solver_runs (started_at, solver, status, gap, seconds, milp_seconds,
+                   num_vars, num_integer, num_rows, candidates, feasible_configs)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
+                [_now(), s.name, s.status, s.gap if np.isfinite(s.gap) else None, s.seconds,
+                 s.milp_seconds, s.num_vars, s.num_integer, s.num_rows, s.candidates,
+                 s.feasible_configs],
+            ).fetchone()
+            assert run is not None  # RETURNING always yields the row
+            pid = con.execute(
+                """INSERT INTO plans (created_at, strategy, packing, cluster, margin, max_partitions,
+                   objective, solver_run_id, label, plan_json)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING plan_id""",
+                [_now(), plan.strategy, plan.packing, plan.cluster.name, plan.margin,
+                 plan.max_partitions, plan.objective, run[0], label, plan.to_json()],
+            ).fetchone()
+            assert pid is not None
+            plan_id = int(pid[0])
+            for pos, m in enumerate(plan.models):
+                con.execute(
+                    "INSERT INTO plan_models VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [plan_id, m.name, pos, m.weight, m.slo_us, m.est_throughput, m.throughput],
+                )
+                for pi, p in enumerate(m.pipelines):
+                    con.execute(
+                        "INSERT INTO plan_pipelines VALUES (?, ?, ?, ?, ?, ?)",
+                        [plan_id, m.name, pi, p.batch, p.latency_us, p.throughput],
+                    )
+                    for d, q in enumerate(p.partitions):
+                        con.execute(
+                            "INSERT INTO plan_partitions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            [plan_id, m.name, pi, d, q.start, q.end, q.gpu, q.share, q.vgpus,
+                             q.gpus, q.latency_us, q.transfer_us, q.vgpu_throughput],
+                        )
+        return plan_id
+
+    def load_plan(self, plan_id: int) -> Plan:
+        row = self.con.execute("SELECT plan_json FROM plans WHERE plan_id = ?", [plan_id]).fetchone()
+        if row is None:
+            raise UnknownNameError(f"no plan with id {plan_id} in {self.path}")
+        return Plan.from_dict(json.loads(row[0]))
+
+    # ------------------------------------------------------------------ benchmarks
+
+    def store_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        with self.transaction() as con:
+            _insert_columns(con, table, {k: [r[k] for r in rows] for k in rows[0]})
