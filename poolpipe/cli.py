@@ -15,7 +15,7 @@ from rich.table import Table
 from poolpipe import __version__
 from poolpipe.cluster import Cluster, load_cluster, load_clusters
 from poolpipe.errors import PoolpipeError
-from poolpipe.plan import PACKINGS, STRATEGIES, Plan
+from poolpipe.plan import PACKINGS, STRATEGIES, PipelinePlan, Plan
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
 from poolpipe.profiles import load_ppipe_dir
@@ -34,7 +34,7 @@ def ppipe_dir() -> Path:
 # ----------------------------------------------------------------------------- rendering
 
 
-def describe_pipeline(p) -> str:  # type: ignore[no-untyped-def]
+def describe_pipeline(p: PipelinePlan) -> str:
     return " → ".join(
         f"[{q.start},{q.end}) {q.gpu}{'' if q.share == 1 else f'/{q.share}'}×{q.vgpus}"
         for q in p.partitions
@@ -47,9 +47,14 @@ def print_plan(plan: Plan) -> None:
         f"margin {plan.margin}, P≤{plan.max_partitions})",
         title_justify="left",
     )
-    for col, just in (("model", "left"), ("req/s", "right"), ("batch", "right"),
-                      ("latency ms", "right"), ("SLO ms", "right"),
-                      ("partitions: blocks GPU/share×vGPUs", "left")):
+    for col, just in (
+        ("model", "left"),
+        ("req/s", "right"),
+        ("batch", "right"),
+        ("latency ms", "right"),
+        ("SLO ms", "right"),
+        ("partitions: blocks GPU/share×vGPUs", "left"),
+    ):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
     for m in plan.models:
         if not m.pipelines:
@@ -85,16 +90,32 @@ def print_side_by_side(plans: list[Plan]) -> None:
         row = [m.name]
         for p in plans:
             pm = p.models[i]
-            row += [f"{pm.throughput:,.1f}", "\n".join(
-                f"b{pp.batch} {describe_pipeline(pp)}" for pp in pm.pipelines) or "-"]
+            row += [
+                f"{pm.throughput:,.1f}",
+                "\n".join(f"b{pp.batch} {describe_pipeline(pp)}" for pp in pm.pipelines) or "-",
+            ]
         t.add_row(*row)
     t.add_section()
-    t.add_row("objective (max-min req/s ÷ weight)",
-              *[x for p in plans for x in (f"{p.objective:,.1f}", "")])
-    t.add_row("GPUs used", *[x for p in plans for x in (
-        ", ".join(f"{g} {n}" for g, n in sorted(p.gpus_used().items())), "")])
-    t.add_row("solve", *[x for p in plans for x in (
-        f"{p.solver.seconds:.2f} s", f"{p.solver.status} gap {p.solver.gap:.0e}")])
+    t.add_row(
+        "objective (max-min req/s ÷ weight)",
+        *[x for p in plans for x in (f"{p.objective:,.1f}", "")],
+    )
+    t.add_row(
+        "GPUs used",
+        *[
+            x
+            for p in plans
+            for x in (", ".join(f"{g} {n}" for g, n in sorted(p.gpus_used().items())), "")
+        ],
+    )
+    t.add_row(
+        "solve",
+        *[
+            x
+            for p in plans
+            for x in (f"{p.solver.seconds:.2f} s", f"{p.solver.status} gap {p.solver.gap:.0e}")
+        ],
+    )
     console.print(t)
     base = {p.strategy: p for p in plans}
     if "ppipe" in base:
@@ -141,8 +162,16 @@ def cmd_profiles_list(args: argparse.Namespace) -> int:
     for col in ("model", "blocks", "ref ms", "SLO ms", "GPUs", "tables", "cells", "source"):
         t.add_column(col)
     for name, nb, ref, slo, gpus, ntab, ncell, src in rows:
-        t.add_row(name, str(nb), f"{ref / 1e3:.2f}" if ref else "-", f"{slo / 1e3:.1f}" if slo else "-",
-                  gpus or "-", str(ntab), str(ncell), src)
+        t.add_row(
+            name,
+            str(nb),
+            f"{ref / 1e3:.2f}" if ref else "-",
+            f"{slo / 1e3:.1f}" if slo else "-",
+            gpus or "-",
+            str(ntab),
+            str(ncell),
+            src,
+        )
     console.print(t)
     return 0
 
@@ -151,19 +180,25 @@ def cmd_profiles_show(args: argparse.Namespace) -> int:
     with _open(args) as wh:
         p = wh.load_profile(args.model)
     console.print(
-        f"[bold]{p.name}[/]: {p.num_blocks} blocks, reference {p.reference_latency_us or 0:,.0f} µs, "
+        f"[bold]{p.name}[/]: {p.num_blocks} blocks, "
+        f"reference {p.reference_latency_us or 0:,.0f} µs, "
         f"SLO {p.slo_us or 0:,.0f} µs, source {p.meta.get('source')}"
     )
-    t = Table(title="block latency at batch 1 (µs); boundary = bytes leaving the block",
-              title_justify="left")
+    t = Table(
+        title="block latency at batch 1 (µs); boundary = bytes leaving the block",
+        title_justify="left",
+    )
     t.add_column("block", justify="right")
     keys = sorted(p.tables)
     for gpu, share in keys:
         t.add_column(f"{gpu}/{share}" if share > 1 else gpu, justify="right")
     t.add_column("boundary B", justify="right")
     for i in range(p.num_blocks):
-        t.add_row(str(i), *[f"{p.tables[k].latency_us[i, 0]:,.0f}" for k in keys],
-                  f"{p.boundary_bytes[i]:,.0f}" if i < p.num_blocks - 1 else "")
+        t.add_row(
+            str(i),
+            *[f"{p.tables[k].latency_us[i, 0]:,.0f}" for k in keys],
+            f"{p.boundary_bytes[i]:,.0f}" if i < p.num_blocks - 1 else "",
+        )
     t.add_section()
     t.add_row("sum", *[f"{p.tables[k].latency_us[:, 0].sum():,.0f}" for k in keys], "")
     t.add_row("batches", *[str(p.tables[k].max_batch) for k in keys], "")
@@ -213,7 +248,9 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
             slos.append(explicit[p.name])
         elif args.slo_scale is not None:
             if not p.reference_latency_us:
-                raise PoolpipeError(f"model {p.name} has no reference latency; use --slo-us {p.name}=µs")
+                raise PoolpipeError(
+                    f"model {p.name} has no reference latency; use --slo-us {p.name}=µs"
+                )
             slos.append(p.reference_latency_us * args.slo_scale)
         elif p.slo_us:
             slos.append(p.slo_us)
@@ -246,7 +283,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(plan.to_json())
         return 0
     print_plan(plan)
-    console.print(f"stored as plan {plan_id} in {wh.path}" + (f"; written to {args.out}" if args.out else ""))
+    console.print(
+        f"stored as plan {plan_id} in {wh.path}" + (f"; written to {args.out}" if args.out else "")
+    )
     return 0
 
 
@@ -317,10 +356,16 @@ def _planning_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-us", help="explicit SLOs, e.g. A=70000,B=23000 (µs)")
     p.add_argument("--margin", type=float, default=0.4, help="fraction of the SLO held back (0.4)")
     p.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (2)")
-    p.add_argument("--packing", choices=PACKINGS, default="per-share",
-                   help="per-share: MPS-realisable (default); per-position: PPipe's published rule")
+    p.add_argument(
+        "--packing",
+        choices=PACKINGS,
+        default="per-share",
+        help="per-share: MPS-realisable (default); per-position: PPipe's published rule",
+    )
     p.add_argument("--solver", choices=SOLVERS, default="highs", help="MILP solver (highs)")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per MILP")
+    p.add_argument(
+        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per MILP"
+    )
     p.add_argument("--mip-gap", type=float, default=DEFAULT_MIP_GAP, help="relative gap (1e-4)")
     p.add_argument("--label", help="free-text label stored with the plan")
 
@@ -332,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"poolpipe {__version__}")
     parser.add_argument(
-        "--warehouse", default=None,
+        "--warehouse",
+        default=None,
         help=f"DuckDB warehouse file (default: ${ENV_VAR} or {default_path()})",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -367,7 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
     plan.set_defaults(func=cmd_plan)
 
-    cmp_ = sub.add_parser("compare", help="plan with several strategies and print them side by side")
+    cmp_ = sub.add_parser(
+        "compare", help="plan with several strategies and print them side by side"
+    )
     _planning_options(cmp_)
     cmp_.add_argument("--strategies", default=",".join(STRATEGIES))
     cmp_.set_defaults(func=cmd_compare)
@@ -375,9 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     wh = sub.add_parser("warehouse", help="warehouse maintenance")
     wsub = wh.add_subparsers(dest="warehouse_command", required=True, metavar="ACTION")
     wsub.add_parser("migrate", help="bring the file to this version's schema").set_defaults(
-        func=cmd_warehouse_migrate)
+        func=cmd_warehouse_migrate
+    )
     wsub.add_parser("info", help="schema version and row counts").set_defaults(
-        func=cmd_warehouse_info)
+        func=cmd_warehouse_info
+    )
     return parser
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from poolpipe.cluster import Cluster
-from poolpipe.errors import PlanVerificationError, UnknownNameError
 from poolpipe.costs import ModelCosts
+from poolpipe.errors import PlanVerificationError, UnknownNameError
 from poolpipe.profiles import ModelProfile
 
 STRATEGIES = ("ppipe", "np", "dart-r")
@@ -94,7 +94,9 @@ class Plan:
         for m in self.models:
             if m.name == name:
                 return m
-        raise UnknownNameError(f"plan has no model {name!r}; it has {[m.name for m in self.models]}")
+        raise UnknownNameError(
+            f"plan has no model {name!r}; it has {[m.name for m in self.models]}"
+        )
 
     # ------------------------------------------------------------------ GPU accounting
 
@@ -141,7 +143,9 @@ class Plan:
                 problems.append(f"GPU type {gpu} is not in cluster {self.cluster.name}")
                 continue
             if used > have:
-                problems.append(f"{gpu}: plan uses {used} GPUs ({self.packing}), cluster has {have}")
+                problems.append(
+                    f"{gpu}: plan uses {used} GPUs ({self.packing}), cluster has {have}"
+                )
         if self.models:
             achieved = min(m.throughput / m.weight for m in self.models)
             if self.objective > achieved * (1 + VERIFY_RTOL) + 1e-6:
@@ -162,32 +166,49 @@ class Plan:
         for pi, p in enumerate(m.pipelines):
             where = f"{m.name} pipeline {pi}"
             if not 1 <= len(p.partitions) <= self.max_partitions:
-                problems.append(f"{where}: {len(p.partitions)} partitions (max {self.max_partitions})")
+                problems.append(
+                    f"{where}: {len(p.partitions)} partitions (max {self.max_partitions})"
+                )
             if self.strategy in ("np", "dart-r") and any(q.share != 1 for q in p.partitions):
                 problems.append(f"{where}: {self.strategy} uses whole GPUs only")
             if self.strategy == "np" and len(p.partitions) != 1:
                 problems.append(f"{where}: np plans do not partition")
             edges = [q.start for q in p.partitions] + [p.partitions[-1].end] if p.partitions else []
-            contiguous = all(a.end == b.start for a, b in zip(p.partitions, p.partitions[1:], strict=False))
-            if not p.partitions or edges[0] != 0 or edges[-1] != profile.num_blocks or not contiguous:
-                problems.append(f"{where}: partitions {edges} do not cover blocks 0..{profile.num_blocks}")
+            contiguous = all(
+                a.end == b.start for a, b in zip(p.partitions, p.partitions[1:], strict=False)
+            )
+            if (
+                not p.partitions
+                or edges[0] != 0
+                or edges[-1] != profile.num_blocks
+                or not contiguous
+            ):
+                problems.append(
+                    f"{where}: partitions {edges} do not cover blocks 0..{profile.num_blocks}"
+                )
                 continue
             parts = []
             capacity = math.inf
             for d, q in enumerate(p.partitions):
                 if (q.gpu, q.share) not in costs.kvs:
-                    problems.append(f"{where} partition {d}: {q.gpu} share 1/{q.share} not allowed/profiled")
+                    problems.append(
+                        f"{where} partition {d}: {q.gpu} share 1/{q.share} not allowed/profiled"
+                    )
                     capacity = 0.0
                     continue
                 if q.vgpus < 1:
                     problems.append(f"{where} partition {d}: {q.vgpus} vGPUs")
                 kv = costs.kv_index(q.gpu, q.share)
                 if p.batch > profile.tables[(q.gpu, q.share)].max_batch:
-                    problems.append(f"{where} partition {d}: batch {p.batch} not profiled on {q.gpu}/{q.share}")
+                    problems.append(
+                        f"{where} partition {d}: batch {p.batch} not profiled on {q.gpu}/{q.share}"
+                    )
                     capacity = 0.0
                     continue
                 parts.append((kv, q.start, q.end))
-                capacity = min(capacity, q.vgpus * costs.vgpu_throughput(kv, p.batch, q.start, q.end))
+                capacity = min(
+                    capacity, q.vgpus * costs.vgpu_throughput(kv, p.batch, q.start, q.end)
+                )
             if len(parts) == len(p.partitions):
                 lat = costs.pipeline_latency_us(p.batch, parts)
                 if not lat <= budget * (1 + VERIFY_RTOL):
@@ -196,7 +217,9 @@ class Plan:
                 problems.append(f"{where}: throughput {p.throughput:.3f} > capacity {capacity:.3f}")
             total += p.throughput
         if abs(total - m.throughput) > VERIFY_RTOL * max(1.0, total) + 1e-6:
-            problems.append(f"{m.name}: throughput {m.throughput:.3f} != sum of pipelines {total:.3f}")
+            problems.append(
+                f"{m.name}: throughput {m.throughput:.3f} != sum of pipelines {total:.3f}"
+            )
         return problems
 
     # ------------------------------------------------------------------ JSON

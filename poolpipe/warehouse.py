@@ -177,9 +177,20 @@ class Warehouse:
         prov = json.dumps(provenance or {"host": socket.gethostname()})
         names = [p.name for p in profiles]
         gpus = sorted({g for p in profiles for g in p.gpus})
-        lat: dict[str, list] = {k: [] for k in (
-            "model", "block_index", "gpu_type", "share", "batch", "latency_us", "source",
-            "provenance", "measured_at")}
+        lat: dict[str, list] = {
+            k: []
+            for k in (
+                "model",
+                "block_index",
+                "gpu_type",
+                "share",
+                "batch",
+                "latency_us",
+                "source",
+                "provenance",
+                "measured_at",
+            )
+        }
         bnd: dict[str, list] = {"model": [], "block_index": [], "bytes": []}
         for p in profiles:
             for (gpu, share), t in sorted(p.tables.items()):
@@ -202,20 +213,33 @@ class Warehouse:
                 bnd["bytes"].append(b)
         with self.transaction() as con:
             for table in ("block_latency", "block_boundaries", "blocks", "models"):
-                con.execute(f"DELETE FROM {table} WHERE {'name' if table == 'models' else 'model'} "
-                            "IN (SELECT unnest($1))", [names])
+                con.execute(
+                    f"DELETE FROM {table} WHERE {'name' if table == 'models' else 'model'} "
+                    "IN (SELECT unnest($1))",
+                    [names],
+                )
             for g in gpus:
                 con.execute("INSERT OR IGNORE INTO gpu_types (name) VALUES (?)", [g])
             for p in profiles:
                 con.execute(
                     "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?)",
-                    [p.name, p.num_blocks, p.reference_latency_us, p.slo_us,
-                     p.meta.get("source", "unknown"), now],
+                    [
+                        p.name,
+                        p.num_blocks,
+                        p.reference_latency_us,
+                        p.slo_us,
+                        p.meta.get("source", "unknown"),
+                        now,
+                    ],
                 )
-                _insert_columns(con, "blocks", {
-                    "model": [p.name] * p.num_blocks,
-                    "block_index": list(range(p.num_blocks)),
-                })
+                _insert_columns(
+                    con,
+                    "blocks",
+                    {
+                        "model": [p.name] * p.num_blocks,
+                        "block_index": list(range(p.num_blocks)),
+                    },
+                )
             _insert_columns(con, "block_latency", lat)
             _insert_columns(con, "block_boundaries", bnd)
 
@@ -230,8 +254,9 @@ class Warehouse:
         if row is None:
             known = self.model_names()
             hint = (
-                f"known: {', '.join(known)}" if known else
-                "the warehouse has no models yet; run: poolpipe profiles import-ppipe "
+                f"known: {', '.join(known)}"
+                if known
+                else "the warehouse has no models yet; run: poolpipe profiles import-ppipe "
                 "../shared/profiles/ppipe-gpu"
             )
             raise UnknownNameError(f"model {name!r} is not in warehouse {self.path}; {hint}")
@@ -257,7 +282,8 @@ class Warehouse:
                 continue
             tables[(gpu, share)] = LatencyTable(gpu, share, arr[:, :n_ok], source=cells[0][3])
         boundary = [
-            r[0] for r in self.con.execute(
+            r[0]
+            for r in self.con.execute(
                 "SELECT bytes FROM block_boundaries WHERE model = ? ORDER BY block_index", [name]
             ).fetchall()
         ]
@@ -287,7 +313,9 @@ class Warehouse:
             for c in clusters:
                 con.execute("DELETE FROM cluster_pools WHERE cluster = ?", [c.name])
                 con.execute("DELETE FROM clusters WHERE name = ?", [c.name])
-                con.execute("INSERT INTO clusters VALUES (?, ?, ?)", [c.name, c.bandwidth_gbps, source])
+                con.execute(
+                    "INSERT INTO clusters VALUES (?, ?, ?)", [c.name, c.bandwidth_gbps, source]
+                )
                 for p in c.pools:
                     con.execute(
                         "INSERT INTO cluster_pools VALUES (?, ?, ?, ?, ?)",
@@ -295,9 +323,13 @@ class Warehouse:
                     )
 
     def load_cluster(self, name: str) -> Cluster:
-        row = self.con.execute("SELECT bandwidth_gbps FROM clusters WHERE name = ?", [name]).fetchone()
+        row = self.con.execute(
+            "SELECT bandwidth_gbps FROM clusters WHERE name = ?", [name]
+        ).fetchone()
         if row is None:
-            known = [r[0] for r in self.con.execute("SELECT name FROM clusters ORDER BY 1").fetchall()]
+            known = [
+                r[0] for r in self.con.execute("SELECT name FROM clusters ORDER BY 1").fetchall()
+            ]
             raise UnknownNameError(
                 f"cluster {name!r} is not in warehouse {self.path} (known: {known or 'none'}); "
                 "pass --clusters-file FILE.toml or import one"
@@ -306,7 +338,8 @@ class Warehouse:
             GpuPool(gpu, count, gps, tuple(shares))
             for gpu, count, gps, shares in self.con.execute(
                 "SELECT gpu_type, count, gpus_per_server, shares FROM cluster_pools "
-                "WHERE cluster = ? ORDER BY rowid", [name]
+                "WHERE cluster = ? ORDER BY rowid",
+                [name],
             ).fetchall()
         )
         return Cluster(name=name, bandwidth_gbps=row[0], pools=pools)
@@ -321,17 +354,38 @@ class Warehouse:
                 """INSERT INTO solver_runs (started_at, solver, status, gap, seconds, milp_seconds,
                    num_vars, num_integer, num_rows, candidates, feasible_configs)
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING run_id""",
-                [_now(), s.name, s.status, s.gap if np.isfinite(s.gap) else None, s.seconds,
-                 s.milp_seconds, s.num_vars, s.num_integer, s.num_rows, s.candidates,
-                 s.feasible_configs],
+                [
+                    _now(),
+                    s.name,
+                    s.status,
+                    s.gap if np.isfinite(s.gap) else None,
+                    s.seconds,
+                    s.milp_seconds,
+                    s.num_vars,
+                    s.num_integer,
+                    s.num_rows,
+                    s.candidates,
+                    s.feasible_configs,
+                ],
             ).fetchone()
             assert run is not None  # RETURNING always yields the row
             pid = con.execute(
-                """INSERT INTO plans (created_at, strategy, packing, cluster, margin, max_partitions,
+                """INSERT INTO plans (created_at, strategy, packing, cluster, margin,
+                   max_partitions,
                    objective, solver_run_id, label, plan_json)
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING plan_id""",
-                [_now(), plan.strategy, plan.packing, plan.cluster.name, plan.margin,
-                 plan.max_partitions, plan.objective, run[0], label, plan.to_json()],
+                [
+                    _now(),
+                    plan.strategy,
+                    plan.packing,
+                    plan.cluster.name,
+                    plan.margin,
+                    plan.max_partitions,
+                    plan.objective,
+                    run[0],
+                    label,
+                    plan.to_json(),
+                ],
             ).fetchone()
             assert pid is not None
             plan_id = int(pid[0])
@@ -347,14 +401,30 @@ class Warehouse:
                     )
                     for d, q in enumerate(p.partitions):
                         con.execute(
-                            "INSERT INTO plan_partitions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            [plan_id, m.name, pi, d, q.start, q.end, q.gpu, q.share, q.vgpus,
-                             q.gpus, q.latency_us, q.transfer_us, q.vgpu_throughput],
+                            "INSERT INTO plan_partitions VALUES "
+                            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            [
+                                plan_id,
+                                m.name,
+                                pi,
+                                d,
+                                q.start,
+                                q.end,
+                                q.gpu,
+                                q.share,
+                                q.vgpus,
+                                q.gpus,
+                                q.latency_us,
+                                q.transfer_us,
+                                q.vgpu_throughput,
+                            ],
                         )
         return plan_id
 
     def load_plan(self, plan_id: int) -> Plan:
-        row = self.con.execute("SELECT plan_json FROM plans WHERE plan_id = ?", [plan_id]).fetchone()
+        row = self.con.execute(
+            "SELECT plan_json FROM plans WHERE plan_id = ?", [plan_id]
+        ).fetchone()
         if row is None:
             raise UnknownNameError(f"no plan with id {plan_id} in {self.path}")
         return Plan.from_dict(json.loads(row[0]))

@@ -104,9 +104,10 @@ def enumerate_pipelines(
         thr_seg = np.minimum(compute_thr, nic)
         # Transfers: sender of boundary ends[d]-1 for every internal cut, times batch.
         tau_sum = costs.tau_us[cuts - 1].sum(axis=1) if D > 1 else np.zeros(C)  # [C]
-        fixed = batches[:, None] * tau_sum[None, :] + np.array(
-            [costs.batch_wait_us(int(b)) for b in batches]
-        )[:, None]  # [nb, C]
+        fixed = (
+            batches[:, None] * tau_sum[None, :]
+            + np.array([costs.batch_wait_us(int(b)) for b in batches])[:, None]
+        )  # [nb, C]
         for sig in itertools.product(range(K), repeat=D):
             if merge_same_bucket and any(sig[d] == sig[d + 1] for d in range(D - 1)):
                 continue
@@ -126,8 +127,15 @@ def enumerate_pipelines(
             for idx in keep:
                 b_idx, c_idx = int(bi[idx]), int(ci[idx])
                 out.append(
-                    _make_pipeline(costs, sig, int(batches[b_idx]), bounds[c_idx], lat_parts[
-                        b_idx, c_idx], thr_parts[b_idx, c_idx], float(e2e[b_idx, c_idx]))
+                    _make_pipeline(
+                        costs,
+                        sig,
+                        int(batches[b_idx]),
+                        bounds[c_idx],
+                        lat_parts[b_idx, c_idx],
+                        thr_parts[b_idx, c_idx],
+                        float(e2e[b_idx, c_idx]),
+                    )
                 )
     return Enumeration(out, considered, feasible_count, best_latency)
 

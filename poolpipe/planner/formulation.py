@@ -83,7 +83,9 @@ def build_group_milp(
             # Scale by the lcm of the shares so the row has integer coefficients.
             lcm = math.lcm(*(round(1.0 / coef) for coef in terms.values()))
             g = milp.add_var(upper=count[gpu], integer=True)
-            milp.add_row({**{n: coef * lcm for n, coef in terms.items()}, g: -float(lcm)}, upper=0.0)
+            milp.add_row(
+                {**{n: coef * lcm for n, coef in terms.items()}, g: -float(lcm)}, upper=0.0
+            )
             per_type[gpu][g] = 1.0
     for gpu, terms in per_type.items():
         milp.add_row(terms, upper=float(count[gpu]))

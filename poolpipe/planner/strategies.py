@@ -14,10 +14,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from poolpipe.cluster import Cluster
-from poolpipe.errors import InfeasibleError, PoolpipeError, SolverError
-from poolpipe.plan import PACKINGS, STRATEGIES, ModelPlan, PartitionPlan, PipelinePlan, Plan, SolverInfo
-from poolpipe.planner.candidates import CandidatePipeline, Enumeration, enumerate_pipelines
 from poolpipe.costs import ModelCosts
+from poolpipe.errors import InfeasibleError, PoolpipeError, SolverError
+from poolpipe.plan import (
+    PACKINGS,
+    STRATEGIES,
+    ModelPlan,
+    PartitionPlan,
+    PipelinePlan,
+    Plan,
+    SolverInfo,
+)
+from poolpipe.planner.candidates import CandidatePipeline, Enumeration, enumerate_pipelines
 from poolpipe.planner.formulation import GroupMilp, build_group_milp
 from poolpipe.planner.pruning import candidate_bounds, keep_mask
 from poolpipe.planner.solvers import (
@@ -72,7 +80,9 @@ class PlanRequest:
         if any(not (s > 0 and math.isfinite(s)) for s in self.slos_us):
             raise PoolpipeError(f"SLOs must be positive numbers of µs, got {list(self.slos_us)}")
         if self.strategy not in STRATEGIES:
-            raise PoolpipeError(f"unknown strategy {self.strategy!r}; choose {', '.join(STRATEGIES)}")
+            raise PoolpipeError(
+                f"unknown strategy {self.strategy!r}; choose {', '.join(STRATEGIES)}"
+            )
         if self.packing not in PACKINGS:
             raise PoolpipeError(f"unknown packing {self.packing!r}; choose {', '.join(PACKINGS)}")
         if not 0 <= self.margin < 1:
@@ -102,10 +112,8 @@ class _Solved:
     kept: int = 0  # candidates left after LP-bound pruning
 
 
-def _costs(
-    req: PlanRequest, lam: list[float | None], whole_gpus_only: bool
-) -> list[ModelCosts]:
-    allowed = (
+def _costs(req: PlanRequest, lam: list[float | None], whole_gpus_only: bool) -> list[ModelCosts]:
+    allowed: dict[str, tuple[int, ...]] | None = (
         {p.gpu: (1,) for p in req.cluster.pools} if whole_gpus_only else None
     )
     return [
@@ -115,8 +123,10 @@ def _costs(
 
 
 def _infeasible(req: PlanRequest, costs: ModelCosts, en: Enumeration, what: str) -> InfeasibleError:
-    best = "no configuration is profiled" if not math.isfinite(en.best_latency_us) else (
-        f"the fastest configuration takes {en.best_latency_us:,.0f} µs"
+    best = (
+        "no configuration is profiled"
+        if not math.isfinite(en.best_latency_us)
+        else (f"the fastest configuration takes {en.best_latency_us:,.0f} µs")
     )
     return InfeasibleError(
         f"model {costs.profile.name}: no {what} configuration meets its SLO of "
@@ -156,7 +166,12 @@ def _solve_group(
     chosen = _read_counts(group, cands, result.values)
     milp = group.milp
     return _Solved(
-        chosen, result, enums, milp.num_vars, milp.num_integer, milp.num_rows,
+        chosen,
+        result,
+        enums,
+        milp.num_vars,
+        milp.num_integer,
+        milp.num_rows,
         kept=sum(len(c) for c in cands),
     )
 
@@ -169,7 +184,7 @@ def _read_counts(
     for m, model_cands in enumerate(cands):
         picked = []
         for c, cand in enumerate(model_cands):
-            counts = [int(math.floor(vals[v] + ROUND_TOL)) for v in group.n[m][c]]
+            counts = [math.floor(vals[v] + ROUND_TOL) for v in group.n[m][c]]
             if min(counts) > 0:
                 picked.append((cand, counts))
         chosen.append(picked)
@@ -366,8 +381,10 @@ def make_plan(req: PlanRequest) -> Plan:
 def _split_gpus_like_np(req: PlanRequest, np_plan: Plan) -> list[dict[str, int]]:
     """GPUs per model and type as the NP plan uses them; unused GPUs split evenly."""
     alloc = [
-        {gpu: sum(p.partitions[0].vgpus for p in m.pipelines if p.partitions[0].gpu == gpu)
-         for gpu in (q.gpu for q in req.cluster.pools)}
+        {
+            gpu: sum(p.partitions[0].vgpus for p in m.pipelines if p.partitions[0].gpu == gpu)
+            for gpu in (q.gpu for q in req.cluster.pools)
+        }
         for m in np_plan.models
     ]
     for pool in req.cluster.pools:
@@ -417,7 +434,9 @@ def _plan_dart_r(
 
         if pairs and pair_options:
             add(max(pair_options, key=lambda c: (_one_each(c), -c.latency_us)), pairs)
-        singles = [c for c in pair_options if len(c.partitions) == 1 and c.partitions[0].gpu == larger]
+        singles = [
+            c for c in pair_options if len(c.partitions) == 1 and c.partitions[0].gpu == larger
+        ]
         if leftover and singles:
             add(max(singles, key=lambda c: (_one_each(c), -c.latency_us)), leftover)
         pipelines.append([_pipeline_plan(c, [n] * len(c.partitions)) for c, n in pipes.values()])

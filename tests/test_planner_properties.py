@@ -1,0 +1,202 @@
+"""Property-based tests: random tiny instances against an independent brute force, and
+plan invariants (GPU counts, SLO, batch unification, contiguity) recomputed from scratch."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poolpipe.errors import InfeasibleError
+from poolpipe.planner import PlanRequest, make_plan
+from tests.conftest import tiny_cluster, tiny_model
+
+SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def instances(draw, n_models=1):
+    blocks = draw(st.integers(2, 3))
+    pools = [
+        ("A", draw(st.integers(1, 2)), draw(st.integers(1, 2)), (1, 2)),
+        ("B", draw(st.integers(1, 2)), draw(st.integers(1, 2)), (1,)),
+    ]
+    lat = st.integers(200, 20000)
+    models = []
+    for m in range(n_models):
+        tables = {}
+        for gpu, share, nb in (("A", 1, 2), ("A", 2, 1), ("B", 1, 2)):
+            tables[(gpu, share)] = [[float(draw(lat)) for _ in range(nb)] for _ in range(blocks)]
+        boundary = [
+            float(draw(st.sampled_from([0, 1e3, 2e5, 1e6, 4e6]))) for _ in range(blocks - 1)
+        ]
+        models.append(tiny_model(f"m{m}", tables, boundary))
+    bw = draw(st.sampled_from([1.0, 10.0]))
+    slos = [float(draw(st.integers(2000, 60000))) for _ in models]
+    return models, tiny_cluster(pools, bandwidth_gbps=bw), slos
+
+
+def brute_force_single(model, cluster, budget, max_partitions=2):
+    """Best Σ_c min_d n_d t_d over all vGPU assignments (per-share packing), by search."""
+    B = model.num_blocks
+    tau = [s * 8 / (cluster.bandwidth_gbps * 1e9) * 1e6 for s in model.boundary_bytes]
+    pools = {p.gpu: p for p in cluster.pools}
+    kvs = [(g, v) for g, p in pools.items() for v in p.shares if (g, v) in model.tables]
+    pipes = []
+    for D in range(1, max_partitions + 1):
+        for cuts in itertools.combinations(range(1, B), D - 1):
+            bounds = (0, *cuts, B)
+            for sig in itertools.product(kvs, repeat=D):
+                nb = min(model.tables[kv].max_batch for kv in sig)
+                for b in range(1, nb + 1):
+                    parts, e2e = [], 0.0
+                    for d, (g, v) in enumerate(sig):
+                        i, j = bounds[d], bounds[d + 1]
+                        lat = sum(
+                            max(model.tables[(g, v)].latency_us[x, b - 1], 1.0) for x in range(i, j)
+                        )
+                        t = b * 1e6 / lat
+                        h = pools[g].gpus_per_server
+                        if i > 0 and tau[i - 1] > 0:
+                            t = min(t, 1e6 / (tau[i - 1] * v * h))
+                        if j < B and tau[j - 1] > 0:
+                            t = min(t, 1e6 / (tau[j - 1] * v * h))
+                            e2e += b * tau[j - 1]
+                        e2e += lat
+                        parts.append((g, v, t))
+                    if e2e <= budget + 1e-9:
+                        pipes.append(parts)
+    if not pipes:
+        return None
+
+    def fits(use):
+        per = {}
+        for (g, v), n in use.items():
+            per[g] = per.get(g, 0) + math.ceil(n / v)
+        return all(per[g] <= pools[g].count for g in per)
+
+    best = 0.0
+
+    def dfs(k, use, value):
+        nonlocal best
+        best = max(best, value)
+        if k == len(pipes):
+            return
+        dfs(k + 1, use, value)
+        parts = pipes[k]
+        caps = [pools[g].count * v for g, v, _ in parts]
+        for ns in itertools.product(*[range(1, c + 1) for c in caps]):
+            new = dict(use)
+            for (g, v, _), n in zip(parts, ns, strict=True):
+                new[(g, v)] = new.get((g, v), 0) + n
+            if fits(new):
+                dfs(k + 1, new, value + min(n * t for (_, _, t), n in zip(parts, ns, strict=True)))
+
+    dfs(0, {}, 0.0)
+    return best
+
+
+@SETTINGS
+@given(instances())
+def test_ppipe_matches_brute_force(inst):
+    (model,), cluster, (slo,) = inst
+    req = PlanRequest(
+        models=(model,),
+        weights=(1.0,),
+        slos_us=(slo,),
+        cluster=cluster,
+        margin=0.0,
+        batch_wait=False,
+        mip_gap=1e-9,
+        max_partitions=2,
+    )
+    expected = brute_force_single(model, cluster, slo)
+    if expected is None:
+        with pytest.raises(InfeasibleError, match="m0"):
+            make_plan(req)
+        return
+    plan = make_plan(req)
+    assert plan.objective == pytest.approx(expected, rel=1e-6)
+
+
+def check_invariants(plan, models, slos):
+    """Recompute, without poolpipe's cost code, what every plan must satisfy."""
+    by_name = {m.name: m for m in models}
+    cluster = plan.cluster
+    pools = {p.gpu: p for p in cluster.pools}
+    per_share: dict[tuple[str, int], int] = {}
+    per_pos: dict[tuple[str, int, str], float] = {}
+    for mp, slo in zip(plan.models, slos, strict=True):
+        model = by_name[mp.name]
+        tau = [s * 8 / (cluster.bandwidth_gbps * 1e9) * 1e6 for s in model.boundary_bytes]
+        budget = slo - math.floor(plan.margin * slo + 0.5)
+        total = 0.0
+        for p in mp.pipelines:
+            parts = p.partitions
+            assert 1 <= len(parts) <= plan.max_partitions
+            assert parts[0].start == 0 and parts[-1].end == model.num_blocks  # contiguity
+            assert all(a.end == b.start and a.start < a.end for a, b in itertools.pairwise(parts))
+            e2e = 0.0
+            cap = math.inf
+            for d, q in enumerate(parts):
+                assert q.share in pools[q.gpu].shares
+                nic = tau and 1e6 / (q.share * pools[q.gpu].gpus_per_server)
+                for edge in ([q.start - 1] if q.start > 0 else []) + (
+                    [q.end - 1] if q.end < model.num_blocks else []
+                ):
+                    if tau[edge] > 0:
+                        cap = min(cap, q.vgpus * nic / tau[edge])
+                table = model.tables[(q.gpu, q.share)].latency_us
+                assert p.batch <= table.shape[1]  # one batch for the whole pipeline
+                lat = float(np.maximum(table[q.start : q.end, p.batch - 1], 1).sum())
+                e2e += lat + (p.batch * tau[q.end - 1] if d < len(parts) - 1 else 0.0)
+                cap = min(cap, q.vgpus * p.batch * 1e6 / lat)
+                per_share[(q.gpu, q.share)] = per_share.get((q.gpu, q.share), 0) + q.vgpus
+                key = (mp.name, d, q.gpu)
+                per_pos[key] = per_pos.get(key, 0.0) + q.vgpus / q.share
+            if mp.est_throughput and p.batch > 1:
+                e2e += 1.3e6 * (p.batch - 1) / mp.est_throughput
+            assert e2e <= budget * (1 + 1e-9)
+            assert p.throughput <= cap * (1 + 1e-9)
+            total += p.throughput
+        assert mp.throughput == pytest.approx(total)
+    if plan.packing == "per-share":
+        used: dict[str, int] = {}
+        for (g, v), n in per_share.items():
+            used[g] = used.get(g, 0) + math.ceil(n / v - 1e-9)
+    else:
+        used = {}
+        for (_, _, g), x in per_pos.items():
+            used[g] = used.get(g, 0) + math.ceil(x - 1e-9)
+    for g, n in used.items():
+        assert n <= pools[g].count
+
+
+@SETTINGS
+@given(
+    instances(n_models=2),
+    st.sampled_from(["ppipe", "np", "dart-r"]),
+    st.sampled_from(["per-share", "per-position"]),
+    st.floats(0.0, 0.5),
+)
+def test_every_plan_respects_constraints(inst, strategy, packing, margin):
+    models, cluster, slos = inst
+    req = PlanRequest(
+        models=tuple(models),
+        weights=(0.4, 0.6),
+        slos_us=tuple(slos),
+        cluster=cluster,
+        strategy=strategy,
+        packing=packing,
+        margin=margin,
+    )
+    try:
+        plan = make_plan(req)
+    except InfeasibleError:
+        return
+    check_invariants(plan, models, slos)
+    assert plan.objective == pytest.approx(min(m.throughput / m.weight for m in plan.models))

@@ -1,0 +1,160 @@
+"""Hand-checkable planning instances (2 blocks, 2 GPU types): optimum known by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolpipe.errors import InfeasibleError
+from poolpipe.planner import PlanRequest, make_plan
+from tests.conftest import tiny_cluster, tiny_model
+
+# Fast GPU "A": 4 ms per block; slow GPU "B": 5 ms for block 0, 20 ms for block 1 (batch 1).
+A1 = [[4000.0], [4000.0]]
+B1 = [[5000.0], [20000.0]]
+SMALL_BOUNDARY = [1000.0]  # 0.8 µs at 10 Gbit/s: the network does not matter
+
+
+def request(model, cluster, slo_us, strategy="ppipe", packing="per-share", **kw):
+    return PlanRequest(
+        models=(model,),
+        weights=(1.0,),
+        slos_us=(slo_us,),
+        cluster=cluster,
+        strategy=strategy,
+        packing=packing,
+        margin=0.0,
+        mip_gap=1e-9,
+        batch_wait=False,
+        **kw,
+    )
+
+
+def one_each():
+    return tiny_cluster([("A", 1, 1, (1,)), ("B", 1, 1, (1,))])
+
+
+def test_partitioning_wins_over_whole_model():
+    # Budget 12 ms: B cannot run the whole model (25 ms); A alone does 1/8 ms = 125 req/s.
+    # Block 0 on B (200/s) then block 1 on A (250/s): 200 req/s, 9 ms end to end.
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
+    np_plan = make_plan(request(m, one_each(), 12000, strategy="np"))
+    pp = make_plan(request(m, one_each(), 12000))
+    assert np_plan.objective == pytest.approx(125.0)
+    assert pp.objective == pytest.approx(200.0)
+    (pipe,) = pp.models[0].pipelines
+    assert [(q.gpu, q.start, q.end) for q in pipe.partitions] == [("B", 0, 1), ("A", 1, 2)]
+    assert pipe.latency_us == pytest.approx(9000.0 + 0.8)
+
+
+def test_slo_too_tight_for_the_slow_gpu():
+    # Budget 8.5 ms: only A's whole-model run (8 ms) fits; B's 5 ms block plus A's 4 ms do not.
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
+    pp = make_plan(request(m, one_each(), 8500))
+    assert pp.objective == pytest.approx(125.0)
+    assert pp.gpus_used() == {"A": 1}
+
+
+@pytest.mark.parametrize(
+    "boundary, expected",
+    [
+        # 1.25 MB at 1 Gbit/s: 10 ms per sample, so the B→A pipe is NIC-bound at 100/s;
+        # whole A (125/s) + whole B (1/25 ms = 40/s) = 165/s is better.
+        ([1.25e6], 165.0),
+        # A tiny boundary: B→A pipe serves 200/s, better than 165/s.
+        ([125.0], 200.0),
+    ],
+)
+def test_nic_bound_partition(boundary, expected):
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, boundary)
+    cluster = tiny_cluster([("A", 1, 1, (1,)), ("B", 1, 1, (1,))], bandwidth_gbps=1.0)
+    plan = make_plan(request(m, cluster, 30000))
+    assert plan.objective == pytest.approx(expected)
+
+
+def test_nic_limit_is_per_vgpu_and_per_server_gpu():
+    # 1.25 MB at 1 Gbit/s = 10 ms per sample over the whole NIC. With 2 GPUs per server and
+    # share 1/2, each vGPU owns 1/4 of the NIC: 1e6 / (10000 * 2 * 2) = 25 samples/s.
+    from poolpipe.costs import ModelCosts
+
+    m = tiny_model("m", {("A", 1): A1, ("A", 2): [[1.0], [1.0]], ("B", 1): B1}, [1.25e6])
+    cluster = tiny_cluster([("A", 2, 2, (1, 2)), ("B", 1, 1, (1,))], bandwidth_gbps=1.0)
+    costs = ModelCosts(m, cluster, slo_us=1e6, margin=0.0, est_throughput=None)
+    half_a, whole_a, whole_b = (costs.kv_index(*k) for k in (("A", 2), ("A", 1), ("B", 1)))
+    assert costs.vgpu_throughput(half_a, 1, 0, 1) == pytest.approx(25.0)  # sends
+    assert costs.vgpu_throughput(half_a, 1, 1, 2) == pytest.approx(25.0)  # receives
+    assert costs.vgpu_throughput(whole_a, 1, 0, 1) == pytest.approx(50.0)
+    assert costs.vgpu_throughput(whole_b, 1, 0, 1) == pytest.approx(100.0)
+    assert costs.vgpu_throughput(half_a, 1, 0, 2) == pytest.approx(1e6 / 2.0)  # no transfer
+    # Planned: A/2 [0,1) -> B [1,2) is NIC-bound at 4 vGPUs x 25 = 100/s, but B's 20 ms block
+    # limits it to 50/s; whole-model A/2 halves at 2 µs are far faster: the plan uses them.
+    plan = make_plan(request(m, cluster, 10**6, max_partitions=2))
+    assert all(len(p.partitions) == 1 for p in plan.models[0].pipelines)
+
+
+def test_shares_beat_whole_gpus():
+    # Half an A runs each block in 6 ms: 2 halves serve 2/12 ms = 166.7/s > 125/s whole.
+    m = tiny_model("m", {("A", 1): A1, ("A", 2): [[6000.0], [6000.0]]}, SMALL_BOUNDARY)
+    cluster = tiny_cluster([("A", 1, 1, (1, 2))])
+    plan = make_plan(request(m, cluster, 13000))
+    assert plan.objective == pytest.approx(2e6 / 12000)
+    assert {(q.share, q.vgpus) for p in plan.models[0].pipelines for q in p.partitions} <= {
+        (2, 1),
+        (2, 2),
+    }
+    assert plan.gpus_used() == {"A": 1}
+
+
+def test_batching_raises_throughput_within_budget():
+    # Batch 2 takes 1.5x the time of batch 1: 2/12 ms > 1/8 ms, and 12 ms fits a 13 ms budget.
+    m = tiny_model("m", {("A", 1): [[4000.0, 6000.0], [4000.0, 6000.0]]}, SMALL_BOUNDARY)
+    plan = make_plan(request(m, tiny_cluster([("A", 1, 1, (1,))]), 13000))
+    assert plan.models[0].pipelines[0].batch == 2
+    assert plan.objective == pytest.approx(2e6 / 12000)
+
+
+def test_infeasible_model_names_model_and_best_latency():
+    m = tiny_model("slowpoke", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
+    with pytest.raises(InfeasibleError, match=r"slowpoke.*fastest configuration takes 8,00\d µs"):
+        make_plan(request(m, one_each(), 7000))
+
+
+def test_max_min_over_weighted_models():
+    # Two identical models on 3 A GPUs, weights 1:2 -> model 2 gets 2 GPUs: z = 125.
+    a = tiny_model("a", {("A", 1): A1}, SMALL_BOUNDARY)
+    b = tiny_model("b", {("A", 1): A1}, SMALL_BOUNDARY)
+    req = PlanRequest(
+        models=(a, b),
+        weights=(1.0, 2.0),
+        slos_us=(9000.0, 9000.0),
+        cluster=tiny_cluster([("A", 3, 1, (1,))]),
+        margin=0.0,
+        batch_wait=False,
+    )
+    plan = make_plan(req)
+    assert plan.objective == pytest.approx(125.0)
+    assert [m.throughput for m in plan.models] == pytest.approx([125.0, 250.0])
+
+
+def test_batch_wait_term_uses_np_throughput():
+    # λ̂ = NP throughput of batch-1-only... with batch 2 available the NP estimate is 2/6 ms.
+    m = tiny_model("m", {("A", 1): [[3000.0, 3000.0], [3000.0, 3000.0]]}, SMALL_BOUNDARY)
+    req = PlanRequest(
+        models=(m,),
+        weights=(1.0,),
+        slos_us=(100000.0,),
+        cluster=tiny_cluster([("A", 1, 1, (1,))]),
+        margin=0.0,
+    )
+    plan = make_plan(req)
+    lam = plan.models[0].est_throughput
+    assert lam == pytest.approx(2e6 / 6000)
+    pipe = plan.models[0].pipelines[0]
+    assert pipe.batch == 2
+    assert pipe.latency_us == pytest.approx(6000 + 1.3e6 * (2 - 1) / lam)
+
+
+def test_margin_rounds_half_up():
+    from poolpipe.costs import margin_us
+
+    assert margin_us(71752.36, 0.4) == 28701.0
+    assert margin_us(10.0, 0.25) == 3.0  # 2.5 -> 3
