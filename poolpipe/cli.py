@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tomllib
@@ -292,10 +293,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     plans = []
     with _open(args) as wh:
-        for strategy in args.strategies.split(","):
-            req = build_request(args, wh, strategy)
+        strategies = _parse_list(args.strategies, "strategies")
+        base = build_request(args, wh, strategies[0])
+        for strategy in strategies:
             with console.status(f"planning {strategy} ..."):
-                plan = make_plan(req)
+                plan = make_plan(dataclasses.replace(base, strategy=strategy))
             wh.store_plan(plan, label=args.label)
             plans.append(plan)
     print_side_by_side(plans)

@@ -75,7 +75,7 @@ def candidate_bounds(
         by_depth: dict[int, list[int]] = {}
         for i, c in enumerate(cands):
             by_depth.setdefault(len(c.partitions), []).append(i)
-        for _D, idx in by_depth.items():
+        for idx in by_depth.values():
             t = np.array([[p.vgpu_throughput for p in cands[i].partitions] for i in idx])
             v = np.array([[p.share for p in cands[i].partitions] for i in idx], dtype=float)
             k = np.array([[tix[p.gpu] for p in cands[i].partitions] for i in idx])

@@ -145,12 +145,13 @@ def _solve_group(
         if not en.pipelines:
             raise _infeasible(req, c, en, what)
     cands = [en.pipelines for en in enums]
-    pre_seconds, dropped_bound, start = 0.0, -math.inf, None
+    quick: _Quick | None = None
+    dropped_bound = -math.inf
     if sum(len(c) for c in cands) > PRUNE_ABOVE:
         cands, quick, dropped_bound = _prune(req, cands)
-        pre_seconds = quick.seconds
     group = build_group_milp(cands, list(req.weights), req.cluster, req.packing)
-    if pre_seconds and quick.chosen is not None:
+    start = None
+    if quick is not None and quick.chosen is not None:
         start = _start_values(group, cands, quick.chosen, quick.objective)
     result = solve(group.milp, req.solver, req.time_limit_s, req.mip_gap, req.threads, start)
     if not result.has_solution or result.values is None:
@@ -162,7 +163,8 @@ def _solve_group(
     result.bound = max(result.bound, dropped_bound)
     if dropped_bound > result.objective:
         result.gap = max(result.gap, relative_gap(result.objective, result.bound))
-    result.seconds += pre_seconds
+    if quick is not None:
+        result.seconds += quick.seconds
     chosen = _read_counts(group, cands, result.values)
     milp = group.milp
     return _Solved(
@@ -229,7 +231,9 @@ def _prune(
     cb = candidate_bounds(cands, list(req.weights), req.cluster)
     top = [_incumbent_pool(mc, b) for mc, b in zip(cands, cb.bounds, strict=True)]
     group = build_group_milp(top, list(req.weights), req.cluster, req.packing)
-    res = solve(group.milp, req.solver, min(req.time_limit_s, INCUMBENT_TIME_S), req.mip_gap)
+    res = solve(
+        group.milp, req.solver, min(req.time_limit_s, INCUMBENT_TIME_S), req.mip_gap, req.threads
+    )
     chosen = _read_counts(group, top, res.values) if res.values is not None else None
     incumbent = res.objective if chosen is not None else 0.0
     kept, dropped_bound = [], -math.inf
@@ -313,7 +317,7 @@ def _assemble(
     )
 
 
-def _solver_info(req: PlanRequest, solved: list[_Solved], started: float) -> SolverInfo:
+def _solver_info(solved: list[_Solved], started: float) -> SolverInfo:
     last = solved[-1]
     statuses = {s.result.status for s in solved}
     status = "optimal" if statuses == {"optimal"} else ",".join(sorted(statuses))
@@ -370,7 +374,7 @@ def make_plan(req: PlanRequest) -> Plan:
         solved = _solve_group(req, costs, P, "whole-GPU" if whole else f"{P}-partition")
         pipelines = [[_pipeline_plan(c, n) for c, n in picked] for picked in solved.chosen]
         runs = [s for s in (lam_solved, solved) if s is not None]
-        plan = _assemble(req, req.strategy, P, pipelines, lam, _solver_info(req, runs, started))
+        plan = _assemble(req, req.strategy, P, pipelines, lam, _solver_info(runs, started))
     plan.verify({m.name: m for m in req.models})
     return plan
 
@@ -407,7 +411,7 @@ def _plan_dart_r(
     costs_np = _costs(req, lam, whole_gpus_only=True)
     np_solved = _solve_group(np_req, costs_np, 1, "whole-GPU")
     np_pipes = [[_pipeline_plan(c, n) for c, n in picked] for picked in np_solved.chosen]
-    np_plan = _assemble(np_req, "np", 1, np_pipes, lam, _solver_info(req, [np_solved], started))
+    np_plan = _assemble(np_req, "np", 1, np_pipes, lam, _solver_info([np_solved], started))
     alloc = _split_gpus_like_np(req, np_plan)
 
     pipelines: list[list[PipelinePlan]] = []
@@ -441,7 +445,7 @@ def _plan_dart_r(
             add(max(singles, key=lambda c: (_one_each(c), -c.latency_us)), leftover)
         pipelines.append([_pipeline_plan(c, [n] * len(c.partitions)) for c, n in pipes.values()])
     runs = [s for s in (lam_solved, np_solved) if s is not None]
-    info = replace(_solver_info(req, runs, started), candidates=0)
+    info = replace(_solver_info(runs, started), candidates=0)
     meta = {"gpu_split": alloc}
     return _assemble(req, "dart-r", 2, pipelines, lam, info, meta)
 
