@@ -7,6 +7,7 @@ returns a `MilpResult`. Nothing here knows about pipelines.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -118,7 +119,8 @@ def _solve_highs(
     import highspy
 
     h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    # POOLPIPE_SOLVER_LOG=1 shows HiGHS's own progress log (for diagnosing slow solves).
+    h.setOptionValue("output_flag", os.environ.get("POOLPIPE_SOLVER_LOG", "") not in ("", "0"))
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     if threads:
