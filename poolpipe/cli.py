@@ -1,4 +1,5 @@
-"""The `poolpipe` command: import profiles, plan, compare strategies, manage the warehouse."""
+"""The `poolpipe` command: import profiles, plan, compare strategies, simulate, manage the
+warehouse."""
 
 from __future__ import annotations
 
@@ -421,6 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_options(cmp_)
     cmp_.add_argument("--strategies", default=",".join(STRATEGIES))
     cmp_.set_defaults(func=cmd_compare)
+
+    from poolpipe.cli_sim import add_commands
+
+    add_commands(sub)
 
     wh = sub.add_parser("warehouse", help="warehouse maintenance")
     wsub = wh.add_subparsers(dest="warehouse_command", required=True, metavar="ACTION")

@@ -1,0 +1,281 @@
+"""`poolpipe simulate` and `poolpipe capacity`: run plans through the discrete-event simulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.progress import Progress, TaskID
+from rich.table import Table
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.plan import Plan
+from poolpipe.scheduler import DATA_PLANES, Topology, build_topology
+from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, run_once
+from poolpipe.sim.capacity import SEARCHES, CapacityResult, search_capacity
+from poolpipe.sim.records import capacity_rows, sim_rows
+from poolpipe.warehouse import Warehouse
+
+
+def _console():  # the CLI's console (imported late: cli imports this module)
+    from poolpipe.cli import console
+
+    return console
+
+
+def _load_plan(path: str, wh: Warehouse) -> tuple[Plan, Topology]:
+    p = Path(path)
+    if not p.is_file():
+        raise PoolpipeError(f"plan file {path} does not exist; write one with poolpipe plan --out")
+    plan = Plan.load(p)
+    profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
+    return plan, build_topology(plan, profiles)
+
+
+def _reference_rates(args: argparse.Namespace, plan: Plan, wh: Warehouse) -> list[float] | None:
+    if not getattr(args, "rates_from", None):
+        return None
+    ref = Plan.load(Path(args.rates_from))
+    return _match_rates(ref, plan, args.rates_from)
+
+
+def _match_rates(ref: Plan, plan: Plan, where: str) -> list[float]:
+    names = [m.name for m in plan.models]
+    if sorted(names) != sorted(m.name for m in ref.models):
+        raise PoolpipeError(
+            f"{where} plans {[m.name for m in ref.models]} but the plan to run has {names}; "
+            "rates can only come from a plan of the same models"
+        )
+    return [ref.model(n).throughput for n in names]
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise PoolpipeError(f"--seeds takes integers separated by commas, got {text!r}") from None
+    if not seeds:
+        raise PoolpipeError("--seeds is empty")
+    return seeds
+
+
+def print_sim(result: SimResult, title: str) -> None:
+    t = Table(title=title, title_justify="left")
+    for col in (
+        "model",
+        "req/s",
+        "arrived",
+        "on time",
+        "late",
+        "dropped",
+        "attainment",
+        "p50 ms",
+        "p99 ms",
+    ):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for m in result.models:
+        t.add_row(
+            m.name,
+            f"{m.rate_per_s:,.1f}",
+            f"{m.arrived:,}",
+            f"{m.on_time:,}",
+            f"{m.late:,}",
+            f"{m.dropped:,}",
+            f"{m.attainment:.4f}",
+            f"{m.latency_p50_us / 1e3:.2f}",
+            f"{m.latency_p99_us / 1e3:.2f}",
+        )
+    console = _console()
+    console.print(t)
+    util = ", ".join(f"{g} {u:.1%}" for g, u in result.utilization.items())
+    console.print(
+        f"GPU utilization {util}  |  {result.batches:,} batches, {result.probes_per_batch:.2f} "
+        f"probes and {result.sched_us_per_batch_median:.1f} µs scheduling per batch (median)  "
+        f"|  transfer wait {result.transfer_wait_us_mean:.0f} µs  |  "
+        f"{result.requests_per_wall_s:,.0f} simulated req per wall s"
+    )
+    if result.drop_reasons:
+        console.print(
+            "drops: " + ", ".join(f"{n:,} {why}" for why, n in result.drop_reasons.items())
+        )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    spec = ArrivalSpec.parse(args.arrivals)
+    with Warehouse.open(args.warehouse) as wh:
+        plan, topo = _load_plan(args.plan, wh)
+        rates = _reference_rates(args, plan, wh)
+        config = SimConfig(duration_s=args.duration, seed=args.seed, jitter=args.jitter)
+        with _console().status("simulating ..."):
+            result = run_once(topo, spec, args.load_factor, config, args.data_plane, rates)
+        wh.store_rows(
+            "sim_runs",
+            sim_rows(
+                result,
+                label=args.label or "cli",
+                config=str(args.plan),
+                strategy=plan.strategy,
+                cluster=plan.cluster.name,
+                arrivals=spec.describe(),
+                load_factor=args.load_factor,
+                seed=args.seed,
+                jitter=args.jitter,
+            ),
+        )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print_sim(
+        result,
+        f"{plan.strategy} plan on {plan.cluster.name}, {result.data_plane} data plane, "
+        f"{spec.describe()} arrivals at load factor {args.load_factor:g}, {args.duration:g} s",
+    )
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    spec = ArrivalSpec.parse(args.arrivals)
+    seeds = _seeds(args.seeds)
+    console = _console()
+    with Warehouse.open(args.warehouse) as wh:
+        plan, topo = _load_plan(args.plan, wh)
+        runs: list[tuple[str, Plan, Topology]] = [(args.plan, plan, topo)]
+        for path in [p for p in (args.baseline_plans or "").split(",") if p.strip()]:
+            bplan, btopo = _load_plan(path.strip(), wh)
+            _match_rates(plan, bplan, path)
+            runs.append((path.strip(), bplan, btopo))
+        results: list[tuple[str, Plan, CapacityResult]] = []
+        with Progress(console=console, transient=True) as progress:
+            for path, p, t in runs:
+                task = progress.add_task(f"{p.strategy}: searching", total=None)
+
+                def point(
+                    lf: float, att: dict[str, float], task: TaskID = task, p: Plan = p
+                ) -> None:
+                    worst = min(att.values())
+                    progress.update(
+                        task, description=f"{p.strategy}: load {lf:.2f} → worst {worst:.4f}"
+                    )
+
+                rates = _match_rates(plan, p, args.plan)
+                cap = search_capacity(
+                    t,
+                    spec,
+                    duration_s=args.duration,
+                    seeds=seeds,
+                    data_plane=args.data_plane,
+                    reference_rates=rates,
+                    method=args.search,
+                    step=args.step,
+                    jitter=args.jitter,
+                    on_point=point,
+                )
+                progress.remove_task(task)
+                results.append((path, p, cap))
+                wh.store_rows(
+                    "capacity_results",
+                    capacity_rows(
+                        cap,
+                        label=args.label or "cli",
+                        config=path,
+                        strategy=p.strategy,
+                        cluster=p.cluster.name,
+                        data_plane=args.data_plane,
+                        arrivals=spec.describe(),
+                        search=args.search,
+                        seeds=seeds,
+                        duration_s=args.duration,
+                    ),
+                )
+    if args.json:
+        doc = {
+            "reference_plan": args.plan,
+            "data_plane": args.data_plane,
+            "arrivals": spec.describe(),
+            "search": args.search,
+            "seeds": seeds,
+            "duration_s": args.duration,
+            "plans": [
+                {
+                    "plan": path,
+                    "strategy": p.strategy,
+                    "simulations": cap.simulations,
+                    "models": {
+                        name: {
+                            "capacity": cap.capacity[name],
+                            "attainment": {
+                                f"{lf:g}": att[name] for lf, att in sorted(cap.attainment.items())
+                            },
+                        }
+                        for name in cap.models
+                    },
+                }
+                for path, p, cap in results
+            ],
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    table = Table(
+        title=f"capacity (largest load factor with ≥ 99% on time; late = miss) on "
+        f"{plan.cluster.name}, {args.data_plane} data plane, {spec.describe()}, "
+        f"seeds {args.seeds}, {args.duration:g} s",
+        title_justify="left",
+    )
+    table.add_column("model")
+    for _, p, _ in results:
+        table.add_column(p.strategy, justify="right")
+    for name in results[0][2].models:
+        table.add_row(name, *[f"{cap.capacity[name]:.2f}" for _, _, cap in results])
+    table.add_section()
+    table.add_row(
+        "mean",
+        *[f"{sum(c.capacity.values()) / len(c.capacity):.3f}" for _, _, c in results],
+    )
+    console.print(table)
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--arrivals",
+        default="poisson",
+        help="poisson | gamma:CV | an Azure Functions 2021 trace (csv) | a file of arrival "
+        "times in µs, one per line (optionally followed by a model name)",
+    )
+    common.add_argument("--duration", type=float, default=30.0, help="simulated seconds (30)")
+    common.add_argument("--data-plane", choices=DATA_PLANES, default="reservation")
+    common.add_argument(
+        "--jitter", type=float, default=0.0, help="execution-time CV (0: as profiled)"
+    )
+    common.add_argument("--json", action="store_true", help="print one JSON document")
+    common.add_argument("--label", help="label stored with the results")
+
+    sim = sub.add_parser("simulate", parents=[common], help="simulate a plan at one load factor")
+    sim.add_argument("--plan", required=True, help="plan JSON (poolpipe plan --out)")
+    sim.add_argument("--load-factor", type=float, default=0.9, help="x the plan's req/s (0.9)")
+    sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument(
+        "--rates-from", help="plan whose throughput is load factor 1.0 (default: --plan)"
+    )
+    sim.set_defaults(func=cmd_simulate)
+
+    cap = sub.add_parser(
+        "capacity",
+        parents=[common],
+        help="largest load factor with >= 99%% attainment, per model",
+    )
+    cap.add_argument("--plan", required=True, help="the ppipe plan: its req/s are load 1.0")
+    cap.add_argument(
+        "--baseline-plans", help="comma-separated plans run at the same absolute rates"
+    )
+    cap.add_argument("--seeds", default="1", help="comma-separated seeds, pooled (1)")
+    cap.add_argument(
+        "--search",
+        choices=SEARCHES,
+        default="step",
+        help="step: down from 1.0 (the paper's); bisect: fewer simulations",
+    )
+    cap.add_argument("--step", type=float, default=0.05, help="load-factor grid (0.05)")
+    cap.set_defaults(func=cmd_capacity)

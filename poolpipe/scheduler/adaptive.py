@@ -1,0 +1,313 @@
+"""The reservation-based data plane of dataplane.md: probe every pipeline, pick the one with the
+least waiting, take the largest batch that meets the oldest request's deadline, and then drop,
+wait until the last moment, or reserve the path and dispatch.
+
+Two variants share the machinery: `eager` (dispatch whatever is queued, never wait) and
+`deferred` (Symphony's window: dispatch once one more request could no longer fit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.scheduler.messages import (
+    DROP_CANNOT_MEET,
+    DROP_DEADLINE_PASSED,
+    DROP_OVERLOAD,
+    Decisions,
+    Dispatch,
+    Drop,
+    Hop,
+    Request,
+    StageReport,
+)
+from poolpipe.scheduler.reservations import ReservationTable, earliest_common_slot
+from poolpipe.scheduler.topology import Pipeline, Topology
+
+POLICIES = ("adaptive", "eager", "deferred")
+# Wake up this long before the computed last moment, so float round-off cannot turn an
+# on-time dispatch into a late one (µs).
+WAKE_GUARD_US = 1.0
+
+# A probe result: (waiting µs, finish µs, path). A path is a list of hop tuples
+# (pool, vgpu, src_vgpu, transfer_start, transfer_end, start, end).
+HopTuple = tuple[int, int, int, float, float, float, float]
+ProbeResult = tuple[float, float, list[HopTuple]]
+
+
+class ReservationScheduler:
+    """Reservation tables for every vGPU and every server's uplink and downlink."""
+
+    def __init__(self, topo: Topology, policy: str = "adaptive", max_queue: int | None = None):
+        if policy not in POLICIES:
+            raise PoolpipeError(f"unknown batching policy {policy!r}; choose {', '.join(POLICIES)}")
+        if max_queue is not None and max_queue < 1:
+            raise PoolpipeError(f"max_queue must be >= 1, got {max_queue}")
+        self.name = policy if policy != "adaptive" else "reservation"
+        self.policy = policy
+        self.topo = topo
+        self.max_queue = max_queue
+        self.vgpu_table = [ReservationTable(f"vgpu{v.id}") for v in topo.vgpus]
+        self.uplink = [ReservationTable(f"up{s.id}") for s in topo.servers]
+        self.downlink = [ReservationTable(f"down{s.id}") for s in topo.servers]
+        self.server_of = [v.server for v in topo.vgpus]
+        # Per pool: its vGPUs grouped by server (one transfer slot per server), and a
+        # rotating start so that equally good vGPUs and NICs take turns.
+        self._groups: list[list[tuple[int, list[int]]]] = []
+        for pool in topo.pools:
+            by_server: dict[int, list[int]] = {}
+            for v in pool.vgpus:
+                by_server.setdefault(self.server_of[v], []).append(v)
+            self._groups.append(list(by_server.items()))
+        self._flat = [list(pool.vgpus) for pool in topo.pools]
+        self._rr = [0] * len(topo.pools)
+        self._pipes: list[list[Pipeline]] = [
+            [topo.pipelines[i] for i in m.pipelines] for m in topo.models
+        ]
+        M = len(topo.models)
+        self.queues: list[deque[Request]] = [deque() for _ in range(M)]
+        self._dirty = [False] * M
+        self._wake = [math.inf] * M  # the model waits for more requests until then
+        self._wait_batch = [0] * M  # ... or until this many are queued
+        self._probes_since = [0] * M
+        self._rejected: list[Drop] = []
+        self._inflight: dict[int, Dispatch] = {}
+        self._next_dispatch = 0
+        self.probes = 0  # probe() calls so far
+        self.dispatched = 0  # batches so far
+
+    # ------------------------------------------------------------------ contract
+
+    def add_request(self, req: Request, now: float) -> None:
+        m = req.model
+        q = self.queues[m]
+        if self.max_queue is not None and len(q) >= self.max_queue:
+            self._rejected.append(Drop(req, DROP_OVERLOAD))
+            return
+        q.append(req)
+        if self._wake[m] == math.inf or len(q) >= self._wait_batch[m]:
+            self._dirty[m] = True
+
+    def decide(self, now: float) -> Decisions:
+        out = Decisions()
+        if self._rejected:
+            out.drops.extend(self._rejected)
+            self._rejected.clear()
+        M = len(self.queues)
+        while True:
+            before = len(out.dispatches)
+            for m in range(M):
+                if self._dirty[m] or self._wake[m] <= now:
+                    self._dirty[m] = False
+                    self._wake[m] = math.inf
+                    self._decide_model(m, now, out)
+            if M == 1 or len(out.dispatches) == before:
+                break
+            # Links are shared across models: the slack a waiting model computed before
+            # these reservations may be gone, so it looks again.
+            touched = {d.model for d in out.dispatches[before:]}
+            again = False
+            for m in range(M):
+                if self._wake[m] < math.inf and m not in touched:
+                    self._dirty[m] = again = True
+            if not again:
+                break
+        wake = min(self._wake)
+        out.wake_at_us = wake if wake < math.inf else None
+        return out
+
+    def on_stage_started(self, report: StageReport, now: float) -> None:
+        self._correct(report, now)
+
+    def on_stage_done(self, report: StageReport, now: float) -> bool:
+        d = self._correct(report, now)
+        if d is not None and report.hop == len(d.hops) - 1:
+            del self._inflight[report.dispatch]
+        return False
+
+    # ------------------------------------------------------------------ probe / reserve
+
+    def probe(self, pipe: Pipeline, b: int, now: float) -> ProbeResult:
+        """Where and when a batch of b would run on `pipe` if dispatched now; no side effects."""
+        self.probes += 1
+        pools = self.topo.pools
+        vt = self.vgpu_table
+        t = now
+        wait = 0.0
+        path: list[HopTuple] = []
+        prev = -1
+        npools = len(pipe.pools)
+        uplink, server_of = self.uplink, self.server_of
+        for d, pid in enumerate(pipe.pools):
+            pool = pools[pid]
+            lat = pool.latency_us[b]
+            # Look one transfer ahead: among vGPUs finishing equally early, prefer one whose
+            # server can send the result on at once (the greedy rule would ignore the NIC).
+            out = b * pools[pipe.pools[d + 1]].transfer_in_us if d + 1 < npools else 0.0
+            if prev < 0:
+                flat = self._flat[pid]
+                n = len(flat)
+                r = self._rr[pid]
+                best_key, best_s, best_v = math.inf, math.inf, -1
+                for i in range(n):
+                    v = flat[(r + i) % n]
+                    s = vt[v].earliest_slot(t, lat)
+                    if s >= best_key:
+                        continue
+                    key = uplink[server_of[v]].earliest_slot(s + lat, out) if out else s + lat
+                    if key < best_key or (key == best_key and s < best_s):
+                        best_key, best_s, best_v = key, s, v
+                        if key <= t + lat:
+                            break
+                path.append((pid, best_v, -1, t, t, best_s, best_s + lat))
+                wait += best_s - t
+                t = best_s + lat
+            else:
+                dur = b * pool.transfer_in_us
+                up = uplink[server_of[prev]]
+                t_up = up.earliest_slot(t, dur) if dur > 0 else t
+                floor = t_up + dur + lat  # nothing can finish earlier
+                groups = self._groups[pid]
+                n = len(groups)
+                r = self._rr[pid]
+                best = (math.inf, math.inf, -1, 0.0, 0.0, 0.0)  # key, finish, vgpu, ts, te, s
+                for i in range(n):
+                    srv, vgs = groups[(r + i) % n]
+                    down = self.downlink[srv]
+                    ts = earliest_common_slot((up, down), t_up, dur) if dur > 0 else t
+                    te = ts + dur
+                    if te + lat >= best[0]:
+                        continue
+                    srv_up = uplink[srv]
+                    for v in vgs:
+                        s = vt[v].earliest_slot(te, lat)
+                        f = s + lat
+                        if f >= best[0]:
+                            continue
+                        key = srv_up.earliest_slot(f, out) if out else f
+                        if key < best[0] or (key == best[0] and f < best[1]):
+                            best = (key, f, v, ts, te, s)
+                            if s <= te:
+                                break
+                    if best[0] <= floor:
+                        break
+                _, finish, v, ts, te, s = best
+                path.append((pid, v, prev, ts, te, s, finish))
+                wait += (ts - t) + (s - te)
+                t = finish
+            prev = path[-1][1]
+        return wait, t, path
+
+    def _reserve(self, path: list[HopTuple], did: int, now: float) -> None:
+        vt = self.vgpu_table
+        for h, (pid, v, src, ts, te, s, e) in enumerate(path):
+            key = did * 64 + h * 2
+            table = vt[v]
+            table.forget_before(now)
+            table.reserve(s, e, key)
+            if te > ts:
+                up = self.uplink[self.server_of[src]]
+                down = self.downlink[self.server_of[v]]
+                up.forget_before(now)
+                down.forget_before(now)
+                up.reserve(ts, te, key + 1)
+                down.reserve(ts, te, key + 1)
+            # The next probe of this pool starts after the chosen vGPU / server.
+            if src < 0:
+                flat = self._flat[pid]
+                self._rr[pid] = (flat.index(v) + 1) % len(flat)
+            else:
+                groups = self._groups[pid]
+                srv = self.server_of[v]
+                idx = next(i for i, g in enumerate(groups) if g[0] == srv)
+                self._rr[pid] = (idx + 1) % len(groups)
+
+    def _correct(self, report: StageReport, now: float) -> Dispatch | None:
+        d = self._inflight.get(report.dispatch)
+        if d is None:
+            return None
+        hop = d.hops[report.hop]
+        key = report.dispatch * 64 + report.hop * 2
+        end = report.end_us
+        if end is None:  # started: assume it runs as long as reserved
+            end = report.start_us + (hop.end_us - hop.start_us)
+        self.vgpu_table[hop.vgpu].correct(key, report.start_us, end, now)
+        ts, te = report.transfer_start_us, report.transfer_end_us
+        if ts is not None and te is not None and hop.transfer_end_us > hop.transfer_start_us:
+            for table in (
+                self.uplink[self.server_of[hop.src_vgpu]],
+                self.downlink[self.server_of[hop.vgpu]],
+            ):
+                table.correct(key + 1, ts, te, now)
+        return d
+
+    # ------------------------------------------------------------------ batching loop
+
+    def _decide_model(self, m: int, now: float, out: Decisions) -> None:
+        q = self.queues[m]
+        pipes = self._pipes[m]
+        while q:
+            head = q[0]
+            if head.deadline_us <= now:
+                q.popleft()
+                out.drops.append(Drop(head, DROP_DEADLINE_PASSED))
+                continue
+            # 1. the pipeline with the least waiting at its planned batch
+            pipe = pipes[0]
+            pr = self.probe(pipe, pipe.batch, now)
+            for other in pipes[1:]:
+                po = self.probe(other, other.batch, now)
+                if (po[0], po[1]) < (pr[0], pr[1]):
+                    pipe, pr = other, po
+            # 2. the largest batch that meets the head's deadline
+            b = pipe.batch
+            while pr[1] > head.deadline_us and b > 1:
+                b -= 1
+                pr = self.probe(pipe, b, now)
+            if pr[1] > head.deadline_us:
+                q.popleft()
+                out.drops.append(Drop(head, DROP_CANNOT_MEET))
+                continue
+            # 3. wait for more requests, or dispatch
+            n = len(q)
+            if n < b:
+                pn = self.probe(pipe, n, now)
+                if self.policy != "eager" and pn[1] <= head.deadline_us:
+                    if self.policy == "deferred":
+                        # Symphony: go once a batch of n + 1 could no longer make it.
+                        slack = head.deadline_us - self.probe(pipe, n + 1, now)[1]
+                    else:
+                        slack = head.deadline_us - pn[1]
+                    if slack > WAKE_GUARD_US:
+                        self._wake[m] = now + slack - WAKE_GUARD_US
+                        self._wait_batch[m] = b
+                        return
+                if pn[1] <= head.deadline_us:
+                    b, pr = n, pn
+                # else latency is not monotone in b here: send the n on b's timing
+            self._dispatch(m, pipe, b, pr, now, out)
+
+    def _dispatch(
+        self, m: int, pipe: Pipeline, b: int, pr: ProbeResult, now: float, out: Decisions
+    ) -> None:
+        q = self.queues[m]
+        did = self._next_dispatch
+        self._next_dispatch += 1
+        self._reserve(pr[2], did, now)
+        reqs = [q.popleft() for _ in range(min(b, len(q)))]
+        d = Dispatch(
+            id=did,
+            model=m,
+            pipeline=pipe.id,
+            batch=b,
+            requests=reqs,
+            hops=[Hop(*h) for h in pr[2]],
+            final=True,
+            probes=self.probes - self._probes_since[m],
+        )
+        self._probes_since[m] = self.probes
+        self._inflight[did] = d
+        self.dispatched += 1
+        out.dispatches.append(d)

@@ -1,0 +1,218 @@
+"""The physical layout a plan runs on: servers, GPUs carved into vGPUs, and one pool of vGPUs
+per (pipeline, partition), with each pool's latency at every batch size it may run.
+
+Built once from a `Plan` and the profiles; the scheduler, the simulator and the live router
+all read the same `Topology`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from poolpipe.costs import ModelCosts
+from poolpipe.errors import ClusterError, UnknownNameError
+from poolpipe.plan import Plan
+from poolpipe.profiles import ModelProfile
+
+
+@dataclass(frozen=True)
+class Server:
+    id: int
+    gpu: str  # every GPU of a server is of one type
+    index: int  # server number within its GPU type
+
+
+@dataclass(frozen=True)
+class VGpu:
+    id: int
+    pool: int  # the pool (pipeline partition) this vGPU serves
+    gpu: str
+    share: int  # 1/share of a physical GPU
+    physical: int  # index of the physical GPU within its type
+    server: int
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The vGPUs that run one partition of one pipeline; any of them may take any batch."""
+
+    id: int
+    model: int
+    pipeline: int  # index within the model's pipelines
+    position: int  # partition index within the pipeline
+    gpu: str
+    share: int
+    start: int  # blocks [start, end)
+    end: int
+    vgpus: tuple[int, ...]
+    latency_us: tuple[float, ...]  # [b]: compute latency at batch b (index 0 unused)
+    transfer_in_us: float  # per sample: receiving the feature map (0 for the first partition)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    id: int  # index into Topology.pipelines
+    model: int
+    index: int
+    batch: int  # the plan's unified batch size
+    pools: tuple[int, ...]
+    throughput: float  # planned req/s
+    latency_us: float  # planned end-to-end latency
+
+
+@dataclass(frozen=True)
+class Model:
+    index: int
+    name: str
+    slo_us: float
+    weight: float
+    throughput: float  # planned req/s
+    pipelines: tuple[int, ...]  # indices into Topology.pipelines
+
+
+@dataclass(frozen=True)
+class Topology:
+    cluster_name: str
+    servers: tuple[Server, ...]
+    vgpus: tuple[VGpu, ...]
+    pools: tuple[Pool, ...]
+    pipelines: tuple[Pipeline, ...]
+    models: tuple[Model, ...]
+    gpu_counts: Mapping[str, int]  # physical GPUs per type in the cluster
+    overcommitted_gpus: int = 0  # GPUs whose shares sum above 1 (per-position plans only)
+
+    def model_index(self, name: str) -> int:
+        for m in self.models:
+            if m.name == name:
+                return m.index
+        raise UnknownNameError(
+            f"no model {name!r} in the plan; it has {[m.name for m in self.models]}"
+        )
+
+    def num_vgpus(self) -> int:
+        return len(self.vgpus)
+
+
+def build_topology(plan: Plan, profiles: Mapping[str, ModelProfile]) -> Topology:
+    """Lay the plan's vGPUs onto GPUs (first-fit decreasing) and the GPUs onto servers."""
+    cluster = plan.cluster
+    models: list[Model] = []
+    pipelines: list[Pipeline] = []
+    pools: list[Pool] = []
+    pool_demand: list[tuple[int, int, int]] = []  # (pool id, share, vgpus)
+    for mi, m in enumerate(plan.models):
+        if m.name not in profiles:
+            raise UnknownNameError(
+                f"plan model {m.name!r} has no profile; import it (poolpipe profiles import-ppipe)"
+            )
+        costs = ModelCosts(profiles[m.name], cluster, m.slo_us, plan.margin, None)
+        pipe_ids = []
+        for pi, pp in enumerate(m.pipelines):
+            pool_ids = []
+            for d, part in enumerate(pp.partitions):
+                kv = costs.kv_index(part.gpu, part.share)
+                lats = [math.nan] + [
+                    costs.partition_latency_us(kv, b, part.start, part.end)
+                    for b in range(1, pp.batch + 1)
+                ]
+                if any(not lat > 0 for lat in lats[1:]):
+                    raise ClusterError(
+                        f"{m.name}: partition {part.start}-{part.end} on {part.gpu}/{part.share}"
+                        f" has no profiled latency for every batch 1..{pp.batch}"
+                    )
+                tau_in = 0.0 if part.start == 0 else float(costs.tau_us[part.start - 1])
+                pid = len(pools)
+                pools.append(
+                    Pool(
+                        id=pid,
+                        model=mi,
+                        pipeline=len(pipelines),
+                        position=d,
+                        gpu=part.gpu,
+                        share=part.share,
+                        start=part.start,
+                        end=part.end,
+                        vgpus=(),
+                        latency_us=tuple(lats),
+                        transfer_in_us=tau_in,
+                    )
+                )
+                pool_demand.append((pid, part.share, part.vgpus))
+                pool_ids.append(pid)
+            pipe_ids.append(len(pipelines))
+            pipelines.append(
+                Pipeline(
+                    id=len(pipelines),
+                    model=mi,
+                    index=pi,
+                    batch=pp.batch,
+                    pools=tuple(pool_ids),
+                    throughput=pp.throughput,
+                    latency_us=pp.latency_us,
+                )
+            )
+        models.append(
+            Model(
+                index=mi,
+                name=m.name,
+                slo_us=m.slo_us,
+                weight=m.weight,
+                throughput=m.throughput,
+                pipelines=tuple(pipe_ids),
+            )
+        )
+
+    servers: list[Server] = []
+    vgpus: list[VGpu] = []
+    pool_vgpus: dict[int, list[int]] = {pid: [] for pid, _, _ in pool_demand}
+    overcommitted = 0
+    for cpool in cluster.pools:
+        demand = [d for d in pool_demand if pools[d[0]].gpu == cpool.gpu]
+        if not demand:
+            continue
+        unit = math.lcm(*(share for _, share, _ in demand))  # capacity of one GPU, in units
+        free: list[int] = []  # remaining units per physical GPU opened so far
+        placed: list[tuple[int, int, int]] = []  # (pool, share, physical gpu)
+        # Whole GPUs first, then halves, ...: first-fit decreasing keeps shares together.
+        for pid, share, n in sorted(demand, key=lambda d: (d[1], d[0])):
+            size = unit // share
+            for _ in range(n):
+                g = next((i for i, f in enumerate(free) if f >= size), None)
+                if g is None:
+                    if len(free) < cpool.count:
+                        free.append(unit)
+                        g = len(free) - 1
+                    else:
+                        # The per-position rule rounds each position's GPUs separately, so
+                        # mixed shares may not pack; run on the least-loaded GPU instead.
+                        g = max(range(len(free)), key=lambda i: free[i])
+                        if free[g] >= 0:
+                            overcommitted += 1
+                free[g] -= size
+                placed.append((pid, share, g))
+        # Deal the GPUs out over all of the type's servers in turn: a pool's vGPUs then sit
+        # on many servers, and the NIC load of senders and receivers is spread evenly.
+        base = len(servers)
+        num_servers = math.ceil(cpool.count / cpool.gpus_per_server)
+        for s in range(min(num_servers, len(free))):
+            servers.append(Server(id=base + s, gpu=cpool.gpu, index=s))
+        for pid, share, g in placed:
+            vid = len(vgpus)
+            server = base + g % num_servers
+            vgpus.append(VGpu(vid, pid, cpool.gpu, share, g, server))
+            pool_vgpus[pid].append(vid)
+    for pid, vids in pool_vgpus.items():
+        p = pools[pid]
+        pools[pid] = Pool(**{**p.__dict__, "vgpus": tuple(vids)})
+    return Topology(
+        cluster_name=cluster.name,
+        servers=tuple(servers),
+        vgpus=tuple(vgpus),
+        pools=tuple(pools),
+        pipelines=tuple(pipelines),
+        models=tuple(models),
+        gpu_counts={p.gpu: p.count for p in cluster.pools},
+        overcommitted_gpus=overcommitted,
+    )
