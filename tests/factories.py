@@ -1,0 +1,57 @@
+"""Hand-built topologies and requests for stepping data planes without a plan or a clock."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from poolpipe.scheduler import Request, Topology
+from poolpipe.scheduler.topology import Model, Pipeline, Pool, Server, VGpu
+
+
+def make_topology(
+    stages: Sequence[tuple[Sequence[int], Sequence[float], float]],
+    *,
+    batch: int = 1,
+    slo_us: float = 100.0,
+    throughput: float = 100.0,
+) -> Topology:
+    """One model, one pipeline. Each stage: (server of each vGPU, latency per batch 1..B,
+    transfer-in µs per sample). Servers are numbered from 0 and all hold GPU type "G"."""
+    servers = sorted({s for st in stages for s in st[0]})
+    vgpus: list[VGpu] = []
+    pools: list[Pool] = []
+    for d, (on, lats, tau) in enumerate(stages):
+        ids = []
+        for srv in on:
+            ids.append(len(vgpus))
+            vgpus.append(VGpu(len(vgpus), d, "G", 1, len(vgpus), srv))
+        pools.append(
+            Pool(
+                d,
+                0,
+                0,
+                d,
+                "G",
+                1,
+                d,
+                d + 1,
+                tuple(ids),
+                (float("nan"), *lats),
+                0.0 if d == 0 else tau,
+            )
+        )
+    pipe = Pipeline(0, 0, 0, batch, tuple(range(len(stages))), throughput, 0.0)
+    model = Model(0, "m", slo_us, 1.0, throughput, (0,))
+    return Topology(
+        cluster_name="hand",
+        servers=tuple(Server(s, "G", s) for s in servers),
+        vgpus=tuple(vgpus),
+        pools=tuple(pools),
+        pipelines=(pipe,),
+        models=(model,),
+        gpu_counts={"G": len(vgpus)},
+    )
+
+
+def make_requests(n: int, *, start_us: float = 0.0, gap_us: float = 0.0, slo_us: float = 100.0):
+    return [Request(i, 0, start_us + i * gap_us, start_us + i * gap_us + slo_us) for i in range(n)]

@@ -1,0 +1,150 @@
+"""`poolpipe simulate` and `poolpipe capacity` on a real warehouse with real plans."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import pytest
+
+from poolpipe.cli import main
+
+GROUP = "colorization-v2,googlenet-v3-pytorch,repvgg-b3"
+
+
+@pytest.fixture
+def planned(ppipe_dir, warehouse_path, tmp_path):
+    wh = ["--warehouse", str(warehouse_path)]
+    assert main([*wh, "profiles", "import-ppipe", str(ppipe_dir)]) == 0
+    paths = {}
+    for strategy in ("ppipe", "np"):
+        out = tmp_path / f"{strategy}.json"
+        argv = [
+            *wh,
+            "plan",
+            "--cluster",
+            "hc2-small",
+            "--models",
+            GROUP,
+            "--weights",
+            "0.30,0.33,0.37",
+            "--slo-scale",
+            "5",
+            "--margin",
+            "0.4",
+            "--strategy",
+            strategy,
+            "--packing",
+            "per-position",
+            "--out",
+            str(out),
+        ]
+        assert main(argv) == 0
+        paths[strategy] = out
+    return wh, paths
+
+
+def test_simulate_json_and_replayed_arrival_file(planned, tmp_path, capsys, warehouse_path):
+    wh, paths = planned
+    capsys.readouterr()
+    arrivals = tmp_path / "times.txt"
+    arrivals.write_text("\n".join(f"{i * 10_000} googlenet-v3-pytorch" for i in range(500)))
+    argv = [
+        *wh,
+        "simulate",
+        "--plan",
+        str(paths["ppipe"]),
+        "--arrivals",
+        str(arrivals),
+        "--duration",
+        "1",
+        "--json",
+    ]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    by = {m["name"]: m for m in doc["models"]}
+    assert by["googlenet-v3-pytorch"]["arrived"] == 500  # exactly the file, whatever the rate
+    assert by["colorization-v2"]["arrived"] == 0
+    g = by["googlenet-v3-pytorch"]
+    assert g["on_time"] + g["late"] + g["dropped"] == 500
+    assert g["attainment"] == 1.0  # 100 req/s, evenly spaced: well below the 222 planned
+    con = duckdb.connect(str(warehouse_path))
+    assert con.execute("SELECT count(*) FROM sim_runs").fetchone() == (3,)
+    con.close()
+    # the readable table
+    assert (
+        main(
+            [
+                *wh,
+                "simulate",
+                "--plan",
+                str(paths["ppipe"]),
+                "--duration",
+                "1",
+                "--load-factor",
+                "0.5",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "attainment" in out and "GPU utilization" in out
+
+
+def test_capacity_json_with_a_baseline(planned, capsys, warehouse_path):
+    wh, paths = planned
+    capsys.readouterr()
+    argv = [
+        *wh,
+        "capacity",
+        "--plan",
+        str(paths["ppipe"]),
+        "--baseline-plans",
+        str(paths["np"]),
+        "--duration",
+        "2",
+        "--search",
+        "bisect",
+        "--step",
+        "0.1",
+        "--json",
+    ]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["strategy"] for p in doc["plans"]] == ["ppipe", "np"]
+    for p in doc["plans"]:
+        for name, m in p["models"].items():
+            assert 0.0 <= m["capacity"] <= 1.0
+            tried = {float(k): v for k, v in m["attainment"].items()}
+            if m["capacity"] > 0:
+                assert tried[m["capacity"]] >= 0.99, name
+            # bisection stops below the first failing grid point above the capacity
+            above = [k for k in tried if k > m["capacity"]]
+            if above:
+                assert tried[min(above)] < 0.99, name
+    con = duckdb.connect(str(warehouse_path))
+    assert con.execute("SELECT count(*) FROM capacity_results").fetchone() == (6,)
+    con.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--arrivals", "sometimes"], "neither poisson, gamma:CV nor an existing file"),
+        (["--data-plane", "reservation", "--plan", "nope.json"], "nope.json does not exist"),
+    ],
+)
+def test_simulate_errors_name_the_bad_input(planned, capsys, extra, message):
+    wh, paths = planned
+    capsys.readouterr()
+    argv = [*wh, "simulate", "--plan", str(paths["ppipe"]), *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_capacity_refuses_a_fixed_list_and_mismatched_baselines(planned, tmp_path, capsys):
+    wh, paths = planned
+    lst = tmp_path / "t.txt"
+    lst.write_text("0\n")
+    assert main([*wh, "capacity", "--plan", str(paths["ppipe"]), "--arrivals", str(lst)]) == 2
+    assert "no load factor to search" in capsys.readouterr().out.replace("\n", " ")

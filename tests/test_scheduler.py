@@ -1,0 +1,201 @@
+"""The data plane stepped by hand: reservation tables, probe/reserve on hand-worked pools,
+the drop / wait / dispatch branches, feedback correction, overload rejection."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.scheduler import (
+    ReactiveScheduler,
+    ReservationScheduler,
+    ReservationTable,
+    StageReport,
+    earliest_common_slot,
+    make_data_plane,
+)
+from poolpipe.scheduler.messages import DROP_CANNOT_MEET, DROP_DEADLINE_PASSED, DROP_OVERLOAD
+from tests.factories import make_requests, make_topology
+
+# ----------------------------------------------------------------------------- tables
+
+
+def test_earliest_slot_fills_gaps_that_are_long_enough():
+    t = ReservationTable()
+    t.reserve(10, 20, 1)
+    t.reserve(25, 40, 2)
+    assert t.earliest_slot(0, 10) == 0  # fits before the first interval
+    assert t.earliest_slot(0, 11) == 40  # 0..11 hits [10,20); the 5 µs gap is too short
+    assert t.earliest_slot(12, 5) == 20  # inside an interval: after it, and the gap fits
+    assert t.earliest_slot(21, 5) == 40
+    assert t.earliest_slot(50, 1) == 50
+
+
+def test_common_slot_needs_both_resources_free_at_once():
+    up, down = ReservationTable(), ReservationTable()
+    up.reserve(0, 10, 1)
+    down.reserve(12, 20, 2)
+    # up frees at 10, but a 5 µs transfer from 10 would run into down's [12, 20)
+    assert earliest_common_slot((up, down), 0, 5) == 20
+    assert earliest_common_slot((up, down), 0, 2) == 10
+
+
+def test_correct_replaces_the_reserved_interval_and_forget_drops_the_past():
+    t = ReservationTable()
+    t.reserve(0, 10, 7)
+    assert t.correct(7, 3, 15, now=5)  # started late, runs to 15
+    assert t.intervals() == [(3, 15)]
+    assert t.earliest_slot(5, 1) == 15
+    t.forget_before(15)
+    assert len(t) == 0
+    assert not t.correct(7, 3, 15, now=20)  # unknown now, and already over: nothing kept
+    assert len(t) == 0
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+def two_stage(**kw):
+    # stage 0: two vGPUs on server 0, 10 µs; stage 1: one vGPU on server 1, 5 µs, 2 µs/sample
+    return make_topology([([0, 0], [10.0, 16.0], 0.0), ([1], [5.0, 8.0], 2.0)], **kw)
+
+
+def test_probe_two_stage_pool_by_hand():
+    s = ReservationScheduler(two_stage(batch=2))
+    pipe = s.topo.pipelines[0]
+    wait, finish, path = s.probe(pipe, 1, now=0.0)
+    assert (wait, finish) == (0.0, 17.0)  # compute 0-10, transfer 10-12, compute 12-17
+    assert path[0][5:] == (0.0, 10.0)
+    assert path[1][3:] == (10.0, 12.0, 12.0, 17.0)
+    s._reserve(path, 0, 0.0)
+    # Second batch: the other stage-0 vGPU is free, but the shared uplink of server 0 is
+    # busy 10-12 and the stage-1 vGPU until 17.
+    wait, finish, path = s.probe(pipe, 1, now=0.0)
+    assert path[0][1] == 1  # the first stage-0 vGPU is taken until 10
+    assert path[1][3:] == (12.0, 14.0, 17.0, 22.0)
+    assert finish == 22.0
+    assert wait == pytest.approx((12 - 10) + (17 - 14))
+    # Batch 2 takes longer everywhere: 16 + 4 + 8
+    s2 = ReservationScheduler(two_stage(batch=2))
+    assert s2.probe(pipe, 2, now=0.0)[1] == 28.0
+
+
+def test_downlink_contention_between_two_senders():
+    # Two stage-0 vGPUs on different servers send to one stage-1 server (two vGPUs there).
+    topo = make_topology([([0, 1], [10.0], 0.0), ([2, 2], [5.0], 4.0)])
+    s = ReservationScheduler(topo)
+    pipe = topo.pipelines[0]
+    first = s.probe(pipe, 1, 0.0)
+    s._reserve(first[2], 0, 0.0)
+    second = s.probe(pipe, 1, 0.0)
+    # its own uplink is free at 10, but server 2's downlink carries the first until 14
+    assert second[2][0][1] != first[2][0][1]
+    assert second[2][1][3:5] == (14.0, 18.0)
+    assert second[1] == 23.0
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def test_waits_for_a_fuller_batch_then_dispatches_at_the_last_moment():
+    topo = two_stage(batch=2, slo_us=100.0)
+    s = ReservationScheduler(topo)
+    (r0,) = make_requests(1, slo_us=100.0)
+    s.add_request(r0, 0.0)
+    d = s.decide(0.0)
+    assert d.dispatches == [] and d.drops == []
+    # batch of 1 finishes 17 µs after dispatch; the deadline is 100: wait until ~83
+    assert d.wake_at_us == pytest.approx(83.0 - 1.0)
+    d = s.decide(d.wake_at_us)
+    assert len(d.dispatches) == 1
+    assert [r.id for r in d.dispatches[0].requests] == [0]
+    assert d.dispatches[0].hops[-1].end_us <= r0.deadline_us
+
+
+def test_dispatches_when_the_planned_batch_is_there():
+    s = ReservationScheduler(two_stage(batch=2))
+    for r in make_requests(2, gap_us=1.0):
+        s.add_request(r, r.arrival_us)
+    d = s.decide(1.0)
+    assert len(d.dispatches) == 1 and d.dispatches[0].batch == 2
+    assert len(d.dispatches[0].requests) == 2
+
+
+def test_drops_a_request_whose_deadline_no_batch_can_meet():
+    s = ReservationScheduler(two_stage(batch=2, slo_us=10.0))
+    (r,) = make_requests(1, slo_us=10.0)  # the fastest path takes 17 µs
+    s.add_request(r, 0.0)
+    d = s.decide(0.0)
+    assert [(x.request.id, x.reason) for x in d.drops] == [(0, DROP_CANNOT_MEET)]
+    expired = make_requests(1, start_us=0.0, slo_us=5.0)[0]
+    s.add_request(expired, 0.0)
+    d = s.decide(6.0)
+    assert [x.reason for x in d.drops] == [DROP_DEADLINE_PASSED]
+
+
+def test_smaller_batch_when_the_planned_one_would_be_late():
+    # batch 2 takes 28 µs end to end, batch 1 takes 17; the deadline allows 20
+    s = ReservationScheduler(two_stage(batch=2, slo_us=20.0))
+    for r in make_requests(3, slo_us=20.0):
+        s.add_request(r, 0.0)
+    d = s.decide(0.0)
+    assert [x.batch for x in d.dispatches][:1] == [1]
+    assert all(x.hops[-1].end_us <= 20.0 for x in d.dispatches)
+
+
+def test_eager_never_waits_and_deferred_waits_less_than_adaptive():
+    wakes = {}
+    for policy in ("adaptive", "deferred", "eager"):
+        s = ReservationScheduler(two_stage(batch=2), policy)
+        s.add_request(make_requests(1)[0], 0.0)
+        d = s.decide(0.0)
+        wakes[policy] = (len(d.dispatches), d.wake_at_us)
+    assert wakes["eager"] == (1, None)
+    assert wakes["adaptive"][0] == wakes["deferred"][0] == 0
+    # deferred goes once a batch of 2 could no longer fit (28 µs), adaptive holds to 17
+    assert wakes["deferred"][1] == pytest.approx(100 - 28 - 1)
+    assert wakes["deferred"][1] < wakes["adaptive"][1]
+
+
+def test_feedback_correction_moves_later_probes():
+    s = ReservationScheduler(make_topology([([0], [10.0], 0.0)]))
+    pipe = s.topo.pipelines[0]
+    s.add_request(make_requests(1)[0], 0.0)
+    d = s.decide(0.0).dispatches[0]
+    assert s.probe(pipe, 1, 0.0)[1] == 20.0  # next batch queued behind 0-10
+    # it really started at 4 (so ends at 14 as far as we know), then ran until 18
+    s.on_stage_started(StageReport(d.id, 0, 4.0, None), 4.0)
+    assert s.probe(pipe, 1, 4.0)[1] == 24.0
+    s.on_stage_done(StageReport(d.id, 0, 4.0, 18.0), 18.0)
+    assert s.probe(pipe, 1, 18.0)[1] == 28.0
+
+
+def test_overload_is_rejected_explicitly():
+    s = make_data_plane("reservation", two_stage(batch=2), max_queue=2)
+    for r in make_requests(3):
+        s.add_request(r, 0.0)
+    d = s.decide(0.0)
+    assert [x.reason for x in d.drops] == [DROP_OVERLOAD]
+    assert sum(len(x.requests) for x in d.dispatches) == 2
+
+
+def test_unknown_data_plane_and_policy_are_named():
+    with pytest.raises(PoolpipeError, match="unknown data plane 'fast'"):
+        make_data_plane("fast", two_stage())
+    with pytest.raises(PoolpipeError, match="unknown batching policy"):
+        ReservationScheduler(two_stage(), "lazy")
+
+
+def test_reactive_batches_at_the_first_pool_and_hands_batches_on():
+    s = ReactiveScheduler(two_stage(batch=2, slo_us=100.0))
+    for r in make_requests(3):
+        s.add_request(r, 0.0)
+    d = s.decide(0.0)
+    # two idle stage-0 vGPUs: a batch of 2, then the remaining one
+    assert sorted(len(x.requests) for x in d.dispatches) == [1, 2]
+    assert all(not x.final for x in d.dispatches)
+    first = d.dispatches[0]
+    assert s.on_stage_done(StageReport(first.id, 0, 0.0, 16.0), 16.0)
+    d2 = s.decide(16.0)
+    assert len(d2.dispatches) == 1 and d2.dispatches[0].final
+    assert d2.dispatches[0].hops[0].src_vgpu == first.hops[0].vgpu

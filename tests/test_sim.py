@@ -1,0 +1,165 @@
+"""The simulator on real shipped profiles: determinism, conservation, exact reservations
+without jitter, late completions counted as misses, arrivals, and a small capacity search."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poolpipe.cluster import load_cluster
+from poolpipe.errors import PoolpipeError, UnknownNameError
+from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.scheduler import DATA_PLANES, build_topology, make_data_plane
+from poolpipe.sim import ArrivalSpec, SimConfig, Simulator, generate, run_once
+from poolpipe.sim.capacity import search_capacity
+from poolpipe.sim.engine import DROPPED, LATE, ON_TIME
+from tests.factories import make_topology
+
+GROUP = ("colorization-v2", "googlenet-v3-pytorch", "repvgg-b3")
+MAF19 = (0.30, 0.33, 0.37)
+
+
+@pytest.fixture(scope="module")
+def plans(ppipe_profiles, ppipe_dir):
+    cluster = load_cluster(ppipe_dir / "clusters.toml", "hc2-small")
+    out = {}
+    for strategy in ("ppipe", "np"):
+        req = PlanRequest(
+            models=tuple(ppipe_profiles[n] for n in GROUP),
+            weights=MAF19,
+            slos_us=tuple(5 * ppipe_profiles[n].reference_latency_us for n in GROUP),
+            cluster=cluster,
+            strategy=strategy,
+            packing="per-position",
+            margin=0.4,
+            max_partitions=2,
+        )
+        plan = make_plan(req)
+        out[strategy] = (plan, build_topology(plan, ppipe_profiles))
+    return out
+
+
+def test_topology_places_every_vgpu_of_the_plan(plans):
+    plan, topo = plans["ppipe"]
+    assert len(topo.vgpus) == sum(
+        q.vgpus for m in plan.models for p in m.pipelines for q in p.partitions
+    )
+    per_gpu: dict[tuple[str, int], float] = {}
+    for v in topo.vgpus:
+        per_gpu[(v.gpu, v.physical)] = per_gpu.get((v.gpu, v.physical), 0) + 1 / v.share
+        assert topo.servers[v.server].gpu == v.gpu
+    assert topo.overcommitted_gpus == 0
+    assert max(per_gpu.values()) <= 1 + 1e-9
+    for gpu, count in topo.gpu_counts.items():
+        assert len({p for g, p in per_gpu if g == gpu}) <= count
+
+
+@pytest.mark.parametrize("data_plane", DATA_PLANES)
+def test_every_request_ends_exactly_once(plans, data_plane):
+    _, topo = plans["ppipe"]
+    times, models = generate(
+        ArrivalSpec.parse("gamma:3"), [200.0, 200.0, 200.0], 2.0, 5, [m.name for m in topo.models]
+    )
+    sim = Simulator(
+        topo,
+        make_data_plane(data_plane, topo),
+        times,
+        models,
+        SimConfig(duration_s=2.0, seed=5, jitter=0.2),
+    )
+    res = sim.run()
+    assert set(sim.outcome) <= {ON_TIME, LATE, DROPPED}  # nothing left pending
+    assert res.arrived == len(times) > 0
+    for m in res.models:
+        assert m.on_time + m.late + m.dropped == m.arrived
+
+
+def test_reservations_are_exact_without_jitter(plans):
+    """With execution as profiled, nothing a reservation scheduler dispatched is late."""
+    _, topo = plans["ppipe"]
+    res = run_once(topo, ArrivalSpec.parse("poisson"), 1.0, SimConfig(duration_s=3.0, seed=2))
+    assert sum(m.late for m in res.models) == 0
+    assert res.attainment > 0.5
+    assert res.probes_per_batch >= 1.0
+
+
+def test_same_seed_same_result_other_seed_other_result(plans):
+    _, topo = plans["ppipe"]
+    spec = ArrivalSpec.parse("poisson")
+    a = run_once(topo, spec, 0.9, SimConfig(duration_s=2.0, seed=11, jitter=0.1))
+    b = run_once(topo, spec, 0.9, SimConfig(duration_s=2.0, seed=11, jitter=0.1))
+    c = run_once(topo, spec, 0.9, SimConfig(duration_s=2.0, seed=12, jitter=0.1))
+    assert a.models == b.models
+    assert a.models != c.models
+
+
+def test_late_completions_count_as_misses():
+    # One vGPU, 10 µs per request, SLO 15 µs, and the executor runs 3x slower than profiled:
+    # the scheduler dispatches (the profile says 10 fits), the request completes late.
+    topo = make_topology([([0], [10.0], 0.0)], slo_us=15.0)
+    dp = make_data_plane("eager", topo)
+    sim = Simulator(
+        topo, dp, np.array([0.0]), np.array([0]), SimConfig(duration_s=1e-3, seed=1, jitter=0.0)
+    )
+    topo_slow = make_topology([([0], [30.0], 0.0)], slo_us=15.0)
+    sim.topo = topo_slow  # the executor's truth differs from the scheduler's profile
+    res = sim.run()
+    assert (res.models[0].on_time, res.models[0].late) == (0, 1)
+    assert res.attainment == 0.0
+
+
+def test_poisson_and_gamma_rates_and_burstiness():
+    names = ["a"]
+    t, _ = generate(ArrivalSpec.parse("poisson"), [1000.0], 20.0, 1, names)
+    assert len(t) == pytest.approx(20000, rel=0.03)
+    gaps = np.diff(t)
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, abs=0.05)
+    t, _ = generate(ArrivalSpec.parse("gamma:4"), [1000.0], 20.0, 1, names)
+    gaps = np.diff(t)
+    assert len(t) == pytest.approx(20000, rel=0.15)
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(4.0, rel=0.2)
+
+
+def test_list_and_azure_files(tmp_path):
+    lst = tmp_path / "arrivals.txt"
+    lst.write_text("# µs\n0\n250 b\n100\n")
+    t, m = generate(ArrivalSpec.parse(str(lst)), [1.0, 1.0], 1.0, 1, ["a", "b"])
+    assert t.tolist() == [0.0, 100.0, 250.0]
+    assert m.tolist() == [0, 1, 1]  # unlabelled lines alternate; "b" is named
+    bad = tmp_path / "bad.txt"
+    bad.write_text("10 nosuchmodel\n")
+    with pytest.raises(UnknownNameError, match=r"bad\.txt:1: model .nosuchmodel."):
+        generate(ArrivalSpec.parse(str(bad)), [1.0], 1.0, 1, ["a"])
+    az = tmp_path / "trace.csv"
+    rows = ["app,func,end_timestamp,duration"]
+    rows += [f"x,f{i % 3},{i * 0.01 + 0.5},0.5" for i in range(300)]
+    az.write_text("\n".join(rows) + "\n")
+    spec = ArrivalSpec.parse(str(az))
+    assert spec.kind == "azure"
+    t, m = generate(spec, [500.0, 250.0], 2.0, 1, ["a", "b"])
+    assert np.sum(m == 0) == pytest.approx(1000, rel=0.1)
+    assert np.sum(m == 1) == pytest.approx(500, rel=0.1)
+    with pytest.raises(PoolpipeError, match="neither poisson"):
+        ArrivalSpec.parse("uniform")
+    with pytest.raises(PoolpipeError, match="positive CV"):
+        ArrivalSpec.parse("gamma:-1")
+
+
+def test_small_capacity_search_on_real_profiles(plans):
+    """Both searches agree on the grid; ppipe serves at least np's load (np at the same
+    absolute rates)."""
+    pplan, ptopo = plans["ppipe"]
+    _, ntopo = plans["np"]
+    rates = [m.throughput for m in pplan.models]
+    spec = ArrivalSpec.parse("poisson")
+    kw = dict(duration_s=3.0, seeds=(1,), reference_rates=rates, step=0.1)
+    step = search_capacity(ptopo, spec, method="step", **kw)
+    bis = search_capacity(ptopo, spec, method="bisect", **kw)
+    base = search_capacity(ntopo, spec, method="bisect", **kw)
+    for name in GROUP:
+        assert 0.0 <= step.capacity[name] <= 1.0
+        att = step.attainment[step.capacity[name]][name] if step.capacity[name] else 1.0
+        assert att >= 0.99
+        assert bis.capacity[name] == pytest.approx(step.capacity[name], abs=0.1 + 1e-9)
+    assert bis.simulations <= step.simulations + 2
+    assert sum(step.capacity.values()) >= sum(base.capacity.values())
