@@ -1,0 +1,129 @@
+"""Scheduler benchmark: scheduling time and probes per dispatched batch, and simulator speed,
+for ppipe plans of the paper's groups on the 100-GPU hc2-large cluster near capacity.
+Prints a table and appends rows to the warehouse (bench_scheduler).
+
+    ./run bench-scheduler [--quick] [--load-factors 0.9,1.0] [--data-plane reservation]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import tomllib
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe.cli import ppipe_dir
+from poolpipe.cluster import load_clusters
+from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.profiles import load_ppipe_dir
+from poolpipe.scheduler import DATA_PLANES, build_topology
+from poolpipe.sim import ArrivalSpec, SimConfig, run_once
+from poolpipe.warehouse import Warehouse
+
+console = Console(width=None if sys.stdout.isatty() else 170)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--profiles", type=Path, default=ppipe_dir())
+    ap.add_argument("--cluster", default="hc2-large")
+    ap.add_argument("--load-factors", default="0.9,1.0")
+    ap.add_argument("--data-plane", choices=DATA_PLANES, default="reservation")
+    ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--quick", action="store_true", help="2 groups, 10 s")
+    ap.add_argument("--warehouse", default=None)
+    ap.add_argument("--label", default="bench")
+    args = ap.parse_args()
+
+    profiles = {p.name: p for p in load_ppipe_dir(args.profiles)}
+    cluster = load_clusters(args.profiles / "clusters.toml")[args.cluster]
+    workloads = tomllib.loads((args.profiles / "workloads.toml").read_text())
+    groups = workloads["groups"][:2] if args.quick else workloads["groups"]
+    duration = 10.0 if args.quick else args.duration
+    lfs = [float(x) for x in args.load_factors.split(",")]
+    table = Table(
+        title=f"scheduler on {args.cluster} ({args.data_plane}, Poisson, {duration:g} s simulated)",
+        title_justify="left",
+    )
+    for col in (
+        "group",
+        "load",
+        "vGPUs",
+        "requests",
+        "batches",
+        "probes/batch",
+        "µs/batch median",
+        "µs/batch mean",
+        "sim req/wall s",
+        "attainment",
+    ):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    rows = []
+    for gi, group in enumerate(groups):
+        plan = make_plan(
+            PlanRequest(
+                models=tuple(profiles[n] for n in group),
+                weights=tuple(workloads["mixes"]["maf19"]),
+                slos_us=tuple(5 * profiles[n].reference_latency_us for n in group),
+                cluster=cluster,
+                strategy="ppipe",
+                packing="per-position",
+                margin=0.4,
+                max_partitions=2,
+            )
+        )
+        topo = build_topology(plan, profiles)
+        for lf in lfs:
+            res = run_once(
+                topo, ArrivalSpec("poisson"), lf, SimConfig(duration, seed=1), args.data_plane
+            )
+            row = {
+                "run_at": datetime.now(UTC).replace(tzinfo=None),
+                "run_label": args.label,
+                "config": f"g{gi}:{args.cluster}",
+                "data_plane": args.data_plane,
+                "load_factor": lf,
+                "vgpus": len(topo.vgpus),
+                "requests": res.arrived,
+                "batches": res.batches,
+                "probes_per_batch": res.probes_per_batch,
+                "sched_us_median": res.sched_us_per_batch_median,
+                "sched_us_mean": res.sched_us_per_batch_mean,
+                "sim_requests_per_wall_s": res.requests_per_wall_s,
+                "attainment": res.attainment,
+                "host": socket.gethostname(),
+            }
+            rows.append(row)
+            table.add_row(
+                f"g{gi}",
+                f"{lf:g}",
+                str(row["vgpus"]),
+                f"{res.arrived:,}",
+                f"{res.batches:,}",
+                f"{res.probes_per_batch:.2f}",
+                f"{res.sched_us_per_batch_median:.1f}",
+                f"{res.sched_us_per_batch_mean:.1f}",
+                f"{res.requests_per_wall_s:,.0f}",
+                f"{res.attainment:.4f}",
+            )
+    console.print(table)
+    console.print(
+        f"median of medians {statistics.median(r['sched_us_median'] for r in rows):.1f} µs per "
+        f"batch; probes per batch {statistics.mean(r['probes_per_batch'] for r in rows):.2f}; "
+        f"simulator {statistics.median(r['sim_requests_per_wall_s'] for r in rows):,.0f} "
+        "requests per wall second (median)"
+    )
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("bench_scheduler", rows)
+        console.print(f"stored {len(rows)} rows in {wh.path} (bench_scheduler)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
