@@ -33,7 +33,7 @@ def _load_plan(path: str, wh: Warehouse) -> tuple[Plan, Topology]:
     return plan, build_topology(plan, profiles)
 
 
-def _reference_rates(args: argparse.Namespace, plan: Plan, wh: Warehouse) -> list[float] | None:
+def _reference_rates(args: argparse.Namespace, plan: Plan) -> list[float] | None:
     if not getattr(args, "rates_from", None):
         return None
     ref = Plan.load(Path(args.rates_from))
@@ -105,7 +105,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec = ArrivalSpec.parse(args.arrivals)
     with Warehouse.open(args.warehouse) as wh:
         plan, topo = _load_plan(args.plan, wh)
-        rates = _reference_rates(args, plan, wh)
+        rates = _reference_rates(args, plan)
         config = SimConfig(duration_s=args.duration, seed=args.seed, jitter=args.jitter)
         with _console().status("simulating ..."):
             result = run_once(topo, spec, args.load_factor, config, args.data_plane, rates)
@@ -140,14 +140,16 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     console = _console()
     with Warehouse.open(args.warehouse) as wh:
         plan, topo = _load_plan(args.plan, wh)
-        runs: list[tuple[str, Plan, Topology]] = [(args.plan, plan, topo)]
-        for path in [p for p in (args.baseline_plans or "").split(",") if p.strip()]:
-            bplan, btopo = _load_plan(path.strip(), wh)
-            _match_rates(plan, bplan, path)
-            runs.append((path.strip(), bplan, btopo))
+        # every plan runs at the reference plan's absolute rates, in its own model order
+        runs: list[tuple[str, Plan, Topology, list[float]]] = [
+            (args.plan, plan, topo, [m.throughput for m in plan.models])
+        ]
+        for path in [p.strip() for p in (args.baseline_plans or "").split(",") if p.strip()]:
+            bplan, btopo = _load_plan(path, wh)
+            runs.append((path, bplan, btopo, _match_rates(plan, bplan, path)))
         results: list[tuple[str, Plan, CapacityResult]] = []
         with Progress(console=console, transient=True) as progress:
-            for path, p, t in runs:
+            for path, p, t, rates in runs:
                 task = progress.add_task(f"{p.strategy}: searching", total=None)
 
                 def point(
@@ -158,7 +160,6 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                         task, description=f"{p.strategy}: load {lf:.2f} → worst {worst:.4f}"
                     )
 
-                rates = _match_rates(plan, p, args.plan)
                 cap = search_capacity(
                     t,
                     spec,
@@ -204,9 +205,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                     "models": {
                         name: {
                             "capacity": cap.capacity[name],
-                            "attainment": {
-                                f"{lf:g}": att[name] for lf, att in sorted(cap.attainment.items())
-                            },
+                            "attainment": cap.points(name),
                         }
                         for name in cap.models
                     },

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tomllib
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from poolpipe.profiles import load_ppipe_dir
 from poolpipe.scheduler import build_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.sim.capacity import search_capacity
+from poolpipe.sim.records import capacity_rows
 from poolpipe.warehouse import Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 170)
@@ -43,7 +42,7 @@ CLUSTERS = ("hc1-large", "hc2-large", "hc3-large", "hc4-large")
 CURVE_LOADS = tuple(round(0.5 + 0.05 * i, 2) for i in range(11))  # Fig. 7: 0.5 .. 1.0
 
 
-def _job(spec: dict[str, Any]) -> dict[str, Any]:
+def _job(spec: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One configuration: plan with every strategy, then capacity (and extras) per strategy."""
     root = Path(spec["profiles"])
     profiles = {p.name: p for p in load_ppipe_dir(root)}
@@ -58,6 +57,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         "strategies": {},
     }
     topos = {}
+    rows: list[dict[str, Any]] = []
     for strategy in STRATEGIES:
         plan = make_plan(
             PlanRequest(
@@ -89,6 +89,18 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
             )
             entry[f"capacity_{plane}"] = cap.capacity
             entry[f"points_{plane}"] = {f"{k:g}": v for k, v in sorted(cap.attainment.items())}
+            rows += capacity_rows(
+                cap,
+                label=spec["label"],
+                config=spec["config"],
+                strategy=strategy,
+                cluster=spec["cluster"],
+                data_plane=plane,
+                arrivals=arrivals.describe(),
+                search=spec["search"],
+                seeds=spec["seeds"],
+                duration_s=spec["duration"],
+            )
         util = run_once(
             topo,
             arrivals,
@@ -108,7 +120,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
                 for s in spec["seeds"][:1]
             }
         out["strategies"][strategy] = entry
-    return out
+    return out, rows
 
 
 def main() -> int:
@@ -149,21 +161,26 @@ def main() -> int:
             "search": args.search,
             "ablation": c == "hc2-large",
             "curve": c == "hc2-large" and gi == 2,
+            "label": args.label,
         }
         for gi, g, c in configs
     ]
     results = []
+    rows: list[dict[str, Any]] = []  # capacity_results rows, stored in one transaction
     with Progress(console=console) as progress, ProcessPoolExecutor(args.workers) as pool:
         task = progress.add_task("configurations", total=len(specs))
         futures = [pool.submit(_job, s) for s in specs]
         for f in as_completed(futures):
-            results.append(f.result())
+            result, job_rows = f.result()
+            results.append(result)
+            rows += job_rows
             progress.advance(task)
     results.sort(key=lambda r: (CLUSTERS.index(r["cluster"]), r["group"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "reproduce.json").write_text(json.dumps(results, indent=1))
     _table(results)
-    _store(results, args, seeds, duration)
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("capacity_results", rows)
     _figures(results, args.out)
     console.print(f"wrote {args.out}/reproduce.json and figures")
     return 0
@@ -204,41 +221,6 @@ def _table(results: list[dict[str, Any]]) -> None:
         "",
     )
     console.print(t)
-
-
-def _store(
-    results: list[dict[str, Any]], args: argparse.Namespace, seeds: list[int], duration: float
-) -> None:
-    at, host = datetime.now(UTC).replace(tzinfo=None), socket.gethostname()
-    rows = []
-    for r in results:
-        for strategy, e in r["strategies"].items():
-            for key in [k for k in e if k.startswith("capacity_")]:
-                plane = key.removeprefix("capacity_")
-                for model, cap in e[key].items():
-                    rows.append(
-                        {
-                            "run_at": at,
-                            "run_label": args.label,
-                            "config": r["config"],
-                            "plan_strategy": strategy,
-                            "cluster": r["cluster"],
-                            "data_plane": plane,
-                            "arrivals": args.arrivals,
-                            "search": args.search,
-                            "seeds": ",".join(map(str, seeds)),
-                            "duration_s": duration,
-                            "model": model,
-                            "capacity": cap,
-                            "points_json": json.dumps(
-                                {k: v[model] for k, v in e[f"points_{plane}"].items()}
-                            ),
-                            "simulations": len(e[f"points_{plane}"]) * len(seeds),
-                            "host": host,
-                        }
-                    )
-    with Warehouse.open(args.warehouse) as wh:
-        wh.store_rows("capacity_results", rows)
 
 
 def _figures(results: list[dict[str, Any]], out: Path) -> None:

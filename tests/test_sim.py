@@ -12,7 +12,7 @@ from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.scheduler import DATA_PLANES, build_topology, make_data_plane
 from poolpipe.sim import ArrivalSpec, SimConfig, Simulator, generate, run_once
 from poolpipe.sim.capacity import search_capacity
-from poolpipe.sim.engine import DROPPED, LATE, ON_TIME
+from poolpipe.sim.metrics import DROPPED, LATE, ON_TIME
 from tests.factories import make_topology
 
 GROUP = ("colorization-v2", "googlenet-v3-pytorch", "repvgg-b3")

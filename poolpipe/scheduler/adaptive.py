@@ -37,6 +37,11 @@ HopTuple = tuple[int, int, int, float, float, float, float]
 ProbeResult = tuple[float, float, list[HopTuple]]
 
 
+def _reservation_key(dispatch: int, hop: int) -> int:
+    """Key of a hop's compute reservation; its transfer's is this + 1 (hops < 32)."""
+    return dispatch * 64 + hop * 2
+
+
 class ReservationScheduler:
     """Reservation tables for every vGPU and every server's uplink and downlink."""
 
@@ -56,12 +61,15 @@ class ReservationScheduler:
         # Per pool: its vGPUs grouped by server (one transfer slot per server), and a
         # rotating start so that equally good vGPUs and NICs take turns.
         self._groups: list[list[tuple[int, list[int]]]] = []
+        self._group_index: list[dict[int, int]] = []  # per pool: server -> index in _groups
         for pool in topo.pools:
             by_server: dict[int, list[int]] = {}
             for v in pool.vgpus:
                 by_server.setdefault(self.server_of[v], []).append(v)
             self._groups.append(list(by_server.items()))
+            self._group_index.append({srv: i for i, srv in enumerate(by_server)})
         self._flat = [list(pool.vgpus) for pool in topo.pools]
+        self._flat_index = {v: i for flat in self._flat for i, v in enumerate(flat)}
         self._rr = [0] * len(topo.pools)
         self._pipes: list[list[Pipeline]] = [
             [topo.pipelines[i] for i in m.pipelines] for m in topo.models
@@ -76,7 +84,6 @@ class ReservationScheduler:
         self._inflight: dict[int, Dispatch] = {}
         self._next_dispatch = 0
         self.probes = 0  # probe() calls so far
-        self.dispatched = 0  # batches so far
 
     # ------------------------------------------------------------------ contract
 
@@ -203,7 +210,7 @@ class ReservationScheduler:
     def _reserve(self, path: list[HopTuple], did: int, now: float) -> None:
         vt = self.vgpu_table
         for h, (pid, v, src, ts, te, s, e) in enumerate(path):
-            key = did * 64 + h * 2
+            key = _reservation_key(did, h)
             table = vt[v]
             table.forget_before(now)
             table.reserve(s, e, key)
@@ -216,20 +223,17 @@ class ReservationScheduler:
                 down.reserve(ts, te, key + 1)
             # The next probe of this pool starts after the chosen vGPU / server.
             if src < 0:
-                flat = self._flat[pid]
-                self._rr[pid] = (flat.index(v) + 1) % len(flat)
+                self._rr[pid] = (self._flat_index[v] + 1) % len(self._flat[pid])
             else:
-                groups = self._groups[pid]
-                srv = self.server_of[v]
-                idx = next(i for i, g in enumerate(groups) if g[0] == srv)
-                self._rr[pid] = (idx + 1) % len(groups)
+                idx = self._group_index[pid][self.server_of[v]]
+                self._rr[pid] = (idx + 1) % len(self._groups[pid])
 
     def _correct(self, report: StageReport, now: float) -> Dispatch | None:
         d = self._inflight.get(report.dispatch)
         if d is None:
             return None
         hop = d.hops[report.hop]
-        key = report.dispatch * 64 + report.hop * 2
+        key = _reservation_key(report.dispatch, report.hop)
         end = report.end_us
         if end is None:  # started: assume it runs as long as reserved
             end = report.start_us + (hop.end_us - hop.start_us)
@@ -309,5 +313,4 @@ class ReservationScheduler:
         )
         self._probes_since[m] = self.probes
         self._inflight[did] = d
-        self.dispatched += 1
         out.dispatches.append(d)

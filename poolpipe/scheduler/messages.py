@@ -76,6 +76,7 @@ class DataPlane(Protocol):
     """The contract every data plane meets; `now` is always passed in, never read."""
 
     name: str
+    probes: int  # probe() calls so far (0 for planes that never probe)
 
     def add_request(self, req: Request, now: float) -> None: ...
 

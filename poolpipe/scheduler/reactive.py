@@ -61,7 +61,6 @@ class ReactiveScheduler:
         self._inflight: dict[int, tuple[Dispatch, _Batch]] = {}
         self._ids = itertools.count()
         self.probes = 0  # the reactive plane never probes; kept for uniform metrics
-        self.dispatched = 0
 
     # ------------------------------------------------------------------ contract
 
@@ -102,7 +101,7 @@ class ReactiveScheduler:
         self._dirty.add(hop.pool)
         if not d.final:
             pipe = self.topo.pipelines[d.pipeline]
-            nxt = pipe.pools[pipe.pools.index(hop.pool) + 1]
+            nxt = pipe.pools[self.topo.pools[hop.pool].position + 1]
             self.batch_queue[nxt].append(_Batch(batch.requests, batch.batch, hop.vgpu))
             self._dirty.add(nxt)
         return True
@@ -182,6 +181,4 @@ class ReactiveScheduler:
         )
         self.busy[v] = True
         self._inflight[d.id] = (d, batch)
-        if pool.position == 0:
-            self.dispatched += 1
         out.dispatches.append(d)

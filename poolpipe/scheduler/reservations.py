@@ -47,15 +47,6 @@ class ReservationTable:
             cand = e
         return cand
 
-    def free_at(self, t: float) -> bool:
-        """True if no interval covers time t (a zero-length query)."""
-        for s, e, _ in self._iv:
-            if s > t:
-                return True
-            if e > t:
-                return False
-        return True
-
     def reserve(self, start: float, end: float, key: int) -> None:
         insort(self._iv, (start, end, key))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from poolpipe.costs import ModelCosts
 from poolpipe.errors import ClusterError, UnknownNameError
@@ -90,9 +90,6 @@ class Topology:
         raise UnknownNameError(
             f"no model {name!r} in the plan; it has {[m.name for m in self.models]}"
         )
-
-    def num_vgpus(self) -> int:
-        return len(self.vgpus)
 
 
 def build_topology(plan: Plan, profiles: Mapping[str, ModelProfile]) -> Topology:
@@ -204,8 +201,7 @@ def build_topology(plan: Plan, profiles: Mapping[str, ModelProfile]) -> Topology
             vgpus.append(VGpu(vid, pid, cpool.gpu, share, g, server))
             pool_vgpus[pid].append(vid)
     for pid, vids in pool_vgpus.items():
-        p = pools[pid]
-        pools[pid] = Pool(**{**p.__dict__, "vgpus": tuple(vids)})
+        pools[pid] = replace(pools[pid], vgpus=tuple(vids))
     return Topology(
         cluster_name=cluster.name,
         servers=tuple(servers),

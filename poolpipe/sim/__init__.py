@@ -5,7 +5,7 @@ capacity search. It drives the data planes of `poolpipe.scheduler`; it never res
 from __future__ import annotations
 
 from poolpipe.sim.arrivals import ArrivalSpec, generate
-from poolpipe.sim.engine import SimConfig, Simulator, simulate
+from poolpipe.sim.engine import SimConfig, Simulator
 from poolpipe.sim.metrics import ATTAINMENT_TARGET, ModelOutcome, SimResult
 from poolpipe.sim.runner import run_once
 
@@ -18,5 +18,4 @@ __all__ = [
     "Simulator",
     "generate",
     "run_once",
-    "simulate",
 ]

@@ -30,6 +30,10 @@ class CapacityResult:
     simulations: int = 0
     results: dict[float, list[SimResult]] = field(default_factory=dict)  # lf -> one per seed
 
+    def points(self, model: str) -> dict[str, float]:
+        """The model's attainment at every load factor tried, keyed "0.95", ascending."""
+        return {f"{lf:g}": att[model] for lf, att in sorted(self.attainment.items())}
+
 
 def search_capacity(
     topo: Topology,

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from poolpipe.scheduler import DataPlane, Decisions, Dispatch, Request, StageReport, Topology
-from poolpipe.sim.metrics import SimResult, summarize
+from poolpipe.sim.metrics import DROPPED, LATE, ON_TIME, PENDING, SimResult, summarize
 
-ON_TIME, LATE, DROPPED, PENDING = 0, 1, 2, 3
 # event priorities at equal times: finished work frees resources before new work is decided
 _END, _WAKE = 0, 2
 
@@ -94,7 +93,8 @@ class Simulator:
         n = len(self.arrival_us)
         self.outcome = [PENDING] * n
         self.finish_us = [math.nan] * n
-        self.deadline_us = [0.0] * n
+        # lognormal execution-time factor with mean 1 and CV `jitter`
+        self._sigma = math.sqrt(math.log1p(config.jitter**2)) if config.jitter > 0 else 0.0
         self.drop_reasons: Counter[str] = Counter()
         self.vgpu_busy_us = [0.0] * V
         self.batch_sizes: list[Counter[int]] = [Counter() for _ in topo.pools]
@@ -120,9 +120,7 @@ class Simulator:
                 t = times[i]
                 self.now = t
                 m = models[i]
-                deadline = t + slo[m]
-                self.deadline_us[i] = deadline
-                dp.add_request(Request(i, m, t, deadline), t)
+                dp.add_request(Request(i, m, t, t + slo[m]), t)
                 i += 1
                 self._decide(t)
                 continue
@@ -170,13 +168,12 @@ class Simulator:
             self.batches += 1
         prev: _Job | None = None
         first: _Job | None = None
-        jitter = self.config.jitter
+        sigma = self._sigma
         for h, hop in enumerate(d.hops):
             pool = pools[hop.pool]
             self.batch_sizes[hop.pool][len(d.requests)] += 1
             dur = pool.latency_us[d.batch]
-            if jitter > 0:
-                sigma = math.sqrt(math.log1p(jitter * jitter))
+            if sigma > 0:
                 dur *= self._rng.lognormvariate(-sigma * sigma / 2, sigma)
             compute = _Job(hop.start_us, (hop.vgpu,), dur, d, h, True)
             if hop.transfer_end_us > hop.transfer_start_us:
@@ -244,10 +241,10 @@ class Simulator:
             self.vgpu_busy_us[v] += now - job.t0
             decide = self.dp.on_stage_done(StageReport(d.id, job.hop, job.t0, now), now)
             if job.hop == len(d.hops) - 1 and d.final:
-                outcome, finish, deadline = self.outcome, self.finish_us, self.deadline_us
+                outcome, finish = self.outcome, self.finish_us
                 for req in d.requests:
                     finish[req.id] = now
-                    outcome[req.id] = ON_TIME if now <= deadline[req.id] else LATE
+                    outcome[req.id] = ON_TIME if now <= req.deadline_us else LATE
         succ = job.succ
         if succ is not None:
             if not job.compute:
@@ -260,12 +257,3 @@ class Simulator:
                 self._try_start(queue[r][0][2], now)
         if decide:
             self._decide(now)
-
-
-def simulate(
-    topo: Topology,
-    data_plane: DataPlane,
-    arrivals: tuple[np.ndarray, np.ndarray],
-    config: SimConfig,
-) -> SimResult:
-    return Simulator(topo, data_plane, arrivals[0], arrivals[1], config).run()

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 # SLO attainment that counts as "serving the load" in capacity searches.
 ATTAINMENT_TARGET = 0.99
+# What became of each request (a late completion is a miss).
+ON_TIME, LATE, DROPPED, PENDING = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,6 @@ class SimResult:
 
 
 def summarize(sim: Simulator, wall_s: float) -> SimResult:
-    from poolpipe.sim.engine import DROPPED, LATE, ON_TIME
-
     topo = sim.topo
     outcome = np.asarray(sim.outcome, dtype=np.int8)
     model = np.asarray(sim.arrival_model, dtype=np.int64)
@@ -119,17 +119,15 @@ def summarize(sim: Simulator, wall_s: float) -> SimResult:
             mean_batch[label] = sum(k * v for k, v in c.items()) / total
     per_batch = sim.sched_per_batch
     batches = max(sim.batches, 1)
-    dp = sim.dp
-    probes = getattr(dp, "probes", 0)
     return SimResult(
-        data_plane=dp.name,
+        data_plane=sim.dp.name,
         duration_s=duration_s,
         makespan_s=makespan_us / 1e6,
         models=tuple(models),
         utilization=utilization,
         mean_batch=mean_batch,
         transfer_wait_us_mean=sim.transfer_wait_us / sim.transfers if sim.transfers else 0.0,
-        probes_per_batch=probes / batches,
+        probes_per_batch=sim.dp.probes / batches,
         sched_us_per_batch_median=statistics.median(per_batch) * 1e6 if per_batch else 0.0,
         sched_us_per_batch_mean=sim.sched_seconds * 1e6 / batches,
         batches=sim.batches,

@@ -87,9 +87,7 @@ def capacity_rows(
             "duration_s": duration_s,
             "model": name,
             "capacity": cap.capacity[name],
-            "points_json": json.dumps(
-                {f"{lf:g}": att[name] for lf, att in sorted(cap.attainment.items())}
-            ),
+            "points_json": json.dumps(cap.points(name)),
             "simulations": cap.simulations,
             "host": host,
         }
