@@ -23,7 +23,7 @@ from poolpipe.scheduler.messages import (
     Request,
     StageReport,
 )
-from poolpipe.scheduler.reservations import ReservationTable, earliest_common_slot
+from poolpipe.scheduler.reservations import ReservationTable
 from poolpipe.scheduler.topology import Pipeline, Topology
 
 POLICIES = ("adaptive", "eager", "deferred")
@@ -57,6 +57,7 @@ class ReservationScheduler:
         self.vgpu_table = [ReservationTable(f"vgpu{v.id}") for v in topo.vgpus]
         self.uplink = [ReservationTable(f"up{s.id}") for s in topo.servers]
         self.downlink = [ReservationTable(f"down{s.id}") for s in topo.servers]
+        self._vgpu_iv = [table.iv for table in self.vgpu_table]  # for probe's inlined scans
         self.server_of = [v.server for v in topo.vgpus]
         # Per pool: its vGPUs grouped by server (one transfer slot per server), and a
         # rotating start so that equally good vGPUs and NICs take turns.
@@ -73,6 +74,14 @@ class ReservationScheduler:
         self._rr = [0] * len(topo.pools)
         self._pipes: list[list[Pipeline]] = [
             [topo.pipelines[i] for i in m.pipelines] for m in topo.models
+        ]
+        # per pipeline: latency at its planned batch with no waiting (a bound for pruning probes)
+        self._no_wait_us = [
+            sum(
+                topo.pools[p].latency_us[pipe.batch] + pipe.batch * topo.pools[p].transfer_in_us
+                for p in pipe.pools
+            )
+            for pipe in topo.pipelines
         ]
         M = len(topo.models)
         self.queues: list[deque[Request]] = [deque() for _ in range(M)]
@@ -140,7 +149,7 @@ class ReservationScheduler:
         """Where and when a batch of b would run on `pipe` if dispatched now; no side effects."""
         self.probes += 1
         pools = self.topo.pools
-        vt = self.vgpu_table
+        vt = self._vgpu_iv
         t = now
         wait = 0.0
         path: list[HopTuple] = []
@@ -160,8 +169,14 @@ class ReservationScheduler:
                 best_key, best_s, best_v = math.inf, math.inf, -1
                 for i in range(n):
                     v = flat[(r + i) % n]
-                    s = vt[v].earliest_slot(t, lat)
-                    if s >= best_key:
+                    s = t  # vt[v].earliest_slot(t, lat), inlined: this loop is the hot path
+                    for a, e, _ in vt[v]:
+                        if e <= s:
+                            continue
+                        if a >= s + lat:
+                            break
+                        s = e
+                    if s + lat >= best_key:  # key >= s + lat: cannot win, not even a tie
                         continue
                     key = uplink[server_of[v]].earliest_slot(s + lat, out) if out else s + lat
                     if key < best_key or (key == best_key and s < best_s):
@@ -182,14 +197,43 @@ class ReservationScheduler:
                 best = (math.inf, math.inf, -1, 0.0, 0.0, 0.0)  # key, finish, vgpu, ts, te, s
                 for i in range(n):
                     srv, vgs = groups[(r + i) % n]
+                    # Skip the server when none of its vGPUs could beat the best even if the
+                    # transfer ended as early as it can (slots only move later with time).
+                    lb = math.inf
+                    for v in vgs:
+                        s = floor - lat  # vt[v].earliest_slot(t_up + dur, lat), inlined
+                        for a, e, _ in vt[v]:
+                            if e <= s:
+                                continue
+                            if a >= s + lat:
+                                break
+                            s = e
+                        if s < lb:
+                            lb = s
+                    if lb + lat >= best[0]:
+                        continue
                     down = self.downlink[srv]
-                    ts = earliest_common_slot((up, down), t_up, dur) if dur > 0 else t
+                    # earliest_common_slot((up, down), t_up, dur): `up` is free at t_up
+                    ts = t_up
+                    while dur > 0:
+                        x = down.earliest_slot(ts, dur)
+                        if x == ts:
+                            break
+                        ts = up.earliest_slot(x, dur)
+                        if ts == x:
+                            break
                     te = ts + dur
                     if te + lat >= best[0]:
                         continue
                     srv_up = uplink[srv]
                     for v in vgs:
-                        s = vt[v].earliest_slot(te, lat)
+                        s = te  # vt[v].earliest_slot(te, lat), inlined
+                        for a, e, _ in vt[v]:
+                            if e <= s:
+                                continue
+                            if a >= s + lat:
+                                break
+                            s = e
                         f = s + lat
                         if f >= best[0]:
                             continue
@@ -229,17 +273,23 @@ class ReservationScheduler:
                 self._rr[pid] = (idx + 1) % len(self._groups[pid])
 
     def _correct(self, report: StageReport, now: float) -> Dispatch | None:
+        """Feedback correction. Intervals that are over by `now` cannot affect any later
+        probe, so a report that changes nothing from `now` on is not written."""
         d = self._inflight.get(report.dispatch)
         if d is None:
             return None
         hop = d.hops[report.hop]
         key = _reservation_key(report.dispatch, report.hop)
-        end = report.end_us
+        start, end = report.start_us, report.end_us
+        length = hop.end_us - hop.start_us
         if end is None:  # started: assume it runs as long as reserved
-            end = report.start_us + (hop.end_us - hop.start_us)
-        self.vgpu_table[hop.vgpu].correct(key, report.start_us, end, now)
+            if start != hop.start_us:
+                self.vgpu_table[hop.vgpu].correct(key, start, start + length, now)
+        elif start + length > now:  # done before its assumed end: free the rest
+            self.vgpu_table[hop.vgpu].correct(key, start, end, now)
         ts, te = report.transfer_start_us, report.transfer_end_us
-        if ts is not None and te is not None and hop.transfer_end_us > hop.transfer_start_us:
+        if ts is not None and te is not None and (hop.transfer_end_us > now or te > now):
+            # the transfer ended before its reservation did: free the rest
             for table in (
                 self.uplink[self.server_of[hop.src_vgpu]],
                 self.downlink[self.server_of[hop.vgpu]],
@@ -262,6 +312,8 @@ class ReservationScheduler:
             pipe = pipes[0]
             pr = self.probe(pipe, pipe.batch, now)
             for other in pipes[1:]:
+                if pr[0] == 0.0 and pr[1] <= now + self._no_wait_us[other.id]:
+                    continue  # `other` cannot wait less, nor finish earlier without waiting
                 po = self.probe(other, other.batch, now)
                 if (po[0], po[1]) < (pr[0], pr[1]):
                     pipe, pr = other, po

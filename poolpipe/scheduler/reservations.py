@@ -17,29 +17,30 @@ class ReservationTable:
     treats the table as the union of its intervals, so overlaps only make it conservative.
     """
 
-    __slots__ = ("_iv", "name")
+    __slots__ = ("iv", "name")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
-        # (start, end, key): key identifies the reservation for feedback correction
-        self._iv: list[tuple[float, float, int]] = []
+        # (start, end, key): key identifies the reservation for feedback correction. The list
+        # object never changes, so a hot loop may hold on to it (it must not modify it).
+        self.iv: list[tuple[float, float, int]] = []
 
     def __len__(self) -> int:
-        return len(self._iv)
+        return len(self.iv)
 
     def intervals(self) -> list[tuple[float, float]]:
-        return [(s, e) for s, e, _ in self._iv]
+        return [(s, e) for s, e, _ in self.iv]
 
     def forget_before(self, now: float) -> None:
         """Drop intervals that ended by `now`; they cannot matter to any later query."""
-        iv = self._iv
+        iv = self.iv
         if iv and iv[0][1] <= now:
-            self._iv = [x for x in iv if x[1] > now]
+            iv[:] = [x for x in iv if x[1] > now]
 
     def earliest_slot(self, t: float, duration: float) -> float:
         """Earliest start >= t at which the resource is free for `duration`."""
         cand = t
-        for s, e, _ in self._iv:
+        for s, e, _ in self.iv:
             if e <= cand:
                 continue
             if s >= cand + duration:
@@ -48,7 +49,7 @@ class ReservationTable:
         return cand
 
     def reserve(self, start: float, end: float, key: int) -> None:
-        insort(self._iv, (start, end, key))
+        insort(self.iv, (start, end, key))
 
     def correct(self, key: int, start: float, end: float, now: float) -> bool:
         """Replace reservation `key` by what really happened (or is happening).
@@ -56,7 +57,7 @@ class ReservationTable:
         Returns False if the key is unknown (already forgotten); the actual interval is still
         recorded when it reaches past `now`.
         """
-        iv = self._iv
+        iv = self.iv
         found = False
         for i, x in enumerate(iv):
             if x[2] == key:
@@ -71,12 +72,15 @@ class ReservationTable:
 def earliest_common_slot(tables: Sequence[ReservationTable], t: float, duration: float) -> float:
     """Earliest start >= t at which every table is free for `duration` at the same time."""
     cand = t
-    while True:
-        moved = False
-        for table in tables:
-            s = table.earliest_slot(cand, duration)
-            if s > cand:
-                cand = s
-                moved = True
-        if not moved:
-            return cand
+    n = len(tables)
+    agreed = 0  # how many tables in a row found `cand` free
+    i = 0
+    while agreed < n:
+        s = tables[i].earliest_slot(cand, duration)
+        if s > cand:
+            cand = s
+            agreed = 1
+        else:
+            agreed += 1
+        i = i + 1 if i + 1 < n else 0
+    return cand

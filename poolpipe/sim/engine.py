@@ -97,7 +97,9 @@ class Simulator:
         self._sigma = math.sqrt(math.log1p(config.jitter**2)) if config.jitter > 0 else 0.0
         self.drop_reasons: Counter[str] = Counter()
         self.vgpu_busy_us = [0.0] * V
-        self.batch_sizes: list[Counter[int]] = [Counter() for _ in topo.pools]
+        # per pool: batches run and requests in them (for the mean batch size)
+        self.pool_batches = [0] * len(topo.pools)
+        self.pool_requests = [0] * len(topo.pools)
         self.transfer_wait_us = 0.0
         self.transfers = 0
         self.sched_seconds = 0.0
@@ -169,17 +171,21 @@ class Simulator:
         prev: _Job | None = None
         first: _Job | None = None
         sigma = self._sigma
+        n_req = len(d.requests)
+        pool_batches, pool_requests = self.pool_batches, self.pool_requests
+        server_of = self._server_of
         for h, hop in enumerate(d.hops):
-            pool = pools[hop.pool]
-            self.batch_sizes[hop.pool][len(d.requests)] += 1
-            dur = pool.latency_us[d.batch]
+            p = hop.pool
+            pool_batches[p] += 1
+            pool_requests[p] += n_req
+            dur = pools[p].latency_us[d.batch]
             if sigma > 0:
                 dur *= self._rng.lognormvariate(-sigma * sigma / 2, sigma)
             compute = _Job(hop.start_us, (hop.vgpu,), dur, d, h, True)
             if hop.transfer_end_us > hop.transfer_start_us:
                 tr = _Job(
                     hop.transfer_start_us,
-                    (V + self._server_of[hop.src_vgpu], V + S + self._server_of[hop.vgpu]),
+                    (V + server_of[hop.src_vgpu], V + S + server_of[hop.vgpu]),
                     hop.transfer_end_us - hop.transfer_start_us,
                     d,
                     h,
@@ -220,12 +226,11 @@ class Simulator:
         self._push(now + job.dur, _END, job)
         if job.compute:
             tr = job.tr
-            self.dp.on_stage_started(
-                StageReport(
-                    job.d.id, job.hop, now, None, *(tr if tr is not None else (None, None))
-                ),
-                now,
-            )
+            if tr is None:
+                report = StageReport(job.d.id, job.hop, now, None)
+            else:
+                report = StageReport(job.d.id, job.hop, now, None, tr[0], tr[1])
+            self.dp.on_stage_started(report, now)
         else:
             self.transfer_wait_us += now - job.ready_at
             self.transfers += 1

@@ -112,11 +112,10 @@ def summarize(sim: Simulator, wall_s: float) -> SimResult:
     }
     mean_batch = {}
     for pool in topo.pools:
-        c = sim.batch_sizes[pool.id]
-        total = sum(c.values())
+        total = sim.pool_batches[pool.id]
         if total:
             label = f"{topo.models[pool.model].name}/p{pool.pipeline}/{pool.position}:{pool.gpu}"
-            mean_batch[label] = sum(k * v for k, v in c.items()) / total
+            mean_batch[label] = sim.pool_requests[pool.id] / total
     per_batch = sim.sched_per_batch
     batches = max(sim.batches, 1)
     return SimResult(
