@@ -423,9 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--strategies", default=",".join(STRATEGIES))
     cmp_.set_defaults(func=cmd_compare)
 
-    from poolpipe.cli_sim import add_commands
+    from poolpipe import cli_models, cli_sim
 
-    add_commands(sub)
+    cli_sim.add_commands(sub)
+    cli_models.add_commands(sub)
 
     wh = sub.add_parser("warehouse", help="warehouse maintenance")
     wsub = wh.add_subparsers(dest="warehouse_command", required=True, metavar="ACTION")

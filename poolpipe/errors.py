@@ -31,3 +31,7 @@ class PlanVerificationError(PoolpipeError):
 
 class WarehouseError(PoolpipeError):
     """The warehouse file cannot be used as it is (e.g. wrong schema version)."""
+
+
+class ModelError(PoolpipeError):
+    """An ONNX model cannot be onboarded; the message names the model and the step."""

@@ -1,0 +1,253 @@
+"""ONNX side of onboarding: load a model, find its cuts, profile its layers with ONNX Runtime,
+and extract blocks as standalone ONNX files with onnx-graphsurgeon.
+
+Every failure is a `ModelError` that names the model and the step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from poolpipe.cuts import CutTable, crossing_from_lifetimes
+from poolpipe.errors import ModelError
+
+BATCH_DIM = "batch"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int | str | None, ...]  # first dimension: the batch
+
+    def bytes_at_batch1(self) -> float:
+        dims = [d for d in self.shape[1:] if isinstance(d, int) and d >= 0]
+        if len(dims) != len(self.shape) - 1:
+            return float("nan")
+        return float(math.prod(dims) * self.dtype.itemsize)
+
+
+def load_model(path: Path, name: str | None = None) -> onnx.ModelProto:
+    """Read and check an ONNX file; Constant nodes become initializers (they never cross)."""
+    name = name or Path(path).stem
+    try:
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+    except FileNotFoundError:
+        raise ModelError(f"{name}: load: {path} does not exist") from None
+    except Exception as exc:  # protobuf decode errors, checker errors
+        raise ModelError(f"{name}: load: {path} is not a valid ONNX model ({exc})") from None
+    if not model.graph.node:
+        raise ModelError(f"{name}: load: {path} has no nodes")
+    _constants_to_initializers(model)
+    try:
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception as exc:
+        raise ModelError(f"{name}: shape inference failed ({exc})") from None
+    return model
+
+
+def _constants_to_initializers(model: onnx.ModelProto) -> None:
+    g = model.graph
+    keep = []
+    for node in g.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].t.dims:
+            t = onnx.TensorProto()
+            t.CopyFrom(node.attribute[0].t)
+            t.name = node.output[0]
+            g.initializer.append(t)
+        else:
+            keep.append(node)
+    if len(keep) != len(g.node):
+        del g.node[:]
+        g.node.extend(keep)
+
+
+def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
+    g = model.graph
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        tt = vi.type.tensor_type
+        if not tt.elem_type:
+            continue
+        dims: list[int | str | None] = []
+        for d in tt.shape.dim:
+            dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        out[vi.name] = TensorInfo(vi.name, dtype, tuple(dims))
+    return out
+
+
+def node_names(model: onnx.ModelProto) -> list[str]:
+    """Node names in graph order, made unique where the file leaves them empty."""
+    names = []
+    seen: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        n = node.name or f"{node.op_type}_{i}"
+        if n in seen:
+            n = f"{n}_{i}"
+        seen.add(n)
+        names.append(n)
+    return names
+
+
+def cut_table(
+    model: onnx.ModelProto, name: str, latency_us: dict[str, float] | None = None
+) -> CutTable:
+    """What crosses every cut of `model` (graph order is topological in valid ONNX)."""
+    g = model.graph
+    consts = {t.name for t in g.initializer}
+    infos = tensor_infos(model)
+    names = node_names(model)
+    n = len(names)
+    producer: dict[str, int] = {i.name: -1 for i in g.input if i.name not in consts}
+    last_use: dict[str, int] = {}
+    for k, node in enumerate(g.node):
+        for t in node.input:
+            if t and t not in consts:
+                if t not in producer:
+                    raise ModelError(
+                        f"{name}: cut analysis: node {names[k]!r} reads {t!r} before anything "
+                        "makes it (the graph is not in topological order)"
+                    )
+                last_use[t] = k
+        for t in node.output:
+            if t:
+                producer[t] = k
+    for o in g.output:
+        last_use[o.name] = n
+    lifetimes = []
+    for t, p in producer.items():
+        info = infos.get(t)
+        size = info.bytes_at_batch1() if info is not None else float("nan")
+        lifetimes.append((t, p, last_use.get(t, p), size))
+    crossing, sizes = crossing_from_lifetimes(n, lifetimes)
+    lat = latency_us or {}
+    return CutTable(
+        model=name,
+        layers=tuple(names),
+        latency_us=tuple(float(lat.get(x, 0.0)) for x in names),
+        crossing=crossing,
+        crossing_bytes=sizes,
+    )
+
+
+# ---------------------------------------------------------------------------- extraction
+
+
+def extract_block(model: onnx.ModelProto, table: CutTable, start: int, end: int) -> onnx.ModelProto:
+    """Layers [start, end) as a standalone model: inputs are the tensors crossing `start`,
+    outputs those crossing `end`, each with the batch dimension kept dynamic."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    tensors = graph.tensors()
+    inputs = [tensors[t] for t in table.crossing[start]]
+    outputs = [tensors[t] for t in table.crossing[end]]
+    infos = tensor_infos(model)
+    for t in inputs + outputs:
+        info = infos.get(t.name)
+        if info is not None:
+            t.dtype = info.dtype
+            t.shape = [BATCH_DIM, *info.shape[1:]]
+    keep = set(table.layers[start:end])
+    names = node_names(model)
+    for node, n in zip(graph.nodes, names, strict=True):
+        node.name = n
+    graph.nodes = [node for node in graph.nodes if node.name in keep]
+    for t in inputs:
+        t.inputs.clear()  # cut the tensor off from its producer: it is fed in now
+    graph.inputs = inputs
+    graph.outputs = outputs
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    block = gs.export_onnx(graph)
+    block.ir_version = model.ir_version
+    del block.opset_import[:]
+    block.opset_import.extend(model.opset_import)
+    try:
+        onnx.checker.check_model(block)
+    except Exception as exc:
+        raise ModelError(f"{table.model}: extract block [{start}, {end}) failed ({exc})") from None
+    return block
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def session(
+    model: onnx.ModelProto | Path,
+    *,
+    threads: int = 1,
+    optimize: bool = True,
+    profile_prefix: str | None = None,
+):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    so.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if optimize
+        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    src = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+def random_inputs(model: onnx.ModelProto, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    consts = {t.name for t in model.graph.initializer}
+    infos = tensor_infos(model)
+    feeds = {}
+    for i in model.graph.input:
+        if i.name in consts:
+            continue
+        info = infos[i.name]
+        dims = [batch] + [d if isinstance(d, int) and d > 0 else 1 for d in info.shape[1:]]
+        feeds[i.name] = rng.standard_normal(dims).astype(info.dtype)
+    return feeds
+
+
+def profile_layers(
+    model: onnx.ModelProto, name: str, *, batch: int = 1, runs: int = 5, threads: int = 1
+) -> dict[str, float]:
+    """Median latency (µs) of every node, from ONNX Runtime's profiler on the CPU.
+
+    Graph optimizations are off so that every timed kernel is one node of the file (fused
+    kernels could not be attributed to layers); block latencies are measured separately on
+    the optimized engine.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        sess = session(model, threads=threads, optimize=False, profile_prefix=f"{tmp}/prof")
+        feeds = random_inputs(model, batch)
+        try:
+            for _ in range(runs + 1):
+                sess.run(None, feeds)
+        except Exception as exc:
+            raise ModelError(f"{name}: layer profiling at batch {batch} failed ({exc})") from None
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    per_node: dict[str, list[float]] = defaultdict(list)
+    for ev in events:
+        if ev.get("cat") == "Node" and ev.get("name", "").endswith("_kernel_time"):
+            per_node[ev["name"][: -len("_kernel_time")]].append(float(ev["dur"]))
+    # the first run warms up
+    return {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in per_node.items()}
+
+
+def initializer_bytes(model: onnx.ModelProto) -> int:
+    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)

@@ -1,0 +1,149 @@
+"""Offline pipeline on real ONNX models run with ONNX Runtime: generated architectures, cut
+analysis, pre-partitioning, graphsurgeon block extraction and numerical equivalence."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poolpipe.cuts import CutPolicy, CutTable, crossing_from_lifetimes, prepartition
+from poolpipe.errors import ModelError, UnknownNameError
+from poolpipe.layerdata import layer_cut_table
+from poolpipe.onnxgraph import (
+    cut_table,
+    extract_block,
+    load_model,
+    profile_layers,
+    random_inputs,
+    session,
+)
+from poolpipe.zoo import ZOO, make_model
+
+SMALL = {"resnet50": (0.125, 32), "efficientnet": (0.25, 32), "unet": (0.125, 32)}
+
+
+@pytest.fixture(scope="module", params=list(ZOO))
+def small_model(request, tmp_path_factory):
+    name = request.param
+    width, image = SMALL[name]
+    path = make_model(
+        name, tmp_path_factory.mktemp(name) / f"{name}.onnx", width=width, image=image
+    )
+    model = load_model(path, name)
+    return name, model, cut_table(model, name, profile_layers(model, name, runs=2))
+
+
+def run_blocks(model, table, bounds, feeds, cast=None):
+    values = dict(feeds)
+    for a, b in itertools.pairwise(bounds):
+        block = extract_block(model, table, a, b)
+        ins = {i.name: values[i.name] for i in block.graph.input}
+        outs = session(block).run(None, ins)
+        for o, v in zip(block.graph.output, outs, strict=True):
+            values[o.name] = v.astype(cast).astype(v.dtype) if cast is not None else v
+    return [values[o.name] for o in model.graph.output]
+
+
+def test_generated_models_have_a_dynamic_batch(small_model):
+    name, model, _ = small_model
+    sess = session(model)
+    for batch in (1, 3):
+        out = sess.run(None, random_inputs(model, batch))[0]
+        assert out.shape[0] == batch and np.isfinite(out).all(), name
+
+
+def test_blocks_in_sequence_reproduce_the_model(small_model):
+    name, model, table = small_model
+    part = prepartition(table, 6)
+    feeds = random_inputs(model, 2, seed=3)
+    want = session(model).run(None, feeds)[0]
+    got = run_blocks(model, table, part.cuts, feeds)[0]
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-4 * scale, name
+    # fp16 feature maps between blocks: a measurable but small error
+    half = run_blocks(model, table, part.cuts, feeds, cast=np.float16)[0]
+    err = np.abs(half - want).max() / scale
+    assert 0 < err < 5e-2, (name, err)
+
+
+def test_unet_skips_cross_the_middle_cuts(tmp_path: Path):
+    width, image = SMALL["unet"]
+    model = load_model(make_model("unet", tmp_path / "u.onnx", width=width, image=image))
+    table = cut_table(model, "unet")
+    widest = max(len(c) for c in table.crossing)
+    assert widest >= 4  # input of the bottleneck plus the open skip connections
+    assert len(table.crossing[-1]) == 1  # the logits
+    assert len(table.valid_cuts(CutPolicy(1))) < len(table.valid_cuts(CutPolicy(widest)))
+
+
+def test_crossing_sets_by_hand():
+    # x -> a -> b -> c(out); x also read by c: x crosses every cut until c
+    life = [("x", -1, 2, 4.0), ("a", 0, 1, 8.0), ("b", 1, 2, 8.0), ("c", 2, 3, 4.0)]
+    crossing, sizes = crossing_from_lifetimes(3, life)
+    assert crossing == (("x",), ("x", "a"), ("x", "b"), ("c",))
+    assert sizes == (4.0, 12.0, 12.0, 4.0)
+
+
+def _table(lat, crossing=None):
+    n = len(lat)
+    cross = crossing or tuple(("t",) for _ in range(n + 1))
+    return CutTable("m", tuple(f"l{i}" for i in range(n)), tuple(lat), cross, (1.0,) * (n + 1))
+
+
+def test_balanced_split_by_hand():
+    part = prepartition(_table([1, 1, 1, 1, 4]), 2)
+    assert part.cuts == (0, 4, 5) and part.block_us == (4.0, 4.0) and part.balance == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lat=st.lists(st.integers(1, 20), min_size=4, max_size=9),
+    blocks=st.integers(2, 4),
+)
+def test_balanced_split_is_optimal(lat, blocks):
+    blocks = min(blocks, len(lat))
+    part = prepartition(_table(lat), blocks, method="balanced")
+    mean = sum(lat) / blocks
+    prefix = np.concatenate([[0], np.cumsum(lat)])
+
+    def cost(cuts):
+        b = (0, *cuts, len(lat))
+        return sum((prefix[y] - prefix[x] - mean) ** 2 for x, y in itertools.pairwise(b))
+
+    best = min(cost(c) for c in itertools.combinations(range(1, len(lat)), blocks - 1))
+    assert cost(part.cuts[1:-1]) == pytest.approx(best)
+    greedy = prepartition(_table(lat), blocks, method="greedy")
+    assert len(greedy.block_us) == blocks and min(greedy.block_us) > 0
+
+
+def test_too_few_valid_cuts_is_named():
+    wide = tuple(("a", "b") for _ in range(6))
+    with pytest.raises(ModelError, match="needs 4 valid cuts"):
+        prepartition(_table([1] * 5, wide), 5, relax=False)
+    # widening the policy finds them
+    assert prepartition(_table([1] * 5, wide), 5).policy.max_tensors == 2
+
+
+def test_bad_files_and_names(tmp_path: Path):
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"this is not a protobuf")
+    with pytest.raises(ModelError, match=r"junk: load: .* not a valid ONNX model"):
+        load_model(junk)
+    with pytest.raises(ModelError, match="does not exist"):
+        load_model(tmp_path / "missing.onnx", "missing")
+    with pytest.raises(UnknownNameError, match="unknown model 'vgg'"):
+        make_model("vgg", tmp_path / "x.onnx")
+
+
+def test_shipped_layer_data_prepartitions(ppipe_dir):
+    layers = ppipe_dir / "layers"
+    for model in sorted(p.name for p in layers.iterdir())[:6]:
+        table = layer_cut_table(layers, model, "L4")
+        part = prepartition(table, 10)
+        assert len(part.block_us) == 10 and part.balance < 3, model
+        assert sum(part.block_us) == pytest.approx(sum(table.latency_us))
