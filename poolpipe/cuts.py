@@ -100,11 +100,12 @@ def prepartition(
         raise ModelError(f"{table.model}: the number of blocks must be >= 1, got {n_blocks}")
     policy = policy or CutPolicy()
     widest = max((len(c) for c in table.crossing[1:-1]), default=0)
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(table.latency_us, dtype=float))])
     best: Partitioning | None = None
     while True:
         cuts = table.valid_cuts(policy)
         if len(cuts) >= n_blocks - 1:
-            part = _partition(table, n_blocks, cuts, method, policy)
+            part = _partition(table, prefix, n_blocks, cuts, method, policy)
             if best is None or part.balance < best.balance:
                 best = part
             if part.balance <= target_balance:
@@ -123,9 +124,13 @@ def prepartition(
 
 
 def _partition(
-    table: CutTable, n_blocks: int, cuts: list[int], method: str, policy: CutPolicy
+    table: CutTable,
+    prefix: np.ndarray,
+    n_blocks: int,
+    cuts: list[int],
+    method: str,
+    policy: CutPolicy,
 ) -> Partitioning:
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(table.latency_us, dtype=float))])
     chosen = (
         _greedy(prefix, cuts, n_blocks) if method == "greedy" else _balanced(prefix, cuts, n_blocks)
     )

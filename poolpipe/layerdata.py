@@ -42,8 +42,7 @@ def layer_cut_table(layers_dir: Path, model: str, gpu: str) -> CutTable:
         s = shapes.get(t)
         if s is None:
             return float("nan")
-        dims = [x for x in s["shape"][1:]]
-        return float(np.prod(dims, dtype=float) * np.dtype(s["dtype"]).itemsize)
+        return float(np.prod(s["shape"][1:], dtype=float) * np.dtype(s["dtype"]).itemsize)
 
     # cuts.json lists the cut after every layer; position N (after the last) is the output
     crossing = tuple(tuple(c["cut"]) for c in cuts)

@@ -57,17 +57,31 @@ def load_model(path: Path, name: str | None = None) -> onnx.ModelProto:
     return model
 
 
+_CONSTANT_VALUES = {  # Constant's value attributes other than a tensor, as numpy dtypes
+    "value_float": np.float32,
+    "value_floats": np.float32,
+    "value_int": np.int64,
+    "value_ints": np.int64,
+}
+
+
 def _constants_to_initializers(model: onnx.ModelProto) -> None:
+    """Constant nodes become initializers, scalars included, so that no cut counts them."""
     g = model.graph
     keep = []
     for node in g.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].t.dims:
+        attr = node.attribute[0] if node.op_type == "Constant" and node.attribute else None
+        if attr is not None and attr.name == "value":
             t = onnx.TensorProto()
-            t.CopyFrom(node.attribute[0].t)
-            t.name = node.output[0]
-            g.initializer.append(t)
-        else:
+            t.CopyFrom(attr.t)
+        elif attr is not None and attr.name in _CONSTANT_VALUES:
+            value = onnx.helper.get_attribute_value(attr)
+            t = numpy_helper.from_array(np.asarray(value, dtype=_CONSTANT_VALUES[attr.name]))
+        else:  # sparse and string constants stay nodes
             keep.append(node)
+            continue
+        t.name = node.output[0]
+        g.initializer.append(t)
     if len(keep) != len(g.node):
         del g.node[:]
         g.node.extend(keep)
@@ -161,9 +175,8 @@ def extract_block(model: onnx.ModelProto, table: CutTable, start: int, end: int)
             t.dtype = info.dtype
             t.shape = [BATCH_DIM, *info.shape[1:]]
     keep = set(table.layers[start:end])
-    names = node_names(model)
-    for node, n in zip(graph.nodes, names, strict=True):
-        node.name = n
+    for node, n in zip(graph.nodes, table.layers, strict=True):
+        node.name = n  # the table's names: unique, and made up where the file has none
     graph.nodes = [node for node in graph.nodes if node.name in keep]
     for t in inputs:
         t.inputs.clear()  # cut the tensor off from its producer: it is fed in now
@@ -247,7 +260,3 @@ def profile_layers(
             per_node[ev["name"][: -len("_kernel_time")]].append(float(ev["dur"]))
     # the first run warms up
     return {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in per_node.items()}
-
-
-def initializer_bytes(model: onnx.ModelProto) -> int:
-    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)

@@ -81,6 +81,32 @@ def test_unet_skips_cross_the_middle_cuts(tmp_path: Path):
     assert len(table.valid_cuts(CutPolicy(1))) < len(table.valid_cuts(CutPolicy(widest)))
 
 
+def test_constants_never_cross_a_cut(tmp_path: Path):
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    nodes = [
+        helper.make_node("Constant", [], ["two"], value_float=2.0),
+        helper.make_node(
+            "Constant", [], ["bias"], value=numpy_helper.from_array(np.ones(4, np.float32))
+        ),
+        helper.make_node("Relu", ["x"], ["r1"], name="r1"),
+        helper.make_node("Relu", ["r1"], ["r2"], name="r2"),
+        helper.make_node("Mul", ["r2", "two"], ["m"], name="m"),
+        helper.make_node("Add", ["m", "bias"], ["y"], name="y"),
+    ]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 4]) for n in ("x", "y")]
+    graph = helper.make_graph(nodes, "consts", io[:1], io[1:])
+    path = tmp_path / "consts.onnx"
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    model = load_model(path)
+    table = cut_table(model, "consts")
+    assert table.layers == ("r1", "r2", "m", "y")
+    assert table.crossing == (("x",), ("r1",), ("r2",), ("m",), ("y",))
+    feeds = random_inputs(model, 2)
+    want = session(model).run(None, feeds)[0]
+    assert np.array_equal(run_blocks(model, table, (0, 1, 2, 3, 4), feeds)[0], want)
+
+
 def test_crossing_sets_by_hand():
     # x -> a -> b -> c(out); x also read by c: x crosses every cut until c
     life = [("x", -1, 2, 4.0), ("a", 0, 1, 8.0), ("b", 1, 2, 8.0), ("c", 2, 3, 4.0)]
