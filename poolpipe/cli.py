@@ -15,11 +15,12 @@ from rich.console import Console
 from rich.table import Table
 
 from poolpipe import __version__
-from poolpipe.cluster import Cluster, load_cluster, load_clusters
+from poolpipe.cluster import load_clusters
 from poolpipe.errors import PoolpipeError
 from poolpipe.plan import PACKINGS, STRATEGIES, PipelinePlan, Plan
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
+from poolpipe.planning import plan_request
 from poolpipe.profiles import load_ppipe_dir
 from poolpipe.warehouse import ENV_VAR, REPO_ROOT, Warehouse, default_path
 
@@ -225,44 +226,25 @@ def _parse_floats(text: str, what: str) -> list[float]:
     return out
 
 
-def _resolve_cluster(args: argparse.Namespace, wh: Warehouse) -> Cluster:
-    if args.clusters_file:
-        return load_cluster(Path(args.clusters_file), args.cluster)
-    return wh.load_cluster(args.cluster)
-
-
 def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> PlanRequest:
     names = _parse_list(args.models, "models")
-    profiles = tuple(wh.load_profile(n) for n in names)
-    weights = _parse_floats(args.weights, "weights") if args.weights else [1.0] * len(names)
-    if len(weights) != len(names):
+    weights = _parse_floats(args.weights, "weights") if args.weights else None
+    if weights is not None and len(weights) != len(names):
         raise PoolpipeError(f"--weights has {len(weights)} values for {len(names)} models")
-    slos = []
     explicit: dict[str, float] = {}
-    if args.slo_us:
-        for item in _parse_list(args.slo_us, "slo-us"):
-            name, _, value = item.partition("=")
-            if name not in names:
-                raise PoolpipeError(f"--slo-us names {name!r}, which is not in --models {names}")
-            explicit[name] = _parse_floats(value, "slo-us")[0]
-    for p in profiles:
-        if p.name in explicit:
-            slos.append(explicit[p.name])
-        elif args.slo_scale is not None:
-            if not p.reference_latency_us:
-                raise PoolpipeError(
-                    f"model {p.name} has no reference latency; use --slo-us {p.name}=µs"
-                )
-            slos.append(p.reference_latency_us * args.slo_scale)
-        elif p.slo_us:
-            slos.append(p.slo_us)
-        else:
-            raise PoolpipeError(f"model {p.name} has no SLO; pass --slo-scale or --slo-us")
-    return PlanRequest(
-        models=profiles,
-        weights=tuple(weights),
-        slos_us=tuple(slos),
-        cluster=_resolve_cluster(args, wh),
+    for item in _parse_list(args.slo_us, "slo-us") if args.slo_us else []:
+        name, _, value = item.partition("=")
+        if name not in names:
+            raise PoolpipeError(f"--slo-us names {name!r}, which is not in --models {names}")
+        explicit[name] = _parse_floats(value, "slo-us")[0]
+    return plan_request(
+        wh,
+        names,
+        args.cluster,
+        clusters_file=args.clusters_file,
+        weights=weights,
+        slo_us=explicit,
+        slo_scale=args.slo_scale,
         strategy=strategy,
         packing=args.packing,
         margin=args.margin,
@@ -423,10 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--strategies", default=",".join(STRATEGIES))
     cmp_.set_defaults(func=cmd_compare)
 
-    from poolpipe import cli_models, cli_sim
+    from poolpipe import cli_models, cli_onboard, cli_sim
 
     cli_sim.add_commands(sub)
     cli_models.add_commands(sub)
+    cli_onboard.add_commands(sub)
 
     wh = sub.add_parser("warehouse", help="warehouse maintenance")
     wsub = wh.add_subparsers(dest="warehouse_command", required=True, metavar="ACTION")

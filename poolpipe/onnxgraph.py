@@ -209,7 +209,7 @@ def session(
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
-    so.log_severity_level = 3
+    so.log_severity_level = 4 if profile_prefix is not None else 3  # no noise if it fails
     so.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if optimize
@@ -246,7 +246,14 @@ def profile_layers(
     the optimized engine.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        sess = session(model, threads=threads, optimize=False, profile_prefix=f"{tmp}/prof")
+        try:
+            sess = session(model, threads=threads, optimize=False, profile_prefix=f"{tmp}/prof")
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelError(
+                f"{name}: split (layer profile): ONNX Runtime cannot run this model ({first}); "
+                "replace the ops it lacks or register a custom-op library"
+            ) from None
         feeds = random_inputs(model, batch)
         try:
             for _ in range(runs + 1):

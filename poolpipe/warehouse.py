@@ -11,11 +11,11 @@ import json
 import os
 import re
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
@@ -23,7 +23,12 @@ import numpy as np
 from poolpipe.cluster import Cluster, GpuPool
 from poolpipe.errors import UnknownNameError, WarehouseError
 from poolpipe.plan import Plan
-from poolpipe.profiles import LatencyTable, ModelProfile
+from poolpipe.profiles import DEFAULT_SLO_SCALE, LatencyTable, ModelProfile
+
+if TYPE_CHECKING:  # the ONNX side is imported only where it is used
+    from poolpipe.engines import EngineInfo
+    from poolpipe.profiler import Measurement
+    from poolpipe.split import SplitResult
 
 ENV_VAR = "POOLPIPE_WAREHOUSE"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +57,59 @@ LATEST_VERSION = migrations()[-1][0]
 
 def _now() -> datetime:
     return datetime.now().replace(microsecond=0)
+
+
+_MODEL_TABLES = (
+    "block_latency",
+    "model_latency",
+    "block_boundaries",
+    "blocks",
+    "model_files",
+    "models",
+)
+
+
+def _delete_models(con: duckdb.DuckDBPyConnection, names: list[str]) -> None:
+    for table in _MODEL_TABLES:
+        key = "name" if table == "models" else "model"
+        con.execute(f"DELETE FROM {table} WHERE {key} IN (SELECT unnest($1))", [names])
+
+
+def _insert_measurements(
+    con: duckdb.DuckDBPyConnection,
+    model: str,
+    info: EngineInfo,
+    measurements: Sequence[Measurement],
+    share: int,
+    settings: dict[str, Any] | None,
+    now: datetime,
+) -> None:
+    from poolpipe.profiler import WHOLE
+
+    prov = json.dumps({**info.provenance(), **(settings or {}), "date": now.isoformat()})
+    source = f"{info.engine}-profile"
+    con.execute(
+        "INSERT OR IGNORE INTO gpu_types VALUES (?, ?)",
+        [info.device, f"{info.device_detail} ({info.engine})"],
+    )
+    for table, rows in (
+        ("block_latency", [m for m in measurements if m.block != WHOLE]),
+        ("model_latency", [m for m in measurements if m.block == WHOLE]),
+    ):
+        cols: dict[str, list] = {"model": [model] * len(rows)}
+        if table == "block_latency":
+            cols["block_index"] = [m.block for m in rows]
+        cols |= {
+            "gpu_type": [info.device] * len(rows),
+            "share": [share] * len(rows),
+            "batch": [m.batch for m in rows],
+            "latency_us": [m.median_us for m in rows],
+            "p99_us": [m.p99_us for m in rows],
+            "source": [source] * len(rows),
+            "provenance": [prov] * len(rows),
+            "measured_at": [now] * len(rows),
+        }
+        _insert_columns(con, table, cols)
 
 
 def _insert_columns(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str, list]) -> None:
@@ -212,12 +270,7 @@ class Warehouse:
                 bnd["block_index"].append(i)
                 bnd["bytes"].append(b)
         with self.transaction() as con:
-            for table in ("block_latency", "block_boundaries", "blocks", "models"):
-                con.execute(
-                    f"DELETE FROM {table} WHERE {'name' if table == 'models' else 'model'} "
-                    "IN (SELECT unnest($1))",
-                    [names],
-                )
+            _delete_models(con, names)
             for g in gpus:
                 con.execute("INSERT OR IGNORE INTO gpu_types (name) VALUES (?)", [g])
             for p in profiles:
@@ -242,6 +295,126 @@ class Warehouse:
                 )
             _insert_columns(con, "block_latency", lat)
             _insert_columns(con, "block_boundaries", bnd)
+
+    # ------------------------------------------------------------------ onboarding
+
+    def store_onboarding(
+        self,
+        split: SplitResult,
+        info: EngineInfo,
+        measurements: Sequence[Measurement],
+        *,
+        verify_errors: tuple[float, float],
+        slo_us: float | None = None,
+        settings: dict[str, Any] | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> None:
+        """Replace everything stored for `split.model` by a fresh onboarding: the model (its
+        reference latency is the whole model's batch-1 median here; SLO given or
+        DEFAULT_SLO_SCALE x that), blocks, boundaries, latencies, files. One transaction;
+        `before_commit` runs inside it (publishing the block files), so that a failure
+        anywhere leaves the warehouse as it was."""
+        from poolpipe.profiler import WHOLE
+
+        ref = next((m.median_us for m in measurements if m.block == WHOLE and m.batch == 1), None)
+        part = split.partitioning
+        now = _now()
+        with self.transaction() as con:
+            _delete_models(con, [split.model])
+            con.execute(
+                "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    split.model,
+                    len(split.blocks),
+                    ref,
+                    slo_us if slo_us is not None else (ref * DEFAULT_SLO_SCALE if ref else None),
+                    f"onboard:{split.source}",
+                    now,
+                ],
+            )
+            _insert_columns(
+                con,
+                "blocks",
+                {
+                    "model": [split.model] * len(split.blocks),
+                    "block_index": [b.index for b in split.blocks],
+                    "name": [b.first_layer for b in split.blocks],
+                    "onnx_path": [str(b.path) for b in split.blocks],
+                    "layer_start": [b.layer_start for b in split.blocks],
+                    "layer_end": [b.layer_end for b in split.blocks],
+                    "inputs": [list(b.inputs) for b in split.blocks],
+                    "outputs": [list(b.outputs) for b in split.blocks],
+                },
+            )
+            _insert_columns(
+                con,
+                "block_boundaries",
+                {
+                    "model": [split.model] * (len(split.blocks) - 1),
+                    "block_index": [b.index for b in split.blocks[:-1]],
+                    "bytes": [b.out_bytes for b in split.blocks[:-1]],
+                },
+            )
+            con.execute(
+                "INSERT INTO model_files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    split.model,
+                    str(split.source),
+                    split.sha256,
+                    str(split.folder),
+                    split.layers,
+                    part.method,
+                    part.policy.max_tensors,
+                    part.balance,
+                    verify_errors[0],
+                    verify_errors[1],
+                    now,
+                ],
+            )
+            _insert_measurements(con, split.model, info, measurements, 1, settings, now)
+            if before_commit is not None:
+                before_commit()
+
+    def store_measurements(
+        self,
+        model: str,
+        info: EngineInfo,
+        measurements: Sequence[Measurement],
+        *,
+        share: int = 1,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
+        """Replace the latencies of `model` on `info.device` at `share` (one transaction)."""
+        self.onboarded_blocks(model)  # the model must be onboarded
+        with self.transaction() as con:
+            for table in ("block_latency", "model_latency"):
+                con.execute(
+                    f"DELETE FROM {table} WHERE model = ? AND gpu_type = ? AND share = ?",
+                    [model, info.device, share],
+                )
+            _insert_measurements(con, model, info, measurements, share, settings, _now())
+
+    def onboarded_blocks(self, model: str) -> list[Path]:
+        """The block files of an onboarded model, in order."""
+        rows = self.con.execute(
+            "SELECT onnx_path FROM blocks WHERE model = ? ORDER BY block_index", [model]
+        ).fetchall()
+        if not rows or any(r[0] is None for r in rows):
+            if model not in self.model_names():
+                self.load_profile(model)  # raises with the known names
+            raise UnknownNameError(
+                f"model {model!r} in {self.path} has no block files (imported profiles only); "
+                f"onboard it with: poolpipe onboard MODEL.onnx --name {model}"
+            )
+        return [Path(r[0]) for r in rows]
+
+    def whole_model_file(self, model: str) -> Path | None:
+        from poolpipe.split import WHOLE_FILE
+
+        row = self.con.execute(
+            "SELECT blocks_dir FROM model_files WHERE model = ?", [model]
+        ).fetchone()
+        return Path(row[0]) / WHOLE_FILE if row else None
 
     def model_names(self) -> list[str]:
         return [r[0] for r in self.con.execute("SELECT name FROM models ORDER BY name").fetchall()]

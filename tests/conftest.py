@@ -54,3 +54,17 @@ def tiny_cluster(
         bandwidth_gbps=bandwidth_gbps,
         pools=tuple(GpuPool(g, n, h, s) for g, n, h, s in pools),
     )
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One real Prefect API (temporary server and database) for every flow test: starting it
+    costs seconds, so the whole session shares it."""
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

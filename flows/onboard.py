@@ -1,0 +1,273 @@
+"""Onboard an ONNX model: split → build → verify → profile → store, as a Prefect flow.
+
+The block files are written to a staging folder and published (renamed into place) inside
+the warehouse transaction that stores the model, so a failure at any step leaves both the
+warehouse and the blocks folder as they were.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.common import artifact_key, io_error_only, markdown_table, report
+from poolpipe.cuts import METHODS, CutPolicy
+from poolpipe.engines import EngineInfo, make_engine
+from poolpipe.errors import ModelError
+from poolpipe.profiler import WHOLE, Measurement, latency_of, profile_blocks, sum_vs_whole
+from poolpipe.split import SplitResult, split_model, verify_split
+from poolpipe.warehouse import Warehouse
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+DEFAULT_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+@dataclass
+class OnboardResult:
+    split: SplitResult
+    info: EngineInfo
+    measurements: list[Measurement]
+    verify_errors: tuple[float, float]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def blocks_root(warehouse: str | None) -> Path:
+    with Warehouse.open(warehouse) as wh:
+        return wh.path.parent / "blocks"
+
+
+@task(name="split", cache_policy=NO_CACHE)
+def split_task(
+    model_path: str,
+    name: str,
+    staging: Path,
+    blocks: int,
+    method: str,
+    max_cut_tensors: int,
+    threads: int,
+) -> SplitResult:
+    return split_model(
+        Path(model_path),
+        name,
+        staging,
+        n_blocks=blocks,
+        policy=CutPolicy(max_cut_tensors),
+        method=method,
+        threads=threads,
+        progress=report,
+    )
+
+
+@task(name="build", cache_policy=NO_CACHE)
+def build_task(split: SplitResult, engine: str, threads: int, max_batch: int) -> list[Path]:
+    """One engine artifact per block, then the whole model's (for the comparison)."""
+    eng = make_engine(engine, threads=threads, out_dir=split.folder / "engines")
+    files = [b.path for b in split.blocks] + [split.whole_path]
+    built = []
+    for k, f in enumerate(files):
+        report("build", k, len(files))
+        what = f"block {k}" if k < len(split.blocks) else "the whole model"
+        built.append(eng.build(f, split.model, what, max_batch))
+    report("build", len(files), len(files))
+    return built
+
+
+@task(name="verify", cache_policy=NO_CACHE)
+def verify_task(split: SplitResult) -> tuple[float, float]:
+    report("verify", 0, 1)
+    errors = verify_split(split)
+    report("verify", 1, 1)
+    return errors
+
+
+@task(name="profile", cache_policy=NO_CACHE)
+def profile_task(
+    split: SplitResult,
+    built: list[Path],
+    engine: str,
+    threads: int,
+    batches: list[int],
+    warmup: int,
+    reps: int,
+) -> tuple[EngineInfo, list[Measurement]]:
+    eng = make_engine(engine, threads=threads, out_dir=split.folder / "engines")
+    ms = profile_blocks(
+        eng,
+        split.model,
+        built[:-1],
+        [b.path for b in split.blocks],
+        (built[-1], split.whole_path),
+        batches,
+        warmup=warmup,
+        reps=reps,
+        progress=report,
+    )
+    return eng.info, ms
+
+
+@task(
+    name="store",
+    cache_policy=NO_CACHE,
+    retries=3,
+    retry_delay_seconds=2,
+    retry_condition_fn=io_error_only,
+)
+def store_task(
+    warehouse: str | None,
+    split: SplitResult,
+    info: EngineInfo,
+    measurements: list[Measurement],
+    verify_errors: tuple[float, float],
+    slo_us: float | None,
+    settings: dict,
+) -> SplitResult:
+    """Store the model and publish its block folder in one step (all or nothing)."""
+    report("store", 0, 1)
+    final = split.folder.parent.parent / split.model
+    old = final.with_name(f".old-{split.model}-{uuid.uuid4().hex[:8]}")
+    moved: list[tuple[Path, Path]] = []
+
+    def publish() -> None:
+        if final.exists():
+            final.rename(old)
+            moved.append((final, old))
+        split.folder.rename(final)
+        moved.append((split.folder, final))
+
+    published = split.moved_to(final)
+    try:
+        with Warehouse.open(warehouse) as wh:
+            wh.store_onboarding(
+                published,
+                info,
+                measurements,
+                verify_errors=verify_errors,
+                slo_us=slo_us,
+                settings=settings,
+                before_commit=publish,
+            )
+    except BaseException:
+        for src, dst in reversed(moved):  # put the folders back as they were
+            dst.rename(src)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    report("store", 1, 1)
+    return published
+
+
+def block_rows(result: OnboardResult) -> list[list[str]]:
+    """The block table: layers, boundary, latency at the smallest and largest batch."""
+    batches = sorted({m.batch for m in result.measurements})
+    lo, hi = batches[0], batches[-1]
+    rows = []
+    for b in result.split.blocks:
+        rows.append(
+            [
+                str(b.index),
+                f"[{b.layer_start}, {b.layer_end})",
+                b.first_layer,
+                str(len(b.outputs)),
+                f"{b.out_bytes / 1024:,.1f}",
+                f"{latency_of(result.measurements, b.index, lo) / 1e3:.3f}",
+                f"{latency_of(result.measurements, b.index, hi) / 1e3:.3f}",
+            ]
+        )
+    sums = sum_vs_whole(result.measurements)
+    for label, pick in (("sum of blocks", 0), ("whole model", 1)):
+        rows.append(
+            ["", "", label, "", "", f"{sums[lo][pick] / 1e3:.3f}", f"{sums[hi][pick] / 1e3:.3f}"]
+        )
+    return rows
+
+
+def block_header(result: OnboardResult) -> list[str]:
+    batches = sorted({m.batch for m in result.measurements})
+    return [
+        "block",
+        "layers",
+        "first layer",
+        "tensors out",
+        "KiB out (b=1)",
+        f"ms b={batches[0]}",
+        f"ms b={batches[-1]}",
+    ]
+
+
+@flow(name="onboard-model", log_prints=True)
+def onboard_model(
+    model_path: str,
+    name: str,
+    warehouse: str | None = None,
+    blocks: int = 10,
+    batches: list[int] = list(DEFAULT_BATCHES),  # noqa: B006 (Prefect parameters)
+    engine: str = "onnxruntime",
+    threads: int = 1,
+    method: str = "balanced",
+    max_cut_tensors: int = 1,
+    warmup: int = 2,
+    reps: int = 15,
+    slo_ms: float | None = None,
+) -> OnboardResult:
+    """Split MODEL into blocks, build them on this machine's engine, check that they
+    reproduce the model, profile them at every batch size and store everything."""
+    if not NAME_RE.match(name):
+        raise ModelError(
+            f"{name!r}: the model name must start with a letter or digit and hold only "
+            "letters, digits, '_', '.' and '-'"
+        )
+    if method not in METHODS:
+        raise ModelError(f"{name}: unknown pre-partitioning method {method!r}; choose {METHODS}")
+    batches = sorted(set(batches))
+    staging = blocks_root(warehouse) / ".staging" / f"{name}-{uuid.uuid4().hex[:8]}"
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    try:
+        split = split_task(model_path, name, staging, blocks, method, max_cut_tensors, threads)
+        seconds["split"] = time.perf_counter() - t0
+        t = time.perf_counter()
+        built = build_task(split, engine, threads, max(batches))
+        seconds["build"] = time.perf_counter() - t
+        t = time.perf_counter()
+        errors = verify_task(split)
+        seconds["verify"] = time.perf_counter() - t
+        t = time.perf_counter()
+        info, measurements = profile_task(split, built, engine, threads, batches, warmup, reps)
+        seconds["profile"] = time.perf_counter() - t
+        t = time.perf_counter()
+        settings = {"warmup": warmup, "reps": reps, "batches": batches}
+        slo_us = slo_ms * 1e3 if slo_ms is not None else None
+        split = store_task(warehouse, split, info, measurements, errors, slo_us, settings)
+        seconds["store"] = time.perf_counter() - t
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    result = OnboardResult(split, info, measurements, errors, seconds)
+    part = split.partitioning
+    create_markdown_artifact(
+        key=artifact_key("onboard", name),
+        description=f"{name}: blocks and latencies on {info.device}",
+        markdown=(
+            f"# {name} on {info.device} ({info.engine} {info.version})\n\n"
+            f"{split.layers} layers, {len(split.blocks)} blocks ({part.method}, cuts crossed "
+            f"by <= {part.policy.max_tensors} tensor(s), layer-profile balance "
+            f"{part.balance:.2f}); blocks vs whole model: max error {errors[0]:.1e} (fp32), "
+            f"{errors[1]:.1e} (fp16 boundaries).\n\n"
+            + markdown_table(block_header(result), block_rows(result))
+        ),
+    )
+    return result
+
+
+def whole_vs_blocks(result: OnboardResult) -> list[tuple[int, float, float]]:
+    """(batch, whole µs, sum of blocks µs) per batch size."""
+    return [(b, w, s) for b, (s, w) in sum_vs_whole(result.measurements).items()]
+
+
+__all__ = ["WHOLE", "OnboardResult", "onboard_model"]

@@ -1,0 +1,111 @@
+"""Plan: warehouse profiles + cluster + SLOs + workload mix → MILP → stored plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.common import artifact_key, io_error_only, markdown_table
+from poolpipe.plan import Plan
+from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planning import plan_request
+from poolpipe.warehouse import Warehouse
+
+
+@task(name="load-request", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
+def load_request(
+    warehouse: str | None,
+    models: list[str],
+    cluster: str,
+    clusters_file: str | None,
+    weights: list[float] | None,
+    slo_ms: dict[str, float] | None,
+    slo_scale: float | None,
+    strategy: str,
+    margin: float,
+    max_partitions: int,
+    solver: str,
+    time_limit_s: float,
+) -> PlanRequest:
+    with Warehouse.open(warehouse) as wh:
+        return plan_request(
+            wh,
+            models,
+            cluster,
+            clusters_file=clusters_file,
+            weights=weights,
+            slo_us={k: v * 1e3 for k, v in (slo_ms or {}).items()},
+            slo_scale=slo_scale,
+            strategy=strategy,
+            margin=margin,
+            max_partitions=max_partitions,
+            solver=solver,
+            time_limit_s=time_limit_s,
+        )
+
+
+@task(name="solve", cache_policy=NO_CACHE)
+def solve(request: PlanRequest) -> Plan:
+    return make_plan(request)
+
+
+@task(name="store-plan", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
+def store_plan(warehouse: str | None, plan: Plan, label: str | None) -> int:
+    with Warehouse.open(warehouse) as wh:
+        return wh.store_plan(plan, label=label)
+
+
+@flow(name="plan", log_prints=True)
+def plan_models(
+    models: list[str],
+    cluster: str,
+    warehouse: str | None = None,
+    clusters_file: str | None = None,
+    weights: list[float] | None = None,
+    slo_ms: dict[str, float] | None = None,
+    slo_scale: float | None = None,
+    strategy: str = "ppipe",
+    margin: float = 0.4,
+    max_partitions: int = 2,
+    solver: str = "highs",
+    time_limit_s: float = 60.0,
+    label: str | None = None,
+    out: str | None = None,
+) -> int:
+    """Plan MODELS on CLUSTER from the warehouse's profiles; store the plan (and write it to
+    OUT as JSON when given). Returns the plan id."""
+    request = load_request(
+        warehouse,
+        models,
+        cluster,
+        clusters_file,
+        weights,
+        slo_ms,
+        slo_scale,
+        strategy,
+        margin,
+        max_partitions,
+        solver,
+        time_limit_s,
+    )
+    plan = solve(request)
+    plan_id = store_plan(warehouse, plan, label)
+    if out:
+        plan.save(Path(out))
+    rows = []
+    for m in plan.models:
+        for i, p in enumerate(m.pipelines):
+            parts = " → ".join(
+                f"[{q.start},{q.end}) {q.gpu}/{q.share}×{q.vgpus}" for q in p.partitions
+            )
+            rows.append([m.name if i == 0 else "", f"{p.throughput:,.1f}", p.batch, parts])
+    create_markdown_artifact(
+        key=artifact_key("plan", cluster, strategy),
+        description=f"plan {plan_id}: {strategy} on {cluster}",
+        markdown=f"# plan {plan_id}: {strategy} on {cluster}, objective {plan.objective:,.2f}\n\n"
+        + markdown_table(["model", "req/s", "batch", "partitions"], rows),
+    )
+    return plan_id

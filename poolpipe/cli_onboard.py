@@ -1,0 +1,204 @@
+"""`poolpipe onboard` and `poolpipe profile`: run the Prefect flows of flows/ with a progress
+bar (locally on Prefect's ephemeral API) and print the block table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from poolpipe.cuts import METHODS
+from poolpipe.engines import ENGINES
+from poolpipe.errors import PoolpipeError
+
+console = Console()
+
+
+def parse_batches(text: str) -> list[int]:
+    """'1-8' or '1,2,4,8' (or a mix: '1-4,8')."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            values = range(int(lo), int(hi) + 1) if sep else [int(lo)]
+        except ValueError:
+            raise PoolpipeError(f"--batches: {part!r} is not a number or a range (1-8)") from None
+        out.update(values)
+    if not out or min(out) < 1:
+        raise PoolpipeError(f"--batches {text!r}: batch sizes must be integers >= 1")
+    return sorted(out)
+
+
+def _quiet_prefect(verbose: bool) -> None:
+    # Before Prefect is imported: its settings are read from the environment.
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")  # errors: printed by us
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+@contextmanager
+def progress_bar(title: str) -> Iterator[None]:
+    from flows.common import reporting
+
+    bars: dict[str, TaskID] = {}
+    with Progress(
+        TextColumn("[bold]{task.description:<28}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        start = progress.add_task(f"{title}: starting Prefect", total=None)
+
+        def update(step: str, done: int, total: int) -> None:
+            if start in progress.task_ids:
+                progress.remove_task(start)
+            key = step.split(":")[0] if step.startswith("profile") else step
+            if key not in bars:
+                bars[key] = progress.add_task(key, total=total)
+            progress.update(bars[key], completed=done, total=total, description=step)
+
+        with reporting(update):
+            yield
+
+
+def cmd_onboard(args: argparse.Namespace) -> int:
+    _quiet_prefect(args.verbose)
+    from flows.onboard import block_header, block_rows, onboard_model
+
+    path = Path(args.model)
+    name = args.name or path.stem
+    with progress_bar(name):
+        result = onboard_model(
+            str(path),
+            name,
+            warehouse=args.warehouse,
+            blocks=args.blocks,
+            batches=parse_batches(args.batches),
+            engine=args.engine,
+            threads=args.threads,
+            method=args.method,
+            max_cut_tensors=args.max_cut_tensors,
+            warmup=args.warmup,
+            reps=args.reps,
+            slo_ms=args.slo_ms,
+        )
+    part = result.split.partitioning
+    table = Table(
+        title=f"{name}: {result.split.layers} layers in {len(result.split.blocks)} blocks "
+        f"({part.method}, cuts crossed by <= {part.policy.max_tensors} tensor(s)) on "
+        f"{result.info.device} ({result.info.engine} {result.info.version})",
+        title_justify="left",
+    )
+    for col in block_header(result):
+        table.add_column(col, justify="left" if col == "first layer" else "right")
+    rows = block_rows(result)
+    for row in rows[:-2]:
+        table.add_row(*row)
+    table.add_section()
+    for row in rows[-2:]:
+        table.add_row(*row)
+    console.print(table)
+    e32, e16 = result.verify_errors
+    steps = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
+    console.print(
+        f"blocks reproduce the model: max error {e32:.1e} of the output scale (fp32), "
+        f"{e16:.1e} with fp16 boundaries  |  {steps}\n"
+        f"stored in the warehouse; blocks in {result.split.folder}"
+    )
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    _quiet_prefect(args.verbose)
+    from flows.profile import profile_model
+    from poolpipe.profiler import latency_of, sum_vs_whole
+
+    batches = parse_batches(args.batches)
+    with progress_bar(args.name):
+        info, ms = profile_model(
+            args.name,
+            warehouse=args.warehouse,
+            batches=batches,
+            engine=args.engine,
+            threads=args.threads,
+            warmup=args.warmup,
+            reps=args.reps,
+        )
+    lo, hi = batches[0], batches[-1]
+    table = Table(title=f"{args.name} on {info.device} ({info.engine})", title_justify="left")
+    for col in ("block", f"ms b={lo}", f"ms b={hi}"):
+        table.add_column(col, justify="right")
+    for k in sorted({m.block for m in ms if m.block >= 0}):
+        table.add_row(
+            str(k),
+            f"{latency_of(ms, k, lo) / 1e3:.3f}",
+            f"{latency_of(ms, k, hi) / 1e3:.3f}",
+        )
+    sums = sum_vs_whole(ms)
+    table.add_section()
+    table.add_row("sum", f"{sums[lo][0] / 1e3:.3f}", f"{sums[hi][0] / 1e3:.3f}")
+    table.add_row("whole", f"{sums[lo][1] / 1e3:.3f}", f"{sums[hi][1] / 1e3:.3f}")
+    console.print(table)
+    return 0
+
+
+def _profiling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", default="1-8", help="batch sizes, e.g. 1-8 or 1,2,4,8 (1-8)")
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="onnxruntime",
+        help="onnxruntime (CPU), onnxruntime-cuda or tensorrt (GPU nodes)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="ONNX Runtime threads on the CPU; device type cpu-<N>t (1)",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per batch size (2)")
+    p.add_argument("--reps", type=int, default=15, help="timed runs per block and batch (15)")
+    p.add_argument("-v", "--verbose", action="store_true", help="show Prefect's logs")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "onboard",
+        help="split an ONNX model into blocks, profile them and store them (Prefect flow)",
+        description="Run the onboard-model flow: split the model into blocks at valid cuts, "
+        "build them on this machine's engine, check that they reproduce the model, profile "
+        "every block at every batch size and store model, blocks and latencies in the "
+        "warehouse (all or nothing).",
+    )
+    p.add_argument("model", help="an ONNX file with a dynamic batch dimension")
+    p.add_argument("--name", help="model name in the warehouse (default: the file name)")
+    p.add_argument("--blocks", type=int, default=10, help="number of blocks (10)")
+    p.add_argument("--method", choices=METHODS, default=METHODS[0], help="pre-partitioning")
+    p.add_argument(
+        "--max-cut-tensors",
+        type=int,
+        default=1,
+        help="tensors allowed to cross a cut, widened when too few cuts qualify (1)",
+    )
+    p.add_argument("--slo-ms", type=float, help="SLO (default: 5 x the whole model at batch 1)")
+    _profiling_options(p)
+    p.set_defaults(func=cmd_onboard)
+
+    p = sub.add_parser(
+        "profile",
+        help="profile an onboarded model's blocks on this machine (Prefect flow)",
+        description="Run the profile-model flow: measure every block of an onboarded model "
+        "on this machine's device and replace that device's latencies in the warehouse.",
+    )
+    p.add_argument("name", help="an onboarded model")
+    _profiling_options(p)
+    p.set_defaults(func=cmd_profile)

@@ -1,0 +1,63 @@
+"""A planning request assembled from the warehouse: profiles, SLOs and the cluster by name.
+Shared by the CLI and the `plan` flow."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from poolpipe.cluster import load_cluster
+from poolpipe.errors import PoolpipeError
+from poolpipe.planner import PlanRequest
+from poolpipe.warehouse import Warehouse
+
+
+def plan_request(
+    wh: Warehouse,
+    models: Sequence[str],
+    cluster: str,
+    *,
+    clusters_file: Path | str | None = None,
+    weights: Sequence[float] | None = None,
+    slo_us: Mapping[str, float] | None = None,
+    slo_scale: float | None = None,
+    strategy: str = "ppipe",
+    **options: Any,
+) -> PlanRequest:
+    """SLO per model: `slo_us[name]`, else `slo_scale` x its reference latency, else the SLO
+    stored with the model. `options` are the remaining PlanRequest fields."""
+    names = list(models)
+    profiles = tuple(wh.load_profile(n) for n in names)
+    weights = list(weights) if weights else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise PoolpipeError(f"{len(weights)} weights for {len(names)} models; give one each")
+    explicit = dict(slo_us or {})
+    for name in explicit:
+        if name not in names:
+            raise PoolpipeError(f"an SLO is given for {name!r}, which is not among {names}")
+    slos = []
+    for p in profiles:
+        if p.name in explicit:
+            slos.append(float(explicit[p.name]))
+        elif slo_scale is not None:
+            if not p.reference_latency_us:
+                raise PoolpipeError(
+                    f"model {p.name} has no reference latency; give its SLO ({p.name}=µs)"
+                )
+            slos.append(p.reference_latency_us * slo_scale)
+        elif p.slo_us:
+            slos.append(p.slo_us)
+        else:
+            raise PoolpipeError(f"model {p.name} has no SLO; give an SLO scale or its SLO")
+    inventory = (
+        load_cluster(Path(clusters_file), cluster) if clusters_file else wh.load_cluster(cluster)
+    )
+    return PlanRequest(
+        models=profiles,
+        weights=tuple(weights),
+        slos_us=tuple(slos),
+        cluster=inventory,
+        strategy=strategy,
+        **options,
+    )

@@ -1,0 +1,322 @@
+"""The offline flows run for real: Prefect (a real temporary API via prefect_test_harness),
+ONNX Runtime on small generated models, a DuckDB file, a MILP solved by HiGHS."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from onnx import TensorProto, helper
+
+from flows.common import io_error_only
+from flows.onboard import onboard_model
+from flows.plan import plan_models
+from flows.profile import profile_model
+from poolpipe.cli import main as cli_main
+from poolpipe.errors import ModelError
+from poolpipe.profiler import WHOLE
+from poolpipe.warehouse import Warehouse
+from poolpipe.zoo import make_model
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(blocks=4, batches=[1, 2, 3], warmup=1, reps=3)
+
+
+@pytest.fixture(scope="module")
+def small_resnet(tmp_path_factory) -> Path:
+    return make_model("resnet50", tmp_path_factory.mktemp("m") / "r.onnx", width=0.125, image=32)
+
+
+@pytest.fixture(scope="module")
+def onboarded(prefect_api, small_resnet, tmp_path_factory):
+    wh = str(tmp_path_factory.mktemp("wh") / "wh.duckdb")
+    result = onboard_model(str(small_resnet), "tiny-resnet", warehouse=wh, **SMALL)
+    return wh, result
+
+
+def snapshot(wh: str) -> dict[str, list]:
+    """Every row of every table, to show that a failed flow changed nothing."""
+    with Warehouse.open(wh) as w:
+        tables = [
+            r[0]
+            for r in w.con.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema='main'"
+            ).fetchall()
+        ]
+        return {
+            t: sorted(map(str, w.con.execute(f'SELECT * FROM "{t}"').fetchall())) for t in tables
+        }
+
+
+def test_onboard_flow_stores_blocks_latencies_and_provenance(onboarded):
+    wh, r = onboarded
+    assert r.verify_errors[0] <= 1e-4 < r.verify_errors[1] + 1  # fp32 exact, fp16 measured
+    assert r.verify_errors[1] > 0
+    with Warehouse.open(wh) as w:
+        con = w.con
+        (nb, ref, slo, source) = con.execute(
+            "SELECT num_blocks, reference_latency_us, slo_us, source FROM models "
+            "WHERE name = 'tiny-resnet'"
+        ).fetchone()
+        assert nb == 4 and source.startswith("onboard:")
+        whole_b1 = next(m for m in r.measurements if m.block == WHOLE and m.batch == 1)
+        assert ref == pytest.approx(whole_b1.median_us) and slo == pytest.approx(5 * ref)
+        files = con.execute(
+            "SELECT onnx_path, inputs, outputs FROM blocks WHERE model='tiny-resnet' "
+            "ORDER BY block_index"
+        ).fetchall()
+        assert len(files) == 4 and all(Path(p).is_file() for p, _, _ in files)
+        for (_, _, outs), (_, ins, _) in itertools.pairwise(files):
+            assert outs == ins  # each block feeds the next
+        bytes_ = [
+            b
+            for (b,) in con.execute(
+                "SELECT bytes FROM block_boundaries WHERE model='tiny-resnet' ORDER BY block_index"
+            ).fetchall()
+        ]
+        assert bytes_ == [b.out_bytes for b in r.split.blocks[:-1]] and min(bytes_) > 0
+        rows = con.execute(
+            "SELECT block_index, batch, latency_us, p99_us, gpu_type, share, provenance "
+            "FROM block_latency WHERE model='tiny-resnet'"
+        ).fetchall()
+        assert len(rows) == 4 * 3
+        assert all(p99 >= lat > 0 for _, _, lat, p99, _, _, _ in rows)
+        assert {(g, s) for *_, g, s, _ in rows} == {("cpu-1t", 1)}
+        prov = json.loads(rows[0][-1])
+        for key in ("host", "device_detail", "engine", "engine_version", "date", "reps"):
+            assert prov[key], key
+        assert prov["engine"] == "onnxruntime" and prov["reps"] == 3
+        assert con.execute(
+            "SELECT count(*) FROM model_latency WHERE model='tiny-resnet'"
+        ).fetchone() == (3,)
+        profile = w.load_profile("tiny-resnet")
+    table = profile.tables[("cpu-1t", 1)]
+    assert table.latency_us.shape == (4, 3)
+    assert profile.boundary_bytes == tuple(bytes_)
+
+
+def test_onboard_artifact_holds_the_block_table(onboarded):
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    # Prefect's REST API (the filter endpoint of 3.8.8 mis-validates with FastAPI 0.154)
+    art = httpx.get(f"{PREFECT_API_URL.value()}/artifacts/onboard-tiny-resnet/latest").json()
+    assert art["type"] == "markdown"
+    text = art["data"]
+    assert "sum of blocks" in text and "whole model" in text
+    assert text.count("\n| ") >= 4 + 2  # a row per block, the sums
+
+
+def test_plan_flow_plans_the_onboarded_model_right_away(onboarded, tmp_path):
+    wh, _ = onboarded
+    clusters = tmp_path / "clusters.toml"
+    clusters.write_text(
+        "[local]\nbandwidth_gbps = 10\n"
+        'gpus = [ { type = "cpu-1t", count = 4, gpus_per_server = 1, shares = [1] } ]\n'
+    )
+    out = tmp_path / "plan.json"
+    plan_id = plan_models(
+        ["tiny-resnet"], "local", warehouse=wh, clusters_file=str(clusters), out=str(out)
+    )
+    with Warehouse.open(wh) as w:
+        plan = w.load_plan(plan_id)
+        parts = w.con.execute(
+            "SELECT count(*) FROM plan_partitions WHERE plan_id = ?", [plan_id]
+        ).fetchone()
+    assert plan.models[0].name == "tiny-resnet" and plan.models[0].throughput > 0
+    assert parts[0] >= 1 and json.loads(out.read_text())["strategy"] == "ppipe"
+
+
+def test_profile_flow_adds_a_device_and_keeps_the_others(onboarded):
+    wh, _ = onboarded
+    before = snapshot(wh)["block_latency"]
+    info, ms = profile_model("tiny-resnet", warehouse=wh, batches=[1, 2], threads=2, reps=2)
+    assert info.device == "cpu-2t" and len(ms) == (4 + 1) * 2
+    with Warehouse.open(wh) as w:
+        rows = w.con.execute(
+            "SELECT gpu_type, count(*) FROM block_latency WHERE model='tiny-resnet' GROUP BY 1 "
+            "ORDER BY 1"
+        ).fetchall()
+        assert set(w.load_profile("tiny-resnet").tables) == {("cpu-1t", 1), ("cpu-2t", 1)}
+    assert rows == [("cpu-1t", 12), ("cpu-2t", 8)]
+    assert [r for r in snapshot(wh)["block_latency"] if "cpu-1t" in r] == before
+
+
+def test_onboarding_again_replaces_the_model(prefect_api, small_resnet, tmp_path):
+    wh = str(tmp_path / "wh.duckdb")
+    onboard_model(str(small_resnet), "again", warehouse=wh, **SMALL)
+    r = onboard_model(str(small_resnet), "again", warehouse=wh, **{**SMALL, "blocks": 3})
+    with Warehouse.open(wh) as w:
+        assert w.con.execute("SELECT count(*) FROM blocks WHERE model='again'").fetchone() == (3,)
+        assert w.con.execute(
+            "SELECT count(*) FROM block_latency WHERE model='again'"
+        ).fetchone() == (9,)
+    root = tmp_path / "blocks"
+    assert sorted(p.name for p in (root / "again").glob("block_*.onnx")) == [
+        "block_00.onnx",
+        "block_01.onnx",
+        "block_02.onnx",
+    ]
+    assert r.split.folder == root / "again"
+    assert not [p for p in root.iterdir() if p.name.startswith(".old")]
+    assert not list((root / ".staging").iterdir())
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _tiny_graph(path: Path, nodes, batch="batch", domains=()) -> Path:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 8])
+    g = helper.make_graph(nodes, "g", [x], [y])
+    opsets = [helper.make_opsetid("", 17), *(helper.make_opsetid(d, 1) for d in domains)]
+    onnx.save(helper.make_model(g, opset_imports=opsets, ir_version=8), str(path))
+    return path
+
+
+def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str, dict]]:
+    (tmp / "notonnx.onnx").write_text("this is not a protobuf")
+    relu = lambda i, o: helper.make_node("Relu", [i], [o])  # noqa: E731
+    return {
+        "not-onnx": (tmp / "notonnx.onnx", "load", {}),
+        "no-cut": (_tiny_graph(tmp / "one.onnx", [relu("x", "y")]), "split", {}),
+        "unknown-op": (
+            _tiny_graph(
+                tmp / "mystery.onnx",
+                [
+                    relu("x", "a"),
+                    helper.make_node("Mystery", ["a"], ["b"], domain="com.example"),
+                    relu("b", "y"),
+                ],
+                domains=("com.example",),
+            ),
+            "ONNX Runtime cannot run",
+            {"blocks": 2},
+        ),
+        "fixed-batch": (
+            _tiny_graph(tmp / "fixed.onnx", [relu("x", "a"), relu("a", "b"), relu("b", "y")], 1),
+            "profile",
+            {"blocks": 2, "batches": [1, 2]},
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", ["not-onnx", "no-cut", "unknown-op", "fixed-batch"])
+def test_bad_input_names_model_and_step_and_changes_nothing(onboarded, tmp_path, case):
+    wh, _ = onboarded
+    path, step, extra = _bad_inputs(tmp_path)[case]
+    before = snapshot(wh)
+    root = Path(wh).parent / "blocks"
+    folders = sorted(p.name for p in root.iterdir())
+    params = {**SMALL, **extra}
+    with pytest.raises(ModelError) as err:
+        onboard_model(str(path), case, warehouse=wh, **params)
+    assert f"{case}: " in str(err.value) and step in str(err.value), str(err.value)
+    assert snapshot(wh) == before
+    assert sorted(p.name for p in root.iterdir()) == folders
+    assert not list((root / ".staging").iterdir())
+
+
+def test_a_failure_while_storing_rolls_back_files_and_rows(onboarded, tmp_path):
+    """The store step loses its staging folder while publishing (after the old folder was
+    moved aside and the rows were written): rows and folders go back as they were."""
+    from flows.onboard import store_task
+
+    wh, r = onboarded
+    before = snapshot(wh)
+    final = r.split.folder
+    files = sorted(p.name for p in final.iterdir())
+    gone = dataclasses.replace(r.split, folder=final.parent / ".staging" / "gone")
+    with pytest.raises(FileNotFoundError):
+        store_task.fn(wh, gone, r.info, r.measurements, r.verify_errors, None, {})
+    assert snapshot(wh) == before
+    assert sorted(p.name for p in final.iterdir()) == files
+    assert not [p for p in final.parent.iterdir() if p.name.startswith(".old")]
+
+
+def test_retries_only_on_io_errors(prefect_api):
+    from prefect import flow, task
+
+    calls = {"io": 0, "bad": 0}
+
+    @task(retries=2, retry_delay_seconds=0, retry_condition_fn=io_error_only)
+    def flaky_io():
+        calls["io"] += 1
+        if calls["io"] == 1:
+            raise OSError("disk hiccup")
+        return "ok"
+
+    @task(retries=2, retry_delay_seconds=0, retry_condition_fn=io_error_only)
+    def bad_input():
+        calls["bad"] += 1
+        raise ModelError("m: split: no valid cut")
+
+    @flow
+    def f():
+        return flaky_io()
+
+    @flow
+    def g():
+        return bad_input()
+
+    assert f() == "ok" and calls["io"] == 2
+    with pytest.raises(ModelError):
+        g()
+    assert calls["bad"] == 1
+
+
+def test_cli_onboard_prints_the_block_table(prefect_api, small_resnet, tmp_path, capsys):
+    wh = str(tmp_path / "wh.duckdb")
+    rc = cli_main(
+        [
+            "--warehouse",
+            wh,
+            "onboard",
+            str(small_resnet),
+            "--name",
+            "cli-resnet",
+            "--blocks",
+            "3",
+            "--batches",
+            "1-2",
+            "--reps",
+            "2",
+            "--warmup",
+            "0",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "whole model" in out and "sum of" in out and "cli-resnet" in out
+    rc = cli_main(["--warehouse", wh, "onboard", str(tmp_path / "missing.onnx")])
+    out = capsys.readouterr().out
+    assert rc == 2 and "missing: load:" in out and "does not exist" in out
+
+
+def test_prefect_yaml_deployments_resolve_to_flows():
+    from prefect.flows import load_flow_from_entrypoint
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    deps = {d["name"]: d for d in spec["deployments"]}
+    assert {"onboard", "plan", "profile-cpu"} <= set(deps)
+    clusters = REPO.parent / "shared" / "profiles" / "ppipe-gpu" / "clusters.toml"
+    gpu_types = {"L4", "T4", "P4", "V100"}
+    if clusters.is_file():
+        import tomllib
+
+        gpu_types = {
+            g["type"] for c in tomllib.loads(clusters.read_text()).values() for g in c["gpus"]
+        }
+    for gpu in gpu_types:  # one profiling deployment per GPU type, on its own work pool
+        d = deps[f"profile-{gpu}"]
+        assert d["work_pool"]["name"] == gpu and d["entrypoint"].startswith("flows/profile.py")
+    for d in deps.values():
+        fl = load_flow_from_entrypoint(str(REPO / d["entrypoint"]))
+        params = set(fl.parameters.properties)
+        assert set(d.get("parameters", {})) <= params, (d["name"], params)
+    assert np.all([d["work_pool"]["name"] for d in deps.values()])
