@@ -408,6 +408,17 @@ class Warehouse:
             )
         return [Path(r[0]) for r in rows]
 
+    def block_layers(self, model: str) -> list[tuple[int, int]]:
+        """Layer range [start, end) of every block of an onboarded model, in order."""
+        self.onboarded_blocks(model)
+        return [
+            (int(a), int(b))
+            for a, b in self.con.execute(
+                "SELECT layer_start, layer_end FROM blocks WHERE model = ? ORDER BY block_index",
+                [model],
+            ).fetchall()
+        ]
+
     def whole_model_file(self, model: str) -> Path | None:
         from poolpipe.split import WHOLE_FILE
 

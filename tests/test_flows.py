@@ -8,7 +8,6 @@ import itertools
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 import yaml
@@ -319,4 +318,4 @@ def test_prefect_yaml_deployments_resolve_to_flows():
         fl = load_flow_from_entrypoint(str(REPO / d["entrypoint"]))
         params = set(fl.parameters.properties)
         assert set(d.get("parameters", {})) <= params, (d["name"], params)
-    assert np.all([d["work_pool"]["name"] for d in deps.values()])
+    assert all(d["work_pool"]["name"] for d in deps.values())

@@ -25,11 +25,17 @@ from poolpipe.scheduler.topology import Topology, build_topology
 DATA_PLANES = ("reservation", "reactive", "eager", "deferred")
 
 
-def make_data_plane(name: str, topo: Topology, max_queue: int | None = None) -> DataPlane:
+def make_data_plane(
+    name: str, topo: Topology, max_queue: int | None = None, wake_guard_us: float | None = None
+) -> DataPlane:
+    """`wake_guard_us`: how early a waiting batch wakes before its last moment (live
+    drivers, whose timers fire late, need about a millisecond; the default suits the
+    simulator)."""
+    guard = {} if wake_guard_us is None else {"wake_guard_us": wake_guard_us}
     if name == "reservation":
-        return ReservationScheduler(topo, "adaptive", max_queue)
+        return ReservationScheduler(topo, "adaptive", max_queue, **guard)
     if name in ("eager", "deferred"):
-        return ReservationScheduler(topo, name, max_queue)
+        return ReservationScheduler(topo, name, max_queue, **guard)
     if name == "reactive":
         return ReactiveScheduler(topo, max_queue)
     raise PoolpipeError(f"unknown data plane {name!r}; choose {', '.join(DATA_PLANES)}")

@@ -45,7 +45,13 @@ def _reservation_key(dispatch: int, hop: int) -> int:
 class ReservationScheduler:
     """Reservation tables for every vGPU and every server's uplink and downlink."""
 
-    def __init__(self, topo: Topology, policy: str = "adaptive", max_queue: int | None = None):
+    def __init__(
+        self,
+        topo: Topology,
+        policy: str = "adaptive",
+        max_queue: int | None = None,
+        wake_guard_us: float = WAKE_GUARD_US,
+    ):
         if policy not in POLICIES:
             raise PoolpipeError(f"unknown batching policy {policy!r}; choose {', '.join(POLICIES)}")
         if max_queue is not None and max_queue < 1:
@@ -54,6 +60,9 @@ class ReservationScheduler:
         self.policy = policy
         self.topo = topo
         self.max_queue = max_queue
+        # A waiting batch wakes this long before its last moment: a live driver's timers
+        # fire late by up to about a millisecond, the simulator's never do.
+        self.wake_guard_us = wake_guard_us
         self.vgpu_table = [ReservationTable(f"vgpu{v.id}") for v in topo.vgpus]
         self.uplink = [ReservationTable(f"up{s.id}") for s in topo.servers]
         self.downlink = [ReservationTable(f"down{s.id}") for s in topo.servers]
@@ -336,8 +345,8 @@ class ReservationScheduler:
                         slack = head.deadline_us - self.probe(pipe, n + 1, now)[1]
                     else:
                         slack = head.deadline_us - pn[1]
-                    if slack > WAKE_GUARD_US:
-                        self._wake[m] = now + slack - WAKE_GUARD_US
+                    if slack > self.wake_guard_us:
+                        self._wake[m] = now + slack - self.wake_guard_us
                         self._wait_batch[m] = b
                         return
                 if pn[1] <= head.deadline_us:

@@ -212,3 +212,13 @@ def build_topology(plan: Plan, profiles: Mapping[str, ModelProfile]) -> Topology
         gpu_counts={p.gpu: p.count for p in cluster.pools},
         overcommitted_gpus=overcommitted,
     )
+
+
+def with_latencies(topo: Topology, latency_us: Mapping[int, tuple[float, ...]]) -> Topology:
+    """The same topology with some pools' latencies (per batch, index 0 unused) replaced, as
+    measured on the live system (calibration)."""
+    pools = tuple(
+        replace(p, latency_us=tuple(latency_us[p.id])) if p.id in latency_us else p
+        for p in topo.pools
+    )
+    return replace(topo, pools=pools)

@@ -1,0 +1,72 @@
+"""Where a plan's partitions run: one stage-worker node per physical GPU of the topology,
+and on each node one partition model per (model, blocks) with one instance per vGPU.
+
+Pure data from a `Topology`; the Triton adapter renders and starts what this describes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from poolpipe.partitions import partition_name
+from poolpipe.scheduler.topology import Topology
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str  # e.g. "cpu-1t-0": device type and the physical GPU's index
+    gpu: str
+    physical: int
+    server: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    node: str
+    model: str
+    start: int  # blocks [start, end)
+    end: int
+    instances: int  # vGPUs of this partition on this node
+
+    @property
+    def partition(self) -> str:
+        return partition_name(self.model, self.start, self.end)
+
+
+@dataclass(frozen=True)
+class Layout:
+    nodes: tuple[NodeSpec, ...]
+    placements: tuple[Placement, ...]
+    vgpu_node: dict[int, str]  # vGPU id -> node name
+    pool_partition: dict[int, str]  # pool id -> partition model name
+
+    def node(self, name: str) -> NodeSpec:
+        return next(n for n in self.nodes if n.name == name)
+
+
+def node_name(gpu: str, physical: int) -> str:
+    return f"{gpu}-{physical}"
+
+
+def layout(topo: Topology) -> Layout:
+    nodes: dict[str, NodeSpec] = {}
+    vgpu_node: dict[int, str] = {}
+    count: Counter[tuple[str, str, int, int]] = Counter()
+    for v in topo.vgpus:
+        name = node_name(v.gpu, v.physical)
+        nodes.setdefault(name, NodeSpec(name, v.gpu, v.physical, v.server))
+        vgpu_node[v.id] = name
+        pool = topo.pools[v.pool]
+        model = topo.models[pool.model].name
+        count[(name, model, pool.start, pool.end)] += 1
+    placements = tuple(
+        Placement(node, model, start, end, n)
+        for (node, model, start, end), n in sorted(count.items())
+    )
+    pool_partition = {
+        p.id: partition_name(topo.models[p.model].name, p.start, p.end) for p in topo.pools
+    }
+    return Layout(
+        tuple(sorted(nodes.values(), key=lambda n: n.name)), placements, vgpu_node, pool_partition
+    )

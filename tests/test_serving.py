@@ -1,0 +1,256 @@
+"""Online serving for real: tritonserver stage-worker nodes (the nvidia-pytriton wheel's
+binary, Python-backend models running ONNX Runtime) on free loopback ports, the PyTriton
+router in front, and tritonclient over HTTP and gRPC. A small ResNet onboarded through the
+real flow; a two-partition plan so that feature maps cross between nodes as fp16."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from poolpipe.cluster import load_cluster
+from poolpipe.deployment import layout
+from poolpipe.errors import PoolpipeError
+from poolpipe.onnxgraph import session
+from poolpipe.partitions import make_partition
+from poolpipe.plan import Plan
+from poolpipe.scheduler import build_topology
+from poolpipe.warehouse import Warehouse
+from poolpipe.zoo import make_model
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[1]
+SLO_MS = 300.0
+
+
+def two_partition_plan(cut: int = 2, blocks: int = 4, batch: int = 4) -> Plan:
+    """A hand-made plan: blocks [0, cut) on one cpu-1t node, [cut, blocks) on another."""
+    cluster = load_cluster(REPO / "local-clusters.toml", "local-1t")
+
+    def part(a: int, b: int) -> dict:
+        return {
+            "blocks": [a, b],
+            "gpu": "cpu-1t",
+            "share": 1,
+            "vgpus": 1,
+            "gpus": 1.0,
+            "latency_us": 1000.0,
+            "transfer_us": 10.0,
+            "vgpu_throughput": 100.0,
+        }
+
+    return Plan.from_dict(
+        {
+            "strategy": "ppipe",
+            "packing": "per-share",
+            "margin": 0.4,
+            "max_partitions": 2,
+            "cluster": cluster.to_dict(),
+            "objective": 100.0,
+            "solver": {
+                "name": "hand",
+                "status": "optimal",
+                "gap": 0.0,
+                "seconds": 0.0,
+                "milp_seconds": 0.0,
+                "num_vars": 0,
+                "num_integer": 0,
+                "num_rows": 0,
+                "candidates": 0,
+                "feasible_configs": 0,
+            },
+            "models": [
+                {
+                    "name": "tiny",
+                    "weight": 1.0,
+                    "slo_us": SLO_MS * 1e3,
+                    "est_throughput": 100.0,
+                    "throughput": 100.0,
+                    "pipelines": [
+                        {
+                            "throughput": 100.0,
+                            "batch": batch,
+                            "latency_us": 2000.0,
+                            "partitions": [part(0, cut), part(cut, blocks)],
+                        }
+                    ],
+                }
+            ],
+            "meta": {},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def onboarded_tiny(prefect_api, tmp_path_factory):
+    from flows.onboard import onboard_model
+
+    tmp = tmp_path_factory.mktemp("serve")
+    path = make_model("resnet50", tmp / "tiny.onnx", width=0.125, image=32)
+    wh = str(tmp / "wh.duckdb")
+    onboard_model(str(path), "tiny", warehouse=wh, blocks=4, batches=[1, 2, 3, 4], reps=3)
+    return wh, tmp
+
+
+@pytest.fixture(scope="module")
+def served(onboarded_tiny):
+    from triton_backend.deploy import Deployment
+
+    wh, tmp = onboarded_tiny
+    dep = Deployment.up(two_partition_plan(), wh, tmp / "ws", router_instances=4)
+    yield dep
+    dep.down()
+
+
+def whole_model(wh: str):
+    with Warehouse.open(wh) as w:
+        return session(w.whole_model_file("tiny"))
+
+
+def _http(dep):
+    import tritonclient.http as th
+
+    return th, th.InferenceServerClient(f"127.0.0.1:{dep.http_port}")
+
+
+def _grpc(dep):
+    import tritonclient.grpc as tg
+
+    return tg, tg.InferenceServerClient(f"127.0.0.1:{dep.grpc_port}")
+
+
+def _infer(mod, client, x, **kw):
+    i = mod.InferInput("input", list(x.shape), "FP32" if x.dtype == np.float32 else "FP64")
+    i.set_data_from_numpy(x)
+    return client.infer("tiny", [i], **kw)
+
+
+def test_partitions_run_on_two_nodes_with_fp16_between_them(served):
+    assert len(served.nodes) == 2 and all(n.alive for n in served.nodes.values())
+    placed = sorted((p.node, p.start, p.end) for p in served.layout.placements)
+    assert [(a, b) for _, a, b in placed] == [(0, 2), (2, 4)]
+    # the boundary is fp16 on the wire
+    second = next(p for p in served.layout.placements if p.start == 2)
+    config = served.workspace / "repos" / second.node / second.partition / "config.pbtxt"
+    assert "TYPE_FP16" in config.read_text()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_clients_get_the_whole_models_answer(served, onboarded_tiny, protocol):
+    wh, _ = onboarded_tiny
+    mod, client = (_http if protocol == "http" else _grpc)(served)
+    x = np.random.default_rng(1).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    want = whole_model(wh).run(None, {"input": x})[0]
+    out_name = served.ios[0].outputs[0].name
+    got = _infer(mod, client, x).as_numpy(out_name)
+    assert got.shape == want.shape
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < err < 2e-2  # fp16 feature maps between the nodes: small, not zero
+
+
+def test_concurrent_clients_are_all_answered(served):
+    mod, _ = _grpc(served)
+    before = served.core.stats["tiny"].arrivals
+    results: list[object] = []
+
+    def client_thread(k: int) -> None:
+        _, c = _grpc(served)
+        x = np.full((1, 3, 32, 32), k, np.float32)
+        for _ in range(5):
+            try:
+                results.append(_infer(mod, c, x).as_numpy(served.ios[0].outputs[0].name).shape)
+            except Exception as exc:
+                results.append(exc)
+
+    threads = [threading.Thread(target=client_thread, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 40 and all(r == (1, 1000) for r in results), results[:3]
+    s = served.core.stats["tiny"]
+    assert s.arrivals - before == 40 and served.core.in_flight() == 0
+    assert max(s.batch_sizes) > 1  # the router batched concurrent requests
+
+
+def test_bad_shapes_and_types_are_refused_at_the_door(served):
+    from tritonclient.utils import InferenceServerException
+
+    mod, client = _http(served)
+    with pytest.raises(InferenceServerException, match="unexpected shape"):
+        _infer(mod, client, np.zeros((1, 3, 16, 16), np.float32))
+    with pytest.raises(
+        InferenceServerException, match=r"data-type is .FP64., but model .tiny. expects .FP32."
+    ):
+        _infer(mod, client, np.zeros((1, 3, 32, 32), np.float64))
+
+
+def test_a_deadline_that_cannot_be_met_is_an_explicit_drop(served):
+    from tritonclient.utils import InferenceServerException
+
+    from triton_backend.router import DROP_MARKER
+
+    mod, client = _grpc(served)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    dropped = served.core.stats["tiny"].dropped
+    with pytest.raises(InferenceServerException, match=DROP_MARKER):
+        _infer(mod, client, x, parameters={"slo_ms": 0.05})
+    assert served.core.stats["tiny"].dropped == dropped + 1
+    # the router keeps serving
+    assert _infer(mod, client, x).as_numpy(served.ios[0].outputs[0].name).shape == (1, 1000)
+
+
+def test_rendered_configs_are_triton_model_configs(onboarded_tiny, tmp_path):
+    from triton_backend.repository import parse_config, render_config, render_partition
+
+    wh, _ = onboarded_tiny
+    with Warehouse.open(wh) as w:
+        part = make_partition(
+            w.whole_model_file("tiny"), "tiny", w.block_layers("tiny"), 1, 3, tmp_path
+        )
+    cfg = parse_config(render_config(part, instances=3, threads=2, max_batch=6), "x")
+    assert cfg.max_batch_size == 6 and cfg.backend == "python"
+    assert cfg.instance_group[0].count == 3
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    assert [i.name for i in cfg.input] == ["in_0"] and cfg.input[0].data_type == mc.TYPE_FP16
+    assert cfg.parameters["intra_op_threads"].string_value == "2"
+    folder = render_partition(part, tmp_path / "repo", backend="onnxruntime")
+    assert (folder / "1" / "model.onnx").is_file() and not (folder / "1" / "model.py").exists()
+    with pytest.raises(PoolpipeError, match="not a ModelConfig"):
+        parse_config('name: "x"\nmax_batch_size: "eight"\n', "x")
+    with pytest.raises(PoolpipeError, match="unknown Triton backend"):
+        render_config(part, backend="tvm")
+
+
+def test_layout_puts_one_node_per_gpu_and_one_instance_per_vgpu(onboarded_tiny):
+    wh, _ = onboarded_tiny
+    with Warehouse.open(wh) as w:
+        topo = build_topology(two_partition_plan(), {"tiny": w.load_profile("tiny")})
+    lay = layout(topo)
+    assert [n.name for n in lay.nodes] == ["cpu-1t-0", "cpu-1t-1"]
+    assert sorted(p.instances for p in lay.placements) == [1, 1]
+    assert set(lay.vgpu_node.values()) == {"cpu-1t-0", "cpu-1t-1"}
+    assert sorted(lay.pool_partition.values()) == ["tiny__b00-02", "tiny__b02-04"]
+
+
+def test_a_killed_node_fails_its_requests_explicitly(onboarded_tiny):
+    """A stage node dies: requests that needed it get an explicit failure, none hangs."""
+    from tritonclient.utils import InferenceServerException
+
+    from triton_backend.deploy import Deployment
+    from triton_backend.router import FAIL_MARKER
+
+    wh, tmp = onboarded_tiny
+    with Deployment.up(two_partition_plan(), wh, tmp / "ws-kill", router_instances=2) as dep:
+        mod, client = _grpc(dep)
+        x = np.zeros((1, 3, 32, 32), np.float32)
+        _infer(mod, client, x)
+        second = next(p for p in dep.layout.placements if p.start == 2)
+        dep.nodes[second.node].kill()
+        with pytest.raises(InferenceServerException, match=FAIL_MARKER):
+            _infer(mod, client, x, client_timeout=30)
+        assert dep.core.stats["tiny"].failed == 1 and dep.core.in_flight() == 0

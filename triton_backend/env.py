@@ -1,0 +1,84 @@
+"""The environment Triton processes need here.
+
+PyTriton's Python-backend stub links libpython dynamically; with a pyenv interpreter it can
+pick up another patch release's libpython and fail at model load
+(`'_thread.RLock' object has no attribute '_recursion_count'`). The running interpreter's
+LIBDIR goes first in LD_LIBRARY_PATH, and the stub sees this environment's site-packages.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import socket
+import sys
+import sysconfig
+import uuid
+from pathlib import Path
+
+
+def libpython_first(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: a copy of os.environ) with this interpreter's LIBDIR first in
+    LD_LIBRARY_PATH and its site-packages on PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    parts = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and p != libdir]
+    env["LD_LIBRARY_PATH"] = ":".join([libdir, *parts])
+    paths = [*site.getsitepackages(), str(Path(__file__).resolve().parents[1])]
+    old = [p for p in env.get("PYTHONPATH", "").split(":") if p and p not in paths]
+    env["PYTHONPATH"] = ":".join([*paths, *old])
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    return env
+
+
+def fix_this_process() -> None:
+    """For PyTriton, which starts its tritonserver with this process's environment."""
+    os.environ.update(libpython_first())
+
+
+def pytriton_root() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).resolve().parent
+
+
+def triton_home(workspace: Path) -> Path:
+    """A copy of PyTriton's tritonserver tree with the Python-backend stub of this
+    interpreter in backends/python (what PyTriton does in its own workspace)."""
+    home = Path(workspace) / "tritonserver"
+    stub = home / "backends" / "python" / "triton_python_backend_stub"
+    if stub.is_file():
+        return home
+    src = pytriton_root() / "tritonserver"
+    tmp = Path(workspace) / f".tritonserver-{uuid.uuid4().hex[:12]}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("python_backend_stubs"))
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    shutil.copy(
+        src / "python_backend_stubs" / version / "triton_python_backend_stub",
+        tmp / "backends" / "python" / "triton_python_backend_stub",
+    )
+    try:
+        tmp.rename(home)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return home
+
+
+def libs_path() -> Path:
+    """Shared libraries tritonserver links against, shipped beside the pytriton package."""
+    return pytriton_root().parent / "nvidia_pytriton.libs"
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback (free when asked; bind soon)."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports

@@ -1,0 +1,149 @@
+"""Stage-worker nodes: `tritonserver` processes (the binary of the nvidia-pytriton wheel)
+serving a rendered model repository on loopback ports, in explicit model-control mode so
+that partition models are loaded and unloaded live (rollout)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from poolpipe.errors import PoolpipeError
+from triton_backend.env import free_ports, libpython_first, libs_path, triton_home
+
+
+class NodeError(PoolpipeError):
+    pass
+
+
+@dataclass
+class TritonNode:
+    """One stage worker: a tritonserver process with its own model repository."""
+
+    name: str
+    device: str  # device type, e.g. cpu-1t
+    repo: Path
+    workspace: Path
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workspace / f"{self.name}.log"
+
+    def start(self, timeout_s: float = 60.0) -> TritonNode:
+        home = triton_home(self.workspace)
+        if not (self.http_port and self.grpc_port and self.metrics_port):
+            self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.repo.mkdir(parents=True, exist_ok=True)
+        env = libpython_first()
+        env["LD_LIBRARY_PATH"] += f":{libs_path()}"
+        cmd = [
+            str(home / "bin" / "tritonserver"),
+            f"--model-repository={self.repo}",
+            "--model-control-mode=explicit",
+            f"--backend-directory={home / 'backends'}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1",
+            "--exit-timeout-secs=2",
+            "--log-verbose=0",
+            "--strict-readiness=true",
+        ]
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the process keeps it)
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        self._wait(lambda c: c.is_server_live(), timeout_s, "start")
+        return self
+
+    def client(self):
+        import tritonclient.http as th
+
+        return th.InferenceServerClient(self.http_url, connection_timeout=5, network_timeout=120)
+
+    def _wait(self, ok, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise NodeError(f"node {self.name}: tritonserver exited ({what}); {self._tail()}")
+            try:
+                with contextlib.closing(self.client()) as c:
+                    if ok(c):
+                        return
+            except Exception as exc:  # not up yet
+                last = str(exc)
+            time.sleep(0.1)
+        raise NodeError(f"node {self.name}: {what} timed out after {timeout_s:.0f} s ({last})")
+
+    def _tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        return "log: " + " | ".join(lines[-n:])
+
+    def load(self, model: str, timeout_s: float = 120.0) -> None:
+        try:
+            with contextlib.closing(self.client()) as c:
+                c.load_model(model)
+        except Exception as exc:
+            raise NodeError(f"node {self.name}: loading {model} failed ({exc})") from None
+        self._wait(lambda c: c.is_model_ready(model), timeout_s, f"load {model}")
+
+    def unload(self, model: str) -> None:
+        with contextlib.closing(self.client()) as c:
+            c.unload_model(model)
+
+    def models(self) -> list[str]:
+        with contextlib.closing(self.client()) as c:
+            return [m["name"] for m in c.get_model_repository_index() if m.get("state") == "READY"]
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        """Die at once, as a crashed node does (fault tests)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def stop_nodes(nodes: list[TritonNode], timeout_s: float = 10.0) -> None:
+    """Stop several nodes at once (each takes up to its exit timeout)."""
+    for n in nodes:
+        if n.alive and n.process is not None:
+            n.process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for n in nodes:
+        if n.process is not None and n.process.poll() is None:
+            try:
+                n.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                n.process.kill()
+                n.process.wait()

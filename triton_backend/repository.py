@@ -1,0 +1,133 @@
+"""Render Triton model repositories for stage-worker nodes from `model_repo_templates/`.
+
+Each partition placed on a node becomes `<repo>/<partition>/config.pbtxt` and
+`<repo>/<partition>/1/model.onnx` (plus `model.py` for the Python backend that runs ONNX
+Runtime on CPU nodes). Every rendered config is parsed into Triton's `ModelConfig` protobuf
+(shipped with tritonclient), so a template error fails here and not inside a server.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from google.protobuf import text_format
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from tritonclient.grpc import model_config_pb2
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.partitions import PartitionFile
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
+BACKENDS = ("python", "onnxruntime", "tensorrt")
+
+_TRITON_DTYPES = {
+    np.dtype(np.float32): "TYPE_FP32",
+    np.dtype(np.float16): "TYPE_FP16",
+    np.dtype(np.float64): "TYPE_FP64",
+    np.dtype(np.int64): "TYPE_INT64",
+    np.dtype(np.int32): "TYPE_INT32",
+    np.dtype(np.int8): "TYPE_INT8",
+    np.dtype(np.uint8): "TYPE_UINT8",
+    np.dtype(np.bool_): "TYPE_BOOL",
+}
+
+
+def triton_dtype(dtype: np.dtype) -> str:
+    try:
+        return _TRITON_DTYPES[np.dtype(dtype)]
+    except KeyError:
+        raise PoolpipeError(f"no Triton data type for {dtype}") from None
+
+
+@dataclass(frozen=True)
+class _T:
+    name: str
+    triton_dtype: str
+    dims: tuple[int, ...]
+
+
+def _env() -> Environment:
+    return Environment(
+        loader=FileSystemLoader(TEMPLATES),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def render_config(
+    part: PartitionFile,
+    *,
+    backend: str = "python",
+    instances: int = 1,
+    threads: int = 1,
+    max_batch: int = 8,
+    cpu: bool = True,
+) -> str:
+    if backend not in BACKENDS:
+        raise PoolpipeError(f"unknown Triton backend {backend!r}; choose {', '.join(BACKENDS)}")
+    text = (
+        _env()
+        .get_template("config.pbtxt.j2")
+        .render(
+            name=part_name(part),
+            backend=backend,
+            max_batch=max_batch,
+            inputs=[_T(t.name, triton_dtype(t.dtype), t.dims) for t in part.inputs],
+            outputs=[_T(t.name, triton_dtype(t.dtype), t.dims) for t in part.outputs],
+            instances=instances,
+            cpu=cpu,
+            threads=threads,
+            model=part.model,
+            start=part.start,
+            end=part.end,
+        )
+    )
+    parse_config(text, part_name(part))
+    return text
+
+
+def parse_config(text: str, what: str) -> model_config_pb2.ModelConfig:
+    """Triton's own parser: a config it would refuse is refused here."""
+    try:
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        raise PoolpipeError(f"rendered config of {what} is not a ModelConfig: {exc}") from None
+
+
+def part_name(part: PartitionFile) -> str:
+    return part.path.stem
+
+
+def render_partition(
+    part: PartitionFile,
+    repo: Path,
+    *,
+    backend: str = "python",
+    instances: int = 1,
+    threads: int = 1,
+    max_batch: int = 8,
+    cpu: bool = True,
+) -> Path:
+    """Write one partition model into repository `repo`; returns its folder."""
+    text = render_config(
+        part, backend=backend, instances=instances, threads=threads, max_batch=max_batch, cpu=cpu
+    )
+    folder = Path(repo) / part_name(part)
+    version = folder / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (folder / "config.pbtxt").write_text(text)
+    target = version / ("model.plan" if backend == "tensorrt" else "model.onnx")
+    if backend == "tensorrt":
+        raise PoolpipeError(
+            "tensorrt_plan partitions need engines built on the GPU node (poolpipe.engines."
+            "TensorRTEngine); render them there"
+        )
+    shutil.copyfile(part.path, target)
+    if backend == "python":
+        shutil.copyfile(TEMPLATES / "python_onnx_model.py", version / "model.py")
+    return folder

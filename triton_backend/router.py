@@ -1,0 +1,281 @@
+"""The router: poolpipe's scheduler driven by the real clock, dispatching batches along the
+chosen path of stage workers with tritonclient's asyncio gRPC client, behind a PyTriton
+model per served model name that clients call over KServe v2 HTTP/gRPC.
+
+`RouterCore` owns the data plane and runs in one thread with its own event loop (the
+scheduler is a plain, single-threaded state machine); PyTriton's inference callables, which
+run on their own threads, hand requests over and wait on futures. Every request is answered:
+its outputs, a `Dropped` error (deadline cannot be met; the message starts with DROP_MARKER),
+or a `StageFailed` error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import itertools
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.partitions import TensorSpec
+from poolpipe.scheduler import DataPlane, Decisions, Dispatch, Request, StageReport
+from poolpipe.scheduler.topology import Topology
+
+DROP_MARKER = "POOLPIPE_DROPPED"
+FAIL_MARKER = "POOLPIPE_STAGE_FAILED"
+
+
+class Dropped(Exception):
+    """The request was not served because its deadline could not be met."""
+
+
+class StageFailed(Exception):
+    """A stage worker failed while serving the request's batch."""
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    """A served model's tensors as clients see them (batch dimension first)."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+@dataclass
+class _Req:
+    req: Request
+    future: cf.Future
+    tensors: list[np.ndarray]  # what the next partition reads (one row each)
+    due_us: float  # arrival + SLO (the scheduler plans for req.deadline_us, a bit earlier)
+
+
+@dataclass
+class ModelStats:
+    arrivals: int = 0
+    on_time: int = 0
+    late: int = 0
+    dropped: int = 0
+    failed: int = 0
+    latency_us: list[float] = field(default_factory=list)
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+
+
+class RouterCore:
+    def __init__(
+        self,
+        topo: Topology,
+        plane: DataPlane,
+        pool_partition: dict[int, str],
+        vgpu_url: dict[int, str],
+        io: Sequence[ModelIO],
+        stage_timeout_s: float = 30.0,
+        reply_margin_us: float = 0.0,
+    ):
+        self.topo = topo
+        self.dp = plane
+        self.pool_partition = pool_partition
+        self.vgpu_url = vgpu_url
+        self.io = {m.name: m for m in io}
+        for m in topo.models:
+            if m.name not in self.io:
+                raise PoolpipeError(f"router: no tensor description for plan model {m.name}")
+        self.stage_timeout_s = stage_timeout_s
+        # The answer still has to travel back through Triton to the client after the last
+        # stage: the scheduler plans every request to be done this much before its SLO.
+        self.reply_margin_us = reply_margin_us
+        self.stats = {m.name: ModelStats() for m in topo.models}
+        self.pool_busy_us = [0.0] * len(topo.pools)
+        self._ids = itertools.count()
+        self._reqs: dict[int, _Req] = {}
+        self._t0 = time.monotonic_ns()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="poolpipe-router", daemon=True)
+        self._clients: dict[str, object] = {}
+        self._wake: asyncio.TimerHandle | None = None
+        self._wake_at = math.inf
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> RouterCore:
+        self._thread.start()
+        return self
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        async def close() -> None:
+            for c in self._clients.values():
+                await c.close()  # type: ignore[attr-defined]
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    def now_us(self) -> float:
+        return (time.monotonic_ns() - self._t0) / 1e3
+
+    def in_flight(self) -> int:
+        return len(self._reqs)
+
+    # ------------------------------------------------------------------ intake
+
+    def submit(
+        self, model: str, inputs: dict[str, np.ndarray], slo_us: float | None = None
+    ) -> list[cf.Future]:
+        """Enqueue every row of `inputs` as one request; thread-safe. Each future resolves to
+        that row's outputs ({name: array with a batch of 1}) or raises Dropped/StageFailed."""
+        io = self.io.get(model)
+        if io is None:
+            raise PoolpipeError(f"router: unknown model {model!r}; serving {sorted(self.io)}")
+        arrays = [np.asarray(inputs[t.name]) for t in io.inputs]
+        n = int(arrays[0].shape[0])
+        futures: list[cf.Future] = [cf.Future() for _ in range(n)]
+        self._loop.call_soon_threadsafe(self._add, model, arrays, futures, slo_us)
+        return futures
+
+    def _add(
+        self,
+        model: str,
+        arrays: list[np.ndarray],
+        futures: list[cf.Future],
+        slo_us: float | None,
+    ) -> None:
+        now = self.now_us()
+        mi = self.topo.model_index(model)
+        slo = slo_us if slo_us is not None else self.topo.models[mi].slo_us
+        stats = self.stats[model]
+        for i, fut in enumerate(futures):
+            req = Request(next(self._ids), mi, now, now + slo - self.reply_margin_us)
+            self._reqs[req.id] = _Req(req, fut, [a[i : i + 1] for a in arrays], now + slo)
+            stats.arrivals += 1
+            self.dp.add_request(req, now)
+        self._decide()
+
+    # ------------------------------------------------------------------ decisions
+
+    def _decide(self) -> None:
+        now = self.now_us()
+        dec: Decisions = self.dp.decide(now)
+        for drop in dec.drops:
+            r = self._reqs.pop(drop.request.id, None)
+            if r is not None:
+                self.stats[self.topo.models[r.req.model].name].dropped += 1
+                r.future.set_exception(Dropped(f"{DROP_MARKER}: {drop.reason}"))
+        for d in dec.dispatches:
+            task = self._loop.create_task(self._run_dispatch(d))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if dec.wake_at_us is not None and dec.wake_at_us != self._wake_at:
+            if self._wake is not None:
+                self._wake.cancel()
+            self._wake_at = dec.wake_at_us
+            delay = max(0.0, (dec.wake_at_us - now) / 1e6)
+            self._wake = self._loop.call_later(delay, self._on_wake)
+
+    def _on_wake(self) -> None:
+        self._wake, self._wake_at = None, math.inf
+        self._decide()
+
+    # ------------------------------------------------------------------ execution
+
+    def _client(self, url: str):
+        c = self._clients.get(url)
+        if c is None:
+            import tritonclient.grpc.aio as grpcaio
+
+            c = self._clients[url] = grpcaio.InferenceServerClient(url)
+        return c
+
+    async def _run_dispatch(self, d: Dispatch) -> None:
+        import tritonclient.grpc as grpcclient
+
+        reqs = [self._reqs[r.id] for r in d.requests if r.id in self._reqs]
+        if not reqs:
+            return
+        name = self.topo.models[d.model].name
+        io = self.io[name]
+        self.stats[name].batch_sizes[len(reqs)] += 1
+        for h, hop in enumerate(d.hops):
+            pool = self.topo.pools[hop.pool]
+            partition = self.pool_partition[hop.pool]
+            last = pool.end == self.topo.pools[self.topo.pipelines[d.pipeline].pools[-1]].end
+            first = pool.start == 0
+            inputs = []
+            for k in range(len(reqs[0].tensors)):
+                x = np.concatenate([r.tensors[k] for r in reqs])
+                in_name = io.inputs[k].name if first else f"in_{k}"
+                t = grpcclient.InferInput(in_name, list(x.shape), _triton_type(x.dtype))
+                t.set_data_from_numpy(x)
+                inputs.append(t)
+            start = self.now_us()
+            self.dp.on_stage_started(StageReport(d.id, h, start, None), start)
+            try:
+                result = await self._client(self.vgpu_url[hop.vgpu]).infer(
+                    partition, inputs, client_timeout=self.stage_timeout_s
+                )
+            except Exception as exc:
+                self._fail(reqs, f"{partition} on {self.vgpu_url[hop.vgpu]}: {exc}")
+                self.dp.on_stage_done(StageReport(d.id, h, start, self.now_us()), self.now_us())
+                return
+            end = self.now_us()
+            self.pool_busy_us[hop.pool] += end - start
+            if self.dp.on_stage_done(StageReport(d.id, h, start, end), end):
+                self._decide()
+            names = [t.name for t in io.outputs] if last else None
+            outs = _outputs(result, names)
+            for i, r in enumerate(reqs):
+                r.tensors = [o[i : i + 1] for o in outs]
+        if d.final:
+            now = self.now_us()
+            stats = self.stats[name]
+            for r in reqs:
+                self._reqs.pop(r.req.id, None)
+                stats.latency_us.append(now - r.req.arrival_us)
+                if now <= r.due_us:
+                    stats.on_time += 1
+                else:
+                    stats.late += 1
+                r.future.set_result({t.name: v for t, v in zip(io.outputs, r.tensors, strict=True)})
+
+    def _fail(self, reqs: list[_Req], why: str) -> None:
+        for r in reqs:
+            if self._reqs.pop(r.req.id, None) is not None:
+                self.stats[self.topo.models[r.req.model].name].failed += 1
+                r.future.set_exception(StageFailed(f"{FAIL_MARKER}: {why}"))
+
+
+def _outputs(result, names: list[str] | None) -> list[np.ndarray]:
+    """The response's tensors in order: by name for the model's outputs, else out_0, ..."""
+    if names is None:
+        names = sorted(
+            (o.name for o in result.get_response().outputs), key=lambda s: int(s.split("_")[1])
+        )
+    return [result.as_numpy(n) for n in names]
+
+
+_DT = {
+    np.dtype(np.float32): "FP32",
+    np.dtype(np.float16): "FP16",
+    np.dtype(np.float64): "FP64",
+    np.dtype(np.int64): "INT64",
+    np.dtype(np.int32): "INT32",
+    np.dtype(np.uint8): "UINT8",
+    np.dtype(np.int8): "INT8",
+    np.dtype(np.bool_): "BOOL",
+}
+
+
+def _triton_type(dtype: np.dtype) -> str:
+    return _DT[np.dtype(dtype)]
