@@ -28,10 +28,11 @@ class Placement:
     start: int  # blocks [start, end)
     end: int
     instances: int  # vGPUs of this partition on this node
+    tag: str = ""  # rollout generation
 
     @property
     def partition(self) -> str:
-        return partition_name(self.model, self.start, self.end)
+        return partition_name(self.model, self.start, self.end, self.tag)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def node_name(gpu: str, physical: int) -> str:
     return f"{gpu}-{physical}"
 
 
-def layout(topo: Topology) -> Layout:
+def layout(topo: Topology, tag: str = "") -> Layout:
     nodes: dict[str, NodeSpec] = {}
     vgpu_node: dict[int, str] = {}
     count: Counter[tuple[str, str, int, int]] = Counter()
@@ -61,11 +62,11 @@ def layout(topo: Topology) -> Layout:
         model = topo.models[pool.model].name
         count[(name, model, pool.start, pool.end)] += 1
     placements = tuple(
-        Placement(node, model, start, end, n)
+        Placement(node, model, start, end, n, tag)
         for (node, model, start, end), n in sorted(count.items())
     )
     pool_partition = {
-        p.id: partition_name(topo.models[p.model].name, p.start, p.end) for p in topo.pools
+        p.id: partition_name(topo.models[p.model].name, p.start, p.end, tag) for p in topo.pools
     }
     return Layout(
         tuple(sorted(nodes.values(), key=lambda n: n.name)), placements, vgpu_node, pool_partition

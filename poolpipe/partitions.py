@@ -41,9 +41,10 @@ class PartitionFile:
     outputs: tuple[TensorSpec, ...]
 
 
-def partition_name(model: str, start: int, end: int) -> str:
-    """Name of the Triton model serving blocks [start, end) of `model`."""
-    return f"{model}__b{start:02d}-{end:02d}"
+def partition_name(model: str, start: int, end: int, tag: str = "") -> str:
+    """Name of the Triton model serving blocks [start, end) of `model`; `tag` tells the
+    models of one rollout generation from the next (both are loaded during a rollout)."""
+    return f"{model}__b{start:02d}-{end:02d}" + (f"__{tag}" if tag else "")
 
 
 def _spec(name: str, dtype: np.dtype, shape: tuple) -> TensorSpec:
@@ -58,6 +59,7 @@ def make_partition(
     start: int,
     end: int,
     out_dir: Path,
+    tag: str = "",
 ) -> PartitionFile:
     """Write blocks [start, end) (layer ranges `block_layers`) of the model at `whole_path`
     as one ONNX file with fp16 boundaries; return where it is and its tensors."""
@@ -110,7 +112,7 @@ def make_partition(
     except Exception as exc:
         raise ModelError(f"{model}: partition [{start}, {end}) is not valid ({exc})") from None
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{partition_name(model, start, end)}.onnx"
+    path = out_dir / f"{partition_name(model, start, end, tag)}.onnx"
     onnx.save(part, str(path))
     return PartitionFile(model, start, end, path, tuple(ins), tuple(outs))
 

@@ -203,6 +203,58 @@ def test_a_deadline_that_cannot_be_met_is_an_explicit_drop(served):
     assert _infer(mod, client, x).as_numpy(served.ios[0].outputs[0].name).shape == (1, 1000)
 
 
+def test_rollout_under_load_answers_every_request(served, onboarded_tiny):
+    """Plan A (cut after block 2) -> plan B (cut after block 1) -> A again, while clients
+    keep sending: every request is answered with a result, downtime stays under an SLO."""
+    wh, _ = onboarded_tiny
+    mod, _ = _grpc(served)
+    out = served.ios[0].outputs[0].name
+    stop = threading.Event()
+    answers: list[object] = []
+
+    def client_loop(k: int) -> None:
+        _, c = _grpc(served)
+        x = np.full((1, 3, 32, 32), k, np.float32)
+        while not stop.is_set():
+            try:
+                answers.append(_infer(mod, c, x).as_numpy(out).shape)
+            except Exception as exc:
+                answers.append(exc)
+
+    threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        results = [served.rollout(two_partition_plan(cut=1), wh)]
+        models_b = {p.partition for p in served.layout.placements}
+        results.append(served.rollout(two_partition_plan(cut=2), wh))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    for r in results:
+        assert r.status == "done", r.reason
+        assert r.failed == 0 and r.downtime_ms <= SLO_MS + 100, r
+    assert models_b == {"tiny__b00-01__g1", "tiny__b01-04__g1"}
+    errors = [a for a in answers if not isinstance(a, tuple)]
+    assert not errors and len(answers) > 10, errors[:3]
+    assert served.generation >= 2 and served.core.in_flight() == 0
+    loaded = sorted(m for n in served.nodes.values() for m in n.models())
+    assert loaded == ["tiny__b00-02__g2", "tiny__b02-04__g2"]  # the old ones are unloaded
+
+
+def test_a_rollout_that_cannot_happen_keeps_the_old_plan(served, onboarded_tiny):
+    wh, _ = onboarded_tiny
+    before = sorted(m for n in served.nodes.values() for m in n.models())
+    bad = two_partition_plan(cut=9)  # blocks [9, 4): no such partition
+    r = served.rollout(bad, wh)
+    assert r.status == "rolled back" and r.reason
+    assert sorted(m for n in served.nodes.values() for m in n.models()) == before
+    mod, client = _grpc(served)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    assert _infer(mod, client, x).as_numpy(served.ios[0].outputs[0].name).shape == (1, 1000)
+
+
 def test_rendered_configs_are_triton_model_configs(onboarded_tiny, tmp_path):
     from triton_backend.repository import parse_config, render_config, render_partition
 

@@ -5,6 +5,7 @@ front; and take it down again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import shutil
@@ -54,9 +55,62 @@ def build_partitions(
                 f"--name {p.model}"
             )
         parts[p.partition] = make_partition(
-            whole, p.model, wh.block_layers(p.model), p.start, p.end, out_dir
+            whole, p.model, wh.block_layers(p.model), p.start, p.end, out_dir, p.tag
         )
     return parts
+
+
+def _prepare(
+    plan: Plan, warehouse: str | Path | None, workspace: Path, tag: str
+) -> tuple[Topology, Layout, dict[str, PartitionFile]]:
+    with Warehouse.open(warehouse) as wh:
+        profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
+        topo = build_topology(plan, profiles)
+        lay = layout(topo, tag)
+        parts = build_partitions(plan, wh, lay, workspace / "partitions")
+    return topo, lay, parts
+
+
+def _place(
+    lay: Layout,
+    parts: dict[str, PartitionFile],
+    nodes: dict[str, TritonNode],
+    workspace: Path,
+    max_batch: int,
+    loaded: list[tuple[TritonNode, str]],
+    started: list[TritonNode],
+) -> None:
+    """Render every placement into its node's repository, start the nodes that are not
+    running yet and load the partition models (recorded in `loaded` and `started`, so that
+    a failure can be undone)."""
+    for spec in lay.nodes:
+        if spec.name not in nodes:
+            repo = workspace / "repos" / spec.name
+            shutil.rmtree(repo, ignore_errors=True)
+            nodes[spec.name] = node = TritonNode(spec.name, spec.gpu, repo, workspace)
+            started.append(node)
+        node = nodes[spec.name]
+        for p in lay.placements:
+            if p.node == spec.name:
+                render_partition(
+                    parts[p.partition],
+                    node.repo,
+                    instances=p.instances,
+                    threads=threads_of(spec.gpu),
+                    max_batch=max_batch,
+                )
+
+    def bring_up(node: TritonNode) -> None:
+        if not node.alive:
+            node.start()
+        for p in lay.placements:
+            if p.node == node.name:
+                node.load(p.partition)
+                loaded.append((node, p.partition))
+
+    todo = [nodes[s.name] for s in lay.nodes]
+    with ThreadPoolExecutor(max(1, len(todo))) as pool:
+        list(pool.map(bring_up, todo))
 
 
 def model_io(topo: Topology, lay: Layout, parts: dict[str, PartitionFile]) -> list[ModelIO]:
@@ -113,6 +167,18 @@ def calibrate(
     return out
 
 
+@dataclass(frozen=True)
+class RolloutResult:
+    status: str  # "done" or "rolled back"
+    reason: str
+    plan_from: str
+    plan_to: str
+    prepare_s: float  # rendering, loading and calibrating while the old plan serves
+    downtime_ms: float  # intake paused
+    held: int  # requests that arrived during the switch (served after it)
+    failed: int  # requests the flush could not finish (answered with an error)
+
+
 @dataclass
 class Deployment:
     plan: Plan
@@ -122,6 +188,8 @@ class Deployment:
     core: RouterCore
     workspace: Path
     ios: list[ModelIO]
+    options: dict
+    generation: int = 0
     http_port: int = 0
     grpc_port: int = 0
     triton: object | None = field(default=None, repr=False)
@@ -141,37 +209,13 @@ class Deployment:
     ) -> Deployment:
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
-        with Warehouse.open(warehouse) as wh:
-            profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
-            topo = build_topology(plan, profiles)
-            lay = layout(topo)
-            parts = build_partitions(plan, wh, lay, workspace / "partitions")
+        options = {"plane": plane, "max_batch": max_batch, "wake_guard_us": wake_guard_us}
         nodes: dict[str, TritonNode] = {}
         dep: Deployment | None = None
         triton_home(workspace)  # once, before the nodes start side by side
         try:
-            for spec in lay.nodes:
-                repo = workspace / "repos" / spec.name
-                shutil.rmtree(repo, ignore_errors=True)
-                for p in lay.placements:
-                    if p.node == spec.name:
-                        render_partition(
-                            parts[p.partition],
-                            repo,
-                            instances=p.instances,
-                            threads=threads_of(spec.gpu),
-                            max_batch=max_batch,
-                        )
-                nodes[spec.name] = TritonNode(spec.name, spec.gpu, repo, workspace)
-
-            def bring_up(node: TritonNode) -> None:
-                node.start()
-                for p in lay.placements:
-                    if p.node == node.name:
-                        node.load(p.partition)
-
-            with ThreadPoolExecutor(max(1, len(nodes))) as pool:
-                list(pool.map(bring_up, nodes.values()))
+            topo, lay, parts = _prepare(plan, warehouse, workspace, "g0")
+            _place(lay, parts, nodes, workspace, max_batch, loaded=[], started=[])
             ios = model_io(topo, lay, parts)
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts))
             core = RouterCore(
@@ -182,7 +226,7 @@ class Deployment:
                 ios,
                 reply_margin_us=reply_margin_us,
             ).start()
-            dep = cls(plan, topo, lay, nodes, core, workspace, ios)
+            dep = cls(plan, topo, lay, nodes, core, workspace, ios, options)
             dep._serve(router_instances)
             return dep
         except BaseException:
@@ -191,6 +235,79 @@ class Deployment:
             else:
                 stop_nodes(list(nodes.values()))
             raise
+
+    def rollout(
+        self, plan: Plan, warehouse: str | Path | None, flush_timeout_s: float | None = None
+    ) -> RolloutResult:
+        """Move to `plan` with pipeline-flush migration: load the new partition models on
+        every node while the old ones serve, pause intake, flush, switch, resume, unload the
+        old models. A failure before the switch unloads what was loaded and keeps the old
+        plan serving; the result says why."""
+        tag = f"g{self.generation + 1}"
+        names = lambda p: ",".join(m.name for m in p.models)  # noqa: E731
+        label_from = f"{self.plan.strategy}:{names(self.plan)}@gen{self.generation}"
+        label_to = f"{plan.strategy}:{names(plan)}@gen{self.generation + 1}"
+        loaded: list[tuple[TritonNode, str]] = []
+        started: list[TritonNode] = []
+        t0 = time.perf_counter()
+        try:
+            topo, lay, parts = _prepare(plan, warehouse, self.workspace, tag)
+            served = {io.name: io for io in self.ios}
+            ios = model_io(topo, lay, parts)
+            for io in ios:
+                if io.name not in served:
+                    raise PoolpipeError(
+                        f"the new plan serves {io.name}, which this router does not; "
+                        "start a new router for new models (poolpipe serve)"
+                    )
+                if io != served[io.name]:
+                    raise PoolpipeError(f"{io.name}: the new plan's tensors differ")
+            _place(
+                lay, parts, self.nodes, self.workspace, self.options["max_batch"], loaded, started
+            )
+            live = with_latencies(topo, calibrate(topo, lay, self.nodes, parts))
+        except Exception as exc:
+            for node, partition in loaded:
+                with contextlib.suppress(Exception):
+                    node.unload(partition)
+            stop_nodes(started)
+            for node in started:
+                self.nodes.pop(node.name, None)
+            return RolloutResult(
+                "rolled back", str(exc), label_from, label_to, time.perf_counter() - t0, 0, 0, 0
+            )
+        prepare_s = time.perf_counter() - t0
+        slo_s = max(m.slo_us for m in topo.models) / 1e6
+        res = self.core.switch(
+            live,
+            make_data_plane(
+                self.options["plane"], live, wake_guard_us=self.options["wake_guard_us"]
+            ),
+            lay.pool_partition,
+            {v: self.nodes[n].grpc_url for v, n in lay.vgpu_node.items()},
+            ios,
+            flush_timeout_s if flush_timeout_s is not None else 2 * slo_s + 1.0,
+        )
+        old = self.layout
+        self.plan, self.topo, self.layout = plan, topo, lay
+        self.generation += 1
+        for p in old.placements:
+            with contextlib.suppress(Exception):
+                self.nodes[p.node].unload(p.partition)
+        idle = [n for name, n in self.nodes.items() if name not in {s.name for s in lay.nodes}]
+        stop_nodes(idle)
+        for n in idle:
+            self.nodes.pop(n.name)
+        return RolloutResult(
+            "done",
+            "",
+            label_from,
+            label_to,
+            prepare_s,
+            res["downtime_us"] / 1e3,
+            int(res["held"]),
+            int(res["failed"]),
+        )
 
     def _serve(self, instances: int, attempts: int = 3) -> None:
         # PyTriton 0.7 has a start-up race between a model's instances (instance k may

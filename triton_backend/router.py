@@ -102,6 +102,10 @@ class RouterCore:
         self._wake: asyncio.TimerHandle | None = None
         self._wake_at = math.inf
         self._tasks: set[asyncio.Task] = set()
+        self._paused = False
+        # requests that arrived while intake was paused: (model, arrays, futures, slo, time)
+        self._pending: list[tuple[str, list[np.ndarray], list[cf.Future], float | None, float]]
+        self._pending = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,8 +155,14 @@ class RouterCore:
         arrays: list[np.ndarray],
         futures: list[cf.Future],
         slo_us: float | None,
+        arrived_us: float | None = None,
     ) -> None:
         now = self.now_us()
+        if self._paused:
+            self._pending.append((model, arrays, futures, slo_us, now))
+            return
+        if arrived_us is not None:
+            now = arrived_us  # held during a switch: its time in the queue counts
         mi = self.topo.model_index(model)
         slo = slo_us if slo_us is not None else self.topo.models[mi].slo_us
         stats = self.stats[model]
@@ -162,6 +172,63 @@ class RouterCore:
             stats.arrivals += 1
             self.dp.add_request(req, now)
         self._decide()
+
+    # ------------------------------------------------------------------ plan switch
+
+    def switch(
+        self,
+        topo: Topology,
+        plane: DataPlane,
+        pool_partition: dict[int, str],
+        vgpu_url: dict[int, str],
+        io: Sequence[ModelIO],
+        flush_timeout_s: float,
+    ) -> dict[str, float]:
+        """Pipeline-flush migration to a new plan (thread-safe; blocks until done): pause
+        intake (new requests wait, none is dropped), let every queued and in-flight request
+        of the old plan finish, switch, then resume with the held requests. Returns the
+        downtime (µs), the requests held, and those the flush could not finish in time
+        (failed explicitly)."""
+        fut = asyncio.run_coroutine_threadsafe(
+            self._switch(topo, plane, pool_partition, vgpu_url, io, flush_timeout_s), self._loop
+        )
+        return fut.result()
+
+    async def _switch(
+        self,
+        topo: Topology,
+        plane: DataPlane,
+        pool_partition: dict[int, str],
+        vgpu_url: dict[int, str],
+        io: Sequence[ModelIO],
+        flush_timeout_s: float,
+    ) -> dict[str, float]:
+        t0 = self.now_us()
+        self._paused = True
+        deadline = t0 + flush_timeout_s * 1e6
+        while self._reqs and self.now_us() < deadline:
+            await asyncio.sleep(0.0005)
+        left = list(self._reqs.values())
+        self._fail(left, "the plan was switched before this request could finish")
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake, self._wake_at = None, math.inf
+        self.topo, self.dp = topo, plane
+        self.pool_partition, self.vgpu_url = pool_partition, vgpu_url
+        self.io = {m.name: m for m in io}
+        for m in topo.models:
+            self.stats.setdefault(m.name, ModelStats())
+        self.pool_busy_us = [0.0] * len(topo.pools)
+        held, self._pending = self._pending, []
+        self._paused = False
+        for model, arrays, futures, slo, arrived in held:
+            self._add(model, arrays, futures, slo, arrived)
+        t1 = self.now_us()
+        return {
+            "downtime_us": t1 - t0,
+            "held": float(sum(len(f) for *_, f, _, _ in held)),
+            "failed": float(len(left)),
+        }
 
     # ------------------------------------------------------------------ decisions
 
@@ -204,13 +271,16 @@ class RouterCore:
         reqs = [self._reqs[r.id] for r in d.requests if r.id in self._reqs]
         if not reqs:
             return
-        name = self.topo.models[d.model].name
-        io = self.io[name]
+        # this dispatch runs to its end on the plan it was made with, even across a rollout
+        topo, dp, io_of = self.topo, self.dp, self.io
+        pool_partition, vgpu_url, busy = self.pool_partition, self.vgpu_url, self.pool_busy_us
+        name = topo.models[d.model].name
+        io = io_of[name]
         self.stats[name].batch_sizes[len(reqs)] += 1
         for h, hop in enumerate(d.hops):
-            pool = self.topo.pools[hop.pool]
-            partition = self.pool_partition[hop.pool]
-            last = pool.end == self.topo.pools[self.topo.pipelines[d.pipeline].pools[-1]].end
+            pool = topo.pools[hop.pool]
+            partition = pool_partition[hop.pool]
+            last = pool.end == topo.pools[topo.pipelines[d.pipeline].pools[-1]].end
             first = pool.start == 0
             inputs = []
             for k in range(len(reqs[0].tensors)):
@@ -220,18 +290,18 @@ class RouterCore:
                 t.set_data_from_numpy(x)
                 inputs.append(t)
             start = self.now_us()
-            self.dp.on_stage_started(StageReport(d.id, h, start, None), start)
+            dp.on_stage_started(StageReport(d.id, h, start, None), start)
             try:
-                result = await self._client(self.vgpu_url[hop.vgpu]).infer(
+                result = await self._client(vgpu_url[hop.vgpu]).infer(
                     partition, inputs, client_timeout=self.stage_timeout_s
                 )
             except Exception as exc:
-                self._fail(reqs, f"{partition} on {self.vgpu_url[hop.vgpu]}: {exc}")
-                self.dp.on_stage_done(StageReport(d.id, h, start, self.now_us()), self.now_us())
+                self._fail(reqs, f"{partition} on {vgpu_url[hop.vgpu]}: {exc}")
+                dp.on_stage_done(StageReport(d.id, h, start, self.now_us()), self.now_us())
                 return
             end = self.now_us()
-            self.pool_busy_us[hop.pool] += end - start
-            if self.dp.on_stage_done(StageReport(d.id, h, start, end), end):
+            busy[hop.pool] += end - start
+            if dp.on_stage_done(StageReport(d.id, h, start, end), end) and dp is self.dp:
                 self._decide()
             names = [t.name for t in io.outputs] if last else None
             outs = _outputs(result, names)
