@@ -405,11 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--strategies", default=",".join(STRATEGIES))
     cmp_.set_defaults(func=cmd_compare)
 
-    from poolpipe import cli_models, cli_onboard, cli_sim
+    from poolpipe import cli_models, cli_onboard, cli_serve, cli_sim
 
     cli_sim.add_commands(sub)
     cli_models.add_commands(sub)
     cli_onboard.add_commands(sub)
+    cli_serve.add_commands(sub)
 
     wh = sub.add_parser("warehouse", help="warehouse maintenance")
     wsub = wh.add_subparsers(dest="warehouse_command", required=True, metavar="ACTION")

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +195,7 @@ class Deployment:
     http_port: int = 0
     grpc_port: int = 0
     triton: object | None = field(default=None, repr=False)
+    control: Callable[[dict], dict] | None = field(default=None, repr=False)
 
     @classmethod
     def up(
@@ -206,7 +209,10 @@ class Deployment:
         max_batch: int = 8,
         wake_guard_us: float = 1500.0,
         reply_margin_us: float = 2000.0,
+        control: Callable[[dict], dict] | None = None,
     ) -> Deployment:
+        """`control`: answers JSON commands sent to the router's `poolpipe_control` model
+        (rollouts and statistics from other processes); none when not given."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         options = {"plane": plane, "max_batch": max_batch, "wake_guard_us": wake_guard_us}
@@ -226,7 +232,7 @@ class Deployment:
                 ios,
                 reply_margin_us=reply_margin_us,
             ).start()
-            dep = cls(plan, topo, lay, nodes, core, workspace, ios, options)
+            dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep._serve(router_instances)
             return dep
         except BaseException:
@@ -354,6 +360,14 @@ class Deployment:
                     config=ModelConfig(batching=False),
                     strict=True,
                 )
+            if self.control is not None:
+                triton.bind(
+                    model_name=CONTROL_MODEL,
+                    infer_func=control_callable(self.control),
+                    inputs=[Tensor(name="command", dtype=bytes, shape=(1,))],
+                    outputs=[Tensor(name="result", dtype=bytes, shape=(1,))],
+                    config=ModelConfig(batching=False),
+                )
             triton.run()
         except BaseException:
             triton.stop()
@@ -391,5 +405,25 @@ def router_callable(core: RouterCore, io: ModelIO):
                 {t.name: np.concatenate([r[t.name] for r in rows]) for t in io.outputs}
             )
         return responses
+
+    return infer
+
+
+CONTROL_MODEL = "poolpipe_control"
+
+
+def control_callable(handle: Callable[[dict], dict]):
+    """PyTriton callable of the control model: one JSON command in, one JSON result out."""
+
+    def infer(requests):
+        out = []
+        for req in requests:
+            raw = req["command"].reshape(-1)[0]
+            try:
+                result = handle(json.loads(raw.decode() if isinstance(raw, bytes) else raw))
+            except Exception as exc:
+                result = {"ok": False, "error": str(exc)}
+            out.append({"result": np.array([json.dumps(result).encode()], dtype=object)})
+        return out
 
     return infer

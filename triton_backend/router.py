@@ -102,6 +102,8 @@ class RouterCore:
         self._wake: asyncio.TimerHandle | None = None
         self._wake_at = math.inf
         self._tasks: set[asyncio.Task] = set()
+        self._window_marks: dict[str, tuple] = {}
+        self._busy_marks: dict[int, float] = {}
         self._paused = False
         # requests that arrived while intake was paused: (model, arrays, futures, slo, time)
         self._pending: list[tuple[str, list[np.ndarray], list[cf.Future], float | None, float]]
@@ -173,6 +175,63 @@ class RouterCore:
             self.dp.add_request(req, now)
         self._decide()
 
+    # ------------------------------------------------------------------ statistics
+
+    def take_window(self) -> tuple[list[dict], list[dict]]:
+        """What happened since the last call (thread-safe): one row per model (arrivals,
+        on time, late, dropped, failed, latency p50/p99 ms, mean batch) and one per pool
+        (busy ms). The live figures for the warehouse's per-minute statistics."""
+        fut = asyncio.run_coroutine_threadsafe(self._take_window(), self._loop)
+        return fut.result(10)
+
+    async def _take_window(self) -> tuple[list[dict], list[dict]]:
+        models = []
+        for name, s in self.stats.items():
+            last = self._window_marks.get(name, (0, 0, 0, 0, 0, 0, Counter()))
+            lat = np.asarray(s.latency_us[last[5] :]) / 1e3
+            batches = s.batch_sizes - last[6]
+            n_batches = sum(batches.values())
+            models.append(
+                {
+                    "model": name,
+                    "arrivals": s.arrivals - last[0],
+                    "on_time": s.on_time - last[1],
+                    "late": s.late - last[2],
+                    "dropped": s.dropped - last[3],
+                    "failed": s.failed - last[4],
+                    "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+                    "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+                    "mean_batch": (
+                        sum(b * n for b, n in batches.items()) / n_batches if n_batches else None
+                    ),
+                }
+            )
+            self._window_marks[name] = (
+                s.arrivals,
+                s.on_time,
+                s.late,
+                s.dropped,
+                s.failed,
+                len(s.latency_us),
+                Counter(s.batch_sizes),
+            )
+        pools = []
+        for p in self.topo.pools:
+            busy = self.pool_busy_us[p.id] - self._busy_marks.get(p.id, 0.0)
+            self._busy_marks[p.id] = self.pool_busy_us[p.id]
+            pools.append(
+                {
+                    "model": self.topo.models[p.model].name,
+                    "pool": p.id,
+                    "gpu_type": p.gpu,
+                    "block_start": p.start,
+                    "block_end": p.end,
+                    "vgpus": len(p.vgpus),
+                    "busy_ms": busy / 1e3,
+                }
+            )
+        return models, pools
+
     # ------------------------------------------------------------------ plan switch
 
     def switch(
@@ -219,6 +278,7 @@ class RouterCore:
         for m in topo.models:
             self.stats.setdefault(m.name, ModelStats())
         self.pool_busy_us = [0.0] * len(topo.pools)
+        self._busy_marks = {}
         held, self._pending = self._pending, []
         self._paused = False
         for model, arrays, futures, slo, arrived in held:

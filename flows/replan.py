@@ -1,0 +1,110 @@
+"""Nightly re-planning: the request mix observed by the router (warehouse) → plan → roll out
+only when the new plan's objective beats the serving plan's, for that mix, by a margin."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.common import artifact_key, io_error_only, markdown_table
+from poolpipe.plan import Plan
+from poolpipe.planner import make_plan
+from poolpipe.planning import plan_request
+from poolpipe.replan import objective_under, observed_weights, worth_rolling_out
+from poolpipe.warehouse import Warehouse
+
+
+@task(name="observed-mix", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
+def observed_mix(warehouse: str | None, deployment: str, hours: float) -> dict[str, float]:
+    since = datetime.now() - timedelta(hours=hours)
+    with Warehouse.open(warehouse) as wh:
+        rows = wh.con.execute(
+            "SELECT model, sum(arrivals) FROM serving_stats WHERE deployment = ? "
+            "AND minute >= ? GROUP BY model",
+            [deployment, since],
+        ).fetchall()
+    return {m: float(n) for m, n in rows}
+
+
+@task(name="serving-plan", cache_policy=NO_CACHE)
+def serving_plan(router: str) -> tuple[Plan, int | None]:
+    from triton_backend.serve import send_control
+
+    answer = send_control(router, {"op": "plan"})
+    return Plan.from_dict(answer["plan"]), answer.get("plan_id")
+
+
+@task(name="plan", cache_policy=NO_CACHE)
+def new_plan(
+    warehouse: str | None,
+    current: Plan,
+    weights: list[float],
+    cluster: str,
+    clusters_file: str | None,
+) -> Plan:
+    with Warehouse.open(warehouse) as wh:
+        req = plan_request(
+            wh,
+            [m.name for m in current.models],
+            cluster,
+            clusters_file=clusters_file,
+            weights=weights,
+            slo_us={m.name: m.slo_us for m in current.models},
+            strategy=current.strategy,
+            packing=current.packing,
+            margin=current.margin,
+            max_partitions=current.max_partitions,
+        )
+    return make_plan(req)
+
+
+@task(name="store-plan", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
+def store(warehouse: str | None, plan: Plan) -> int:
+    with Warehouse.open(warehouse) as wh:
+        return wh.store_plan(plan, label="nightly-replan")
+
+
+@flow(name="nightly-replan", log_prints=True)
+def nightly_replan(
+    router: str,
+    cluster: str,
+    warehouse: str | None = None,
+    clusters_file: str | None = None,
+    deployment: str = "local",
+    hours: float = 24.0,
+    margin: float = 0.05,
+) -> dict:
+    """Re-plan for the mix the router saw in the last HOURS; roll out when better by MARGIN."""
+    from flows.rollout import switch
+
+    current, current_id = serving_plan(router)
+    names = [m.name for m in current.models]
+    weights = observed_weights(observed_mix(warehouse, deployment, hours), names)
+    if weights is None:
+        decision = {"rolled_out": False, "why": f"no requests in the last {hours:g} h"}
+    else:
+        candidate = new_plan(warehouse, current, weights, cluster, clusters_file)
+        old_obj = objective_under(current, names, weights)
+        new_obj = objective_under(candidate, names, weights)
+        decision = {
+            "weights": dict(zip(names, weights, strict=True)),
+            "serving_objective": old_obj,
+            "new_objective": new_obj,
+            "rolled_out": False,
+        }
+        if worth_rolling_out(old_obj, new_obj, margin):
+            plan_id = store(warehouse, candidate)
+            result = switch(router, plan_id)
+            decision |= {"rolled_out": bool(result.get("ok")), "plan_id": plan_id, **result}
+        else:
+            decision["why"] = f"not better than plan {current_id} by more than {margin:.0%}"
+    create_markdown_artifact(
+        key=artifact_key("replan", deployment),
+        description="nightly re-planning decision",
+        markdown="# nightly re-planning\n\n"
+        + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
+    )
+    return decision

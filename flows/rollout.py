@@ -1,0 +1,57 @@
+"""Roll a plan out to a running router: pipeline-flush migration done by the router (load
+new partition models while the old serve, pause, flush, switch, resume, unload); this flow
+stores the plan, asks the router over its control model and reports the result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows.common import artifact_key, io_error_only, markdown_table
+from poolpipe.errors import PoolpipeError
+from poolpipe.plan import Plan
+from poolpipe.warehouse import Warehouse
+
+
+@task(name="store-plan", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
+def resolve_plan(warehouse: str | None, plan: str) -> int:
+    """A plan id in the warehouse, or a plan JSON file (stored, to get an id)."""
+    if plan.isdigit():
+        with Warehouse.open(warehouse) as wh:
+            wh.load_plan(int(plan))  # exists?
+        return int(plan)
+    path = Path(plan)
+    if not path.is_file():
+        raise PoolpipeError(f"plan {plan!r} is neither a plan id nor a plan file")
+    with Warehouse.open(warehouse) as wh:
+        return wh.store_plan(Plan.load(path), label=f"rollout:{path.name}")
+
+
+@task(name="switch", cache_policy=NO_CACHE)
+def switch(router: str, plan_id: int) -> dict:
+    from triton_backend.serve import send_control
+
+    return send_control(router, {"op": "rollout", "plan_id": plan_id})
+
+
+@flow(name="rollout", log_prints=True)
+def rollout_plan(plan: str, router: str, warehouse: str | None = None) -> dict:
+    """Roll PLAN (id or JSON file) out to the router at ROUTER (its gRPC host:port)."""
+    plan_id = resolve_plan(warehouse, plan)
+    result = switch(router, plan_id)
+    rows = [[k, v] for k, v in result.items() if k != "ok"]
+    create_markdown_artifact(
+        key=artifact_key("rollout", str(plan_id)),
+        description=f"rollout of plan {plan_id}: {result.get('status')}",
+        markdown=f"# rollout of plan {plan_id}\n\n" + markdown_table(["", ""], rows),
+    )
+    if not result.get("ok"):
+        raise PoolpipeError(
+            f"rollout of plan {plan_id} did not happen: "
+            f"{result.get('reason') or result.get('error') or json.dumps(result)}"
+        )
+    return result

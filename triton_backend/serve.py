@@ -1,0 +1,220 @@
+"""A serving process: a deployment of one plan plus what operations need around it —
+per-minute statistics into the warehouse, Prometheus metrics beside Triton's own, and the
+`poolpipe_control` model through which other processes roll out plans and read figures."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.plan import Plan
+from poolpipe.warehouse import Warehouse
+from triton_backend.deploy import CONTROL_MODEL, Deployment, RolloutResult
+from triton_backend.env import free_ports
+from triton_backend.router import RouterCore
+
+
+def _retry_io(fn, attempts: int = 20, delay_s: float = 0.25):
+    """The warehouse is one DuckDB file that other processes (flows) open now and then:
+    a lock conflict is an I/O error worth waiting out."""
+    for k in range(attempts):
+        try:
+            return fn()
+        except (duckdb.IOException, OSError):
+            if k == attempts - 1:
+                raise
+            time.sleep(delay_s)
+    return None
+
+
+class RouterCollector:
+    """Prometheus collector reading the router's counters at scrape time (no hot-path cost)."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        core = self.server.deployment.core
+        req = CounterMetricFamily(
+            "poolpipe_requests", "Requests by model and outcome", labels=["model", "outcome"]
+        )
+        for name, s in core.stats.items():
+            for outcome in ("arrivals", "on_time", "late", "dropped", "failed"):
+                req.add_metric([name, outcome], getattr(s, outcome))
+        yield req
+        yield GaugeMetricFamily(
+            "poolpipe_in_flight", "Requests queued or running", value=core.in_flight()
+        )
+        busy = CounterMetricFamily(
+            "poolpipe_pool_busy_seconds", "Stage time per pool", labels=["model", "pool", "gpu"]
+        )
+        for p in core.topo.pools:
+            name = core.topo.models[p.model].name
+            busy.add_metric([name, str(p.id), p.gpu], core.pool_busy_us[p.id] / 1e6)
+        yield busy
+        yield GaugeMetricFamily(
+            "poolpipe_plan_generation", "Rollouts so far", value=self.server.deployment.generation
+        )
+
+
+class Server:
+    def __init__(
+        self,
+        plan: Plan,
+        warehouse: str | Path | None,
+        workspace: Path,
+        *,
+        name: str = "local",
+        plan_id: int | None = None,
+        stats_interval_s: float = 60.0,
+        metrics_port: int | None = None,
+        **options: Any,
+    ):
+        self.warehouse = warehouse
+        self.name = name
+        self.plan_id = plan_id
+        self.stats_interval_s = stats_interval_s
+        self._lock = threading.Lock()  # one rollout at a time
+        self.deployment = Deployment.up(plan, warehouse, workspace, control=self.control, **options)
+        self._stop = threading.Event()
+        self._window_start = datetime.now()
+        self._stats_thread = threading.Thread(target=self._stats_loop, daemon=True)
+        self._stats_thread.start()
+        self.metrics_port = None
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+            from prometheus_client.registry import CollectorRegistry
+
+            registry = CollectorRegistry()
+            registry.register(RouterCollector(self))
+            self.metrics_port = metrics_port or free_ports(1)[0]
+            start_http_server(self.metrics_port, addr="127.0.0.1", registry=registry)
+
+    # ------------------------------------------------------------------ statistics
+
+    def _stats_loop(self) -> None:
+        while not self._stop.wait(self.stats_interval_s):
+            with contextlib.suppress(Exception):
+                self.flush_stats()
+
+    def flush_stats(self) -> int:
+        """Write the window since the last flush to the warehouse; returns rows written."""
+        core: RouterCore = self.deployment.core
+        start, now = self._window_start, datetime.now()
+        models, pools = core.take_window()
+        self._window_start = now
+        seconds = (now - start).total_seconds()
+        base = {
+            "minute": start.replace(microsecond=0),
+            "seconds": seconds,
+            "deployment": self.name,
+            "plan_id": self.plan_id,
+        }
+        rows = [{**base, **m} for m in models]
+        busy = [{**base, **p} for p in pools]
+
+        def write() -> None:
+            with Warehouse.open(self.warehouse) as wh:
+                wh.store_rows("serving_stats", rows)
+                wh.store_rows("serving_pool_busy", busy)
+
+        _retry_io(write)
+        return len(rows) + len(busy)
+
+    # ------------------------------------------------------------------ control
+
+    def control(self, cmd: dict) -> dict:
+        op = cmd.get("op")
+        if op == "rollout":
+            return self.rollout_plan_id(int(cmd["plan_id"]))
+        if op == "stats":
+            s = self.deployment.core.stats
+            return {
+                "ok": True,
+                "plan_id": self.plan_id,
+                "generation": self.deployment.generation,
+                "models": {
+                    k: {
+                        f: getattr(v, f)
+                        for f in ("arrivals", "on_time", "late", "dropped", "failed")
+                    }
+                    for k, v in s.items()
+                },
+            }
+        if op == "plan":
+            return {
+                "ok": True,
+                "plan_id": self.plan_id,
+                "plan": json.loads(self.deployment.plan.to_json()),
+            }
+        raise PoolpipeError(f"unknown control op {op!r}; use rollout, stats or plan")
+
+    def rollout_plan_id(self, plan_id: int) -> dict:
+        plan = _retry_io(lambda: _load_plan(self.warehouse, plan_id))
+        result = self.rollout(plan, plan_id)
+        return {"ok": result.status == "done", **asdict(result)}
+
+    def rollout(self, plan: Plan, plan_id: int | None = None) -> RolloutResult:
+        with self._lock:
+            self.flush_stats()  # the old plan's figures end here
+            result = self.deployment.rollout(plan, self.warehouse)
+            if result.status == "done":
+                self.plan_id = plan_id
+            row = {
+                "rolled_at": datetime.now().replace(microsecond=0),
+                "deployment": self.name,
+                "plan_id": plan_id,
+                **asdict(result),
+            }
+
+            def write() -> None:
+                with Warehouse.open(self.warehouse) as wh:
+                    wh.store_rows("rollouts", [row])
+
+            _retry_io(write)
+            return result
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self.flush_stats()
+        self.deployment.down()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _load_plan(warehouse: str | Path | None, plan_id: int) -> Plan:
+    with Warehouse.open(warehouse) as wh:
+        return wh.load_plan(plan_id)
+
+
+def send_control(router_grpc: str, command: dict, timeout_s: float = 600.0) -> dict:
+    """Send one command to a router's control model over gRPC (another process)."""
+    import numpy as np
+    import tritonclient.grpc as tg
+
+    client = tg.InferenceServerClient(router_grpc)
+    try:
+        x = np.array([json.dumps(command).encode()], dtype=object)
+        i = tg.InferInput("command", [1], "BYTES")
+        i.set_data_from_numpy(x)
+        r = client.infer(CONTROL_MODEL, [i], client_timeout=timeout_s)
+        raw = r.as_numpy("result").reshape(-1)[0]
+        return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    finally:
+        client.close()
