@@ -287,8 +287,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job (until the end-to-end serving demo exists): import, plan, compare."""
+def cmd_paper_plans(args: argparse.Namespace) -> int:
+    """Import the shipped real-GPU profiles and plan one of the paper's configurations with
+    every strategy, side by side."""
     root = Path(args.profiles)
     if not (root / "block-latency").is_dir():
         raise PoolpipeError(
@@ -368,7 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="import the PPipe profiles and compare all strategies")
+    demo = sub.add_parser(
+        "paper-plans", help="import the PPipe profiles and compare all strategies on a cluster"
+    )
     demo.add_argument("--profiles", default=str(ppipe_dir()), help="PPipe profile folder")
     demo.add_argument("--group", type=int, default=2, help="workload group index (0-5; default 2)")
     demo.add_argument("--mix", default="maf19", help="workload mix (maf19, maf21, even)")
@@ -378,8 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--solver", choices=SOLVERS, default="highs")
     demo.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S)
     demo.add_argument("--mip-gap", type=float, default=DEFAULT_MIP_GAP)
-    demo.add_argument("--label", default="demo")
-    demo.set_defaults(func=cmd_demo)
+    demo.add_argument("--label", default="paper-plans")
+    demo.set_defaults(func=cmd_paper_plans)
+
+    from poolpipe import cli_demo
+
+    live = sub.add_parser(
+        "demo",
+        help="the whole system here: onboard, plan, serve, load, roll out (the main job)",
+        description=cli_demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cli_demo.add_arguments(live)
+    live.set_defaults(func=lambda a: cli_demo.cmd_demo(a))
 
     prof = sub.add_parser("profiles", help="import and inspect block profiles")
     psub = prof.add_subparsers(dest="profiles_command", required=True, metavar="ACTION")

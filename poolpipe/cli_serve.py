@@ -95,7 +95,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workspace", default="out/serve", help="working folder (out/serve)")
     p.add_argument("--name", default="local", help="deployment name in the statistics")
     p.add_argument("--plane", choices=DATA_PLANES, default="reservation")
-    p.add_argument("--router-instances", type=int, default=16, help="concurrent requests (16)")
+    p.add_argument("--router-instances", type=int, default=48, help="concurrent requests (48)")
     p.add_argument("--stats-interval", type=float, default=60.0, help="seconds (60)")
     p.add_argument("--metrics-port", type=int, default=0, help="router metrics port (free one)")
     p.set_defaults(func=cmd_serve)

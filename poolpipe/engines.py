@@ -180,6 +180,10 @@ class OrtEngine:
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # No spinning: idle intra-op threads that busy-wait take the cores from every other
+        # process of a shared machine (a stage worker beside the router, other workers).
+        # Stage workers run sessions the same way (model_repo_templates/python_onnx_model.py).
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = (
             ["CUDAExecutionProvider", "CPUExecutionProvider"]
             if self.cuda

@@ -134,8 +134,10 @@ def test_profiles_list_and_show(imported, capsys):
     assert "repvgg-b3: 10 blocks" in out and "V100" in out
 
 
-def test_demo_main_job(ppipe_dir, warehouse_path, capsys):
-    assert main(["--warehouse", str(warehouse_path), "demo", "--profiles", str(ppipe_dir)]) == 0
+def test_paper_plans(ppipe_dir, warehouse_path, capsys):
+    assert (
+        main(["--warehouse", str(warehouse_path), "paper-plans", "--profiles", str(ppipe_dir)]) == 0
+    )
     out = capsys.readouterr().out
     assert "ppipe / np:" in out and "dart-r" in out
 

@@ -58,7 +58,7 @@ def test_profiler_measures_every_block_and_the_whole_model(split):
     sums = sum_vs_whole(ms)
     # four images cost more than one, for the blocks and for the whole model
     assert sums[4][0] > sums[1][0] and sums[4][1] > sums[1][1]
-    assert steps[-1][1:] == (2 * 4, 2 * 4)
+    assert steps[-1][1:] == (2 * 4, 2 * 4)  # batch sizes x (3 blocks + whole)
 
 
 def test_verify_split_measures_fp16_boundaries(split):

@@ -199,3 +199,28 @@ def test_reactive_batches_at_the_first_pool_and_hands_batches_on():
     d2 = s.decide(16.0)
     assert len(d2.dispatches) == 1 and d2.dispatches[0].final
     assert d2.dispatches[0].hops[0].src_vgpu == first.hops[0].vgpu
+
+
+@pytest.mark.parametrize("plane", ["reservation", "reactive"])
+def test_a_vgpu_taken_down_gets_no_work_until_it_is_back(plane):
+    """Two vGPUs in one pool: the one that failed is skipped; with none left the request is
+    dropped explicitly; once back, work goes to it again."""
+    from poolpipe.scheduler import Request, make_data_plane
+
+    topo = make_topology([([0, 1], [10.0], 0.0)], slo_us=100.0)
+    dp = make_data_plane(plane, topo)
+    dp.set_vgpu_down(0, True, now=0.0)
+    dp.add_request(Request(0, 0, 0.0, 100.0), 0.0)
+    d = dp.decide(0.0)
+    assert [h.vgpu for x in d.dispatches for h in x.hops] == [1]
+    dp.set_vgpu_down(1, True, now=1.0)
+    dp.add_request(Request(1, 0, 1.0, 101.0), 1.0)
+    d = dp.decide(1.0)
+    if plane == "reservation":
+        assert not d.dispatches and [x.request.id for x in d.drops] == [1]
+    else:  # the reactive plane queues until a vGPU is free
+        assert not d.dispatches and not d.drops
+    dp.set_vgpu_down(0, False, now=2.0)
+    dp.add_request(Request(2, 0, 2.0, 102.0), 2.0)
+    d = dp.decide(2.0)
+    assert {h.vgpu for x in d.dispatches for h in x.hops} == {0}

@@ -205,9 +205,9 @@ class Deployment:
         workspace: Path,
         *,
         plane: str = "reservation",
-        router_instances: int = 16,
+        router_instances: int = 8,
         max_batch: int = 8,
-        wake_guard_us: float = 1500.0,
+        wake_guard_us: float = 5000.0,
         reply_margin_us: float = 2000.0,
         control: Callable[[dict], dict] | None = None,
     ) -> Deployment:
@@ -315,7 +315,17 @@ class Deployment:
             int(res["failed"]),
         )
 
-    def _serve(self, instances: int, attempts: int = 3) -> None:
+    def restart_node(self, name: str) -> None:
+        """Start a stopped or crashed node again on its ports with its partition models;
+        the router notices it answering and puts its vGPUs back in service."""
+        node = self.nodes[name]
+        node.stop()
+        node.start()
+        for p in self.layout.placements:
+            if p.node == name:
+                node.load(p.partition)
+
+    def _serve(self, instances: int, attempts: int = 5) -> None:
         # PyTriton 0.7 has a start-up race between a model's instances (instance k may
         # connect to instance 0's handshake socket between its bind and its listen, and the
         # load fails with "Connection refused"); a fresh start is the cure.
@@ -332,6 +342,7 @@ class Deployment:
 
     def _start_pytriton(self, instances: int) -> None:
         fix_this_process()
+        _lengthen_pytriton_handshake()
         from pytriton.model_config import ModelConfig, Tensor
         from pytriton.triton import Triton, TritonConfig
 
@@ -427,3 +438,53 @@ def control_callable(handle: Callable[[dict], dict]):
         return out
 
     return infer
+
+
+_HANDSHAKE_PATCHES = (
+    (b"timeout_s: float = 1.0", b"timeout_s: float = 60.0"),
+    (
+        b"""        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(0.0, should_stop_before_s - time.time()))
+        sock.connect(socket_path.as_posix())
+""",
+        b"""        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(max(0.0, should_stop_before_s - time.time()))
+            try:
+                sock.connect(socket_path.as_posix())
+                break
+            except ConnectionRefusedError:
+                sock.close()
+                if time.time() >= should_stop_before_s:
+                    raise
+                time.sleep(0.01)
+""",
+    ),
+)
+
+
+def _lengthen_pytriton_handshake() -> None:
+    """PyTriton 0.7 gives a model's instances 1 s and a single connection attempt to fetch
+    their configuration from instance 0, which starts alongside them: with many instances on
+    few cores, instance 0 has created its socket but is not listening yet, and the model
+    fails to load ("Connection refused"). The proxy file PyTriton sends to Triton gets a
+    60 s timeout and retries the connection. A no-op where the code differs."""
+    from pytriton.models import model as ptmodel
+
+    original = ptmodel.Model.get_proxy_model_files
+    if getattr(original, "_poolpipe", False):
+        return
+
+    def patched(self):
+        files = original(self)
+        for key, content in files.items():
+            if key.endswith("communication.py") and all(
+                old in content for old, _ in _HANDSHAKE_PATCHES
+            ):
+                for old, new in _HANDSHAKE_PATCHES:
+                    content = content.replace(old, new)
+                files[key] = content
+        return files
+
+    patched._poolpipe = True  # type: ignore[attr-defined]
+    ptmodel.Model.get_proxy_model_files = patched

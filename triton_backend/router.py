@@ -55,6 +55,8 @@ class _Req:
     future: cf.Future
     tensors: list[np.ndarray]  # what the next partition reads (one row each)
     due_us: float  # arrival + SLO (the scheduler plans for req.deadline_us, a bit earlier)
+    inputs: list[np.ndarray] = field(default_factory=list)  # the client's, for a retry
+    attempts: int = 1
 
 
 @dataclass
@@ -64,6 +66,7 @@ class ModelStats:
     late: int = 0
     dropped: int = 0
     failed: int = 0
+    retried: int = 0
     latency_us: list[float] = field(default_factory=list)
     batch_sizes: Counter[int] = field(default_factory=Counter)
 
@@ -102,6 +105,8 @@ class RouterCore:
         self._wake: asyncio.TimerHandle | None = None
         self._wake_at = math.inf
         self._tasks: set[asyncio.Task] = set()
+        self._down: set[str] = set()  # stage nodes (URLs) out of service
+        self.recoveries = 0
         self._window_marks: dict[str, tuple] = {}
         self._busy_marks: dict[int, float] = {}
         self._paused = False
@@ -170,7 +175,8 @@ class RouterCore:
         stats = self.stats[model]
         for i, fut in enumerate(futures):
             req = Request(next(self._ids), mi, now, now + slo - self.reply_margin_us)
-            self._reqs[req.id] = _Req(req, fut, [a[i : i + 1] for a in arrays], now + slo)
+            rows = [a[i : i + 1] for a in arrays]
+            self._reqs[req.id] = _Req(req, fut, rows, now + slo, rows)
             stats.arrivals += 1
             self.dp.add_request(req, now)
         self._decide()
@@ -264,6 +270,10 @@ class RouterCore:
     ) -> dict[str, float]:
         t0 = self.now_us()
         self._paused = True
+        drain = getattr(self.dp, "drain", None)
+        if drain is not None:  # queued requests leave now instead of waiting for company
+            drain()
+            self._decide()
         deadline = t0 + flush_timeout_s * 1e6
         while self._reqs and self.now_us() < deadline:
             await asyncio.sleep(0.0005)
@@ -279,6 +289,10 @@ class RouterCore:
             self.stats.setdefault(m.name, ModelStats())
         self.pool_busy_us = [0.0] * len(topo.pools)
         self._busy_marks = {}
+        now = self.now_us()
+        for v, u in vgpu_url.items():
+            if u in self._down:  # still failed: out of the new plan's tables too
+                plane.set_vgpu_down(v, True, now)
         held, self._pending = self._pending, []
         self._paused = False
         for model, arrays, futures, slo, arrived in held:
@@ -356,8 +370,9 @@ class RouterCore:
                     partition, inputs, client_timeout=self.stage_timeout_s
                 )
             except Exception as exc:
-                self._fail(reqs, f"{partition} on {vgpu_url[hop.vgpu]}: {exc}")
-                dp.on_stage_done(StageReport(d.id, h, start, self.now_us()), self.now_us())
+                now = self.now_us()
+                dp.on_stage_done(StageReport(d.id, h, start, now), now)
+                self._stage_failed(dp, vgpu_url[hop.vgpu], reqs, f"{partition}: {exc}")
                 return
             end = self.now_us()
             busy[hop.pool] += end - start
@@ -378,6 +393,79 @@ class RouterCore:
                 else:
                     stats.late += 1
                 r.future.set_result({t.name: v for t, v in zip(io.outputs, r.tensors, strict=True)})
+
+    def _stage_failed(self, dp: DataPlane, url: str, reqs: list[_Req], why: str) -> None:
+        """A stage call failed: every vGPU of that node leaves the reservation tables at once,
+        the batch's requests start over on another path when their deadline still allows
+        (once), else they fail explicitly; the node is watched until it answers again."""
+        now = self.now_us()
+        if dp is self.dp and url not in self._down:
+            self._down.add(url)
+            for v, u in self.vgpu_url.items():
+                if u == url:
+                    dp.set_vgpu_down(v, True, now)
+            task = self._loop.create_task(self._watch(url))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        retry = []
+        for r in reqs:
+            if r.req.id not in self._reqs:
+                continue
+            if dp is self.dp and r.attempts < 2 and r.req.deadline_us > now:
+                r.attempts += 1
+                r.tensors = r.inputs
+                retry.append(r)
+                self.stats[self.topo.models[r.req.model].name].retried += 1
+            else:
+                self._fail([r], f"{why} (node {url}; no time or attempt left to retry)")
+        if retry:
+            live = self._has_live_path(retry[0].req.model)
+            for r in retry:
+                if live:
+                    self.dp.add_request(r.req, now)
+                else:
+                    self._fail([r], f"no live path for this model: {why} (node {url})")
+            self._decide()
+
+    def _has_live_path(self, model: int) -> bool:
+        down = {v for v, u in self.vgpu_url.items() if u in self._down}
+        topo = self.topo
+        return any(
+            all(any(v not in down for v in topo.pools[p].vgpus) for p in topo.pipelines[i].pools)
+            for i in topo.models[model].pipelines
+        )
+
+    async def _watch(self, url: str, every_s: float = 0.5) -> None:
+        """Poll a failed node until it is ready again; then its vGPUs return to service."""
+        import tritonclient.grpc.aio as grpcaio
+
+        while url in self._down:
+            await asyncio.sleep(every_s)
+            probe = grpcaio.InferenceServerClient(url)
+            models = {
+                self.pool_partition[self.topo.vgpus[v].pool]
+                for v, u in self.vgpu_url.items()
+                if u == url
+            }
+            try:
+                ready = await probe.is_server_live(client_timeout=1.0)
+                for m in models:
+                    ready = ready and await probe.is_model_ready(m, client_timeout=1.0)
+            except Exception:
+                ready = False
+            finally:
+                await probe.close()
+            if ready:
+                old = self._clients.pop(url, None)  # its channel may be in back-off
+                if old is not None:
+                    await old.close()  # type: ignore[attr-defined]
+                self._down.discard(url)
+                now = self.now_us()
+                for v, u in self.vgpu_url.items():
+                    if u == url:
+                        self.dp.set_vgpu_down(v, False, now)
+                self.recoveries += 1
+                self._decide()
 
     def _fail(self, reqs: list[_Req], why: str) -> None:
         for r in reqs:

@@ -143,6 +143,20 @@ class ReservationScheduler:
         out.wake_at_us = wake if wake < math.inf else None
         return out
 
+    def drain(self) -> None:
+        """Stop waiting for fuller batches: every queued request goes out at its next
+        decision (a rollout flushes the old plan this way instead of waiting an SLO)."""
+        self.policy = "eager"
+        for m in range(len(self.queues)):
+            self._dirty[m] = True
+
+    def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
+        """Take a vGPU out of (or back into) service: while down it is reserved forever, so
+        no probe picks it; what it had reserved stays until the driver reports it done."""
+        self.vgpu_table[vgpu].correct(-1 - vgpu, now, math.inf if down else now, now)
+        for m in range(len(self.queues)):
+            self._dirty[m] = True
+
     def on_stage_started(self, report: StageReport, now: float) -> None:
         self._correct(report, now)
 

@@ -87,3 +87,7 @@ class DataPlane(Protocol):
     def on_stage_done(self, report: StageReport, now: float) -> bool:
         """Returns True when decide() should run now (a pool may take work)."""
         ...
+
+    def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
+        """Take a failed vGPU out of service, or put it back once it answers again."""
+        ...

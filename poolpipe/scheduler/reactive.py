@@ -41,6 +41,7 @@ class ReactiveScheduler:
         self.topo = topo
         self.max_queue = max_queue
         self.busy = [False] * len(topo.vgpus)
+        self.down: set[int] = set()  # vGPUs out of service
         # per pool: its first-stage request queue or later-stage batch queue
         self.req_queue: dict[int, deque[Request]] = {}
         self.batch_queue: dict[int, deque[_Batch]] = {p.id: deque() for p in topo.pools}
@@ -91,6 +92,13 @@ class ReactiveScheduler:
         self._dirty.clear()
         return out
 
+    def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
+        if down:
+            self.down.add(vgpu)
+        else:
+            self.down.discard(vgpu)
+        self._dirty.add(self.topo.vgpus[vgpu].pool)
+
     def on_stage_started(self, report: StageReport, now: float) -> None:
         pass  # nothing is reserved, so nothing to correct
 
@@ -114,7 +122,7 @@ class ReactiveScheduler:
         r = self._rr[pid]
         for i in range(n):
             v = vgpus[(r + i) % n]
-            if not self.busy[v]:
+            if not self.busy[v] and v not in self.down:
                 self._rr[pid] = (r + i + 1) % n
                 return v
         return -1

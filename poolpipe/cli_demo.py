@@ -1,0 +1,304 @@
+"""`poolpipe demo`: the whole system on this machine, on embedded defaults.
+
+Generate a model, onboard it (split, profile on two CPU device classes), plan it for the
+local heterogeneous cluster, start the stage-worker nodes and the router, drive load with
+tritonclient at a few rates (beside the simulator's prediction for the same trace), roll a
+second plan out under load, and write plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.warehouse import REPO_ROOT
+
+console = Console()
+CLUSTERS = REPO_ROOT / "local-clusters.toml"
+
+
+def _step(text: str) -> None:
+    console.print(f"[bold cyan]▶[/] {text}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.onboard import onboard_model
+    from flows.profile import profile_model
+    from poolpipe.cli_onboard import progress_bar
+    from poolpipe.planner import make_plan
+    from poolpipe.planning import plan_request
+    from poolpipe.profiler import sum_vs_whole
+    from poolpipe.warehouse import Warehouse
+    from poolpipe.zoo import make_model
+    from triton_backend.serve import Server
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "demo-resnet"
+    t_start = time.perf_counter()
+
+    _step(f"generating a ResNet-50 (width {args.width}, {args.image}x{args.image})")
+    path = make_model("resnet50", out / f"{name}.onnx", width=args.width, image=args.image)
+
+    _step("onboarding: split, build, verify, profile on cpu-1t (Prefect flow)")
+    with progress_bar(name):
+        r = onboard_model(
+            str(path), name, warehouse=args.warehouse, blocks=6, batches=[1, 2, 3, 4], reps=5
+        )
+    _step("profiling the same blocks on cpu-2t (Prefect flow)")
+    with progress_bar(name):
+        profile_model(name, warehouse=args.warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
+    console.print(
+        f"  {r.split.layers} layers in {len(r.split.blocks)} blocks; whole model at batch 1: "
+        f"{sum_vs_whole(r.measurements)[1][1] / 1e3:.1f} ms on cpu-1t"
+    )
+
+    _step(f"planning for cluster {args.cluster} (SLO {args.slo_ms:g} ms)")
+    plans = {}
+    with Warehouse.open(args.warehouse) as wh:
+        for strategy in ("ppipe", "np"):
+            req = plan_request(
+                wh,
+                [name],
+                args.cluster,
+                clusters_file=CLUSTERS,
+                slo_us={name: args.slo_ms * 1e3},
+                strategy=strategy,
+                max_partitions=2,
+            )
+            plan = make_plan(req)
+            plans[strategy] = (plan, wh.store_plan(plan, label=f"demo:{strategy}"))
+    from poolpipe.cli import print_plan
+
+    for plan, _ in plans.values():
+        print_plan(plan)
+
+    first, second = plans["ppipe"], plans["np"]
+    _step("starting stage-worker nodes (tritonserver) and the router (PyTriton)")
+    server = Server(
+        first[0],
+        args.warehouse,
+        out / "serve",
+        name="demo",
+        plan_id=first[1],
+        stats_interval_s=3600,
+        metrics_port=0,
+        router_instances=args.router_instances,
+    )
+    try:
+        rows, timeline = _drive_loads(server, name, args)
+        _step(f"rolling plan {second[1]} (np) out under load")
+        roll = _rollout_under_load(server, second[0], second[1], name, args)
+        server.flush_stats()
+    finally:
+        server.close()
+
+    table = Table(
+        title=f"{name} live (router + Triton nodes) vs simulator, SLO {args.slo_ms:g} ms",
+        title_justify="left",
+    )
+    for col in (
+        "load",
+        "req/s",
+        "sent",
+        "attainment",
+        "simulated",
+        "p50 ms",
+        "p99 ms",
+        "dropped",
+        "failed",
+    ):
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(
+            f"{row['load']:.2f}",
+            f"{row['rate']:.0f}",
+            str(row["sent"]),
+            f"{row['attainment']:.3f}",
+            f"{row['sim_attainment']:.3f}",
+            f"{row['p50_ms']:.1f}",
+            f"{row['p99_ms']:.1f}",
+            str(row["dropped"]),
+            str(row["failed"]),
+        )
+    console.print(table)
+    console.print(
+        f"rollout to np under load: {roll['status']}, downtime {roll['downtime_ms']:.0f} ms, "
+        f"{roll['held']} requests held during the switch, {roll['failed']} failed; "
+        f"{roll['sent']} requests sent during the rollout run, {roll['unanswered']} unanswered, "
+        f"attainment {roll['attainment']:.3f}"
+    )
+    _plots(out, rows, timeline, args.slo_ms)
+    console.print(
+        f"plots in {out}/ (attainment_vs_load.png, pool_utilization.png); statistics and "
+        f"rollouts in the warehouse; {time.perf_counter() - t_start:.0f} s in all"
+    )
+    return 0
+
+
+def _drive_loads(server, name: str, args: argparse.Namespace):
+    from poolpipe.scheduler import make_data_plane
+    from poolpipe.sim.engine import SimConfig, Simulator
+    from triton_backend.loadgen import drive, poisson_times, summarize
+
+    dep = server.deployment
+    topo = dep.core.topo
+    planned = sum(m.throughput for m in topo.models)
+    x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
+    inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
+    url = f"127.0.0.1:{dep.grpc_port}"
+    rows, timeline = [], []
+    # warm-up, not counted: the router's instances, the nodes' sessions, the channels
+    drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.3, 2.0, seed=0))
+    for k, load in enumerate(args.loads):
+        rate = load * min(planned, args.max_rate)
+        times = poisson_times(rate, args.duration, seed=k + 1)
+        _step(f"load {load:.2f}: {rate:.0f} req/s for {args.duration:g} s")
+        sampler = _Sampler(dep.core)
+        sampler.start()
+        shots = drive(url, name, inputs, times)
+        timeline.append((load, sampler.stop()))
+        s = summarize(shots, args.slo_ms / 1e3, args.duration)
+        # the simulator on the same (calibrated) topology, the same trace, the same plane
+        dp = make_data_plane("reservation", topo, wake_guard_us=dep.options["wake_guard_us"])
+        sim = Simulator(
+            topo,
+            dp,
+            np.asarray(times) * 1e6,
+            np.zeros(len(times), dtype=int),
+            SimConfig(duration_s=args.duration),
+        ).run()
+        rows.append({"load": load, "rate": rate, **s, "sim_attainment": sim.attainment})
+    return rows, timeline
+
+
+def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Namespace):
+    from triton_backend.loadgen import drive, poisson_times, summarize
+
+    dep = server.deployment
+    rate = 0.5 * min(sum(m.throughput for m in dep.core.topo.models), args.max_rate)
+    duration = max(args.duration, 6.0)
+    times = poisson_times(rate, duration, seed=99)
+    x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
+    inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
+    result: dict = {}
+
+    def roll() -> None:
+        time.sleep(duration / 3)
+        result["r"] = server.rollout(plan, plan_id)
+
+    t = threading.Thread(target=roll)
+    t.start()
+    shots = drive(f"127.0.0.1:{dep.grpc_port}", name, inputs, times)
+    t.join()
+    s = summarize(shots, args.slo_ms / 1e3, duration)
+    r = result["r"]
+    return {
+        "status": r.status,
+        "downtime_ms": r.downtime_ms,
+        "held": r.held,
+        "failed": r.failed + s["failed"],
+        "sent": s["sent"],
+        "unanswered": s["sent"] - len(shots),
+        "attainment": s["attainment"],
+    }
+
+
+class _Sampler:
+    """Per-pool busy fraction over time, sampled from the router's counters."""
+
+    def __init__(self, core, every_s: float = 0.25):
+        self.core, self.every_s = core, every_s
+        self.samples: list[tuple[float, list[float]]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._t.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        last = list(self.core.pool_busy_us)
+        while not self._stop.wait(self.every_s):
+            now = list(self.core.pool_busy_us)
+            vg = [max(1, len(p.vgpus)) for p in self.core.topo.pools]
+            frac = [
+                (b - a) / (self.every_s * 1e6 * v) for a, b, v in zip(last, now, vg, strict=False)
+            ]
+            self.samples.append((time.perf_counter() - t0, frac))
+            last = now
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+        labels = [f"[{p.start},{p.end}) {p.gpu}×{len(p.vgpus)}" for p in self.core.topo.pools]
+        return labels, self.samples
+
+
+def _plots(out: Path, rows: list[dict], timeline, slo_ms: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    loads = [r["load"] for r in rows]
+    ax.plot(loads, [r["attainment"] for r in rows], "o-", label="live")
+    ax.plot(loads, [r["sim_attainment"] for r in rows], "s--", label="simulator")
+    ax.set_xlabel("load (fraction of the plan's throughput)")
+    ax.set_ylabel(f"SLO attainment ({slo_ms:g} ms)")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "attainment_vs_load.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(timeline), 1, figsize=(6, 2.2 * len(timeline)), squeeze=False)
+    for ax, (load, (labels, samples)) in zip(axes[:, 0], timeline, strict=True):
+        if samples:
+            t = [s[0] for s in samples]
+            for i, label in enumerate(labels):
+                ax.plot(t, [s[1][i] for s in samples], label=label)
+        ax.set_title(f"load {load:.2f}", fontsize=9)
+        ax.set_ylabel("busy")
+        ax.set_ylim(0, 1.1)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(out / "pool_utilization.png", dpi=120)
+    plt.close(fig)
+
+
+def _loads(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PoolpipeError(f"--loads {text!r}: give fractions like 0.3,0.6,0.9") from None
+    if not values or any(not 0 < v <= 2 for v in values):
+        raise PoolpipeError(f"--loads {text!r}: fractions in (0, 2]")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="out/demo", help="plots and working files (out/demo)")
+    p.add_argument("--cluster", default="demo", help="cluster in local-clusters.toml (demo)")
+    p.add_argument("--slo-ms", type=float, default=100.0, help="SLO (100 ms)")
+    p.add_argument("--width", type=float, default=1.0, help="model channel multiplier (1.0)")
+    p.add_argument("--image", type=int, default=64, help="input size (64)")
+    p.add_argument("--loads", type=_loads, default=[0.3, 0.6, 0.9], help="0.3,0.6,0.9")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per load (8)")
+    p.add_argument(
+        "--max-rate", type=float, default=100.0, help="load 1.0 is at most this req/s (100)"
+    )
+    p.add_argument("--router-instances", type=int, default=48, help="concurrent requests (48)")

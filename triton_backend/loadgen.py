@@ -1,0 +1,97 @@
+"""Open-loop load from a client's side: requests sent at given times with tritonclient's
+asyncio gRPC client, each answer timed and classified (ok, dropped, failed, error)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from triton_backend.router import DROP_MARKER, FAIL_MARKER
+
+
+@dataclass(frozen=True)
+class Shot:
+    sent_s: float  # when it was sent, from the start of the run
+    latency_s: float
+    outcome: str  # ok | dropped | failed | error
+
+
+def poisson_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = rng.poisson(rate * duration_s)
+    return np.sort(rng.uniform(0.0, duration_s, n))
+
+
+async def _drive(
+    url: str, model: str, inputs: dict[str, np.ndarray], times_s: np.ndarray, timeout_s: float
+) -> list[Shot]:
+    import tritonclient.grpc as tg
+    import tritonclient.grpc.aio as tga
+
+    from triton_backend.router import _triton_type
+
+    client = tga.InferenceServerClient(url)
+    prepared = []
+    for name, x in inputs.items():
+        i = tg.InferInput(name, list(x.shape), _triton_type(x.dtype))
+        i.set_data_from_numpy(x)
+        prepared.append(i)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    shots: list[Shot] = []
+
+    async def one(t: float) -> None:
+        delay = t0 + t - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent = loop.time()
+        try:
+            await client.infer(model, prepared, client_timeout=timeout_s)
+            outcome = "ok"
+        except Exception as exc:
+            text = str(exc)
+            outcome = (
+                "dropped" if DROP_MARKER in text else "failed" if FAIL_MARKER in text else "error"
+            )
+        shots.append(Shot(sent - t0, loop.time() - sent, outcome))
+
+    try:
+        await asyncio.gather(*(one(float(t)) for t in times_s))
+    finally:
+        await client.close()
+    return sorted(shots, key=lambda s: s.sent_s)
+
+
+def drive(
+    url: str,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    times_s: np.ndarray,
+    timeout_s: float = 30.0,
+) -> list[Shot]:
+    """Send one request at each time (seconds from now); block until all are answered."""
+    return asyncio.run(_drive(url, model, inputs, times_s, timeout_s))
+
+
+def summarize(shots: list[Shot], slo_s: float, duration_s: float) -> dict[str, float]:
+    n = len(shots)
+    ok = [s for s in shots if s.outcome == "ok"]
+    lat = np.asarray([s.latency_s for s in ok]) * 1e3
+    on_time = sum(1 for s in ok if s.latency_s <= slo_s)
+    return {
+        "sent": n,
+        "attainment": on_time / n if n else 1.0,
+        "ok": len(ok),
+        "dropped": sum(1 for s in shots if s.outcome == "dropped"),
+        "failed": sum(1 for s in shots if s.outcome in ("failed", "error")),
+        "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
+        "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
+        "goodput": on_time / duration_s if duration_s > 0 else 0.0,
+    }
+
+
+def wall() -> float:
+    return time.perf_counter()
