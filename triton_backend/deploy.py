@@ -131,14 +131,17 @@ def calibrate(
     nodes: dict[str, TritonNode],
     parts: dict[str, PartitionFile],
     reps: int = 5,
+    known: dict[tuple, float] | None = None,
 ) -> dict[int, tuple[float, ...]]:
     """Each pool's latency at every batch size as the router sees it: one stage call over
-    gRPC to a node of the pool (compute plus the call's own cost), median of `reps`."""
+    gRPC to a node of the pool (compute plus the call's own cost), median of `reps`.
+    `known` (updated in place) holds earlier measurements by (device, model, blocks, batch):
+    a rollout measures only partitions the serving plan does not already run."""
     import tritonclient.grpc as grpcclient
 
     from triton_backend.router import _triton_type
 
-    measured: dict[tuple[str, int], float] = {}
+    measured = known if known is not None else {}
     out: dict[int, tuple[float, ...]] = {}
     for pool in topo.pools:
         name = lay.pool_partition[pool.id]
@@ -148,7 +151,7 @@ def calibrate(
         lats = [float("nan")]
         rng = np.random.default_rng(0)
         for b in range(1, len(pool.latency_us)):
-            key = (f"{node.device}/{name}", b)
+            key = (node.device, part.model, part.start, part.end, b)
             if key not in measured:
                 inputs = []
                 for t in part.inputs:
@@ -196,6 +199,7 @@ class Deployment:
     grpc_port: int = 0
     triton: object | None = field(default=None, repr=False)
     control: Callable[[dict], dict] | None = field(default=None, repr=False)
+    calibration: dict[tuple, float] = field(default_factory=dict, repr=False)
 
     @classmethod
     def up(
@@ -208,7 +212,7 @@ class Deployment:
         router_instances: int = 8,
         max_batch: int = 8,
         wake_guard_us: float = 5000.0,
-        reply_margin_us: float = 2000.0,
+        reply_margin_us: float = 10000.0,
         control: Callable[[dict], dict] | None = None,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
@@ -223,7 +227,8 @@ class Deployment:
             topo, lay, parts = _prepare(plan, warehouse, workspace, "g0")
             _place(lay, parts, nodes, workspace, max_batch, loaded=[], started=[])
             ios = model_io(topo, lay, parts)
-            live = with_latencies(topo, calibrate(topo, lay, nodes, parts))
+            known: dict[tuple, float] = {}
+            live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
             core = RouterCore(
                 live,
                 make_data_plane(plane, live, wake_guard_us=wake_guard_us),
@@ -233,6 +238,7 @@ class Deployment:
                 reply_margin_us=reply_margin_us,
             ).start()
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
+            dep.calibration = known
             dep._serve(router_instances)
             return dep
         except BaseException:
@@ -271,7 +277,9 @@ class Deployment:
             _place(
                 lay, parts, self.nodes, self.workspace, self.options["max_batch"], loaded, started
             )
-            live = with_latencies(topo, calibrate(topo, lay, self.nodes, parts))
+            live = with_latencies(
+                topo, calibrate(topo, lay, self.nodes, parts, known=self.calibration)
+            )
         except Exception as exc:
             for node, partition in loaded:
                 with contextlib.suppress(Exception):

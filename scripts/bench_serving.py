@@ -1,0 +1,307 @@
+"""Online-serving benchmark on this machine (real tritonserver nodes, the PyTriton router,
+tritonclient over gRPC on loopback). Three parts, each printed as a table and stored in the
+warehouse (bench_serving):
+
+1. router overhead: a 1-partition plan; the same request sent one at a time straight to the
+   stage node and through the router (eager plane: no batching wait); added p50/p99, and the
+   highest open-loop rate the router sustains with >= 99% of requests within the SLO;
+2. rollout under steady load: downtime, requests held during the switch, failed, unanswered;
+3. live vs simulator: the same plan and arrival trace, attainment measured live and
+   predicted by the simulator on the router's calibrated topology.
+
+    ./run bench-serving [--duration 8] [--slo-ms 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe.cluster import load_cluster
+from poolpipe.plan import Plan
+from poolpipe.warehouse import REPO_ROOT, Warehouse
+
+console = Console(width=None if sys.stdout.isatty() else 150)
+CLUSTERS = REPO_ROOT / "local-clusters.toml"
+
+
+def hand_plan(
+    model: str, parts: list[tuple[int, int, str, int]], batch: int, slo_ms: float
+) -> Plan:
+    """One pipeline of (first block, end block, device, vGPUs) partitions."""
+    cluster = load_cluster(CLUSTERS, "local")
+    return Plan.from_dict(
+        {
+            "strategy": "ppipe",
+            "packing": "per-share",
+            "margin": 0.4,
+            "max_partitions": len(parts),
+            "cluster": cluster.to_dict(),
+            "objective": 1.0,
+            "solver": {
+                "name": "hand",
+                "status": "optimal",
+                "gap": 0.0,
+                "seconds": 0.0,
+                "milp_seconds": 0.0,
+                "num_vars": 0,
+                "num_integer": 0,
+                "num_rows": 0,
+                "candidates": 0,
+                "feasible_configs": 0,
+            },
+            "models": [
+                {
+                    "name": model,
+                    "weight": 1.0,
+                    "slo_us": slo_ms * 1e3,
+                    "est_throughput": 1.0,
+                    "throughput": 1.0,
+                    "pipelines": [
+                        {
+                            "throughput": 1.0,
+                            "batch": batch,
+                            "latency_us": 1.0,
+                            "partitions": [
+                                {
+                                    "blocks": [a, b],
+                                    "gpu": gpu,
+                                    "share": 1,
+                                    "vgpus": n,
+                                    "gpus": float(n),
+                                    "latency_us": 1.0,
+                                    "transfer_us": 0.0,
+                                    "vgpu_throughput": 1.0,
+                                }
+                                for a, b, gpu, n in parts
+                            ],
+                        }
+                    ],
+                }
+            ],
+            "meta": {},
+        }
+    )
+
+
+def closed_loop(client_infer, n: int) -> np.ndarray:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        client_infer()
+        times.append((time.perf_counter() - t) * 1e3)
+    return np.asarray(times[5:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--warehouse", default=None)
+    ap.add_argument("--label", default="bench")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
+    ap.add_argument("--slo-ms", type=float, default=100.0)
+    ap.add_argument("--requests", type=int, default=300, help="closed-loop requests")
+    args = ap.parse_args()
+
+    import tritonclient.grpc as tg
+
+    from flows.onboard import onboard_model
+    from flows.profile import profile_model
+    from poolpipe.scheduler import make_data_plane
+    from poolpipe.sim.engine import SimConfig, Simulator
+    from poolpipe.zoo import make_model
+    from triton_backend.loadgen import drive, poisson_times, summarize
+    from triton_backend.serve import Server
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    rows: list[dict] = []
+
+    def record(bench: str, config: str, metric: str, value: float) -> None:
+        rows.append(
+            {
+                "run_at": now,
+                "run_label": args.label,
+                "bench": bench,
+                "config": config,
+                "metric": metric,
+                "value": float(value),
+                "host": socket.gethostname(),
+            }
+        )
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    name = "bench-resnet"
+    path = make_model("resnet50", tmp / "m.onnx", width=1.0, image=64)
+    with console.status("onboarding the benchmark model (cpu-1t, cpu-2t) ..."):
+        onboard_model(
+            str(path), name, warehouse=args.warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5
+        )
+        profile_model(name, warehouse=args.warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
+
+    # ---------------------------------------------------------------- 1. router overhead
+    plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 1, args.slo_ms)
+    with console.status("router overhead: starting a 1-partition deployment ..."):
+        srv = Server(plan, args.warehouse, tmp / "ws1", stats_interval_s=3600, plane="eager")
+    dep = srv.deployment
+    try:
+        x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
+        in_name = dep.ios[0].inputs[0].name
+        part = dep.layout.placements[0].partition
+        node = next(iter(dep.nodes.values()))
+        direct = tg.InferenceServerClient(node.grpc_url)
+        router = tg.InferenceServerClient(f"127.0.0.1:{dep.grpc_port}")
+        i = tg.InferInput(in_name, list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        d = closed_loop(lambda: direct.infer(part, [i]), args.requests)
+        r = closed_loop(lambda: router.infer(name, [i]), args.requests)
+        d2 = closed_loop(lambda: direct.infer(part, [i]), args.requests)
+        d = np.concatenate([d, d2])
+        sustained = 0.0
+        rate = 10.0
+        while rate <= 400:
+            shots = drive(
+                f"127.0.0.1:{dep.grpc_port}",
+                name,
+                {in_name: x},
+                poisson_times(rate, args.duration / 2, 7),
+            )
+            s = summarize(shots, args.slo_ms / 1e3, args.duration / 2)
+            if s["attainment"] < 0.99:
+                break
+            sustained = rate
+            rate *= 1.5
+    finally:
+        srv.close()
+    t = Table(title="1. router overhead (1 partition on cpu-2t, eager plane)", title_justify="left")
+    for col in ("path", "p50 ms", "p99 ms", "max ms"):
+        t.add_column(col, justify="right")
+    t.add_row(
+        "stage node direct", f"{np.median(d):.2f}", f"{np.percentile(d, 99):.2f}", f"{d.max():.1f}"
+    )
+    t.add_row(
+        "through the router", f"{np.median(r):.2f}", f"{np.percentile(r, 99):.2f}", f"{r.max():.1f}"
+    )
+    added50 = float(np.median(r) - np.median(d))
+    added99 = float(np.percentile(r, 99) - np.percentile(d, 99))
+    t.add_section()
+    verdict = "met" if added50 <= 1.0 else "MISSED"
+    t.add_row("added", f"{added50:.2f} ({verdict}: <= 1)", f"{added99:.2f}", "")
+    console.print(t)
+    console.print(
+        f"highest sustained open-loop rate with >= 99% within the SLO: {sustained:.0f} req/s"
+    )
+    record("router-overhead", "1p-cpu-2t", "added_p50_ms", added50)
+    record("router-overhead", "1p-cpu-2t", "added_p99_ms", added99)
+    record("router-overhead", "1p-cpu-2t", "direct_p50_ms", float(np.median(d)))
+    record("router-overhead", "1p-cpu-2t", "router_p50_ms", float(np.median(r)))
+    record("router-overhead", "1p-cpu-2t", "sustained_req_s", sustained)
+
+    # ------------------------------------------------------- 2 + 3. rollout, live vs sim
+    plan_a = hand_plan(name, [(0, 2, "cpu-2t", 1), (2, 4, "cpu-1t", 1)], 4, args.slo_ms)
+    plan_b = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.slo_ms)
+    with console.status("two-partition deployment (cpu-2t -> cpu-1t) ..."):
+        srv = Server(plan_a, args.warehouse, tmp / "ws2", stats_interval_s=3600)
+    dep = srv.deployment
+    live_rows = []
+    try:
+        x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
+        in_name = dep.ios[0].inputs[0].name
+        url = f"127.0.0.1:{dep.grpc_port}"
+        drive(url, name, {in_name: x}, poisson_times(10, 2, 0))  # warm-up
+        topo = dep.core.topo
+        for k, rate in enumerate((20.0, 40.0, 60.0)):
+            times = poisson_times(rate, args.duration, k + 1)
+            shots = drive(url, name, {in_name: x}, times)
+            s = summarize(shots, args.slo_ms / 1e3, args.duration)
+            dp = make_data_plane("reservation", topo, wake_guard_us=dep.options["wake_guard_us"])
+            sim = Simulator(
+                topo, dp, times * 1e6, np.zeros(len(times), int), SimConfig(args.duration)
+            ).run()
+            live_rows.append((rate, s, sim.attainment))
+            record("live-vs-sim", f"{rate:g}req/s", "live_attainment", s["attainment"])
+            record("live-vs-sim", f"{rate:g}req/s", "sim_attainment", sim.attainment)
+        # rollout A -> B under steady load
+        roll_rate = 30.0
+        times = poisson_times(roll_rate, args.duration, 42)
+        result: dict = {}
+
+        def roll() -> None:
+            time.sleep(args.duration / 3)
+            result["r"] = srv.rollout(plan_b)
+
+        th = threading.Thread(target=roll)
+        th.start()
+        shots = drive(url, name, {in_name: x}, times)
+        th.join()
+        s = summarize(shots, args.slo_ms / 1e3, args.duration)
+        ro = result["r"]
+    finally:
+        srv.close()
+    t = Table(
+        title=f"3. live vs simulator (same plan, same trace; SLO {args.slo_ms:g} ms)",
+        title_justify="left",
+    )
+    for col in ("req/s", "live", "simulator", "points apart", "p50 ms", "p99 ms"):
+        t.add_column(col, justify="right")
+    for rate, s3, sim_att in live_rows:
+        gap = abs(s3["attainment"] - sim_att) * 100
+        t.add_row(
+            f"{rate:g}",
+            f"{s3['attainment']:.3f}",
+            f"{sim_att:.3f}",
+            f"{gap:.1f}{'' if gap <= 2 else ' (> 2)'}",
+            f"{s3['p50_ms']:.1f}",
+            f"{s3['p99_ms']:.1f}",
+        )
+    console.print(t)
+    unanswered = len(times) - len(shots)
+    t = Table(
+        title=f"2. rollout under {rate:g} req/s (2 partitions -> 1 partition)", title_justify="left"
+    )
+    for col in ("status", "prepare s", "downtime ms", "held", "failed", "unanswered", "attainment"):
+        t.add_column(col, justify="right")
+    t.add_row(
+        ro.status,
+        f"{ro.prepare_s:.1f}",
+        f"{ro.downtime_ms:.1f}",
+        str(ro.held),
+        str(ro.failed + s["failed"]),
+        str(unanswered),
+        f"{s['attainment']:.3f}",
+    )
+    console.print(t)
+    ok = ro.downtime_ms <= args.slo_ms + 100 and unanswered == 0 and ro.failed == 0
+    console.print(
+        f"rollout target (downtime <= SLO + 100 ms, nothing lost): {'met' if ok else 'MISSED'}"
+    )
+    for metric, value in (
+        ("downtime_ms", ro.downtime_ms),
+        ("held", ro.held),
+        ("failed", ro.failed + s["failed"]),
+        ("unanswered", unanswered),
+        ("attainment", s["attainment"]),
+        ("prepare_s", ro.prepare_s),
+    ):
+        record("rollout", "2p->1p@30req/s", metric, value)
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+        console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
