@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.common import artifact_key, io_error_only, markdown_table, report
 from poolpipe.cuts import METHODS, CutPolicy
-from poolpipe.engines import EngineInfo, make_engine
+from poolpipe.engines import EngineInfo, build_all, make_engine
 from poolpipe.errors import ModelError
 from poolpipe.profiler import WHOLE, Measurement, latency_of, profile_blocks, sum_vs_whole
 from poolpipe.split import SplitResult, split_model, verify_split
@@ -71,13 +71,7 @@ def build_task(split: SplitResult, engine: str, threads: int, max_batch: int) ->
     """One engine artifact per block, then the whole model's (for the comparison)."""
     eng = make_engine(engine, threads=threads, out_dir=split.folder / "engines")
     files = [b.path for b in split.blocks] + [split.whole_path]
-    built = []
-    for k, f in enumerate(files):
-        report("build", k, len(files))
-        what = f"block {k}" if k < len(split.blocks) else "the whole model"
-        built.append(eng.build(f, split.model, what, max_batch))
-    report("build", len(files), len(files))
-    return built
+    return build_all(eng, files, split.model, max_batch, report)
 
 
 @task(name="verify", cache_policy=NO_CACHE)

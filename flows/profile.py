@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.common import artifact_key, io_error_only, markdown_table, report
 from flows.onboard import DEFAULT_BATCHES
-from poolpipe.engines import EngineInfo, make_engine
+from poolpipe.engines import EngineInfo, build_all, make_engine
 from poolpipe.profiler import Measurement, latency_of, profile_blocks, sum_vs_whole
 from poolpipe.warehouse import Warehouse
 
@@ -28,11 +28,7 @@ def build_task(
     name: str, files: list[Path], engine: str, threads: int, max_batch: int
 ) -> list[Path]:
     eng = make_engine(engine, threads=threads, out_dir=files[0].parent / "engines")
-    built = []
-    for k, f in enumerate(files):
-        report("build", k, len(files))
-        built.append(eng.build(f, name, f.stem, max_batch))
-    return built
+    return build_all(eng, files, name, max_batch, report)
 
 
 @task(name="profile", cache_policy=NO_CACHE)

@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.common import artifact_key, io_error_only, markdown_table
-from poolpipe.plan import Plan
+from poolpipe.plan import STRATEGIES, Plan
 from poolpipe.planner import make_plan
 from poolpipe.planning import plan_request
 from poolpipe.replan import objective_under, observed_weights, worth_rolling_out
@@ -53,9 +53,10 @@ def new_plan(
             clusters_file=clusters_file,
             weights=weights,
             slo_us={m.name: m.slo_us for m in current.models},
-            strategy=current.strategy,
+            # a plan written by hand is re-planned as PPipe would plan it
+            strategy=current.strategy if current.strategy in STRATEGIES else "ppipe",
             packing=current.packing,
-            margin=current.margin,
+            margin=current.margin if current.strategy in STRATEGIES else 0.4,
             max_partitions=current.max_partitions,
         )
     return make_plan(req)

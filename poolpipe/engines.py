@@ -17,6 +17,7 @@ import functools
 import platform
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -316,6 +317,32 @@ class TensorRTRunner:
 
     def outputs(self) -> list[np.ndarray]:
         return [t.cpu().numpy() for t in self._out]
+
+
+def build_all(
+    engine: Engine,
+    files: list[Path],
+    model: str,
+    max_batch: int,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[Path]:
+    """Build every file (block_NN.onnx, whole.onnx) on the engine, in order."""
+    built = []
+    for k, f in enumerate(files):
+        if progress:
+            progress("build", k, len(files))
+        stem = f.stem
+        what = (
+            f"block {int(stem[6:])}"
+            if stem.startswith("block_") and stem[6:].isdigit()
+            else "the whole model"
+            if stem == "whole"
+            else stem
+        )
+        built.append(engine.build(f, model, what, max_batch))
+    if progress:
+        progress("build", len(files), len(files))
+    return built
 
 
 def make_engine(name: str, *, threads: int = 1, out_dir: Path | None = None) -> Engine:

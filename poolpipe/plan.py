@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,3 +331,41 @@ def _json_float(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def manual_plan(
+    model: str,
+    slo_us: float,
+    cluster: Cluster,
+    partitions: Sequence[tuple[int, int, str, int]],
+    batch: int,
+    profile: ModelProfile | None = None,
+) -> Plan:
+    """A plan written by hand: one pipeline of (first block, end block, GPU type, vGPUs)
+    partitions on whole GPUs, for pinning a layout (tests, benchmarks, operators). With the
+    model's profile, latencies and throughputs are filled in from it."""
+
+    def latency(a: int, b: int, gpu: str) -> float | None:
+        if profile is None or (gpu, 1) not in profile.tables:
+            return None
+        return float(profile.tables[(gpu, 1)].latency_us[a:b, batch - 1].sum())
+
+    def part(a: int, b: int, gpu: str, n: int) -> PartitionPlan:
+        lat = latency(a, b, gpu)
+        if lat is None:  # unknown: placeholders of 1
+            return PartitionPlan(a, b, gpu, 1, n, 1.0, 0.0, 1.0)
+        return PartitionPlan(a, b, gpu, 1, n, lat, 0.0, batch * 1e6 / lat)
+
+    parts = tuple(part(*p) for p in partitions)
+    throughput = min(p.throughput for p in parts)
+    pipe = PipelinePlan(batch, sum(p.latency_us for p in parts), throughput, parts)
+    return Plan(
+        strategy="manual",
+        cluster=cluster,
+        packing="per-share",
+        margin=0.0,
+        max_partitions=len(parts),
+        models=(ModelPlan(model, 1.0, slo_us, throughput, (pipe,)),),
+        objective=throughput,
+        solver=SolverInfo("manual", "given", 0.0, 0.0),
+    )

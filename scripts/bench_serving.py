@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from poolpipe.cluster import load_cluster
-from poolpipe.plan import Plan
+from poolpipe.plan import Plan, manual_plan
 from poolpipe.warehouse import REPO_ROOT, Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -41,62 +41,12 @@ CLUSTERS = REPO_ROOT / "local-clusters.toml"
 
 
 def hand_plan(
-    model: str, parts: list[tuple[int, int, str, int]], batch: int, slo_ms: float
+    model: str, parts: list[tuple[int, int, str, int]], batch: int, slo_ms: float, wh
 ) -> Plan:
     """One pipeline of (first block, end block, device, vGPUs) partitions."""
-    cluster = load_cluster(CLUSTERS, "local")
-    return Plan.from_dict(
-        {
-            "strategy": "ppipe",
-            "packing": "per-share",
-            "margin": 0.4,
-            "max_partitions": len(parts),
-            "cluster": cluster.to_dict(),
-            "objective": 1.0,
-            "solver": {
-                "name": "hand",
-                "status": "optimal",
-                "gap": 0.0,
-                "seconds": 0.0,
-                "milp_seconds": 0.0,
-                "num_vars": 0,
-                "num_integer": 0,
-                "num_rows": 0,
-                "candidates": 0,
-                "feasible_configs": 0,
-            },
-            "models": [
-                {
-                    "name": model,
-                    "weight": 1.0,
-                    "slo_us": slo_ms * 1e3,
-                    "est_throughput": 1.0,
-                    "throughput": 1.0,
-                    "pipelines": [
-                        {
-                            "throughput": 1.0,
-                            "batch": batch,
-                            "latency_us": 1.0,
-                            "partitions": [
-                                {
-                                    "blocks": [a, b],
-                                    "gpu": gpu,
-                                    "share": 1,
-                                    "vgpus": n,
-                                    "gpus": float(n),
-                                    "latency_us": 1.0,
-                                    "transfer_us": 0.0,
-                                    "vgpu_throughput": 1.0,
-                                }
-                                for a, b, gpu, n in parts
-                            ],
-                        }
-                    ],
-                }
-            ],
-            "meta": {},
-        }
-    )
+    with Warehouse.open(wh) as w:
+        profile = w.load_profile(model)
+    return manual_plan(model, slo_ms * 1e3, load_cluster(CLUSTERS, "local"), parts, batch, profile)
 
 
 def closed_loop(client_infer, n: int) -> np.ndarray:
@@ -153,7 +103,7 @@ def main() -> int:
         profile_model(name, warehouse=args.warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
 
     # ---------------------------------------------------------------- 1. router overhead
-    plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 1, args.slo_ms)
+    plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 1, args.slo_ms, args.warehouse)
     with console.status("router overhead: starting a 1-partition deployment ..."):
         srv = Server(plan, args.warehouse, tmp / "ws1", stats_interval_s=3600, plane="eager")
     dep = srv.deployment
@@ -211,8 +161,10 @@ def main() -> int:
     record("router-overhead", "1p-cpu-2t", "sustained_req_s", sustained)
 
     # ------------------------------------------------------- 2 + 3. rollout, live vs sim
-    plan_a = hand_plan(name, [(0, 2, "cpu-2t", 1), (2, 4, "cpu-1t", 1)], 4, args.slo_ms)
-    plan_b = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.slo_ms)
+    plan_a = hand_plan(
+        name, [(0, 2, "cpu-2t", 1), (2, 4, "cpu-1t", 1)], 4, args.slo_ms, args.warehouse
+    )
+    plan_b = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.slo_ms, args.warehouse)
     with console.status("two-partition deployment (cpu-2t -> cpu-1t) ..."):
         srv = Server(plan_a, args.warehouse, tmp / "ws2", stats_interval_s=3600)
     dep = srv.deployment

@@ -16,7 +16,7 @@ from poolpipe.deployment import layout
 from poolpipe.errors import PoolpipeError
 from poolpipe.onnxgraph import session
 from poolpipe.partitions import make_partition
-from poolpipe.plan import Plan
+from poolpipe.plan import Plan, manual_plan
 from poolpipe.scheduler import build_topology
 from poolpipe.warehouse import Warehouse
 from poolpipe.zoo import make_model
@@ -34,59 +34,8 @@ def two_partition_plan(cut: int = 2, blocks: int = 4, batch: int = 4) -> Plan:
 def hand_plan(partitions: list[tuple[int, int, int]], batch: int = 4) -> Plan:
     """One pipeline of (first block, end block, vGPUs) partitions on cpu-1t nodes."""
     cluster = load_cluster(REPO / "local-clusters.toml", "local-1t")
-
-    def part(a: int, b: int, n: int) -> dict:
-        return {
-            "blocks": [a, b],
-            "gpu": "cpu-1t",
-            "share": 1,
-            "vgpus": n,
-            "gpus": float(n),
-            "latency_us": 1000.0,
-            "transfer_us": 10.0,
-            "vgpu_throughput": 100.0,
-        }
-
-    return Plan.from_dict(
-        {
-            "strategy": "ppipe",
-            "packing": "per-share",
-            "margin": 0.4,
-            "max_partitions": 2,
-            "cluster": cluster.to_dict(),
-            "objective": 100.0,
-            "solver": {
-                "name": "hand",
-                "status": "optimal",
-                "gap": 0.0,
-                "seconds": 0.0,
-                "milp_seconds": 0.0,
-                "num_vars": 0,
-                "num_integer": 0,
-                "num_rows": 0,
-                "candidates": 0,
-                "feasible_configs": 0,
-            },
-            "models": [
-                {
-                    "name": "tiny",
-                    "weight": 1.0,
-                    "slo_us": SLO_MS * 1e3,
-                    "est_throughput": 100.0,
-                    "throughput": 100.0,
-                    "pipelines": [
-                        {
-                            "throughput": 100.0,
-                            "batch": batch,
-                            "latency_us": 2000.0,
-                            "partitions": [part(*p) for p in partitions],
-                        }
-                    ],
-                }
-            ],
-            "meta": {},
-        }
-    )
+    parts = [(a, b, "cpu-1t", n) for a, b, n in partitions]
+    return manual_plan("tiny", SLO_MS * 1e3, cluster, parts, batch)
 
 
 @pytest.fixture(scope="module")

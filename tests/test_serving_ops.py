@@ -98,9 +98,9 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
     server.flush_stats()
     router = f"127.0.0.1:{server.deployment.grpc_port}"
     kw = dict(cluster="local-1t", clusters_file=str(REPO / "local-clusters.toml"), warehouse=wh)
-    # the hand-made plan claims 100 req/s; a real plan of 2 cpu-1t nodes does far better,
-    # but not a thousand times better
-    keep = nightly_replan(router, margin=1000.0, **kw)
+    # the hand-made plan claims 1 req/s (unknown); a real plan does far better, but not a
+    # billion times better
+    keep = nightly_replan(router, margin=1e9, **kw)
     assert keep["rolled_out"] is False and "not better" in keep["why"]
     assert keep["new_objective"] > keep["serving_objective"] > 0
     gen = server.deployment.generation
