@@ -64,26 +64,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
     _step(f"planning for cluster {args.cluster} (SLO {args.slo_ms:g} ms)")
-    plans = {}
     with Warehouse.open(args.warehouse) as wh:
-        for strategy in ("ppipe", "np"):
-            req = plan_request(
-                wh,
-                [name],
-                args.cluster,
-                clusters_file=CLUSTERS,
-                slo_us={name: args.slo_ms * 1e3},
-                strategy=strategy,
-                max_partitions=2,
-            )
-            plan = make_plan(req)
-            plans[strategy] = (plan, wh.store_plan(plan, label=f"demo:{strategy}"))
+        req = plan_request(
+            wh,
+            [name],
+            args.cluster,
+            clusters_file=CLUSTERS,
+            slo_us={name: args.slo_ms * 1e3},
+            max_partitions=2,
+        )
+        plan = make_plan(req)
+        first = (plan, wh.store_plan(plan, label="demo:ppipe"))
+        # the second plan pipelines the model over both workers: blocks [0, k) on cpu-2t,
+        # [k, B) on cpu-1t, k balancing the two stages (the rollout switches to it)
+        profile = req.models[0]
+        piped = pipelined_plan(profile, args.slo_ms * 1e3, req.cluster)
+        second = (piped, wh.store_plan(piped, label="demo:pipelined"))
     from poolpipe.cli import print_plan
 
-    for plan, _ in plans.values():
-        print_plan(plan)
+    print_plan(first[0])
+    print_plan(second[0])
 
-    first, second = plans["ppipe"], plans["np"]
     _step("starting stage-worker nodes (tritonserver) and the router (PyTriton)")
     server = Server(
         first[0],
@@ -97,7 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     try:
         rows, timeline = _drive_loads(server, name, args)
-        _step(f"rolling plan {second[1]} (np) out under load")
+        _step(f"rolling plan {second[1]} (two-stage pipeline) out under load")
         roll = _rollout_under_load(server, second[0], second[1], name, args)
         server.flush_stats()
     finally:
@@ -132,11 +133,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
             str(row["failed"]),
         )
     console.print(table)
+    att = roll["attainment"]
     console.print(
-        f"rollout to np under load: {roll['status']}, downtime {roll['downtime_ms']:.0f} ms, "
-        f"{roll['held']} requests held during the switch, {roll['failed']} failed; "
-        f"{roll['sent']} requests sent during the rollout run, {roll['unanswered']} unanswered, "
-        f"attainment {roll['attainment']:.3f}"
+        f"rollout to the pipelined plan under {roll['rate']:.0f} req/s: {roll['status']} "
+        f"{roll['reason']}\n  prepared in {roll['prepare_s']:.1f} s while the old plan served, "
+        f"downtime {roll['downtime_ms']:.1f} ms, {roll['held']} requests held during the "
+        f"switch, {roll['failed']} failed, {roll['unanswered']} of {roll['sent']} unanswered\n"
+        f"  attainment before {att['before']:.3f}, while preparing {att['preparing']:.3f}, "
+        f"after the switch {att['after']:.3f}"
     )
     _plots(out, rows, timeline, args.slo_ms)
     console.print(
@@ -183,35 +187,63 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
 
 
 def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Namespace):
+    """Steady load; the rollout starts at 1/4 of the run. Attainment before it, while the
+    new models load and are calibrated (the old plan serving), and after the switch."""
     from triton_backend.loadgen import drive, poisson_times, summarize
 
     dep = server.deployment
     rate = 0.5 * min(sum(m.throughput for m in dep.core.topo.models), args.max_rate)
-    duration = max(args.duration, 6.0)
+    duration = 3 * args.duration
     times = poisson_times(rate, duration, seed=99)
     x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
     inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
     result: dict = {}
+    start = duration / 4
 
     def roll() -> None:
-        time.sleep(duration / 3)
+        time.sleep(start)
         result["r"] = server.rollout(plan, plan_id)
 
     t = threading.Thread(target=roll)
     t.start()
     shots = drive(f"127.0.0.1:{dep.grpc_port}", name, inputs, times)
     t.join()
-    s = summarize(shots, args.slo_ms / 1e3, duration)
     r = result["r"]
+    s = summarize(shots, args.slo_ms / 1e3, duration)
+    switch = start + r.prepare_s
+    phases = {
+        "before": [x for x in shots if x.sent_s < start],
+        "preparing": [x for x in shots if start <= x.sent_s < switch],
+        "after": [x for x in shots if x.sent_s >= switch],
+    }
     return {
         "status": r.status,
+        "reason": r.reason,
+        "rate": rate,
+        "prepare_s": r.prepare_s,
         "downtime_ms": r.downtime_ms,
         "held": r.held,
         "failed": r.failed + s["failed"],
-        "sent": s["sent"],
-        "unanswered": s["sent"] - len(shots),
-        "attainment": s["attainment"],
+        "sent": len(times),
+        "unanswered": len(times) - len(shots),
+        "attainment": {
+            k: summarize(v, args.slo_ms / 1e3, 1.0)["attainment"] if v else float("nan")
+            for k, v in phases.items()
+        },
     }
+
+
+def pipelined_plan(profile, slo_us: float, cluster, batch: int = 4):
+    """Blocks [0, k) on cpu-2t and [k, B) on cpu-1t, k making the stages most even."""
+    from poolpipe.plan import manual_plan
+
+    fast = profile.tables[("cpu-2t", 1)].latency_us[:, batch - 1]
+    slow = profile.tables[("cpu-1t", 1)].latency_us[:, batch - 1]
+    n = profile.num_blocks
+    k = min(range(1, n), key=lambda c: max(fast[:c].sum(), slow[c:].sum()))
+    return manual_plan(
+        profile.name, slo_us, cluster, [(0, k, "cpu-2t", 1), (k, n, "cpu-1t", 1)], batch, profile
+    )
 
 
 class _Sampler:
