@@ -222,7 +222,8 @@ def main() -> int:
     console.print(t)
     unanswered = len(times) - len(shots)
     t = Table(
-        title=f"2. rollout under {rate:g} req/s (2 partitions -> 1 partition)", title_justify="left"
+        title=f"2. rollout under {roll_rate:g} req/s (2 partitions -> 1 partition)",
+        title_justify="left",
     )
     for col in ("status", "prepare s", "downtime ms", "held", "failed", "unanswered", "attainment"):
         t.add_column(col, justify="right")
