@@ -167,7 +167,10 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
     for k, load in enumerate(args.loads):
         rate = load * min(planned, args.max_rate)
         times = poisson_times(rate, args.duration, seed=k + 1)
-        _step(f"load {load:.2f}: {rate:.0f} req/s for {args.duration:g} s")
+        _step(
+            f"load {load:.2f} of {min(planned, args.max_rate):.0f} req/s (the plan's "
+            f"{planned:.0f}, capped by --max-rate): {rate:.0f} req/s for {args.duration:g} s"
+        )
         sampler = _Sampler(dep.core)
         sampler.start()
         shots = drive(url, name, inputs, times)
@@ -284,10 +287,10 @@ def _plots(out: Path, rows: list[dict], timeline, slo_ms: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    loads = [r["load"] for r in rows]
-    ax.plot(loads, [r["attainment"] for r in rows], "o-", label="live")
-    ax.plot(loads, [r["sim_attainment"] for r in rows], "s--", label="simulator")
-    ax.set_xlabel("load (fraction of the plan's throughput)")
+    rates = [r["rate"] for r in rows]
+    ax.plot(rates, [r["attainment"] for r in rows], "o-", label="live (client)")
+    ax.plot(rates, [r["sim_attainment"] for r in rows], "s--", label="simulator")
+    ax.set_xlabel("offered load (req/s, Poisson)")
     ax.set_ylabel(f"SLO attainment ({slo_ms:g} ms)")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
