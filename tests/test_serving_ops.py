@@ -108,3 +108,71 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
     assert done["rolled_out"] is True and server.deployment.generation == gen + 1
     assert server.plan_id == done["plan_id"]
     _send(server, 2)
+
+
+def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path):  # noqa: F811
+    """`poolpipe serve PLAN.json` in its own process, a request to it, `poolpipe rollout`
+    from this one, and a clean stop on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from poolpipe.cli import main as cli_main
+
+    wh, _ = onboarded_tiny
+    plan_file = tmp_path / "plan.json"
+    two_partition_plan().save(plan_file)
+    env = {**os.environ, "COLUMNS": "300"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "poolpipe.cli",
+            "--warehouse",
+            wh,
+            "serve",
+            str(plan_file),
+            "--workspace",
+            str(tmp_path / "ws"),
+            "--router-instances",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        port, seen = None, []
+        deadline = time.monotonic() + 180
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(r"gRPC 127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port, "".join(seen[-20:])
+        import tritonclient.grpc as tg
+
+        client = tg.InferenceServerClient(f"127.0.0.1:{port}")
+        x = np.zeros((1, 3, 32, 32), np.float32)
+        i = tg.InferInput("input", list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        assert client.infer("tiny", [i]).as_numpy(
+            client.get_model_metadata("tiny").outputs[0].name
+        ).shape == (1, 1000)
+        b = tmp_path / "b.json"
+        two_partition_plan(cut=1).save(b)
+        assert (
+            cli_main(["--warehouse", wh, "rollout", str(b), "--router", f"127.0.0.1:{port}"]) == 0
+        )
+        assert client.infer("tiny", [i]).as_numpy(
+            client.get_model_metadata("tiny").outputs[0].name
+        ).shape == (1, 1000)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    assert rc == 0
