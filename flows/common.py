@@ -9,6 +9,8 @@ from typing import Any
 
 import duckdb
 
+DEFAULT_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8)  # profiled batch sizes
+
 _reporter: Callable[[str, int, int], None] | None = None
 
 

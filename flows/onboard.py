@@ -18,16 +18,16 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.common import artifact_key, io_error_only, markdown_table, report
+from flows.common import DEFAULT_BATCHES, artifact_key, io_error_only, markdown_table, report
+from flows.profile import build_task, profile_task
 from poolpipe.cuts import METHODS, CutPolicy
-from poolpipe.engines import EngineInfo, build_all, make_engine
+from poolpipe.engines import EngineInfo
 from poolpipe.errors import ModelError
-from poolpipe.profiler import WHOLE, Measurement, latency_of, profile_blocks, sum_vs_whole
+from poolpipe.profiler import Measurement, latency_of, sum_vs_whole
 from poolpipe.split import SplitResult, split_model, verify_split
 from poolpipe.warehouse import Warehouse
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-DEFAULT_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 @dataclass
@@ -66,45 +66,12 @@ def split_task(
     )
 
 
-@task(name="build", cache_policy=NO_CACHE)
-def build_task(split: SplitResult, engine: str, threads: int, max_batch: int) -> list[Path]:
-    """One engine artifact per block, then the whole model's (for the comparison)."""
-    eng = make_engine(engine, threads=threads, out_dir=split.folder / "engines")
-    files = [b.path for b in split.blocks] + [split.whole_path]
-    return build_all(eng, files, split.model, max_batch, report)
-
-
 @task(name="verify", cache_policy=NO_CACHE)
 def verify_task(split: SplitResult) -> tuple[float, float]:
     report("verify", 0, 1)
     errors = verify_split(split)
     report("verify", 1, 1)
     return errors
-
-
-@task(name="profile", cache_policy=NO_CACHE)
-def profile_task(
-    split: SplitResult,
-    built: list[Path],
-    engine: str,
-    threads: int,
-    batches: list[int],
-    warmup: int,
-    reps: int,
-) -> tuple[EngineInfo, list[Measurement]]:
-    eng = make_engine(engine, threads=threads, out_dir=split.folder / "engines")
-    ms = profile_blocks(
-        eng,
-        split.model,
-        built[:-1],
-        [b.path for b in split.blocks],
-        (built[-1], split.whole_path),
-        batches,
-        warmup=warmup,
-        reps=reps,
-        progress=report,
-    )
-    return eng.info, ms
 
 
 @task(
@@ -227,13 +194,16 @@ def onboard_model(
         split = split_task(model_path, name, staging, blocks, method, max_cut_tensors, threads)
         seconds["split"] = time.perf_counter() - t0
         t = time.perf_counter()
-        built = build_task(split, engine, threads, max(batches))
+        files = [b.path for b in split.blocks] + [split.whole_path]
+        built = build_task(name, files, engine, threads, max(batches))
         seconds["build"] = time.perf_counter() - t
         t = time.perf_counter()
         errors = verify_task(split)
         seconds["verify"] = time.perf_counter() - t
         t = time.perf_counter()
-        info, measurements = profile_task(split, built, engine, threads, batches, warmup, reps)
+        info, measurements = profile_task(
+            name, files, built, engine, threads, batches, warmup, reps, with_whole=True
+        )
         seconds["profile"] = time.perf_counter() - t
         t = time.perf_counter()
         settings = {"warmup": warmup, "reps": reps, "batches": batches}
@@ -257,11 +227,3 @@ def onboard_model(
         ),
     )
     return result
-
-
-def whole_vs_blocks(result: OnboardResult) -> list[tuple[int, float, float]]:
-    """(batch, whole µs, sum of blocks µs) per batch size."""
-    return [(b, w, s) for b, (s, w) in sum_vs_whole(result.measurements).items()]
-
-
-__all__ = ["WHOLE", "OnboardResult", "onboard_model"]

@@ -10,8 +10,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.common import artifact_key, io_error_only, markdown_table, report
-from flows.onboard import DEFAULT_BATCHES
+from flows.common import DEFAULT_BATCHES, artifact_key, io_error_only, markdown_table, report
 from poolpipe.engines import EngineInfo, build_all, make_engine
 from poolpipe.profiler import Measurement, latency_of, profile_blocks, sum_vs_whole
 from poolpipe.warehouse import Warehouse
@@ -24,7 +23,7 @@ def load_blocks(warehouse: str | None, name: str) -> tuple[list[Path], Path | No
 
 
 @task(name="build", cache_policy=NO_CACHE)
-def build_task(
+def build_task(  # one engine artifact per file (blocks, then the whole model when given)
     name: str, files: list[Path], engine: str, threads: int, max_batch: int
 ) -> list[Path]:
     eng = make_engine(engine, threads=threads, out_dir=files[0].parent / "engines")
@@ -43,6 +42,7 @@ def profile_task(
     reps: int,
     with_whole: bool,
 ) -> tuple[EngineInfo, list[Measurement]]:
+    """Time the blocks (and, `with_whole`, the last file: the whole model beside them)."""
     eng = make_engine(engine, threads=threads, out_dir=files[0].parent / "engines")
     n = len(files) - 1 if with_whole else len(files)
     ms = profile_blocks(
