@@ -42,9 +42,6 @@ class Layout:
     vgpu_node: dict[int, str]  # vGPU id -> node name
     pool_partition: dict[int, str]  # pool id -> partition model name
 
-    def node(self, name: str) -> NodeSpec:
-        return next(n for n in self.nodes if n.name == name)
-
 
 def node_name(gpu: str, physical: int) -> str:
     return f"{gpu}-{physical}"

@@ -28,7 +28,7 @@ from poolpipe.warehouse import Warehouse
 from triton_backend.env import fix_this_process, free_ports, triton_home
 from triton_backend.nodes import TritonNode, stop_nodes
 from triton_backend.repository import render_partition
-from triton_backend.router import ModelIO, RouterCore
+from triton_backend.router import ModelIO, RouterCore, ServedPlan
 
 _CPU = re.compile(r"^cpu-(\d+)t$")
 
@@ -115,6 +115,19 @@ def _place(
         list(pool.map(bring_up, todo))
 
 
+def _served(
+    live: Topology, lay: Layout, nodes: dict[str, TritonNode], ios: list[ModelIO], options: dict
+) -> ServedPlan:
+    """What the router needs to serve a calibrated topology on these nodes."""
+    return ServedPlan.of(
+        live,
+        make_data_plane(options["plane"], live, wake_guard_us=options["wake_guard_us"]),
+        lay.pool_partition,
+        {v: nodes[n].grpc_url for v, n in lay.vgpu_node.items()},
+        ios,
+    )
+
+
 def model_io(topo: Topology, lay: Layout, parts: dict[str, PartitionFile]) -> list[ModelIO]:
     ios = []
     for m in topo.models:
@@ -139,7 +152,7 @@ def calibrate(
     a rollout measures only partitions the serving plan does not already run."""
     import tritonclient.grpc as grpcclient
 
-    from triton_backend.router import _triton_type
+    from triton_backend.repository import kserve_dtype
 
     measured = known if known is not None else {}
     out: dict[int, tuple[float, ...]] = {}
@@ -156,7 +169,7 @@ def calibrate(
                 inputs = []
                 for t in part.inputs:
                     x = rng.standard_normal((b, *t.dims)).astype(t.dtype)
-                    i = grpcclient.InferInput(t.name, list(x.shape), _triton_type(x.dtype))
+                    i = grpcclient.InferInput(t.name, list(x.shape), kserve_dtype(x.dtype))
                     i.set_data_from_numpy(x)
                     inputs.append(i)
                 times = []
@@ -230,12 +243,7 @@ class Deployment:
             known: dict[tuple, float] = {}
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
             core = RouterCore(
-                live,
-                make_data_plane(plane, live, wake_guard_us=wake_guard_us),
-                lay.pool_partition,
-                {v: nodes[n].grpc_url for v, n in lay.vgpu_node.items()},
-                ios,
-                reply_margin_us=reply_margin_us,
+                _served(live, lay, nodes, ios, options), reply_margin_us=reply_margin_us
             ).start()
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration = known
@@ -293,13 +301,7 @@ class Deployment:
         prepare_s = time.perf_counter() - t0
         slo_s = max(m.slo_us for m in topo.models) / 1e6
         res = self.core.switch(
-            live,
-            make_data_plane(
-                self.options["plane"], live, wake_guard_us=self.options["wake_guard_us"]
-            ),
-            lay.pool_partition,
-            {v: self.nodes[n].grpc_url for v, n in lay.vgpu_node.items()},
-            ios,
+            _served(live, lay, self.nodes, ios, self.options),
             flush_timeout_s if flush_timeout_s is not None else 2 * slo_s + 1.0,
         )
         old = self.layout

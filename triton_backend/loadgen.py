@@ -4,7 +4,6 @@ asyncio gRPC client, each answer timed and classified (ok, dropped, failed, erro
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,12 +30,12 @@ async def _drive(
     import tritonclient.grpc as tg
     import tritonclient.grpc.aio as tga
 
-    from triton_backend.router import _triton_type
+    from triton_backend.repository import kserve_dtype
 
     client = tga.InferenceServerClient(url)
     prepared = []
     for name, x in inputs.items():
-        i = tg.InferInput(name, list(x.shape), _triton_type(x.dtype))
+        i = tg.InferInput(name, list(x.shape), kserve_dtype(x.dtype))
         i.set_data_from_numpy(x)
         prepared.append(i)
     loop = asyncio.get_running_loop()
@@ -91,7 +90,3 @@ def summarize(shots: list[Shot], slo_s: float, duration_s: float) -> dict[str, f
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
         "goodput": on_time / duration_s if duration_s > 0 else 0.0,
     }
-
-
-def wall() -> float:
-    return time.perf_counter()

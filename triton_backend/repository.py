@@ -23,23 +23,20 @@ from poolpipe.partitions import PartitionFile
 TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
 BACKENDS = ("python", "onnxruntime", "tensorrt")
 
-_TRITON_DTYPES = {
-    np.dtype(np.float32): "TYPE_FP32",
-    np.dtype(np.float16): "TYPE_FP16",
-    np.dtype(np.float64): "TYPE_FP64",
-    np.dtype(np.int64): "TYPE_INT64",
-    np.dtype(np.int32): "TYPE_INT32",
-    np.dtype(np.int8): "TYPE_INT8",
-    np.dtype(np.uint8): "TYPE_UINT8",
-    np.dtype(np.bool_): "TYPE_BOOL",
-}
+
+def kserve_dtype(dtype: np.dtype) -> str:
+    """KServe v2 data type name of a numpy dtype ("FP16", ...), as requests carry it."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    name = np_to_triton_dtype(np.dtype(dtype))
+    if name is None:
+        raise PoolpipeError(f"no Triton data type for {dtype}")
+    return name
 
 
 def triton_dtype(dtype: np.dtype) -> str:
-    try:
-        return _TRITON_DTYPES[np.dtype(dtype)]
-    except KeyError:
-        raise PoolpipeError(f"no Triton data type for {dtype}") from None
+    """Model-config data type of a numpy dtype ("TYPE_FP16", ...)."""
+    return "TYPE_" + kserve_dtype(dtype)
 
 
 @dataclass(frozen=True)

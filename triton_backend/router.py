@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +27,7 @@ from poolpipe.errors import PoolpipeError
 from poolpipe.partitions import TensorSpec
 from poolpipe.scheduler import DataPlane, Decisions, Dispatch, Request, StageReport
 from poolpipe.scheduler.topology import Topology
+from triton_backend.repository import kserve_dtype
 
 DROP_MARKER = "POOLPIPE_DROPPED"
 FAIL_MARKER = "POOLPIPE_STAGE_FAILED"
@@ -71,25 +72,42 @@ class ModelStats:
     batch_sizes: Counter[int] = field(default_factory=Counter)
 
 
+@dataclass(frozen=True)
+class ServedPlan:
+    """Everything the router serves one plan with; a rollout swaps it whole, and a dispatch
+    runs to its end on the one it was made with."""
+
+    topo: Topology
+    plane: DataPlane
+    pool_partition: Mapping[int, str]  # pool id -> partition model name
+    vgpu_url: Mapping[int, str]  # vGPU id -> its node's gRPC address
+    io: Mapping[str, ModelIO]  # served model name -> its tensors
+
+    @classmethod
+    def of(
+        cls,
+        topo: Topology,
+        plane: DataPlane,
+        pool_partition: Mapping[int, str],
+        vgpu_url: Mapping[int, str],
+        io: Sequence[ModelIO],
+    ) -> ServedPlan:
+        by_name = {m.name: m for m in io}
+        for m in topo.models:
+            if m.name not in by_name:
+                raise PoolpipeError(f"router: no tensor description for plan model {m.name}")
+        return cls(topo, plane, pool_partition, vgpu_url, by_name)
+
+
 class RouterCore:
     def __init__(
         self,
-        topo: Topology,
-        plane: DataPlane,
-        pool_partition: dict[int, str],
-        vgpu_url: dict[int, str],
-        io: Sequence[ModelIO],
+        served: ServedPlan,
         stage_timeout_s: float = 30.0,
         reply_margin_us: float = 0.0,
     ):
-        self.topo = topo
-        self.dp = plane
-        self.pool_partition = pool_partition
-        self.vgpu_url = vgpu_url
-        self.io = {m.name: m for m in io}
-        for m in topo.models:
-            if m.name not in self.io:
-                raise PoolpipeError(f"router: no tensor description for plan model {m.name}")
+        self.served = served
+        topo = served.topo
         self.stage_timeout_s = stage_timeout_s
         # The answer still has to travel back through Triton to the client after the last
         # stage: the scheduler plans every request to be done this much before its SLO.
@@ -133,6 +151,27 @@ class RouterCore:
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+
+    # the serving plan's parts, as the rest of the router reads them
+    @property
+    def topo(self) -> Topology:
+        return self.served.topo
+
+    @property
+    def dp(self) -> DataPlane:
+        return self.served.plane
+
+    @property
+    def io(self) -> Mapping[str, ModelIO]:
+        return self.served.io
+
+    @property
+    def pool_partition(self) -> Mapping[int, str]:
+        return self.served.pool_partition
+
+    @property
+    def vgpu_url(self) -> Mapping[int, str]:
+        return self.served.vgpu_url
 
     def now_us(self) -> float:
         return (time.monotonic_ns() - self._t0) / 1e3
@@ -240,34 +279,16 @@ class RouterCore:
 
     # ------------------------------------------------------------------ plan switch
 
-    def switch(
-        self,
-        topo: Topology,
-        plane: DataPlane,
-        pool_partition: dict[int, str],
-        vgpu_url: dict[int, str],
-        io: Sequence[ModelIO],
-        flush_timeout_s: float,
-    ) -> dict[str, float]:
+    def switch(self, served: ServedPlan, flush_timeout_s: float) -> dict[str, float]:
         """Pipeline-flush migration to a new plan (thread-safe; blocks until done): pause
         intake (new requests wait, none is dropped), let every queued and in-flight request
         of the old plan finish, switch, then resume with the held requests. Returns the
         downtime (µs), the requests held, and those the flush could not finish in time
         (failed explicitly)."""
-        fut = asyncio.run_coroutine_threadsafe(
-            self._switch(topo, plane, pool_partition, vgpu_url, io, flush_timeout_s), self._loop
-        )
+        fut = asyncio.run_coroutine_threadsafe(self._switch(served, flush_timeout_s), self._loop)
         return fut.result()
 
-    async def _switch(
-        self,
-        topo: Topology,
-        plane: DataPlane,
-        pool_partition: dict[int, str],
-        vgpu_url: dict[int, str],
-        io: Sequence[ModelIO],
-        flush_timeout_s: float,
-    ) -> dict[str, float]:
+    async def _switch(self, served: ServedPlan, flush_timeout_s: float) -> dict[str, float]:
         t0 = self.now_us()
         self._paused = True
         drain = getattr(self.dp, "drain", None)
@@ -282,17 +303,15 @@ class RouterCore:
         if self._wake is not None:
             self._wake.cancel()
         self._wake, self._wake_at = None, math.inf
-        self.topo, self.dp = topo, plane
-        self.pool_partition, self.vgpu_url = pool_partition, vgpu_url
-        self.io = {m.name: m for m in io}
-        for m in topo.models:
+        self.served = served
+        for m in served.topo.models:
             self.stats.setdefault(m.name, ModelStats())
-        self.pool_busy_us = [0.0] * len(topo.pools)
+        self.pool_busy_us = [0.0] * len(served.topo.pools)
         self._busy_marks = {}
         now = self.now_us()
-        for v, u in vgpu_url.items():
+        for v, u in served.vgpu_url.items():
             if u in self._down:  # still failed: out of the new plan's tables too
-                plane.set_vgpu_down(v, True, now)
+                served.plane.set_vgpu_down(v, True, now)
         held, self._pending = self._pending, []
         self._paused = False
         for model, arrays, futures, slo, arrived in held:
@@ -346,10 +365,15 @@ class RouterCore:
         if not reqs:
             return
         # this dispatch runs to its end on the plan it was made with, even across a rollout
-        topo, dp, io_of = self.topo, self.dp, self.io
-        pool_partition, vgpu_url, busy = self.pool_partition, self.vgpu_url, self.pool_busy_us
+        served, busy = self.served, self.pool_busy_us
+        topo, dp, pool_partition, vgpu_url = (
+            served.topo,
+            served.plane,
+            served.pool_partition,
+            served.vgpu_url,
+        )
         name = topo.models[d.model].name
-        io = io_of[name]
+        io = served.io[name]
         self.stats[name].batch_sizes[len(reqs)] += 1
         for h, hop in enumerate(d.hops):
             pool = topo.pools[hop.pool]
@@ -360,7 +384,7 @@ class RouterCore:
             for k in range(len(reqs[0].tensors)):
                 x = np.concatenate([r.tensors[k] for r in reqs])
                 in_name = io.inputs[k].name if first else f"in_{k}"
-                t = grpcclient.InferInput(in_name, list(x.shape), _triton_type(x.dtype))
+                t = grpcclient.InferInput(in_name, list(x.shape), kserve_dtype(x.dtype))
                 t.set_data_from_numpy(x)
                 inputs.append(t)
             start = self.now_us()
@@ -481,19 +505,3 @@ def _outputs(result, names: list[str] | None) -> list[np.ndarray]:
             (o.name for o in result.get_response().outputs), key=lambda s: int(s.split("_")[1])
         )
     return [result.as_numpy(n) for n in names]
-
-
-_DT = {
-    np.dtype(np.float32): "FP32",
-    np.dtype(np.float16): "FP16",
-    np.dtype(np.float64): "FP64",
-    np.dtype(np.int64): "INT64",
-    np.dtype(np.int32): "INT32",
-    np.dtype(np.uint8): "UINT8",
-    np.dtype(np.int8): "INT8",
-    np.dtype(np.bool_): "BOOL",
-}
-
-
-def _triton_type(dtype: np.dtype) -> str:
-    return _DT[np.dtype(dtype)]
