@@ -1,10 +1,14 @@
 """Measure blocks (and the whole model beside them) on an engine, per batch size.
 
-For each batch size every block and the whole model are bound once; then each in turn is
-warmed up and run `reps` times back to back, each run timed alone, as a stage worker runs
-one partition over and over. (Running the blocks in alternation instead made multi-threaded
-ONNX Runtime sessions up to 3x slower: each session's idle threads keep spinning for a while
-after a run and take the cores from the next session.) Median and p99 per (block, batch).
+For each batch size every block and the whole model are bound once and warmed up. Then the
+`reps` timed runs are taken in rounds: in each round every unit in turn runs once untimed
+(its weights back in cache, as for a stage worker that runs one partition over and over)
+and then `ROUND_REPS` times back to back, each run timed alone. Spreading every unit's runs
+over the whole measurement makes a slow spell of a shared machine (seconds long on this VM)
+hit the blocks and the whole model alike, so their sums compare; timing each unit's runs in
+one go let such a spell move one unit by 10%. (Sessions do not spin their idle threads, see
+engines.OrtEngine; with spinning, alternating sessions made each other up to 3x slower.)
+Median and p99 per (block, batch).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from poolpipe.onnxgraph import random_inputs, tensor_infos
 from poolpipe.split import Progress
 
 WHOLE = -1  # block index of the whole model in measurements
+ROUND_REPS = 3  # timed runs of a unit per round
 
 
 @dataclass(frozen=True)
@@ -93,27 +98,37 @@ def profile_blocks(
                     f"{name}: profile: {_what(k)} rejects batch {batch} ({exc})"
                 ) from None
         for k, r in runners.items():
-            for rep in range(warmup + reps):
-                t0 = time.perf_counter_ns()
-                try:
-                    r.execute()
-                except Exception as exc:
-                    raise ModelError(
-                        f"{name}: profile: {_what(k)} failed at batch {batch} "
-                        f"({str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r})"
-                    ) from None
-                dt = (time.perf_counter_ns() - t0) / 1e3
-                if rep >= warmup:
-                    times[k].append(dt)
-            step += 1
-            if progress:
-                progress(f"profile: batch {batch}", step, total)
+            for _ in range(warmup):
+                _run(r, name, k, batch)
+        rounds = -(-reps // ROUND_REPS)
+        for rnd in range(rounds):
+            for k, r in runners.items():
+                _run(r, name, k, batch)  # untimed: back in cache after the other units
+                for _ in range(min(ROUND_REPS, reps - rnd * ROUND_REPS)):
+                    times[k].append(_run(r, name, k, batch))
+                if rnd == rounds - 1:
+                    step += 1
+                    if progress:
+                        progress(f"profile: batch {batch}", step, total)
         for k, ts in times.items():
             arr = np.asarray(ts)
             out.append(
                 Measurement(k, batch, float(np.median(arr)), float(np.percentile(arr, 99)), len(ts))
             )
     return out
+
+
+def _run(r: Runner, name: str, k: int, batch: int) -> float:
+    """One timed run (µs); an engine failure becomes a ModelError naming the unit."""
+    t0 = time.perf_counter_ns()
+    try:
+        r.execute()
+    except Exception as exc:
+        raise ModelError(
+            f"{name}: profile: {_what(k)} failed at batch {batch} "
+            f"({str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r})"
+        ) from None
+    return (time.perf_counter_ns() - t0) / 1e3
 
 
 def _what(k: int) -> str:

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 from google.protobuf import text_format
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from tritonclient.grpc import model_config_pb2
 
 from poolpipe.errors import PoolpipeError
+from poolpipe.layout import anchor_inputs
 from poolpipe.partitions import PartitionFile
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
@@ -124,7 +126,12 @@ def render_partition(
             "tensorrt_plan partitions need engines built on the GPU node (poolpipe.engines."
             "TensorRTEngine); render them there"
         )
-    shutil.copyfile(part.path, target)
+    # CPU stage workers run ONNX Runtime with layout anchors, as the profiler does
+    model, added = anchor_inputs(onnx.load(str(part.path))) if backend == "python" else (None, 0)
+    if model is not None and added:
+        onnx.save(model, str(target))
+    else:
+        shutil.copyfile(part.path, target)
     if backend == "python":
         shutil.copyfile(TEMPLATES / "python_onnx_model.py", version / "model.py")
     return folder
