@@ -95,6 +95,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         stats_interval_s=3600,
         metrics_port=0,
         router_instances=args.router_instances,
+        reply_margin_us=args.reply_margin_ms * 1e3,
     )
     try:
         rows, timeline = _drive_loads(server, name, args)
@@ -151,8 +152,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _drive_loads(server, name: str, args: argparse.Namespace):
-    from poolpipe.scheduler import make_data_plane
-    from poolpipe.sim.engine import SimConfig, Simulator
     from triton_backend.loadgen import drive, poisson_times, summarize
 
     dep = server.deployment
@@ -162,8 +161,11 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
     inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
     url = f"127.0.0.1:{dep.grpc_port}"
     rows, timeline = [], []
-    # warm-up, not counted: the router's instances, the nodes' sessions, the channels
-    drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.3, 2.0, seed=0))
+    # warm-up, not counted: the router's instances, the nodes' sessions, the channels; and
+    # the first stage times the simulator draws from (measured / reserved, per pool)
+    dep.core.take_stage_factors()
+    drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.5, 3.0, seed=0))
+    factors = [list(f) for f in dep.core.take_stage_factors()]
     for k, load in enumerate(args.loads):
         rate = load * min(planned, args.max_rate)
         times = poisson_times(rate, args.duration, seed=k + 1)
@@ -176,15 +178,11 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
         shots = drive(url, name, inputs, times)
         timeline.append((load, sampler.stop()))
         s = summarize(shots, args.slo_ms / 1e3, args.duration)
-        # the simulator on the same (calibrated) topology, the same trace, the same plane
-        dp = make_data_plane("reservation", topo, wake_guard_us=dep.options["wake_guard_us"])
-        sim = Simulator(
-            topo,
-            dp,
-            np.asarray(times) * 1e6,
-            np.zeros(len(times), dtype=int),
-            SimConfig(duration_s=args.duration),
-        ).run()
+        # the simulator on the same (calibrated) topology, the same trace, the same plane,
+        # with the stage times measured so far (before this run: a prediction)
+        sim = dep.simulate(times, args.duration, factors)
+        for pool, f in enumerate(dep.core.take_stage_factors()):
+            factors[pool].extend(f)
         rows.append({"load": load, "rate": rate, **s, "sim_attainment": sim.attainment})
     return rows, timeline
 
@@ -326,6 +324,8 @@ def _loads(text: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from triton_backend.router import REPLY_MARGIN_US
+
     p.add_argument("--out", default="out/demo", help="plots and working files (out/demo)")
     p.add_argument("--cluster", default="demo", help="cluster in local-clusters.toml (demo)")
     p.add_argument("--slo-ms", type=float, default=100.0, help="SLO (100 ms)")
@@ -337,3 +337,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-rate", type=float, default=100.0, help="load 1.0 is at most this req/s (100)"
     )
     p.add_argument("--router-instances", type=int, default=48, help="concurrent requests (48)")
+    p.add_argument(
+        "--reply-margin-ms",
+        type=float,
+        default=REPLY_MARGIN_US / 1e3,
+        help="held back from each deadline for the way in and out through PyTriton "
+        f"({REPLY_MARGIN_US / 1e3:g})",
+    )

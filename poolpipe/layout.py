@@ -108,4 +108,3 @@ def anchor_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     del og.node[:]
     og.node.extend(nodes)
     return out, len(chosen)
-

@@ -8,9 +8,10 @@ warehouse (bench_serving):
 2. rollout under steady load: downtime, requests held during the switch, failed, unanswered;
 3. live vs simulator: the same plan and arrival trace, attainment measured live (by the
    client, and by the router from a request's arrival there) and predicted by the simulator
-   on the router's calibrated topology.
+   on the router's calibrated topology, with its reply margin, and with stage times drawn
+   from those the router measured in a calibration run on another trace.
 
-    ./run bench-serving [--duration 8] [--slo-ms 100]
+    ./run bench-serving [--duration 20] [--slo-ms 100] [--router-instances 32]
 """
 
 from __future__ import annotations
@@ -63,17 +64,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
-    ap.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per load level")
     ap.add_argument("--slo-ms", type=float, default=100.0)
     ap.add_argument("--requests", type=int, default=300, help="closed-loop requests")
+    ap.add_argument("--router-instances", type=int, default=32)
     args = ap.parse_args()
 
     import tritonclient.grpc as tg
 
     from flows.onboard import onboard_model
     from flows.profile import profile_model
-    from poolpipe.scheduler import make_data_plane
-    from poolpipe.sim.engine import SimConfig, Simulator
     from poolpipe.zoo import make_model
     from triton_backend.loadgen import drive, poisson_times, summarize
     from triton_backend.serve import Server
@@ -106,7 +106,14 @@ def main() -> int:
     # ---------------------------------------------------------------- 1. router overhead
     plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 1, args.slo_ms, args.warehouse)
     with console.status("router overhead: starting a 1-partition deployment ..."):
-        srv = Server(plan, args.warehouse, tmp / "ws1", stats_interval_s=3600, plane="eager")
+        srv = Server(
+            plan,
+            args.warehouse,
+            tmp / "ws1",
+            stats_interval_s=3600,
+            plane="eager",
+            router_instances=args.router_instances,
+        )
     dep = srv.deployment
     try:
         x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
@@ -118,7 +125,11 @@ def main() -> int:
         i = tg.InferInput(in_name, list(x.shape), "FP32")
         i.set_data_from_numpy(x)
         d = closed_loop(lambda: direct.infer(part, [i]), args.requests)
+        dep.core.take_window()
         r = closed_loop(lambda: router.infer(name, [i]), args.requests)
+        # the router's own time per request (arrival in its callable to the answer): the
+        # rest of the router path is PyTriton's (Triton front end, Python stub, proxy IPC)
+        inside50 = float(dep.core.take_window()[0][0]["p50_ms"])
         d2 = closed_loop(lambda: direct.infer(part, [i]), args.requests)
         d = np.concatenate([d, d2])
         sustained = 0.0
@@ -151,6 +162,9 @@ def main() -> int:
     t.add_section()
     verdict = "met" if added50 <= 1.0 else "MISSED"
     t.add_row("added", f"{added50:.2f} ({verdict}: <= 1)", f"{added99:.2f}", "")
+    core50 = inside50 - float(np.median(d))
+    t.add_row("  of which the router core (scheduler, dispatch)", f"{core50:.2f}", "", "")
+    t.add_row("  of which PyTriton's path in and out", f"{added50 - core50:.2f}", "", "")
     console.print(t)
     console.print(
         f"highest sustained open-loop rate with >= 99% within the SLO: {sustained:.0f} req/s"
@@ -160,6 +174,8 @@ def main() -> int:
     record("router-overhead", "1p-cpu-2t", "direct_p50_ms", float(np.median(d)))
     record("router-overhead", "1p-cpu-2t", "router_p50_ms", float(np.median(r)))
     record("router-overhead", "1p-cpu-2t", "sustained_req_s", sustained)
+    record("router-overhead", "1p-cpu-2t", "router_core_p50_ms", core50)
+    record("router-overhead", "1p-cpu-2t", "pytriton_path_p50_ms", added50 - core50)
 
     # ------------------------------------------------------- 2 + 3. rollout, live vs sim
     plan_a = hand_plan(
@@ -167,7 +183,13 @@ def main() -> int:
     )
     plan_b = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.slo_ms, args.warehouse)
     with console.status("two-partition deployment (cpu-2t -> cpu-1t) ..."):
-        srv = Server(plan_a, args.warehouse, tmp / "ws2", stats_interval_s=3600)
+        srv = Server(
+            plan_a,
+            args.warehouse,
+            tmp / "ws2",
+            stats_interval_s=3600,
+            router_instances=args.router_instances,
+        )
     dep = srv.deployment
     live_rows = []
     try:
@@ -175,7 +197,15 @@ def main() -> int:
         in_name = dep.ios[0].inputs[0].name
         url = f"127.0.0.1:{dep.grpc_port}"
         drive(url, name, {in_name: x}, poisson_times(10, 2, 0))  # warm-up
-        topo = dep.core.topo
+        # Calibration for the simulator, on its own trace: how long stage calls really take
+        # against what the router reserved for them (the nodes share 2 cores with the router
+        # and the client, which start-up calibration, one call at a time, cannot see).
+        dep.core.take_stage_factors()
+        drive(url, name, {in_name: x}, poisson_times(40, args.duration, 100))
+        factors = dep.core.take_stage_factors()
+        for pool, f in enumerate(factors):
+            config = f"calibration@40req/s:pool{pool}"
+            record("live-vs-sim", config, "stage_factor_mean", float(np.mean(f)))
         for k, rate in enumerate((20.0, 40.0, 60.0)):
             times = poisson_times(rate, args.duration, k + 1)
             dep.core.take_window()
@@ -183,10 +213,7 @@ def main() -> int:
             s = summarize(shots, args.slo_ms / 1e3, args.duration)
             win = dep.core.take_window()[0][0]  # the router's own view of the same requests
             s["router_attainment"] = win["on_time"] / max(1, win["arrivals"])
-            dp = make_data_plane("reservation", topo, wake_guard_us=dep.options["wake_guard_us"])
-            sim = Simulator(
-                topo, dp, times * 1e6, np.zeros(len(times), int), SimConfig(args.duration)
-            ).run()
+            sim = dep.simulate(times, args.duration, factors)
             live_rows.append((rate, s, sim.attainment))
             record("live-vs-sim", f"{rate:g}req/s", "live_attainment", s["attainment"])
             record("live-vs-sim", f"{rate:g}req/s", "router_attainment", s["router_attainment"])
@@ -234,6 +261,16 @@ def main() -> int:
             f"{s3['p99_ms']:.1f}",
         )
     console.print(t)
+    console.print(
+        f"simulator inputs: reply margin {dep.options['reply_margin_us'] / 1e3:g} ms; stage "
+        "times from the calibration run, measured / reserved, per pool: "
+        + "; ".join(
+            f"pool {p}: {len(f)} calls, mean {np.mean(f):.2f}, p50 {np.median(f):.2f}, "
+            f"p90 {np.percentile(f, 90):.2f}, p99 {np.percentile(f, 99):.2f}"
+            for p, f in enumerate(factors)
+            if f
+        )
+    )
     unanswered = len(times) - len(shots)
     t = Table(
         title=f"2. rollout under {roll_rate:g} req/s (2 partitions -> 1 partition)",

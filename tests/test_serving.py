@@ -132,6 +132,20 @@ def test_concurrent_clients_are_all_answered(served):
     assert max(s.batch_sizes) > 1  # the router batched concurrent requests
 
 
+def test_the_router_measures_stage_times_for_the_simulator(served):
+    served.core.take_stage_factors()
+    mod, client = _grpc(served)
+    for _ in range(4):  # one at a time: every stage call finds its vGPU idle
+        _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32))
+    factors = served.core.take_stage_factors()
+    assert len(factors) == len(served.core.topo.pools) == 2
+    assert all(len(f) == 4 and min(f) > 0 for f in factors), factors
+    assert served.core.take_stage_factors() == ((), ())  # taken once
+    # the simulator's prediction on what is served, with those stage times
+    sim = served.simulate(np.array([0.0, 0.05, 0.1]), 0.2, factors)
+    assert sum(m.on_time + m.late + m.dropped for m in sim.models) == 3
+
+
 def test_bad_shapes_and_types_are_refused_at_the_door(served):
     from tritonclient.utils import InferenceServerException
 

@@ -108,6 +108,40 @@ def test_late_completions_count_as_misses():
     assert res.attainment == 0.0
 
 
+def test_measured_stage_factors_stretch_each_pools_computes():
+    # Two stages of 10 µs, SLO 25 µs. Stage 1 measured at 2x its reservation: 20 + 10 > 25,
+    # late; the same factor on stage 0 only, likewise; factors of 1.0 change nothing.
+    topo = make_topology([([0], [10.0], 0.0), ([1], [10.0], 0.0)], slo_us=25.0)
+
+    def run(factors):
+        dp = make_data_plane("eager", topo)
+        cfg = SimConfig(duration_s=1e-3, seed=1, stage_factors=factors)
+        return Simulator(topo, dp, np.array([0.0]), np.array([0]), cfg).run()
+
+    assert run(((1.0,), (1.0,))).attainment == 1.0
+    assert run(((), (2.0,))).models[0].late == 1
+    assert run(((2.0,), ())).models[0].late == 1
+    res = run(((1.0, 1.1), (1.0, 1.1)))  # drawn from the list: at most 22 µs
+    assert res.attainment == 1.0
+
+
+def test_reply_margin_tightens_scheduling_but_not_the_count():
+    # One vGPU, 10 µs, SLO 15 µs. With a 4 µs margin the data plane must finish by 11 µs:
+    # it still can, and the request counts on time against the full SLO. With 6 µs (by
+    # 9 µs) it cannot, and the request is dropped, as the live router would.
+    topo = make_topology([([0], [10.0], 0.0)], slo_us=15.0)
+
+    def run(margin):
+        dp = make_data_plane("reservation", topo)
+        cfg = SimConfig(duration_s=1e-3, seed=1, reply_margin_us=margin)
+        return Simulator(topo, dp, np.array([0.0]), np.array([0]), cfg).run().models[0]
+
+    ok = run(4.0)
+    assert (ok.on_time, ok.late, ok.dropped) == (1, 0, 0)
+    tight = run(6.0)
+    assert (tight.on_time, tight.dropped) == (0, 1)
+
+
 def test_poisson_and_gamma_rates_and_burstiness():
     names = ["a"]
     t, _ = generate(ArrivalSpec.parse("poisson"), [1000.0], 20.0, 1, names)

@@ -11,7 +11,7 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +24,12 @@ from poolpipe.partitions import PartitionFile, make_partition
 from poolpipe.plan import Plan
 from poolpipe.scheduler import build_topology, make_data_plane
 from poolpipe.scheduler.topology import Topology, with_latencies
+from poolpipe.sim.metrics import SimResult
 from poolpipe.warehouse import Warehouse
 from triton_backend.env import fix_this_process, free_ports, triton_home
 from triton_backend.nodes import TritonNode, stop_nodes
 from triton_backend.repository import render_partition
-from triton_backend.router import ModelIO, RouterCore, ServedPlan
+from triton_backend.router import REPLY_MARGIN_US, ModelIO, RouterCore, ServedPlan
 
 _CPU = re.compile(r"^cpu-(\d+)t$")
 
@@ -225,14 +226,22 @@ class Deployment:
         router_instances: int = 8,
         max_batch: int = 8,
         wake_guard_us: float = 5000.0,
-        reply_margin_us: float = 10000.0,
+        reply_margin_us: float = REPLY_MARGIN_US,
         control: Callable[[dict], dict] | None = None,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
-        (rollouts and statistics from other processes); none when not given."""
+        (rollouts and statistics from other processes); none when not given.
+        `router_instances`: requests the router takes at once (more wait in Triton's queue,
+        where the router cannot see them yet). `reply_margin_us`: held back from every
+        request's deadline for its way in and out through PyTriton and gRPC."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
-        options = {"plane": plane, "max_batch": max_batch, "wake_guard_us": wake_guard_us}
+        options = {
+            "plane": plane,
+            "max_batch": max_batch,
+            "wake_guard_us": wake_guard_us,
+            "reply_margin_us": reply_margin_us,
+        }
         nodes: dict[str, TritonNode] = {}
         dep: Deployment | None = None
         triton_home(workspace)  # once, before the nodes start side by side
@@ -324,6 +333,36 @@ class Deployment:
             int(res["held"]),
             int(res["failed"]),
         )
+
+    def simulate(
+        self,
+        arrivals_s: np.ndarray,
+        duration_s: float,
+        stage_factors: Sequence[Sequence[float]] = (),
+        models: np.ndarray | None = None,
+    ) -> SimResult:
+        """The simulator's prediction for these arrivals (seconds; model indexes, default all
+        the first) on what this deployment serves: the router's calibrated topology, the same
+        data plane, wake guard and reply margin, and stage times drawn from `stage_factors`
+        (per pool, measured / reserved, from `core.take_stage_factors()` of earlier runs)."""
+        from poolpipe.sim.engine import SimConfig, Simulator
+
+        topo = self.core.topo
+        arrivals = np.asarray(arrivals_s, dtype=float)
+        plane = make_data_plane(
+            self.options["plane"], topo, wake_guard_us=self.options["wake_guard_us"]
+        )
+        return Simulator(
+            topo,
+            plane,
+            arrivals * 1e6,
+            np.zeros(len(arrivals), dtype=int) if models is None else models,
+            SimConfig(
+                duration_s=duration_s,
+                stage_factors=tuple(tuple(f) for f in stage_factors),
+                reply_margin_us=self.options["reply_margin_us"],
+            ),
+        ).run()
 
     def restart_node(self, name: str) -> None:
         """Start a stopped or crashed node again on its ports with its partition models;

@@ -17,7 +17,7 @@ import itertools
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +28,13 @@ from poolpipe.partitions import TensorSpec
 from poolpipe.scheduler import DataPlane, Decisions, Dispatch, Request, StageReport
 from poolpipe.scheduler.topology import Topology
 from triton_backend.repository import kserve_dtype
+
+# Held back from every request's deadline for its way into the router and its answer's way
+# back (PyTriton's proxy and gRPC, both ways), which the router cannot see. Measured on the
+# 2-core machine with 32 router instances at 20-60 req/s: ingress + egress p99 20-28 ms
+# (`./run bench-serving`). With 10 ms, 20-25% of the answers the router had on time reached
+# the client late.
+REPLY_MARGIN_US = 25_000.0
 
 DROP_MARKER = "POOLPIPE_DROPPED"
 FAIL_MARKER = "POOLPIPE_STAGE_FAILED"
@@ -124,6 +131,10 @@ class RouterCore:
         self._wake_at = math.inf
         self._tasks: set[asyncio.Task] = set()
         self._down: set[str] = set()  # stage nodes (URLs) out of service
+        self._calls: Counter[tuple[str, int]] = Counter()  # stage calls in flight per vGPU
+        # per pool of the serving plan: measured over reserved compute time of stage calls
+        # that found their vGPU idle (see take_stage_factors)
+        self._stage_factors: defaultdict[int, list[float]] = defaultdict(list)
         self.recoveries = 0
         self._window_marks: dict[str, tuple] = {}
         self._busy_marks: dict[int, float] = {}
@@ -222,6 +233,21 @@ class RouterCore:
 
     # ------------------------------------------------------------------ statistics
 
+    def take_stage_factors(self) -> tuple[tuple[float, ...], ...]:
+        """Per pool of the serving plan, measured over reserved compute time of the stage
+        calls since the last call (thread-safe): what the simulator draws execution times
+        from to predict this router (poolpipe.sim.engine.SimConfig.stage_factors). Only
+        calls that found their vGPU idle count, so waiting in a node's queue is left to the
+        simulator; what remains is how much slower stages run under load than when they were
+        calibrated one at a time (on a shared host, mostly each other's CPU)."""
+
+        async def take() -> tuple[tuple[float, ...], ...]:
+            out = tuple(tuple(self._stage_factors[p.id]) for p in self.topo.pools)
+            self._stage_factors.clear()
+            return out
+
+        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(10)
+
     def take_window(self) -> tuple[list[dict], list[dict]]:
         """What happened since the last call (thread-safe): one row per model (arrivals,
         on time, late, dropped, failed, latency p50/p99 ms, mean batch) and one per pool
@@ -308,6 +334,7 @@ class RouterCore:
             self.stats.setdefault(m.name, ModelStats())
         self.pool_busy_us = [0.0] * len(served.topo.pools)
         self._busy_marks = {}
+        self._stage_factors.clear()  # pool ids of the old plan
         now = self.now_us()
         for v, u in served.vgpu_url.items():
             if u in self._down:  # still failed: out of the new plan's tables too
@@ -388,18 +415,28 @@ class RouterCore:
                 t.set_data_from_numpy(x)
                 inputs.append(t)
             start = self.now_us()
+            # a call sent while the vGPU is still busy waits in the node's queue first
+            slot = (partition, hop.vgpu)
+            idle = self._calls[slot] == 0
+            self._calls[slot] += 1
             dp.on_stage_started(StageReport(d.id, h, start, None), start)
             try:
                 result = await self._client(vgpu_url[hop.vgpu]).infer(
                     partition, inputs, client_timeout=self.stage_timeout_s
                 )
             except Exception as exc:
+                self._calls[slot] -= 1
                 now = self.now_us()
                 dp.on_stage_done(StageReport(d.id, h, start, now), now)
                 self._stage_failed(dp, vgpu_url[hop.vgpu], reqs, f"{partition}: {exc}")
                 return
             end = self.now_us()
+            self._calls[slot] -= 1
             busy[hop.pool] += end - start
+            if idle and served is self.served:
+                self._stage_factors[hop.pool].append(
+                    (end - start) / max(1.0, hop.end_us - hop.start_us)
+                )
             if dp.on_stage_done(StageReport(d.id, h, start, end), end) and dp is self.dp:
                 self._decide()
             names = [t.name for t in io.outputs] if last else None

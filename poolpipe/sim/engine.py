@@ -64,6 +64,14 @@ class SimConfig:
     duration_s: float = 30.0
     seed: int = 1
     jitter: float = 0.0  # coefficient of variation of execution time (lognormal, mean 1)
+    # Measured execution-time factors per pool (actual / reserved compute time, as a live
+    # router records them; indexed by pool id): a compute of a pool that has some takes its
+    # reserved time times one of them, drawn at random, instead of the lognormal jitter.
+    stage_factors: tuple[tuple[float, ...], ...] = ()
+    # Held back from every deadline the data plane schedules for, as the live router holds
+    # it back for a request's way in and out; a request still counts as on time when it
+    # finishes by arrival + SLO, as the router counts it.
+    reply_margin_us: float = 0.0
 
 
 class Simulator:
@@ -114,7 +122,7 @@ class Simulator:
         wall0 = time.perf_counter()
         ev = self._events
         times, models = self.arrival_us, self.arrival_model
-        slo = [m.slo_us for m in self.topo.models]
+        slo = [m.slo_us - self.config.reply_margin_us for m in self.topo.models]
         dp = self.dp
         i, n = 0, len(times)
         while i < n or ev:
@@ -171,6 +179,7 @@ class Simulator:
         prev: _Job | None = None
         first: _Job | None = None
         sigma = self._sigma
+        factors = self.config.stage_factors
         n_req = len(d.requests)
         pool_batches, pool_requests = self.pool_batches, self.pool_requests
         server_of = self._server_of
@@ -179,7 +188,9 @@ class Simulator:
             pool_batches[p] += 1
             pool_requests[p] += n_req
             dur = pools[p].latency_us[d.batch]
-            if sigma > 0:
+            if p < len(factors) and factors[p]:
+                dur *= self._rng.choice(factors[p])
+            elif sigma > 0:
                 dur *= self._rng.lognormvariate(-sigma * sigma / 2, sigma)
             compute = _Job(hop.start_us, (hop.vgpu,), dur, d, h, True)
             if hop.transfer_end_us > hop.transfer_start_us:
@@ -242,6 +253,7 @@ class Simulator:
         d = job.d
         decide = False
         if job.compute:
+            margin = self.config.reply_margin_us
             v = job.res[0]
             self.vgpu_busy_us[v] += now - job.t0
             decide = self.dp.on_stage_done(StageReport(d.id, job.hop, job.t0, now), now)
@@ -249,7 +261,7 @@ class Simulator:
                 outcome, finish = self.outcome, self.finish_us
                 for req in d.requests:
                     finish[req.id] = now
-                    outcome[req.id] = ON_TIME if now <= req.deadline_us else LATE
+                    outcome[req.id] = ON_TIME if now <= req.deadline_us + margin else LATE
         succ = job.succ
         if succ is not None:
             if not job.compute:
