@@ -161,10 +161,11 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
     inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
     url = f"127.0.0.1:{dep.grpc_port}"
     rows, timeline = [], []
-    # warm-up, not counted: the router's instances, the nodes' sessions, the channels; and
-    # the first stage times the simulator draws from (measured / reserved, per pool)
+    # warm-up, not counted: the router's instances, the nodes' sessions, the channels
+    drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.3, 2.0, seed=0))
+    # then the first stage times the simulator draws from (measured / reserved, per pool)
     dep.core.take_stage_factors()
-    drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.5, 3.0, seed=0))
+    drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.5, 3.0, seed=100))
     factors = [list(f) for f in dep.core.take_stage_factors()]
     for k, load in enumerate(args.loads):
         rate = load * min(planned, args.max_rate)
