@@ -15,6 +15,7 @@ from poolpipe.scheduler import (
     make_data_plane,
 )
 from poolpipe.scheduler.messages import DROP_CANNOT_MEET, DROP_DEADLINE_PASSED, DROP_OVERLOAD
+from poolpipe.scheduler.topology import with_latencies
 from tests.factories import make_requests, make_topology
 
 # ----------------------------------------------------------------------------- tables
@@ -168,6 +169,21 @@ def test_feedback_correction_moves_later_probes():
     assert s.probe(pipe, 1, 4.0)[1] == 24.0
     s.on_stage_done(StageReport(d.id, 0, 4.0, 18.0), 18.0)
     assert s.probe(pipe, 1, 18.0)[1] == 28.0
+
+
+def test_new_latencies_apply_to_later_reservations_only():
+    topo = make_topology([([0], [10.0], 0.0)], slo_us=1000.0)
+    s = ReservationScheduler(topo)
+    pipe = topo.pipelines[0]
+    s.add_request(make_requests(1, slo_us=1000.0)[0], 0.0)
+    first = s.decide(0.0).dispatches[0]
+    assert (first.hops[0].start_us, first.hops[0].end_us) == (0.0, 10.0)
+    slower = with_latencies(topo, {0: (float("nan"), 25.0)})
+    s.set_latencies(slower)
+    assert s.probe(pipe, 1, 0.0)[1] == 35.0  # behind the 0-10 reservation, now 25 long
+    s.add_request(make_requests(1, start_us=1.0, slo_us=1000.0)[0], 1.0)
+    second = s.decide(1.0).dispatches[0]
+    assert (second.hops[0].start_us, second.hops[0].end_us) == (10.0, 35.0)
 
 
 def test_overload_is_rejected_explicitly():

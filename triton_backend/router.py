@@ -19,14 +19,14 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.partitions import TensorSpec
 from poolpipe.scheduler import DataPlane, Decisions, Dispatch, Request, StageReport
-from poolpipe.scheduler.topology import Topology
+from poolpipe.scheduler.topology import Topology, with_latencies
 from triton_backend.repository import kserve_dtype
 
 # Held back from every request's deadline for its way into the router and its answer's way
@@ -35,6 +35,13 @@ from triton_backend.repository import kserve_dtype
 # (`./run bench-serving`). With 10 ms, 20-25% of the answers the router had on time reached
 # the client late.
 REPLY_MARGIN_US = 25_000.0
+
+# Live recalibration: after this many stage calls of a pool that found their vGPU idle, the
+# median of measured / reserved time, when outside 1 +- RECALIBRATE_BAND, scales the pool's
+# latencies (every batch size) for all later reservations. Start-up calibration times one
+# call at a time; under load, stage workers that share a host's cores run slower.
+RECALIBRATE_EVERY = 20
+RECALIBRATE_BAND = 0.1
 
 DROP_MARKER = "POOLPIPE_DROPPED"
 FAIL_MARKER = "POOLPIPE_STAGE_FAILED"
@@ -112,6 +119,7 @@ class RouterCore:
         served: ServedPlan,
         stage_timeout_s: float = 30.0,
         reply_margin_us: float = 0.0,
+        recalibrate: bool = True,
     ):
         self.served = served
         topo = served.topo
@@ -135,6 +143,9 @@ class RouterCore:
         # per pool of the serving plan: measured over reserved compute time of stage calls
         # that found their vGPU idle (see take_stage_factors)
         self._stage_factors: defaultdict[int, list[float]] = defaultdict(list)
+        self.recalibrate = recalibrate
+        self._recent: defaultdict[int, list[float]] = defaultdict(list)  # since last check
+        self.recalibrations = 0
         self.recoveries = 0
         self._window_marks: dict[str, tuple] = {}
         self._busy_marks: dict[int, float] = {}
@@ -335,6 +346,7 @@ class RouterCore:
         self.pool_busy_us = [0.0] * len(served.topo.pools)
         self._busy_marks = {}
         self._stage_factors.clear()  # pool ids of the old plan
+        self._recent.clear()
         now = self.now_us()
         for v, u in served.vgpu_url.items():
             if u in self._down:  # still failed: out of the new plan's tables too
@@ -374,6 +386,26 @@ class RouterCore:
     def _on_wake(self) -> None:
         self._wake, self._wake_at = None, math.inf
         self._decide()
+
+    def _observe(self, pool: int, factor: float) -> None:
+        """A stage call's measured / reserved time: kept for the simulator, and when the
+        pool's recent median leaves the band, its latencies are scaled by it."""
+        self._stage_factors[pool].append(factor)
+        recent = self._recent[pool]
+        recent.append(factor)
+        if len(recent) < RECALIBRATE_EVERY:
+            return
+        f = float(np.median(recent))
+        recent.clear()
+        set_latencies = getattr(self.dp, "set_latencies", None)
+        if not self.recalibrate or set_latencies is None or abs(f - 1.0) <= RECALIBRATE_BAND:
+            return
+        topo = self.topo
+        lats = tuple(x * f for x in topo.pools[pool].latency_us)
+        new = with_latencies(topo, {pool: lats})
+        set_latencies(new)
+        self.served = replace(self.served, topo=new)
+        self.recalibrations += 1
 
     # ------------------------------------------------------------------ execution
 
@@ -433,10 +465,8 @@ class RouterCore:
             end = self.now_us()
             self._calls[slot] -= 1
             busy[hop.pool] += end - start
-            if idle and served is self.served:
-                self._stage_factors[hop.pool].append(
-                    (end - start) / max(1.0, hop.end_us - hop.start_us)
-                )
+            if idle and dp is self.dp:
+                self._observe(hop.pool, (end - start) / max(1.0, hop.end_us - hop.start_us))
             if dp.on_stage_done(StageReport(d.id, h, start, end), end) and dp is self.dp:
                 self._decide()
             names = [t.name for t in io.outputs] if last else None

@@ -84,14 +84,7 @@ class ReservationScheduler:
         self._pipes: list[list[Pipeline]] = [
             [topo.pipelines[i] for i in m.pipelines] for m in topo.models
         ]
-        # per pipeline: latency at its planned batch with no waiting (a bound for pruning probes)
-        self._no_wait_us = [
-            sum(
-                topo.pools[p].latency_us[pipe.batch] + pipe.batch * topo.pools[p].transfer_in_us
-                for p in pipe.pools
-            )
-            for pipe in topo.pipelines
-        ]
+        self._no_wait_us = _no_wait(topo)
         M = len(topo.models)
         self.queues: list[deque[Request]] = [deque() for _ in range(M)]
         self._dirty = [False] * M
@@ -147,6 +140,14 @@ class ReservationScheduler:
         """Stop waiting for fuller batches: every queued request goes out at its next
         decision (a rollout flushes the old plan this way instead of waiting an SLO)."""
         self.policy = "eager"
+        for m in range(len(self.queues)):
+            self._dirty[m] = True
+
+    def set_latencies(self, topo: Topology) -> None:
+        """Plan with the pools' latencies of `topo`, the same topology measured anew (a live
+        router recalibrating under load); what is already reserved stays as it is."""
+        self.topo = topo
+        self._no_wait_us = _no_wait(topo)
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -389,3 +390,14 @@ class ReservationScheduler:
         self._probes_since[m] = self.probes
         self._inflight[did] = d
         out.dispatches.append(d)
+
+
+def _no_wait(topo: Topology) -> list[float]:
+    """Per pipeline: latency at its planned batch with no waiting (a bound for pruning)."""
+    return [
+        sum(
+            topo.pools[p].latency_us[pipe.batch] + pipe.batch * topo.pools[p].transfer_in_us
+            for p in pipe.pools
+        )
+        for pipe in topo.pipelines
+    ]
