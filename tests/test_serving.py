@@ -90,6 +90,9 @@ def test_partitions_run_on_two_nodes_with_fp16_between_them(served):
     second = next(p for p in served.layout.placements if p.start == 2)
     config = served.workspace / "repos" / second.node / second.partition / "config.pbtxt"
     assert "TYPE_FP16" in config.read_text()
+    # every router instance served a warm-up request before any client did
+    assert served.warmed == 4
+
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -214,6 +214,7 @@ class Deployment:
     triton: object | None = field(default=None, repr=False)
     control: Callable[[dict], dict] | None = field(default=None, repr=False)
     calibration: dict[tuple, float] = field(default_factory=dict, repr=False)
+    warmed: int = 0  # warm-up requests answered at start-up (one per router instance)
 
     @classmethod
     def up(
@@ -433,6 +434,41 @@ class Deployment:
             triton.stop()
             raise
         self.triton = triton
+        self._warm_up(instances)
+
+    def _warm_up(self, instances: int) -> None:
+        """One request per router instance, all at once, so that each instance has served
+        before any client does: a PyTriton instance's first call costs about 40 ms more
+        (measured: with 32 instances, 21 of the first 300 requests over 30 ms, then none).
+        Then the router's statistics start from zero."""
+        import tritonclient.grpc as grpcclient
+        import tritonclient.grpc.aio as grpcaio
+
+        from triton_backend.repository import kserve_dtype
+
+        async def warm() -> int:
+            client = grpcaio.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
+            try:
+                calls = []
+                for io in self.ios:
+                    slo_us = self.core.topo.models[self.core.topo.model_index(io.name)].slo_us
+                    inputs = []
+                    for t in io.inputs:
+                        i = grpcclient.InferInput(t.name, [1, *t.dims], kserve_dtype(t.dtype))
+                        i.set_data_from_numpy(np.zeros((1, *t.dims), t.dtype))
+                        inputs.append(i)
+                    params = {"slo_ms": 10 * slo_us / 1e3}  # no drop for lack of time
+                    calls += [
+                        client.infer(io.name, inputs, parameters=params) for _ in range(instances)
+                    ]
+                answers = await asyncio.gather(*calls, return_exceptions=True)
+                return sum(not isinstance(a, BaseException) for a in answers)
+            finally:
+                await client.close()
+
+        with ThreadPoolExecutor(1) as pool:  # asyncio.run needs a thread without a loop
+            self.warmed = pool.submit(asyncio.run, warm()).result()
+        self.core.reset_stats()
 
     def down(self) -> None:
         if self.triton is not None:

@@ -244,6 +244,18 @@ class RouterCore:
 
     # ------------------------------------------------------------------ statistics
 
+    def reset_stats(self) -> None:
+        """Counters, windows, busy times and stage factors from zero (thread-safe); what
+        recalibration has learnt stays."""
+
+        async def reset() -> None:
+            self.stats = {m.name: ModelStats() for m in self.topo.models}
+            self.pool_busy_us = [0.0] * len(self.topo.pools)
+            self._window_marks, self._busy_marks = {}, {}
+            self._stage_factors.clear()
+
+        asyncio.run_coroutine_threadsafe(reset(), self._loop).result(10)
+
     def take_stage_factors(self) -> tuple[tuple[float, ...], ...]:
         """Per pool of the serving plan, measured over reserved compute time of the stage
         calls since the last call (thread-safe): what the simulator draws execution times

@@ -1,5 +1,5 @@
-"""The router's live recalibration, without Triton: stage times measured against what was
-reserved scale a pool's latencies once their median leaves the band."""
+"""The router core without Triton: live recalibration (stage times measured against what was
+reserved scale a pool's latencies once their median leaves the band) and statistics reset."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from poolpipe.scheduler import make_data_plane
 from tests.factories import make_topology
-from triton_backend.router import RECALIBRATE_EVERY, RouterCore, ServedPlan
+from triton_backend.router import RECALIBRATE_EVERY, ModelStats, RouterCore, ServedPlan
 
 
 @pytest.fixture
@@ -44,3 +44,20 @@ def test_recalibration_can_be_turned_off(two_pools):
     for _ in range(RECALIBRATE_EVERY):
         core._observe(0, 2.0)
     assert core.topo is topo and core.recalibrations == 0
+
+
+def test_reset_stats_starts_counters_from_zero_and_keeps_what_was_learnt(two_pools):
+    _, _, served = two_pools
+    core = RouterCore(served).start()
+    try:
+        core.stats["m"].arrivals = 7
+        core.pool_busy_us[1] = 3.0
+        for _ in range(RECALIBRATE_EVERY):
+            core._observe(0, 2.0)
+        learnt = core.topo
+        core.reset_stats()
+        assert core.stats == {"m": ModelStats()} and core.pool_busy_us == [0.0, 0.0]
+        assert core.take_stage_factors() == ((), ())
+        assert core.topo is learnt  # recalibrated latencies stay
+    finally:
+        core.stop()
