@@ -8,11 +8,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import multiprocessing
 import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,12 +45,13 @@ def threads_of(device: str) -> int:
     return int(m.group(1))
 
 
-def build_partitions(
-    plan: Plan, wh: Warehouse, lay: Layout, out_dir: Path
-) -> dict[str, PartitionFile]:
-    parts: dict[str, PartitionFile] = {}
+def partition_jobs(
+    wh: Warehouse, lay: Layout, out_dir: Path
+) -> dict[str, tuple[Path, str, list[tuple[int, int]], int, int, Path, str]]:
+    """make_partition's arguments for every partition of the layout (warehouse reads only)."""
+    jobs: dict[str, tuple[Path, str, list[tuple[int, int]], int, int, Path, str]] = {}
     for p in lay.placements:
-        if p.partition in parts:
+        if p.partition in jobs:
             continue
         whole = wh.whole_model_file(p.model)
         if whole is None or not whole.is_file():
@@ -57,21 +59,28 @@ def build_partitions(
                 f"model {p.model} has no onboarded files; run: poolpipe onboard MODEL.onnx "
                 f"--name {p.model}"
             )
-        parts[p.partition] = make_partition(
-            whole, p.model, wh.block_layers(p.model), p.start, p.end, out_dir, p.tag
-        )
-    return parts
+        layers = wh.block_layers(p.model)
+        jobs[p.partition] = (whole, p.model, layers, p.start, p.end, out_dir, p.tag)
+    return jobs
 
 
 def _prepare(
-    plan: Plan, warehouse: str | Path | None, workspace: Path, tag: str
+    plan: Plan, warehouse: str | Path | None, workspace: Path, tag: str, isolated: bool = False
 ) -> tuple[Topology, Layout, dict[str, PartitionFile]]:
+    """Topology, layout and partition files of `plan`. `isolated`: cut the partitions out
+    of the whole model in a separate process, as a rollout does while this process serves:
+    the ONNX surgery is seconds of pure-Python work that would otherwise hold the GIL from
+    the router (measured: 3.4 s of CPU for two ResNet-50 partitions)."""
     with Warehouse.open(warehouse) as wh:
         profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
         topo = build_topology(plan, profiles)
         lay = layout(topo, tag)
-        parts = build_partitions(plan, wh, lay, workspace / "partitions")
-    return topo, lay, parts
+        jobs = partition_jobs(wh, lay, workspace / "partitions")
+    if not isolated:
+        return topo, lay, {name: make_partition(*args) for name, args in jobs.items()}
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(make_partition, *args) for name, args in jobs.items()}
+        return topo, lay, {name: f.result() for name, f in futures.items()}
 
 
 def _place(
@@ -281,7 +290,7 @@ class Deployment:
         started: list[TritonNode] = []
         t0 = time.perf_counter()
         try:
-            topo, lay, parts = _prepare(plan, warehouse, self.workspace, tag)
+            topo, lay, parts = _prepare(plan, warehouse, self.workspace, tag, isolated=True)
             served = {io.name: io for io in self.ios}
             ios = model_io(topo, lay, parts)
             for io in ios:
