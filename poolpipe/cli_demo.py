@@ -18,6 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from poolpipe.cli_serve import add_router_arguments, router_options
 from poolpipe.errors import PoolpipeError
 from poolpipe.warehouse import REPO_ROOT
 
@@ -94,8 +95,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         plan_id=first[1],
         stats_interval_s=3600,
         metrics_port=0,
-        router_instances=args.router_instances,
-        reply_margin_us=args.reply_margin_ms * 1e3,
+        **router_options(args),
     )
     try:
         rows, timeline = _drive_loads(server, name, args)
@@ -325,8 +325,6 @@ def _loads(text: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from triton_backend.router import REPLY_MARGIN_US
-
     p.add_argument("--out", default="out/demo", help="plots and working files (out/demo)")
     p.add_argument("--cluster", default="demo", help="cluster in local-clusters.toml (demo)")
     p.add_argument("--slo-ms", type=float, default=100.0, help="SLO (100 ms)")
@@ -337,11 +335,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-rate", type=float, default=100.0, help="load 1.0 is at most this req/s (100)"
     )
-    p.add_argument("--router-instances", type=int, default=48, help="concurrent requests (48)")
-    p.add_argument(
-        "--reply-margin-ms",
-        type=float,
-        default=REPLY_MARGIN_US / 1e3,
-        help="held back from each deadline for the way in and out through PyTriton "
-        f"({REPLY_MARGIN_US / 1e3:g})",
-    )
+    add_router_arguments(p)

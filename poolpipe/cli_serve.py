@@ -48,8 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stats_interval_s=args.stats_interval,
             metrics_port=args.metrics_port,
             plane=args.plane,
-            router_instances=args.router_instances,
-            reply_margin_us=args.reply_margin_ms * 1e3,
+            **router_options(args),
         )
     dep = server.deployment
     console.print(
@@ -84,9 +83,29 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's options, shared by `serve` and `demo` (see router_options)."""
     from triton_backend.router import REPLY_MARGIN_US
 
+    p.add_argument("--router-instances", type=int, default=48, help="concurrent requests (48)")
+    p.add_argument(
+        "--reply-margin-ms",
+        type=float,
+        default=REPLY_MARGIN_US / 1e3,
+        help="held back from each deadline for the way in and out through PyTriton "
+        f"({REPLY_MARGIN_US / 1e3:g})",
+    )
+
+
+def router_options(args: argparse.Namespace) -> dict:
+    """Deployment.up's keyword arguments from the options of add_router_arguments."""
+    return {
+        "router_instances": args.router_instances,
+        "reply_margin_us": args.reply_margin_ms * 1e3,
+    }
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a plan here: stage-worker nodes (Triton) and the router (PyTriton)",
@@ -98,14 +117,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workspace", default="out/serve", help="working folder (out/serve)")
     p.add_argument("--name", default="local", help="deployment name in the statistics")
     p.add_argument("--plane", choices=DATA_PLANES, default="reservation")
-    p.add_argument("--router-instances", type=int, default=48, help="concurrent requests (48)")
-    p.add_argument(
-        "--reply-margin-ms",
-        type=float,
-        default=REPLY_MARGIN_US / 1e3,
-        help="held back from each deadline for the way in and out through PyTriton "
-        f"({REPLY_MARGIN_US / 1e3:g})",
-    )
+    add_router_arguments(p)
     p.add_argument("--stats-interval", type=float, default=60.0, help="seconds (60)")
     p.add_argument("--metrics-port", type=int, default=0, help="router metrics port (free one)")
     p.set_defaults(func=cmd_serve)

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import onnx
 
 from poolpipe.errors import ModelError, PoolpipeError
-from poolpipe.layout import anchor_inputs
+from poolpipe.layout import anchored_file
 
 ENGINES = ("onnxruntime", "onnxruntime-cuda", "tensorrt")
 
@@ -192,9 +191,8 @@ class OrtEngine:
             if self.cuda
             else ["CPUExecutionProvider"]
         )
-        src: str | bytes = str(path)
-        if not self.cuda:
-            src = _anchored(path)
+        anchored = None if self.cuda else anchored_file(path)
+        src = str(path) if anchored is None else anchored.SerializeToString()
         try:
             return ort.InferenceSession(src, so, providers=providers)
         except Exception as exc:
@@ -204,19 +202,6 @@ class OrtEngine:
 
     def load(self, built: Path, model: str, what: str) -> Runner:
         return OrtRunner(self._session(built, model, what), "cuda" if self.cuda else "cpu")
-
-
-def _anchored(path: Path) -> str | bytes:
-    """The file with layout anchors (poolpipe.layout) as bytes, or its path when it needs
-    none or keeps its weights in external files."""
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:
-        return str(path)  # let ONNX Runtime name what is wrong with it
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-        return str(path)
-    model, added = anchor_inputs(model)
-    return model.SerializeToString() if added else str(path)
 
 
 # ---------------------------------------------------------------------------- TensorRT

@@ -19,6 +19,8 @@ stage workers), never to the block files themselves, which stay engine-neutral.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -108,3 +110,17 @@ def anchor_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     del og.node[:]
     og.node.extend(nodes)
     return out, len(chosen)
+
+
+def anchored_file(path: Path) -> onnx.ModelProto | None:
+    """The ONNX file at `path` with anchors, or None when it needs none, cannot be read (the
+    engine that loads it names what is wrong), or keeps its weights in external files (an
+    in-memory copy would lose them)."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return None
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        return None
+    model, added = anchor_inputs(model)
+    return model if added else None

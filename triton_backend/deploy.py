@@ -45,11 +45,13 @@ def threads_of(device: str) -> int:
     return int(m.group(1))
 
 
-def partition_jobs(
-    wh: Warehouse, lay: Layout, out_dir: Path
-) -> dict[str, tuple[Path, str, list[tuple[int, int]], int, int, Path, str]]:
+# make_partition's arguments: whole model, model, block layers, start, end, out dir, tag
+PartitionJob = tuple[Path, str, list[tuple[int, int]], int, int, Path, str]
+
+
+def partition_jobs(wh: Warehouse, lay: Layout, out_dir: Path) -> dict[str, PartitionJob]:
     """make_partition's arguments for every partition of the layout (warehouse reads only)."""
-    jobs: dict[str, tuple[Path, str, list[tuple[int, int]], int, int, Path, str]] = {}
+    jobs: dict[str, PartitionJob] = {}
     for p in lay.placements:
         if p.partition in jobs:
             continue

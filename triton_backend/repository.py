@@ -19,7 +19,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from tritonclient.grpc import model_config_pb2
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.layout import anchor_inputs
+from poolpipe.layout import anchored_file
 from poolpipe.partitions import PartitionFile
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
@@ -127,9 +127,9 @@ def render_partition(
             "TensorRTEngine); render them there"
         )
     # CPU stage workers run ONNX Runtime with layout anchors, as the profiler does
-    model, added = anchor_inputs(onnx.load(str(part.path))) if backend == "python" else (None, 0)
-    if model is not None and added:
-        onnx.save(model, str(target))
+    anchored = anchored_file(part.path) if backend == "python" else None
+    if anchored is not None:
+        onnx.save(anchored, str(target))
     else:
         shutil.copyfile(part.path, target)
     if backend == "python":

@@ -103,6 +103,7 @@ class Simulator:
         self.finish_us = [math.nan] * n
         # lognormal execution-time factor with mean 1 and CV `jitter`
         self._sigma = math.sqrt(math.log1p(config.jitter**2)) if config.jitter > 0 else 0.0
+        self._margin = config.reply_margin_us  # scheduled for, not counted against
         self.drop_reasons: Counter[str] = Counter()
         self.vgpu_busy_us = [0.0] * V
         # per pool: batches run and requests in them (for the mean batch size)
@@ -253,12 +254,11 @@ class Simulator:
         d = job.d
         decide = False
         if job.compute:
-            margin = self.config.reply_margin_us
             v = job.res[0]
             self.vgpu_busy_us[v] += now - job.t0
             decide = self.dp.on_stage_done(StageReport(d.id, job.hop, job.t0, now), now)
             if job.hop == len(d.hops) - 1 and d.final:
-                outcome, finish = self.outcome, self.finish_us
+                outcome, finish, margin = self.outcome, self.finish_us, self._margin
                 for req in d.requests:
                     finish[req.id] = now
                     outcome[req.id] = ON_TIME if now <= req.deadline_us + margin else LATE
