@@ -11,8 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from poolpipe.costs import ModelCosts
 from poolpipe.errors import InfeasibleError
 from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner.decompose import reach
+from poolpipe.planner.strategies import enumerate_candidates
 from tests.conftest import tiny_cluster, tiny_model
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -40,8 +43,8 @@ def instances(draw, n_models=1):
     return models, tiny_cluster(pools, bandwidth_gbps=bw), slos
 
 
-def brute_force_single(model, cluster, budget, max_partitions=2):
-    """Best Σ_c min_d n_d t_d over all vGPU assignments (per-share packing), by search."""
+def brute_force_single(model, cluster, budget, max_partitions=2, packing="per-share"):
+    """Best Σ_c min_d n_d t_d over all vGPU assignments, by search."""
     B = model.num_blocks
     tau = [s * 8 / (cluster.bandwidth_gbps * 1e9) * 1e6 for s in model.boundary_bytes]
     pools = {p.gpu: p for p in cluster.pools}
@@ -73,11 +76,15 @@ def brute_force_single(model, cluster, budget, max_partitions=2):
     if not pipes:
         return None
 
+    # per-share: (gpu, share) holds vGPUs; per-position: (gpu, position) holds GPUs in 12ths
     def fits(use):
         per = {}
-        for (g, v), n in use.items():
-            per[g] = per.get(g, 0) + math.ceil(n / v)
+        for (g, key), n in use.items():
+            per[g] = per.get(g, 0) + math.ceil(n / (key if packing == "per-share" else 12))
         return all(per[g] <= pools[g].count for g in per)
+
+    def bucket(d, g, v, n):
+        return ((g, v), n) if packing == "per-share" else ((g, d), n * 12 // v)
 
     best = 0.0
 
@@ -91,8 +98,9 @@ def brute_force_single(model, cluster, budget, max_partitions=2):
         caps = [pools[g].count * v for g, v, _ in parts]
         for ns in itertools.product(*[range(1, c + 1) for c in caps]):
             new = dict(use)
-            for (g, v, _), n in zip(parts, ns, strict=True):
-                new[(g, v)] = new.get((g, v), 0) + n
+            for d, ((g, v, _), n) in enumerate(zip(parts, ns, strict=True)):
+                key, amount = bucket(d, g, v, n)
+                new[key] = new.get(key, 0) + amount
             if fits(new):
                 dfs(k + 1, new, value + min(n * t for (_, _, t), n in zip(parts, ns, strict=True)))
 
@@ -101,8 +109,8 @@ def brute_force_single(model, cluster, budget, max_partitions=2):
 
 
 @SETTINGS
-@given(instances())
-def test_ppipe_matches_brute_force(inst):
+@given(instances(), st.sampled_from(["per-share", "per-position"]))
+def test_ppipe_matches_brute_force(inst, packing):
     (model,), cluster, (slo,) = inst
     req = PlanRequest(
         models=(model,),
@@ -113,8 +121,9 @@ def test_ppipe_matches_brute_force(inst):
         batch_wait=False,
         mip_gap=1e-9,
         max_partitions=2,
+        packing=packing,
     )
-    expected = brute_force_single(model, cluster, slo)
+    expected = brute_force_single(model, cluster, slo, packing=packing)
     if expected is None:
         with pytest.raises(InfeasibleError, match="m0"):
             make_plan(req)
@@ -176,6 +185,13 @@ def check_invariants(plan, models, slos):
         assert n <= pools[g].count
 
 
+def pair_request(inst, **options) -> PlanRequest:
+    models, cluster, slos = inst
+    return PlanRequest(
+        models=tuple(models), weights=(0.4, 0.6), slos_us=tuple(slos), cluster=cluster, **options
+    )
+
+
 @SETTINGS
 @given(
     instances(n_models=2),
@@ -184,19 +200,55 @@ def check_invariants(plan, models, slos):
     st.floats(0.0, 0.5),
 )
 def test_every_plan_respects_constraints(inst, strategy, packing, margin):
-    models, cluster, slos = inst
-    req = PlanRequest(
-        models=tuple(models),
-        weights=(0.4, 0.6),
-        slos_us=tuple(slos),
-        cluster=cluster,
-        strategy=strategy,
-        packing=packing,
-        margin=margin,
-    )
+    models, _, slos = inst
+    req = pair_request(inst, strategy=strategy, packing=packing, margin=margin)
     try:
         plan = make_plan(req)
     except InfeasibleError:
         return
     check_invariants(plan, models, slos)
     assert plan.objective == pytest.approx(min(m.throughput / m.weight for m in plan.models))
+
+
+@SETTINGS
+@given(instances(n_models=2), st.integers(2, 3))
+def test_per_model_decomposition_is_exact(inst, max_partitions):
+    """The decomposition that closes per-position gaps (decompose.reach) against the group
+    MILP: a plan at the group optimum exists, one 0.1% above it does not."""
+    models, cluster, slos = inst
+    req = pair_request(
+        inst,
+        packing="per-position",
+        margin=0.0,
+        batch_wait=False,
+        mip_gap=1e-9,
+        max_partitions=max_partitions,
+    )
+    try:
+        plan = make_plan(req)
+    except InfeasibleError:
+        return
+    costs = [ModelCosts(m, cluster, slo, 0.0, None) for m, slo in zip(models, slos, strict=True)]
+    _, cands = enumerate_candidates(req, costs, max_partitions)
+    z = plan.objective
+    if z > 0:
+        above = reach(cands, list(req.weights), cluster, z * 1.001, "highs", 60.0)
+        assert above.status == "infeasible"
+        below = reach(cands, list(req.weights), cluster, z * (1 - 1e-9), "highs", 60.0)
+        assert below.status == "feasible"
+        assert below.objective >= z * (1 - 1e-6)
+        assert below.chosen is not None
+        used: dict[str, int] = {}
+        for picked, w in zip(below.chosen, req.weights, strict=True):  # the plan it returns
+            served = sum(
+                min(n * p.vgpu_throughput for n, p in zip(counts, c.partitions, strict=True))
+                for c, counts in picked
+            )
+            assert served >= w * z * (1 - 1e-6)
+            per_pos: dict[tuple[int, str], float] = {}
+            for c, counts in picked:
+                for d, (p, n) in enumerate(zip(c.partitions, counts, strict=True)):
+                    per_pos[(d, p.gpu)] = per_pos.get((d, p.gpu), 0.0) + n / p.share
+            for (_, g), x in per_pos.items():
+                used[g] = used.get(g, 0) + math.ceil(x - 1e-9)
+        assert all(used[p.gpu] <= p.count for p in cluster.pools if p.gpu in used)

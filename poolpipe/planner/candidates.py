@@ -9,6 +9,12 @@ is exact in both packing modes. In `per-share` packing, a pipeline with two adja
 partitions in the same bucket is also dominated, by the pipeline that merges them: with the
 same n1 + n2 vGPUs it serves at least min(n1·t1, n2·t2), because 1/t_merged <= 1/t1 + 1/t2
 (compute adds up, NIC limits only apply at the outer ends), and it is faster end to end.
+
+In `per-position` packing the resource a partition uses is GPUs of its type at its position,
+Σ n / v, whatever its share v. So pipeline c' also dominates c when their partitions have the
+same GPU types position by position and, at every position, v' is a multiple of v and one
+GPU of c' serves at least as much as one GPU of c (v'·t' >= v·t): c's n vGPUs become
+n·v'/v vGPUs of c' on the same GPUs, serving at least as much (`drop_share_dominated`).
 """
 
 from __future__ import annotations
@@ -138,6 +144,41 @@ def enumerate_pipelines(
                     )
                 )
     return Enumeration(out, considered, feasible_count, best_latency)
+
+
+def drop_share_dominated(pipelines: list[CandidatePipeline]) -> list[CandidatePipeline]:
+    """Per-position packing: drop pipelines another one dominates across shares (above).
+
+    Ties (same shares, same per-GPU throughput) keep the lower-latency pipeline.
+    """
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, c in enumerate(pipelines):
+        groups.setdefault(tuple(p.gpu for p in c.partitions), []).append(i)
+    keep = np.zeros(len(pipelines), dtype=bool)
+    for idx in groups.values():
+        order = sorted(idx, key=lambda i: (pipelines[i].latency_us, i))
+        parts = [pipelines[i].partitions for i in order]
+        v = np.array([[p.share for p in ps] for ps in parts])
+        g = np.array([[p.share * p.vgpu_throughput for p in ps] for ps in parts])  # per GPU
+        n = len(order)
+        for s in range(0, n, _DOM_CHUNK):
+            a = slice(s, s + _DOM_CHUNK)  # rows: candidates that may be dominated
+            divides = (v[None, :, :] % v[a, None, :] == 0).all(-1)  # [A, n]: v_a | v_b
+            ge = (g[None, :, :] >= g[a, None, :] * (1 - DOMINANCE_RTOL)).all(-1)
+            dom = divides & ge  # dom[i, j]: j weakly dominates i
+            same = (v[None, :, :] == v[a, None, :]).all(-1) & (
+                g[None, :, :] <= g[a, None, :] * (1 + DOMINANCE_RTOL)
+            ).all(-1)  # j equals i: only an earlier j (lower latency) counts
+            rows = np.arange(s, min(s + _DOM_CHUNK, n))
+            earlier = np.arange(n)[None, :] < rows[:, None]
+            dom &= ~same | earlier
+            dom[np.arange(len(rows)), rows] = False
+            for r, dominated in zip(rows, dom.any(axis=1), strict=True):
+                keep[order[r]] = not dominated
+    return [c for c, k in zip(pipelines, keep, strict=True) if k]
+
+
+_DOM_CHUNK = 512
 
 
 def _make_pipeline(

@@ -31,6 +31,27 @@ class GroupMilp:
     z: int
     x: list[list[int]]  # [model][candidate] -> var
     n: list[list[list[int]]]  # [model][candidate][partition] -> var
+    gpu_rows: dict[str, int]  # GPU type -> its row (c): physical GPUs used <= N[k]
+
+    def gpu_terms(self, gpu: str) -> dict[int, float]:
+        row = self.gpu_rows[gpu]
+        s, e = self.milp.row_start[row], self.milp.row_start[row + 1]
+        return dict(zip(self.milp.row_index[s:e], self.milp.row_value[s:e], strict=True))
+
+    def minimise_gpus(self, gpu: str, z_min: float) -> int:
+        """Turn the MILP into: fewest GPUs of `gpu` for an objective of at least z_min.
+
+        The objective becomes the integer count of `gpu`'s physical GPUs (returned variable,
+        still at most N[gpu]); z is fixed from below. Used by the decomposition proof.
+        """
+        milp = self.milp
+        milp.cost[self.z] = 0.0
+        milp.lower[self.z] = z_min
+        row = self.gpu_rows[gpu]
+        used = milp.add_var(upper=milp.row_upper[row], cost=-1.0, integer=True)
+        milp.add_row({**self.gpu_terms(gpu), used: -1.0}, upper=0.0)
+        milp.row_upper[row] = math.inf
+        return used
 
 
 def build_group_milp(
@@ -38,9 +59,11 @@ def build_group_milp(
     weights: list[float],
     cluster: Cluster,
     packing: str,
+    budgets: dict[str, int] | None = None,
 ) -> GroupMilp:
+    """The group MILP; `budgets` caps the GPUs of some types below the cluster's counts."""
     milp = Milp()
-    count = {p.gpu: p.count for p in cluster.pools}
+    count = {p.gpu: min(p.count, (budgets or {}).get(p.gpu, p.count)) for p in cluster.pools}
     z = milp.add_var(cost=1.0)
     xs: list[list[int]] = []
     ns: list[list[list[int]]] = []
@@ -87,6 +110,7 @@ def build_group_milp(
                 {**{n: coef * lcm for n, coef in terms.items()}, g: -float(lcm)}, upper=0.0
             )
             per_type[gpu][g] = 1.0
+    gpu_rows = {}
     for gpu, terms in per_type.items():
-        milp.add_row(terms, upper=float(count[gpu]))
-    return GroupMilp(milp=milp, z=z, x=xs, n=ns)
+        gpu_rows[gpu] = milp.add_row(terms, upper=float(count[gpu]))
+    return GroupMilp(milp=milp, z=z, x=xs, n=ns, gpu_rows=gpu_rows)

@@ -25,7 +25,13 @@ from poolpipe.plan import (
     Plan,
     SolverInfo,
 )
-from poolpipe.planner.candidates import CandidatePipeline, Enumeration, enumerate_pipelines
+from poolpipe.planner.candidates import (
+    CandidatePipeline,
+    Enumeration,
+    drop_share_dominated,
+    enumerate_pipelines,
+)
+from poolpipe.planner.decompose import decomposable, reach
 from poolpipe.planner.formulation import GroupMilp, build_group_milp
 from poolpipe.planner.pruning import candidate_bounds, keep_mask
 from poolpipe.planner.solvers import (
@@ -43,6 +49,7 @@ PRUNE_ABOVE = 60  # candidates (all models) above which LP-bound pruning runs fi
 INCUMBENT_POOL = 48  # per model: best-bounded candidates in the quick incumbent MILP
 INCUMBENT_PER_SIGNATURE = 2  # ... at most this many of each GPU-bucket signature
 INCUMBENT_TIME_S = 5.0  # time limit of the quick incumbent MILP
+GROUP_TRY_S = 2.0  # per-position: group MILP time before the decomposition closes the gap
 
 
 @dataclass(frozen=True)
@@ -136,15 +143,25 @@ def _infeasible(req: PlanRequest, costs: ModelCosts, en: Enumeration, what: str)
     )
 
 
-def _solve_group(
-    req: PlanRequest, costs: list[ModelCosts], max_partitions: int, what: str
-) -> _Solved:
+def enumerate_candidates(
+    req: PlanRequest, costs: list[ModelCosts], max_partitions: int, what: str = "feasible"
+) -> tuple[list[Enumeration], list[list[CandidatePipeline]]]:
+    """Every model's non-dominated candidate pipelines; InfeasibleError names a model without."""
     merge = req.packing == "per-share"
     enums = [enumerate_pipelines(c, max_partitions, merge_same_bucket=merge) for c in costs]
     for c, en in zip(costs, enums, strict=True):
         if not en.pipelines:
             raise _infeasible(req, c, en, what)
     cands = [en.pipelines for en in enums]
+    if req.packing == "per-position":
+        cands = [drop_share_dominated(c) for c in cands]
+    return enums, cands
+
+
+def _solve_group(
+    req: PlanRequest, costs: list[ModelCosts], max_partitions: int, what: str
+) -> _Solved:
+    enums, cands = enumerate_candidates(req, costs, max_partitions, what)
     quick: _Quick | None = None
     dropped_bound = -math.inf
     if sum(len(c) for c in cands) > PRUNE_ABOVE:
@@ -153,7 +170,9 @@ def _solve_group(
     start = None
     if quick is not None and quick.chosen is not None:
         start = _start_values(group, cands, quick.chosen, quick.objective)
-    result = solve(group.milp, req.solver, req.time_limit_s, req.mip_gap, req.threads, start)
+    split = len(cands) > 1 and decomposable(req.cluster, req.packing)
+    limit = min(req.time_limit_s, GROUP_TRY_S) if split else req.time_limit_s
+    result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, start)
     if not result.has_solution or result.values is None:
         raise SolverError(
             f"{req.solver} found no plan ({result.status}) for {[m.name for m in req.models]} "
@@ -166,6 +185,8 @@ def _solve_group(
     if quick is not None:
         result.seconds += quick.seconds
     chosen = _read_counts(group, cands, result.values)
+    if split and result.gap > req.mip_gap:
+        chosen = _close_gap(req, cands, result, chosen)
     milp = group.milp
     return _Solved(
         chosen,
@@ -176,6 +197,36 @@ def _solve_group(
         milp.num_rows,
         kept=sum(len(c) for c in cands),
     )
+
+
+def _close_gap(
+    req: PlanRequest,
+    cands: list[list[CandidatePipeline]],
+    result: MilpResult,
+    chosen: list[list[tuple[CandidatePipeline, list[int]]]],
+) -> list[list[tuple[CandidatePipeline, list[int]]]]:
+    """Prove (or improve) the incumbent by the per-model decomposition (decompose.py).
+
+    Asks for a plan at z = incumbent · (1 + gap/2): none means the incumbent is within half
+    the gap tolerance of the optimum; one becomes the new incumbent and the question is
+    asked again. `result` is updated in place (objective, bound, gap, status, seconds).
+    """
+    left = req.time_limit_s - result.seconds
+    while result.objective > 0 and left > 0 and result.gap > req.mip_gap:
+        target = result.objective * (1 + req.mip_gap / 2)
+        r = reach(cands, list(req.weights), req.cluster, target, req.solver, left, req.threads)
+        result.seconds += r.seconds
+        left -= r.seconds
+        if r.status == "unknown":
+            break
+        if r.status == "infeasible":
+            result.bound = min(result.bound, target)
+        else:
+            assert r.chosen is not None
+            chosen, result.objective = r.chosen, r.objective
+        result.gap = relative_gap(result.objective, result.bound)
+    result.status = "optimal" if result.gap <= req.mip_gap else result.status
+    return chosen
 
 
 def _read_counts(

@@ -1,0 +1,195 @@
+"""Closing the last gap of a per-position plan by decomposing it into one MILP per model.
+
+In `per-position` packing every model rounds its own GPUs up to whole GPUs, so models only
+interact through the cluster's counts: Σ_m GPUs(m, k) <= N_k. Whether some plan reaches an
+objective z is then a question about each model alone, plus a small dynamic programme:
+
+- per model m and type k, the fewest GPUs of k with which m alone serves w_m·z
+  (every other type at its full count): min_k(m);
+- on the type e with the least slack N_e - Σ_m min_e(m), per model and each count a of
+  e-GPUs m could get, the fewest GPUs of the other type o it then needs: b_m(a);
+- a split Σ_m a_m <= N_e minimising Σ_m b_m(a_m); z is reachable iff that is <= N_o.
+
+Every step is a single-model MILP with an *integer* objective (a GPU count), which HiGHS
+closes quickly, where the group MILP's continuous max-min objective can spend a minute
+moving its bound the last 1e-4. b_m is non-increasing in a, so it is evaluated only where
+it can change (bisection between equal values). Clusters of one or two GPU types only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from poolpipe.cluster import Cluster
+from poolpipe.planner.candidates import CandidatePipeline
+from poolpipe.planner.formulation import build_group_milp
+from poolpipe.planner.solvers import solve
+
+Chosen = list[tuple[CandidatePipeline, list[int]]]  # one model's pipelines and vGPU counts
+ROUND_TOL = 1e-6
+
+
+def decomposable(cluster: Cluster, packing: str) -> bool:
+    return packing == "per-position" and 1 <= len(cluster.pools) <= 2
+
+
+@dataclass
+class Reach:
+    """Outcome of `reach`: a plan with objective >= z, a proof there is none, or unknown."""
+
+    status: str  # feasible | infeasible | unknown
+    chosen: list[Chosen] | None = None
+    objective: float = -math.inf
+    milps: int = 0
+    seconds: float = 0.0
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+@dataclass
+class _ModelProblem:
+    """The single-model MILPs of one model at one target objective."""
+
+    cands: list[CandidatePipeline]
+    weight: float
+    cluster: Cluster
+    z: float
+    solver: str
+    deadline: float
+    threads: int | None
+    milps: int = 0
+    cache: dict[tuple, tuple[int | None, Chosen]] = field(default_factory=dict)
+
+    def fewest(self, gpu: str, budgets: dict[str, int]) -> tuple[int | None, Chosen]:
+        """Fewest GPUs of `gpu` for this model alone to reach z (None: cannot)."""
+        key = (gpu, tuple(sorted(budgets.items())))
+        if key not in self.cache:
+            self.cache[key] = self._solve(gpu, budgets)
+        return self.cache[key]
+
+    def _solve(self, gpu: str, budgets: dict[str, int]) -> tuple[int | None, Chosen]:
+        left = self.deadline - time.perf_counter()
+        if left <= 0:
+            raise _OutOfTime
+        group = build_group_milp([self.cands], [self.weight], self.cluster, "per-position", budgets)
+        if gpu in group.gpu_rows:
+            group.minimise_gpus(gpu, self.z)
+        else:  # no candidate uses this type: only feasibility is asked
+            group.milp.cost[group.z] = 0.0
+            group.milp.lower[group.z] = self.z
+        self.milps += 1
+        res = solve(group.milp, self.solver, left, 1e-9, self.threads)
+        if res.status == "infeasible":
+            return None, []
+        if res.status != "optimal" or res.values is None:
+            raise _OutOfTime
+        used = round(-res.objective) if gpu in group.gpu_rows else 0
+        chosen = []
+        for c, cand in enumerate(self.cands):
+            counts = [math.floor(res.values[v] + ROUND_TOL) for v in group.n[0][c]]
+            if min(counts) > 0:
+                chosen.append((cand, counts))
+        return used, chosen
+
+
+def reach(
+    cands: list[list[CandidatePipeline]],
+    weights: list[float],
+    cluster: Cluster,
+    z: float,
+    solver: str,
+    time_limit_s: float,
+    threads: int | None = None,
+) -> Reach:
+    """Is there a per-position plan over `cands` with objective >= z? Exact, see module."""
+    t0 = time.perf_counter()
+    problems = [
+        _ModelProblem(c, w, cluster, z, solver, t0 + time_limit_s, threads)
+        for c, w in zip(cands, weights, strict=True)
+    ]
+    try:
+        status, chosen = _reach(problems, cluster)
+    except _OutOfTime:
+        status, chosen = "unknown", None
+    out = Reach(status, chosen, milps=sum(p.milps for p in problems))
+    if chosen is not None:
+        out.objective = min(
+            sum(min(n * p.vgpu_throughput for n, p in zip(counts, c.partitions, strict=True))
+                for c, counts in picked) / w
+            for picked, w in zip(chosen, weights, strict=True)
+        )
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _reach(problems: list[_ModelProblem], cluster: Cluster) -> tuple[str, list[Chosen] | None]:
+    count = {p.gpu: p.count for p in cluster.pools}
+    types = list(count)
+    if len(types) == 1:
+        (gpu,) = types
+        mins = [p.fewest(gpu, {}) for p in problems]
+        if any(n is None for n, _ in mins) or sum(n or 0 for n, _ in mins) > count[gpu]:
+            return "infeasible", None
+        return "feasible", [ch for _, ch in mins]
+    fewest = {gpu: [p.fewest(gpu, {}) for p in problems] for gpu in types}
+    if any(n is None for n, _ in fewest[types[0]]):
+        return "infeasible", None  # some model cannot reach z even on the whole cluster
+    slack = {gpu: count[gpu] - sum(n or 0 for n, _ in fewest[gpu]) for gpu in types}
+    if min(slack.values()) < 0:
+        return "infeasible", None
+    e = min(types, key=lambda g: slack[g])  # enumerate the scarcer type
+    o = types[1] if e == types[0] else types[0]
+    # b[m][a - lo_m] for a in lo_m .. lo_m + slack[e]
+    b: list[dict[int, tuple[int | None, Chosen]]] = []
+    for m, p in enumerate(problems):
+        lo = fewest[e][m][0] or 0
+        hi = lo + slack[e]
+        values = {hi: p.fewest(o, {e: hi})}
+        b.append(values)
+    if sum(v[max(v)][0] or 0 for v in b) > count[o]:
+        return "infeasible", None  # even with every model at its most e-GPUs
+    for m, p in enumerate(problems):
+        lo = fewest[e][m][0] or 0
+        b[m][lo] = p.fewest(o, {e: lo})
+        _fill(p, b[m], lo, lo + slack[e], e, o)
+    # DP over models: best[used e] = (fewest o in total, choice per model)
+    best: dict[int, tuple[int, list[int]]] = {0: (0, [])}
+    for values in b:
+        nxt: dict[int, tuple[int, list[int]]] = {}
+        for used, (total, picks) in best.items():
+            for a, (need, _) in values.items():
+                if need is None or used + a > count[e]:
+                    continue
+                cand = (total + need, [*picks, a])
+                if used + a not in nxt or cand[0] < nxt[used + a][0]:
+                    nxt[used + a] = cand
+        best = nxt
+    total, picks = min(best.values(), default=(count[o] + 1, []), key=lambda t: t[0])
+    if total > count[o]:
+        return "infeasible", None
+    return "feasible", [b[m][a][1] for m, a in enumerate(picks)]
+
+
+def _fill(
+    p: _ModelProblem,
+    values: dict[int, tuple[int | None, Chosen]],
+    lo: int,
+    hi: int,
+    e: str,
+    o: str,
+) -> None:
+    """Evaluate b(a) on lo..hi (both known); equal ends make the whole range equal."""
+    if hi - lo <= 1:
+        return
+    if values[lo][0] == values[hi][0]:
+        for a in range(lo + 1, hi):
+            values[a] = values[lo]  # same need, and lo's solution uses at most lo <= a e-GPUs
+        return
+    mid = (lo + hi) // 2
+    values[mid] = p.fewest(o, {e: mid})
+    _fill(p, values, lo, mid, e, o)
+    _fill(p, values, mid, hi, e, o)
