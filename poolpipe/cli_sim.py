@@ -30,7 +30,7 @@ def _load_plan(path: str, wh: Warehouse) -> tuple[Plan, Topology]:
         raise PoolpipeError(f"plan file {path} does not exist; write one with poolpipe plan --out")
     plan = Plan.load(p)
     profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
-    return plan, build_topology(plan, profiles)
+    return plan, build_topology(plan, profiles, larger_batches=True)
 
 
 def _reference_rates(args: argparse.Namespace, plan: Plan) -> list[float] | None:

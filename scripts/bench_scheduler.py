@@ -78,7 +78,7 @@ def main() -> int:
                 max_partitions=2,
             )
         )
-        topo = build_topology(plan, profiles)
+        topo = build_topology(plan, profiles, larger_batches=True)
         for lf in lfs:
             res = run_once(
                 topo, ArrivalSpec("poisson"), lf, SimConfig(duration, seed=1), args.data_plane

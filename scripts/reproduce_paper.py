@@ -71,7 +71,7 @@ def _job(spec: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                 max_partitions=2,
             )
         )
-        topos[strategy] = (plan, build_topology(plan, profiles))
+        topos[strategy] = (plan, build_topology(plan, profiles, larger_batches=True))
     rates = [m.throughput for m in topos["ppipe"][0].models]
     high, low = cluster.pools[0].gpu, cluster.pools[1].gpu
     planes = ["reservation", "reactive"] if spec["ablation"] else ["reservation"]

@@ -144,6 +144,40 @@ def test_smaller_batch_when_the_planned_one_would_be_late():
     assert all(x.hops[-1].end_us <= 20.0 for x in d.dispatches)
 
 
+def test_a_new_head_the_booked_up_pool_cannot_serve_at_the_planned_batch_is_dropped():
+    # one vGPU: batch 1 takes 5 µs, batch 2 takes 12; two batches of 2 book it until 24
+    s = ReservationScheduler(make_topology([([0], [5.0, 12.0], 0.0)], batch=2, slo_us=30.0))
+    for r in make_requests(4, slo_us=30.0):
+        s.add_request(r, 0.0)
+    assert [x.batch for x in s.decide(0.0).dispatches] == [2, 2]
+    late = make_requests(1, start_us=1.0, slo_us=30.0)[0]
+    late.id = 4
+    s.add_request(late, 1.0)
+    d = s.decide(1.0)
+    # batch 2 would end at 36 > 31 (an idle vGPU would make it by 13); batch 1 would end at
+    # 29, but running it would cost the capacity the later requests need: dropped
+    assert d.dispatches == []
+    assert [(x.request.id, x.reason) for x in d.drops] == [(4, DROP_CANNOT_MEET)]
+
+
+def test_under_a_backlog_a_batch_is_held_until_its_start_and_grows():
+    # the plan's batch is 1; the profile also has batches 2 and 3 (12 and 14 µs)
+    s = ReservationScheduler(make_topology([([0], [10.0, 12.0, 14.0], 0.0)], slo_us=100.0))
+    reqs = make_requests(4, gap_us=1.0, slo_us=100.0)
+    s.add_request(reqs[0], 0.0)
+    first = s.decide(0.0).dispatches  # an idle vGPU: no reason to hold
+    assert [x.batch for x in first] == [1]
+    s.add_request(reqs[1], 1.0)
+    d = s.decide(1.0)
+    assert d.dispatches == [] and d.wake_at_us == pytest.approx(10.0 - 1.0)  # booked until 10
+    for r in reqs[2:]:
+        s.add_request(r, r.arrival_us)
+        assert s.decide(r.arrival_us).dispatches == []
+    (grown,) = s.decide(9.0).dispatches
+    assert grown.batch == 3 and [r.id for r in grown.requests] == [1, 2, 3]
+    assert (grown.hops[0].start_us, grown.hops[0].end_us) == (10.0, 24.0)
+
+
 def test_eager_never_waits_and_deferred_waits_less_than_adaptive():
     wakes = {}
     for policy in ("adaptive", "deferred", "eager"):

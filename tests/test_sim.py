@@ -35,7 +35,7 @@ def plans(ppipe_profiles, ppipe_dir):
             max_partitions=2,
         )
         plan = make_plan(req)
-        out[strategy] = (plan, build_topology(plan, ppipe_profiles))
+        out[strategy] = (plan, build_topology(plan, ppipe_profiles, larger_batches=True))
     return out
 
 

@@ -92,8 +92,14 @@ class Topology:
         )
 
 
-def build_topology(plan: Plan, profiles: Mapping[str, ModelProfile]) -> Topology:
-    """Lay the plan's vGPUs onto GPUs (first-fit decreasing) and the GPUs onto servers."""
+def build_topology(
+    plan: Plan, profiles: Mapping[str, ModelProfile], larger_batches: bool = False
+) -> Topology:
+    """Lay the plan's vGPUs onto GPUs (first-fit decreasing) and the GPUs onto servers.
+
+    `larger_batches`: give each pool its profiled latencies above the plan's batch too, so the
+    data plane may grow batches under a backlog (the simulator; a live deployment calibrates
+    the planned batches only)."""
     cluster = plan.cluster
     models: list[Model] = []
     pipelines: list[Pipeline] = []
@@ -112,9 +118,13 @@ def build_topology(plan: Plan, profiles: Mapping[str, ModelProfile]) -> Topology
                 kv = costs.kv_index(part.gpu, part.share)
                 lats = [math.nan] + [
                     costs.partition_latency_us(kv, b, part.start, part.end)
-                    for b in range(1, pp.batch + 1)
+                    for b in range(1, costs.max_batch + 1)
                 ]
-                if any(not lat > 0 for lat in lats[1:]):
+                # larger_batches: latencies above the plan's batch stay while profiled, and
+                # the data plane may run such batches under a backlog (adaptive.py).
+                top = len(lats) if larger_batches else pp.batch + 1
+                lats = lats[: next((b for b in range(pp.batch + 1, top) if not lats[b] > 0), top)]
+                if len(lats) <= pp.batch or any(not lat > 0 for lat in lats[1:]):
                     raise ClusterError(
                         f"{m.name}: partition {part.start}-{part.end} on {part.gpu}/{part.share}"
                         f" has no profiled latency for every batch 1..{pp.batch}"
