@@ -220,6 +220,8 @@ def _close_gap(
         if r.status == "unknown":
             break
         if r.status == "infeasible":
+            # Candidates dropped by LP-bound pruning score below the first incumbent (that
+            # is how they were dropped), so below target: the bound covers them too.
             result.bound = min(result.bound, target)
         else:
             assert r.chosen is not None
