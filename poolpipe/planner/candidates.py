@@ -29,6 +29,8 @@ from poolpipe.costs import US_PER_S, ModelCosts
 
 # Relative tolerance under which two vGPU throughputs count as equal for dominance.
 DOMINANCE_RTOL = 1e-12
+# Rows per block of the cross-share dominance test (its arrays are rows x group size x D).
+_DOM_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -173,12 +175,8 @@ def drop_share_dominated(pipelines: list[CandidatePipeline]) -> list[CandidatePi
             earlier = np.arange(n)[None, :] < rows[:, None]
             dom &= ~same | earlier
             dom[np.arange(len(rows)), rows] = False
-            for r, dominated in zip(rows, dom.any(axis=1), strict=True):
-                keep[order[r]] = not dominated
+            keep[np.asarray(order)[rows]] = ~dom.any(axis=1)
     return [c for c, k in zip(pipelines, keep, strict=True) if k]
-
-
-_DOM_CHUNK = 512
 
 
 def _make_pipeline(

@@ -143,19 +143,15 @@ def _reach(problems: list[_ModelProblem], cluster: Cluster) -> tuple[str, list[C
         return "infeasible", None
     e = min(types, key=lambda g: slack[g])  # enumerate the scarcer type
     o = types[1] if e == types[0] else types[0]
-    # b[m][a - lo_m] for a in lo_m .. lo_m + slack[e]
-    b: list[dict[int, tuple[int | None, Chosen]]] = []
-    for m, p in enumerate(problems):
-        lo = fewest[e][m][0] or 0
-        hi = lo + slack[e]
-        values = {hi: p.fewest(o, {e: hi})}
-        b.append(values)
-    if sum(v[max(v)][0] or 0 for v in b) > count[o]:
+    los = [n or 0 for n, _ in fewest[e]]
+    his = [lo + slack[e] for lo in los]
+    # b[m][a]: fewest o-GPUs for model m with a e-GPUs, a in los[m] .. his[m]
+    b = [{hi: p.fewest(o, {e: hi})} for p, hi in zip(problems, his, strict=True)]
+    if sum(v[hi][0] or 0 for v, hi in zip(b, his, strict=True)) > count[o]:
         return "infeasible", None  # even with every model at its most e-GPUs
-    for m, p in enumerate(problems):
-        lo = fewest[e][m][0] or 0
-        b[m][lo] = p.fewest(o, {e: lo})
-        _fill(p, b[m], lo, lo + slack[e], e, o)
+    for p, lo, hi, values in zip(problems, los, his, b, strict=True):
+        values[lo] = p.fewest(o, {e: lo})
+        _fill(p, values, lo, hi, e, o)
     # DP over models: best[used e] = (fewest o in total, choice per model)
     best: dict[int, tuple[int, list[int]]] = {0: (0, [])}
     for values in b:

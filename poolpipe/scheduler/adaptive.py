@@ -93,10 +93,7 @@ class ReservationScheduler:
         self._pipes: list[list[Pipeline]] = [
             [topo.pipelines[i] for i in m.pipelines] for m in topo.models
         ]
-        self._no_wait_us = _no_wait(topo)
-        self._max_batch = [
-            min(len(topo.pools[p].latency_us) for p in pipe.pools) - 1 for pipe in topo.pipelines
-        ]
+        self._no_wait_us, self._grow_to = _per_pipeline(topo)
         M = len(topo.models)
         self.queues: list[deque[Request]] = [deque() for _ in range(M)]
         self._dirty = [False] * M
@@ -160,10 +157,7 @@ class ReservationScheduler:
         """Plan with the pools' latencies of `topo`, the same topology measured anew (a live
         router recalibrating under load); what is already reserved stays as it is."""
         self.topo = topo
-        self._no_wait_us = _no_wait(topo)
-        self._max_batch = [
-            min(len(topo.pools[p].latency_us) for p in pipe.pools) - 1 for pipe in topo.pipelines
-        ]
+        self._no_wait_us, self._grow_to = _per_pipeline(topo)
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -383,7 +377,7 @@ class ReservationScheduler:
                 continue
             # 3. wait for more requests, or dispatch
             n = len(q)
-            top = self._max_batch[pipe.id] if len(pipe.pools) == 1 else pipe.batch
+            top = self._grow_to[pipe.id]
             if self.policy == "adaptive" and b == pipe.batch < top and n >= b:
                 # Backlog (a one-partition pipeline whose topology has latencies above the
                 # plan's batch): its vGPUs are booked until `start`. Hold the batch until then,
@@ -439,12 +433,19 @@ class ReservationScheduler:
         out.dispatches.append(d)
 
 
-def _no_wait(topo: Topology) -> list[float]:
-    """Per pipeline: latency at its planned batch with no waiting (a bound for pruning)."""
-    return [
+def _per_pipeline(topo: Topology) -> tuple[list[float], list[int]]:
+    """Per pipeline, from the pools' latencies: the latency at its planned batch with no
+    waiting (a bound for pruning probes, and admission's test), and the largest batch it may
+    grow to under a backlog (one-partition pipelines only, see the module)."""
+    no_wait = [
         sum(
             topo.pools[p].latency_us[pipe.batch] + pipe.batch * topo.pools[p].transfer_in_us
             for p in pipe.pools
         )
         for pipe in topo.pipelines
     ]
+    grow_to = [
+        len(topo.pools[pipe.pools[0]].latency_us) - 1 if len(pipe.pools) == 1 else pipe.batch
+        for pipe in topo.pipelines
+    ]
+    return no_wait, grow_to
