@@ -76,6 +76,7 @@ class SolverInfo:
     num_rows: int = 0
     candidates: int = 0  # pipelines left after pruning
     feasible_configs: int = 0  # SLO-feasible (cuts, buckets, batch) combinations before
+    proof: str = "milp"  # what proved the bound: milp | decomposition | knapsack | lp
 
 
 @dataclass(frozen=True)

@@ -202,3 +202,33 @@ def test_verify_rejects_a_tampered_plan(ppipe_profiles):
     )
     with pytest.raises(PlanVerificationError):
         bad2.verify(ppipe_profiles)
+
+
+def test_single_model_p3_plan_is_proven_by_the_knapsack(ppipe_profiles):
+    """The single-model ablation (P=3, margin 0.1): the knapsack bound proves the plan, and
+    the group MILP over every candidate, solved to a 1e-9 gap, finds nothing better beyond
+    the plan's gap tolerance."""
+    from poolpipe.costs import ModelCosts
+    from poolpipe.planner.formulation import build_group_milp
+    from poolpipe.planner.solvers import solve
+    from poolpipe.planner.strategies import enumerate_candidates, estimate_arrival_rates
+
+    model = ppipe_profiles["rtmdet_x_8xb32-300e_coco"]
+    req = PlanRequest(
+        models=(model,),
+        weights=(1.0,),
+        slos_us=(5 * model.reference_latency_us,),
+        cluster=load_cluster(PPIPE_DIR / "clusters.toml", "hc2-large"),
+        packing="per-position",
+        margin=0.1,
+        max_partitions=3,
+    )
+    plan = make_plan(req)
+    assert (plan.solver.status, plan.solver.proof) == ("optimal", "knapsack")
+    lam, _ = estimate_arrival_rates(req)
+    costs = [ModelCosts(model, req.cluster, req.slos_us[0], req.margin, lam[0])]
+    _, cands = enumerate_candidates(req, costs, 3)
+    exact = solve(build_group_milp(cands, [1.0], req.cluster, req.packing).milp, "highs", 120, 1e-9)
+    assert exact.status == "optimal"
+    assert plan.objective <= exact.objective * (1 + 1e-9)
+    assert exact.objective <= plan.objective * (1 + req.mip_gap)

@@ -15,6 +15,8 @@ from poolpipe.costs import ModelCosts
 from poolpipe.errors import InfeasibleError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.decompose import reach
+from poolpipe.planner.knapsack import knapsack_bound
+from poolpipe.planner.pruning import candidate_bounds
 from poolpipe.planner.strategies import enumerate_candidates
 from tests.conftest import tiny_cluster, tiny_model
 
@@ -22,10 +24,10 @@ SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[Heal
 
 
 @st.composite
-def instances(draw, n_models=1):
+def instances(draw, n_models=1, shares_a=(1, 2)):
     blocks = draw(st.integers(2, 3))
     pools = [
-        ("A", draw(st.integers(1, 2)), draw(st.integers(1, 2)), (1, 2)),
+        ("A", draw(st.integers(1, 2)), draw(st.integers(1, 2)), shares_a),
         ("B", draw(st.integers(1, 2)), draw(st.integers(1, 2)), (1,)),
     ]
     lat = st.integers(200, 20000)
@@ -252,3 +254,39 @@ def test_per_model_decomposition_is_exact(inst, max_partitions):
             for (_, g), x in per_pos.items():
                 used[g] = used.get(g, 0) + math.ceil(x - 1e-9)
         assert all(used[p.gpu] <= p.count for p in cluster.pools if p.gpu in used)
+
+
+@SETTINGS
+@given(
+    st.sampled_from([(1, 2), (1,)]).flatmap(
+        lambda sh: st.tuples(instances(shares_a=sh), st.just(sh))
+    ),
+    st.sampled_from(["per-share", "per-position"]),
+)
+def test_knapsack_bound_is_valid_and_tight_on_whole_gpus(inst_shares, packing):
+    """The knapsack bound (knapsack.py) against the brute force: for any incumbent z0 below
+    the optimum, max(z0, bound) is at least the optimum and the bound at most the LP's. On
+    whole GPUs only (no bucket rounding to relax) it is the optimum itself."""
+    ((model,), cluster, (slo,)), shares = inst_shares
+    req = PlanRequest(
+        models=(model,),
+        weights=(1.0,),
+        slos_us=(slo,),
+        cluster=cluster,
+        margin=0.0,
+        batch_wait=False,
+        packing=packing,
+    )
+    best = brute_force_single(model, cluster, slo, packing=packing)
+    if best is None:
+        return
+    costs = [ModelCosts(model, cluster, slo, 0.0, None)]
+    _, cands = enumerate_candidates(req, costs, 2)
+    cb = candidate_bounds(cands, [1.0], cluster)
+    for z0 in (0.0, best * 0.999, best):
+        kb = knapsack_bound(cands, cb, cluster, z0)
+        assert kb is not None
+        assert max(z0, kb.bound) >= best * (1 - 1e-9)
+        assert kb.bound <= cb.dual_bound * (1 + 1e-9)
+        if z0 == 0.0 and shares == (1,):
+            assert kb.bound == pytest.approx(best, rel=1e-9)

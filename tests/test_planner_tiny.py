@@ -158,3 +158,25 @@ def test_margin_rounds_half_up():
 
     assert margin_us(71752.36, 0.4) == 28701.0
     assert margin_us(10.0, 0.25) == 3.0  # 2.5 -> 3
+
+
+def test_solver_stops_at_a_target_it_reaches_and_not_before():
+    """`solve(target=...)` (how the planner passes the knapsack's bound to the MILP): a
+    reachable target stops the search with status "target" and a solution at least that
+    good; an unreachable one leaves the search to prove the optimum."""
+    import numpy as np
+
+    from poolpipe.planner.solvers import Milp, solve
+
+    rng = np.random.default_rng(7)
+    milp = Milp()  # a 2-row integer knapsack that presolve cannot finish on its own
+    xs = [milp.add_var(upper=3, cost=float(rng.integers(10, 99)), integer=True) for _ in range(40)]
+    for _ in range(2):
+        milp.add_row({x: float(rng.integers(10, 99)) for x in xs}, upper=997.0)
+    best = solve(milp, mip_gap=0.0)
+    assert best.status == "optimal" and best.values is not None
+    early = solve(milp, mip_gap=0.0, target=1.0)
+    assert early.status == "target" and early.objective >= 1.0
+    assert early.values is not None
+    late = solve(milp, mip_gap=0.0, target=best.objective + 1)
+    assert late.status == "optimal" and late.objective == pytest.approx(best.objective)

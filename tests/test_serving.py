@@ -94,7 +94,6 @@ def test_partitions_run_on_two_nodes_with_fp16_between_them(served):
     assert served.warmed == 4
 
 
-
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_clients_get_the_whole_models_answer(served, onboarded_tiny, protocol):
     wh, _ = onboarded_tiny

@@ -118,8 +118,11 @@ def reach(
     out = Reach(status, chosen, milps=sum(p.milps for p in problems))
     if chosen is not None:
         out.objective = min(
-            sum(min(n * p.vgpu_throughput for n, p in zip(counts, c.partitions, strict=True))
-                for c, counts in picked) / w
+            sum(
+                min(n * p.vgpu_throughput for n, p in zip(counts, c.partitions, strict=True))
+                for c, counts in picked
+            )
+            / w
             for picked, w in zip(chosen, weights, strict=True)
         )
     out.seconds = time.perf_counter() - t0

@@ -40,6 +40,8 @@ class CandidateBounds:
     dual_bound: float  # D: upper bound on the objective of any plan (the LP optimum)
     bounds: list[np.ndarray]  # per model, per candidate: best objective of a plan using it
     seconds: float
+    gpu_prices: np.ndarray  # π per GPU type, in the cluster's pool order
+    model_prices: np.ndarray  # μ per model
 
 
 def candidate_bounds(
@@ -85,19 +87,37 @@ def candidate_bounds(
                 sl = slice(s, s + CHUNK)
                 out[np.array(idx[sl])] = dual - _min_penalty(t[sl], coef[sl], x_max[sl], mus[m])
         bounds.append(out)
-    return CandidateBounds(dual_bound=dual, bounds=bounds, seconds=time.perf_counter() - t0)
+    return CandidateBounds(
+        dual_bound=dual,
+        bounds=bounds,
+        seconds=time.perf_counter() - t0,
+        gpu_prices=pis,
+        model_prices=mus,
+    )
 
 
-def _min_penalty(t: np.ndarray, coef: np.ndarray, x_max: np.ndarray, mu: float) -> np.ndarray:
-    """min over breakpoints x = t_d·j <= x_max of Σ_d coef_d ceil(x/t_d) - mu·x, per row."""
+def breakpoints(t: np.ndarray, x_max: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The throughputs worth serving with a pipeline of vGPU throughputs t [C, D], per row.
+
+    Any vGPU counts n serve x = min_d t_d·n_d, a breakpoint t_d·j, and need at least
+    n_d = ceil(x / t_d) in each partition. Returns x [C, D·J], valid [C, D·J] (x <= x_max,
+    the most the cluster's counts allow, or the first breakpoint of a partition) and those
+    fewest counts n [C, D·J, D].
+    """
     C, D = t.shape
     jmax = int(np.ceil((x_max[:, None] / t).max())) if C else 0
     jmax = max(1, min(jmax, 10_000))
     j = np.arange(1, jmax + 1, dtype=float)
-    x = (t[:, :, None] * j[None, None, :]).reshape(C, D * jmax)  # [C, D*J]
+    x = (t[:, :, None] * j[None, None, :]).reshape(C, D * jmax)
     valid = x <= x_max[:, None] * (1 + 1e-12)
     valid[:, ::jmax] = True  # x = t_d (one vGPU on the bottleneck) is always possible
-    n = np.ceil(x[:, :, None] / t[:, None, :] - 1e-9)  # [C, P, D]
+    n = np.ceil(x[:, :, None] / t[:, None, :] - 1e-9)
+    return x, valid, n
+
+
+def _min_penalty(t: np.ndarray, coef: np.ndarray, x_max: np.ndarray, mu: float) -> np.ndarray:
+    """min over breakpoints x = t_d·j <= x_max of Σ_d coef_d ceil(x/t_d) - mu·x, per row."""
+    x, valid, n = breakpoints(t, x_max)
     pen = (coef[:, None, :] * n).sum(axis=2) - mu * x
     pen = np.where(valid, pen, math.inf)
     return np.maximum(pen.min(axis=1), 0.0)

@@ -74,7 +74,7 @@ class Milp:
 @dataclass
 class MilpResult:
     solver: str
-    status: str  # optimal | time_limit | infeasible | error: <text>
+    status: str  # optimal | time_limit | target | infeasible | error: <text>
     values: np.ndarray | None
     objective: float
     bound: float
@@ -94,12 +94,17 @@ def solve(
     mip_gap: float = DEFAULT_MIP_GAP,
     threads: int | None = None,
     start: dict[int, float] | None = None,
+    target: float | None = None,
 ) -> MilpResult:
-    """Solve; `start` is a (partial) feasible assignment the solver may complete and use."""
+    """Solve; `start` is a (partial) feasible assignment the solver may complete and use.
+
+    `target`: stop (status "target") as soon as a solution scores at least this much, for
+    callers that know a bound the solver does not.
+    """
     if solver == "highs":
-        return _solve_highs(milp, time_limit_s, mip_gap, threads, start)
+        return _solve_highs(milp, time_limit_s, mip_gap, threads, start, target)
     if solver == "gurobi":
-        return _solve_gurobi(milp, time_limit_s, mip_gap, threads, start)
+        return _solve_gurobi(milp, time_limit_s, mip_gap, threads, start, target)
     raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
@@ -115,6 +120,7 @@ def _solve_highs(
     mip_gap: float,
     threads: int | None,
     start: dict[int, float] | None,
+    target: float | None,
 ) -> MilpResult:
     import highspy
 
@@ -125,6 +131,8 @@ def _solve_highs(
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     if threads:
         h.setOptionValue("threads", int(threads))
+    if target is not None and milp.num_integer:
+        h.setOptionValue("objective_target", float(target))
     inf = highspy.kHighsInf
 
     def clip(values: list[float]) -> np.ndarray:
@@ -167,6 +175,8 @@ def _solve_highs(
         status = "optimal"
     elif model_status == highspy.HighsModelStatus.kTimeLimit:
         status = "time_limit"
+    elif model_status == highspy.HighsModelStatus.kObjectiveTarget and has_sol:
+        status = "target"
     elif model_status == highspy.HighsModelStatus.kInfeasible:
         status = "infeasible"
     else:
@@ -208,6 +218,7 @@ def _solve_gurobi(
     mip_gap: float,
     threads: int | None,
     start: dict[int, float] | None,
+    target: float | None,
 ) -> MilpResult:
     ok, reason = gurobi_available()
     if not ok:
@@ -222,6 +233,8 @@ def _solve_gurobi(
     m.Params.MIPGap = float(mip_gap)
     if threads:
         m.Params.Threads = int(threads)
+    if target is not None:
+        m.Params.BestObjStop = float(target)
     xs = [
         m.addVar(
             lb=lo if math.isfinite(lo) else -gp.GRB.INFINITY,
@@ -252,6 +265,7 @@ def _solve_gurobi(
     status = {
         gp.GRB.OPTIMAL: "optimal",
         gp.GRB.TIME_LIMIT: "time_limit",
+        gp.GRB.USER_OBJ_LIMIT: "target",
         gp.GRB.INFEASIBLE: "infeasible",
     }.get(m.Status, f"error: gurobi status {m.Status}")
     values = np.array([x.X for x in xs]) if has_sol else None

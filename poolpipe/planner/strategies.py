@@ -33,7 +33,8 @@ from poolpipe.planner.candidates import (
 )
 from poolpipe.planner.decompose import decomposable, reach
 from poolpipe.planner.formulation import GroupMilp, build_group_milp
-from poolpipe.planner.pruning import candidate_bounds, keep_mask
+from poolpipe.planner.knapsack import knapsack_bound
+from poolpipe.planner.pruning import CandidateBounds, candidate_bounds, keep_mask
 from poolpipe.planner.solvers import (
     DEFAULT_MIP_GAP,
     DEFAULT_TIME_LIMIT_S,
@@ -49,7 +50,8 @@ PRUNE_ABOVE = 60  # candidates (all models) above which LP-bound pruning runs fi
 INCUMBENT_POOL = 48  # per model: best-bounded candidates in the quick incumbent MILP
 INCUMBENT_PER_SIGNATURE = 2  # ... at most this many of each GPU-bucket signature
 INCUMBENT_TIME_S = 5.0  # time limit of the quick incumbent MILP
-GROUP_TRY_S = 2.0  # per-position: group MILP time before the decomposition closes the gap
+INCUMBENT_GAP = 3e-3  # its gap: the knapsack and the group MILP do the rest
+GROUP_TRY_S = 2.0  # group MILP time before the decomposition or the knapsack tries again
 
 
 @dataclass(frozen=True)
@@ -113,10 +115,9 @@ class _Solved:
     chosen: list[list[tuple[CandidatePipeline, list[int]]]]
     result: MilpResult
     enumerations: list[Enumeration]
-    num_vars: int
-    num_integer: int
-    num_rows: int
-    kept: int = 0  # candidates left after LP-bound pruning
+    group: GroupMilp
+    kept: list[list[CandidatePipeline]]  # candidates left after LP-bound pruning
+    proof: str = "milp"  # what proved the bound (SolverInfo.proof)
 
 
 def _costs(req: PlanRequest, lam: list[float | None], whole_gpus_only: bool) -> list[ModelCosts]:
@@ -161,18 +162,36 @@ def enumerate_candidates(
 def _solve_group(
     req: PlanRequest, costs: list[ModelCosts], max_partitions: int, what: str
 ) -> _Solved:
+    """Solve one group MILP and prove its plan optimal (within the gap) as fast as we can.
+
+    Proofs, cheapest first. One model: the knapsack bound (knapsack.py) on the quick
+    incumbent, then the group MILP, which stops once it reaches that bound, then the
+    knapsack on its better incumbent, then the MILP for the time left. Several models
+    (whose max-min objective the knapsack bounds loosely): the group MILP, then for
+    per-position groups the per-model decomposition (decompose.py).
+    """
     enums, cands = enumerate_candidates(req, costs, max_partitions, what)
     quick: _Quick | None = None
     dropped_bound = -math.inf
     if sum(len(c) for c in cands) > PRUNE_ABOVE:
         cands, quick, dropped_bound = _prune(req, cands)
     group = build_group_milp(cands, list(req.weights), req.cluster, req.packing)
-    start = None
+    start, target, outside = None, None, "lp"
+    known_bound, before = math.inf, quick.seconds if quick is not None else 0.0
+    knapsack = quick is not None and quick.chosen is not None and len(cands) == 1
+    split = len(cands) > 1 and decomposable(req.cluster, req.packing)
     if quick is not None and quick.chosen is not None:
         start = _start_values(group, cands, quick.chosen, quick.objective)
-    split = len(cands) > 1 and decomposable(req.cluster, req.packing)
-    limit = min(req.time_limit_s, GROUP_TRY_S) if split else req.time_limit_s
-    result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, start)
+        known = _quick_result(req, quick, dropped_bound)
+        if knapsack and _knapsack_proof(req, cands, quick, known):
+            return _Solved(quick.chosen, known, enums, group, cands, proof="knapsack")
+        if known.bound < quick.bounds.dual_bound:
+            outside = "knapsack"
+        known_bound, before = known.bound, known.seconds
+        # The MILP may stop at any plan within the gap of the bound known so far.
+        target = known_bound / (1 + req.mip_gap)
+    limit = min(req.time_limit_s, GROUP_TRY_S) if split or knapsack else req.time_limit_s
+    result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, start, target)
     if not result.has_solution or result.values is None:
         raise SolverError(
             f"{req.solver} found no plan ({result.status}) for {[m.name for m in req.models]} "
@@ -182,21 +201,77 @@ def _solve_group(
     result.bound = max(result.bound, dropped_bound)
     if dropped_bound > result.objective:
         result.gap = max(result.gap, relative_gap(result.objective, result.bound))
-    if quick is not None:
-        result.seconds += quick.seconds
-    chosen = _read_counts(group, cands, result.values)
-    if split and result.gap > req.mip_gap:
-        chosen = _close_gap(req, cands, result, chosen)
-    milp = group.milp
-    return _Solved(
-        chosen,
-        result,
-        enums,
-        milp.num_vars,
-        milp.num_integer,
-        milp.num_rows,
-        kept=sum(len(c) for c in cands),
-    )
+    solved = _Solved(_read_counts(group, cands, result.values), result, enums, group, cands)
+    result.seconds += before
+    if known_bound < result.bound:
+        result.bound = known_bound
+        result.gap = relative_gap(result.objective, result.bound)
+        if result.gap <= req.mip_gap:
+            solved.proof = outside
+    if result.gap <= req.mip_gap:
+        result.status = "optimal"
+    elif split:
+        solved.chosen = _close_gap(req, cands, result, solved.chosen)
+        solved.proof = "decomposition"
+    elif knapsack:
+        assert quick is not None
+        if _knapsack_proof(req, cands, quick, result):
+            solved.proof = "knapsack"
+        else:
+            _resume(req, group, cands, solved)
+    return solved
+
+
+def _quick_result(req: PlanRequest, quick: _Quick, dropped_bound: float) -> MilpResult:
+    """The quick incumbent as a result, with the LP bound (covering dropped candidates)."""
+    bound = max(quick.bounds.dual_bound, dropped_bound, quick.objective)
+    gap = relative_gap(quick.objective, bound)
+    return MilpResult(req.solver, "time_limit", None, quick.objective, bound, gap, quick.seconds)
+
+
+def _knapsack_proof(
+    req: PlanRequest, cands: list[list[CandidatePipeline]], quick: _Quick, result: MilpResult
+) -> bool:
+    """Tighten `result`'s bound by the knapsack (knapsack.py); True when that proves it.
+
+    The knapsack bounds plans over the kept candidates; plans using a dropped one score
+    below the quick incumbent (that is how they were dropped), so below result.objective.
+    """
+    kb = knapsack_bound(cands, quick.bounds, req.cluster, result.objective)
+    if kb is None:
+        return False
+    result.seconds += kb.seconds
+    result.bound = min(result.bound, max(kb.bound, result.objective))
+    result.gap = relative_gap(result.objective, result.bound)
+    if result.gap > req.mip_gap:
+        return False
+    result.status = "optimal"
+    return True
+
+
+def _resume(
+    req: PlanRequest, group: GroupMilp, cands: list[list[CandidatePipeline]], solved: _Solved
+) -> None:
+    """Run the group MILP again for the time left, from the plan found so far."""
+    first = solved.result
+    left = req.time_limit_s - first.seconds
+    if left <= 0:
+        return
+    start = _start_values(group, cands, solved.chosen, first.objective)
+    target = first.bound / (1 + req.mip_gap)
+    again = solve(group.milp, req.solver, left, req.mip_gap, req.threads, start, target)
+    again.seconds += first.seconds
+    if again.values is not None and again.objective > first.objective:
+        solved.chosen = _read_counts(group, cands, again.values)
+    else:
+        again.objective = first.objective
+    again.bound = min(max(again.bound, again.objective), first.bound)
+    again.gap = relative_gap(again.objective, again.bound)
+    if again.gap <= req.mip_gap:
+        if again.status == "target":
+            solved.proof = "knapsack"  # its incumbent reached the knapsack's bound
+        again.status = "optimal"
+    solved.result = again
 
 
 def _close_gap(
@@ -271,6 +346,7 @@ class _Quick:
     seconds: float
     objective: float
     chosen: list[list[tuple[CandidatePipeline, list[int]]]] | None
+    bounds: CandidateBounds  # the LP duals and per-candidate bounds pruning used
 
 
 def _prune(
@@ -285,7 +361,7 @@ def _prune(
     top = [_incumbent_pool(mc, b) for mc, b in zip(cands, cb.bounds, strict=True)]
     group = build_group_milp(top, list(req.weights), req.cluster, req.packing)
     res = solve(
-        group.milp, req.solver, min(req.time_limit_s, INCUMBENT_TIME_S), req.mip_gap, req.threads
+        group.milp, req.solver, min(req.time_limit_s, INCUMBENT_TIME_S), INCUMBENT_GAP, req.threads
     )
     chosen = _read_counts(group, top, res.values) if res.values is not None else None
     incumbent = res.objective if chosen is not None else 0.0
@@ -295,7 +371,7 @@ def _prune(
         kept.append([c for c, k in zip(model_cands, keep, strict=True) if k])
         if (~keep).any():
             dropped_bound = max(dropped_bound, float(b[~keep].max()))
-    return kept, _Quick(res.seconds + cb.seconds, incumbent, chosen), dropped_bound
+    return kept, _Quick(res.seconds + cb.seconds, incumbent, chosen, cb), dropped_bound
 
 
 def _incumbent_pool(cands: list[CandidatePipeline], bounds: np.ndarray) -> list[CandidatePipeline]:
@@ -380,11 +456,12 @@ def _solver_info(solved: list[_Solved], started: float) -> SolverInfo:
         gap=max(s.result.gap for s in solved),
         seconds=time.perf_counter() - started,
         milp_seconds=sum(s.result.seconds for s in solved),
-        num_vars=last.num_vars,
-        num_integer=last.num_integer,
-        num_rows=last.num_rows,
-        candidates=last.kept,
+        num_vars=last.group.milp.num_vars,
+        num_integer=last.group.milp.num_integer,
+        num_rows=last.group.milp.num_rows,
+        candidates=sum(len(c) for c in last.kept),
         feasible_configs=sum(e.feasible for e in last.enumerations),
+        proof=last.proof,
     )
 
 
