@@ -15,6 +15,7 @@ from poolpipe.costs import ModelCosts
 from poolpipe.errors import InfeasibleError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.decompose import reach
+from poolpipe.planner.formulation import chosen_fits, chosen_objective
 from poolpipe.planner.knapsack import knapsack_bound
 from poolpipe.planner.pruning import candidate_bounds
 from poolpipe.planner.strategies import enumerate_candidates
@@ -280,13 +281,45 @@ def test_knapsack_bound_is_valid_and_tight_on_whole_gpus(inst_shares, packing):
     best = brute_force_single(model, cluster, slo, packing=packing)
     if best is None:
         return
-    costs = [ModelCosts(model, cluster, slo, 0.0, None)]
+    _check_knapsack(req, best, shares)
+
+
+@SETTINGS
+@given(
+    st.sampled_from([(1, 2), (1,)]).flatmap(
+        lambda sh: st.tuples(instances(n_models=2, shares_a=sh), st.just(sh))
+    ),
+    st.sampled_from(["per-share", "per-position"]),
+)
+def test_knapsack_bound_of_a_pair_is_valid_and_tight_on_whole_gpus(inst_shares, packing):
+    """The same for two models (per-model knapsacks combined, the max-min bisected),
+    against the group MILP solved to a 1e-9 gap."""
+    inst, shares = inst_shares
+    req = pair_request(inst, packing=packing, margin=0.0, batch_wait=False, mip_gap=1e-9)
+    try:
+        best = make_plan(req).objective
+    except InfeasibleError:
+        return
+    _check_knapsack(req, best, shares)
+
+
+def _check_knapsack(req: PlanRequest, best: float, shares: tuple[int, ...]) -> None:
+    costs = [
+        ModelCosts(m, req.cluster, slo, 0.0, None)
+        for m, slo in zip(req.models, req.slos_us, strict=True)
+    ]
     _, cands = enumerate_candidates(req, costs, 2)
-    cb = candidate_bounds(cands, [1.0], cluster)
+    weights = list(req.weights)
+    cb = candidate_bounds(cands, weights, req.cluster)
     for z0 in (0.0, best * 0.999, best):
-        kb = knapsack_bound(cands, cb, cluster, z0)
+        kb = knapsack_bound(cands, weights, cb, req.cluster, z0)
         assert kb is not None
         assert max(z0, kb.bound) >= best * (1 - 1e-9)
         assert kb.bound <= cb.dual_bound * (1 + 1e-9)
+        if kb.chosen is not None and chosen_fits(kb.chosen, req.cluster, req.packing):
+            assert chosen_objective(kb.chosen, weights) <= best * (1 + 1e-9) + 1e-9  # a plan
         if z0 == 0.0 and shares == (1,):
-            assert kb.bound == pytest.approx(best, rel=1e-9)
+            assert kb.bound == pytest.approx(best, rel=1e-6, abs=1e-6)
+            # nothing to relax: the knapsacks' own solution is an optimal plan
+            assert kb.chosen is not None and chosen_fits(kb.chosen, req.cluster, req.packing)
+            assert chosen_objective(kb.chosen, weights) >= best * (1 - 1e-6) - 1e-6

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 
 from poolpipe.cluster import Cluster
 from poolpipe.planner.candidates import CandidatePipeline
-from poolpipe.planner.formulation import build_group_milp
+from poolpipe.planner.formulation import Chosen, build_group_milp, chosen_objective
 from poolpipe.planner.solvers import solve
 
-Chosen = list[tuple[CandidatePipeline, list[int]]]  # one model's pipelines and vGPU counts
 ROUND_TOL = 1e-6
 
 
@@ -117,14 +116,7 @@ def reach(
         status, chosen = "unknown", None
     out = Reach(status, chosen, milps=sum(p.milps for p in problems))
     if chosen is not None:
-        out.objective = min(
-            sum(
-                min(n * p.vgpu_throughput for n, p in zip(counts, c.partitions, strict=True))
-                for c, counts in picked
-            )
-            / w
-            for picked, w in zip(chosen, weights, strict=True)
-        )
+        out.objective = chosen_objective(chosen, weights)
     out.seconds = time.perf_counter() - t0
     return out
 

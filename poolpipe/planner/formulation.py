@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from fractions import Fraction
 
 from poolpipe.cluster import Cluster
 from poolpipe.planner.candidates import CandidatePipeline
@@ -114,3 +115,33 @@ def build_group_milp(
     for gpu, terms in per_type.items():
         gpu_rows[gpu] = milp.add_row(terms, upper=float(count[gpu]))
     return GroupMilp(milp=milp, z=z, x=xs, n=ns, gpu_rows=gpu_rows)
+
+
+Chosen = list[tuple[CandidatePipeline, list[int]]]  # one model's pipelines and vGPU counts
+
+
+def chosen_objective(chosen: list[Chosen], weights: list[float]) -> float:
+    """The max-min objective of pipelines with these vGPU counts."""
+    return min(
+        sum(
+            min(n * p.vgpu_throughput for n, p in zip(counts, c.partitions, strict=True))
+            for c, counts in picked
+        )
+        / w
+        for picked, w in zip(chosen, weights, strict=True)
+    )
+
+
+def chosen_fits(chosen: list[Chosen], cluster: Cluster, packing: str) -> bool:
+    """Do these vGPU counts fit the cluster's GPUs under the packing rule (constraint (c))?"""
+    buckets: dict[tuple, Fraction] = defaultdict(Fraction)
+    for m, picked in enumerate(chosen):
+        for c, counts in picked:
+            for d, (p, n) in enumerate(zip(c.partitions, counts, strict=True)):
+                key = (p.gpu, p.share) if packing == "per-share" else (p.gpu, m, d)
+                buckets[key] += Fraction(n, p.share)
+    used: dict[str, int] = defaultdict(int)
+    for key, gpus in buckets.items():
+        used[key[0]] += math.ceil(gpus)
+    count = {p.gpu: p.count for p in cluster.pools}
+    return all(n <= count.get(gpu, 0) for gpu, n in used.items())

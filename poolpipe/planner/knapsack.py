@@ -1,25 +1,29 @@
-"""An exact upper bound from a knapsack over pipeline options, for incumbents the MILP
+"""An exact upper bound from knapsacks over pipeline options, for incumbents the MILP
 proves slowly.
 
 With the LP duals of pruning.py (π_k per GPU type, μ_m per model, Σ_m μ_m w_m >= 1) every
-plan satisfies
+plan with objective z >= 0 satisfies
 
-    z <= Σ_c μ_m x_c = Σ_k π_k Σ_c g_ck - Σ_c pen_c <= D - Σ_c pen_c,
+    z <= Σ_m μ_m X_m = Σ_k π_k Σ_c g_ck - Σ_c pen_c <= D - Σ_c pen_c,
 
-where pipeline c of model m serves x_c with g_ck = Σ_{d on type k} n_d / v_d GPUs and
-pen_c = π·g_c - μ_m x_c >= 0 (D = Σ_k π_k N_k). Only the breakpoints x = t_d·j matter, each
-with its fewest vGPU counts n_d = ceil(x / t_d) (pruning.breakpoints): an *option*
-(value μ_m x, GPUs g). A plan better than an incumbent z0 uses only options with
-pen < D - z0, typically a thousand or so, and its value is at most the best total value of
-distinct options whose GPUs fit the cluster, Σ g_k <= N_k. That is a 0/1 knapsack over a
-grid of GPU fractions (1/lcm of the shares on each type), solved exactly by dynamic
-programming. So no plan scores above max(z0, that best value).
+where X_m is what model m serves, pipeline c of model m serves x_c with
+g_ck = Σ_{d on type k} n_d / v_d GPUs, pen_c = π·g_c - μ_m x_c >= 0 and D = Σ_k π_k N_k.
+Only the breakpoints x = t_d·j matter, each with its fewest vGPU counts n_d = ceil(x / t_d)
+(pruning.breakpoints): an *option* (throughput x, GPUs g). A plan better than an incumbent
+z0 uses only options with pen < D - z0: typically a thousand or so in all.
 
-The knapsack relaxes only the rounding of GPU buckets (Σ n / v per bucket rounds up) and
-the use of one option per pipeline. The MILP's own LP bound is weak where it is, because
-it treats vGPU counts as fractions, which the options do not: on the single-model P=3
-ablation the knapsack proves in about a second what HiGHS's branch and bound takes 30 s
-to close.
+Per model m, a 0/1 knapsack over a grid of GPU fractions (1/lcm of the shares on each type)
+gives F_m(u), the most model m serves with distinct options using at most u GPUs. A plan
+at z needs, for every model, some u_m with F_m(u_m) >= w_m·z and Σ_m u_m <= N: with one
+model that is F(N) >= w·z; with several, per model the fewest GPUs of the second type for
+each count of the first, combined over models by a min-plus convolution. The largest z
+that passes (bisected) bounds every plan above z0.
+
+The knapsacks relax only the rounding of GPU buckets (Σ n / v per bucket rounds up) and the
+use of one option per pipeline. The MILP's own LP bound is weak where the knapsacks are
+not, because it treats vGPU counts as fractions: on the single-model P=3 ablation the bound
+proves in about a second what HiGHS's branch and bound takes 30 s to close. Clusters of one
+or two GPU types.
 """
 
 from __future__ import annotations
@@ -32,44 +36,51 @@ import numpy as np
 
 from poolpipe.cluster import Cluster
 from poolpipe.planner.candidates import CandidatePipeline
+from poolpipe.planner.formulation import Chosen
 from poolpipe.planner.pruning import CandidateBounds, breakpoints
 
-# Largest options x grid cells the dynamic programme may touch (about 1.5 ns each), and
-# largest grid (8 bytes a cell).
+# Largest options x grid cells the dynamic programmes may touch (about 1.5 ns each),
+# largest grid (8 bytes a cell, one grid per model), and most bits kept to read the
+# knapsacks' solutions back (one per option and cell).
 MAX_WORK = 2e9
-MAX_CELLS = 8_000_000
+MAX_CELLS = 2_000_000
+MAX_TRACE_BITS = 2e9
 CHUNK = 256  # candidates priced at once (arrays are candidates x breakpoints x partitions)
 # Relative slack in favour of keeping an option (float round-off in duals and penalties).
 PEN_RTOL = 1e-7
+BISECT_RTOL = 1e-7  # precision of the multi-model bound
 
 
 @dataclass
 class KnapsackBound:
     bound: float  # every plan scores at most max(incumbent, bound)
-    options: int  # options priced into the knapsack
-    cells: int  # size of its GPU grid
+    options: int  # options priced into the knapsacks
+    cells: int  # size of each GPU grid
     seconds: float
+    # The knapsacks' own solution at the bound, per model (options of one pipeline merged):
+    # a plan whenever its GPU buckets round up within the cluster (check before use).
+    chosen: list[Chosen] | None = None
 
 
 def knapsack_bound(
     candidates: list[list[CandidatePipeline]],
+    weights: list[float],
     cb: CandidateBounds,
     cluster: Cluster,
     incumbent: float,
     max_work: float = MAX_WORK,
 ) -> KnapsackBound | None:
-    """The bound above, or None when the knapsack would be too large to solve quickly.
+    """The bound above, or None when the knapsacks would be too large to solve quickly.
 
     `cb` must hold duals that are feasible for every candidate in `candidates` (those of
     `candidate_bounds` over these candidates or a superset of them).
     """
     t0 = time.perf_counter()
-    types = [p.gpu for p in cluster.pools]
-    tix = {g: i for i, g in enumerate(types)}
+    if not 1 <= len(cluster.pools) <= 2:
+        return None
+    tix = {p.gpu: i for i, p in enumerate(cluster.pools)}
     counts = np.array([p.count for p in cluster.pools], dtype=float)
-    pis = cb.gpu_prices
-    max_pen = cb.dual_bound - incumbent + PEN_RTOL * max(1.0, abs(cb.dual_bound))
-    unit = np.ones(len(types), dtype=int)  # grid step per type: 1 / lcm of its shares
+    unit = np.ones(len(counts), dtype=int)  # grid step per type: 1 / lcm of its shares
     for cands in candidates:
         for c in cands:
             for p in c.partitions:
@@ -78,48 +89,176 @@ def knapsack_bound(
     cells = int(np.prod(cap + 1))
     if cells > MAX_CELLS:
         return None
-    values: list[np.ndarray] = []
-    gpus: list[np.ndarray] = []
+    max_pen = cb.dual_bound - incumbent + PEN_RTOL * max(1.0, abs(cb.dual_bound))
+    options = []
     for m, cands in enumerate(candidates):
         mu = float(cb.model_prices[m])
-        by_depth: dict[int, list[CandidatePipeline]] = {}
-        for c in cands:
-            by_depth.setdefault(len(c.partitions), []).append(c)
-        for group in by_depth.values():
-            for s in range(0, len(group), CHUNK):
-                x, g = _options(group[s : s + CHUNK], tix, counts, pis, mu, max_pen)
-                values.append(mu * x)
-                gpus.append(g)
-                if sum(len(v) for v in values) * cells > max_work:
-                    return None
-    value = np.concatenate(values) if values else np.empty(0)
-    cost = np.rint(np.concatenate(gpus) * unit).astype(int) if gpus else np.empty((0, len(types)))
-    best = np.zeros(tuple(cap + 1))  # best[u]: most value with GPUs <= u (grid units)
-    for val, need in zip(value, cost, strict=True):
-        if (need > cap).any():
-            continue
-        hi = tuple(slice(int(a), None) for a in need)
-        lo = tuple(slice(0, int(c - a + 1)) for c, a in zip(cap, need, strict=True))
-        # The right side is evaluated before writing: each option is used at most once.
-        np.maximum(best[hi], best[lo] + val, out=best[hi])
-    bound = float(best[tuple(cap)])
-    return KnapsackBound(bound, len(value), cells, time.perf_counter() - t0)
+        x, g, picks = _model_options(cands, tix, counts, cb.gpu_prices, mu, max_pen)
+        options.append((x, np.rint(g * unit).astype(int), picks))
+        if sum(len(o[0]) for o in options) * cells > max_work:
+            return None
+    n_options = sum(len(o[0]) for o in options)
+    trace = n_options * cells <= MAX_TRACE_BITS
+    solved = [_knapsack(x, need, cap, trace) for x, need, _ in options]
+    tables = [best for best, _ in solved]
+    if len(tables) == 1:
+        bound = float(tables[0][tuple(cap)]) / weights[0]
+        cells_used: list[tuple[int, ...]] | None = [tuple(cap)]
+    else:
+        bound, reached = _bisect(tables, weights, cap, incumbent, cb.dual_bound)
+        cells_used = _split(tables, weights, cap, reached)
+    chosen = None
+    if trace and cells_used is not None:
+        chosen = [
+            _read_back(taken, need, picks, tuple(cap + 1), cell)
+            for (_, taken), (_, need, picks), cell in zip(solved, options, cells_used, strict=True)
+        ]
+    return KnapsackBound(bound, n_options, cells, time.perf_counter() - t0, chosen)
 
 
-def _options(
-    group: list[CandidatePipeline],
+def _model_options(
+    cands: list[CandidatePipeline],
     tix: dict[str, int],
     counts: np.ndarray,
     pis: np.ndarray,
     mu: float,
     max_pen: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Throughput x and GPUs per type g of the options with pen <= max_pen (equal depths)."""
-    t = np.array([[p.vgpu_throughput for p in c.partitions] for c in group])
-    v = np.array([[p.share for p in c.partitions] for c in group], dtype=float)
-    k = np.array([[tix[p.gpu] for p in c.partitions] for c in group])
-    x, valid, n = breakpoints(t, (t * v * counts[k]).min(axis=1))
-    onehot = np.eye(len(counts))[k]  # [C, D, K]
-    g = np.einsum("cjd,cdk->cjk", n / v[:, None, :], onehot)  # [C, D·J, K]
-    ok = valid & (g @ pis - mu * x <= max_pen)
-    return x[ok], g[ok]
+) -> tuple[np.ndarray, np.ndarray, list[tuple[CandidatePipeline, list[int]]]]:
+    """One model's options with pen <= max_pen: throughput x [O], GPUs per type g [O, K],
+    and each one's pipeline and vGPU counts."""
+    xs, gs = [np.empty(0)], [np.empty((0, len(counts)))]
+    picks: list[tuple[CandidatePipeline, list[int]]] = []
+    by_depth: dict[int, list[CandidatePipeline]] = {}
+    for c in cands:
+        by_depth.setdefault(len(c.partitions), []).append(c)
+    for group in by_depth.values():
+        for s in range(0, len(group), CHUNK):
+            part = group[s : s + CHUNK]
+            t = np.array([[p.vgpu_throughput for p in c.partitions] for c in part])
+            v = np.array([[p.share for p in c.partitions] for c in part], dtype=float)
+            k = np.array([[tix[p.gpu] for p in c.partitions] for c in part])
+            x, valid, n = breakpoints(t, (t * v * counts[k]).min(axis=1))
+            onehot = np.eye(len(counts))[k]  # [C, D, K]
+            g = np.einsum("cjd,cdk->cjk", n / v[:, None, :], onehot)  # [C, D·J, K]
+            ok = valid & (g @ pis - mu * x <= max_pen)
+            xs.append(x[ok])
+            gs.append(g[ok])
+            rows, cols = np.nonzero(ok)
+            picks.extend(
+                (part[r], [int(q) for q in n[r, j]]) for r, j in zip(rows, cols, strict=True)
+            )
+    return np.concatenate(xs), np.concatenate(gs), picks
+
+
+def _knapsack(
+    value: np.ndarray, cost: np.ndarray, cap: np.ndarray, trace: bool
+) -> tuple[np.ndarray, list[np.ndarray | None]]:
+    """best[u]: the most total value of distinct options whose costs sum to <= u; with
+    `trace`, per option the (packed) cells where taking it improved best, to read back."""
+    best = np.zeros(tuple(cap + 1))
+    taken: list[np.ndarray | None] = []
+    for val, need in zip(value, cost, strict=True):
+        if (need > cap).any():
+            taken.append(None)
+            continue
+        hi = tuple(slice(int(a), None) for a in need)
+        lo = tuple(slice(0, int(c - a + 1)) for c, a in zip(cap, need, strict=True))
+        gain = best[lo] + val  # evaluated before writing: each option is used at most once
+        if trace:
+            better = np.zeros(best.shape, dtype=bool)
+            better[hi] = gain > best[hi]
+            taken.append(np.packbits(better, axis=None))
+        np.maximum(best[hi], gain, out=best[hi])
+    return best, taken
+
+
+def _read_back(
+    taken: list[np.ndarray | None],
+    cost: np.ndarray,
+    picks: list[tuple[CandidatePipeline, list[int]]],
+    shape: tuple[int, ...],
+    cell: tuple[int, ...],
+) -> Chosen:
+    """The options behind best[cell], one entry per pipeline (an option's counts added)."""
+    used: dict[int, tuple[CandidatePipeline, list[int]]] = {}
+    u = np.array(cell)
+    for i in range(len(taken) - 1, -1, -1):
+        bits = taken[i]
+        if bits is None:
+            continue
+        flat = int(np.ravel_multi_index(tuple(int(a) for a in u), shape))
+        if (bits[flat >> 3] >> (7 - (flat & 7))) & 1:
+            cand, counts = picks[i]
+            prev = used.get(id(cand), (cand, [0] * len(counts)))[1]
+            used[id(cand)] = (cand, [a + b for a, b in zip(prev, counts, strict=True)])
+            u = u - cost[i]
+    return list(used.values())
+
+
+def _bisect(
+    tables: list[np.ndarray], weights: list[float], cap: np.ndarray, lo: float, hi: float
+) -> tuple[float, float]:
+    """(smallest z found unreachable, largest found reachable): no plan scores above the
+    first; the knapsacks reach the second (lo, the incumbent, is assumed reachable)."""
+    if _reachable(tables, weights, cap, hi)[0]:
+        return hi, hi
+    while hi - lo > BISECT_RTOL * max(abs(hi), 1.0):
+        mid = (lo + hi) / 2
+        if _reachable(tables, weights, cap, mid)[0]:
+            lo = mid
+        else:
+            hi = mid
+    return hi, lo
+
+
+def _split(
+    tables: list[np.ndarray], weights: list[float], cap: np.ndarray, z: float
+) -> list[tuple[int, ...]] | None:
+    """Per model, the grid cell it gets in a split that reaches z (None: none does)."""
+    ok, picks, fewest = _reachable(tables, weights, cap, z)
+    if not ok:
+        return None
+    total = picks[-1][1]
+    second = int(cap[1]) if len(cap) > 1 else 0
+    first = int(np.flatnonzero(total <= second)[0])
+    cells = []
+    for m in range(len(tables) - 1, 0, -1):
+        a = int(picks[m][0][first])
+        cells.append(a)
+        first -= a
+    cells.append(first)
+    firsts = cells[::-1]
+    return [(a, int(f[a])) if len(cap) > 1 else (a,) for a, f in zip(firsts, fewest, strict=True)]
+
+
+def _reachable(
+    tables: list[np.ndarray], weights: list[float], cap: np.ndarray, z: float
+) -> tuple[bool, list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
+    """Can every model m get u_m with F_m(u_m) >= w_m·z and Σ u_m <= cap?
+
+    Also returns, per model, (its first-type units, total second-type units so far) per
+    first-type units used by the models up to it, and its fewest second-type units per
+    first-type units (to read a split back).
+    """
+    total: np.ndarray | None = None  # fewest second-type units, per first-type units used
+    picks, fewests = [], []
+    for table, w in zip(tables, weights, strict=True):
+        ok = (table >= w * z).reshape(table.shape[0], -1)  # [first type, second type]
+        fewest = np.where(ok.any(axis=1), ok.argmax(axis=1), np.inf)
+        fewests.append(fewest)
+        if total is None:
+            total = fewest
+            picks.append((np.arange(len(total)), total))
+            continue
+        combined = np.full_like(total, np.inf)
+        pick = np.zeros(len(total), dtype=int)
+        for a in np.flatnonzero(np.isfinite(fewest)):
+            cand = total[: len(total) - a] + fewest[a]
+            better = cand < combined[a:]
+            combined[a:][better] = cand[better]
+            pick[a:][better] = a
+        total = combined
+        picks.append((pick, total))
+    assert total is not None
+    second = int(cap[1]) if len(cap) > 1 else 0
+    return bool(total.min() <= second), picks, fewests

@@ -32,7 +32,12 @@ from poolpipe.planner.candidates import (
     enumerate_pipelines,
 )
 from poolpipe.planner.decompose import decomposable, reach
-from poolpipe.planner.formulation import GroupMilp, build_group_milp
+from poolpipe.planner.formulation import (
+    GroupMilp,
+    build_group_milp,
+    chosen_fits,
+    chosen_objective,
+)
 from poolpipe.planner.knapsack import knapsack_bound
 from poolpipe.planner.pruning import CandidateBounds, candidate_bounds, keep_mask
 from poolpipe.planner.solvers import (
@@ -49,7 +54,7 @@ ROUND_TOL = 1e-6  # integrality slack when reading vGPU counts back from the sol
 PRUNE_ABOVE = 60  # candidates (all models) above which LP-bound pruning runs first
 INCUMBENT_POOL = 48  # per model: best-bounded candidates in the quick incumbent MILP
 INCUMBENT_PER_SIGNATURE = 2  # ... at most this many of each GPU-bucket signature
-INCUMBENT_TIME_S = 5.0  # time limit of the quick incumbent MILP
+INCUMBENT_TIME_S = 2.0  # time limit of the quick incumbent MILP
 INCUMBENT_GAP = 3e-3  # its gap: the knapsack and the group MILP do the rest
 GROUP_TRY_S = 2.0  # group MILP time before the decomposition or the knapsack tries again
 
@@ -164,11 +169,10 @@ def _solve_group(
 ) -> _Solved:
     """Solve one group MILP and prove its plan optimal (within the gap) as fast as we can.
 
-    Proofs, cheapest first. One model: the knapsack bound (knapsack.py) on the quick
-    incumbent, then the group MILP, which stops once it reaches that bound, then the
-    knapsack on its better incumbent, then the MILP for the time left. Several models
-    (whose max-min objective the knapsack bounds loosely): the group MILP, then for
-    per-position groups the per-model decomposition (decompose.py).
+    Proofs, cheapest first: the knapsacks (knapsack.py) on the quick incumbent, whose own
+    solution may close the gap; the group MILP, which stops once it reaches their bound;
+    for per-position groups of several models, after GROUP_TRY_S of it, the knapsacks on
+    its better incumbent, then the per-model decomposition (decompose.py).
     """
     enums, cands = enumerate_candidates(req, costs, max_partitions, what)
     quick: _Quick | None = None
@@ -178,19 +182,21 @@ def _solve_group(
     group = build_group_milp(cands, list(req.weights), req.cluster, req.packing)
     start, target, outside = None, None, "lp"
     known_bound, before = math.inf, quick.seconds if quick is not None else 0.0
-    knapsack = quick is not None and quick.chosen is not None and len(cands) == 1
+    knapsack = quick is not None and quick.chosen is not None
     split = len(cands) > 1 and decomposable(req.cluster, req.packing)
     if quick is not None and quick.chosen is not None:
-        start = _start_values(group, cands, quick.chosen, quick.objective)
         known = _quick_result(req, quick, dropped_bound)
-        if knapsack and _knapsack_proof(req, cands, quick, known):
-            return _Solved(quick.chosen, known, enums, group, cands, proof="knapsack")
+        found = _knapsack_proof(req, cands, quick, known) if knapsack else None
+        chosen = found or quick.chosen
+        if known.gap <= req.mip_gap:
+            return _Solved(chosen, known, enums, group, cands, proof="knapsack")
+        start = _start_values(group, cands, chosen, known.objective)
         if known.bound < quick.bounds.dual_bound:
             outside = "knapsack"
         known_bound, before = known.bound, known.seconds
         # The MILP may stop at any plan within the gap of the bound known so far.
         target = known_bound / (1 + req.mip_gap)
-    limit = min(req.time_limit_s, GROUP_TRY_S) if split or knapsack else req.time_limit_s
+    limit = min(req.time_limit_s, GROUP_TRY_S) if split else req.time_limit_s
     result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, start, target)
     if not result.has_solution or result.values is None:
         raise SolverError(
@@ -210,15 +216,18 @@ def _solve_group(
             solved.proof = outside
     if result.gap <= req.mip_gap:
         result.status = "optimal"
-    elif split:
-        solved.chosen = _close_gap(req, cands, result, solved.chosen)
-        solved.proof = "decomposition"
-    elif knapsack:
-        assert quick is not None
-        if _knapsack_proof(req, cands, quick, result):
+        return solved
+    if not split:
+        return solved  # the MILP had all the time
+    better = quick is not None and result.objective > quick.objective  # tighter knapsacks
+    if quick is not None and knapsack and better:
+        found = _knapsack_proof(req, cands, quick, result)
+        solved.chosen = found or solved.chosen
+        if result.gap <= req.mip_gap:
             solved.proof = "knapsack"
-        else:
-            _resume(req, group, cands, solved)
+            return solved
+    solved.chosen = _close_gap(req, cands, result, solved.chosen)
+    solved.proof = "decomposition"
     return solved
 
 
@@ -231,47 +240,30 @@ def _quick_result(req: PlanRequest, quick: _Quick, dropped_bound: float) -> Milp
 
 def _knapsack_proof(
     req: PlanRequest, cands: list[list[CandidatePipeline]], quick: _Quick, result: MilpResult
-) -> bool:
-    """Tighten `result`'s bound by the knapsack (knapsack.py); True when that proves it.
+) -> list[list[tuple[CandidatePipeline, list[int]]]] | None:
+    """Tighten `result` by the knapsacks (knapsack.py): their bound, and their own solution
+    when it fits the cluster and beats result's plan (returned; None otherwise). Its status
+    becomes optimal when that closes the gap.
 
-    The knapsack bounds plans over the kept candidates; plans using a dropped one score
+    The knapsacks bound plans over the kept candidates; plans using a dropped one score
     below the quick incumbent (that is how they were dropped), so below result.objective.
     """
-    kb = knapsack_bound(cands, quick.bounds, req.cluster, result.objective)
+    weights = list(req.weights)
+    kb = knapsack_bound(cands, weights, quick.bounds, req.cluster, result.objective)
     if kb is None:
-        return False
+        return None
     result.seconds += kb.seconds
     result.bound = min(result.bound, max(kb.bound, result.objective))
+    found = None
+    if kb.chosen is not None and chosen_fits(kb.chosen, req.cluster, req.packing):
+        objective = chosen_objective(kb.chosen, weights)
+        if objective > result.objective:
+            found, result.objective = kb.chosen, objective
+            result.bound = max(result.bound, objective)
     result.gap = relative_gap(result.objective, result.bound)
-    if result.gap > req.mip_gap:
-        return False
-    result.status = "optimal"
-    return True
-
-
-def _resume(
-    req: PlanRequest, group: GroupMilp, cands: list[list[CandidatePipeline]], solved: _Solved
-) -> None:
-    """Run the group MILP again for the time left, from the plan found so far."""
-    first = solved.result
-    left = req.time_limit_s - first.seconds
-    if left <= 0:
-        return
-    start = _start_values(group, cands, solved.chosen, first.objective)
-    target = first.bound / (1 + req.mip_gap)
-    again = solve(group.milp, req.solver, left, req.mip_gap, req.threads, start, target)
-    again.seconds += first.seconds
-    if again.values is not None and again.objective > first.objective:
-        solved.chosen = _read_counts(group, cands, again.values)
-    else:
-        again.objective = first.objective
-    again.bound = min(max(again.bound, again.objective), first.bound)
-    again.gap = relative_gap(again.objective, again.bound)
-    if again.gap <= req.mip_gap:
-        if again.status == "target":
-            solved.proof = "knapsack"  # its incumbent reached the knapsack's bound
-        again.status = "optimal"
-    solved.result = again
+    if result.gap <= req.mip_gap:
+        result.status = "optimal"
+    return found
 
 
 def _close_gap(
