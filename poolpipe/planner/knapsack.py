@@ -44,7 +44,7 @@ from poolpipe.planner.pruning import CandidateBounds, breakpoints
 # knapsacks' solutions back (one per option and cell).
 MAX_WORK = 2e9
 MAX_CELLS = 2_000_000
-MAX_TRACE_BITS = 2e9
+MAX_TRACE_BITS = 5e8  # 62 MB
 CHUNK = 256  # candidates priced at once (arrays are candidates x breakpoints x partitions)
 # Relative slack in favour of keeping an option (float round-off in duals and penalties).
 PEN_RTOL = 1e-7
