@@ -120,14 +120,15 @@ def build_group_milp(
 Chosen = list[tuple[CandidatePipeline, list[int]]]  # one model's pipelines and vGPU counts
 
 
+def served(cand: CandidatePipeline, counts: list[int]) -> float:
+    """What a pipeline serves with these vGPU counts: its slowest pool."""
+    return min(n * p.vgpu_throughput for n, p in zip(counts, cand.partitions, strict=True))
+
+
 def chosen_objective(chosen: list[Chosen], weights: list[float]) -> float:
     """The max-min objective of pipelines with these vGPU counts."""
     return min(
-        sum(
-            min(n * p.vgpu_throughput for n, p in zip(counts, c.partitions, strict=True))
-            for c, counts in picked
-        )
-        / w
+        sum(served(c, counts) for c, counts in picked) / w
         for picked, w in zip(chosen, weights, strict=True)
     )
 

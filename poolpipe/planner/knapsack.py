@@ -37,7 +37,7 @@ import numpy as np
 from poolpipe.cluster import Cluster
 from poolpipe.planner.candidates import CandidatePipeline
 from poolpipe.planner.formulation import Chosen
-from poolpipe.planner.pruning import CandidateBounds, breakpoints
+from poolpipe.planner.pruning import CHUNK, CandidateBounds, breakpoints, depth_groups
 
 # Largest options x grid cells the dynamic programmes may touch (about 1.5 ns each),
 # largest grid (8 bytes a cell, one grid per model), and most bits kept to read the
@@ -45,7 +45,6 @@ from poolpipe.planner.pruning import CandidateBounds, breakpoints
 MAX_WORK = 2e9
 MAX_CELLS = 2_000_000
 MAX_TRACE_BITS = 5e8  # 62 MB
-CHUNK = 256  # candidates priced at once (arrays are candidates x breakpoints x partitions)
 # Relative slack in favour of keeping an option (float round-off in duals and penalties).
 PEN_RTOL = 1e-7
 BISECT_RTOL = 1e-7  # precision of the multi-model bound
@@ -128,16 +127,11 @@ def _model_options(
     and each one's pipeline and vGPU counts."""
     xs, gs = [np.empty(0)], [np.empty((0, len(counts)))]
     picks: list[tuple[CandidatePipeline, list[int]]] = []
-    by_depth: dict[int, list[CandidatePipeline]] = {}
-    for c in cands:
-        by_depth.setdefault(len(c.partitions), []).append(c)
-    for group in by_depth.values():
-        for s in range(0, len(group), CHUNK):
-            part = group[s : s + CHUNK]
-            t = np.array([[p.vgpu_throughput for p in c.partitions] for c in part])
-            v = np.array([[p.share for p in c.partitions] for c in part], dtype=float)
-            k = np.array([[tix[p.gpu] for p in c.partitions] for c in part])
-            x, valid, n = breakpoints(t, (t * v * counts[k]).min(axis=1))
+    for idx, t_all, v_all, k_all, x_max in depth_groups(cands, tix, counts):
+        for s in range(0, len(idx), CHUNK):
+            sl = slice(s, s + CHUNK)
+            t, v, k = t_all[sl], v_all[sl], k_all[sl]
+            x, valid, n = breakpoints(t, x_max[sl])
             onehot = np.eye(len(counts))[k]  # [C, D, K]
             g = np.einsum("cjd,cdk->cjk", n / v[:, None, :], onehot)  # [C, D·J, K]
             ok = valid & (g @ pis - mu * x <= max_pen)
@@ -145,7 +139,8 @@ def _model_options(
             gs.append(g[ok])
             rows, cols = np.nonzero(ok)
             picks.extend(
-                (part[r], [int(q) for q in n[r, j]]) for r, j in zip(rows, cols, strict=True)
+                (cands[idx[s + r]], [int(q) for q in n[r, j]])
+                for r, j in zip(rows, cols, strict=True)
             )
     return np.concatenate(xs), np.concatenate(gs), picks
 
@@ -200,55 +195,57 @@ def _bisect(
 ) -> tuple[float, float]:
     """(smallest z found unreachable, largest found reachable): no plan scores above the
     first; the knapsacks reach the second (lo, the incumbent, is assumed reachable)."""
-    if _reachable(tables, weights, cap, hi)[0]:
+    if _reachable(tables, weights, cap, hi):
         return hi, hi
     while hi - lo > BISECT_RTOL * max(abs(hi), 1.0):
         mid = (lo + hi) / 2
-        if _reachable(tables, weights, cap, mid)[0]:
+        if _reachable(tables, weights, cap, mid):
             lo = mid
         else:
             hi = mid
     return hi, lo
 
 
+def _reachable(tables: list[np.ndarray], weights: list[float], cap: np.ndarray, z: float) -> bool:
+    """Can every model m get u_m with F_m(u_m) >= w_m·z and Σ u_m <= cap?"""
+    total, _, _ = _combine(tables, weights, z)
+    return bool(total.min() <= _second(cap))
+
+
 def _split(
     tables: list[np.ndarray], weights: list[float], cap: np.ndarray, z: float
 ) -> list[tuple[int, ...]] | None:
     """Per model, the grid cell it gets in a split that reaches z (None: none does)."""
-    ok, picks, fewest = _reachable(tables, weights, cap, z)
-    if not ok:
+    total, fewests, picks = _combine(tables, weights, z)
+    within = np.flatnonzero(total <= _second(cap))
+    if not len(within):
         return None
-    total = picks[-1][1]
-    second = int(cap[1]) if len(cap) > 1 else 0
-    first = int(np.flatnonzero(total <= second)[0])
-    cells = []
-    for m in range(len(tables) - 1, 0, -1):
-        a = int(picks[m][0][first])
-        cells.append(a)
-        first -= a
-    cells.append(first)
-    firsts = cells[::-1]
-    return [(a, int(f[a])) if len(cap) > 1 else (a,) for a, f in zip(firsts, fewest, strict=True)]
+    first = int(within[0])
+    firsts = []
+    for pick in reversed(picks):  # models 1.. in reverse; model 0 takes what is left
+        firsts.append(int(pick[first]))
+        first -= firsts[-1]
+    firsts = [first, *reversed(firsts)]
+    return [(a, int(f[a])) if len(cap) > 1 else (a,) for a, f in zip(firsts, fewests, strict=True)]
 
 
-def _reachable(
-    tables: list[np.ndarray], weights: list[float], cap: np.ndarray, z: float
-) -> tuple[bool, list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
-    """Can every model m get u_m with F_m(u_m) >= w_m·z and Σ u_m <= cap?
+def _combine(
+    tables: list[np.ndarray], weights: list[float], z: float
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Min-plus convolution of the models' needs at objective z.
 
-    Also returns, per model, (its first-type units, total second-type units so far) per
-    first-type units used by the models up to it, and its fewest second-type units per
-    first-type units (to read a split back).
+    Returns total[a], the fewest second-type units with which all models reach z using a
+    first-type units; per model, its fewest second-type units per first-type units; and per
+    model after the first, the first-type units it takes at each total a (to read back).
     """
-    total: np.ndarray | None = None  # fewest second-type units, per first-type units used
-    picks, fewests = [], []
+    total: np.ndarray | None = None
+    fewests, picks = [], []
     for table, w in zip(tables, weights, strict=True):
         ok = (table >= w * z).reshape(table.shape[0], -1)  # [first type, second type]
         fewest = np.where(ok.any(axis=1), ok.argmax(axis=1), np.inf)
         fewests.append(fewest)
         if total is None:
             total = fewest
-            picks.append((np.arange(len(total)), total))
             continue
         combined = np.full_like(total, np.inf)
         pick = np.zeros(len(total), dtype=int)
@@ -258,7 +255,11 @@ def _reachable(
             combined[a:][better] = cand[better]
             pick[a:][better] = a
         total = combined
-        picks.append((pick, total))
+        picks.append(pick)
     assert total is not None
-    second = int(cap[1]) if len(cap) > 1 else 0
-    return bool(total.min() <= second), picks, fewests
+    return total, fewests, picks
+
+
+def _second(cap: np.ndarray) -> int:
+    """Grid units of the second GPU type (0 on a one-type cluster)."""
+    return int(cap[1]) if len(cap) > 1 else 0

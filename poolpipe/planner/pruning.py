@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,15 +75,8 @@ def candidate_bounds(
     bounds = []
     for m, cands in enumerate(candidates):
         out = np.empty(len(cands))
-        by_depth: dict[int, list[int]] = {}
-        for i, c in enumerate(cands):
-            by_depth.setdefault(len(c.partitions), []).append(i)
-        for idx in by_depth.values():
-            t = np.array([[p.vgpu_throughput for p in cands[i].partitions] for i in idx])
-            v = np.array([[p.share for p in cands[i].partitions] for i in idx], dtype=float)
-            k = np.array([[tix[p.gpu] for p in cands[i].partitions] for i in idx])
+        for idx, t, v, k, x_max in depth_groups(cands, tix, counts):
             coef = pis[k] / v  # [C, D]
-            x_max = (t * v * counts[k]).min(axis=1)  # most any pool count could serve
             for s in range(0, len(idx), CHUNK):
                 sl = slice(s, s + CHUNK)
                 out[np.array(idx[sl])] = dual - _min_penalty(t[sl], coef[sl], x_max[sl], mus[m])
@@ -94,6 +88,22 @@ def candidate_bounds(
         gpu_prices=pis,
         model_prices=mus,
     )
+
+
+def depth_groups(
+    cands: list[CandidatePipeline], tix: dict[str, int], counts: np.ndarray
+) -> Iterator[tuple[list[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """The candidates by number of partitions, as arrays: their indices, and per partition
+    vGPU throughput t, share v and GPU type index k [C, D]; x_max [C], the most the
+    cluster's GPU counts let each serve."""
+    by_depth: dict[int, list[int]] = {}
+    for i, c in enumerate(cands):
+        by_depth.setdefault(len(c.partitions), []).append(i)
+    for idx in by_depth.values():
+        t = np.array([[p.vgpu_throughput for p in cands[i].partitions] for i in idx])
+        v = np.array([[p.share for p in cands[i].partitions] for i in idx], dtype=float)
+        k = np.array([[tix[p.gpu] for p in cands[i].partitions] for i in idx])
+        yield idx, t, v, k, (t * v * counts[k]).min(axis=1)
 
 
 def breakpoints(t: np.ndarray, x_max: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -37,6 +37,7 @@ from poolpipe.planner.formulation import (
     build_group_milp,
     chosen_fits,
     chosen_objective,
+    served,
 )
 from poolpipe.planner.knapsack import knapsack_bound
 from poolpipe.planner.pruning import CandidateBounds, candidate_bounds, keep_mask
@@ -180,19 +181,15 @@ def _solve_group(
     if sum(len(c) for c in cands) > PRUNE_ABOVE:
         cands, quick, dropped_bound = _prune(req, cands)
     group = build_group_milp(cands, list(req.weights), req.cluster, req.packing)
-    start, target, outside = None, None, "lp"
+    start, target = None, None
     known_bound, before = math.inf, quick.seconds if quick is not None else 0.0
-    knapsack = quick is not None and quick.chosen is not None
     split = len(cands) > 1 and decomposable(req.cluster, req.packing)
     if quick is not None and quick.chosen is not None:
         known = _quick_result(req, quick, dropped_bound)
-        found = _knapsack_proof(req, cands, quick, known) if knapsack else None
-        chosen = found or quick.chosen
+        chosen = _knapsack_proof(req, cands, quick, known) or quick.chosen
         if known.gap <= req.mip_gap:
             return _Solved(chosen, known, enums, group, cands, proof="knapsack")
         start = _start_values(group, cands, chosen, known.objective)
-        if known.bound < quick.bounds.dual_bound:
-            outside = "knapsack"
         known_bound, before = known.bound, known.seconds
         # The MILP may stop at any plan within the gap of the bound known so far.
         target = known_bound / (1 + req.mip_gap)
@@ -213,16 +210,16 @@ def _solve_group(
         result.bound = known_bound
         result.gap = relative_gap(result.objective, result.bound)
         if result.gap <= req.mip_gap:
-            solved.proof = outside
+            assert quick is not None  # known_bound is finite only after the knapsacks ran
+            solved.proof = "knapsack" if known_bound < quick.bounds.dual_bound else "lp"
     if result.gap <= req.mip_gap:
         result.status = "optimal"
         return solved
     if not split:
         return solved  # the MILP had all the time
-    better = quick is not None and result.objective > quick.objective  # tighter knapsacks
-    if quick is not None and knapsack and better:
-        found = _knapsack_proof(req, cands, quick, result)
-        solved.chosen = found or solved.chosen
+    if quick is not None and quick.chosen is not None and result.objective > quick.objective:
+        # A better incumbent filters the knapsacks' options harder: they may prove it now.
+        solved.chosen = _knapsack_proof(req, cands, quick, result) or solved.chosen
         if result.gap <= req.mip_gap:
             solved.proof = "knapsack"
             return solved
@@ -325,9 +322,7 @@ def _start_values(
         used = {id(c): counts for c, counts in chosen[m]}
         for c, cand in enumerate(model_cands):
             counts = used.get(id(cand), [0] * len(cand.partitions))
-            start[group.x[m][c]] = min(
-                n * p.vgpu_throughput for n, p in zip(counts, cand.partitions, strict=True)
-            )
+            start[group.x[m][c]] = served(cand, counts)
             for var, n in zip(group.n[m][c], counts, strict=True):
                 start[var] = float(n)
     return start
