@@ -499,8 +499,10 @@ class RouterCore:
 
     def _stage_failed(self, dp: DataPlane, url: str, reqs: list[_Req], why: str) -> None:
         """A stage call failed: every vGPU of that node leaves the reservation tables at once,
-        the batch's requests start over on another path when their deadline still allows
-        (once), else they fail explicitly; the node is watched until it answers again."""
+        the batch's requests start over on another path (once), else they fail explicitly;
+        one whose deadline has passed meanwhile is dropped by the scheduler like any late
+        request (a deadline miss, not a failure: a live path remains). The node is watched
+        until it answers again."""
         now = self.now_us()
         if dp is self.dp and url not in self._down:
             self._down.add(url)
@@ -514,13 +516,13 @@ class RouterCore:
         for r in reqs:
             if r.req.id not in self._reqs:
                 continue
-            if dp is self.dp and r.attempts < 2 and r.req.deadline_us > now:
+            if dp is self.dp and r.attempts < 2:
                 r.attempts += 1
                 r.tensors = r.inputs
                 retry.append(r)
                 self.stats[self.topo.models[r.req.model].name].retried += 1
             else:
-                self._fail([r], f"{why} (node {url}; no time or attempt left to retry)")
+                self._fail([r], f"{why} (node {url}; no attempt left to retry)")
         if retry:
             live = self._has_live_path(retry[0].req.model)
             for r in retry:
