@@ -15,7 +15,7 @@ from poolpipe.costs import ModelCosts
 from poolpipe.errors import InfeasibleError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.decompose import reach
-from poolpipe.planner.formulation import chosen_fits, chosen_objective
+from poolpipe.planner.formulation import chosen_fits, chosen_objective, fit_by_swaps
 from poolpipe.planner.knapsack import knapsack_bound
 from poolpipe.planner.pruning import candidate_bounds
 from poolpipe.planner.strategies import enumerate_candidates
@@ -318,6 +318,14 @@ def _check_knapsack(req: PlanRequest, best: float, shares: tuple[int, ...]) -> N
         assert kb.bound <= cb.dual_bound * (1 + 1e-9)
         if kb.chosen is not None and chosen_fits(kb.chosen, req.cluster, req.packing):
             assert chosen_objective(kb.chosen, weights) <= best * (1 + 1e-9) + 1e-9  # a plan
+        elif kb.chosen is not None:
+            # swapped into a plan that fits, serving at least as much: still a plan
+            fixed = fit_by_swaps(kb.chosen, cands, req.cluster, req.packing)
+            if fixed is not None:
+                assert chosen_fits(fixed, req.cluster, req.packing)
+                z = chosen_objective(fixed, weights)
+                assert chosen_objective(kb.chosen, weights) * (1 - 1e-9) - 1e-9 <= z
+                assert z <= best * (1 + 1e-9) + 1e-9
         if z0 == 0.0 and shares == (1,):
             assert kb.bound == pytest.approx(best, rel=1e-6, abs=1e-6)
             # nothing to relax: the knapsacks' own solution is an optimal plan

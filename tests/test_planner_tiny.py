@@ -180,3 +180,53 @@ def test_solver_stops_at_a_target_it_reaches_and_not_before():
     assert early.values is not None
     late = solve(milp, mip_gap=0.0, target=best.objective + 1)
     assert late.status == "optimal" and late.objective == pytest.approx(best.objective)
+
+
+def test_swaps_fill_a_partly_used_bucket():
+    """Fractional GPUs (what the knapsacks price) fit one GPU, but a 2/3-full share-3 bucket
+    and a 1/4-full share-4 bucket round up to two: swapping the share-4 pipeline for a
+    share-3 one serving as much fills one GPU. When no swap fits, no plan."""
+    from poolpipe.planner.candidates import CandidatePartition, CandidatePipeline
+    from poolpipe.planner.formulation import chosen_fits, fit_by_swaps, served
+
+    def pipe(share: int, thr: float, batch: int) -> CandidatePipeline:
+        part = CandidatePartition(0, "T4", share, 0, 2, 1.0, 0.0, thr)
+        return CandidatePipeline(batch=batch, partitions=(part,), latency_us=1.0)
+
+    cluster = tiny_cluster([("T4", 1, 1, (1, 3, 4))])
+    a, quarter, third = pipe(3, 5.0, 1), pipe(4, 6.0, 2), pipe(3, 7.0, 4)
+    chosen = [[(a, [2]), (quarter, [1])]]
+    assert not chosen_fits(chosen, cluster, "per-share")
+    slow = pipe(4, 2.0, 8)  # 3 of its vGPUs serve 6: neither it nor a can take the other's load
+    assert fit_by_swaps([[(a, [2]), (slow, [3])]], [[a, slow]], cluster, "per-share") is None
+    for cands in ([a, quarter, third], [third, quarter]):
+        fixed = fit_by_swaps(chosen, [cands], cluster, "per-share")
+        assert fixed is not None and chosen_fits(fixed, cluster, "per-share")
+        assert sum(served(c, n) for c, n in fixed[0]) >= 16.0
+    # a swap onto a pipeline already in the plan merges their vGPUs: one pipeline is left
+    merged = fit_by_swaps(
+        [[(third, [2]), (quarter, [1])]], [[third, quarter]], cluster, "per-share"
+    )
+    assert merged is not None and len(merged[0]) == 1 and chosen_fits(merged, cluster, "per-share")
+    assert served(*merged[0][0]) >= 20.0
+
+
+def test_swaps_repeat_until_the_plan_fits():
+    """Per-position packing, two models whose two-partition pipelines leave four half-used
+    position buckets (4 GPUs for 2 GPUs' worth of vGPUs): each needs its own swap onto a
+    one-partition pipeline, two rounds in all."""
+    from poolpipe.planner.candidates import CandidatePartition, CandidatePipeline
+    from poolpipe.planner.formulation import chosen_fits, chosen_objective, fit_by_swaps
+
+    def part(start: int, end: int) -> CandidatePartition:
+        return CandidatePartition(0, "T4", 2, start, end, 1.0, 0.0, 10.0)
+
+    two = CandidatePipeline(batch=1, partitions=(part(0, 1), part(1, 2)), latency_us=1.0)
+    one = CandidatePipeline(batch=1, partitions=(part(0, 2),), latency_us=1.0)
+    cluster = tiny_cluster([("T4", 2, 1, (1, 2))])
+    chosen = [[(two, [1, 1])], [(two, [1, 1])]]
+    assert not chosen_fits(chosen, cluster, "per-position")
+    assert fit_by_swaps(chosen, [[two, one]] * 2, cluster, "per-position", rounds=1) is None
+    fixed = fit_by_swaps(chosen, [[two, one]] * 2, cluster, "per-position")
+    assert fixed == [[(one, [1])], [(one, [1])]]
+    assert chosen_objective(fixed, [1.0, 1.0]) == 10.0

@@ -138,11 +138,88 @@ def chosen_fits(chosen: list[Chosen], cluster: Cluster, packing: str) -> bool:
     buckets: dict[tuple, Fraction] = defaultdict(Fraction)
     for m, picked in enumerate(chosen):
         for c, counts in picked:
-            for d, (p, n) in enumerate(zip(c.partitions, counts, strict=True)):
-                key = (p.gpu, p.share) if packing == "per-share" else (p.gpu, m, d)
-                buckets[key] += Fraction(n, p.share)
+            for key, n in _bucket_terms(c, counts, m, packing):
+                buckets[key] += n
+    return _overshoot(buckets, cluster) == 0
+
+
+def _bucket_terms(
+    cand: CandidatePipeline, counts: list[int], m: int, packing: str
+) -> list[tuple[tuple, Fraction]]:
+    """The GPUs a pipeline's partitions take from each GPU bucket of the packing rule."""
+    return [
+        ((p.gpu, p.share) if packing == "per-share" else (p.gpu, m, d), Fraction(n, p.share))
+        for d, (p, n) in enumerate(zip(cand.partitions, counts, strict=True))
+    ]
+
+
+def _overshoot(buckets: dict[tuple, Fraction], cluster: Cluster) -> int:
+    """Whole GPUs the buckets (each rounded up) take beyond the cluster's, over all types."""
     used: dict[str, int] = defaultdict(int)
     for key, gpus in buckets.items():
         used[key[0]] += math.ceil(gpus)
     count = {p.gpu: p.count for p in cluster.pools}
-    return all(n <= count.get(gpu, 0) for gpu, n in used.items())
+    return sum(max(0, n - count.get(gpu, 0)) for gpu, n in used.items())
+
+
+def fit_by_swaps(
+    chosen: list[Chosen],
+    candidates: list[list[CandidatePipeline]],
+    cluster: Cluster,
+    packing: str,
+    rounds: int = 4,
+) -> list[Chosen] | None:
+    """Make vGPU counts that overshoot the cluster once buckets round up fit it, serving as
+    much: repeatedly replace the one pipeline whose swap for another candidate of its model
+    (with that candidate's fewest vGPUs for the same throughput) most reduces the overshoot.
+    None when `rounds` such swaps do not make it fit.
+
+    The knapsacks (knapsack.py) price fractional GPUs, so their solution may leave two
+    partly used buckets where a slightly costlier share would have filled one.
+    """
+    plan = [list(picked) for picked in chosen]
+    buckets: dict[tuple, Fraction] = defaultdict(Fraction)
+    for m, picked in enumerate(plan):
+        for c, counts in picked:
+            for key, n in _bucket_terms(c, counts, m, packing):
+                buckets[key] += n
+    over = _overshoot(buckets, cluster)
+    for _ in range(rounds):
+        if over == 0:
+            return plan
+        best: tuple[int, int, int, CandidatePipeline, list[int]] | None = None
+        for m, picked in enumerate(plan):
+            for i, (c, counts) in enumerate(picked):
+                x = served(c, counts)
+                old = _bucket_terms(c, counts, m, packing)
+                for key, n in old:
+                    buckets[key] -= n
+                for alt in candidates[m]:
+                    if alt is c:
+                        continue
+                    need = [math.ceil(x / p.vgpu_throughput * (1 - 1e-12)) for p in alt.partitions]
+                    new = _bucket_terms(alt, need, m, packing)
+                    for key, n in new:
+                        buckets[key] += n
+                    left = _overshoot(buckets, cluster)
+                    for key, n in new:
+                        buckets[key] -= n
+                    if left < over and (best is None or left < best[0]):
+                        best = (left, m, i, alt, need)
+                for key, n in old:
+                    buckets[key] += n
+        if best is None:
+            return None
+        over, m, i, alt, need = best
+        c, counts = plan[m][i]
+        for key, n in _bucket_terms(c, counts, m, packing):
+            buckets[key] -= n
+        for key, n in _bucket_terms(alt, need, m, packing):
+            buckets[key] += n
+        del plan[m][i]
+        same = next((j for j, (c2, _) in enumerate(plan[m]) if c2 is alt), None)
+        if same is None:
+            plan[m].append((alt, need))
+        else:  # merged with the pipeline already on it: serves at least the sum
+            plan[m][same] = (alt, [a + b for a, b in zip(plan[m][same][1], need, strict=True)])
+    return plan if over == 0 else None

@@ -37,6 +37,7 @@ from poolpipe.planner.formulation import (
     build_group_milp,
     chosen_fits,
     chosen_objective,
+    fit_by_swaps,
     served,
 )
 from poolpipe.planner.knapsack import knapsack_bound
@@ -251,11 +252,13 @@ def _knapsack_proof(
         return None
     result.seconds += kb.seconds
     result.bound = min(result.bound, max(kb.bound, result.objective))
-    found = None
-    if kb.chosen is not None and chosen_fits(kb.chosen, req.cluster, req.packing):
-        objective = chosen_objective(kb.chosen, weights)
+    found, chosen = None, kb.chosen
+    if chosen is not None and not chosen_fits(chosen, req.cluster, req.packing):
+        chosen = fit_by_swaps(chosen, cands, req.cluster, req.packing)
+    if chosen is not None:
+        objective = chosen_objective(chosen, weights)
         if objective > result.objective:
-            found, result.objective = kb.chosen, objective
+            found, result.objective = chosen, objective
             result.bound = max(result.bound, objective)
     result.gap = relative_gap(result.objective, result.bound)
     if result.gap <= req.mip_gap:
