@@ -142,14 +142,17 @@ def test_paper_plans(ppipe_dir, warehouse_path, capsys):
     assert "ppipe / np:" in out and "dart-r" in out
 
 
-def _group_request(profiles, strategy):
+def _group_request(
+    profiles, strategy, group=GROUP, cluster="hc2-large", packing="per-position"
+) -> PlanRequest:
+    """A main configuration of the paper: maf19 mix, SLO 5x reference, P=2, margin 0.4."""
     return PlanRequest(
-        models=tuple(profiles[n] for n in GROUP),
+        models=tuple(profiles[n] for n in group),
         weights=MAF19,
-        slos_us=tuple(5 * profiles[n].reference_latency_us for n in GROUP),
-        cluster=load_cluster(PPIPE_DIR / "clusters.toml", "hc2-large"),
+        slos_us=tuple(5 * profiles[n].reference_latency_us for n in group),
+        cluster=load_cluster(PPIPE_DIR / "clusters.toml", cluster),
         strategy=strategy,
-        packing="per-position",
+        packing=packing,
         margin=0.4,
         max_partitions=2,
     )
@@ -253,15 +256,8 @@ def test_group_plan_is_proven_by_the_knapsack_after_a_swap(ppipe_profiles):
     workloads = tomllib.loads((PPIPE_DIR / "workloads.toml").read_text())
     group = workloads["groups"][3]
     assert any(name.startswith("efficientnet") for name in group)
-    req = PlanRequest(
-        models=tuple(ppipe_profiles[n] for n in group),
-        weights=tuple(workloads["mixes"]["maf19"]),
-        slos_us=tuple(5 * ppipe_profiles[n].reference_latency_us for n in group),
-        cluster=load_cluster(PPIPE_DIR / "clusters.toml", "hc4-large"),
-        packing="per-share",
-        margin=0.4,
-        max_partitions=2,
-    )
+    assert tuple(workloads["mixes"]["maf19"]) == MAF19
+    req = _group_request(ppipe_profiles, "ppipe", group, "hc4-large", "per-share")
     plan = make_plan(req)
     assert (plan.solver.status, plan.solver.proof) == ("optimal", "knapsack")
     lam, _ = estimate_arrival_rates(req)

@@ -135,12 +135,17 @@ def chosen_objective(chosen: list[Chosen], weights: list[float]) -> float:
 
 def chosen_fits(chosen: list[Chosen], cluster: Cluster, packing: str) -> bool:
     """Do these vGPU counts fit the cluster's GPUs under the packing rule (constraint (c))?"""
+    return _overshoot(_buckets(chosen, packing), cluster) == 0
+
+
+def _buckets(chosen: list[Chosen], packing: str) -> dict[tuple, Fraction]:
+    """The GPUs (fractional) the pipelines take from each GPU bucket of the packing rule."""
     buckets: dict[tuple, Fraction] = defaultdict(Fraction)
     for m, picked in enumerate(chosen):
         for c, counts in picked:
             for key, n in _bucket_terms(c, counts, m, packing):
                 buckets[key] += n
-    return _overshoot(buckets, cluster) == 0
+    return buckets
 
 
 def _bucket_terms(
@@ -178,48 +183,43 @@ def fit_by_swaps(
     partly used buckets where a slightly costlier share would have filled one.
     """
     plan = [list(picked) for picked in chosen]
-    buckets: dict[tuple, Fraction] = defaultdict(Fraction)
-    for m, picked in enumerate(plan):
-        for c, counts in picked:
-            for key, n in _bucket_terms(c, counts, m, packing):
-                buckets[key] += n
+    buckets = _buckets(plan, packing)
     over = _overshoot(buckets, cluster)
     for _ in range(rounds):
         if over == 0:
-            return plan
+            break
         best: tuple[int, int, int, CandidatePipeline, list[int]] | None = None
         for m, picked in enumerate(plan):
             for i, (c, counts) in enumerate(picked):
                 x = served(c, counts)
                 old = _bucket_terms(c, counts, m, packing)
-                for key, n in old:
-                    buckets[key] -= n
+                _shift(buckets, old, -1)
                 for alt in candidates[m]:
                     if alt is c:
                         continue
                     need = [math.ceil(x / p.vgpu_throughput * (1 - 1e-12)) for p in alt.partitions]
                     new = _bucket_terms(alt, need, m, packing)
-                    for key, n in new:
-                        buckets[key] += n
+                    _shift(buckets, new, 1)
                     left = _overshoot(buckets, cluster)
-                    for key, n in new:
-                        buckets[key] -= n
+                    _shift(buckets, new, -1)
                     if left < over and (best is None or left < best[0]):
                         best = (left, m, i, alt, need)
-                for key, n in old:
-                    buckets[key] += n
+                _shift(buckets, old, 1)
         if best is None:
             return None
         over, m, i, alt, need = best
-        c, counts = plan[m][i]
-        for key, n in _bucket_terms(c, counts, m, packing):
-            buckets[key] -= n
-        for key, n in _bucket_terms(alt, need, m, packing):
-            buckets[key] += n
-        del plan[m][i]
+        c, counts = plan[m].pop(i)
+        _shift(buckets, _bucket_terms(c, counts, m, packing), -1)
+        _shift(buckets, _bucket_terms(alt, need, m, packing), 1)
         same = next((j for j, (c2, _) in enumerate(plan[m]) if c2 is alt), None)
         if same is None:
             plan[m].append((alt, need))
         else:  # merged with the pipeline already on it: serves at least the sum
             plan[m][same] = (alt, [a + b for a, b in zip(plan[m][same][1], need, strict=True)])
     return plan if over == 0 else None
+
+
+def _shift(buckets: dict[tuple, Fraction], terms: list[tuple[tuple, Fraction]], sign: int) -> None:
+    """Add (sign 1) or take away (sign -1) a pipeline's bucket terms."""
+    for key, n in terms:
+        buckets[key] += sign * n
