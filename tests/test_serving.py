@@ -82,6 +82,20 @@ def _infer(mod, client, x, **kw):
     return client.infer("tiny", [i], **kw)
 
 
+def test_free_ports_never_hands_out_a_port_twice():
+    """Nodes started together each ask for ports, which are closed again until Triton binds
+    them: the kernel would offer a closed port again (two nodes once shared one and one
+    crashed), so a process never gets the same port twice."""
+    import socket
+
+    from triton_backend.env import free_ports
+
+    ports = [p for _ in range(400) for p in free_ports(3)]
+    assert len(set(ports)) == len(ports) == 1200
+    with socket.socket() as s:  # and they are free
+        s.bind(("127.0.0.1", ports[-1]))
+
+
 def test_partitions_run_on_two_nodes_with_fp16_between_them(served):
     assert len(served.nodes) == 2 and all(n.alive for n in served.nodes.values())
     placed = sorted((p.node, p.start, p.end) for p in served.layout.placements)

@@ -14,6 +14,7 @@ import site
 import socket
 import sys
 import sysconfig
+import threading
 import uuid
 from pathlib import Path
 
@@ -71,14 +72,27 @@ def libs_path() -> Path:
     return pytriton_root().parent / "nvidia_pytriton.libs"
 
 
+# Every port free_ports has handed out in this process: a port closed again before its
+# server binds it is free to the kernel, which would hand it out twice (two nodes started
+# together once got the same port: one Triton found it taken and crashed while loading).
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback (free when asked; bind soon)."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    """n free TCP ports on loopback, none handed out before by this process (free when
+    asked; bind soon)."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    with _HANDED_OUT_LOCK:
+        while len(ports) < n:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)  # held open until the end, so the kernel offers another next
+            port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                ports.append(port)
+        for s in socks:
+            s.close()
     return ports
