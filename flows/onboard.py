@@ -20,12 +20,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.common import DEFAULT_BATCHES, artifact_key, io_error_only, markdown_table, report
 from flows.profile import build_task, profile_task
-from poolpipe.cuts import METHODS, CutPolicy
-from poolpipe.engines import EngineInfo
 from poolpipe.errors import ModelError
-from poolpipe.profiler import Measurement, latency_of, sum_vs_whole
-from poolpipe.split import SplitResult, split_model, verify_split
-from poolpipe.warehouse import Warehouse
+from poolpipe.offline.cuts import METHODS, CutPolicy
+from poolpipe.offline.engines import EngineInfo
+from poolpipe.offline.profiler import Measurement, latency_of, sum_vs_whole
+from poolpipe.offline.split import SplitResult, split_model, verify_split
+from poolpipe.store.warehouse import Warehouse
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

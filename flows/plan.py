@@ -9,10 +9,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.common import artifact_key, io_error_only, markdown_table
-from poolpipe.plan import Plan
+from poolpipe.domain.plan import Plan
 from poolpipe.planner import PlanRequest, make_plan
-from poolpipe.planning import plan_request
-from poolpipe.warehouse import Warehouse
+from poolpipe.store.plan_inputs import plan_request
+from poolpipe.store.warehouse import Warehouse
 
 
 @task(name="load-request", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)

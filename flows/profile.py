@@ -11,9 +11,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.common import DEFAULT_BATCHES, artifact_key, io_error_only, markdown_table, report
-from poolpipe.engines import EngineInfo, build_all, make_engine
-from poolpipe.profiler import Measurement, latency_of, profile_blocks, sum_vs_whole
-from poolpipe.warehouse import Warehouse
+from poolpipe.offline.engines import EngineInfo, build_all, make_engine
+from poolpipe.offline.profiler import Measurement, latency_of, profile_blocks, sum_vs_whole
+from poolpipe.store.warehouse import Warehouse
 
 
 @task(name="load-blocks", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)

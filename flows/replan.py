@@ -10,11 +10,11 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.common import artifact_key, io_error_only, markdown_table
-from poolpipe.plan import STRATEGIES, Plan
+from poolpipe.domain.plan import STRATEGIES, Plan
 from poolpipe.planner import make_plan
-from poolpipe.planning import plan_request
-from poolpipe.replan import objective_under, observed_weights, worth_rolling_out
-from poolpipe.warehouse import Warehouse
+from poolpipe.planner.replan import objective_under, observed_weights, worth_rolling_out
+from poolpipe.store.plan_inputs import plan_request
+from poolpipe.store.warehouse import Warehouse
 
 
 @task(name="observed-mix", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
@@ -31,7 +31,7 @@ def observed_mix(warehouse: str | None, deployment: str, hours: float) -> dict[s
 
 @task(name="serving-plan", cache_policy=NO_CACHE)
 def serving_plan(router: str) -> tuple[Plan, int | None]:
-    from triton_backend.serve import send_control
+    from poolpipe.client import send_control
 
     answer = send_control(router, {"op": "plan"})
     return Plan.from_dict(answer["plan"]), answer.get("plan_id")

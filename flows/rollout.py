@@ -12,9 +12,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.common import artifact_key, io_error_only, markdown_table
+from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.plan import Plan
-from poolpipe.warehouse import Warehouse
+from poolpipe.store.warehouse import Warehouse
 
 
 @task(name="store-plan", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
@@ -33,7 +33,7 @@ def resolve_plan(warehouse: str | None, plan: str) -> int:
 
 @task(name="switch", cache_policy=NO_CACHE)
 def switch(router: str, plan_id: int) -> dict:
-    from triton_backend.serve import send_control
+    from poolpipe.client import send_control
 
     return send_control(router, {"op": "rollout", "plan_id": plan_id})
 

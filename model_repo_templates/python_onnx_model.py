@@ -21,7 +21,7 @@ class TritonPythonModel:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
-        # as profiled (poolpipe.engines.OrtEngine): idle threads must not spin
+        # as profiled (poolpipe.offline.engines.OrtEngine): idle threads must not spin
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         path = os.path.join(args["model_repository"], args["model_version"], "model.onnx")
         self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])

@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.onboard import onboard_model
-from poolpipe.profiler import sum_vs_whole
-from poolpipe.warehouse import Warehouse
-from poolpipe.zoo import ZOO, make_model
+from poolpipe.offline.profiler import sum_vs_whole
+from poolpipe.offline.zoo import ZOO, make_model
+from poolpipe.store.warehouse import Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 TARGET_S = 300.0

@@ -18,11 +18,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from poolpipe.cli import ppipe_dir
-from poolpipe.cuts import METHODS, prepartition
-from poolpipe.layerdata import layer_cut_table
-from poolpipe.profiles import load_ppipe_dir
-from poolpipe.warehouse import Warehouse
+from poolpipe.cli.common import ppipe_dir
+from poolpipe.domain.profiles import load_ppipe_dir
+from poolpipe.offline.cuts import METHODS, prepartition
+from poolpipe.offline.layerdata import layer_cut_table
+from poolpipe.store.warehouse import Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 

@@ -18,13 +18,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from poolpipe.cli import ppipe_dir
-from poolpipe.cluster import load_clusters
+from poolpipe.cli.common import ppipe_dir
+from poolpipe.domain.cluster import load_clusters
+from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.planner import PlanRequest, make_plan
-from poolpipe.profiles import load_ppipe_dir
 from poolpipe.scheduler import DATA_PLANES, build_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, run_once
-from poolpipe.warehouse import Warehouse
+from poolpipe.store.warehouse import Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 

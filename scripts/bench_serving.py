@@ -34,9 +34,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from rich.console import Console
 from rich.table import Table
 
-from poolpipe.cluster import load_cluster
-from poolpipe.plan import Plan, manual_plan
-from poolpipe.warehouse import REPO_ROOT, Warehouse
+from poolpipe.domain.cluster import load_cluster
+from poolpipe.domain.plan import Plan, manual_plan
+from poolpipe.store.warehouse import REPO_ROOT, Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
@@ -74,7 +74,7 @@ def main() -> int:
 
     from flows.onboard import onboard_model
     from flows.profile import profile_model
-    from poolpipe.zoo import make_model
+    from poolpipe.offline.zoo import make_model
     from triton_backend.loadgen import drive, poisson_times, summarize
     from triton_backend.serve import Server
 

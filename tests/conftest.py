@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poolpipe.cluster import Cluster, GpuPool
-from poolpipe.profiles import LatencyTable, ModelProfile
+from poolpipe.domain.cluster import Cluster, GpuPool
+from poolpipe.domain.profiles import LatencyTable, ModelProfile
 
 PPIPE_DIR = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "ppipe-gpu"
 
@@ -22,7 +22,7 @@ def ppipe_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def ppipe_profiles(ppipe_dir: Path) -> dict[str, ModelProfile]:
-    from poolpipe.profiles import load_ppipe_dir
+    from poolpipe.domain.profiles import load_ppipe_dir
 
     return {p.name: p for p in load_ppipe_dir(ppipe_dir)}
 

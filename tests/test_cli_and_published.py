@@ -8,11 +8,11 @@ import json
 import pytest
 
 from poolpipe.cli import main
-from poolpipe.cluster import load_cluster
+from poolpipe.domain.cluster import load_cluster
+from poolpipe.domain.plan import Plan
 from poolpipe.errors import PlanVerificationError
-from poolpipe.plan import Plan
 from poolpipe.planner import PlanRequest, make_plan
-from poolpipe.warehouse import Warehouse
+from poolpipe.store.warehouse import Warehouse
 from tests.conftest import PPIPE_DIR
 
 GROUP = ("colorization-v2", "googlenet-v3-pytorch", "repvgg-b3")
@@ -123,7 +123,8 @@ def test_cli_errors_name_the_bad_input(imported, capsys, argv, message):
     if "--cluster" in argv:
         base = base[:-2]
     assert main(base + argv) == 2
-    assert message in capsys.readouterr().out.replace("\n", " ")
+    printed = capsys.readouterr()
+    assert message in printed.err.replace("\n", " ") and not printed.out  # errors: stderr
 
 
 def test_profiles_list_and_show(imported, capsys):
@@ -211,10 +212,11 @@ def test_single_model_p3_plan_is_proven_by_the_knapsack(ppipe_profiles):
     """The single-model ablation (P=3, margin 0.1): the knapsack bound proves the plan, and
     the group MILP over every candidate, solved to a 1e-9 gap, finds nothing better beyond
     the plan's gap tolerance."""
-    from poolpipe.costs import ModelCosts
+    from poolpipe.domain.costs import ModelCosts
+    from poolpipe.planner.exact import enumerate_candidates
     from poolpipe.planner.formulation import build_group_milp
     from poolpipe.planner.solvers import solve
-    from poolpipe.planner.strategies import enumerate_candidates, estimate_arrival_rates
+    from poolpipe.planner.strategies import estimate_arrival_rates
 
     model = ppipe_profiles["rtmdet_x_8xb32-300e_coco"]
     req = PlanRequest(
@@ -244,14 +246,10 @@ def test_group_plan_is_proven_by_the_knapsack_after_a_swap(ppipe_profiles):
     proves it."""
     import tomllib
 
+    from poolpipe.planner.exact import enumerate_candidates, model_costs, prune
     from poolpipe.planner.formulation import chosen_fits
     from poolpipe.planner.knapsack import knapsack_bound
-    from poolpipe.planner.strategies import (
-        _costs,
-        _prune,
-        enumerate_candidates,
-        estimate_arrival_rates,
-    )
+    from poolpipe.planner.strategies import estimate_arrival_rates
 
     workloads = tomllib.loads((PPIPE_DIR / "workloads.toml").read_text())
     group = workloads["groups"][3]
@@ -261,8 +259,8 @@ def test_group_plan_is_proven_by_the_knapsack_after_a_swap(ppipe_profiles):
     plan = make_plan(req)
     assert (plan.solver.status, plan.solver.proof) == ("optimal", "knapsack")
     lam, _ = estimate_arrival_rates(req)
-    _, cands = enumerate_candidates(req, _costs(req, lam, False), 2)
-    kept, quick, _ = _prune(req, cands)
+    _, cands = enumerate_candidates(req, model_costs(req, lam, False), 2)
+    kept, quick, _ = prune(req, cands)
     kb = knapsack_bound(kept, list(req.weights), quick.bounds, req.cluster, quick.objective)
     assert kb is not None and kb.chosen is not None
     assert not chosen_fits(kb.chosen, req.cluster, req.packing)  # the case this is about

@@ -139,7 +139,7 @@ def test_simulate_errors_name_the_bad_input(planned, capsys, extra, message):
     capsys.readouterr()
     argv = [*wh, "simulate", "--plan", str(paths["ppipe"]), *extra]
     assert main(argv) == 2
-    assert message in capsys.readouterr().out.replace("\n", " ")
+    assert message in capsys.readouterr().err.replace("\n", " ")
 
 
 def test_capacity_refuses_a_fixed_list_and_mismatched_baselines(planned, tmp_path, capsys):
@@ -147,4 +147,4 @@ def test_capacity_refuses_a_fixed_list_and_mismatched_baselines(planned, tmp_pat
     lst = tmp_path / "t.txt"
     lst.write_text("0\n")
     assert main([*wh, "capacity", "--plan", str(paths["ppipe"]), "--arrivals", str(lst)]) == 2
-    assert "no load factor to search" in capsys.readouterr().out.replace("\n", " ")
+    assert "no load factor to search" in capsys.readouterr().err.replace("\n", " ")

@@ -19,9 +19,9 @@ from flows.plan import plan_models
 from flows.profile import profile_model
 from poolpipe.cli import main as cli_main
 from poolpipe.errors import ModelError
-from poolpipe.profiler import WHOLE
-from poolpipe.warehouse import Warehouse
-from poolpipe.zoo import make_model
+from poolpipe.offline.profiler import WHOLE
+from poolpipe.offline.zoo import make_model
+from poolpipe.store.warehouse import Warehouse
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(blocks=4, batches=[1, 2, 3], warmup=1, reps=3)
@@ -293,7 +293,7 @@ def test_cli_onboard_prints_the_block_table(prefect_api, small_resnet, tmp_path,
     out = capsys.readouterr().out
     assert rc == 0 and "whole model" in out and "sum of" in out and "cli-resnet" in out
     rc = cli_main(["--warehouse", wh, "onboard", str(tmp_path / "missing.onnx")])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert rc == 2 and "missing: load:" in out and "does not exist" in out
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.errors import ProfileError, UnknownNameError, WarehouseError
-from poolpipe.profiles import load_ppipe_dir
-from poolpipe.warehouse import LATEST_VERSION, Warehouse
+from poolpipe.store.warehouse import LATEST_VERSION, Warehouse
 
 MODEL = "colorization-v2"
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poolpipe.cuts import CutPolicy, CutTable, crossing_from_lifetimes, prepartition
 from poolpipe.errors import ModelError, UnknownNameError
-from poolpipe.layerdata import layer_cut_table
-from poolpipe.onnxgraph import (
+from poolpipe.offline.cuts import CutPolicy, CutTable, crossing_from_lifetimes, prepartition
+from poolpipe.offline.layerdata import layer_cut_table
+from poolpipe.offline.onnxgraph import (
     cut_table,
     extract_block,
     load_model,
@@ -22,7 +22,7 @@ from poolpipe.onnxgraph import (
     random_inputs,
     session,
 )
-from poolpipe.zoo import ZOO, make_model
+from poolpipe.offline.zoo import ZOO, make_model
 
 SMALL = {"resnet50": (0.125, 32), "efficientnet": (0.25, 32), "unet": (0.125, 32)}
 

@@ -11,14 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poolpipe.costs import ModelCosts
+from poolpipe.domain.costs import ModelCosts
 from poolpipe.errors import InfeasibleError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.decompose import reach
+from poolpipe.planner.exact import enumerate_candidates
 from poolpipe.planner.formulation import chosen_fits, chosen_objective, fit_by_swaps
 from poolpipe.planner.knapsack import knapsack_bound
 from poolpipe.planner.pruning import candidate_bounds
-from poolpipe.planner.strategies import enumerate_candidates
 from tests.conftest import tiny_cluster, tiny_model
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -74,7 +74,7 @@ def test_nic_bound_partition(boundary, expected):
 def test_nic_limit_is_per_vgpu_and_per_server_gpu():
     # 1.25 MB at 1 Gbit/s = 10 ms per sample over the whole NIC. With 2 GPUs per server and
     # share 1/2, each vGPU owns 1/4 of the NIC: 1e6 / (10000 * 2 * 2) = 25 samples/s.
-    from poolpipe.costs import ModelCosts
+    from poolpipe.domain.costs import ModelCosts
 
     m = tiny_model("m", {("A", 1): A1, ("A", 2): [[1.0], [1.0]], ("B", 1): B1}, [1.25e6])
     cluster = tiny_cluster([("A", 2, 2, (1, 2)), ("B", 1, 1, (1,))], bandwidth_gbps=1.0)
@@ -154,7 +154,7 @@ def test_batch_wait_term_uses_np_throughput():
 
 
 def test_margin_rounds_half_up():
-    from poolpipe.costs import margin_us
+    from poolpipe.domain.costs import margin_us
 
     assert margin_us(71752.36, 0.4) == 28701.0
     assert margin_us(10.0, 0.25) == 3.0  # 2.5 -> 3

@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poolpipe.cluster import load_cluster
-from poolpipe.deployment import layout
+from poolpipe.domain.cluster import load_cluster
+from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.onnxgraph import session
-from poolpipe.partitions import make_partition
-from poolpipe.plan import Plan, manual_plan
+from poolpipe.offline.onnxgraph import session
+from poolpipe.offline.partitions import make_partition
+from poolpipe.offline.zoo import make_model
+from poolpipe.runtime.placement import layout
 from poolpipe.scheduler import build_topology
-from poolpipe.warehouse import Warehouse
-from poolpipe.zoo import make_model
+from poolpipe.store.warehouse import Warehouse
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from poolpipe.warehouse import Warehouse
+from poolpipe.store.warehouse import Warehouse
 from tests.test_serving import REPO, _grpc, _infer, onboarded_tiny, two_partition_plan  # noqa: F401
 
 pytestmark = pytest.mark.integration

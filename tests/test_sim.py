@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poolpipe.cluster import load_cluster
+from poolpipe.domain.cluster import load_cluster
 from poolpipe.errors import PoolpipeError, UnknownNameError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.scheduler import DATA_PLANES, build_topology, make_data_plane

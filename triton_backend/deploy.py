@@ -19,14 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from poolpipe.deployment import Layout, layout
+from poolpipe.client.control import CONTROL_MODEL
+from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.partitions import PartitionFile, make_partition
-from poolpipe.plan import Plan
+from poolpipe.offline.partitions import PartitionFile, make_partition
+from poolpipe.runtime.placement import Layout, layout
 from poolpipe.scheduler import build_topology, make_data_plane
 from poolpipe.scheduler.topology import Topology, with_latencies
 from poolpipe.sim.metrics import SimResult
-from poolpipe.warehouse import Warehouse
+from poolpipe.store.warehouse import Warehouse
 from triton_backend.env import fix_this_process, free_ports, triton_home
 from triton_backend.nodes import TritonNode, stop_nodes
 from triton_backend.repository import render_partition
@@ -514,9 +515,6 @@ def router_callable(core: RouterCore, io: ModelIO):
         return responses
 
     return infer
-
-
-CONTROL_MODEL = "poolpipe_control"
 
 
 def control_callable(handle: Callable[[dict], dict]):

@@ -19,8 +19,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from tritonclient.grpc import model_config_pb2
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.layout import anchored_file
-from poolpipe.partitions import PartitionFile
+from poolpipe.offline.anchors import anchored_file
+from poolpipe.offline.partitions import PartitionFile
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
 BACKENDS = ("python", "onnxruntime", "tensorrt")
@@ -123,7 +123,7 @@ def render_partition(
     target = version / ("model.plan" if backend == "tensorrt" else "model.onnx")
     if backend == "tensorrt":
         raise PoolpipeError(
-            "tensorrt_plan partitions need engines built on the GPU node (poolpipe.engines."
+            "tensorrt_plan partitions need engines built on the GPU node (poolpipe.offline.engines."
             "TensorRTEngine); render them there"
         )
     # CPU stage workers run ONNX Runtime with layout anchors, as the profiler does

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.partitions import TensorSpec
+from poolpipe.offline.partitions import TensorSpec
 from poolpipe.scheduler import DataPlane, Decisions, Dispatch, Request, StageReport
 from poolpipe.scheduler.topology import Topology, with_latencies
 from triton_backend.repository import kserve_dtype

@@ -15,10 +15,10 @@ from typing import Any
 
 import duckdb
 
+from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.plan import Plan
-from poolpipe.warehouse import Warehouse
-from triton_backend.deploy import CONTROL_MODEL, Deployment, RolloutResult
+from poolpipe.store.warehouse import Warehouse
+from triton_backend.deploy import Deployment, RolloutResult
 from triton_backend.env import free_ports
 from triton_backend.router import RouterCore
 
@@ -201,20 +201,3 @@ class Server:
 def _load_plan(warehouse: str | Path | None, plan_id: int) -> Plan:
     with Warehouse.open(warehouse) as wh:
         return wh.load_plan(plan_id)
-
-
-def send_control(router_grpc: str, command: dict, timeout_s: float = 600.0) -> dict:
-    """Send one command to a router's control model over gRPC (another process)."""
-    import numpy as np
-    import tritonclient.grpc as tg
-
-    client = tg.InferenceServerClient(router_grpc)
-    try:
-        x = np.array([json.dumps(command).encode()], dtype=object)
-        i = tg.InferInput("command", [1], "BYTES")
-        i.set_data_from_numpy(x)
-        r = client.infer(CONTROL_MODEL, [i], client_timeout=timeout_s)
-        raw = r.as_numpy("result").reshape(-1)[0]
-        return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-    finally:
-        client.close()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poolpipe.costs import US_PER_S, ModelCosts
+from poolpipe.domain.costs import US_PER_S, ModelCosts
 
 # Relative tolerance under which two vGPU throughputs count as equal for dominance.
 DOMINANCE_RTOL = 1e-12

@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from poolpipe.cluster import Cluster
+from poolpipe.domain.cluster import Cluster
 from poolpipe.planner.candidates import CandidatePipeline
 from poolpipe.planner.formulation import Chosen, build_group_milp, chosen_objective
 from poolpipe.planner.solvers import solve

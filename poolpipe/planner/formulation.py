@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
-from poolpipe.cluster import Cluster
+from poolpipe.domain.cluster import Cluster
 from poolpipe.planner.candidates import CandidatePipeline
 from poolpipe.planner.solvers import Milp
 

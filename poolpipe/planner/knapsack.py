@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poolpipe.cluster import Cluster
+from poolpipe.domain.cluster import Cluster
 from poolpipe.planner.candidates import CandidatePipeline
 from poolpipe.planner.formulation import Chosen
 from poolpipe.planner.pruning import CHUNK, CandidateBounds, breakpoints, depth_groups

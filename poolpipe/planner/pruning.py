@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poolpipe.cluster import Cluster
+from poolpipe.domain.cluster import Cluster
 from poolpipe.errors import SolverError
 from poolpipe.planner.candidates import CandidatePipeline
 from poolpipe.planner.solvers import Milp, solve

@@ -11,10 +11,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from poolpipe.costs import ModelCosts
+from poolpipe.domain.costs import ModelCosts
+from poolpipe.domain.plan import Plan
+from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import ClusterError, UnknownNameError
-from poolpipe.plan import Plan
-from poolpipe.profiles import ModelProfile
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Layout anchors (poolpipe.layout): exact outputs, residual adds fused again by ONNX Runtime's
-CPU layout pass, and applied where CPU engines load files (profiler engine, stage workers)."""
+"""Layout anchors (poolpipe.offline.anchors): exact outputs, residual adds fused again by ONNX
+Runtime's CPU layout pass, and applied where CPU engines load files (profiler engine, stage
+workers)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from poolpipe.cuts import CutPolicy
-from poolpipe.engines import OrtEngine
-from poolpipe.layout import SUFFIX, anchor_inputs, anchored_file
-from poolpipe.onnxgraph import random_inputs, session
-from poolpipe.partitions import make_partition
-from poolpipe.split import split_model
-from poolpipe.zoo import make_model
+from poolpipe.offline.anchors import SUFFIX, anchor_inputs, anchored_file
+from poolpipe.offline.cuts import CutPolicy
+from poolpipe.offline.engines import OrtEngine
+from poolpipe.offline.onnxgraph import random_inputs, session
+from poolpipe.offline.partitions import make_partition
+from poolpipe.offline.split import split_model
+from poolpipe.offline.zoo import make_model
 from triton_backend.repository import render_partition
 
 

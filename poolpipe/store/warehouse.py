@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import numpy as np
 
-from poolpipe.cluster import Cluster, GpuPool
+from poolpipe.domain.cluster import Cluster, GpuPool
+from poolpipe.domain.plan import Plan
+from poolpipe.domain.profiles import DEFAULT_SLO_SCALE, LatencyTable, ModelProfile
 from poolpipe.errors import UnknownNameError, WarehouseError
-from poolpipe.plan import Plan
-from poolpipe.profiles import DEFAULT_SLO_SCALE, LatencyTable, ModelProfile
 
 if TYPE_CHECKING:  # the ONNX side is imported only where it is used
-    from poolpipe.engines import EngineInfo
-    from poolpipe.profiler import Measurement
-    from poolpipe.split import SplitResult
+    from poolpipe.offline.engines import EngineInfo
+    from poolpipe.offline.profiler import Measurement
+    from poolpipe.offline.split import SplitResult
 
 ENV_VAR = "POOLPIPE_WAREHOUSE"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS_DIR = REPO_ROOT / "warehouse" / "migrations"
 _MIGRATION_RE = re.compile(r"v(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -84,7 +84,7 @@ def _insert_measurements(
     settings: dict[str, Any] | None,
     now: datetime,
 ) -> None:
-    from poolpipe.profiler import WHOLE
+    from poolpipe.offline.profiler import WHOLE
 
     prov = json.dumps({**info.provenance(), **(settings or {}), "date": now.isoformat()})
     source = f"{info.engine}-profile"
@@ -314,7 +314,7 @@ class Warehouse:
         DEFAULT_SLO_SCALE x that), blocks, boundaries, latencies, files. One transaction;
         `before_commit` runs inside it (publishing the block files), so that a failure
         anywhere leaves the warehouse as it was."""
-        from poolpipe.profiler import WHOLE
+        from poolpipe.offline.profiler import WHOLE
 
         ref = next((m.median_us for m in measurements if m.block == WHOLE and m.batch == 1), None)
         part = split.partitioning
@@ -420,7 +420,7 @@ class Warehouse:
         ]
 
     def whole_model_file(self, model: str) -> Path | None:
-        from poolpipe.split import WHOLE_FILE
+        from poolpipe.offline.split import WHOLE_FILE
 
         row = self.con.execute(
             "SELECT blocks_dir FROM model_files WHERE model = ?", [model]

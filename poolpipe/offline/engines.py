@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from poolpipe.errors import ModelError, PoolpipeError
-from poolpipe.layout import anchored_file
+from poolpipe.offline.anchors import anchored_file
 
 ENGINES = ("onnxruntime", "onnxruntime-cuda", "tensorrt")
 

@@ -18,9 +18,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from poolpipe.cli_serve import add_router_arguments, router_options
+from poolpipe.cli.serve import add_router_arguments, router_options
 from poolpipe.errors import PoolpipeError
-from poolpipe.warehouse import REPO_ROOT
+from poolpipe.store.warehouse import REPO_ROOT
 
 console = Console()
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
@@ -35,12 +35,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.onboard import onboard_model
     from flows.profile import profile_model
-    from poolpipe.cli_onboard import progress_bar
+    from poolpipe.cli.onboard import progress_bar
+    from poolpipe.offline.profiler import sum_vs_whole
+    from poolpipe.offline.zoo import make_model
     from poolpipe.planner import make_plan
-    from poolpipe.planning import plan_request
-    from poolpipe.profiler import sum_vs_whole
-    from poolpipe.warehouse import Warehouse
-    from poolpipe.zoo import make_model
+    from poolpipe.store.plan_inputs import plan_request
+    from poolpipe.store.warehouse import Warehouse
     from triton_backend.serve import Server
 
     out = Path(args.out)
@@ -81,7 +81,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         profile = req.models[0]
         piped = pipelined_plan(profile, args.slo_ms * 1e3, req.cluster)
         second = (piped, wh.store_plan(piped, label="demo:pipelined"))
-    from poolpipe.cli import print_plan
+    from poolpipe.cli.plans import print_plan
 
     print_plan(first[0])
     print_plan(second[0])
@@ -237,7 +237,7 @@ def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Na
 
 def pipelined_plan(profile, slo_us: float, cluster, batch: int = 4):
     """Blocks [0, k) on cpu-2t and [k, B) on cpu-1t, k making the stages most even."""
-    from poolpipe.plan import manual_plan
+    from poolpipe.domain.plan import manual_plan
 
     fast = profile.tables[("cpu-2t", 1)].latency_us[:, batch - 1]
     slow = profile.tables[("cpu-1t", 1)].latency_us[:, batch - 1]

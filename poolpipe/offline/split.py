@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from poolpipe.cuts import CutPolicy, Partitioning, prepartition
 from poolpipe.errors import ModelError
-from poolpipe.onnxgraph import (
+from poolpipe.offline.cuts import CutPolicy, Partitioning, prepartition
+from poolpipe.offline.onnxgraph import (
     cut_table,
     extract_block,
     load_model,

@@ -1,38 +1,29 @@
-"""The `poolpipe` command: import profiles, plan, compare strategies, simulate, manage the
-warehouse."""
+"""`poolpipe plan`, `compare` and `paper-plans`: plan model groups and print plans."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 import tomllib
-from collections.abc import Sequence
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from poolpipe import __version__
-from poolpipe.cluster import load_clusters
+from poolpipe.cli.common import (
+    PPIPE_DIR_ENV,
+    console,
+    open_warehouse,
+    parse_floats,
+    parse_list,
+    ppipe_dir,
+)
+from poolpipe.cli.profiles import cmd_import_ppipe
+from poolpipe.domain.plan import PACKINGS, STRATEGIES, PipelinePlan, Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.plan import PACKINGS, STRATEGIES, PipelinePlan, Plan
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
-from poolpipe.planning import plan_request
-from poolpipe.profiles import load_ppipe_dir
-from poolpipe.warehouse import ENV_VAR, REPO_ROOT, Warehouse, default_path
-
-# Without a terminal (CI logs, pipes) rich would wrap at 80 columns; plans need more.
-console = Console(width=None if sys.stdout.isatty() else 160)
-DEFAULT_PPIPE_DIR = REPO_ROOT.parent / "shared" / "profiles" / "ppipe-gpu"
-PPIPE_DIR_ENV = "POOLPIPE_PPIPE_PROFILES"
-
-
-def ppipe_dir() -> Path:
-    return Path(os.environ.get(PPIPE_DIR_ENV, DEFAULT_PPIPE_DIR))
-
+from poolpipe.store.plan_inputs import plan_request
+from poolpipe.store.warehouse import Warehouse
 
 # ----------------------------------------------------------------------------- rendering
 
@@ -129,114 +120,17 @@ def print_side_by_side(plans: list[Plan]) -> None:
                 )
 
 
-# ----------------------------------------------------------------------------- commands
-
-
-def _open(args: argparse.Namespace) -> Warehouse:
-    return Warehouse.open(args.warehouse)
-
-
-def cmd_import_ppipe(args: argparse.Namespace) -> int:
-    root = Path(args.directory)
-    with console.status(f"reading {root} ..."):
-        profiles = load_ppipe_dir(root)
-        clusters_file = root / "clusters.toml"
-        clusters = list(load_clusters(clusters_file).values()) if clusters_file.is_file() else []
-    with _open(args) as wh:
-        wh.store_profiles(profiles, provenance={"importer": "ppipe", "path": str(root.resolve())})
-        wh.store_clusters(clusters, source=str(clusters_file))
-        console.print(
-            f"imported {len(profiles)} models ({sum(len(p.tables) for p in profiles)} latency "
-            f"tables) and {len(clusters)} clusters into {wh.path}"
-        )
-    return 0
-
-
-def cmd_profiles_list(args: argparse.Namespace) -> int:
-    with _open(args) as wh:
-        rows = wh.profile_summary()
-    if not rows:
-        console.print(
-            f"no models in {args.warehouse or default_path()}; run: poolpipe profiles "
-            f"import-ppipe {DEFAULT_PPIPE_DIR}"
-        )
-        return 0
-    t = Table(title="models in the warehouse", title_justify="left")
-    for col in ("model", "blocks", "ref ms", "SLO ms", "GPUs", "tables", "cells", "source"):
-        t.add_column(col)
-    for name, nb, ref, slo, gpus, ntab, ncell, src in rows:
-        t.add_row(
-            name,
-            str(nb),
-            f"{ref / 1e3:.2f}" if ref else "-",
-            f"{slo / 1e3:.1f}" if slo else "-",
-            gpus or "-",
-            str(ntab),
-            str(ncell),
-            src,
-        )
-    console.print(t)
-    return 0
-
-
-def cmd_profiles_show(args: argparse.Namespace) -> int:
-    with _open(args) as wh:
-        p = wh.load_profile(args.model)
-    console.print(
-        f"[bold]{p.name}[/]: {p.num_blocks} blocks, "
-        f"reference {p.reference_latency_us or 0:,.0f} µs, "
-        f"SLO {p.slo_us or 0:,.0f} µs, source {p.meta.get('source')}"
-    )
-    t = Table(
-        title="block latency at batch 1 (µs); boundary = bytes leaving the block",
-        title_justify="left",
-    )
-    t.add_column("block", justify="right")
-    keys = sorted(p.tables)
-    for gpu, share in keys:
-        t.add_column(f"{gpu}/{share}" if share > 1 else gpu, justify="right")
-    t.add_column("boundary B", justify="right")
-    for i in range(p.num_blocks):
-        t.add_row(
-            str(i),
-            *[f"{p.tables[k].latency_us[i, 0]:,.0f}" for k in keys],
-            f"{p.boundary_bytes[i]:,.0f}" if i < p.num_blocks - 1 else "",
-        )
-    t.add_section()
-    t.add_row("sum", *[f"{p.tables[k].latency_us[:, 0].sum():,.0f}" for k in keys], "")
-    t.add_row("batches", *[str(p.tables[k].max_batch) for k in keys], "")
-    console.print(t)
-    return 0
-
-
-def _parse_list(text: str, what: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise PoolpipeError(f"--{what} is empty; give a comma-separated list")
-    return items
-
-
-def _parse_floats(text: str, what: str) -> list[float]:
-    out = []
-    for x in _parse_list(text, what):
-        try:
-            out.append(float(x))
-        except ValueError:
-            raise PoolpipeError(f"--{what}: {x!r} is not a number") from None
-    return out
-
-
 def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> PlanRequest:
-    names = _parse_list(args.models, "models")
-    weights = _parse_floats(args.weights, "weights") if args.weights else None
+    names = parse_list(args.models, "models")
+    weights = parse_floats(args.weights, "weights") if args.weights else None
     if weights is not None and len(weights) != len(names):
         raise PoolpipeError(f"--weights has {len(weights)} values for {len(names)} models")
     explicit: dict[str, float] = {}
-    for item in _parse_list(args.slo_us, "slo-us") if args.slo_us else []:
+    for item in parse_list(args.slo_us, "slo-us") if args.slo_us else []:
         name, _, value = item.partition("=")
         if name not in names:
             raise PoolpipeError(f"--slo-us names {name!r}, which is not in --models {names}")
-        explicit[name] = _parse_floats(value, "slo-us")[0]
+        explicit[name] = parse_floats(value, "slo-us")[0]
     return plan_request(
         wh,
         names,
@@ -256,7 +150,7 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    with _open(args) as wh:
+    with open_warehouse(args) as wh:
         req = build_request(args, wh, args.strategy)
         with console.status(f"planning {args.strategy} with {args.solver} ..."):
             plan = make_plan(req)
@@ -275,8 +169,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     plans = []
-    with _open(args) as wh:
-        strategies = _parse_list(args.strategies, "strategies")
+    with open_warehouse(args) as wh:
+        strategies = parse_list(args.strategies, "strategies")
         base = build_request(args, wh, strategies[0])
         for strategy in strategies:
             with console.status(f"planning {strategy} ..."):
@@ -313,26 +207,6 @@ def cmd_paper_plans(args: argparse.Namespace) -> int:
     return cmd_compare(args)
 
 
-def cmd_warehouse_migrate(args: argparse.Namespace) -> int:
-    with Warehouse.open(args.warehouse, migrate=True) as wh:
-        console.print(f"{wh.path} is at schema version {wh.schema_version()}")
-    return 0
-
-
-def cmd_warehouse_info(args: argparse.Namespace) -> int:
-    with _open(args) as wh:
-        console.print(f"{wh.path}: schema version {wh.schema_version()}")
-        for (table,) in wh.con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema='main' ORDER BY 1"
-        ).fetchall():
-            row = wh.con.execute(f'SELECT count(*) FROM "{table}"').fetchone()
-            console.print(f"  {table:<18} {row[0] if row else 0:>8} rows")
-    return 0
-
-
-# ----------------------------------------------------------------------------- parser
-
-
 def _planning_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", required=True, help="comma-separated model names (in the warehouse)")
     p.add_argument("--weights", help="workload share per model, same order (default: equal)")
@@ -356,19 +230,7 @@ def _planning_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", help="free-text label stored with the plan")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="poolpipe",
-        description="Pool-based pipeline-parallel CNN serving on heterogeneous GPU clusters.",
-    )
-    parser.add_argument("--version", action="version", version=f"poolpipe {__version__}")
-    parser.add_argument(
-        "--warehouse",
-        default=None,
-        help=f"DuckDB warehouse file (default: ${ENV_VAR} or {default_path()})",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def add_commands(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "paper-plans", help="import the PPipe profiles and compare all strategies on a cluster"
     )
@@ -383,28 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mip-gap", type=float, default=DEFAULT_MIP_GAP)
     demo.add_argument("--label", default="paper-plans")
     demo.set_defaults(func=cmd_paper_plans)
-
-    from poolpipe import cli_demo
-
-    live = sub.add_parser(
-        "demo",
-        help="the whole system here: onboard, plan, serve, load, roll out (the main job)",
-        description=cli_demo.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    cli_demo.add_arguments(live)
-    live.set_defaults(func=lambda a: cli_demo.cmd_demo(a))
-
-    prof = sub.add_parser("profiles", help="import and inspect block profiles")
-    psub = prof.add_subparsers(dest="profiles_command", required=True, metavar="ACTION")
-    imp = psub.add_parser("import-ppipe", help="import a PPipe profile folder (idempotent)")
-    imp.add_argument("directory", help="e.g. ../shared/profiles/ppipe-gpu")
-    imp.set_defaults(func=cmd_import_ppipe)
-    psub.add_parser("list", help="models in the warehouse").set_defaults(func=cmd_profiles_list)
-    show = psub.add_parser("show", help="one model's block table")
-    show.add_argument("model")
-    show.set_defaults(func=cmd_profiles_show)
-
     plan = sub.add_parser("plan", help="plan a model group on a cluster (MILP)")
     _planning_options(plan)
     plan.add_argument("--strategy", choices=STRATEGIES, default="ppipe")
@@ -418,33 +258,3 @@ def build_parser() -> argparse.ArgumentParser:
     _planning_options(cmp_)
     cmp_.add_argument("--strategies", default=",".join(STRATEGIES))
     cmp_.set_defaults(func=cmd_compare)
-
-    from poolpipe import cli_models, cli_onboard, cli_serve, cli_sim
-
-    cli_sim.add_commands(sub)
-    cli_models.add_commands(sub)
-    cli_onboard.add_commands(sub)
-    cli_serve.add_commands(sub)
-
-    wh = sub.add_parser("warehouse", help="warehouse maintenance")
-    wsub = wh.add_subparsers(dest="warehouse_command", required=True, metavar="ACTION")
-    wsub.add_parser("migrate", help="bring the file to this version's schema").set_defaults(
-        func=cmd_warehouse_migrate
-    )
-    wsub.add_parser("info", help="schema version and row counts").set_defaults(
-        func=cmd_warehouse_info
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except PoolpipeError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.plan import Plan
 
 
 def observed_weights(arrivals: Mapping[str, float], models: Sequence[str]) -> list[float] | None:

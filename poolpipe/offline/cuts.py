@@ -8,7 +8,7 @@ cross: every block carries its own. A cut is *valid* when few, small tensors cro
 Pre-partitioning picks N - 1 valid cuts so that blocks take about equal time, either with
 the paper's greedy walk or exactly (the cuts that minimise the squared deviations of block
 times from their mean, by dynamic programming). Nothing here reads a file or a clock:
-`poolpipe.onnxgraph` and the shipped layer data both produce a `CutTable`.
+`poolpipe.offline.onnxgraph` and the shipped layer data both produce a `CutTable`.
 """
 
 from __future__ import annotations

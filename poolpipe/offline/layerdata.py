@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from poolpipe.cuts import CutTable
 from poolpipe.errors import ProfileError
+from poolpipe.offline.cuts import CutTable
 
 
 def layer_cut_table(layers_dir: Path, model: str, gpu: str) -> CutTable:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from poolpipe.partitions import partition_name
+from poolpipe.offline.partitions import partition_name
 from poolpipe.scheduler.topology import Topology
 
 

@@ -107,7 +107,7 @@ class _Builder:
         )
         m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
         m.ir_version = IR_VERSION
-        m.producer_name = "poolpipe.zoo"
+        m.producer_name = "poolpipe.offline.zoo"
         m = onnx.shape_inference.infer_shapes(m)
         onnx.checker.check_model(m)
         return m

@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from poolpipe.cuts import METHODS
-from poolpipe.engines import ENGINES
 from poolpipe.errors import PoolpipeError
+from poolpipe.offline.cuts import METHODS
+from poolpipe.offline.engines import ENGINES
 
 console = Console()
 
@@ -120,7 +120,7 @@ def cmd_onboard(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     _quiet_prefect(args.verbose)
     from flows.profile import profile_model
-    from poolpipe.profiler import latency_of, sum_vs_whole
+    from poolpipe.offline.profiler import latency_of, sum_vs_whole
 
     batches = parse_batches(args.batches)
     with progress_bar(args.name):

@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poolpipe.cluster import Cluster
-from poolpipe.costs import ModelCosts
+from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.costs import ModelCosts
+from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PlanVerificationError, UnknownNameError
-from poolpipe.profiles import ModelProfile
 
 STRATEGIES = ("ppipe", "np", "dart-r")
 PACKINGS = ("per-share", "per-position")

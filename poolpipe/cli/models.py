@@ -8,9 +8,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from poolpipe.cuts import METHODS, CutPolicy, prepartition
-from poolpipe.onnxgraph import cut_table, load_model, profile_layers
-from poolpipe.zoo import ZOO, make_model
+from poolpipe.offline.cuts import METHODS, CutPolicy, prepartition
+from poolpipe.offline.onnxgraph import cut_table, load_model, profile_layers
+from poolpipe.offline.zoo import ZOO, make_model
 
 console = Console()
 

@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from poolpipe.cuts import CutTable, crossing_from_lifetimes
 from poolpipe.errors import ModelError
+from poolpipe.offline.cuts import CutTable, crossing_from_lifetimes
 
 BATCH_DIM = "batch"
 

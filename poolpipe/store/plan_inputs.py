@@ -7,10 +7,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from poolpipe.cluster import load_cluster
+from poolpipe.domain.cluster import load_cluster
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest
-from poolpipe.warehouse import Warehouse
+from poolpipe.store.warehouse import Warehouse
 
 
 def plan_request(

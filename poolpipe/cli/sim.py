@@ -9,19 +9,14 @@ from pathlib import Path
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from poolpipe.cli.common import console
+from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.plan import Plan
 from poolpipe.scheduler import DATA_PLANES, Topology, build_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, run_once
 from poolpipe.sim.capacity import SEARCHES, CapacityResult, search_capacity
 from poolpipe.sim.records import capacity_rows, sim_rows
-from poolpipe.warehouse import Warehouse
-
-
-def _console():  # the CLI's console (imported late: cli imports this module)
-    from poolpipe.cli import console
-
-    return console
+from poolpipe.store.warehouse import Warehouse
 
 
 def _load_plan(path: str, wh: Warehouse) -> tuple[Plan, Topology]:
@@ -86,7 +81,6 @@ def print_sim(result: SimResult, title: str) -> None:
             f"{m.latency_p50_us / 1e3:.2f}",
             f"{m.latency_p99_us / 1e3:.2f}",
         )
-    console = _console()
     console.print(t)
     util = ", ".join(f"{g} {u:.1%}" for g, u in result.utilization.items())
     console.print(
@@ -107,7 +101,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan, topo = _load_plan(args.plan, wh)
         rates = _reference_rates(args, plan)
         config = SimConfig(duration_s=args.duration, seed=args.seed, jitter=args.jitter)
-        with _console().status("simulating ..."):
+        with console.status("simulating ..."):
             result = run_once(topo, spec, args.load_factor, config, args.data_plane, rates)
         wh.store_rows(
             "sim_runs",
@@ -137,7 +131,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_capacity(args: argparse.Namespace) -> int:
     spec = ArrivalSpec.parse(args.arrivals)
     seeds = _seeds(args.seeds)
-    console = _console()
     with Warehouse.open(args.warehouse) as wh:
         plan, topo = _load_plan(args.plan, wh)
         # every plan runs at the reference plan's absolute rates, in its own model order

@@ -19,8 +19,8 @@ console = Console()
 
 
 def _plan_arg(args: argparse.Namespace):
-    from poolpipe.plan import Plan
-    from poolpipe.warehouse import Warehouse
+    from poolpipe.domain.plan import Plan
+    from poolpipe.store.warehouse import Warehouse
 
     if args.plan.isdigit():
         with Warehouse.open(args.warehouse) as wh:

@@ -19,7 +19,7 @@ import onnx
 from onnx import helper
 
 from poolpipe.errors import ModelError
-from poolpipe.onnxgraph import BATCH_DIM, cut_table, extract_block, load_model, tensor_infos
+from poolpipe.offline.onnxgraph import BATCH_DIM, cut_table, extract_block, load_model, tensor_infos
 
 WIRE_DTYPE = np.float16  # feature maps between stages
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from poolpipe.cluster import Cluster
-from poolpipe.profiles import ModelProfile
+from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.profiles import ModelProfile
 
 US_PER_S = 1e6
 # The published planner's estimate of how long the first request of a batch waits for the

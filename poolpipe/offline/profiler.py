@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from poolpipe.engines import Engine, Runner
 from poolpipe.errors import ModelError
-from poolpipe.onnxgraph import random_inputs, tensor_infos
-from poolpipe.split import Progress
+from poolpipe.offline.engines import Engine, Runner
+from poolpipe.offline.onnxgraph import random_inputs, tensor_infos
+from poolpipe.offline.split import Progress
 
 WHOLE = -1  # block index of the whole model in measurements
 ROUND_REPS = 3  # timed runs of a unit per round

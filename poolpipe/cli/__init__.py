@@ -1,0 +1,58 @@
+"""The `poolpipe` command: the composition root that wires the core, the warehouse, the
+Prefect flows and the Triton adapters together (one module per group of subcommands)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from poolpipe import __version__
+from poolpipe.cli.common import err_console
+from poolpipe.errors import PoolpipeError
+from poolpipe.store.warehouse import ENV_VAR, default_path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from poolpipe.cli import demo, models, onboard, plans, profiles, serve, sim
+
+    parser = argparse.ArgumentParser(
+        prog="poolpipe",
+        description="Pool-based pipeline-parallel CNN serving on heterogeneous GPU clusters.",
+    )
+    parser.add_argument("--version", action="version", version=f"poolpipe {__version__}")
+    parser.add_argument(
+        "--warehouse",
+        default=None,
+        help=f"DuckDB warehouse file (default: ${ENV_VAR} or {default_path()})",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plans.add_commands(sub)
+    live = sub.add_parser(
+        "demo",
+        help="the whole system here: onboard, plan, serve, load, roll out (the main job)",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_arguments(live)
+    live.set_defaults(func=lambda a: demo.cmd_demo(a))
+    profiles.add_commands(sub)
+    sim.add_commands(sub)
+    models.add_commands(sub)
+    onboard.add_commands(sub)
+    serve.add_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except PoolpipeError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""What every `poolpipe` subcommand shares: the console, the shipped profile folder, list
+arguments, opening the warehouse."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.store.warehouse import REPO_ROOT, Warehouse
+
+# Without a terminal (CI logs, pipes) rich would wrap at 80 columns; plans need more.
+console = Console(width=None if sys.stdout.isatty() else 160)
+# Errors go to stderr, as a person (and a script) expects.
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+DEFAULT_PPIPE_DIR = REPO_ROOT.parent / "shared" / "profiles" / "ppipe-gpu"
+PPIPE_DIR_ENV = "POOLPIPE_PPIPE_PROFILES"
+
+
+def ppipe_dir() -> Path:
+    return Path(os.environ.get(PPIPE_DIR_ENV, DEFAULT_PPIPE_DIR))
+
+
+def open_warehouse(args: argparse.Namespace) -> Warehouse:
+    return Warehouse.open(args.warehouse)
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise PoolpipeError(f"--{what} is empty; give a comma-separated list")
+    return items
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    out = []
+    for x in parse_list(text, what):
+        try:
+            out.append(float(x))
+        except ValueError:
+            raise PoolpipeError(f"--{what}: {x!r} is not a number") from None
+    return out

@@ -1,0 +1,67 @@
+"""What a planning run depends on, validated: models, weights, SLOs, cluster, strategy and
+solver options."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.plan import PACKINGS, STRATEGIES
+from poolpipe.domain.profiles import ModelProfile
+from poolpipe.errors import PoolpipeError
+from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything a planning run depends on."""
+
+    models: tuple[ModelProfile, ...]
+    weights: tuple[float, ...]
+    slos_us: tuple[float, ...]
+    cluster: Cluster
+    strategy: str = "ppipe"
+    packing: str = "per-share"
+    margin: float = 0.4
+    max_partitions: int = 2
+    solver: str = "highs"
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    mip_gap: float = DEFAULT_MIP_GAP
+    threads: int | None = None
+    batch_wait: bool = True  # include the batch-fill estimate in pipeline latency
+
+    def __post_init__(self) -> None:
+        n = len(self.models)
+        if n == 0:
+            raise PoolpipeError("no models to plan; pass --models A,B,...")
+        if len(self.weights) != n or len(self.slos_us) != n:
+            raise PoolpipeError(
+                f"{n} models but {len(self.weights)} weights and {len(self.slos_us)} SLOs; "
+                "give one weight (--weights) and one SLO per model"
+            )
+        names = [m.name for m in self.models]
+        if len(set(names)) != n:
+            raise PoolpipeError(f"a model is listed twice: {names}")
+        if any(not (w > 0 and math.isfinite(w)) for w in self.weights):
+            raise PoolpipeError(f"weights must be positive numbers, got {list(self.weights)}")
+        if any(not (s > 0 and math.isfinite(s)) for s in self.slos_us):
+            raise PoolpipeError(f"SLOs must be positive numbers of µs, got {list(self.slos_us)}")
+        if self.strategy not in STRATEGIES:
+            raise PoolpipeError(
+                f"unknown strategy {self.strategy!r}; choose {', '.join(STRATEGIES)}"
+            )
+        if self.packing not in PACKINGS:
+            raise PoolpipeError(f"unknown packing {self.packing!r}; choose {', '.join(PACKINGS)}")
+        if not 0 <= self.margin < 1:
+            raise PoolpipeError(f"margin must be in [0, 1), got {self.margin}")
+        if self.max_partitions < 1:
+            raise PoolpipeError(f"max partitions must be >= 1, got {self.max_partitions}")
+        if self.solver not in SOLVERS:
+            raise PoolpipeError(f"unknown solver {self.solver!r}; choose {', '.join(SOLVERS)}")
+        for m in self.models:
+            if not any(gpu in m.gpus for gpu in (p.gpu for p in self.cluster.pools)):
+                raise PoolpipeError(
+                    f"model {m.name} has no profile for any GPU type of cluster "
+                    f"{self.cluster.name} ({[p.gpu for p in self.cluster.pools]}); it has {m.gpus}"
+                )

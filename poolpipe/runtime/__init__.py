@@ -1,0 +1,1 @@
+"""Serving runtime: where a plan's vGPUs live (placement)."""
