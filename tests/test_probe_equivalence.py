@@ -85,4 +85,7 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
     for pid in range(len(sch._rr)):
         sch._rr[pid] = rr[pid] % len(sch._groups[pid] if pid else sch._flat[pid])
     pipe = sch.topo.pipelines[0]
-    assert sch.probe(pipe, b, float(now)) == reference_probe(sch, pipe, b, float(now))
+    got = sch.probe(pipe, b, float(now))
+    wait, finish, path = reference_probe(sch, pipe, b, float(now))
+    assert (got.wait_us, got.finish_us, got.path) == (wait, finish, path)
+    assert got.start_us == path[0][5]  # when the batch starts on its first vGPU

@@ -64,21 +64,21 @@ def two_stage(**kw):
 def test_probe_two_stage_pool_by_hand():
     s = ReservationScheduler(two_stage(batch=2))
     pipe = s.topo.pipelines[0]
-    wait, finish, path = s.probe(pipe, 1, now=0.0)
+    wait, finish, _, path = s.probe(pipe, 1, now=0.0)
     assert (wait, finish) == (0.0, 17.0)  # compute 0-10, transfer 10-12, compute 12-17
     assert path[0][5:] == (0.0, 10.0)
     assert path[1][3:] == (10.0, 12.0, 12.0, 17.0)
     s._reserve(path, 0, 0.0)
     # Second batch: the other stage-0 vGPU is free, but the shared uplink of server 0 is
     # busy 10-12 and the stage-1 vGPU until 17.
-    wait, finish, path = s.probe(pipe, 1, now=0.0)
+    wait, finish, _, path = s.probe(pipe, 1, now=0.0)
     assert path[0][1] == 1  # the first stage-0 vGPU is taken until 10
     assert path[1][3:] == (12.0, 14.0, 17.0, 22.0)
     assert finish == 22.0
     assert wait == pytest.approx((12 - 10) + (17 - 14))
     # Batch 2 takes longer everywhere: 16 + 4 + 8
     s2 = ReservationScheduler(two_stage(batch=2))
-    assert s2.probe(pipe, 2, now=0.0)[1] == 28.0
+    assert s2.probe(pipe, 2, now=0.0).finish_us == 28.0
 
 
 def test_downlink_contention_between_two_senders():
@@ -87,11 +87,11 @@ def test_downlink_contention_between_two_senders():
     s = ReservationScheduler(topo)
     pipe = topo.pipelines[0]
     first = s.probe(pipe, 1, 0.0)
-    s._reserve(first[2], 0, 0.0)
+    s._reserve(first.path, 0, 0.0)
     second = s.probe(pipe, 1, 0.0)
     # its own uplink is free at 10, but server 2's downlink carries the first until 14
-    assert second[2][0][1] != first[2][0][1]
-    assert second[2][1][3:5] == (14.0, 18.0)
+    assert second.path[0][1] != first.path[0][1]
+    assert second.path[1][3:5] == (14.0, 18.0)
     assert second[1] == 23.0
 
 
@@ -197,12 +197,12 @@ def test_feedback_correction_moves_later_probes():
     pipe = s.topo.pipelines[0]
     s.add_request(make_requests(1)[0], 0.0)
     d = s.decide(0.0).dispatches[0]
-    assert s.probe(pipe, 1, 0.0)[1] == 20.0  # next batch queued behind 0-10
+    assert s.probe(pipe, 1, 0.0).finish_us == 20.0  # next batch queued behind 0-10
     # it really started at 4 (so ends at 14 as far as we know), then ran until 18
     s.on_stage_started(StageReport(d.id, 0, 4.0, None), 4.0)
-    assert s.probe(pipe, 1, 4.0)[1] == 24.0
+    assert s.probe(pipe, 1, 4.0).finish_us == 24.0
     s.on_stage_done(StageReport(d.id, 0, 4.0, 18.0), 18.0)
-    assert s.probe(pipe, 1, 18.0)[1] == 28.0
+    assert s.probe(pipe, 1, 18.0).finish_us == 28.0
 
 
 def test_new_latencies_apply_to_later_reservations_only():
@@ -214,7 +214,7 @@ def test_new_latencies_apply_to_later_reservations_only():
     assert (first.hops[0].start_us, first.hops[0].end_us) == (0.0, 10.0)
     slower = with_latencies(topo, {0: (float("nan"), 25.0)})
     s.set_latencies(slower)
-    assert s.probe(pipe, 1, 0.0)[1] == 35.0  # behind the 0-10 reservation, now 25 long
+    assert s.probe(pipe, 1, 0.0).finish_us == 35.0  # behind the 0-10 reservation, now 25 long
     s.add_request(make_requests(1, start_us=1.0, slo_us=1000.0)[0], 1.0)
     second = s.decide(1.0).dispatches[0]
     assert (second.hops[0].start_us, second.hops[0].end_us) == (10.0, 35.0)

@@ -347,6 +347,6 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
         assert all(DROP_MARKER in e for e in errors), errors[:3]
         assert len(errors) <= 0.05 * len(answers), errors[:3]
         assert len(answers) > n_during > 0
-        assert dep.core.recoveries == 1 and not dep.core._down
+        assert dep.core.recoveries == 1 and not dep.core.down_nodes()
         s = dep.core.stats["tiny"]
         assert s.failed == 0 and s.arrivals == len(answers)

@@ -1,1 +1,51 @@
-"""Serving runtime: where a plan's vGPUs live (placement)."""
+"""The serving runtime: every serving policy around the data plane (intake, decisions and
+wake-ups, outcomes and statistics, stage failures, node return, recalibration, flush
+migration), driven through a clock and an executor, and where a plan's vGPUs live (nodes).
+
+The simulator (virtual clock, simulated cluster) and the live router (event-loop clock,
+Triton stage workers) are its two drivers.
+"""
+
+from poolpipe.runtime.core import (
+    RECALIBRATE_BAND,
+    RECALIBRATE_EVERY,
+    RuntimeConfig,
+    ServingRuntime,
+    SwitchResult,
+)
+from poolpipe.runtime.ports import (
+    DROPPED,
+    FAILED,
+    LATE,
+    ON_TIME,
+    OUTCOME_NAMES,
+    PENDING,
+    Clock,
+    Entry,
+    Executor,
+    Job,
+    ServedPlan,
+    Timer,
+)
+from poolpipe.runtime.stats import ModelStats
+
+__all__ = [
+    "DROPPED",
+    "FAILED",
+    "LATE",
+    "ON_TIME",
+    "OUTCOME_NAMES",
+    "PENDING",
+    "RECALIBRATE_BAND",
+    "RECALIBRATE_EVERY",
+    "Clock",
+    "Entry",
+    "Executor",
+    "Job",
+    "ModelStats",
+    "RuntimeConfig",
+    "ServedPlan",
+    "ServingRuntime",
+    "SwitchResult",
+    "Timer",
+]

@@ -47,6 +47,11 @@ def node_name(gpu: str, physical: int) -> str:
     return f"{gpu}-{physical}"
 
 
+def vgpu_nodes(topo: Topology) -> dict[int, str]:
+    """Each vGPU's node: one node per physical GPU (its failure domain)."""
+    return {v.id: node_name(v.gpu, v.physical) for v in topo.vgpus}
+
+
 def layout(topo: Topology, tag: str = "") -> Layout:
     nodes: dict[str, NodeSpec] = {}
     vgpu_node: dict[int, str] = {}

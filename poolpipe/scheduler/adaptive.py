@@ -18,7 +18,9 @@ Two variants share the machinery: `eager` (dispatch whatever is queued, never wa
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections import deque
+from typing import NamedTuple
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler.messages import (
@@ -40,10 +42,23 @@ POLICIES = ("adaptive", "eager", "deferred")
 # on-time dispatch into a late one (µs).
 WAKE_GUARD_US = 1.0
 
-# A probe result: (waiting µs, finish µs, path). A path is a list of hop tuples
-# (pool, vgpu, src_vgpu, transfer_start, transfer_end, start, end).
-HopTuple = tuple[int, int, int, float, float, float, float]
-ProbeResult = tuple[float, float, list[HopTuple]]
+# One hop of a probed path: a tuple in Hop's field order (pool, vgpu, src_vgpu,
+# transfer_start_us, transfer_end_us, start_us, end_us), made a Hop once dispatched. Plain
+# tuples because probe() is the hot path: a named tuple per hop cost 4% of the scheduler.
+PathHop = tuple[int, int, int, float, float, float, float]
+
+
+class Probe(NamedTuple):
+    """Where and when a batch would run if dispatched now."""
+
+    wait_us: float  # time spent waiting for resources along the path
+    finish_us: float
+    start_us: float  # when it would start on its first vGPU
+    path: list[PathHop]
+
+
+# Built with tuple.__new__ in the hot path: a NamedTuple's own constructor costs 5x more.
+_tuple = tuple.__new__
 
 
 def _reservation_key(dispatch: int, hop: int) -> int:
@@ -88,6 +103,9 @@ class ReservationScheduler:
             self._groups.append(list(by_server.items()))
             self._group_index.append({srv: i for i, srv in enumerate(by_server)})
         self._flat = [list(pool.vgpus) for pool in topo.pools]
+        # twice over, so that a rotation is one slice: [r : r + n]
+        self._flat2 = [flat + flat for flat in self._flat]
+        self._groups2 = [groups + groups for groups in self._groups]
         self._flat_index = {v: i for flat in self._flat for i, v in enumerate(flat)}
         self._rr = [0] * len(topo.pools)
         self._pipes: list[list[Pipeline]] = [
@@ -108,18 +126,21 @@ class ReservationScheduler:
 
     # ------------------------------------------------------------------ contract
 
-    def add_request(self, req: Request, now: float) -> None:
+    def add_request(self, req: Request, now: float) -> bool:
         m = req.model
         q = self.queues[m]
         if self.max_queue is not None and len(q) >= self.max_queue:
             self._rejected.append(Drop(req, DROP_OVERLOAD))
-            return
+            return True
         q.append(req)
         if self._wake[m] == math.inf or len(q) >= self._wait_batch[m]:
             self._dirty[m] = True
+            return True
+        # joins a batch that waits for more: nothing to decide unless another model is due
+        return any(self._dirty)
 
     def decide(self, now: float) -> Decisions:
-        out = Decisions()
+        out = Decisions([], [], None)
         if self._rejected:
             out.drops.extend(self._rejected)
             self._rejected.clear()
@@ -168,6 +189,21 @@ class ReservationScheduler:
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
+    def on_dispatch_failed(self, dispatch: int, hop: int, now: float) -> None:
+        """Release what the failed hop and the later ones still hold from `now` on."""
+        d = self._inflight.pop(dispatch, None)
+        if d is None:
+            return
+        for h in range(hop, len(d.hops)):
+            key = _reservation_key(dispatch, h)
+            x = d.hops[h]
+            self.vgpu_table[x.vgpu].correct(key, now, now, now)
+            if x.transfer_end_us > x.transfer_start_us:
+                self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
+                self.downlink[self.server_of[x.vgpu]].correct(key + 1, now, now, now)
+        for m in range(len(self.queues)):
+            self._dirty[m] = True
+
     def on_stage_started(self, report: StageReport, now: float) -> None:
         self._correct(report, now)
 
@@ -179,15 +215,16 @@ class ReservationScheduler:
 
     # ------------------------------------------------------------------ probe / reserve
 
-    def probe(self, pipe: Pipeline, b: int, now: float) -> ProbeResult:
+    def probe(self, pipe: Pipeline, b: int, now: float) -> Probe:
         """Where and when a batch of b would run on `pipe` if dispatched now; no side effects."""
         self.probes += 1
         pools = self.topo.pools
         vt = self._vgpu_iv
         t = now
         wait = 0.0
-        path: list[HopTuple] = []
+        path: list[PathHop] = []
         prev = -1
+        first_start = now
         npools = len(pipe.pools)
         uplink, server_of = self.uplink, self.server_of
         for d, pid in enumerate(pipe.pools):
@@ -197,12 +234,9 @@ class ReservationScheduler:
             # server can send the result on at once (the greedy rule would ignore the NIC).
             out = b * pools[pipe.pools[d + 1]].transfer_in_us if d + 1 < npools else 0.0
             if prev < 0:
-                flat = self._flat[pid]
-                n = len(flat)
                 r = self._rr[pid]
                 best_key, best_s, best_v = math.inf, math.inf, -1
-                for i in range(n):
-                    v = flat[(r + i) % n]
+                for v in self._flat2[pid][r : r + len(pool.vgpus)]:
                     s = t  # vt[v].earliest_slot(t, lat), inlined: this loop is the hot path
                     for a, e, _ in vt[v]:
                         if e <= s:
@@ -218,6 +252,7 @@ class ReservationScheduler:
                         if key <= t + lat:
                             break
                 path.append((pid, best_v, -1, t, t, best_s, best_s + lat))
+                first_start = best_s
                 wait += best_s - t
                 t = best_s + lat
             else:
@@ -225,12 +260,9 @@ class ReservationScheduler:
                 up = uplink[server_of[prev]]
                 t_up = up.earliest_slot(t, dur) if dur > 0 else t
                 floor = t_up + dur + lat  # nothing can finish earlier
-                groups = self._groups[pid]
-                n = len(groups)
                 r = self._rr[pid]
                 best = (math.inf, math.inf, -1, 0.0, 0.0, 0.0)  # key, finish, vgpu, ts, te, s
-                for i in range(n):
-                    srv, vgs = groups[(r + i) % n]
+                for srv, vgs in self._groups2[pid][r : r + len(self._groups[pid])]:
                     # Skip the server when none of its vGPUs could beat the best even if the
                     # transfer ended as early as it can (slots only move later with time).
                     lb = math.inf
@@ -282,23 +314,24 @@ class ReservationScheduler:
                 path.append((pid, v, prev, ts, te, s, finish))
                 wait += (ts - t) + (s - te)
                 t = finish
-            prev = path[-1][1]
-        return wait, t, path
+            prev = path[-1][1]  # the vGPU that holds the batch now
+        return _tuple(Probe, (wait, t, first_start, path))
 
-    def _reserve(self, path: list[HopTuple], did: int, now: float) -> None:
-        vt = self.vgpu_table
+    def _reserve(self, path: list[PathHop], did: int, now: float) -> None:
+        vt = self._vgpu_iv
         for h, (pid, v, src, ts, te, s, e) in enumerate(path):
-            key = _reservation_key(did, h)
-            table = vt[v]
-            table.forget_before(now)
-            table.reserve(s, e, key)
+            key = did * 64 + h * 2  # _reservation_key(did, h), inlined
+            # table.forget_before(now) and table.reserve(...), inlined: the hot path
+            iv = vt[v]
+            if iv and iv[0][1] <= now:
+                iv[:] = [x for x in iv if x[1] > now]
+            insort(iv, (s, e, key))
             if te > ts:
-                up = self.uplink[self.server_of[src]]
-                down = self.downlink[self.server_of[v]]
-                up.forget_before(now)
-                down.forget_before(now)
-                up.reserve(ts, te, key + 1)
-                down.reserve(ts, te, key + 1)
+                links = (self.uplink[self.server_of[src]], self.downlink[self.server_of[v]])
+                for iv in (links[0].iv, links[1].iv):
+                    if iv and iv[0][1] <= now:
+                        iv[:] = [x for x in iv if x[1] > now]
+                    insort(iv, (ts, te, key + 1))
             # The next probe of this pool starts after the chosen vGPU / server.
             if src < 0:
                 self._rr[pid] = (self._flat_index[v] + 1) % len(self._flat[pid])
@@ -313,7 +346,7 @@ class ReservationScheduler:
         if d is None:
             return None
         hop = d.hops[report.hop]
-        key = _reservation_key(report.dispatch, report.hop)
+        key = report.dispatch * 64 + report.hop * 2  # _reservation_key, inlined
         start, end = report.start_us, report.end_us
         length = hop.end_us - hop.start_us
         if end is None:  # started: assume it runs as long as reserved
@@ -346,16 +379,16 @@ class ReservationScheduler:
             pipe = pipes[0]
             pr = self.probe(pipe, pipe.batch, now)
             for other in pipes[1:]:
-                if pr[0] == 0.0 and pr[1] <= now + self._no_wait_us[other.id]:
+                if pr.wait_us == 0.0 and pr.finish_us <= now + self._no_wait_us[other.id]:
                     continue  # `other` cannot wait less, nor finish earlier without waiting
                 po = self.probe(other, other.batch, now)
-                if (po[0], po[1]) < (pr[0], pr[1]):
+                if (po.wait_us, po.finish_us) < (pr.wait_us, pr.finish_us):
                     pipe, pr = other, po
             # 2. the largest batch that meets the head's deadline
             b = pipe.batch
             if (
                 self.policy == "adaptive"
-                and pr[1] > head.deadline_us
+                and pr.finish_us > head.deadline_us
                 and self._admitted[m] != head.id
                 and now + self._no_wait_us[pipe.id] <= head.deadline_us
             ):
@@ -368,10 +401,10 @@ class ReservationScheduler:
                 out.drops.append(Drop(head, DROP_CANNOT_MEET))
                 continue
             self._admitted[m] = head.id  # from now on it may go in a smaller batch
-            while pr[1] > head.deadline_us and b > 1:
+            while pr.finish_us > head.deadline_us and b > 1:
                 b -= 1
                 pr = self.probe(pipe, b, now)
-            if pr[1] > head.deadline_us:
+            if pr.finish_us > head.deadline_us:
                 q.popleft()
                 out.drops.append(Drop(head, DROP_CANNOT_MEET))
                 continue
@@ -383,40 +416,40 @@ class ReservationScheduler:
                 # plan's batch): its vGPUs are booked until `start`. Hold the batch until then,
                 # so that requests arriving meanwhile can join it, then send the largest batch
                 # that meets the head's deadline.
-                start = pr[2][0][5]
+                start = pr.start_us
                 if start > now + 2 * self.wake_guard_us:
                     self._wake[m] = start - self.wake_guard_us
                     self._wait_batch[m] = 1 << 30  # arrivals alone do not end the hold
                     return
                 while n > b < top:
                     grown = self.probe(pipe, b + 1, now)
-                    if grown[1] > head.deadline_us:
+                    if grown.finish_us > head.deadline_us:
                         break
                     b, pr = b + 1, grown
             if n < b:
                 pn = self.probe(pipe, n, now)
-                if self.policy != "eager" and pn[1] <= head.deadline_us:
+                if self.policy != "eager" and pn.finish_us <= head.deadline_us:
                     if self.policy == "deferred":
                         # Symphony: go once a batch of n + 1 could no longer make it.
-                        slack = head.deadline_us - self.probe(pipe, n + 1, now)[1]
+                        slack = head.deadline_us - self.probe(pipe, n + 1, now).finish_us
                     else:
-                        slack = head.deadline_us - pn[1]
+                        slack = head.deadline_us - pn.finish_us
                     if slack > self.wake_guard_us:
                         self._wake[m] = now + slack - self.wake_guard_us
                         self._wait_batch[m] = b
                         return
-                if pn[1] <= head.deadline_us:
+                if pn.finish_us <= head.deadline_us:
                     b, pr = n, pn
                 # else latency is not monotone in b here: send the n on b's timing
             self._dispatch(m, pipe, b, pr, now, out)
 
     def _dispatch(
-        self, m: int, pipe: Pipeline, b: int, pr: ProbeResult, now: float, out: Decisions
+        self, m: int, pipe: Pipeline, b: int, pr: Probe, now: float, out: Decisions
     ) -> None:
         q = self.queues[m]
         did = self._next_dispatch
         self._next_dispatch += 1
-        self._reserve(pr[2], did, now)
+        self._reserve(pr.path, did, now)
         reqs = [q.popleft() for _ in range(min(b, len(q)))]
         d = Dispatch(
             id=did,
@@ -424,7 +457,7 @@ class ReservationScheduler:
             pipeline=pipe.id,
             batch=b,
             requests=reqs,
-            hops=[Hop(*h) for h in pr[2]],
+            hops=[Hop(*h) for h in pr.path],
             final=True,
             probes=self.probes - self._probes_since[m],
         )

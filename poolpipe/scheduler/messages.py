@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from poolpipe.scheduler.topology import Topology
+
 # Why a request was answered without being served.
 DROP_DEADLINE_PASSED = "deadline passed while queued"
 DROP_CANNOT_MEET = "deadline cannot be met"
@@ -73,12 +75,28 @@ class StageReport:
 
 
 class DataPlane(Protocol):
-    """The contract every data plane meets; `now` is always passed in, never read."""
+    """The contract every data plane meets; `now` is always passed in, never read.
+
+    The driver (poolpipe.runtime) adds requests, asks for decisions, reports what each hop
+    of a dispatch really did, and tells the plane about failures, new latencies and a
+    flush; every plane implements all of it."""
 
     name: str
-    probes: int  # probe() calls so far (0 for planes that never probe)
 
-    def add_request(self, req: Request, now: float) -> None: ...
+    @property
+    def topo(self) -> Topology:
+        """What the plane schedules on (set_latencies replaces it)."""
+        ...
+
+    @property
+    def probes(self) -> int:
+        """probe() calls so far (0 for planes that never probe)."""
+        ...
+
+    def add_request(self, req: Request, now: float) -> bool:
+        """Queue a request; True when decide() has something to do now (False: it joins a
+        batch that waits for more, and nothing else is due)."""
+        ...
 
     def decide(self, now: float) -> Decisions: ...
 
@@ -88,6 +106,21 @@ class DataPlane(Protocol):
         """Returns True when decide() should run now (a pool may take work)."""
         ...
 
+    def on_dispatch_failed(self, dispatch: int, hop: int, now: float) -> None:
+        """Hop `hop` of `dispatch` failed: it and the later hops will not run; what they
+        hold is released (the driver retries or fails the requests)."""
+        ...
+
     def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
         """Take a failed vGPU out of service, or put it back once it answers again."""
+        ...
+
+    def set_latencies(self, topo: Topology) -> None:
+        """Schedule with `topo`'s pool latencies from now on: the same topology measured
+        anew (a live router recalibrating under load); what is reserved stays."""
+        ...
+
+    def drain(self) -> None:
+        """Stop waiting for fuller batches: every queued request goes out at its next
+        decision (a flush before a plan switch)."""
         ...

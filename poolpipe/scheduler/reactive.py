@@ -43,20 +43,13 @@ class ReactiveScheduler:
         self.busy = [False] * len(topo.vgpus)
         self.down: set[int] = set()  # vGPUs out of service
         # per pool: its first-stage request queue or later-stage batch queue
-        self.req_queue: dict[int, deque[Request]] = {}
+        self.req_queue: dict[int, deque[Request]] = {
+            pipe.pools[0]: deque() for pipe in topo.pipelines
+        }
         self.batch_queue: dict[int, deque[_Batch]] = {p.id: deque() for p in topo.pools}
         self._rr = [0] * len(topo.pools)
         self._credit = [[0.0] * len(m.pipelines) for m in topo.models]
-        # Stage deadline fraction: planned latency up to and including each pool's stage.
-        self._stage_frac: dict[int, float] = {}
-        for pipe in topo.pipelines:
-            lats = [topo.pools[p].latency_us[pipe.batch] for p in pipe.pools]
-            total = sum(lats)
-            acc = 0.0
-            for p, lat in zip(pipe.pools, lats, strict=True):
-                acc += lat
-                self._stage_frac[p] = acc / total
-            self.req_queue[pipe.pools[0]] = deque()
+        self._stage_frac = _stage_fractions(topo)
         self._dirty: set[int] = set()
         self._rejected: list[Drop] = []
         self._inflight: dict[int, tuple[Dispatch, _Batch]] = {}
@@ -65,7 +58,7 @@ class ReactiveScheduler:
 
     # ------------------------------------------------------------------ contract
 
-    def add_request(self, req: Request, now: float) -> None:
+    def add_request(self, req: Request, now: float) -> bool:
         model = self.topo.models[req.model]
         credit = self._credit[req.model]
         # smooth weighted round-robin over the model's pipelines
@@ -80,9 +73,10 @@ class ReactiveScheduler:
         q = self.req_queue[first]
         if self.max_queue is not None and len(q) >= self.max_queue:
             self._rejected.append(Drop(req, DROP_OVERLOAD))
-            return
+            return True
         q.append(req)
         self._dirty.add(first)
+        return True
 
     def decide(self, now: float) -> Decisions:
         out = Decisions(drops=self._rejected)
@@ -91,6 +85,21 @@ class ReactiveScheduler:
             self._serve_pool(pid, now, out)
         self._dirty.clear()
         return out
+
+    def drain(self) -> None:
+        """Nothing to do: the reactive plane never waits for a fuller batch."""
+        self._dirty.update(self.req_queue)
+
+    def set_latencies(self, topo: Topology) -> None:
+        self.topo = topo
+        self._stage_frac = _stage_fractions(topo)
+
+    def on_dispatch_failed(self, dispatch: int, hop: int, now: float) -> None:
+        entry = self._inflight.pop(dispatch, None)
+        if entry is not None:  # one hop per dispatch here: its vGPU is free again
+            x = entry[0].hops[0]
+            self.busy[x.vgpu] = False
+            self._dirty.add(x.pool)
 
     def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
         if down:
@@ -190,3 +199,17 @@ class ReactiveScheduler:
         self.busy[v] = True
         self._inflight[d.id] = (d, batch)
         out.dispatches.append(d)
+
+
+def _stage_fractions(topo: Topology) -> dict[int, float]:
+    """Per pool: the planned latency up to and including its stage, as a fraction of the
+    pipeline's (the stage's share of the SLO)."""
+    frac: dict[int, float] = {}
+    for pipe in topo.pipelines:
+        lats = [topo.pools[p].latency_us[pipe.batch] for p in pipe.pools]
+        total = sum(lats)
+        acc = 0.0
+        for p, lat in zip(pipe.pools, lats, strict=True):
+            acc += lat
+            frac[p] = acc / total
+    return frac

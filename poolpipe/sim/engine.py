@@ -1,11 +1,13 @@
-"""Deterministic discrete-event simulation of a plan's cluster, driving a data plane from
-`poolpipe.scheduler` on virtual time.
+"""Deterministic discrete-event simulation of a plan's cluster: the serving runtime of
+`poolpipe.runtime`, driven by a virtual clock and a simulated executor.
 
-Every vGPU, uplink and downlink executes its jobs in the order of their reserved start times,
-each as soon as its input is there and the previous job has finished; execution may run
-faster or slower than reserved (jitter), and the data plane hears what really happened
-through the same reports the live router sends. Entries of the event queue are
-(time, priority, sequence, ...), so ties break the same way on every run.
+Every vGPU, uplink and downlink executes its work in the order of the reserved start times,
+each piece as soon as its input is there and the previous one has finished; execution may
+run faster or slower than reserved (jitter, measured stage factors), and the runtime hears
+what really happened through the same reports the live router's executor sends. Entries of
+the event queue are (time, priority, sequence, ...), so ties break the same way on every
+run. A scenario (scenario.py) fails GPUs, brings them back and rolls out plans on the
+virtual clock; the runtime meets them with the policies it uses live.
 """
 
 from __future__ import annotations
@@ -14,49 +16,31 @@ import heapq
 import math
 import random
 import time
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from poolpipe.scheduler import DataPlane, Decisions, Dispatch, Request, StageReport, Topology
-from poolpipe.sim.metrics import DROPPED, LATE, ON_TIME, PENDING, SimResult, summarize
+from poolpipe.runtime import (
+    LATE,
+    PENDING,
+    Entry,
+    Job,
+    RuntimeConfig,
+    ServedPlan,
+    ServingRuntime,
+    SwitchResult,
+)
+from poolpipe.runtime.core import Generation, default_flush_timeout_us
+from poolpipe.runtime.placement import vgpu_nodes
+from poolpipe.scheduler import DataPlane, Decisions, Topology, make_data_plane
+from poolpipe.sim.metrics import SimResult, summarize
+from poolpipe.sim.scenario import GpuChange, Rollout, Scenario, ScenarioEvent
 
-# event priorities at equal times: finished work frees resources before new work is decided
-_END, _WAKE = 0, 2
-
-
-class _Job:
-    """One transfer or one compute of a dispatched batch."""
-
-    __slots__ = (
-        "compute",
-        "d",
-        "dur",
-        "hop",
-        "key",
-        "ready",
-        "ready_at",
-        "res",
-        "succ",
-        "t0",
-        "tr",
-    )
-
-    def __init__(
-        self, key: float, res: tuple[int, ...], dur: float, d: Dispatch, hop: int, compute: bool
-    ):
-        self.key = key  # reserved start: the order in which each resource runs its jobs
-        self.res = res
-        self.dur = dur
-        self.ready = False
-        self.succ: _Job | None = None
-        self.d = d
-        self.hop = hop
-        self.compute = compute
-        self.ready_at = 0.0
-        self.t0 = 0.0  # actual start
-        self.tr: tuple[float, float] | None = None  # actual transfer into a compute job
+# event priorities at equal times: finished work frees resources first, then scenario
+# events, then the runtime's timers (wake-ups, node checks); arrivals come after all three
+_END, _EVENT, _TIMER = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -72,134 +56,180 @@ class SimConfig:
     # it back for a request's way in and out; a request still counts as on time when it
     # finishes by arrival + SLO, as the router counts it.
     reply_margin_us: float = 0.0
+    # Recalibrate pools whose stages run off their reservations, as the live router does.
+    recalibrate: bool = False
 
 
-class Simulator:
-    """One run: build with a topology, a fresh data plane and arrivals; call `run()` once."""
+# ---------------------------------------------------------------------------- the clock
+
+
+class _Timer:
+    __slots__ = ("cancelled", "fn")
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _fire(timer: _Timer) -> None:
+    if not timer.cancelled:
+        timer.fn()
+
+
+class VirtualClock:
+    """Simulated time (µs) and its event queue of (time, priority, sequence, fn, arg)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.events: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
+
+    def now(self) -> float:
+        return self.t
+
+    def call_at(self, t_us: float, fn: Callable[[], None]) -> _Timer:
+        timer = _Timer(fn)
+        self.push(t_us, _TIMER, _fire, timer)
+        return timer
+
+    def push(self, t: float, prio: int, fn: Callable[[Any], None], arg: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, prio, self._seq, fn, arg))
+
+    def run_until(self, t_us: float) -> None:
+        """Fire every event due by `t_us` in order, then stand at `t_us`."""
+        ev = self.events
+        while ev and ev[0][0] <= t_us:
+            t, _, _, fn, arg = heapq.heappop(ev)
+            self.t = t
+            fn(arg)
+        self.t = max(self.t, t_us)
+
+
+# ---------------------------------------------------------------------------- the cluster
+
+
+class _Work:
+    """One transfer or one compute of a dispatched batch."""
+
+    __slots__ = (
+        "compute",
+        "dead",
+        "dur",
+        "hop",
+        "job",
+        "key",
+        "ready",
+        "ready_at",
+        "res",
+        "succ",
+        "t0",
+        "tr",
+    )
 
     def __init__(
-        self,
-        topo: Topology,
-        data_plane: DataPlane,
-        arrival_us: np.ndarray,
-        arrival_model: np.ndarray,
-        config: SimConfig,
+        self, key: float, res: tuple[int, ...], dur: float, job: Job, hop: int, compute: bool
     ):
-        self.topo = topo
-        self.dp = data_plane
-        self.arrival_us = [float(t) for t in arrival_us]
-        self.arrival_model = [int(m) for m in arrival_model]
+        self.key = key  # reserved start: the order in which each resource runs its work
+        self.res = res  # global resource indices
+        self.dur = dur
+        self.ready = False
+        self.succ: _Work | None = None
+        self.job = job
+        self.hop = hop
+        self.compute = compute
+        self.ready_at = 0.0
+        self.t0 = 0.0  # actual start
+        self.tr: tuple[float, float] | None = None  # actual transfer into a compute
+        self.dead = False  # killed while running: its end is not reported
+
+
+@dataclass
+class _Layout:
+    """Where one served plan's resources sit in the cluster's resource arrays."""
+
+    topo: Topology  # the truth the executor runs by (latencies as profiled)
+    base: int  # vGPU v is resource base + v; uplink of server s base + V + s; downlink + S
+    up: list[int]  # per vGPU: its server's uplink resource
+    down: list[int]  # per vGPU: its server's downlink resource
+    node_res: dict[str, list[int]]  # node -> its vGPUs' resources
+
+
+class SimulatedCluster:
+    """The executor of a simulation: vGPUs and NICs as FIFO resources ordered by reserved
+    start, execution times as profiled (times jitter or measured factors), and GPUs that
+    fail and return as a scenario says."""
+
+    def __init__(self, clock: VirtualClock, config: SimConfig, n_requests: int):
+        self.clock = clock
         self.config = config
         self._rng = random.Random(config.seed * 7919 + 17)
-        V, S = len(topo.vgpus), len(topo.servers)
-        self._V, self._S = V, S
-        self._queue: list[list[tuple[float, int, _Job]]] = [[] for _ in range(V + 2 * S)]
-        self._busy = [False] * (V + 2 * S)
-        self._server_of = [v.server for v in topo.vgpus]
-        self._events: list[tuple] = []
-        self._seq = 0
-        n = len(self.arrival_us)
-        self.outcome = [PENDING] * n
-        self.finish_us = [math.nan] * n
-        # lognormal execution-time factor with mean 1 and CV `jitter`
         self._sigma = math.sqrt(math.log1p(config.jitter**2)) if config.jitter > 0 else 0.0
-        self._margin = config.reply_margin_us  # scheduled for, not counted against
-        self.drop_reasons: Counter[str] = Counter()
-        self.vgpu_busy_us = [0.0] * V
-        # per pool: batches run and requests in them (for the mean batch size)
-        self.pool_batches = [0] * len(topo.pools)
-        self.pool_requests = [0] * len(topo.pools)
+        self._queue: list[list[tuple[float, int, _Work]]] = []
+        self._busy: list[bool] = []
+        self._layouts: dict[int, _Layout] = {}
+        self._qseq = 0
+        self.dead_nodes: list[str] = []  # in the order they failed
+        self._dead_res: set[int] = set()
+        self.outcome = [PENDING] * n_requests
+        self.finish_us = [math.nan] * n_requests
         self.transfer_wait_us = 0.0
         self.transfers = 0
-        self.sched_seconds = 0.0
-        self.sched_per_batch: list[float] = []  # wall s per dispatched batch, per decide call
-        self.batches = 0
-        self._wake_at = math.inf
-        self.now = 0.0
+        self.rt: ServingRuntime
 
-    # ------------------------------------------------------------------ main loop
+    def bind(self, runtime: ServingRuntime) -> None:
+        self.rt = runtime
 
-    def run(self) -> SimResult:
-        wall0 = time.perf_counter()
-        ev = self._events
-        times, models = self.arrival_us, self.arrival_model
-        slo = [m.slo_us - self.config.reply_margin_us for m in self.topo.models]
-        dp = self.dp
-        i, n = 0, len(times)
-        while i < n or ev:
-            if i < n and (not ev or times[i] < ev[0][0]):
-                t = times[i]
-                self.now = t
-                m = models[i]
-                dp.add_request(Request(i, m, t, t + slo[m]), t)
-                i += 1
-                self._decide(t)
-                continue
-            entry = heapq.heappop(ev)
-            t = entry[0]
-            self.now = t
-            if entry[1] == _END:
-                self._end(entry[3], t)
-            elif t == self._wake_at:
-                self._wake_at = math.inf
-                self._decide(t)
-        wall = time.perf_counter() - wall0
-        return summarize(self, wall)
+    def add_generation(self, gen: Generation, truth: Topology) -> None:
+        """Resources for a served plan (its vGPUs and its servers' NICs)."""
+        base = len(self._busy)
+        V, S = len(truth.vgpus), len(truth.servers)
+        n = V + 2 * S
+        self._queue.extend([] for _ in range(n))
+        self._busy.extend([False] * n)
+        node_res: dict[str, list[int]] = {}
+        for v, node in gen.served.vgpu_node.items():
+            node_res.setdefault(node, []).append(base + v)
+        lay = _Layout(
+            truth,
+            base,
+            [base + V + v.server for v in truth.vgpus],
+            [base + V + S + v.server for v in truth.vgpus],
+            node_res,
+        )
+        self._layouts[id(gen)] = lay
+        for node in self.dead_nodes:
+            self._dead_res.update(node_res.get(node, ()))
 
-    def _decide(self, now: float) -> None:
-        t0 = time.perf_counter()
-        dec = self.dp.decide(now)
-        dt = time.perf_counter() - t0
-        self.sched_seconds += dt
-        if dec.dispatches:
-            self.sched_per_batch.append(dt / len(dec.dispatches))
-        self._apply(dec, now)
+    # ------------------------------------------------------------------ the port
 
-    def _apply(self, dec: Decisions, now: float) -> None:
-        for drop in dec.drops:
-            self.outcome[drop.request.id] = DROPPED
-            self.drop_reasons[drop.reason] += 1
-        for d in dec.dispatches:
-            self._start_dispatch(d, now)
-        w = dec.wake_at_us
-        if w is not None and w != self._wake_at:
-            self._wake_at = max(w, now)
-            self._push(self._wake_at, _WAKE, None)
-
-    def _push(self, t: float, prio: int, job: _Job | None) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (t, prio, self._seq, job))
-
-    # ------------------------------------------------------------------ execution
-
-    def _start_dispatch(self, d: Dispatch, now: float) -> None:
-        pools = self.topo.pools
-        V, S = self._V, self._S
-        if d.hops[0].pool == self.topo.pipelines[d.pipeline].pools[0]:
-            self.batches += 1
-        prev: _Job | None = None
-        first: _Job | None = None
+    def run(self, job: Job) -> None:
+        d = job.dispatch
+        lay = self._layouts[id(job.generation)]
+        pools = lay.topo.pools
+        base, up, down = lay.base, lay.up, lay.down
+        now = self.clock.t
+        prev: _Work | None = None
+        first: _Work | None = None
         sigma = self._sigma
         factors = self.config.stage_factors
-        n_req = len(d.requests)
-        pool_batches, pool_requests = self.pool_batches, self.pool_requests
-        server_of = self._server_of
         for h, hop in enumerate(d.hops):
             p = hop.pool
-            pool_batches[p] += 1
-            pool_requests[p] += n_req
             dur = pools[p].latency_us[d.batch]
             if p < len(factors) and factors[p]:
                 dur *= self._rng.choice(factors[p])
             elif sigma > 0:
                 dur *= self._rng.lognormvariate(-sigma * sigma / 2, sigma)
-            compute = _Job(hop.start_us, (hop.vgpu,), dur, d, h, True)
+            compute = _Work(hop.start_us, (base + hop.vgpu,), dur, job, h, True)
             if hop.transfer_end_us > hop.transfer_start_us:
-                tr = _Job(
+                tr = _Work(
                     hop.transfer_start_us,
-                    (V + server_of[hop.src_vgpu], V + S + server_of[hop.vgpu]),
+                    (up[hop.src_vgpu], down[hop.vgpu]),
                     hop.transfer_end_us - hop.transfer_start_us,
-                    d,
+                    job,
                     h,
                     False,
                 )
@@ -219,58 +249,294 @@ class Simulator:
         first.ready_at = now
         self._try_start(first, now)
 
-    def _enqueue(self, job: _Job) -> None:
-        self._seq += 1
-        for r in job.res:
-            heapq.heappush(self._queue[r], (job.key, self._seq, job))
+    def answer(self, entry: Entry, outcome: int, reason: str) -> None:
+        i = entry.payload
+        self.outcome[i] = outcome
+        if outcome <= LATE:
+            self.finish_us[i] = self.clock.t
 
-    def _try_start(self, job: _Job, now: float) -> None:
-        if not job.ready:
+    def check_node(self, node: str, served: ServedPlan) -> None:
+        self.rt.node_checked(node, node not in self.dead_nodes)
+
+    # ------------------------------------------------------------------ execution
+
+    def _enqueue(self, work: _Work) -> None:
+        self._qseq += 1
+        for r in work.res:
+            heapq.heappush(self._queue[r], (work.key, self._qseq, work))
+
+    def _try_start(self, work: _Work, now: float) -> None:
+        if not work.ready:
             return
         busy, queue = self._busy, self._queue
-        for r in job.res:
-            if busy[r] or queue[r][0][2] is not job:
+        for r in work.res:
+            if busy[r] or queue[r][0][2] is not work:
                 return
-        for r in job.res:
+        if work.compute and self._dead_res and work.res[0] in self._dead_res:
+            self._fail(work, "its node is down")
+            return
+        for r in work.res:
             heapq.heappop(queue[r])
             busy[r] = True
-        job.t0 = now
-        self._push(now + job.dur, _END, job)
-        if job.compute:
-            tr = job.tr
-            if tr is None:
-                report = StageReport(job.d.id, job.hop, now, None)
-            else:
-                report = StageReport(job.d.id, job.hop, now, None, tr[0], tr[1])
-            self.dp.on_stage_started(report, now)
+        work.t0 = now
+        clock = self.clock  # clock.push(now + work.dur, _END, self._end, work), inlined
+        clock._seq += 1
+        heapq.heappush(clock.events, (now + work.dur, _END, clock._seq, self._end, work))
+        if work.compute:
+            self.rt.hop_started(work.job, work.hop, now, work.tr)
         else:
-            self.transfer_wait_us += now - job.ready_at
+            self.transfer_wait_us += now - work.ready_at
             self.transfers += 1
 
-    def _end(self, job: _Job, now: float) -> None:
+    def _end(self, work: _Work) -> None:
+        if work.dead:
+            return
+        now = self.clock.t
         busy, queue = self._busy, self._queue
-        for r in job.res:
+        for r in work.res:
             busy[r] = False
-        d = job.d
-        decide = False
-        if job.compute:
-            v = job.res[0]
-            self.vgpu_busy_us[v] += now - job.t0
-            decide = self.dp.on_stage_done(StageReport(d.id, job.hop, job.t0, now), now)
-            if job.hop == len(d.hops) - 1 and d.final:
-                outcome, finish, margin = self.outcome, self.finish_us, self._margin
-                for req in d.requests:
-                    finish[req.id] = now
-                    outcome[req.id] = ON_TIME if now <= req.deadline_us + margin else LATE
-        succ = job.succ
+        succ = work.succ
         if succ is not None:
-            if not job.compute:
-                succ.tr = (job.t0, now)
+            if not work.compute:
+                succ.tr = (work.t0, now)
             succ.ready = True
             succ.ready_at = now
             self._try_start(succ, now)
-        for r in job.res:
+        for r in work.res:
             if queue[r] and not busy[r]:
-                self._try_start(queue[r][0][2], now)
-        if decide:
-            self._decide(now)
+                head = queue[r][0][2]
+                if head.ready:
+                    self._try_start(head, now)
+        if work.compute:
+            self.rt.hop_done(work.job, work.hop, work.t0, now)
+
+    # ------------------------------------------------------------------ failures
+
+    def _fail(self, work: _Work, why: str) -> None:
+        """The job of `work` fails at its hop: none of its works still queued will run.
+        (Works hold no list of their job's works: such a cycle would leave every job to
+        the cyclic garbage collector, which made the simulator a third slower.)"""
+        job = work.job
+        touched: set[int] = set()
+        for r, q in enumerate(self._queue):
+            kept = [entry for entry in q if entry[2].job is not job]
+            if len(kept) < len(q):
+                heapq.heapify(kept)
+                q[:] = kept
+                touched.add(r)
+        self.rt.hop_failed(work.job, work.hop, f"{why} ({why_node(work)})")
+        now = self.clock.t
+        for r in sorted(touched):
+            if self._queue[r] and not self._busy[r]:
+                self._try_start(self._queue[r][0][2], now)
+
+    def fail_nodes(self, nodes: list[str]) -> None:
+        """These nodes die now: their running computes fail, nothing starts there."""
+        for node in nodes:
+            if node in self.dead_nodes:
+                continue
+            self.dead_nodes.append(node)
+            for lay in self._layouts.values():
+                self._dead_res.update(lay.node_res.get(node, ()))
+        # computes running there (found among the pending ends: failures are rare, and a
+        # per-resource record of the running work cost the hot path 3%)
+        dying = [
+            e[4]
+            for e in self.clock.events
+            if e[3] == self._end
+            and e[4].compute
+            and e[4].res[0] in self._dead_res
+            and not e[4].dead
+        ]
+        for work in sorted(dying, key=lambda w: w.res[0]):
+            work.dead = True
+            self._busy[work.res[0]] = False
+            self._fail(work, "its node died")
+
+    def revive_nodes(self, nodes: list[str]) -> None:
+        now = self.clock.t
+        for node in nodes:
+            if node not in self.dead_nodes:
+                continue
+            self.dead_nodes.remove(node)
+            for lay in self._layouts.values():
+                for r in lay.node_res.get(node, ()):
+                    self._dead_res.discard(r)
+                    if self._queue[r] and not self._busy[r]:
+                        self._try_start(self._queue[r][0][2], now)
+
+
+def why_node(work: _Work) -> str:
+    served = work.job.served
+    return f"node {served.vgpu_node[work.job.dispatch.hops[work.hop].vgpu]}"
+
+
+# ---------------------------------------------------------------------------- metering
+
+
+class MeteredPlane:
+    """A data plane whose decide() is timed in wall seconds (the simulator's measure of
+    scheduling cost); every other call goes straight to the plane."""
+
+    def __init__(self, plane: DataPlane):
+        self.inner = plane
+        self.name = plane.name
+        self.add_request = plane.add_request
+        self.on_stage_started = plane.on_stage_started
+        self.on_stage_done = plane.on_stage_done
+        self.on_dispatch_failed = plane.on_dispatch_failed
+        self.set_vgpu_down = plane.set_vgpu_down
+        self.set_latencies = plane.set_latencies
+        self.drain = plane.drain
+        self.seconds = 0.0
+        self.per_batch: list[float] = []  # wall s per dispatched batch, per decide call
+
+    @property
+    def topo(self) -> Topology:
+        return self.inner.topo
+
+    @property
+    def probes(self) -> int:
+        return self.inner.probes
+
+    def decide(self, now: float) -> Decisions:
+        t0 = time.perf_counter()
+        dec = self.inner.decide(now)
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        if dec.dispatches:
+            self.per_batch.append(dt / len(dec.dispatches))
+        return dec
+
+
+# ---------------------------------------------------------------------------- a run
+
+
+class Simulator:
+    """One run: build with a topology, a fresh data plane and arrivals; call `run()` once.
+
+    `scenario`: timed GPU failures, returns and rollouts (scenario.py). `make_plane`: the
+    data plane for a plan rolled out by the scenario (default: `data_plane`'s kind)."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        data_plane: DataPlane,
+        arrival_us: np.ndarray,
+        arrival_model: np.ndarray,
+        config: SimConfig,
+        scenario: Scenario | None = None,
+        make_plane: Callable[[Topology], DataPlane] | None = None,
+    ):
+        self.topo = topo  # the truth of the first plan (a test may swap it before run())
+        self.dp = data_plane
+        self.arrival_us = [float(t) for t in arrival_us]
+        self.arrival_model = [int(m) for m in arrival_model]
+        self.config = config
+        self.scenario = scenario or Scenario(())
+        self._make_plane = make_plane or (lambda t: make_data_plane(data_plane.name, t))
+        self.clock = VirtualClock()
+        self.cluster = SimulatedCluster(self.clock, config, len(self.arrival_us))
+        self.planes: list[MeteredPlane] = []
+        self.rollouts: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.runtime: ServingRuntime | None = None
+        self._names = [m.name for m in topo.models]
+        self._model_map = list(range(len(topo.models)))
+        self._rng = random.Random(config.seed * 104729 + 3)
+
+    @property
+    def outcome(self) -> list[int]:
+        return self.cluster.outcome
+
+    @property
+    def finish_us(self) -> list[float]:
+        return self.cluster.finish_us
+
+    @property
+    def now(self) -> float:
+        return self.clock.t
+
+    def _served(self, topo: Topology, plane: DataPlane) -> ServedPlan:
+        metered = MeteredPlane(plane)
+        self.planes.append(metered)
+        return ServedPlan(topo, metered, vgpu_nodes(topo))
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        served = self._served(self.dp.topo, self.dp)
+        rt = self.runtime = ServingRuntime(
+            served,
+            self.clock,
+            self.cluster,
+            RuntimeConfig(
+                reply_margin_us=self.config.reply_margin_us,
+                recalibrate=self.config.recalibrate,
+                keep_latencies=False,
+            ),
+        )
+        self.cluster.add_generation(rt.gen, self.topo)
+        for event in self.scenario.events:
+            self.clock.push(event.at_s * 1e6, _EVENT, self._apply, event)
+        clock = self.clock
+        ev = clock.events
+        times, models = self.arrival_us, self.arrival_model
+        model_map = self._model_map
+        arrive, pop = rt.arrive, heapq.heappop
+        i, n = 0, len(times)
+        while i < n or ev:
+            if i < n and (not ev or times[i] < ev[0][0]):
+                clock.t = times[i]
+                arrive(model_map[models[i]], i)
+                i += 1
+                continue
+            t, _, _, fn, arg = pop(ev)
+            clock.t = t
+            fn(arg)
+        return summarize(self, rt, time.perf_counter() - wall0)
+
+    # ------------------------------------------------------------------ scenario
+
+    def _apply(self, event: ScenarioEvent) -> None:
+        rt = self.runtime
+        assert rt is not None
+        at_s = self.clock.t / 1e6
+        if isinstance(event, GpuChange):
+            nodes = self._pick_nodes(event)
+            if event.kind == "gpu_down":
+                self.cluster.fail_nodes(nodes)
+            else:
+                self.cluster.revive_nodes(nodes)
+            self.events.append({"at_s": at_s, "kind": event.kind, "nodes": nodes})
+        elif isinstance(event, Rollout):
+            plane = self._make_plane(event.topo)
+            served = self._served(event.topo, plane)
+            self.events.append({"at_s": at_s, "kind": "rollout", "plan": event.label})
+
+            def done(res: SwitchResult, served: ServedPlan = served) -> None:
+                self.cluster.add_generation(rt.gen, event.topo)
+                names = [m.name for m in served.topo.models]
+                self._model_map[:] = [names.index(m) for m in self._names]
+                self.rollouts.append(
+                    {
+                        "at_s": at_s,
+                        "plan": event.label,
+                        "downtime_ms": res.downtime_us / 1e3,
+                        "held": res.held,
+                        "failed": res.failed,
+                    }
+                )
+
+            rt.switch(served, default_flush_timeout_us(rt.topo, event.topo), done)
+
+    def _pick_nodes(self, event: GpuChange) -> list[str]:
+        """The GPUs an event names: `count` of its type, picked at random (seeded) among
+        those alive (down) or the earliest failed first (up); or exactly `gpus`."""
+        if event.gpus:
+            return [f"{event.gpu}-{g}" for g in event.gpus]
+        dead = self.cluster.dead_nodes
+        if event.kind == "gpu_up":
+            return [n for n in dead if n.rsplit("-", 1)[0] == event.gpu][: event.count]
+        total = self.topo.gpu_counts.get(event.gpu, 0)
+        alive = [f"{event.gpu}-{g}" for g in range(total) if f"{event.gpu}-{g}" not in dead]
+        return sorted(self._rng.sample(alive, min(event.count, len(alive))))

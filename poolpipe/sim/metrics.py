@@ -1,6 +1,7 @@
-"""What a simulation run measured: per-model outcomes (on time / late / dropped; a late
-completion is a miss), latency percentiles, GPU-class utilization, batch sizes, transfer
-waits, and the data plane's own cost (probes and scheduling time per batch)."""
+"""What a simulation run measured: per-model outcomes (on time / late / dropped / failed; a
+late completion is a miss), the same per second of simulated time (by arrival), latency
+percentiles, GPU-class utilization, batch sizes, transfer waits, rollouts, and the data
+plane's own cost (probes and scheduling time per batch)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from poolpipe.runtime import DROPPED, FAILED, LATE, ON_TIME, PENDING, ServingRuntime
+
 if TYPE_CHECKING:
     from poolpipe.sim.engine import Simulator
 
 # SLO attainment that counts as "serving the load" in capacity searches.
 ATTAINMENT_TARGET = 0.99
-# What became of each request (a late completion is a miss).
-ON_TIME, LATE, DROPPED, PENDING = 0, 1, 2, 3
+__all__ = ["ATTAINMENT_TARGET", "DROPPED", "FAILED", "LATE", "ON_TIME", "PENDING"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class ModelOutcome:
     latency_p50_us: float  # of completed requests (late ones included)
     latency_p99_us: float
     rate_per_s: float  # offered load
+    failed: int = 0  # a stage failed with no live path or no attempt left
 
     @property
     def attainment(self) -> float:
@@ -51,6 +54,10 @@ class SimResult:
     batches: int
     wall_s: float
     drop_reasons: dict[str, int] = field(default_factory=dict)
+    # per second of simulated time, by arrival: {model: {arrived: [...], on_time: [...], ...}}
+    per_second: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    events: tuple[dict[str, Any], ...] = ()  # scenario events as they happened
+    rollouts: tuple[dict[str, Any], ...] = ()  # each with its simulated downtime
 
     @property
     def arrived(self) -> int:
@@ -77,23 +84,27 @@ class SimResult:
         return d
 
 
-def summarize(sim: Simulator, wall_s: float) -> SimResult:
-    topo = sim.topo
+COUNTED = (("on_time", ON_TIME), ("late", LATE), ("dropped", DROPPED), ("failed", FAILED))
+
+
+def summarize(sim: Simulator, rt: ServingRuntime, wall_s: float) -> SimResult:
     outcome = np.asarray(sim.outcome, dtype=np.int8)
     model = np.asarray(sim.arrival_model, dtype=np.int64)
     arrival = np.asarray(sim.arrival_us)
     finish = np.asarray(sim.finish_us)
     duration_s = sim.config.duration_s
     makespan_us = max(sim.now, duration_s * 1e6)
-    models = []
-    for m in topo.models:
-        mask = model == m.index
+    second = (arrival // 1e6).astype(np.int64)
+    seconds = int(np.ceil(makespan_us / 1e6))
+    models, per_second = [], {}
+    for index, name in enumerate(m.name for m in sim.topo.models):
+        mask = model == index
         o = outcome[mask]
-        lat = (finish[mask] - arrival[mask])[o != DROPPED]
+        lat = (finish[mask] - arrival[mask])[(o == ON_TIME) | (o == LATE)]
         lat = lat[np.isfinite(lat)]
         models.append(
             ModelOutcome(
-                name=m.name,
+                name=name,
                 arrived=int(mask.sum()),
                 on_time=int((o == ON_TIME).sum()),
                 late=int((o == LATE).sum()),
@@ -101,23 +112,34 @@ def summarize(sim: Simulator, wall_s: float) -> SimResult:
                 latency_p50_us=float(np.percentile(lat, 50)) if lat.size else float("nan"),
                 latency_p99_us=float(np.percentile(lat, 99)) if lat.size else float("nan"),
                 rate_per_s=float(mask.sum()) / duration_s,
+                failed=int((o == FAILED).sum()),
             )
         )
+        s = second[mask]
+        series = {"arrived": np.bincount(s, minlength=seconds)}
+        for key, code in COUNTED:
+            series[key] = np.bincount(s[o == code], minlength=seconds)
+        per_second[name] = {k: v.tolist() for k, v in series.items()}
     busy: dict[str, float] = defaultdict(float)
-    for v in topo.vgpus:
-        busy[v.gpu] += sim.vgpu_busy_us[v.id] / v.share
+    mean_batch = {}
+    for gen in rt.generations:
+        topo = gen.served.topo
+        for v in topo.vgpus:
+            busy[v.gpu] += gen.vgpu_busy_us[v.id] / v.share
+        for pool in topo.pools:
+            total = gen.pool_batches[pool.id]
+            if total:
+                label = (
+                    f"{topo.models[pool.model].name}/p{pool.pipeline}/{pool.position}:{pool.gpu}"
+                )
+                mean_batch[label] = gen.pool_requests[pool.id] / total
     utilization = {
         gpu: busy.get(gpu, 0.0) / (makespan_us * count) if count else 0.0
-        for gpu, count in topo.gpu_counts.items()
+        for gpu, count in sim.topo.gpu_counts.items()
     }
-    mean_batch = {}
-    for pool in topo.pools:
-        total = sim.pool_batches[pool.id]
-        if total:
-            label = f"{topo.models[pool.model].name}/p{pool.pipeline}/{pool.position}:{pool.gpu}"
-            mean_batch[label] = sim.pool_requests[pool.id] / total
-    per_batch = sim.sched_per_batch
-    batches = max(sim.batches, 1)
+    per_batch = [x for p in sim.planes for x in p.per_batch]
+    batches = max(rt.batches, 1)
+    cluster = sim.cluster
     return SimResult(
         data_plane=sim.dp.name,
         duration_s=duration_s,
@@ -125,11 +147,16 @@ def summarize(sim: Simulator, wall_s: float) -> SimResult:
         models=tuple(models),
         utilization=utilization,
         mean_batch=mean_batch,
-        transfer_wait_us_mean=sim.transfer_wait_us / sim.transfers if sim.transfers else 0.0,
-        probes_per_batch=sim.dp.probes / batches,
+        transfer_wait_us_mean=(
+            cluster.transfer_wait_us / cluster.transfers if cluster.transfers else 0.0
+        ),
+        probes_per_batch=sum(p.probes for p in sim.planes) / batches,
         sched_us_per_batch_median=statistics.median(per_batch) * 1e6 if per_batch else 0.0,
-        sched_us_per_batch_mean=sim.sched_seconds * 1e6 / batches,
-        batches=sim.batches,
+        sched_us_per_batch_mean=sum(p.seconds for p in sim.planes) * 1e6 / batches,
+        batches=rt.batches,
         wall_s=wall_s,
-        drop_reasons=dict(sim.drop_reasons),
+        drop_reasons=dict(rt.drop_reasons),
+        per_second=per_second,
+        events=tuple(sim.events),
+        rollouts=tuple(sim.rollouts),
     )

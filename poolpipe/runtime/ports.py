@@ -1,0 +1,101 @@
+"""The two ports through which a serving runtime is driven, and the records it hands them.
+
+A `Clock` tells the time and calls back later; an `Executor` runs dispatched batches and
+delivers answers. The simulator plugs in a virtual clock and a simulated cluster; the live
+router the event loop's clock and Triton stage workers. The runtime cannot tell them apart
+(SimPy's one environment, two clocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from poolpipe.scheduler import DataPlane, Dispatch, Request, Topology
+
+# What became of a request. A late completion is a miss; a failure is a stage that failed
+# with no live path or no attempt left; a drop is an explicit "deadline cannot be met".
+ON_TIME, LATE, DROPPED, PENDING, FAILED = 0, 1, 2, 3, 4
+OUTCOME_NAMES = {ON_TIME: "on time", LATE: "late", DROPPED: "dropped", FAILED: "failed"}
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """Time in µs since the runtime's start, and callbacks at a later time."""
+
+    def now(self) -> float: ...
+
+    def call_at(self, t_us: float, fn: Callable[[], None]) -> Timer:
+        """Call `fn` at `t_us` (as soon as possible when that has passed)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ServedPlan:
+    """What a runtime serves one plan with; a migration swaps it whole, and a dispatch runs
+    to its end on the one it was made with.
+
+    `vgpu_node` names each vGPU's failure domain (a stage-worker node: a node's vGPUs fail
+    and return together); `adapter` is the driver's own data for this plan (partition
+    model names and node addresses for the router, nothing for the simulator)."""
+
+    topo: Topology
+    plane: DataPlane
+    vgpu_node: Mapping[int, str]
+    adapter: Any = None
+
+
+@dataclass(slots=True, eq=False)
+class Entry(Request):
+    """A request the runtime has taken and will answer exactly once. The data plane
+    schedules it as a Request (its deadline is due - reply margin)."""
+
+    due_us: float  # arrival + SLO: on time when answered by then
+    payload: Any  # the driver's data (the client's tensors and reply handle; an index)
+    stats: Any  # the model's counters (runtime.stats.ModelStats)
+    attempts: int = 1
+    result: Any = None  # set by the executor before it reports the last hop done
+    outcome: int = PENDING
+
+
+class Job:
+    """A dispatched batch as the executor runs it: its hops in order, on its plan."""
+
+    __slots__ = ("dispatch", "entries", "generation", "idle", "started")
+
+    def __init__(self, dispatch: Dispatch, entries: list[Entry], generation: Any):
+        self.dispatch = dispatch
+        self.entries = entries  # the requests in it that are still waiting for an answer
+        self.generation = generation  # the runtime's bookkeeping of the plan it runs on
+        self.started = 0  # hops reported started so far
+        self.idle: list[bool] = []  # per started hop: its vGPU had nothing else running
+
+    @property
+    def served(self) -> ServedPlan:
+        return self.generation.served
+
+
+class Executor(Protocol):
+    """Runs what the runtime dispatches and delivers what it decides (`bind` hands it the
+    runtime it reports to, once, before anything runs).
+
+    `run(job)` runs the job's hops in order and reports each through the runtime:
+    `hop_started(job, h, start_us, transfer)`, `hop_done(job, h, start_us, end_us)`, or
+    `hop_failed(job, h, why)` (no later hop of the job is then reported). Before it reports
+    the last hop done, it leaves each entry's result in `entry.result`."""
+
+    def bind(self, runtime: Any) -> None: ...
+
+    def run(self, job: Job) -> None: ...
+
+    def answer(self, entry: Entry, outcome: int, reason: str) -> None:
+        """Deliver a request's end: its result (on time or late), or an explicit error."""
+        ...
+
+    def check_node(self, node: str, served: ServedPlan) -> None:
+        """Find out whether a failed node serves again; report runtime.node_checked(...)."""
+        ...

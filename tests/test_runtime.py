@@ -1,0 +1,286 @@
+"""The serving runtime by hand on the virtual clock, through its ports only: a clock, and an
+executor whose hops the test reports (start, end, failure) as it chooses. No server runs.
+Every case is worked out by hand: deadlines and reply margin, outcomes, a stage failure with
+and without a live path, a retry that misses its deadline, node checks and return,
+recalibration that triggers and one that does not, and flush migrations that wait for the
+batch in flight or give up at their timeout."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from poolpipe.errors import PoolpipeError
+from poolpipe.runtime import (
+    DROPPED,
+    FAILED,
+    LATE,
+    ON_TIME,
+    RECALIBRATE_EVERY,
+    Entry,
+    Job,
+    RuntimeConfig,
+    ServedPlan,
+    ServingRuntime,
+)
+from poolpipe.runtime.placement import vgpu_nodes
+from poolpipe.scheduler import make_data_plane
+from poolpipe.sim.engine import VirtualClock
+from tests.factories import make_topology
+
+
+class HandExecutor:
+    """Keeps what it is given; the test plays the cluster."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Job] = []
+        self.answers: dict[int, tuple[int, str]] = {}  # payload -> (outcome, reason)
+        self.checks: list[tuple[float, str]] = []
+        self.node_ok: dict[str, bool] = {}
+        self.rt: ServingRuntime
+
+    def bind(self, runtime: ServingRuntime) -> None:
+        self.rt = runtime
+
+    def run(self, job: Job) -> None:
+        self.jobs.append(job)
+
+    def answer(self, entry: Entry, outcome: int, reason: str) -> None:
+        assert entry.payload not in self.answers, "answered twice"
+        self.answers[entry.payload] = (outcome, reason)
+
+    def check_node(self, node: str, served: ServedPlan) -> None:
+        self.checks.append((self.rt.clock.now(), node))
+        self.rt.node_checked(node, self.node_ok.get(node, False))
+
+
+def runtime(stages, *, slo_us=100.0, batch=1, plane="eager", **config):
+    topo = make_topology(stages, slo_us=slo_us, batch=batch)
+    clock = VirtualClock()
+    ex = HandExecutor()
+    served = ServedPlan(topo, make_data_plane(plane, topo), vgpu_nodes(topo))
+    return ServingRuntime(served, clock, ex, RuntimeConfig(**config)), clock, ex
+
+
+def run_job(rt: ServingRuntime, job: Job, at: float, durations: list[float]) -> float:
+    """Every hop of `job` back to back from `at`, each taking its duration."""
+    t = at
+    for h, dur in enumerate(durations):
+        rt.clock.run_until(t)
+        rt.hop_started(job, h, t)
+        rt.clock.run_until(t + dur)
+        rt.hop_done(job, h, t, t + dur)
+        t += dur
+    return t
+
+
+def test_deadlines_hold_back_the_reply_margin_and_count_against_the_full_slo():
+    rt, _, ex = runtime([([0], [10.0], 0.0)], slo_us=50.0, reply_margin_us=5.0)
+    (a,) = rt.submit(0, [1])
+    assert a is not None and (a.arrival_us, a.deadline_us, a.due_us) == (0.0, 45.0, 50.0)
+    (b,) = rt.submit(0, [2], slo_us=30.0)  # a per-request SLO
+    assert b is not None and (b.deadline_us, b.due_us) == (25.0, 30.0)
+    first, second = ex.jobs
+    run_job(rt, first, 0.0, [48.0])  # 48 <= 50: on time, though past the scheduled 45
+    run_job(rt, second, 48.0, [10.0])  # 58 > 30: late
+    assert ex.answers == {1: (ON_TIME, ""), 2: (LATE, "")}
+    s = rt.stats["m"]
+    assert (s.arrivals, s.on_time, s.late, s.latency_us) == (2, 1, 1, [48.0, 58.0])
+    models, pools = rt.take_window()
+    assert (models[0]["arrivals"], models[0]["on_time"], models[0]["late"]) == (2, 1, 1)
+    assert pools[0]["busy_ms"] == pytest.approx(58e-3)
+    assert rt.take_window()[0][0]["arrivals"] == 0  # a window counts once
+
+
+def test_a_request_that_cannot_make_its_deadline_is_dropped_explicitly():
+    rt, _, ex = runtime([([0], [10.0], 0.0)], slo_us=8.0, plane="reservation")
+    rt.submit(0, [7])
+    assert ex.answers[7] == (DROPPED, "deadline cannot be met") and not ex.jobs
+    assert rt.drop_reasons == {"deadline cannot be met": 1} and rt.in_flight() == 0
+
+
+def two_stages(**kw):
+    """Stage 0 on one vGPU; stage 1 on two vGPUs (two nodes), 10 µs each."""
+    return runtime([([0], [10.0], 0.0), ([1, 2], [10.0], 0.0)], plane="reservation", **kw)
+
+
+def test_a_failure_mid_batch_retries_on_a_live_path_and_the_node_returns_when_it_answers():
+    rt, clock, ex = two_stages(node_check_every_us=1000.0)
+    rt.submit(0, [1])
+    (job,) = ex.jobs
+    first_node = job.served.vgpu_node[job.dispatch.hops[1].vgpu]
+    rt.hop_started(job, 0, 0.0)
+    clock.run_until(10.0)
+    rt.hop_done(job, 0, 0.0, 10.0)
+    rt.hop_started(job, 1, 10.0)
+    clock.run_until(12.0)
+    rt.hop_failed(job, 1, "connection refused")  # the node dies under the batch
+    assert rt.down_nodes() == {first_node} and rt.stats["m"].retried == 1
+    assert 1 not in ex.answers and len(ex.jobs) == 2  # started over, on the other node
+    retry = ex.jobs[1]
+    assert retry.served.vgpu_node[retry.dispatch.hops[1].vgpu] != first_node
+    run_job(rt, retry, 12.0, [10.0, 10.0])
+    assert ex.answers[1] == (ON_TIME, "")  # 32 <= 100
+    # the runtime asks whether the node serves again every 1000 µs until it does
+    clock.run_until(2500.0)
+    assert ex.checks == [(1012.0, first_node), (2012.0, first_node)]
+    ex.node_ok[first_node] = True
+    clock.run_until(3100.0)
+    assert ex.checks[-1] == (3012.0, first_node)
+    assert rt.down_nodes() == set() and rt.recoveries == 1
+    clock.run_until(10_000.0)
+    assert len(ex.checks) == 3  # back in service: no more checks
+    # both stage-1 vGPUs take batches again
+    used = set()
+    for k in range(4):
+        clock.run_until(20_000.0 + 1000 * k)
+        rt.submit(0, [100 + k])
+        run_job(rt, ex.jobs[-1], clock.now(), [10.0, 10.0])
+        used.add(ex.jobs[-1].dispatch.hops[1].vgpu)
+    assert used == {1, 2}
+
+
+def test_without_a_live_path_the_batch_fails_explicitly():
+    rt, _, ex = runtime([([0], [10.0], 0.0), ([1], [10.0], 0.0)], plane="reservation")
+    rt.submit(0, [1, 2])
+    for job in list(ex.jobs):
+        rt.hop_started(job, 0, 0.0)
+        rt.hop_failed(job, 0, "connection refused")
+    assert ex.answers[1][0] == FAILED and "no live path" in ex.answers[1][1]
+    assert ex.answers[2][0] == FAILED
+    assert rt.stats["m"].failed == 2 and rt.in_flight() == 0
+    assert not rt.has_live_path(0)
+    rt.submit(0, [3])  # nothing can take it now: an explicit answer, at once
+    assert ex.answers[3][0] == DROPPED
+
+
+def test_a_retry_that_misses_its_deadline_is_a_drop_not_a_failure():
+    rt, clock, ex = two_stages(slo_us=25.0)
+    rt.submit(0, [1])
+    job = ex.jobs[0]
+    rt.hop_started(job, 0, 0.0)
+    clock.run_until(10.0)
+    rt.hop_done(job, 0, 0.0, 10.0)
+    rt.hop_started(job, 1, 10.0)
+    clock.run_until(24.0)  # the call fails late: 24 + 20 > 25 for a retry
+    rt.hop_failed(job, 1, "timed out")
+    assert ex.answers[1][0] == DROPPED and rt.stats["m"].failed == 0
+    assert rt.stats["m"].retried == 1
+
+
+def test_a_second_failure_fails_the_request():
+    rt, clock, ex = runtime([([0, 1], [10.0], 0.0), ([2], [10.0], 0.0)], plane="reservation")
+    rt.submit(0, [1])
+    nodes = []
+    for attempt in range(2):
+        job = ex.jobs[attempt]
+        nodes.append(job.served.vgpu_node[job.dispatch.hops[0].vgpu])
+        rt.hop_started(job, 0, clock.now())
+        rt.hop_failed(job, 0, f"failure {attempt}")
+    assert nodes[0] != nodes[1]  # the retry took the other node
+    assert ex.answers[1] == (FAILED, f"failure 1 (node {nodes[1]}; no attempt left to retry)")
+
+
+def test_recalibration_triggers_outside_the_band_and_not_inside():
+    rt, clock, ex = runtime([([0], [10.0, 18.0], 0.0)], batch=2, plane="eager")
+    t = 0.0
+    for k in range(RECALIBRATE_EVERY):
+        rt.submit(0, [k])
+        t = run_job(rt, ex.jobs[-1], t, [15.0]) + 1  # 1.5x the 10 µs reserved
+        clock.run_until(t)
+        if k < RECALIBRATE_EVERY - 1:
+            assert rt.recalibrations == 0  # too few calls yet
+    assert rt.recalibrations == 1
+    assert rt.topo.pools[0].latency_us[1:] == (15.0, 27.0)  # every batch size scaled
+    assert rt.plane.topo is rt.topo  # the plane reserves with the new latencies
+    for k in range(RECALIBRATE_EVERY):
+        rt.submit(0, [100 + k])
+        t = run_job(rt, ex.jobs[-1], t, [15.5]) + 1  # within 1 +- 0.1 of 15
+        clock.run_until(t)
+    assert rt.recalibrations == 1
+
+
+def test_recalibration_can_be_turned_off_and_stage_factors_are_kept_when_asked():
+    rt, clock, ex = runtime([([0], [10.0], 0.0)], recalibrate=False, record_stage_factors=True)
+    t = 0.0
+    for k in range(RECALIBRATE_EVERY):
+        rt.submit(0, [k])
+        t = run_job(rt, ex.jobs[-1], t, [20.0]) + 1
+        clock.run_until(t)
+    assert rt.recalibrations == 0 and rt.topo.pools[0].latency_us[1] == 10.0
+    assert rt.take_stage_factors() == ((2.0,) * RECALIBRATE_EVERY,)
+    assert rt.take_stage_factors() == ((),)  # taken once
+
+
+def test_a_stage_that_waited_behind_another_is_not_measured():
+    rt, _, ex = runtime([([0], [10.0], 0.0)], recalibrate=False, record_stage_factors=True)
+    rt.submit(0, [1])
+    rt.submit(0, [2])  # eager: two batches for the one vGPU, both sent now
+    a, b = ex.jobs
+    rt.hop_started(a, 0, 0.0)
+    rt.hop_started(b, 0, 0.0)  # sent while the vGPU was busy: it queues at the node
+    rt.hop_done(a, 0, 0.0, 10.0)
+    rt.hop_done(b, 0, 0.0, 20.0)
+    assert rt.take_stage_factors() == ((1.0,),)
+
+
+def test_flush_migration_holds_new_requests_until_the_batch_in_flight_ends():
+    rt, clock, ex = runtime([([0], [10.0], 0.0)], slo_us=1000.0)
+    rt.submit(0, [1])
+    old_job = ex.jobs[0]
+    rt.hop_started(old_job, 0, 0.0)
+    topo2 = make_topology([([0, 1], [8.0], 0.0)], slo_us=1000.0)
+    new = ServedPlan(topo2, make_data_plane("eager", topo2), vgpu_nodes(topo2))
+    results = []
+    clock.run_until(2.0)
+    rt.switch(new, 1e6, results.append)
+    clock.run_until(5.0)
+    rt.submit(0, [2])  # held: no job yet
+    assert len(ex.jobs) == 1 and not results
+    clock.run_until(10.0)
+    rt.hop_done(old_job, 0, 0.0, 10.0)
+    clock.run_until(10.0)
+    assert ex.answers[1] == (ON_TIME, "")
+    (res,) = results
+    assert (res.downtime_us, res.held, res.failed) == (8.0, 1, 0)
+    assert rt.served is new and len(ex.jobs) == 2
+    held_job = ex.jobs[1]
+    assert held_job.served is new and held_job.entries[0].arrival_us == 5.0  # kept its time
+    run_job(rt, held_job, 10.0, [8.0])
+    assert ex.answers[2] == (ON_TIME, "")
+
+
+def test_a_flush_that_cannot_finish_fails_what_is_left_at_its_timeout():
+    rt, clock, ex = runtime([([0], [10.0], 0.0)], slo_us=1000.0)
+    rt.submit(0, [1])
+    stuck = ex.jobs[0]
+    rt.hop_started(stuck, 0, 0.0)
+    new = ServedPlan(rt.topo, make_data_plane("eager", rt.topo), vgpu_nodes(rt.topo))
+    results = []
+    rt.switch(new, 500.0, results.append)
+    with pytest.raises(PoolpipeError, match="already under way"):
+        rt.switch(new, 500.0, results.append)
+    clock.run_until(499.0)
+    assert not results
+    clock.run_until(500.0)
+    assert ex.answers[1] == (FAILED, "the plan was switched before this request could finish")
+    assert results[0].failed == 1 and rt.served is new
+    rt.hop_done(stuck, 0, 0.0, 600.0)  # the old batch ends after all: nothing more
+    assert len(ex.answers) == 1 and rt.stats["m"].failed == 1
+
+
+def test_a_switch_refuses_a_plan_without_the_served_models():
+    rt, _, _ = runtime([([0], [10.0], 0.0)])
+    topo = make_topology([([0], [10.0], 0.0)])
+    topo = replace(topo, models=(replace(topo.models[0], name="other"),))
+    other = ServedPlan(topo, make_data_plane("eager", topo), vgpu_nodes(topo))
+    with pytest.raises(PoolpipeError, match=r"does not serve \['m'\]"):
+        rt.switch(other, 1e6, lambda r: None)
+
+
+def test_config_is_checked():
+    with pytest.raises(PoolpipeError, match="reply margin"):
+        RuntimeConfig(reply_margin_us=-1)
+    with pytest.raises(PoolpipeError, match="node checks"):
+        RuntimeConfig(node_check_every_us=0)

@@ -1,0 +1,80 @@
+"""A plan made ready to load: its topology, the layout of its partitions on nodes, and
+the partition files cut out of the onboarded model (warehouse reads, ONNX surgery)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from poolpipe.domain.plan import Plan
+from poolpipe.errors import PoolpipeError
+from poolpipe.offline.partitions import PartitionFile, make_partition
+from poolpipe.runtime.placement import Layout, layout
+from poolpipe.scheduler import build_topology
+from poolpipe.scheduler.topology import Topology
+from poolpipe.store.warehouse import Warehouse
+from triton_backend.router import ModelIO
+
+_CPU = re.compile(r"^cpu-(\d+)t$")
+
+
+def threads_of(device: str) -> int:
+    m = _CPU.match(device)
+    if not m:
+        raise PoolpipeError(
+            f"device type {device!r} is not a CPU class (cpu-<threads>t); GPU node types need "
+            "a GPU node running Triton's onnxruntime or tensorrt backend"
+        )
+    return int(m.group(1))
+
+
+# make_partition's arguments: whole model, model, block layers, start, end, out dir, tag
+PartitionJob = tuple[Path, str, list[tuple[int, int]], int, int, Path, str]
+
+
+def partition_jobs(wh: Warehouse, lay: Layout, out_dir: Path) -> dict[str, PartitionJob]:
+    """make_partition's arguments for every partition of the layout (warehouse reads only)."""
+    jobs: dict[str, PartitionJob] = {}
+    for p in lay.placements:
+        if p.partition in jobs:
+            continue
+        whole = wh.whole_model_file(p.model)
+        if whole is None or not whole.is_file():
+            raise PoolpipeError(
+                f"model {p.model} has no onboarded files; run: poolpipe onboard MODEL.onnx "
+                f"--name {p.model}"
+            )
+        layers = wh.block_layers(p.model)
+        jobs[p.partition] = (whole, p.model, layers, p.start, p.end, out_dir, p.tag)
+    return jobs
+
+
+def prepare(
+    plan: Plan, warehouse: str | Path | None, workspace: Path, tag: str, isolated: bool = False
+) -> tuple[Topology, Layout, dict[str, PartitionFile]]:
+    """Topology, layout and partition files of `plan`. `isolated`: cut the partitions out
+    of the whole model in a separate process, as a rollout does while this process serves:
+    the ONNX surgery is seconds of pure-Python work that would otherwise hold the GIL from
+    the router (measured: 3.4 s of CPU for two ResNet-50 partitions)."""
+    with Warehouse.open(warehouse) as wh:
+        profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
+        topo = build_topology(plan, profiles)
+        lay = layout(topo, tag)
+        jobs = partition_jobs(wh, lay, workspace / "partitions")
+    if not isolated:
+        return topo, lay, {name: make_partition(*args) for name, args in jobs.items()}
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(make_partition, *args) for name, args in jobs.items()}
+        return topo, lay, {name: f.result() for name, f in futures.items()}
+
+
+def model_io(topo: Topology, lay: Layout, parts: dict[str, PartitionFile]) -> list[ModelIO]:
+    ios = []
+    for m in topo.models:
+        pipe = topo.pipelines[m.pipelines[0]]
+        first = parts[lay.pool_partition[pipe.pools[0]]]
+        last = parts[lay.pool_partition[pipe.pools[-1]]]
+        ios.append(ModelIO(m.name, first.inputs, last.outputs))
+    return ios
