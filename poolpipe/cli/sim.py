@@ -13,19 +13,31 @@ from poolpipe.cli.common import console
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES, Topology, build_topology
-from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, run_once
+from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, load_scenario, run_once
 from poolpipe.sim.capacity import SEARCHES, CapacityResult, search_capacity
 from poolpipe.sim.records import capacity_rows, sim_rows
 from poolpipe.store.warehouse import Warehouse
 
 
-def _load_plan(path: str, wh: Warehouse) -> tuple[Plan, Topology]:
+def _read_plan(path: str | Path) -> Plan:
     p = Path(path)
     if not p.is_file():
         raise PoolpipeError(f"plan file {path} does not exist; write one with poolpipe plan --out")
-    plan = Plan.load(p)
-    profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
-    return plan, build_topology(plan, profiles, larger_batches=True)
+    return Plan.load(p)
+
+
+def _lay_out(plans: list[Plan], warehouse: str | None) -> list[Topology]:
+    """The plans' topologies, with the profiles read in one short warehouse session (the
+    warehouse is not held while the simulator computes)."""
+    names = sorted({m.name for plan in plans for m in plan.models})
+    with Warehouse.open(warehouse) as wh:
+        profiles = {name: wh.load_profile(name) for name in names}
+    return [build_topology(plan, profiles, larger_batches=True) for plan in plans]
+
+
+def _store(warehouse: str | None, table: str, rows: list[dict]) -> None:
+    with Warehouse.open(warehouse) as wh:
+        wh.store_rows(table, rows)
 
 
 def _reference_rates(args: argparse.Namespace, plan: Plan) -> list[float] | None:
@@ -97,26 +109,39 @@ def print_sim(result: SimResult, title: str) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     spec = ArrivalSpec.parse(args.arrivals)
-    with Warehouse.open(args.warehouse) as wh:
-        plan, topo = _load_plan(args.plan, wh)
-        rates = _reference_rates(args, plan)
-        config = SimConfig(duration_s=args.duration, seed=args.seed, jitter=args.jitter)
-        with console.status("simulating ..."):
-            result = run_once(topo, spec, args.load_factor, config, args.data_plane, rates)
-        wh.store_rows(
-            "sim_runs",
-            sim_rows(
-                result,
-                label=args.label or "cli",
-                config=str(args.plan),
-                strategy=plan.strategy,
-                cluster=plan.cluster.name,
-                arrivals=spec.describe(),
-                load_factor=args.load_factor,
-                seed=args.seed,
-                jitter=args.jitter,
-            ),
+    plan = _read_plan(args.plan)
+    (topo,) = _lay_out([plan], args.warehouse)
+    rates = _reference_rates(args, plan)
+    scenario = None
+    if args.scenario:
+        scenario = load_scenario(
+            args.scenario,
+            gpu_counts=dict(topo.gpu_counts),
+            models=[m.name for m in topo.models],
+            load_plan=lambda path: _lay_out([_read_plan(path)], args.warehouse)[0],
         )
+    config = SimConfig(duration_s=args.duration, seed=args.seed, jitter=args.jitter)
+    with console.status("simulating ..."):
+        result = run_once(
+            topo, spec, args.load_factor, config, args.data_plane, rates, scenario=scenario
+        )
+    _store(
+        args.warehouse,
+        "sim_runs",
+        sim_rows(
+            result,
+            label=args.label or ("cli:" + Path(args.scenario).name if args.scenario else "cli"),
+            config=str(args.plan),
+            strategy=plan.strategy,
+            cluster=plan.cluster.name,
+            arrivals=spec.describe(),
+            load_factor=args.load_factor,
+            seed=args.seed,
+            jitter=args.jitter,
+        ),
+    )
+    if args.plot:
+        plot_timeline(result, Path(args.plot), title=f"{plan.strategy} on {plan.cluster.name}")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
@@ -125,63 +150,130 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"{plan.strategy} plan on {plan.cluster.name}, {result.data_plane} data plane, "
         f"{spec.describe()} arrivals at load factor {args.load_factor:g}, {args.duration:g} s",
     )
+    if scenario is not None:
+        print_timeline(result)
+    if args.plot:
+        console.print(f"per-second plot written to {args.plot}")
     return 0
+
+
+def _seconds(result: SimResult) -> list[dict[str, int]]:
+    """All models together, per second of simulated time (by arrival)."""
+    series = list(result.per_second.values())
+    n = len(series[0]["arrived"]) if series else 0
+    return [{k: sum(s[k][i] for s in series) for k in series[0]} for i in range(n)]
+
+
+def print_timeline(result: SimResult) -> None:
+    """The scenario's events, rollouts and the per-second outcomes around them."""
+    for e in result.events:
+        what = e.get("plan") or ", ".join(e.get("nodes", [])) or "no GPU of that type left"
+        console.print(f"  {e['at_s']:7.2f} s  {e['kind']:<9} {what}")
+    for r in result.rollouts:
+        console.print(
+            f"  rollout to {r['plan']} at {r['at_s']:.2f} s: downtime {r['downtime_ms']:.2f} ms "
+            f"(simulated), {r['held']} requests held, {r['failed']} failed"
+        )
+    t = Table(title="per second of simulated time (by arrival, all models)", title_justify="left")
+    for col in ("second", "arrived", "on time", "late", "dropped", "failed", "attainment"):
+        t.add_column(col, justify="right")
+    marks = {int(e["at_s"]) for e in result.events}
+    for i, row in enumerate(_seconds(result)):
+        if not row["arrived"]:
+            continue
+        t.add_row(
+            f"{i}{' *' if i in marks else ''}",
+            *(f"{row[k]:,}" for k in ("arrived", "on_time", "late", "dropped", "failed")),
+            f"{row['on_time'] / row['arrived']:.3f}",
+        )
+    console.print(t)
+
+
+def plot_timeline(result: SimResult, path: Path, title: str) -> None:
+    """Per-second attainment per model, with the scenario's events marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, s in result.per_second.items():
+        att = [
+            o / a if a else float("nan") for o, a in zip(s["on_time"], s["arrived"], strict=True)
+        ]
+        ax.plot(range(len(att)), att, label=name, linewidth=1.2)
+    for e in result.events:
+        ax.axvline(e["at_s"], color="grey", linestyle="--", linewidth=0.8)
+        ax.annotate(e["kind"], (e["at_s"], 0.02), rotation=90, fontsize=7, color="grey")
+    ax.set_xlabel("simulated second (by arrival)")
+    ax.set_ylabel("on time / arrived")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     spec = ArrivalSpec.parse(args.arrivals)
     seeds = _seeds(args.seeds)
-    with Warehouse.open(args.warehouse) as wh:
-        plan, topo = _load_plan(args.plan, wh)
-        # every plan runs at the reference plan's absolute rates, in its own model order
-        runs: list[tuple[str, Plan, Topology, list[float]]] = [
-            (args.plan, plan, topo, [m.throughput for m in plan.models])
-        ]
-        for path in [p.strip() for p in (args.baseline_plans or "").split(",") if p.strip()]:
-            bplan, btopo = _load_plan(path, wh)
-            runs.append((path, bplan, btopo, _match_rates(plan, bplan, path)))
-        results: list[tuple[str, Plan, CapacityResult]] = []
-        with Progress(console=console, transient=True) as progress:
-            for path, p, t, rates in runs:
-                task = progress.add_task(f"{p.strategy}: searching", total=None)
+    paths = [args.plan] + [p.strip() for p in (args.baseline_plans or "").split(",") if p.strip()]
+    plans = [_read_plan(path) for path in paths]
+    topos = _lay_out(plans, args.warehouse)
+    plan = plans[0]
+    # every plan runs at the reference plan's absolute rates, in its own model order
+    runs = [
+        (path, p, topo, _match_rates(plan, p, path))
+        for path, p, topo in zip(paths, plans, topos, strict=True)
+    ]
+    results: list[tuple[str, Plan, CapacityResult]] = []
+    with Progress(console=console, transient=True) as progress:
+        for path, p, topo, rates in runs:
+            task = progress.add_task(f"{p.strategy}: searching", total=None)
 
-                def point(
-                    lf: float, att: dict[str, float], task: TaskID = task, p: Plan = p
-                ) -> None:
-                    worst = min(att.values())
-                    progress.update(
-                        task, description=f"{p.strategy}: load {lf:.2f} → worst {worst:.4f}"
-                    )
+            def point(lf: float, att: dict[str, float], task: TaskID = task, p: Plan = p) -> None:
+                worst = min(att.values())
+                progress.update(
+                    task, description=f"{p.strategy}: load {lf:.2f} → worst {worst:.4f}"
+                )
 
-                cap = search_capacity(
-                    t,
-                    spec,
-                    duration_s=args.duration,
-                    seeds=seeds,
-                    data_plane=args.data_plane,
-                    reference_rates=rates,
-                    method=args.search,
-                    step=args.step,
-                    jitter=args.jitter,
-                    on_point=point,
-                )
-                progress.remove_task(task)
-                results.append((path, p, cap))
-                wh.store_rows(
-                    "capacity_results",
-                    capacity_rows(
-                        cap,
-                        label=args.label or "cli",
-                        config=path,
-                        strategy=p.strategy,
-                        cluster=p.cluster.name,
-                        data_plane=args.data_plane,
-                        arrivals=spec.describe(),
-                        search=args.search,
-                        seeds=seeds,
-                        duration_s=args.duration,
-                    ),
-                )
+            cap = search_capacity(
+                topo,
+                spec,
+                duration_s=args.duration,
+                seeds=seeds,
+                data_plane=args.data_plane,
+                reference_rates=rates,
+                method=args.search,
+                step=args.step,
+                jitter=args.jitter,
+                on_point=point,
+            )
+            progress.remove_task(task)
+            results.append((path, p, cap))
+    _store(
+        args.warehouse,
+        "capacity_results",
+        [
+            row
+            for path, p, cap in results
+            for row in capacity_rows(
+                cap,
+                label=args.label or "cli",
+                config=path,
+                strategy=p.strategy,
+                cluster=p.cluster.name,
+                data_plane=args.data_plane,
+                arrivals=spec.describe(),
+                search=args.search,
+                seeds=seeds,
+                duration_s=args.duration,
+            )
+        ],
+    )
     if args.json:
         doc = {
             "reference_plan": args.plan,
@@ -251,6 +343,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--rates-from", help="plan whose throughput is load factor 1.0 (default: --plan)"
     )
+    sim.add_argument(
+        "--scenario",
+        help="TOML file of timed events: gpu_down / gpu_up (gpu, count) and rollout (plan); "
+        "adds per-second outcomes and rollout downtimes",
+    )
+    sim.add_argument("--plot", help="write per-second attainment to this PNG")
     sim.set_defaults(func=cmd_simulate)
 
     cap = sub.add_parser(

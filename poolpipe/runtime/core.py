@@ -173,6 +173,10 @@ class ServingRuntime:
         """Requests taken and not yet answered (held ones excluded)."""
         return len(self._live)
 
+    def idle(self) -> bool:
+        """Nothing taken, held or switching: what is left on the clock is only watching."""
+        return not self._live and not self._held and self._switch is None
+
     def down_nodes(self) -> set[str]:
         return set(self._down)
 

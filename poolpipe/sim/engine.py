@@ -184,7 +184,8 @@ class SimulatedCluster:
         self.rt = runtime
 
     def add_generation(self, gen: Generation, truth: Topology) -> None:
-        """Resources for a served plan (its vGPUs and its servers' NICs)."""
+        """Resources for a served plan (its vGPUs and its servers' NICs); `truth` holds the
+        latencies its work really takes (a plan rolled out runs as it was laid out)."""
         base = len(self._busy)
         V, S = len(truth.vgpus), len(truth.servers)
         n = V + 2 * S
@@ -208,14 +209,19 @@ class SimulatedCluster:
 
     def run(self, job: Job) -> None:
         d = job.dispatch
-        lay = self._layouts[id(job.generation)]
+        lay = self._layouts.get(id(job.generation))
+        if lay is None:  # a plan rolled out: its first batch
+            gen = job.generation
+            self.add_generation(gen, gen.served.topo)
+            lay = self._layouts[id(gen)]
         pools = lay.topo.pools
         base, up, down = lay.base, lay.up, lay.down
         now = self.clock.t
         prev: _Work | None = None
         first: _Work | None = None
         sigma = self._sigma
-        factors = self.config.stage_factors
+        # measured factors describe the first plan's pools; a plan rolled out runs as laid out
+        factors = self.config.stage_factors if base == 0 else ()
         for h, hop in enumerate(d.hops):
             p = hop.pool
             dur = pools[p].latency_us[d.batch]
@@ -490,6 +496,8 @@ class Simulator:
                 arrive(model_map[models[i]], i)
                 i += 1
                 continue
+            if i == n and rt.idle():
+                break  # only node watches are left: they would run for ever
             t, _, _, fn, arg = pop(ev)
             clock.t = t
             fn(arg)
@@ -514,7 +522,6 @@ class Simulator:
             self.events.append({"at_s": at_s, "kind": "rollout", "plan": event.label})
 
             def done(res: SwitchResult, served: ServedPlan = served) -> None:
-                self.cluster.add_generation(rt.gen, event.topo)
                 names = [m.name for m in served.topo.models]
                 self._model_map[:] = [names.index(m) for m in self._names]
                 self.rollouts.append(

@@ -95,7 +95,7 @@ def summarize(sim: Simulator, rt: ServingRuntime, wall_s: float) -> SimResult:
     duration_s = sim.config.duration_s
     makespan_us = max(sim.now, duration_s * 1e6)
     second = (arrival // 1e6).astype(np.int64)
-    seconds = int(np.ceil(makespan_us / 1e6))
+    seconds = max(1, int(np.ceil(duration_s)))
     models, per_second = [], {}
     for index, name in enumerate(m.name for m in sim.topo.models):
         mask = model == index

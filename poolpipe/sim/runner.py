@@ -8,6 +8,7 @@ from poolpipe.scheduler import Topology, make_data_plane
 from poolpipe.sim.arrivals import ArrivalSpec, generate
 from poolpipe.sim.engine import SimConfig, Simulator
 from poolpipe.sim.metrics import SimResult
+from poolpipe.sim.scenario import Scenario
 
 
 def run_once(
@@ -17,6 +18,7 @@ def run_once(
     config: SimConfig,
     data_plane: str = "reservation",
     reference_rates: Sequence[float] | None = None,
+    scenario: Scenario | None = None,
 ) -> SimResult:
     """Simulate `topo` with each model's rate = load factor x reference rate (req/s).
 
@@ -33,4 +35,4 @@ def run_once(
         arrivals, rates, config.duration_s, config.seed, [m.name for m in topo.models]
     )
     dp = make_data_plane(data_plane, topo)
-    return Simulator(topo, dp, times, models, config).run()
+    return Simulator(topo, dp, times, models, config, scenario).run()
