@@ -4,6 +4,7 @@ over gRPC on the nodes that serve it."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -58,3 +59,44 @@ def calibrate(
         client.close()
         out[pool.id] = tuple(lats)
     return out
+
+
+def warm(
+    lay: Layout,
+    nodes: dict[str, TritonNode],
+    parts: dict[str, PartitionFile],
+    max_batch: int,
+    only: str | None = None,
+) -> None:
+    """One call at every batch size to every instance of every partition (of node `only`):
+    an ONNX Runtime session's first runs at a shape cost several times a warm one, and a
+    node must not take the router's deadlines with cold instances (calibration times one
+    node per pool; a restarted node starts cold)."""
+    import tritonclient.grpc as grpcclient
+
+    from triton_backend.repository import kserve_dtype
+
+    def one(url: str, name: str, b: int) -> None:
+        part = parts[name]
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            inputs = []
+            for t in part.inputs:
+                i = grpcclient.InferInput(t.name, [b, *t.dims], kserve_dtype(np.dtype(t.dtype)))
+                i.set_data_from_numpy(np.zeros((b, *t.dims), t.dtype))
+                inputs.append(i)
+            client.infer(name, inputs)
+        finally:
+            client.close()
+
+    calls = [
+        (nodes[p.node].grpc_url, p.partition, b)
+        for p in lay.placements
+        if only is None or p.node == only
+        for b in range(1, max_batch + 1)
+        for _ in range(p.instances)
+    ]
+    width = max((p.instances for p in lay.placements), default=1)
+    with ThreadPoolExecutor(max(1, width)) as pool:
+        for _ in pool.map(lambda c: one(*c), calls):
+            pass

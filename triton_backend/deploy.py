@@ -22,7 +22,8 @@ from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_latencies
 from poolpipe.sim.metrics import SimResult
-from triton_backend.calibration import calibrate
+from poolpipe.sim.scenario import Scenario
+from triton_backend.calibration import calibrate, warm
 from triton_backend.env import triton_home
 from triton_backend.frontend import Frontend
 from triton_backend.load import load_layout
@@ -70,6 +71,7 @@ class Deployment:
     frontend: Frontend | None = field(default=None, repr=False)
     control: Callable[[dict], dict] | None = field(default=None, repr=False)
     calibration: dict[tuple, float] = field(default_factory=dict, repr=False)
+    parts: dict = field(default_factory=dict, repr=False)  # partition files by model name
 
     @property
     def http_port(self) -> int:
@@ -117,6 +119,7 @@ class Deployment:
         try:
             topo, lay, parts = prepare(plan, warehouse, workspace, "g0")
             load_layout(lay, parts, nodes, workspace, max_batch, loaded=[], started=[])
+            warm(lay, nodes, parts, _top_batch(topo))
             ios = model_io(topo, lay, parts)
             known: dict[tuple, float] = {}
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
@@ -124,7 +127,7 @@ class Deployment:
                 _served(live, lay, nodes, ios, options), reply_margin_us=reply_margin_us
             ).start()
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
-            dep.calibration = known
+            dep.calibration, dep.parts = known, parts
             dep.frontend = Frontend(core, ios, router_instances, control).start()
             return dep
         except BaseException:
@@ -163,6 +166,7 @@ class Deployment:
             load_layout(
                 lay, parts, self.nodes, self.workspace, self.options["max_batch"], loaded, started
             )
+            warm(lay, self.nodes, parts, _top_batch(topo))
             live = with_latencies(
                 topo, calibrate(topo, lay, self.nodes, parts, known=self.calibration)
             )
@@ -179,7 +183,7 @@ class Deployment:
         prepare_s = time.perf_counter() - t0
         res = self.core.switch(_served(live, lay, self.nodes, ios, self.options), flush_timeout_s)
         old = self.layout
-        self.plan, self.topo, self.layout = plan, topo, lay
+        self.plan, self.topo, self.layout, self.parts = plan, topo, lay, parts
         self.generation += 1
         for p in old.placements:
             with contextlib.suppress(Exception):
@@ -205,21 +209,24 @@ class Deployment:
         duration_s: float,
         stage_factors: Sequence[Sequence[float]] = (),
         models: np.ndarray | None = None,
+        scenario: Scenario | None = None,
+        topo: Topology | None = None,
     ) -> SimResult:
         """The simulator's prediction for these arrivals (seconds; model indexes, default all
-        the first) on what this deployment serves: the router's calibrated topology, the same
-        data plane, wake guard and reply margin, and stage times drawn from `stage_factors`
-        (per pool, measured / reserved, from `core.take_stage_factors()` of earlier runs)."""
+        the first) on what this deployment serves: the router's calibrated topology (or
+        `topo`, one taken from it earlier), the same data plane, wake guard and reply margin,
+        stage times drawn from `stage_factors` (per pool, measured / reserved, from
+        `core.take_stage_factors()` of earlier runs), and the node failures, returns and
+        rollouts of `scenario` (node names as this deployment's: `cpu-1t-0` is GPU 0 of type
+        cpu-1t)."""
         from poolpipe.sim.engine import SimConfig, Simulator
 
-        topo = self.core.topo
+        topo = topo or self.core.topo
         arrivals = np.asarray(arrivals_s, dtype=float)
-        plane = make_data_plane(
-            self.options["plane"], topo, wake_guard_us=self.options["wake_guard_us"]
-        )
+        kind, guard = self.options["plane"], self.options["wake_guard_us"]
         return Simulator(
             topo,
-            plane,
+            make_data_plane(kind, topo, wake_guard_us=guard),
             arrivals * 1e6,
             np.zeros(len(arrivals), dtype=int) if models is None else models,
             SimConfig(
@@ -227,6 +234,8 @@ class Deployment:
                 stage_factors=tuple(tuple(f) for f in stage_factors),
                 reply_margin_us=self.options["reply_margin_us"],
             ),
+            scenario,
+            lambda t: make_data_plane(kind, t, wake_guard_us=guard),
         ).run()
 
     def restart_node(self, name: str) -> None:
@@ -238,6 +247,7 @@ class Deployment:
         for p in self.layout.placements:
             if p.node == name:
                 node.load(p.partition)
+        warm(self.layout, self.nodes, self.parts, _top_batch(self.topo), only=name)
 
     def down(self) -> None:
         if self.frontend is not None:
@@ -251,3 +261,8 @@ class Deployment:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def _top_batch(topo: Topology) -> int:
+    """The largest batch the data plane may send a pool of `topo`."""
+    return max(len(p.latency_us) - 1 for p in topo.pools)
