@@ -18,6 +18,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows import settings as worker
 from flows.common import DEFAULT_BATCHES, artifact_key, io_error_only, markdown_table, report
 from flows.profile import build_task, profile_task
 from poolpipe.errors import ModelError
@@ -179,6 +180,7 @@ def onboard_model(
 ) -> OnboardResult:
     """Split MODEL into blocks, build them on this machine's engine, check that they
     reproduce the model, profile them at every batch size and store everything."""
+    warehouse = worker.warehouse(warehouse)
     if not NAME_RE.match(name):
         raise ModelError(
             f"{name!r}: the model name must start with a letter or digit and hold only "

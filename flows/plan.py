@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
 from poolpipe.domain.plan import Plan
 from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S
 from poolpipe.store.plan_inputs import plan_request
 from poolpipe.store.warehouse import Warehouse
 
@@ -24,11 +27,7 @@ def load_request(
     weights: list[float] | None,
     slo_ms: dict[str, float] | None,
     slo_scale: float | None,
-    strategy: str,
-    margin: float,
-    max_partitions: int,
-    solver: str,
-    time_limit_s: float,
+    options: dict[str, Any],
 ) -> PlanRequest:
     with Warehouse.open(warehouse) as wh:
         return plan_request(
@@ -39,11 +38,7 @@ def load_request(
             weights=weights,
             slo_us={k: v * 1e3 for k, v in (slo_ms or {}).items()},
             slo_scale=slo_scale,
-            strategy=strategy,
-            margin=margin,
-            max_partitions=max_partitions,
-            solver=solver,
-            time_limit_s=time_limit_s,
+            **options,
         )
 
 
@@ -68,28 +63,32 @@ def plan_models(
     slo_ms: dict[str, float] | None = None,
     slo_scale: float | None = None,
     strategy: str = "ppipe",
+    packing: str = "per-share",
     margin: float = 0.4,
     max_partitions: int = 2,
     solver: str = "highs",
-    time_limit_s: float = 60.0,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    mip_gap: float = DEFAULT_MIP_GAP,
     label: str | None = None,
     out: str | None = None,
 ) -> int:
     """Plan MODELS on CLUSTER from the warehouse's profiles; store the plan (and write it to
-    OUT as JSON when given). Returns the plan id."""
+    OUT as JSON when given). Returns the plan id. The options are `poolpipe plan`'s:
+    STRATEGY (ppipe, np, dart-r), PACKING (per-share, per-position), MARGIN (fraction of
+    the SLO held back), MAX_PARTITIONS, SOLVER (highs, gurobi), TIME_LIMIT_S per MILP,
+    MIP_GAP (relative)."""
+    warehouse = worker.warehouse(warehouse)
+    options = {
+        "strategy": strategy,
+        "packing": packing,
+        "margin": margin,
+        "max_partitions": max_partitions,
+        "solver": solver,
+        "time_limit_s": time_limit_s,
+        "mip_gap": mip_gap,
+    }
     request = load_request(
-        warehouse,
-        models,
-        cluster,
-        clusters_file,
-        weights,
-        slo_ms,
-        slo_scale,
-        strategy,
-        margin,
-        max_partitions,
-        solver,
-        time_limit_s,
+        warehouse, models, cluster, clusters_file, weights, slo_ms, slo_scale, options
     )
     plan = solve(request)
     plan_id = store_plan(warehouse, plan, label)

@@ -10,6 +10,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows import settings as worker
 from flows.common import DEFAULT_BATCHES, artifact_key, io_error_only, markdown_table, report
 from poolpipe.offline.engines import EngineInfo, build_all, make_engine
 from poolpipe.offline.profiler import Measurement, latency_of, profile_blocks, sum_vs_whole
@@ -83,6 +84,7 @@ def profile_model(
 ) -> tuple[EngineInfo, list[Measurement]]:
     """Measure every block of model NAME (and the whole model) on this machine's device at
     every batch size; replace this device's latencies in the warehouse."""
+    warehouse = worker.warehouse(warehouse)
     batches = sorted(set(batches))
     blocks, whole = load_blocks(warehouse, name)
     files = blocks + ([whole] if whole is not None else [])

@@ -9,6 +9,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
 from poolpipe.domain.plan import STRATEGIES, Plan
 from poolpipe.planner import make_plan
@@ -70,15 +71,17 @@ def store(warehouse: str | None, plan: Plan) -> int:
 
 @flow(name="nightly-replan", log_prints=True)
 def nightly_replan(
-    router: str,
     cluster: str,
+    router: str | None = None,
     warehouse: str | None = None,
     clusters_file: str | None = None,
     deployment: str = "local",
     hours: float = 24.0,
     margin: float = 0.05,
 ) -> dict:
-    """Re-plan for the mix the router saw in the last HOURS; roll out when better by MARGIN."""
+    """Re-plan for the mix the router saw in the last HOURS; roll out when better by MARGIN.
+    ROUTER: its gRPC host:port (default $POOLPIPE_ROUTER of the worker)."""
+    router, warehouse = worker.router(router), worker.warehouse(warehouse)
     from flows.rollout import switch
 
     current, current_id = serving_plan(router)

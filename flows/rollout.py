@@ -11,6 +11,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
@@ -39,8 +40,10 @@ def switch(router: str, plan_id: int) -> dict:
 
 
 @flow(name="rollout", log_prints=True)
-def rollout_plan(plan: str, router: str, warehouse: str | None = None) -> dict:
-    """Roll PLAN (id or JSON file) out to the router at ROUTER (its gRPC host:port)."""
+def rollout_plan(plan: str, router: str | None = None, warehouse: str | None = None) -> dict:
+    """Roll PLAN (id or JSON file) out to the router at ROUTER (its gRPC host:port; default
+    $POOLPIPE_ROUTER)."""
+    router, warehouse = worker.router(router), worker.warehouse(warehouse)
     plan_id = resolve_plan(warehouse, plan)
     result = switch(router, plan_id)
     rows = [[k, v] for k, v in result.items() if k != "ok"]

@@ -319,3 +319,29 @@ def test_prefect_yaml_deployments_resolve_to_flows():
         params = set(fl.parameters.properties)
         assert set(d.get("parameters", {})) <= params, (d["name"], params)
     assert all(d["work_pool"]["name"] for d in deps.values())
+
+
+def test_worker_settings_name_what_is_missing(tmp_path, monkeypatch):
+    from flows import settings
+
+    for var in (settings.HOME_VAR, settings.ROUTER_VAR):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(settings.SettingError, match="POOLPIPE_HOME is not set on this worker"):
+        settings.code_location()
+    with pytest.raises(settings.SettingError, match="is not poolpipe's code"):
+        settings.code_location(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(settings.HOME_VAR, str(REPO))
+    assert settings.code_location() == {"directory": str(REPO)} and Path.cwd() == REPO
+    with pytest.raises(settings.SettingError, match="POOLPIPE_ROUTER"):
+        settings.router(None)
+    with pytest.raises(settings.SettingError, match="is not host:port"):
+        settings.router("10.0.0.5")
+    monkeypatch.setenv(settings.ROUTER_VAR, "10.0.0.5:8001")
+    assert settings.router(None) == "10.0.0.5:8001" and settings.router("h:1") == "h:1"
+    # outside a deployment (the CLI, these tests) the local default warehouse applies
+    monkeypatch.delenv(settings.WAREHOUSE_VAR, raising=False)
+    assert settings.warehouse(None) is None
+    monkeypatch.setenv(settings.WAREHOUSE_VAR, str(tmp_path / "w.duckdb"))
+    assert settings.warehouse(None) == str(tmp_path / "w.duckdb")
+    assert settings.warehouse("x.duckdb") == "x.duckdb"

@@ -100,11 +100,11 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
     kw = dict(cluster="local-1t", clusters_file=str(REPO / "local-clusters.toml"), warehouse=wh)
     # the hand-made plan claims 1 req/s (unknown); a real plan does far better, but not a
     # billion times better
-    keep = nightly_replan(router, margin=1e9, **kw)
+    keep = nightly_replan(router=router, margin=1e9, **kw)
     assert keep["rolled_out"] is False and "not better" in keep["why"]
     assert keep["new_objective"] > keep["serving_objective"] > 0
     gen = server.deployment.generation
-    done = nightly_replan(router, margin=0.05, **kw)
+    done = nightly_replan(router=router, margin=0.05, **kw)
     assert done["rolled_out"] is True and server.deployment.generation == gen + 1
     assert server.plan_id == done["plan_id"]
     _send(server, 2)
