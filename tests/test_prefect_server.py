@@ -1,7 +1,10 @@
 """poolpipe's deployments against a real Prefect server and real process workers: the
 `prefect` CLI deploys prefect.yaml, workers (started as an operator would, with the settings
 in their environment) run onboarding, profiling and planning, and the server's scheduler
-creates runs of a scheduled deployment. SQLite, loopback, everything stopped afterwards."""
+creates runs of a scheduled deployment. A device worker runs in its own network namespace
+and mount namespace, with the warehouse's folder hidden from it: the profiling results reach
+the warehouse through the exchange storage. SQLite; the server listens on an address this
+test gives a veth pair (loopback when namespaces are refused); everything torn down after."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -29,10 +34,89 @@ TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 pytestmark = pytest.mark.integration
 
 
+class Net:
+    """A network namespace joined to the root namespace by a veth pair, on a private /24
+    that no interface here uses."""
+
+    def __init__(self) -> None:
+        self.ns = f"ppt{os.getpid()}"
+        self.host_if, self.ns_if = f"ppth{os.getpid()}", f"pptn{os.getpid()}"
+        used = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+        k = next(k for k in range(200, 250) if f"10.213.{k}." not in used)
+        self.host_ip, self.ns_ip = f"10.213.{k}.1", f"10.213.{k}.2"
+
+    def up(self) -> None:
+        ns = ["ip", "netns", "exec", self.ns]
+        for cmd in (
+            ["ip", "netns", "add", self.ns],
+            ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
+            ["ip", "link", "set", self.ns_if, "netns", self.ns],
+            ["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if],
+            ["ip", "link", "set", self.host_if, "up"],
+            [*ns, "ip", "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if],
+            [*ns, "ip", "link", "set", self.ns_if, "up"],
+            [*ns, "ip", "link", "set", "lo", "up"],
+        ):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                raise OSError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+    def down(self) -> None:
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+
+
+@contextmanager
+def network() -> Iterator[tuple[Net | None, str]]:
+    net = Net()
+    try:
+        net.up()
+    except (OSError, FileNotFoundError) as exc:
+        net.down()
+        yield None, f"network namespaces are not permitted here ({exc})"
+        return
+    try:
+        yield net, ""
+    finally:
+        net.down()
+
+
+class Api:
+    """The server's REST API, retried on 503 as Prefect's own client does: SQLite answers
+    'database is locked' under the scheduler's and the workers' writes, which the server
+    reports as 503."""
+
+    def __init__(self, url: str):
+        self.client = httpx.Client(base_url=url, timeout=30)
+
+    def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        for attempt in range(20):
+            try:
+                r = self.client.request(method, path, **kw)
+            except httpx.TransportError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.5)
+                continue
+            if r.status_code != 503:
+                return r
+            time.sleep(0.5)
+        return r
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return self._call("GET", path, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return self._call("POST", path, **kw)
+
+    def close(self) -> None:
+        self.client.close()
+
+
 class Server:
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, host: str = "127.0.0.1"):
         (port,) = free_ports(1)
-        self.url = f"http://127.0.0.1:{port}/api"
+        self.url = f"http://{host}:{port}/api"
         self.env = {
             **os.environ,
             "PREFECT_HOME": str(home),
@@ -47,17 +131,15 @@ class Server:
             self.env.pop(k, None)  # a worker has only what its test gives it
         self.log = home / "server.log"
         self.procs: list[subprocess.Popen] = []
-        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.http = Api(self.url)
 
     def start(self) -> Server:
-        port = self.url.split(":")[2].split("/")[0]
-        self._spawn(
-            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", port], self.log, {}
-        )
+        host, port = self.url.split("//")[1].split("/")[0].split(":")
+        self._spawn([PREFECT, "server", "start", "--host", host, "--port", port], self.log, {})
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                if self.http.get("/health").status_code == 200:
+                if self.http.client.get("/health").status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -78,12 +160,29 @@ class Server:
         self.procs.append(p)
         return p
 
-    def worker(self, pool: str, log: Path, **env: str) -> subprocess.Popen:
-        return self._spawn(
-            [PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--limit", "1"],
-            log,
-            env,
-        )
+    def worker(
+        self, pool: str, log: Path, wrap: list[str] | None = None, **env: str
+    ) -> subprocess.Popen:
+        cmd = [PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--limit", "1"]
+        return self._spawn([*(wrap or []), *cmd], log, env)
+
+    @contextmanager
+    def workers(self) -> Iterator[None]:
+        """Workers started inside are stopped at the end (also when a test fails)."""
+        n = len(self.procs)
+        try:
+            yield
+        finally:
+            started, self.procs[n:] = self.procs[n:], []
+            for p in started:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            for p in started:
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(10)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -134,9 +233,15 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def net():
+    with network() as found:
+        yield found
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, net):
     home = tmp_path_factory.mktemp("prefect")
-    srv = Server(home)
+    srv = Server(home, net[0].host_ip if net[0] else "127.0.0.1")
     try:
         srv.start()
         for pool in POOLS:
@@ -147,14 +252,37 @@ def server(tmp_path_factory):
         srv.stop()
 
 
+def control_host(server: Server, folder: Path, **env: str) -> tuple[Path, Path]:
+    """The warehouse (made once, as an operator would) and a model in `folder`, and the
+    onboarding pool's worker with its settings."""
+    wh = folder / "wh.duckdb"
+    Warehouse.open(wh).close()
+    model = make_model("resnet50", folder / "r.onnx", width=0.125, image=32)
+    server.worker(
+        "onboarding",
+        folder.parent / f"{folder.name}-onboarding-worker.log",
+        POOLPIPE_HOME=str(REPO),
+        POOLPIPE_WAREHOUSE=str(wh),
+        **env,
+    )
+    return wh, model
+
+
+@pytest.fixture
+def workers(server):
+    with server.workers():
+        yield
+
+
 def test_deploy_all_and_the_listing_commands(server):
     r = server.cli("deploy", "--all")
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     names = {
         "onboard-model/onboard",
         "plan/plan",
-        "profile-model/profile-cpu",
-        "profile-model/profile-L4",
+        "profile-on-pool/profile",
+        "measure-blocks/profile-cpu",
+        "measure-blocks/profile-L4",
         "rollout/rollout",
         "nightly-replan/nightly-replan",
     }
@@ -175,18 +303,10 @@ def test_deploy_all_and_the_listing_commands(server):
     assert nightly["schedules"] and nightly["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
 
 
-def test_workers_onboard_profile_and_plan_into_the_warehouse(server, tmp_path):
+def test_workers_onboard_profile_and_plan_into_the_warehouse(server, workers, tmp_path):
     assert server.deployment("plan/plan")  # deployed by the test above
-    wh = tmp_path / "wh.duckdb"
-    Warehouse.open(wh).close()  # the cluster's warehouse, made on the control host
-    model = make_model("resnet50", tmp_path / "r.onnx", width=0.125, image=32)
-    server.worker(
-        "onboarding",
-        tmp_path / "onboarding-worker.log",
-        POOLPIPE_HOME=str(REPO),
-        POOLPIPE_WAREHOUSE=str(wh),
-    )
-    # this one has no warehouse setting: its run must stop and say so, creating nothing
+    wh, model = control_host(server, tmp_path)
+    # a CPU host of the same machine: it reads and writes no warehouse
     server.worker("cpu", tmp_path / "cpu-worker.log", POOLPIPE_HOME=str(REPO))
     small = {"blocks": 4, "batches": [1, 2], "warmup": 1, "reps": 2}
     state, logs = server.run(
@@ -194,13 +314,12 @@ def test_workers_onboard_profile_and_plan_into_the_warehouse(server, tmp_path):
     )
     assert state == "COMPLETED", logs[-3000:]
 
-    profile = {"name": "tiny", "batches": [1, 2], "threads": 2, "warmup": 1, "reps": 2}
-    default = REPO / "warehouse" / "poolpipe.duckdb"
-    existed = default.exists()
-    state, logs = server.run("profile-model/profile-cpu", profile)
-    assert state == "FAILED" and "POOLPIPE_WAREHOUSE" in logs, logs[-3000:]
-    assert default.exists() == existed  # no empty warehouse next to the code
-    state, logs = server.run("profile-model/profile-cpu", profile | {"warehouse": str(wh)})
+    profile = {"name": "tiny", "pool": "cpu", "batches": [1, 2], "threads": 2, "reps": 2}
+    missing = tmp_path / "nowhere" / "wh.duckdb"
+    state, logs = server.run("profile-on-pool/profile", profile | {"warehouse": str(missing)})
+    assert state == "FAILED" and "does not exist on this worker's host" in logs, logs[-3000:]
+    assert not missing.parent.exists()  # no empty warehouse made
+    state, logs = server.run("profile-on-pool/profile", profile)
     assert state == "COMPLETED", logs[-3000:]
 
     plan = {
@@ -255,3 +374,41 @@ def test_workers_onboard_profile_and_plan_into_the_warehouse(server, tmp_path):
     assert done, json.dumps([(fr["name"], fr["state"]["type"]) for fr in auto])
     with Warehouse.open(wh) as w:
         assert w.con.execute("SELECT count(*) FROM plans WHERE label = 'scheduled'").fetchone()[0]
+
+
+def test_a_device_host_sharing_no_files_profiles_into_the_warehouse(server, net, workers, tmp_path):
+    """The device worker: another network namespace (it reaches the server over the veth
+    pair) and another mount namespace in which the warehouse's folder (warehouse file, blocks,
+    model) is an empty tmpfs. Blocks and measurements pass through the exchange folder."""
+    found, why = net
+    if found is None:
+        pytest.skip(why)
+    control, exchange = tmp_path / "control", tmp_path / "exchange"
+    control.mkdir()
+    wh, model = control_host(server, control, POOLPIPE_STORAGE=str(exchange))
+    hide = f'mount -t tmpfs tmpfs {control} && test ! -e {wh} && exec "$@"'
+    server.worker(
+        "P4",  # a pool of its own: no worker of the earlier tests polls it
+        tmp_path / "device-worker.log",
+        wrap=[
+            *("ip", "netns", "exec", found.ns),
+            *("unshare", "--mount", "--propagation", "private"),
+            *("sh", "-c", hide, "sh"),
+        ],
+        POOLPIPE_HOME=str(REPO),
+    )
+    small = {"blocks": 3, "batches": [1, 2], "warmup": 1, "reps": 2}
+    state, logs = server.run(
+        "onboard-model/onboard", {"model_path": str(model), "name": "far"} | small
+    )
+    assert state == "COMPLETED", logs[-3000:]
+    profile = {"name": "far", "pool": "P4", "batches": [1, 2], "engine": "onnxruntime"}
+    state, logs = server.run("profile-on-pool/profile", profile | {"threads": 2, "reps": 2})
+    assert state == "COMPLETED", logs[-3000:] + (tmp_path / "device-worker.log").read_text()[-3000:]
+    with Warehouse.open(wh) as w:
+        rows = w.con.execute(
+            "SELECT DISTINCT gpu_type, provenance FROM block_latency WHERE model = 'far' "
+            "AND gpu_type = 'cpu-2t'"
+        ).fetchall()
+    assert rows and json.loads(rows[0][1])["pool"] == "P4"
+    assert not any(exchange.rglob("*.onnx"))  # the exchange is cleaned up after the run

@@ -18,7 +18,7 @@ import platform
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,10 +37,11 @@ class EngineInfo:
     device: str  # device type: the gpu_type of the stored latencies
     device_detail: str  # what the machine says about the device
     threads: int | None = None
+    host: str = field(default_factory=platform.node)  # where it was measured
 
     def provenance(self) -> dict[str, Any]:
         return {
-            "host": platform.node(),
+            "host": self.host,
             "engine": self.engine,
             "engine_version": self.version,
             "device": self.device,
