@@ -286,6 +286,7 @@ def test_a_killed_node_without_a_replacement_fails_its_requests_explicitly(onboa
     from tritonclient.utils import InferenceServerException
 
     from triton_backend.deploy import Deployment
+    from triton_backend.nodes import descendants
     from triton_backend.router import FAIL_MARKER
 
     wh, tmp = onboarded_tiny
@@ -294,7 +295,20 @@ def test_a_killed_node_without_a_replacement_fails_its_requests_explicitly(onboa
         x = np.zeros((1, 3, 32, 32), np.float32)
         _infer(mod, client, x)
         second = next(p for p in dep.layout.placements if p.start == 2)
-        dep.nodes[second.node].kill()
+        node = dep.nodes[second.node]
+        assert node.process is not None
+        stubs = descendants(node.process.pid)  # its Python-backend stub processes
+        assert stubs
+        node.kill()
+        # a stub outlived its killed server before, spinning on a core for good; now each is
+        # gone (or a zombie, dead and waiting for its new parent to reap it)
+        def running(pid: int) -> bool:
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        assert not [p for p, _ in stubs if running(p)]
         with pytest.raises(InferenceServerException, match=FAIL_MARKER):
             _infer(mod, client, x, client_timeout=30)
         assert dep.core.stats["tiny"].failed == 1 and dep.core.in_flight() == 0

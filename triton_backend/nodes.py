@@ -5,6 +5,8 @@ that partition models are loaded and unloaded live (rollout)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -120,22 +122,72 @@ class TritonNode:
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.process is None or self.process.poll() is not None:
             return
+        stubs = descendants(self.process.pid)
         self.process.terminate()
         try:
             self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        reap(stubs)
 
     def kill(self) -> None:
-        """Die at once, as a crashed node does (fault tests)."""
+        """Die at once, as a crashed node does (fault tests): tritonserver and its backend
+        stub processes (a stub outlives a killed server and keeps spinning on a core)."""
         if self.process is not None and self.process.poll() is None:
+            stubs = descendants(self.process.pid)
             self.process.kill()
             self.process.wait()
+            reap(stubs, grace_s=0.0)
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, start time) of a running process (not a zombie), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """The processes below `pid` (Linux /proc) with their start times, children first."""
+    parent: dict[int, tuple[int, str]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and (st := _stat(int(d.name))) is not None:
+            parent[int(d.name)] = st
+    out: list[tuple[int, str]] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        kids = [(c, st[1]) for c, st in parent.items() if st[0] == p]
+        out += kids
+        todo += [c for c, _ in kids]
+    return out
+
+
+def reap(procs: list[tuple[int, str]], grace_s: float = 5.0) -> None:
+    """Kill what is left of `procs` after `grace_s` (Triton's stubs exit on their own after
+    a clean shutdown; after a crash they do not). A pid taken by another process since is
+    left alone (its start time differs)."""
+
+    def alive() -> list[tuple[int, str]]:
+        return [(p, t) for p, t in procs if (st := _stat(p)) is not None and st[1] == t]
+
+    deadline = time.monotonic() + grace_s
+    while (procs := alive()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p, _ in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+    deadline = time.monotonic() + 2.0
+    while alive() and time.monotonic() < deadline:  # SIGKILL is delivered asynchronously
+        time.sleep(0.01)
 
 
 def stop_nodes(nodes: list[TritonNode], timeout_s: float = 10.0) -> None:
     """Stop several nodes at once (each takes up to its exit timeout)."""
+    stubs = [s for n in nodes if n.alive and n.process for s in descendants(n.process.pid)]
     for n in nodes:
         if n.alive and n.process is not None:
             n.process.terminate()
@@ -147,3 +199,4 @@ def stop_nodes(nodes: list[TritonNode], timeout_s: float = 10.0) -> None:
             except subprocess.TimeoutExpired:
                 n.process.kill()
                 n.process.wait()
+    reap(stubs)
