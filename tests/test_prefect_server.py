@@ -334,6 +334,11 @@ def test_workers_onboard_profile_and_plan_into_the_warehouse(server, workers, tm
     }
     state, logs = server.run("plan/plan", plan)
     assert state == "COMPLETED", logs[-3000:]
+    (last,) = server.http.post(
+        "/flow_runs/filter", json={"sort": "EXPECTED_START_TIME_DESC", "limit": 1}
+    ).json()
+    r = server.cli("flow-run", "logs", last["id"])  # the CLI reads a run's logs (422 before)
+    assert r.returncode == 0 and "422" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
     with Warehouse.open(wh) as w:
         devices = {
             r[0]

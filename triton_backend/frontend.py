@@ -15,6 +15,7 @@ import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
 from triton_backend.env import fix_this_process, free_ports
+from triton_backend.nodes import descendants, reap
 from triton_backend.repository import kserve_dtype
 from triton_backend.router import ModelIO, RouterCore
 
@@ -58,8 +59,17 @@ class Frontend:
 
     def stop(self) -> None:
         if self.triton is not None:
+            stubs = descendants(pid) if (pid := self._server_pid()) else []
             self.triton.stop()
             self.triton = None
+            reap(stubs)  # PyTriton's server may exit "with failure" and leave a stub running
+
+    def _server_pid(self) -> int | None:
+        """The pid of PyTriton's tritonserver (private to PyTriton 0.7; None if it moved)."""
+        try:
+            return int(self.triton._triton_server._tritonserver_running_cmd.pid)
+        except (AttributeError, TypeError, ValueError):
+            return None
 
     def _start_pytriton(self) -> None:
         fix_this_process()
