@@ -128,7 +128,9 @@ class Deployment:
             ).start()
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
-            dep.frontend = Frontend(core, ios, router_instances, control).start()
+            dep.frontend = Frontend(
+                core, ios, router_instances, control, log_file=workspace / "router-triton.log"
+            ).start()
             return dep
         except BaseException:
             if dep is not None:

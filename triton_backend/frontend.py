@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from poolpipe.client.control import CONTROL_MODEL
 from triton_backend.env import fix_this_process, free_ports
 from triton_backend.nodes import descendants, reap
 from triton_backend.repository import kserve_dtype
-from triton_backend.router import ModelIO, RouterCore
+from triton_backend.router import DROP_MARKER, ModelIO, RouterCore
 
 
 class Frontend:
@@ -30,7 +31,9 @@ class Frontend:
         ios: Sequence[ModelIO],
         instances: int,
         control: Callable[[dict], dict] | None = None,
+        log_file: Path | None = None,
     ):
+        self.log_file = log_file  # the router's Triton log (default: the console)
         self.core = core
         self.ios = list(ios)
         self.instances = instances
@@ -73,6 +76,7 @@ class Frontend:
 
     def _start_pytriton(self) -> None:
         fix_this_process()
+        logging.getLogger("pytriton.proxy.inference").addFilter(_no_drop_tracebacks)
         _lengthen_pytriton_handshake()
         from pytriton.model_config import ModelConfig, Tensor
         from pytriton.triton import Triton, TritonConfig
@@ -86,6 +90,7 @@ class Frontend:
                 grpc_port=self.grpc_port,
                 metrics_port=metrics,
                 exit_timeout_secs=2,
+                log_file=self.log_file,
             ),
         )  # PyTriton's own short workspace path: its Unix sockets must fit in 108 bytes
         try:
@@ -236,3 +241,9 @@ def _lengthen_pytriton_handshake() -> None:
 
     patched._poolpipe = True  # type: ignore[attr-defined]
     ptmodel.Model.get_proxy_model_files = patched
+
+
+def _no_drop_tracebacks(record: logging.LogRecord) -> bool:
+    """PyTriton logs every exception of a callable with its traceback; an explicit drop is
+    an answer the client gets, not an error of the router."""
+    return DROP_MARKER not in record.getMessage()
