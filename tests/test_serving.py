@@ -174,19 +174,80 @@ def test_bad_shapes_and_types_are_refused_at_the_door(served):
         _infer(mod, client, np.zeros((1, 3, 32, 32), np.float64))
 
 
-def test_a_deadline_that_cannot_be_met_is_an_explicit_drop(served):
+def _status(exc) -> str:
+    """The HTTP status or the gRPC code of a tritonclient error."""
+    return str(exc.status())
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("slo_ms", [-5, 0, "abc", "inf", 1e9, True])
+def test_a_bad_slo_is_refused_at_once_with_a_message(served, protocol, slo_ms):
+    from tritonclient.utils import InferenceServerException
+
+    mod, client = (_http if protocol == "http" else _grpc)(served)
+    before = served.core.stats["tiny"].arrivals
+    with pytest.raises(InferenceServerException) as err:
+        _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32), parameters={"slo_ms": slo_ms})
+    assert _status(err.value) in ("400", "StatusCode.INVALID_ARGUMENT")
+    text = str(err.value)
+    assert "slo_ms" in text and "Traceback" not in text and len(text) < 300, text
+    assert served.core.stats["tiny"].arrivals == before  # nothing was queued
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_more_rows_than_the_plan_can_serve_in_time_are_refused(served, protocol):
+    from tritonclient.utils import InferenceServerException
+
+    mod, client = (_http if protocol == "http" else _grpc)(served)
+    x = np.zeros((64, 3, 32, 32), np.float32)
+    with pytest.raises(InferenceServerException, match="64 rows cannot be served within 2 ms") as e:
+        _infer(mod, client, x, parameters={"slo_ms": 2})
+    assert _status(e.value) in ("400", "StatusCode.INVALID_ARGUMENT")
+    # and a request the plan can serve, with many rows, is answered whole
+    out = _infer(mod, client, x[:6]).as_numpy(served.ios[0].outputs[0].name)
+    assert out.shape == (6, 1000)
+
+
+def _fastest_path_ms(dep) -> float:
+    """The calibrated time of one row through the served pipeline with every vGPU idle."""
+    topo = dep.core.topo
+    pools = [topo.pools[i] for i in topo.pipelines[0].pools]
+    return sum(p.latency_us[1] + p.transfer_in_us for p in pools) / 1e3
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_deadline_that_cannot_be_met_is_an_explicit_drop(served, protocol):
+    """A request the plan could serve on time when idle, sent behind 100 rows: it cannot be
+    on time any more and is dropped (UNAVAILABLE: overload) without a traceback."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tritonclient.utils import InferenceServerException
 
     from triton_backend.router import DROP_MARKER
 
-    mod, client = _grpc(served)
+    mod, client = (_http if protocol == "http" else _grpc)(served)
     x = np.zeros((1, 3, 32, 32), np.float32)
     dropped = served.core.stats["tiny"].dropped
-    with pytest.raises(InferenceServerException, match=DROP_MARKER):
-        _infer(mod, client, x, parameters={"slo_ms": 0.05})
+    log = served.workspace / "router-triton.log"
+    log_size = log.stat().st_size if log.exists() else 0
+    tight_ms = served.core.runtime.reply_margin_us / 1e3 + 2 * _fastest_path_ms(served)
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(_infer, *_grpc(served), np.zeros((100, 3, 32, 32), np.float32))
+        while served.core.in_flight() < 50 and not big.done():
+            pass
+        assert not big.done()
+        with pytest.raises(InferenceServerException, match=DROP_MARKER) as err:
+            _infer(mod, client, x, parameters={"slo_ms": tight_ms})
+        assert big.result().as_numpy(served.ios[0].outputs[0].name).shape == (100, 1000)
+    assert _status(err.value) in ("503", "StatusCode.UNAVAILABLE")  # overload, not an error
+    assert "Traceback" not in str(err.value)
     assert served.core.stats["tiny"].dropped == dropped + 1
     # the router keeps serving
     assert _infer(mod, client, x).as_numpy(served.ios[0].outputs[0].name).shape == (1, 1000)
+    # and its log holds no traceback for the drop
+    with open(log, "rb") as f:
+        f.seek(log_size)
+        assert b"Traceback" not in f.read()
 
 
 def test_rollout_under_load_answers_every_request(served, onboarded_tiny):
@@ -300,6 +361,7 @@ def test_a_killed_node_without_a_replacement_fails_its_requests_explicitly(onboa
         stubs = descendants(node.process.pid)  # its Python-backend stub processes
         assert stubs
         node.kill()
+
         # a stub outlived its killed server before, spinning on a core for good; now each is
         # gone (or a zombie, dead and waiting for its new parent to reap it)
         def running(pid: int) -> bool:

@@ -112,7 +112,8 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
 
 def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path):  # noqa: F811
     """`poolpipe serve PLAN.json` in its own process, a request to it, `poolpipe rollout`
-    from this one, and a clean stop on SIGTERM."""
+    from this one, and a clean stop on SIGTERM. Its reply margin is the plan's whole SLO:
+    it warns, and requests that bring their own SLO are served."""
     import os
     import signal
     import subprocess
@@ -138,6 +139,8 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path):  # n
             str(tmp_path / "ws"),
             "--router-instances",
             "2",
+            "--reply-margin-ms",
+            "300",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -155,13 +158,16 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path):  # n
             m = re.search(r"gRPC 127\.0\.0\.1:(\d+)", line)
             port = int(m.group(1)) if m else None
         assert port, "".join(seen[-20:])
+        said = " ".join("".join(seen).split())
+        assert "tiny: SLO 300 ms less the router's reply margin 300 ms leaves less" in said
+        assert "every request at that SLO will be dropped" in said
         import tritonclient.grpc as tg
 
         client = tg.InferenceServerClient(f"127.0.0.1:{port}")
         x = np.zeros((1, 3, 32, 32), np.float32)
         i = tg.InferInput("input", list(x.shape), "FP32")
         i.set_data_from_numpy(x)
-        assert client.infer("tiny", [i]).as_numpy(
+        assert client.infer("tiny", [i], parameters={"slo_ms": 1000}).as_numpy(
             client.get_model_metadata("tiny").outputs[0].name
         ).shape == (1, 1000)
         b = tmp_path / "b.json"
@@ -169,7 +175,7 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path):  # n
         assert (
             cli_main(["--warehouse", wh, "rollout", str(b), "--router", f"127.0.0.1:{port}"]) == 0
         )
-        assert client.infer("tiny", [i]).as_numpy(
+        assert client.infer("tiny", [i], parameters={"slo_ms": 1000}).as_numpy(
             client.get_model_metadata("tiny").outputs[0].name
         ).shape == (1, 1000)
     finally:

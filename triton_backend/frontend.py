@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
+from poolpipe.runtime import BadRequest
 from triton_backend.env import fix_this_process, free_ports
 from triton_backend.nodes import descendants, reap
 from triton_backend.repository import kserve_dtype
-from triton_backend.router import DROP_MARKER, ModelIO, RouterCore
+from triton_backend.router import BAD_REQUEST_MARKER, DROP_MARKER, ModelIO, RouterCore
 
 
 class Frontend:
@@ -77,7 +78,7 @@ class Frontend:
     def _start_pytriton(self) -> None:
         fix_this_process()
         logging.getLogger("pytriton.proxy.inference").addFilter(_no_drop_tracebacks)
-        _lengthen_pytriton_handshake()
+        _patch_pytriton_proxy()
         from pytriton.model_config import ModelConfig, Tensor
         from pytriton.triton import Triton, TritonConfig
 
@@ -155,6 +156,10 @@ class Frontend:
         self.core.reset_stats()
 
 
+class Refused(Exception):
+    """The router refused the request at the door (answered as INVALID_ARG: HTTP 400)."""
+
+
 def router_callable(core: RouterCore, io: ModelIO):
     """The PyTriton inference callable of one served model (one client request per call)."""
 
@@ -162,11 +167,10 @@ def router_callable(core: RouterCore, io: ModelIO):
         responses = []
         for req in requests:
             slo_ms = req.parameters.get("slo_ms") if req.parameters else None
-            futures = core.submit(
-                io.name,
-                {t.name: req[t.name] for t in io.inputs},
-                float(slo_ms) * 1e3 if slo_ms is not None else None,
-            )
+            try:
+                futures = core.submit(io.name, {t.name: req[t.name] for t in io.inputs}, slo_ms)
+            except BadRequest as exc:
+                raise Refused(f"{BAD_REQUEST_MARKER}: {exc}") from None
             rows = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
             responses.append(
                 {t.name: np.concatenate([r[t.name] for r in rows]) for t in io.outputs}
@@ -216,12 +220,72 @@ _HANDSHAKE_PATCHES = (
 )
 
 
-def _lengthen_pytriton_handshake() -> None:
+# The proxy model PyTriton runs inside Triton answers every error of a callable as INTERNAL
+# with its whole traceback; the router's own answers get their code and one line.
+_ERROR_PATCHES = (
+    (  # one response per request (the router's models are not decoupled)
+        b"                    triton_responses_or_error = pb_utils.TritonModelException("
+        b"  # pytype: disable=module-attr\n"
+        b'                        responses_payload.decode("utf-8")\n'
+        b"                    )",
+        b"""                    triton_responses_or_error = _poolpipe_errors(
+                        pb_utils, responses_payload.decode("utf-8"), len(triton_requests)
+                    )""",
+    ),
+    (  # decoupled models
+        b"""error=pb_utils.TritonError(responses_payload.decode("utf-8"))""",
+        b"""error=_poolpipe_error(pb_utils, responses_payload.decode("utf-8"))""",
+    ),
+)
+_ERROR_FUNCTION = b'''
+
+_POOLPIPE_CODES = {
+    "POOLPIPE_BAD_REQUEST": "INVALID_ARG",
+    "POOLPIPE_DROPPED": "UNAVAILABLE",
+    "POOLPIPE_STAGE_FAILED": "INTERNAL",
+}
+
+
+def _poolpipe_error(pb_utils, text):
+    """poolpipe's explicit answers: the exception's line with its own code (a request the
+    router refused is the client's error; a drop is overload), not a traceback."""
+    for marker, code in _POOLPIPE_CODES.items():
+        at = text.rfind(marker)
+        if at >= 0:
+            line = text[at:].splitlines()[0]
+            return pb_utils.TritonError(line, getattr(pb_utils.TritonError, code))
+    return pb_utils.TritonError(text)
+
+
+def _poolpipe_errors(pb_utils, text, n):
+    """Error responses for poolpipe's answers; PyTriton's exception for anything else."""
+    if not any(marker in text for marker in _POOLPIPE_CODES):
+        return pb_utils.TritonModelException(text)
+    return [pb_utils.InferenceResponse(error=_poolpipe_error(pb_utils, text)) for _ in range(n)]
+'''
+
+
+def _patch_proxy_files(files: dict) -> dict:
+    for key, content in files.items():
+        if key.endswith("communication.py") and all(
+            old in content for old, _ in _HANDSHAKE_PATCHES
+        ):
+            for old, new in _HANDSHAKE_PATCHES:
+                content = content.replace(old, new)
+        elif key.endswith("model.py") and all(old in content for old, _ in _ERROR_PATCHES):
+            for old, new in _ERROR_PATCHES:
+                content = content.replace(old, new)
+            content += _ERROR_FUNCTION
+        files[key] = content
+    return files
+
+
+def _patch_pytriton_proxy() -> None:
     """PyTriton 0.7 gives a model's instances 1 s and a single connection attempt to fetch
     their configuration from instance 0, which starts alongside them: with many instances on
     few cores, instance 0 has created its socket but is not listening yet, and the model
-    fails to load ("Connection refused"). The proxy file PyTriton sends to Triton gets a
-    60 s timeout and retries the connection. A no-op where the code differs."""
+    fails to load ("Connection refused"). The proxy files PyTriton sends to Triton get a
+    60 s timeout with retries, and the error answers above. A no-op where the code differs."""
     from pytriton.models import model as ptmodel
 
     original = ptmodel.Model.get_proxy_model_files
@@ -229,15 +293,7 @@ def _lengthen_pytriton_handshake() -> None:
         return
 
     def patched(self):
-        files = original(self)
-        for key, content in files.items():
-            if key.endswith("communication.py") and all(
-                old in content for old, _ in _HANDSHAKE_PATCHES
-            ):
-                for old, new in _HANDSHAKE_PATCHES:
-                    content = content.replace(old, new)
-                files[key] = content
-        return files
+        return _patch_proxy_files(original(self))
 
     patched._poolpipe = True  # type: ignore[attr-defined]
     ptmodel.Model.get_proxy_model_files = patched
@@ -246,4 +302,5 @@ def _lengthen_pytriton_handshake() -> None:
 def _no_drop_tracebacks(record: logging.LogRecord) -> bool:
     """PyTriton logs every exception of a callable with its traceback; an explicit drop is
     an answer the client gets, not an error of the router."""
-    return DROP_MARKER not in record.getMessage()
+    text = record.getMessage()
+    return DROP_MARKER not in text and BAD_REQUEST_MARKER not in text

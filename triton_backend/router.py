@@ -26,6 +26,7 @@ import numpy as np
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.partitions import TensorSpec
 from poolpipe.runtime import (
+    DEFAULT_REPLY_MARGIN_US,
     DROPPED,
     FAILED,
     Entry,
@@ -40,14 +41,11 @@ from poolpipe.scheduler import DataPlane
 from poolpipe.scheduler.topology import Topology
 from triton_backend.repository import kserve_dtype
 
-# Held back from every request's deadline for its way into the router and its answer's way
-# back (PyTriton's proxy and gRPC, both ways), which the router cannot see. Measured on the
-# 2-core machine with 32 router instances at 20-60 req/s: ingress + egress p99 20-28 ms
-# (`./run bench-serving`). With 10 ms, 20-25% of the answers the router had on time reached
-# the client late.
-REPLY_MARGIN_US = 25_000.0
+# Held back from every request's deadline for its way in and out (see poolpipe.runtime.intake).
+REPLY_MARGIN_US = DEFAULT_REPLY_MARGIN_US
 
 DROP_MARKER = "POOLPIPE_DROPPED"
+BAD_REQUEST_MARKER = "POOLPIPE_BAD_REQUEST"
 FAIL_MARKER = "POOLPIPE_STAGE_FAILED"
 
 T = TypeVar("T")
@@ -332,15 +330,16 @@ class RouterCore:
     # ------------------------------------------------------------------ intake
 
     def submit(
-        self, model: str, inputs: dict[str, np.ndarray], slo_us: float | None = None
+        self, model: str, inputs: dict[str, np.ndarray], slo_ms: object = None
     ) -> list[cf.Future]:
-        """Enqueue every row of `inputs` as one request; thread-safe. Each future resolves to
-        that row's outputs ({name: array with a batch of 1}) or raises Dropped/StageFailed."""
+        """Enqueue every row of `inputs` as one request (at `slo_ms`, the client's parameter
+        as sent, or the model's SLO); thread-safe. A request the runtime refuses at the door
+        raises BadRequest at once. Each future resolves to that row's outputs ({name: array
+        with a batch of 1}) or raises Dropped/StageFailed."""
         io = self.io.get(model)
-        if io is None:
-            raise PoolpipeError(f"router: unknown model {model!r}; serving {sorted(self.io)}")
-        arrays = [np.asarray(inputs[t.name]) for t in io.inputs]
-        n = int(arrays[0].shape[0])
+        arrays = [np.asarray(inputs[t.name]) for t in io.inputs] if io else []
+        n = int(arrays[0].shape[0]) if arrays and arrays[0].ndim else 0
+        _, slo_us = self.runtime.check(model, n, slo_ms)
         payloads = [_Payload(cf.Future(), [a[i : i + 1] for a in arrays]) for i in range(n)]
         self._loop.call_soon_threadsafe(self._add, model, payloads, slo_us)
         return [p.future for p in payloads]

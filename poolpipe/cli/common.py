@@ -44,3 +44,25 @@ def parse_floats(text: str, what: str) -> list[float]:
         except ValueError:
             raise PoolpipeError(f"--{what}: {x!r} is not a number") from None
     return out
+
+
+def add_reply_margin_argument(p: argparse.ArgumentParser, help_text: str) -> None:
+    from poolpipe.runtime import DEFAULT_REPLY_MARGIN_US
+
+    p.add_argument(
+        "--reply-margin-ms",
+        type=float,
+        default=DEFAULT_REPLY_MARGIN_US / 1e3,
+        help=f"{help_text} ({DEFAULT_REPLY_MARGIN_US / 1e3:g})",
+    )
+
+
+def warn_slo_room(plan, reply_margin_us: float) -> int:
+    """Warn (on stderr) for each model of `plan` whose SLO the router's reply margin leaves
+    no room in; returns how many."""
+    from poolpipe.runtime import slo_room_warnings
+
+    warnings = slo_room_warnings(plan, reply_margin_us)
+    for w in warnings:
+        err_console.print(f"[yellow]warning:[/] {w}", highlight=False, markup=True)
+    return len(warnings)

@@ -11,11 +11,13 @@ from rich.table import Table
 
 from poolpipe.cli.common import (
     PPIPE_DIR_ENV,
+    add_reply_margin_argument,
     console,
     open_warehouse,
     parse_floats,
     parse_list,
     ppipe_dir,
+    warn_slo_room,
 )
 from poolpipe.cli.profiles import cmd_import_ppipe
 from poolpipe.domain.plan import PACKINGS, STRATEGIES, PipelinePlan, Plan
@@ -159,8 +161,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan.save(Path(args.out))
     if args.json:
         print(plan.to_json())
+        warn_slo_room(plan, args.reply_margin_ms * 1e3)
         return 0
     print_plan(plan)
+    warn_slo_room(plan, args.reply_margin_ms * 1e3)
     console.print(
         f"stored as plan {plan_id} in {wh.path}" + (f"; written to {args.out}" if args.out else "")
     )
@@ -250,6 +254,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--strategy", choices=STRATEGIES, default="ppipe")
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
+    add_reply_margin_argument(
+        plan,
+        "the reply margin of the router that will serve the plan: SLOs it leaves no room "
+        "in are warned of",
+    )
     plan.set_defaults(func=cmd_plan)
 
     cmp_ = sub.add_parser(

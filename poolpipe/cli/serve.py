@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from poolpipe.cli.common import add_reply_margin_argument, warn_slo_room
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES
 
@@ -37,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from triton_backend.serve import Server
 
     plan, plan_id = _plan_arg(args)
+    warn_slo_room(plan, args.reply_margin_ms * 1e3)
     workspace = Path(args.workspace)
     with console.status("starting stage-worker nodes and the router ..."):
         server = Server(
@@ -85,15 +87,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
     """The router's options, shared by `serve` and `demo` (see router_options)."""
-    from triton_backend.router import REPLY_MARGIN_US
-
     p.add_argument("--router-instances", type=int, default=48, help="concurrent requests (48)")
-    p.add_argument(
-        "--reply-margin-ms",
-        type=float,
-        default=REPLY_MARGIN_US / 1e3,
-        help="held back from each deadline for the way in and out through PyTriton "
-        f"({REPLY_MARGIN_US / 1e3:g})",
+    add_reply_margin_argument(
+        p, "held back from each deadline for the way in and out through PyTriton"
     )
 
 

@@ -13,6 +13,12 @@ from poolpipe.runtime.core import (
     ServingRuntime,
     SwitchResult,
 )
+from poolpipe.runtime.intake import (
+    DEFAULT_REPLY_MARGIN_US,
+    MAX_SLO_MS,
+    BadRequest,
+    slo_room_warnings,
+)
 from poolpipe.runtime.ports import (
     DROPPED,
     FAILED,
@@ -30,14 +36,17 @@ from poolpipe.runtime.ports import (
 from poolpipe.runtime.stats import ModelStats
 
 __all__ = [
+    "DEFAULT_REPLY_MARGIN_US",
     "DROPPED",
     "FAILED",
     "LATE",
+    "MAX_SLO_MS",
     "ON_TIME",
     "OUTCOME_NAMES",
     "PENDING",
     "RECALIBRATE_BAND",
     "RECALIBRATE_EVERY",
+    "BadRequest",
     "Clock",
     "Entry",
     "Executor",
@@ -48,4 +57,5 @@ __all__ = [
     "ServingRuntime",
     "SwitchResult",
     "Timer",
+    "slo_room_warnings",
 ]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from poolpipe.errors import PoolpipeError
+from poolpipe.runtime.intake import MAX_SLO_MS, check_request
 from poolpipe.runtime.ports import (
     DROPPED,
     FAILED,
@@ -66,6 +67,7 @@ class RuntimeConfig:
     record_stage_factors: bool = False  # keep measured / reserved per pool (take_stage_factors)
     node_check_every_us: float = NODE_CHECK_EVERY_US
     keep_latencies: bool = True  # each answer's latency, for the windows' percentiles
+    max_slo_ms: float = MAX_SLO_MS  # the longest per-request SLO a request may ask for
 
     def __post_init__(self) -> None:
         if not (self.reply_margin_us >= 0 and math.isfinite(self.reply_margin_us)):
@@ -75,6 +77,8 @@ class RuntimeConfig:
                 "recalibration needs at least one call per check and a band >= 0, got "
                 f"{self.recalibrate_every} and {self.recalibrate_band}"
             )
+        if not (self.max_slo_ms > 0 and math.isfinite(self.max_slo_ms)):
+            raise PoolpipeError(f"the longest SLO must be a finite ms > 0, got {self.max_slo_ms}")
         if not self.node_check_every_us > 0:
             raise PoolpipeError(f"node checks need a period > 0 µs, got {self.node_check_every_us}")
 
@@ -203,6 +207,13 @@ class ServingRuntime:
             self._held.append((self.gen.served.topo.models[model].name, slo_us, payload, arrived))
             return None
         return self._admit(model, payload, slo_us, arrived, now)
+
+    def check(self, model: str, rows: int, slo_ms: object) -> tuple[int, float | None]:
+        """A request at the door, before it is queued: (model index, SLO in µs or None for
+        the model's), or a BadRequest naming what is wrong (see intake.check_request)."""
+        return check_request(
+            self.gen.served.topo, model, rows, slo_ms, self.reply_margin_us, self.config.max_slo_ms
+        )
 
     def submit(
         self, model: int, payloads: Sequence[Any], slo_us: float | None = None

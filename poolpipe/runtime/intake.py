@@ -1,0 +1,140 @@
+"""What a request must be for the runtime to take it, and what a plan's SLOs leave after the
+reply margin: the checks every driver makes at its door, before a request is queued.
+
+A request names its SLO (optional) and carries some rows. The SLO must be a finite number
+of milliseconds above 0 and at most `max_slo_ms`; the rows must be no more than the plan
+could ever finish within that SLO with every vGPU idle (an upper bound: a request above it
+cannot be on time, so it is refused at once rather than answered late or in pieces).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from poolpipe.domain.plan import Plan
+from poolpipe.errors import PoolpipeError
+from poolpipe.scheduler.topology import Pool, Topology
+
+# The longest per-request SLO a client may ask for (ms): longer than any stage call may
+# take, a request would hold its place in the queues for minutes.
+MAX_SLO_MS = 60_000.0
+
+# Held back from every request's deadline for its way into the router and its answer's way
+# back, which the router cannot see. Measured on the 2-core machine with 32 PyTriton router
+# instances at 20-60 req/s: ingress + egress p99 20-28 ms (`./run bench-serving`). With
+# 10 ms, 20-25% of the answers the router had on time reached the client late.
+DEFAULT_REPLY_MARGIN_US = 25_000.0
+
+
+class BadRequest(PoolpipeError):
+    """A request the runtime refuses at the door (the client's input is wrong)."""
+
+
+def request_slo_us(raw: object, max_slo_ms: float = MAX_SLO_MS) -> float | None:
+    """A request's `slo_ms` parameter in µs (None when it gives none). Numbers and numeric
+    strings are taken; anything else, and values that are not finite, not above 0 or above
+    `max_slo_ms`, is a BadRequest naming the value."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise BadRequest(f"slo_ms must be a number of milliseconds, got {raw!r}")
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise BadRequest(f"slo_ms must be a number of milliseconds, got {raw!r}") from None
+    if not math.isfinite(ms) or ms <= 0:
+        raise BadRequest(f"slo_ms must be a finite number above 0, got {raw!r}")
+    if ms > max_slo_ms:
+        raise BadRequest(f"slo_ms {ms:g} is above the most this router takes ({max_slo_ms:g})")
+    return ms * 1e3
+
+
+def _pool_rate(pool: Pool) -> float:
+    """The most rows per µs one vGPU of the pool finishes (over its batch sizes)."""
+    return max((b / lat for b, lat in enumerate(pool.latency_us) if b and lat > 0), default=0.0)
+
+
+def most_rows_on_time(topo: Topology, model: int, budget_us: float) -> int:
+    """An upper bound on the rows of `model` that its pipelines could finish within
+    `budget_us` from now with every vGPU idle. A row passes every pool of its pipeline; at
+    pool k it can only run after the earlier pools' fastest single-row time and must leave
+    before the later pools' (and transfers') fastest time, so pool k works on it within
+    that window at most, at its best rate per vGPU."""
+    total = 0
+    for p in topo.models[model].pipelines:
+        pools = [topo.pools[i] for i in topo.pipelines[p].pools]
+        fastest = [min(lat for lat in pool.latency_us[1:] if lat > 0) for pool in pools]
+        moves = sum(pool.transfer_in_us for pool in pools)
+        bound = math.inf
+        for k, pool in enumerate(pools):
+            window = budget_us - (sum(fastest) - fastest[k]) - moves
+            if window < fastest[k]:
+                bound = 0.0
+                break
+            bound = min(bound, len(pool.vgpus) * window * _pool_rate(pool))
+        total += int(bound)
+    return total
+
+
+def check_request(
+    topo: Topology,
+    model: str,
+    rows: int,
+    slo_raw: object,
+    reply_margin_us: float,
+    max_slo_ms: float = MAX_SLO_MS,
+) -> tuple[int, float | None]:
+    """(model index, SLO in µs or None for the model's) of a request, or a BadRequest:
+    unknown model, no rows, a bad `slo_ms`, or more rows than the plan could ever serve
+    within the SLO (less the reply margin)."""
+    try:
+        index = topo.model_index(model)
+    except (KeyError, ValueError, PoolpipeError):
+        served = ", ".join(m.name for m in topo.models)
+        raise BadRequest(f"unknown model {model!r}; this router serves {served}") from None
+    if rows < 1:
+        raise BadRequest(f"{model}: a request needs at least one row, got {rows}")
+    slo_us = request_slo_us(slo_raw, max_slo_ms)
+    slo = topo.models[index].slo_us if slo_us is None else slo_us
+    most = most_rows_on_time(topo, index, slo - reply_margin_us)
+    if rows > most:
+        raise BadRequest(
+            f"{model}: {rows} rows cannot be served within {slo / 1e3:g} ms by this plan "
+            f"(at most {most} with every GPU idle, {reply_margin_us / 1e3:g} ms held back for "
+            "the reply); send fewer rows per request or a longer slo_ms"
+        )
+    return index, slo_us
+
+
+@dataclass(frozen=True)
+class RoomWarning:
+    model: str
+    slo_ms: float
+    margin_ms: float
+    fastest_ms: float  # the plan's fastest pipeline, planned end-to-end latency
+
+    def __str__(self) -> str:
+        room = self.slo_ms - self.margin_ms
+        if room <= 0:
+            what = "every request at that SLO will be dropped"
+        else:
+            what = f"{room:g} ms are left, and most requests at that SLO will be dropped"
+        return (
+            f"{self.model}: SLO {self.slo_ms:g} ms less the router's reply margin "
+            f"{self.margin_ms:g} ms leaves less than its fastest pipeline's planned latency "
+            f"{self.fastest_ms:.1f} ms: {what}. Lower the reply margin (--reply-margin-ms) "
+            "or give the model a longer SLO."
+        )
+
+
+def slo_room_warnings(plan: Plan, reply_margin_us: float) -> list[RoomWarning]:
+    """The plan's models whose SLO, less the reply margin, is shorter than their fastest
+    planned pipeline: the router drops most or all of their requests."""
+    out = []
+    for m in plan.models:
+        fastest = min((p.latency_us for p in m.pipelines), default=math.inf)
+        if not m.pipelines or m.slo_us - reply_margin_us >= fastest:
+            continue
+        out.append(RoomWarning(m.name, m.slo_us / 1e3, reply_margin_us / 1e3, fastest / 1e3))
+    return out

@@ -1,0 +1,85 @@
+"""The runtime's door, worked out by hand: what `slo_ms` a request may carry, the most rows a
+plan could ever finish within an SLO (checked against a schedule written out by hand), and
+the warning for an SLO that the reply margin leaves no room in."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from poolpipe.domain.cluster import load_cluster
+from poolpipe.domain.plan import manual_plan
+from poolpipe.runtime import BadRequest, slo_room_warnings
+from poolpipe.runtime.intake import check_request, most_rows_on_time, request_slo_us
+from tests.factories import make_topology
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("raw", "us"), [(None, None), (50, 50e3), (2.5, 2.5e3), ("80", 80e3)])
+def test_a_good_slo_is_taken_in_microseconds(raw, us):
+    assert request_slo_us(raw) == us
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (-5, "above 0"),
+        (0, "above 0"),
+        ("abc", "number of milliseconds"),
+        ("inf", "finite"),
+        (float("nan"), "finite"),
+        (1e9, "above the most"),
+        (True, "number of milliseconds"),
+        ([1], "number of milliseconds"),
+    ],
+)
+def test_a_bad_slo_is_refused_naming_the_value(raw, says):
+    with pytest.raises(BadRequest, match=says) as err:
+        request_slo_us(raw)
+    assert repr(raw) in str(err.value) or f"{float(raw):g}" in str(err.value)
+
+
+def test_most_rows_of_one_stage():
+    # two vGPUs, 10 µs for one row, 15 µs for two: in 30 µs each runs two batches of two
+    topo = make_topology([((0, 1), (10.0, 15.0), 0.0)], batch=2)
+    assert most_rows_on_time(topo, 0, 30.0) == 8
+    assert most_rows_on_time(topo, 0, 9.0) == 0  # not even one row
+
+
+def test_most_rows_of_two_stages_with_a_transfer():
+    # A 10 µs, move 5 µs, B 20 µs (one row each). By hand within 60 µs: row 1 A 0-10,
+    # move 10-15, B 15-35; row 2 A 10-20, move 20-25, B 35-55; row 3's B would end at 75.
+    topo = make_topology([((0,), (10.0,), 0.0), ((1,), (20.0,), 5.0)])
+    assert most_rows_on_time(topo, 0, 60.0) == 2
+    assert most_rows_on_time(topo, 0, 34.0) == 0  # 10 + 5 + 20 > 34
+
+
+def test_check_request_names_what_is_wrong():
+    topo = make_topology([((0,), (10.0,), 0.0)], slo_us=100.0)
+    assert check_request(topo, "m", 1, None, 0.0) == (0, None)
+    assert check_request(topo, "m", 1, "0.05", 0.0) == (0, 50.0)
+    with pytest.raises(BadRequest, match="unknown model 'x'; this router serves m"):
+        check_request(topo, "x", 1, None, 0.0)
+    with pytest.raises(BadRequest, match="at least one row"):
+        check_request(topo, "m", 0, None, 0.0)
+    # 100 µs less a 30 µs margin: 7 rows of 10 µs at most
+    assert check_request(topo, "m", 7, None, 30.0) == (0, None)
+    with pytest.raises(BadRequest, match=r"8 rows cannot be served within 0.1 ms .*at most 7"):
+        check_request(topo, "m", 8, None, 30.0)
+
+
+def test_an_slo_the_margin_leaves_no_room_in_is_named():
+    cluster = load_cluster(REPO / "local-clusters.toml", "local-1t")
+    plan = manual_plan("googlenet", 23e3, cluster, [(0, 4, "cpu-1t", 1)], 1)
+    m = plan.models[0]
+    pipe = dataclasses.replace(m.pipelines[0], latency_us=8e3)
+    plan = dataclasses.replace(plan, models=(dataclasses.replace(m, pipelines=(pipe,)),))
+    assert slo_room_warnings(plan, 10e3) == []  # 13 ms left for an 8 ms pipeline
+    (w,) = slo_room_warnings(plan, 25e3)
+    assert (w.model, w.slo_ms, w.margin_ms, w.fastest_ms) == ("googlenet", 23, 25, 8)
+    assert "every request at that SLO will be dropped" in str(w) and "--reply-margin-ms" in str(w)
+    (w,) = slo_room_warnings(plan, 18e3)
+    assert "5 ms are left" in str(w)
