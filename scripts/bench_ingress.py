@@ -1,0 +1,337 @@
+"""The router's way in and out, measured without a plan: an echo model behind the two
+mechanisms the router can be hosted in, on loopback, with tritonclient.
+
+- pytriton: PyTriton (the router's front door today), an async echo callable bound with
+  `--instances` instances, so that each instance holds one request until it is answered;
+- native: Triton's own Python backend, one instance, whose `execute` hands each request's
+  response sender on and returns at once (the model config stays non-decoupled, so KServe
+  v2 HTTP keeps working); the answer is sent later from another thread.
+
+For each: one request at a time over HTTP and gRPC (p50/p99 ms); CPU time per request of
+every process involved (Triton, its Python-backend stubs, and for PyTriton this process,
+where its callables run, less the client's CPU measured against the native server); and a
+burst of `--burst` concurrent gRPC requests each held `--hold-ms` before its answer, where
+the instances decide whether a request is seen at once or waits in Triton's queue out of
+the router's sight (time until the last answer, and the p99 of the time from sending to
+the model seeing the request).
+
+Printed as a table and stored in the warehouse (bench_serving, bench = "ingress").
+
+    ./run bench-ingress [--requests 500] [--burst 500] [--hold-ms 100] [--instances 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe.store.warehouse import Warehouse
+from triton_backend.env import fix_this_process, free_ports, libpython_first, libs_path, triton_home
+
+console = Console(width=None if sys.stdout.isatty() else 150)
+
+NATIVE_CONFIG = """name: "echo"
+backend: "python"
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "seen_ns" data_type: TYPE_INT64 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+# Answers from a timer thread when the request asks for a hold; `seen_ns` is when execute
+# saw the request (CLOCK_MONOTONIC, the same clock in every process of the host).
+NATIVE_MODEL = """
+import json
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            seen = np.array([time.monotonic_ns()], dtype=np.int64)
+            x = pb_utils.get_input_tensor_by_name(r, "x").as_numpy()
+            hold = float(json.loads(r.parameters()).get("hold_ms", 0)) / 1e3
+            out = pb_utils.InferenceResponse(
+                [pb_utils.Tensor("y", x), pb_utils.Tensor("seen_ns", seen)]
+            )
+            sender = r.get_response_sender()
+            if hold:
+                threading.Timer(hold, sender.send, (out, FINAL)).start()
+            else:
+                sender.send(out, FINAL)
+        return None
+"""
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and all their descendants."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, seen, todo = 0.0, set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        todo += [int(k) for k in kids]
+    return total
+
+
+class Native:
+    name = "native"
+
+    def __init__(self, workspace: Path):
+        repo = workspace / "repo"
+        (repo / "echo" / "1").mkdir(parents=True)
+        (repo / "echo" / "config.pbtxt").write_text(NATIVE_CONFIG)
+        (repo / "echo" / "1" / "model.py").write_text(NATIVE_MODEL)
+        home = triton_home(workspace)
+        self.http, self.grpc, metrics = free_ports(3)
+        env = libpython_first()
+        env["LD_LIBRARY_PATH"] += f":{libs_path()}"
+        log = open(workspace / "native.log", "wb")  # noqa: SIM115 (the process keeps it)
+        self.proc = subprocess.Popen(
+            [
+                str(home / "bin" / "tritonserver"),
+                f"--model-repository={repo}",
+                f"--backend-directory={home / 'backends'}",
+                f"--http-port={self.http}",
+                f"--grpc-port={self.grpc}",
+                f"--metrics-port={metrics}",
+                "--http-address=127.0.0.1",
+                "--grpc-address=127.0.0.1",
+                "--exit-timeout-secs=2",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        log.close()
+        self.pids = [self.proc.pid]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class PyTritonEcho:
+    name = "pytriton"
+
+    def __init__(self, workspace: Path, instances: int):
+        fix_this_process()
+        from pytriton.model_config import ModelConfig, Tensor
+        from pytriton.triton import Triton, TritonConfig
+
+        self.http, self.grpc, metrics = free_ports(3)
+
+        async def echo(requests):
+            out = []
+            for req in requests:
+                seen = np.array([time.monotonic_ns()], dtype=np.int64)
+                hold = float((req.parameters or {}).get("hold_ms", 0)) / 1e3
+                if hold:
+                    await asyncio.sleep(hold)
+                out.append({"y": req["x"], "seen_ns": seen})
+            return out
+
+        self.triton = Triton(
+            config=TritonConfig(
+                http_address="127.0.0.1",
+                http_port=self.http,
+                grpc_address="127.0.0.1",
+                grpc_port=self.grpc,
+                metrics_port=metrics,
+                exit_timeout_secs=2,
+                log_file=workspace / "pytriton.log",
+            )
+        )
+        self.triton.bind(
+            model_name="echo",
+            infer_func=[echo] * instances,
+            inputs=[Tensor(name="x", dtype=np.float32, shape=(-1,))],
+            outputs=[
+                Tensor(name="y", dtype=np.float32, shape=(-1,)),
+                Tensor(name="seen_ns", dtype=np.int64, shape=(1,)),
+            ],
+            config=ModelConfig(batching=False),
+            strict=True,
+        )
+        self.triton.run()
+        self.pids = [os.getpid()]  # Triton and its stubs are this process's children
+
+    def stop(self) -> None:
+        self.triton.stop()
+
+
+def wait_ready(port: int) -> None:
+    import tritonclient.http as th
+
+    c = th.InferenceServerClient(f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if c.is_model_ready("echo"):
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("the echo model did not come up")
+
+
+def one_at_a_time(server, protocol: str, n: int) -> tuple[np.ndarray, float, float]:
+    """Latencies (ms) of n requests sent one after another; CPU seconds per request of the
+    server's processes (with this process, where PyTriton's callables run) and of this
+    process alone (the client, when the server runs elsewhere)."""
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    mod = th if protocol == "http" else tg
+    port = server.http if protocol == "http" else server.grpc
+    client = mod.InferenceServerClient(f"127.0.0.1:{port}")
+    i = mod.InferInput("x", [16], "FP32")
+    i.set_data_from_numpy(np.ones(16, np.float32))
+    for _ in range(20):  # warm
+        client.infer("echo", [i])
+    lat = []
+    cpu0, own0 = cpu_s(server.pids), time.process_time()
+    for _ in range(n):
+        t = time.perf_counter()
+        client.infer("echo", [i])
+        lat.append((time.perf_counter() - t) * 1e3)
+    cpu, own = cpu_s(server.pids) - cpu0, time.process_time() - own0
+    return np.asarray(lat), cpu / n, own / n
+
+
+def burst(server, n: int, hold_ms: float) -> tuple[float, float]:
+    """n concurrent gRPC requests, each held hold_ms: seconds until the last answer, and the
+    p99 of sent -> seen by the model (ms)."""
+    import tritonclient.grpc as tg
+    import tritonclient.grpc.aio as tga
+
+    async def run() -> tuple[float, list[float]]:
+        client = tga.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+        i = tg.InferInput("x", [16], "FP32")
+        i.set_data_from_numpy(np.ones(16, np.float32))
+
+        async def one() -> float:
+            sent = time.monotonic_ns()
+            r = await client.infer("echo", [i], parameters={"hold_ms": hold_ms})
+            return (int(r.as_numpy("seen_ns")[0]) - sent) / 1e6
+
+        t0 = time.monotonic()
+        waits = await asyncio.gather(*(one() for _ in range(n)))
+        took = time.monotonic() - t0
+        await client.close()
+        return took, waits
+
+    took, waits = asyncio.run(run())
+    return took, float(np.percentile(waits, 99))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--warehouse", default=None)
+    ap.add_argument("--label", default="bench")
+    ap.add_argument("--requests", type=int, default=500, help="one-at-a-time requests (500)")
+    ap.add_argument("--burst", type=int, default=500, help="concurrent requests (500)")
+    ap.add_argument("--hold-ms", type=float, default=100.0, help="each burst request's hold")
+    ap.add_argument("--instances", type=int, default=8, help="PyTriton instances (8)")
+    args = ap.parse_args()
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    rows: list[dict] = []
+    table = Table(title="router ingress: echo through PyTriton vs Triton's Python backend")
+    for col in ("mechanism", "HTTP p50/p99 ms", "gRPC p50/p99 ms", "server CPU µs/req"):
+        table.add_column(col, justify="right")
+    table.add_column(
+        f"burst {args.burst} × hold {args.hold_ms:g} ms: last answer s", justify="right"
+    )
+    table.add_column("sent → seen p99 ms", justify="right")
+    client_cpu = 0.0
+    with tempfile.TemporaryDirectory(prefix="bench-ingress-") as tmp:
+        for kind in ("native", "pytriton"):
+            ws = Path(tmp) / kind
+            ws.mkdir()
+            with console.status(f"{kind}: starting ..."):
+                server = Native(ws) if kind == "native" else PyTritonEcho(ws, args.instances)
+            try:
+                wait_ready(server.http)
+                label = kind if kind == "native" else f"pytriton ×{args.instances}"
+                with console.status(f"{kind}: one request at a time ..."):
+                    http, _, _ = one_at_a_time(server, "http", args.requests)
+                    grpc, cpu, own = one_at_a_time(server, "grpc", args.requests)
+                if kind == "native":  # this process was the client alone
+                    client_cpu = own
+                else:  # PyTriton's callables share this process with the client
+                    cpu -= client_cpu
+                with console.status(f"{kind}: burst ..."):
+                    took, seen99 = burst(server, args.burst, args.hold_ms)
+            finally:
+                server.stop()
+            figures = {
+                "http_p50_ms": np.percentile(http, 50),
+                "http_p99_ms": np.percentile(http, 99),
+                "grpc_p50_ms": np.percentile(grpc, 50),
+                "grpc_p99_ms": np.percentile(grpc, 99),
+                "cpu_us_per_request": cpu * 1e6,
+                "burst_last_answer_s": took,
+                "burst_sent_to_seen_p99_ms": seen99,
+            }
+            for metric, value in figures.items():
+                rows.append(
+                    {
+                        "run_at": now,
+                        "run_label": args.label,
+                        "bench": "ingress",
+                        "config": label,
+                        "metric": metric,
+                        "value": float(value),
+                        "host": socket.gethostname(),
+                    }
+                )
+            f = figures
+            table.add_row(
+                label,
+                f"{f['http_p50_ms']:.2f} / {f['http_p99_ms']:.2f}",
+                f"{f['grpc_p50_ms']:.2f} / {f['grpc_p99_ms']:.2f}",
+                f"{f['cpu_us_per_request']:.0f}",
+                f"{took:.2f}",
+                f"{seen99:.1f}",
+            )
+    console.print(table)
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+        console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench = ingress)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
