@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from poolpipe.store.warehouse import Warehouse
-from triton_backend.env import fix_this_process, free_ports, libpython_first, libs_path, triton_home
+from triton_backend.env import fix_this_process, free_ports
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -102,44 +101,29 @@ def cpu_s(pids: list[int]) -> float:
 
 
 class Native:
+    """A stage-worker node (TritonNode: the same tritonserver, start-up and stop, stubs
+    included) serving only the echo model."""
+
     name = "native"
 
     def __init__(self, workspace: Path):
+        from triton_backend.nodes import TritonNode
+
         repo = workspace / "repo"
         (repo / "echo" / "1").mkdir(parents=True)
         (repo / "echo" / "config.pbtxt").write_text(NATIVE_CONFIG)
         (repo / "echo" / "1" / "model.py").write_text(NATIVE_MODEL)
-        home = triton_home(workspace)
-        self.http, self.grpc, metrics = free_ports(3)
-        env = libpython_first()
-        env["LD_LIBRARY_PATH"] += f":{libs_path()}"
-        log = open(workspace / "native.log", "wb")  # noqa: SIM115 (the process keeps it)
-        self.proc = subprocess.Popen(
-            [
-                str(home / "bin" / "tritonserver"),
-                f"--model-repository={repo}",
-                f"--backend-directory={home / 'backends'}",
-                f"--http-port={self.http}",
-                f"--grpc-port={self.grpc}",
-                f"--metrics-port={metrics}",
-                "--http-address=127.0.0.1",
-                "--grpc-address=127.0.0.1",
-                "--exit-timeout-secs=2",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        log.close()
-        self.pids = [self.proc.pid]
+        self.node = TritonNode("native", "cpu", repo, workspace).start()
+        try:
+            self.node.load("echo")
+        except BaseException:
+            self.node.stop()
+            raise
+        self.http, self.grpc = self.node.http_port, self.node.grpc_port
+        self.pids = [self.node.process.pid]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.node.stop()
 
 
 class PyTritonEcho:

@@ -17,7 +17,7 @@ import numpy as np
 
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime import ServedPlan
+from poolpipe.runtime import DEFAULT_REPLY_MARGIN_US, ServedPlan
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_latencies
@@ -29,7 +29,7 @@ from triton_backend.frontend import Frontend
 from triton_backend.load import load_layout
 from triton_backend.nodes import TritonNode, stop_nodes
 from triton_backend.prepare import model_io, prepare
-from triton_backend.router import REPLY_MARGIN_US, ModelIO, RouterCore, served_plan
+from triton_backend.router import ModelIO, RouterCore, served_plan
 
 
 def _served(
@@ -97,7 +97,7 @@ class Deployment:
         router_instances: int = 8,
         max_batch: int = 8,
         wake_guard_us: float = 5000.0,
-        reply_margin_us: float = REPLY_MARGIN_US,
+        reply_margin_us: float = DEFAULT_REPLY_MARGIN_US,
         control: Callable[[dict], dict] | None = None,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model

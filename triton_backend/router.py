@@ -26,7 +26,6 @@ import numpy as np
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.partitions import TensorSpec
 from poolpipe.runtime import (
-    DEFAULT_REPLY_MARGIN_US,
     DROPPED,
     FAILED,
     Entry,
@@ -40,9 +39,6 @@ from poolpipe.runtime import (
 from poolpipe.scheduler import DataPlane
 from poolpipe.scheduler.topology import Topology
 from triton_backend.repository import kserve_dtype
-
-# Held back from every request's deadline for its way in and out (see poolpipe.runtime.intake).
-REPLY_MARGIN_US = DEFAULT_REPLY_MARGIN_US
 
 DROP_MARKER = "POOLPIPE_DROPPED"
 BAD_REQUEST_MARKER = "POOLPIPE_BAD_REQUEST"

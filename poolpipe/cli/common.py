@@ -57,12 +57,10 @@ def add_reply_margin_argument(p: argparse.ArgumentParser, help_text: str) -> Non
     )
 
 
-def warn_slo_room(plan, reply_margin_us: float) -> int:
+def warn_slo_room(plan, reply_margin_us: float) -> None:
     """Warn (on stderr) for each model of `plan` whose SLO the router's reply margin leaves
-    no room in; returns how many."""
+    no room in."""
     from poolpipe.runtime import slo_room_warnings
 
-    warnings = slo_room_warnings(plan, reply_margin_us)
-    for w in warnings:
+    for w in slo_room_warnings(plan, reply_margin_us):
         err_console.print(f"[yellow]warning:[/] {w}", highlight=False, markup=True)
-    return len(warnings)

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from poolpipe.domain.plan import Plan
-from poolpipe.errors import PoolpipeError
+from poolpipe.errors import PoolpipeError, UnknownNameError
 from poolpipe.scheduler.topology import Pool, Topology
 
 # The longest per-request SLO a client may ask for (ms): longer than any stage call may
@@ -65,10 +65,11 @@ def most_rows_on_time(topo: Topology, model: int, budget_us: float) -> int:
     for p in topo.models[model].pipelines:
         pools = [topo.pools[i] for i in topo.pipelines[p].pools]
         fastest = [min(lat for lat in pool.latency_us[1:] if lat > 0) for pool in pools]
-        moves = sum(pool.transfer_in_us for pool in pools)
+        # what every row spends outside any one pool k: the others' fastest times + the moves
+        outside = sum(fastest) + sum(pool.transfer_in_us for pool in pools)
         bound = math.inf
         for k, pool in enumerate(pools):
-            window = budget_us - (sum(fastest) - fastest[k]) - moves
+            window = budget_us - (outside - fastest[k])
             if window < fastest[k]:
                 bound = 0.0
                 break
@@ -90,7 +91,7 @@ def check_request(
     within the SLO (less the reply margin)."""
     try:
         index = topo.model_index(model)
-    except (KeyError, ValueError, PoolpipeError):
+    except UnknownNameError:
         served = ", ".join(m.name for m in topo.models)
         raise BadRequest(f"unknown model {model!r}; this router serves {served}") from None
     if rows < 1:
