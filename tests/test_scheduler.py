@@ -144,6 +144,30 @@ def test_smaller_batch_when_the_planned_one_would_be_late():
     assert all(x.hops[-1].end_us <= 20.0 for x in d.dispatches)
 
 
+def test_a_shorter_slo_queued_behind_longer_ones_goes_first_not_late():
+    # one vGPU: batch 1 takes 5 µs, batch 2 takes 12. Two requests with 100 µs wait for a
+    # fuller batch; then one with 8 µs arrives. In arrival order it would ride in a batch
+    # of 2 timed for the others (ends at 13 > 9); in deadline order it goes first, alone.
+    s = ReservationScheduler(make_topology([([0], [5.0, 12.0], 0.0)], batch=2, slo_us=100.0))
+    a, b = make_requests(2, slo_us=100.0)
+    for r in (a, b):
+        s.add_request(r, 0.0)
+    tight = make_requests(1, start_us=1.0, slo_us=8.0)[0]
+    tight.id = 2
+    s.add_request(tight, 1.0)
+    assert [r.id for r in s.queues[0]] == [2, 0, 1]
+    d = s.decide(1.0)
+    for x in d.dispatches:
+        for r in x.requests:
+            assert x.hops[-1].end_us <= r.deadline_us, (r.id, x.hops[-1].end_us)
+    assert [r.id for r in d.dispatches[0].requests][0] == 2
+    # equal deadlines keep their arrival order (uniform SLOs: FIFO as before)
+    s2 = ReservationScheduler(make_topology([([0], [5.0, 12.0], 0.0)], batch=2, slo_us=100.0))
+    for r in make_requests(4, gap_us=1.0, slo_us=100.0):
+        s2.add_request(r, r.arrival_us)
+    assert [r.id for r in s2.queues[0]] == [0, 1, 2, 3]
+
+
 def test_a_new_head_the_booked_up_pool_cannot_serve_at_the_planned_batch_is_dropped():
     # one vGPU: batch 1 takes 5 µs, batch 2 takes 12; two batches of 2 book it until 24
     s = ReservationScheduler(make_topology([([0], [5.0, 12.0], 0.0)], batch=2, slo_us=30.0))

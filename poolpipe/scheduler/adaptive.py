@@ -132,7 +132,17 @@ class ReservationScheduler:
         if self.max_queue is not None and len(q) >= self.max_queue:
             self._rejected.append(Drop(req, DROP_OVERLOAD))
             return True
-        q.append(req)
+        if not q or q[-1].deadline_us <= req.deadline_us:
+            q.append(req)
+        else:
+            # Deadline order: a request with a shorter SLO (or one that arrived earlier but
+            # reached the plane later) goes before the longer ones, so that every batch,
+            # the queue's first b, meets each of its members' deadlines when it meets the
+            # head's. (FIFO sent such a request in a batch timed for its elders: late.)
+            i = len(q) - 1
+            while i > 0 and q[i - 1].deadline_us > req.deadline_us:
+                i -= 1
+            q.insert(i, req)
         if self._wake[m] == math.inf or len(q) >= self._wait_batch[m]:
             self._dirty[m] = True
             return True
