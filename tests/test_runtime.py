@@ -26,6 +26,7 @@ from poolpipe.runtime import (
 )
 from poolpipe.runtime.placement import vgpu_nodes
 from poolpipe.scheduler import make_data_plane
+from poolpipe.scheduler.messages import DROP_STAGE_OVERRAN
 from poolpipe.sim.engine import VirtualClock
 from tests.factories import make_topology
 
@@ -284,3 +285,44 @@ def test_config_is_checked():
         RuntimeConfig(reply_margin_us=-1)
     with pytest.raises(PoolpipeError, match="node checks"):
         RuntimeConfig(node_check_every_us=0)
+
+
+def test_a_hop_that_gets_its_vgpu_too_late_drops_what_would_be_late():
+    # Two stages of 10 µs; two requests, SLOs 25 and 60 µs, in one batch of 2 (eager).
+    # Reserved: stage 0 at [0, 10], stage 1 at [10, 20]; slack = 25 - 20 = 5 µs.
+    rt, clock, ex = runtime(
+        [([0], [10.0, 10.0], 0.0), ([1], [10.0, 10.0], 0.0)], slo_us=60.0, batch=2
+    )
+    rt.add(0, 1, slo_us=25.0)
+    rt.add(0, 2)
+    rt.decide()
+    (job,) = ex.jobs
+    assert job.slack_us == pytest.approx(5.0)
+    clock.run_until(0.0)
+    rt.hop_started(job, 0, 0.0)
+    clock.run_until(18.0)
+    rt.hop_done(job, 0, 0.0, 18.0)  # ran 8 µs over its reservation
+    # stage 1 starts 8 µs late: 20 + 8 > 25 drops request 1 now; request 2 (due 60) rides on
+    assert rt.hop_late(job, 1) is True
+    assert ex.answers == {1: (DROPPED, DROP_STAGE_OVERRAN)}
+    assert job.slack_us == pytest.approx(40.0)
+    rt.hop_started(job, 1, 18.0)
+    clock.run_until(28.0)
+    rt.hop_done(job, 1, 18.0, 28.0)
+    assert ex.answers[2] == (ON_TIME, "")
+    s = rt.stats["m"]
+    assert (s.on_time, s.late, s.dropped) == (1, 0, 1)
+
+
+def test_a_batch_with_nothing_left_on_time_does_not_run_and_frees_its_path():
+    rt, clock, ex = runtime([([0], [10.0], 0.0), ([1], [10.0], 0.0)], slo_us=25.0)
+    rt.submit(0, [1])
+    (job,) = ex.jobs
+    rt.hop_started(job, 0, 0.0)
+    clock.run_until(30.0)
+    rt.hop_done(job, 0, 0.0, 30.0)
+    assert rt.hop_late(job, 1) is False  # the hop must not run
+    assert ex.answers[1][0] == DROPPED and rt.in_flight() == 0
+    rt.submit(0, [2])  # the path it held is free: the next request is served from now
+    nxt = ex.jobs[-1]
+    assert nxt.dispatch.hops[0].start_us == pytest.approx(30.0)

@@ -39,6 +39,7 @@ from poolpipe.runtime.ports import (
 )
 from poolpipe.runtime.stats import ModelStats, Windows
 from poolpipe.scheduler import DataPlane, Dispatch, StageReport
+from poolpipe.scheduler.messages import DROP_STAGE_OVERRAN
 from poolpipe.scheduler.topology import Topology, with_latencies
 
 # Live recalibration: after this many stage calls of a pool that found their vGPU idle, the
@@ -295,7 +296,8 @@ class ServingRuntime:
         if d.hops[0].pool == gen.first_pool[d.pipeline]:
             self.batches += 1
             entries[0].stats.batch_sizes[n] += 1
-        self.executor.run(Job(d, entries, gen))
+        slack = min(e.deadline_us for e in entries) - d.hops[-1].end_us
+        self.executor.run(Job(d, entries, gen, slack))
 
     # ------------------------------------------------------------------ reports
 
@@ -336,6 +338,34 @@ class ServingRuntime:
                     self._end(entry, ON_TIME if end_us <= entry.due_us else LATE, "", end_us)
         if again and gen is self.gen:
             self._decide(self.clock.now())
+
+    def hop_late(self, job: Job, h: int) -> bool:
+        """Hop `h` of `job` may start now, later than reserved (its vGPU was busy with a
+        stage that ran over its reservation). Requests that can no longer be on time (the
+        rest of the path as reserved, shifted by the delay) are dropped now, explicitly,
+        rather than answered late; True while any request of the batch remains, else the
+        rest of the path is released and the hop must not run."""
+        gen = job.generation
+        d = job.dispatch
+        now = self.clock.now()
+        end = d.hops[-1].end_us + (now - d.hops[h].start_us)
+        live = self._live
+        first = math.inf
+        for entry in job.entries:
+            if entry.outcome != PENDING:
+                continue
+            if entry.deadline_us < end:
+                if live.pop(entry.id, None) is not None:
+                    self._end(entry, DROPPED, DROP_STAGE_OVERRAN, now)
+            else:
+                first = min(first, entry.deadline_us)
+        if first < math.inf:
+            job.slack_us = first - d.hops[-1].end_us
+            return True
+        gen.plane.on_dispatch_failed(d.id, h, now)
+        if gen is self.gen:
+            self._decide(now)
+        return False
 
     def hop_failed(self, job: Job, h: int, why: str) -> None:
         """Hop `h` of `job` failed (its node did not answer): the node's vGPUs leave

@@ -65,14 +65,19 @@ class Entry(Request):
 class Job:
     """A dispatched batch as the executor runs it: its hops in order, on its plan."""
 
-    __slots__ = ("dispatch", "entries", "generation", "idle", "started")
+    __slots__ = ("dispatch", "entries", "generation", "idle", "slack_us", "started")
 
-    def __init__(self, dispatch: Dispatch, entries: list[Entry], generation: Any):
+    def __init__(
+        self, dispatch: Dispatch, entries: list[Entry], generation: Any, slack_us: float = 0.0
+    ):
         self.dispatch = dispatch
         self.entries = entries  # the requests in it that are still waiting for an answer
         self.generation = generation  # the runtime's bookkeeping of the plan it runs on
         self.started = 0  # hops reported started so far
         self.idle: list[bool] = []  # per started hop: its vGPU had nothing else running
+        # How much later than reserved a hop may start with every request still on time
+        # (the earliest deadline less the reserved end of the last hop).
+        self.slack_us = slack_us
 
     @property
     def served(self) -> ServedPlan:
@@ -86,7 +91,13 @@ class Executor(Protocol):
     `run(job)` runs the job's hops in order and reports each through the runtime:
     `hop_started(job, h, start_us, transfer)`, `hop_done(job, h, start_us, end_us)`, or
     `hop_failed(job, h, why)` (no later hop of the job is then reported). Before it reports
-    the last hop done, it leaves each entry's result in `entry.result`."""
+    the last hop done, it leaves each entry's result in `entry.result`.
+
+    A vGPU runs one hop at a time, in the order of their reserved starts. When hop `h`
+    gets its vGPU more than `job.slack_us` after its reserved start (a stage before it ran
+    over its reservation), the executor asks `hop_late(job, h)` first: False means the
+    runtime has answered the job's requests (dropped) and released the rest of its path;
+    the hop and the later ones do not run."""
 
     def bind(self, runtime: Any) -> None: ...
 

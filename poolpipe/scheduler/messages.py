@@ -14,6 +14,8 @@ from poolpipe.scheduler.topology import Topology
 DROP_DEADLINE_PASSED = "deadline passed while queued"
 DROP_CANNOT_MEET = "deadline cannot be met"
 DROP_OVERLOAD = "queue full"
+# (the runtime's) a stage before the batch's ran over its reservation: it would be late
+DROP_STAGE_OVERRAN = "deadline cannot be met: a stage ran over its reserved time"
 
 
 @dataclass(slots=True)

@@ -278,9 +278,14 @@ class SimulatedCluster:
         for r in work.res:
             if busy[r] or queue[r][0][2] is not work:
                 return
-        if work.compute and self._dead_res and work.res[0] in self._dead_res:
-            self._fail(work, "its node is down")
-            return
+        if work.compute:
+            if self._dead_res and work.res[0] in self._dead_res:
+                self._fail(work, "its node is down")
+                return
+            job = work.job
+            if now - work.key > job.slack_us and not self.rt.hop_late(job, work.hop):
+                self._restart(self._remove(job), now)  # dropped: its works do not run
+                return
         for r in work.res:
             heapq.heappop(queue[r])
             busy[r] = True
@@ -322,7 +327,12 @@ class SimulatedCluster:
         """The job of `work` fails at its hop: none of its works still queued will run.
         (Works hold no list of their job's works: such a cycle would leave every job to
         the cyclic garbage collector, which made the simulator a third slower.)"""
-        job = work.job
+        touched = self._remove(work.job)
+        self.rt.hop_failed(work.job, work.hop, f"{why} ({why_node(work)})")
+        self._restart(touched, self.clock.t)
+
+    def _remove(self, job: Job) -> set[int]:
+        """Take the job's works out of every queue; the resources whose queue changed."""
         touched: set[int] = set()
         for r, q in enumerate(self._queue):
             kept = [entry for entry in q if entry[2].job is not job]
@@ -330,8 +340,9 @@ class SimulatedCluster:
                 heapq.heapify(kept)
                 q[:] = kept
                 touched.add(r)
-        self.rt.hop_failed(work.job, work.hop, f"{why} ({why_node(work)})")
-        now = self.clock.t
+        return touched
+
+    def _restart(self, touched: set[int], now: float) -> None:
         for r in sorted(touched):
             if self._queue[r] and not self._busy[r]:
                 self._try_start(self._queue[r][0][2], now)
