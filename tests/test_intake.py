@@ -11,6 +11,7 @@ import pytest
 
 from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import manual_plan
+from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import BadRequest, slo_room_warnings
 from poolpipe.runtime.intake import check_request, most_rows_on_time, request_slo_us
 from tests.factories import make_topology
@@ -83,3 +84,21 @@ def test_an_slo_the_margin_leaves_no_room_in_is_named():
     assert "every request at that SLO will be dropped" in str(w) and "--reply-margin-ms" in str(w)
     (w,) = slo_room_warnings(plan, 18e3)
     assert "5 ms are left" in str(w)
+
+
+def test_the_reply_margin_follows_egress_within_floor_and_ceiling():
+    from poolpipe.runtime import MarginMeter
+
+    m = MarginMeter(floor_us=1_000.0, ceiling_us=10_000.0, window=100, every=10)
+    assert m.margin_us == 1_000.0  # the floor until samples come
+    assert not m.observe(500.0, [200.0] * 9)
+    assert m.observe(500.0, [200.0])  # 10 egress samples: recomputed
+    assert m.margin_us == pytest.approx(1_200.0)  # floor + egress p99
+    m.observe(None, [50_000.0] * 10)  # a slow spell: held at the ceiling
+    assert m.margin_us == 10_000.0
+    m.observe(None, [100.0] * 100)  # the spell leaves the window
+    assert m.margin_us == pytest.approx(1_100.0)
+    f = m.figures()
+    assert f["reply_margin_ms"] == pytest.approx(1.1) and f["ingress_p99_ms"] == pytest.approx(0.5)
+    with pytest.raises(PoolpipeError, match="floor <= ceiling"):
+        MarginMeter(floor_us=5_000.0, ceiling_us=1_000.0)

@@ -14,9 +14,12 @@ from poolpipe.runtime.core import (
     SwitchResult,
 )
 from poolpipe.runtime.intake import (
+    DEFAULT_MARGIN_CEILING_US,
+    DEFAULT_MARGIN_FLOOR_US,
     DEFAULT_REPLY_MARGIN_US,
     MAX_SLO_MS,
     BadRequest,
+    MarginMeter,
     slo_room_warnings,
 )
 from poolpipe.runtime.ports import (
@@ -36,6 +39,8 @@ from poolpipe.runtime.ports import (
 from poolpipe.runtime.stats import ModelStats
 
 __all__ = [
+    "DEFAULT_MARGIN_CEILING_US",
+    "DEFAULT_MARGIN_FLOOR_US",
     "DEFAULT_REPLY_MARGIN_US",
     "DROPPED",
     "FAILED",
@@ -51,6 +56,7 @@ __all__ = [
     "Entry",
     "Executor",
     "Job",
+    "MarginMeter",
     "ModelStats",
     "RuntimeConfig",
     "ServedPlan",

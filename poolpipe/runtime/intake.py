@@ -10,6 +10,8 @@ cannot be on time, so it is refused at once rather than answered late or in piec
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from poolpipe.domain.plan import Plan
@@ -20,11 +22,73 @@ from poolpipe.scheduler.topology import Pool, Topology
 # take, a request would hold its place in the queues for minutes.
 MAX_SLO_MS = 60_000.0
 
-# Held back from every request's deadline for its way into the router and its answer's way
-# back, which the router cannot see. Measured on the 2-core machine with 32 PyTriton router
-# instances at 20-60 req/s: ingress + egress p99 20-28 ms (`./run bench-serving`). With
-# 10 ms, 20-25% of the answers the router had on time reached the client late.
-DEFAULT_REPLY_MARGIN_US = 25_000.0
+# Held back from every request's deadline for its answer's way back. A live router measures
+# it (MarginMeter: the floor + egress p99 over its last answers, at most the ceiling). The
+# floor is what no door sees (client network, Triton's front end: about 0.2 ms on loopback);
+# the default reply margin is what `poolpipe plan` assumes when it warns: the measured
+# margin with the nodes idle on the 2-core machine (`./run bench-serving`: about 3 ms).
+DEFAULT_MARGIN_FLOOR_US = 1_000.0
+DEFAULT_MARGIN_CEILING_US = 25_000.0
+DEFAULT_REPLY_MARGIN_US = 3_000.0
+
+
+class MarginMeter:
+    """The reply margin learnt from the router's own door. A request's deadline counts from
+    when the door saw it (its arrival), so its way in is inside the SLO already; what the
+    runtime cannot see is the answer's way out: egress, from the runtime's answer until it
+    has left the door. The margin is the p99 of egress over the last `window` answers plus
+    `floor` (what no door sees: the client's network and Triton's own front end), kept at
+    most `ceiling`; recomputed every `every` samples, the floor until then. Ingress (the
+    door's stamp until the runtime has the request) is kept for the figures."""
+
+    def __init__(
+        self,
+        floor_us: float = DEFAULT_MARGIN_FLOOR_US,
+        ceiling_us: float = DEFAULT_MARGIN_CEILING_US,
+        window: int = 1024,
+        every: int = 32,
+    ):
+        if not (0 <= floor_us <= ceiling_us and math.isfinite(ceiling_us)):
+            raise PoolpipeError(
+                f"the reply margin needs 0 <= floor <= ceiling (finite), got floor "
+                f"{floor_us / 1e3:g} ms and ceiling {ceiling_us / 1e3:g} ms"
+            )
+        if window < 1 or every < 1:
+            raise PoolpipeError(f"window and every must be >= 1, got {window} and {every}")
+        self.floor_us, self.ceiling_us = floor_us, ceiling_us
+        self.window, self.every = window, every
+        self.ingress_us: deque[float] = deque(maxlen=window)
+        self.egress_us: deque[float] = deque(maxlen=window)
+        self.margin_us = floor_us
+        self._since = 0
+
+    def observe(self, ingress_us: float | None, egress_us: Sequence[float] = ()) -> bool:
+        """Take samples; True when the margin was recomputed."""
+        if ingress_us is not None:
+            self.ingress_us.append(ingress_us)
+        self.egress_us.extend(egress_us)
+        self._since += len(egress_us)
+        if self._since < self.every:
+            return False
+        self._since = 0
+        self.margin_us = min(self.ceiling_us, self.floor_us + p99(self.egress_us))
+        return True
+
+    def figures(self) -> dict[str, float]:
+        """The window's p99 ingress and egress and the margin held back now (ms)."""
+        return {
+            "ingress_p99_ms": p99(self.ingress_us) / 1e3,
+            "egress_p99_ms": p99(self.egress_us) / 1e3,
+            "reply_margin_ms": self.margin_us / 1e3,
+        }
+
+
+def p99(xs: Sequence[float] | deque[float]) -> float:
+    """The 99th percentile (nearest rank) of the samples; 0 without any."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return float(s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)])
 
 
 class BadRequest(PoolpipeError):
