@@ -1,2 +1,2 @@
 """Triton adapters: stage-worker nodes (tritonserver processes serving rendered model
-repositories) and the router (a PyTriton model running poolpipe's scheduler live)."""
+repositories) and the router (poolpipe's serving runtime live, behind its own Triton)."""

@@ -3,7 +3,7 @@ tritonserver node per physical GPU of its topology, calibrated, with the router 
 runtime on the real clock) and its front door in front; roll out new plans; take it down.
 
 The steps live in their own modules: prepare (topology, layout, partition files), load
-(repositories onto nodes), calibration, router, frontend (PyTriton)."""
+(repositories onto nodes), calibration, router, frontend (the router's Triton and door)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ import numpy as np
 
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime import DEFAULT_REPLY_MARGIN_US, ServedPlan
+from poolpipe.runtime import (
+    DEFAULT_MARGIN_CEILING_US,
+    DEFAULT_MARGIN_FLOOR_US,
+    MarginMeter,
+    ServedPlan,
+)
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_latencies
@@ -82,8 +87,18 @@ class Deployment:
         return self.frontend.grpc_port if self.frontend else 0
 
     @property
+    def http_url(self) -> str:
+        """host:port of the router's KServe v2 HTTP endpoint."""
+        return self.frontend.node.http_url if self.frontend else ""
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port of the router's KServe v2 gRPC endpoint."""
+        return self.frontend.node.grpc_url if self.frontend else ""
+
+    @property
     def warmed(self) -> int:
-        """Warm-up requests answered at start-up (one per router instance)."""
+        """Warm-up requests answered at start-up."""
         return self.frontend.warmed if self.frontend else 0
 
     @classmethod
@@ -94,24 +109,38 @@ class Deployment:
         workspace: Path,
         *,
         plane: str = "reservation",
-        router_instances: int = 8,
+        router_instances: int = 1,
         max_batch: int = 8,
         wake_guard_us: float = 5000.0,
-        reply_margin_us: float = DEFAULT_REPLY_MARGIN_US,
+        reply_margin_us: float = DEFAULT_MARGIN_FLOOR_US,
+        reply_margin_max_us: float | None = None,
         control: Callable[[dict], dict] | None = None,
+        listen: str = "127.0.0.1",
+        http_port: int = 0,
+        grpc_port: int = 0,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
-        `router_instances`: requests the router takes at once (more wait in Triton's queue,
-        where the router cannot see them yet). `reply_margin_us`: held back from every
-        request's deadline for its way in and out through PyTriton and gRPC."""
+        `router_instances`: Python-backend instances of each served model's door (each
+        hands requests over at once; one is enough on a small host).
+        `reply_margin_us` / `reply_margin_max_us`: the floor and the ceiling of the reply
+        margin, which the router measures (its ingress + egress p99) and holds back from
+        every request's deadline; the ceiling defaults to the larger of the floor and 25 ms.
+        `listen`, `http_port`, `grpc_port`: where clients reach the router (0: a free port)."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
+        ceiling = (
+            max(reply_margin_us, DEFAULT_MARGIN_CEILING_US)
+            if reply_margin_max_us is None
+            else reply_margin_max_us
+        )
+        margin = MarginMeter(reply_margin_us, ceiling)  # checks floor <= ceiling first
         options = {
             "plane": plane,
             "max_batch": max_batch,
             "wake_guard_us": wake_guard_us,
             "reply_margin_us": reply_margin_us,
+            "reply_margin_max_us": ceiling,
         }
         nodes: dict[str, TritonNode] = {}
         dep: Deployment | None = None
@@ -123,13 +152,11 @@ class Deployment:
             ios = model_io(topo, lay, parts)
             known: dict[tuple, float] = {}
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
-            core = RouterCore(
-                _served(live, lay, nodes, ios, options), reply_margin_us=reply_margin_us
-            ).start()
+            core = RouterCore(_served(live, lay, nodes, ios, options), margin=margin).start()
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.frontend = Frontend(
-                core, ios, router_instances, control, log_file=workspace / "router-triton.log"
+                core, ios, workspace, router_instances, control, listen, http_port, grpc_port
             ).start()
             return dep
         except BaseException:
@@ -234,7 +261,7 @@ class Deployment:
             SimConfig(
                 duration_s=duration_s,
                 stage_factors=tuple(tuple(f) for f in stage_factors),
-                reply_margin_us=self.options["reply_margin_us"],
+                reply_margin_us=self.core.runtime.reply_margin_us,
             ),
             scenario,
             lambda t: make_data_plane(kind, t, wake_guard_us=guard),

@@ -90,3 +90,60 @@ def summarize(shots: list[Shot], slo_s: float, duration_s: float) -> dict[str, f
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
         "goodput": on_time / duration_s if duration_s > 0 else 0.0,
     }
+
+
+def burst(
+    url: str, model: str, inputs: dict[str, np.ndarray], n: int, slo_ms: float | None = None
+) -> list[Shot]:
+    """n requests sent at once over KServe v2 HTTP, each on its own connection (opened
+    first), with request bodies built beforehand: the client's own cost stays out of the
+    latencies (each is timed from the moment its bytes are written), as it would with n
+    clients on other hosts. Answers: 200 ok, 503 dropped, anything else an error."""
+    return asyncio.run(_burst(url, model, inputs, n, slo_ms))
+
+
+async def _burst(
+    url: str, model: str, inputs: dict[str, np.ndarray], n: int, slo_ms: float | None
+) -> list[Shot]:
+    import tritonclient.http as th
+
+    from triton_backend.repository import kserve_dtype
+
+    prepared = []
+    for name, x in inputs.items():
+        i = th.InferInput(name, list(x.shape), kserve_dtype(x.dtype))
+        i.set_data_from_numpy(x, binary_data=True)
+        prepared.append(i)
+    params = None if slo_ms is None else {"slo_ms": slo_ms}
+    body, json_size = th.InferenceServerClient.generate_request_body(prepared, parameters=params)
+    host, port = url.rsplit(":", 1)
+    head = (
+        f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {url}\r\n"
+        "Content-Type: application/octet-stream\r\n"
+        f"Inference-Header-Content-Length: {json_size}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    request = head + body
+    conns = [await asyncio.open_connection(host, int(port)) for _ in range(n)]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Shot:
+        sent = loop.time()
+        writer.write(request)
+        status = (await reader.readline()).split()
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        text = await reader.readexactly(length)
+        took = loop.time() - sent
+        writer.close()
+        code = status[1] if len(status) > 1 else b""
+        outcome = "ok" if code == b"200" else "dropped" if code == b"503" else "error"
+        if outcome == "error" and FAIL_MARKER.encode() in text:
+            outcome = "failed"
+        return Shot(sent - t0, took, outcome)
+
+    shots = await asyncio.gather(*(one(r, w) for r, w in conns))
+    return sorted(shots, key=lambda s: s.sent_s)

@@ -31,15 +31,20 @@ class TritonNode:
     http_port: int = 0
     grpc_port: int = 0
     metrics_port: int = 0
+    address: str = "127.0.0.1"  # where its HTTP and gRPC ports listen
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
+    def _host(self) -> str:
+        return "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
+
+    @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self._host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self._host}:{self.grpc_port}"
 
     @property
     def log_path(self) -> Path:
@@ -47,8 +52,9 @@ class TritonNode:
 
     def start(self, timeout_s: float = 60.0) -> TritonNode:
         home = triton_home(self.workspace)
-        if not (self.http_port and self.grpc_port and self.metrics_port):
-            self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        missing = [p for p in ("http_port", "grpc_port", "metrics_port") if not getattr(self, p)]
+        for p, port in zip(missing, free_ports(len(missing)), strict=True):
+            setattr(self, p, port)
         self.repo.mkdir(parents=True, exist_ok=True)
         env = libpython_first()
         env["LD_LIBRARY_PATH"] += f":{libs_path()}"
@@ -60,8 +66,8 @@ class TritonNode:
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
-            "--http-address=127.0.0.1",
-            "--grpc-address=127.0.0.1",
+            f"--http-address={self.address}",
+            f"--grpc-address={self.address}",
             "--exit-timeout-secs=2",
             "--log-verbose=0",
             "--strict-readiness=true",
@@ -70,7 +76,18 @@ class TritonNode:
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self._wait(lambda c: c.is_server_live(), timeout_s, "start")
+        self._wait(lambda _: self._grpc_live(), timeout_s, "start (gRPC)")
         return self
+
+    def _grpc_live(self) -> bool:
+        """The gRPC endpoint answers too (the HTTP one can be up a moment before it)."""
+        import tritonclient.grpc as grpcclient
+
+        c = grpcclient.InferenceServerClient(self.grpc_url)
+        try:
+            return bool(c.is_server_live(client_timeout=1.0))
+        finally:
+            c.close()
 
     def client(self):
         import tritonclient.http as th

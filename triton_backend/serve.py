@@ -66,6 +66,11 @@ class RouterCollector:
         yield GaugeMetricFamily(
             "poolpipe_plan_generation", "Rollouts so far", value=self.server.deployment.generation
         )
+        yield GaugeMetricFamily(
+            "poolpipe_reply_margin_seconds",
+            "Held back from every deadline for the answer's way out (measured)",
+            value=core.runtime.reply_margin_us / 1e6,
+        )
 
 
 class Server:

@@ -86,7 +86,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print_plan(first[0])
     print_plan(second[0])
 
-    _step("starting stage-worker nodes (tritonserver) and the router (PyTriton)")
+    _step("starting stage-worker nodes (tritonserver) and the router (its own tritonserver)")
     server = Server(
         first[0],
         args.warehouse,
@@ -159,7 +159,7 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
     planned = sum(m.throughput for m in topo.models)
     x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
     inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
-    url = f"127.0.0.1:{dep.grpc_port}"
+    url = dep.grpc_url
     rows, timeline = [], []
     # warm-up, not counted: the router's instances, the nodes' sessions, the channels
     drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.3, 2.0, seed=0))
@@ -208,7 +208,7 @@ def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Na
 
     t = threading.Thread(target=roll)
     t.start()
-    shots = drive(f"127.0.0.1:{dep.grpc_port}", name, inputs, times)
+    shots = drive(dep.grpc_url, name, inputs, times)
     t.join()
     r = result["r"]
     s = summarize(shots, args.slo_ms / 1e3, duration)

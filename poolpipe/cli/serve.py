@@ -55,10 +55,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     dep = server.deployment
     console.print(
         f"serving plan {plan_id} ({', '.join(m.name for m in plan.models)}) on "
-        f"{len(dep.nodes)} node(s): KServe v2 HTTP 127.0.0.1:{dep.http_port}, "
-        f"gRPC 127.0.0.1:{dep.grpc_port}, router metrics "
+        f"{len(dep.nodes)} node(s): KServe v2 HTTP {dep.http_url}, "
+        f"gRPC {dep.grpc_url}, router metrics "
         f"http://127.0.0.1:{server.metrics_port}/metrics\n"
-        f"roll out another plan: poolpipe rollout PLAN --router 127.0.0.1:{dep.grpc_port}\n"
+        f"roll out another plan: poolpipe rollout PLAN --router {dep.grpc_url}\n"
         "Ctrl-C stops."
     )
     stop = threading.Event()
@@ -87,24 +87,52 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
     """The router's options, shared by `serve` and `demo` (see router_options)."""
-    p.add_argument("--router-instances", type=int, default=48, help="concurrent requests (48)")
-    add_reply_margin_argument(
-        p, "held back from each deadline for the way in and out through PyTriton"
+    p.add_argument(
+        "--router-instances",
+        type=int,
+        default=1,
+        help="Python-backend instances of each served model's door in the router's Triton; "
+        "each hands requests to the router at once (1)",
     )
+    add_reply_margin_argument(
+        p,
+        "the least held back from each deadline for the way in and out; the router measures "
+        "its own (ingress + egress p99) and holds back more when it needs to",
+    )
+    p.add_argument(
+        "--reply-margin-max-ms",
+        type=float,
+        default=None,
+        help="the most the measured reply margin may hold back (the larger of 25 and "
+        "--reply-margin-ms)",
+    )
+    p.add_argument(
+        "--listen", default="127.0.0.1", help="the router's address for clients (127.0.0.1)"
+    )
+    p.add_argument("--http-port", type=int, default=0, help="the router's HTTP port (a free one)")
+    p.add_argument("--grpc-port", type=int, default=0, help="the router's gRPC port (a free one)")
 
 
 def router_options(args: argparse.Namespace) -> dict:
     """Deployment.up's keyword arguments from the options of add_router_arguments."""
+    if args.router_instances < 1:
+        raise PoolpipeError(f"--router-instances must be at least 1, got {args.router_instances}")
     return {
         "router_instances": args.router_instances,
         "reply_margin_us": args.reply_margin_ms * 1e3,
+        "reply_margin_max_us": (
+            None if args.reply_margin_max_ms is None else args.reply_margin_max_ms * 1e3
+        ),
+        "listen": args.listen,
+        "http_port": args.http_port,
+        "grpc_port": args.grpc_port,
     }
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a plan here: stage-worker nodes (Triton) and the router (PyTriton)",
+        help="serve a plan here: stage-worker nodes (Triton) and the router (Triton)",
         description="Start one tritonserver node per GPU of the plan (CPU device classes "
         "cpu-<threads>t here), the router in front (KServe v2 HTTP/gRPC), per-minute "
         "statistics into the warehouse and Prometheus metrics; run until Ctrl-C.",

@@ -1,0 +1,159 @@
+"""The router process's end of the door (door_model.py runs the other end inside the
+router's Triton): a Unix socket served on the router's event loop. Each frame from a door
+instance is one client request; it goes to RouterCore.take on the spot, and the answer goes
+back down the same connection when the runtime gives it. Requests to `poolpipe_control`
+run their command on a worker thread (a rollout blocks until it is done)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import pickle
+import struct
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from poolpipe.client.control import CONTROL_MODEL
+from poolpipe.runtime import BadRequest
+from triton_backend.router import BAD_REQUEST_MARKER, RouterCore
+
+_LEN = struct.Struct("<I")
+log = logging.getLogger(__name__)
+
+
+def _frame(obj: object) -> bytes:
+    data = pickle.dumps(obj, protocol=5)
+    return _LEN.pack(len(data)) + data
+
+
+class _Connection(asyncio.Protocol):
+    """One door instance (a Python-backend stub process)."""
+
+    def __init__(self, door: Door):
+        self.door = door
+        self.model = ""
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        at = 0
+        while len(buf) - at >= 4:
+            (n,) = _LEN.unpack_from(buf, at)
+            if len(buf) - at - 4 < n:
+                break
+            msg = pickle.loads(memoryview(buf)[at + 4 : at + 4 + n])
+            at += 4 + n
+            try:
+                self.door.handle(self, msg)
+            except Exception:  # a bug of ours must not take the door down
+                log.exception("the router's door could not handle a request")
+        del buf[:at]
+
+    def answer(self, rid: int, outs: list[np.ndarray] | None, code: str | None, msg: str) -> None:
+        if self.transport is not None:
+            self.transport.write(_frame(("ans", rid, time.monotonic_ns(), outs, code, msg)))
+
+
+class Door:
+    """Serves the door's socket at `path` on the core's loop."""
+
+    def __init__(self, core: RouterCore, path: Path, control: Callable[[dict], dict] | None = None):
+        self.core = core
+        self.path = path
+        self.control = control
+        self._server: asyncio.AbstractServer | None = None
+        self._workers = ThreadPoolExecutor(2, thread_name_prefix="poolpipe-control")
+
+    def open(self) -> Door:
+        async def serve() -> asyncio.AbstractServer:
+            loop = asyncio.get_running_loop()
+            return await loop.create_unix_server(lambda: _Connection(self), str(self.path))
+
+        self._server = asyncio.run_coroutine_threadsafe(serve(), self.core.loop).result(10)
+        self.path.chmod(0o600)
+        return self
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None and self.core.loop.is_running():
+
+            async def shut() -> None:
+                server.close()
+                await server.wait_closed()
+
+            try:
+                asyncio.run_coroutine_threadsafe(shut(), self.core.loop).result(5)
+            except Exception:  # the connections go with the router's Triton anyway
+                server.close()
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ requests
+
+    def handle(self, conn: _Connection, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "hello":
+            conn.model = msg[1]
+            return
+        _, rid, arrived_ns, params, arrays, egress = msg
+        if conn.model == CONTROL_MODEL:
+            self._control(conn, rid, arrays)
+            return
+        core = self.core
+        core.observe_door(time.monotonic_ns() - arrived_ns, egress)
+        try:
+            slo_ms = _parameters(params).get("slo_ms")
+            core.take(
+                conn.model,
+                arrays,
+                slo_ms,
+                arrived_ns,
+                lambda outs, code, text: conn.answer(rid, outs, code, text),
+            )
+        except BadRequest as exc:
+            conn.answer(rid, None, "INVALID_ARG", f"{BAD_REQUEST_MARKER}: {exc}")
+
+    def _control(self, conn: _Connection, rid: int, arrays: list[np.ndarray]) -> None:
+        handle = self.control
+        if handle is None:
+            conn.answer(rid, None, "UNAVAILABLE", "this router takes no control commands")
+            return
+        loop = self.core.loop
+
+        def run() -> None:
+            try:
+                raw = np.asarray(arrays[0]).reshape(-1)[0]
+                cmd = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+                result: Any = handle(cmd)
+            except Exception as exc:
+                result = {"ok": False, "error": str(exc)}
+            out = np.array([json.dumps(result).encode()], dtype=object)
+            loop.call_soon_threadsafe(conn.answer, rid, [out], None, "")
+
+        self._workers.submit(run)
+
+
+def _parameters(raw: object) -> dict:
+    """A request's parameters as the backend hands them over (a JSON object string)."""
+    if not raw:
+        return {}
+    try:
+        params = json.loads(raw) if isinstance(raw, str | bytes) else dict(raw)  # type: ignore[call-overload]
+    except ValueError:
+        raise BadRequest("the request's parameters are not a JSON object") from None
+    if not isinstance(params, dict):
+        raise BadRequest("the request's parameters are not a JSON object")
+    return params

@@ -1,0 +1,193 @@
+"""The router's door inside Triton: the Python-backend model of each served model name (and
+of `poolpipe_control`), copied as `model.py` into the router's own model repository.
+
+It does as little as it can: `execute` stamps when Triton received the requests, as early
+as it may have been (CLOCK_MONOTONIC, the same clock in every process of the host; see
+execute for a burst), sends each request's tensors and parameters down a Unix socket to
+the router process, keeps its response sender and returns at once, so Triton never holds
+a request out of the router's sight while another one is served. A reader thread takes
+the answers as they come and a few sender threads send them, outputs before errors
+(refused = INVALID_ARG, HTTP 400; dropped = UNAVAILABLE, HTTP 503). The config stays
+non-decoupled (one response per request), so KServe v2 HTTP works too; Triton's dynamic
+batcher hands `execute` every request queued at that moment (nothing waits for a batch).
+
+Self-contained (stdlib, numpy and Triton's `triton_python_backend_utils`): the stub
+process imports nothing of poolpipe. Frames both ways: a 4-byte little-endian length, then
+a pickle (the socket lives in a folder only this user can enter):
+    stub -> router: ("hello", model, instance)
+                    ("req", rid, arrived_ns, parameters_json, [arrays], [egress_ns, ...])
+    router -> stub: ("ans", rid, sent_ns, [arrays] | None, code | None, message)
+`egress_ns` are the times from the router's `sent_ns` until the answer left the stub,
+carried back with the next request: what the router learns its reply margin from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import pickle
+import queue
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_LEN = struct.Struct("<I")
+_BACK_TO_BACK_NS = 200_000
+_HANDOVER_NS = 100_000  # per request: more than Triton takes to copy one into the backend
+_BACKLOG = 3  # requests in one back-to-back batch that show a backlog
+
+
+def _send(sock: socket.socket, obj: object) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.inputs = [t["name"] for t in config["input"]]
+        self.outputs = [t["name"] for t in config["output"]]
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                self.sock.connect(params["poolpipe_door"])
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        _send(self.sock, ("hello", config["name"], args.get("model_instance_name", "")))
+        self.lock = threading.Lock()  # sendall from execute's thread
+        self.pending: dict[int, Any] = {}  # request id -> its response sender
+        self.ids = itertools.count()
+        self.egress: list[int] = []
+        self.closed = False
+        self.last_start = self.last_end = self.backlog_start = 0
+        self.wait_cap_ns = int(float(params.get("poolpipe_wait_cap_ms", "100")) * 1e6)
+        self.outbox: queue.PriorityQueue = queue.PriorityQueue()
+        self.order = itertools.count()
+        self.senders = [
+            threading.Thread(target=self._send_loop, daemon=True)
+            for _ in range(int(params.get("poolpipe_senders", "4")))
+        ]
+        for t in self.senders:
+            t.start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def execute(self, requests: list) -> None:
+        now = time.monotonic_ns()
+        # When Triton received these, as early as it may have been. Triton hands an
+        # instance every request queued when it takes the next batch, so these arrived
+        # after the last call began; if they come right after it (back to back: no more
+        # time between the calls than Triton takes to hand a batch of this size over),
+        # they may have waited since then. A back-to-back batch of several requests is a
+        # backlog: a burst, whose requests wait longest in Triton's HTTP/gRPC front end,
+        # where nothing can be seen. Its requests count from the start of the backlog (a
+        # burst arrives at once), at most `wait_cap` back; after an idle moment they
+        # arrived just now.
+        back_to_back = now - self.last_end < _BACK_TO_BACK_NS + _HANDOVER_NS * len(requests)
+        if not back_to_back:
+            self.backlog_start = now
+        elif len(requests) < _BACKLOG:
+            self.backlog_start = self.last_start
+        arrived = max(self.backlog_start, now - self.wait_cap_ns)
+        self.last_start = now
+        frames = []
+        for r in requests:
+            sender = r.get_response_sender()
+            if self.closed:
+                sender.send(_error("the router is not running", "UNAVAILABLE"), FINAL)
+                continue
+            rid = next(self.ids)
+            self.pending[rid] = sender
+            arrays = [pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs]
+            egress, self.egress = self.egress, []
+            frames.append(("req", rid, arrived, r.parameters(), arrays, egress))
+        if frames:
+            data = b"".join(
+                _LEN.pack(len(p)) + p for p in (pickle.dumps(f, protocol=5) for f in frames)
+            )
+            try:
+                with self.lock:
+                    self.sock.sendall(data)
+            except OSError:
+                self._fail_all("the router is not running")
+        self.last_end = time.monotonic_ns()
+        return None
+
+    def _read(self) -> None:
+        buf = bytearray()
+        try:
+            while True:
+                chunk = self.sock.recv(1 << 20)
+                if not chunk:
+                    raise ConnectionError("the router closed the door")
+                buf += chunk
+                at = 0
+                while len(buf) - at >= _LEN.size:
+                    (n,) = _LEN.unpack_from(buf, at)
+                    if len(buf) - at - _LEN.size < n:
+                        break
+                    msg = pickle.loads(memoryview(buf)[at + _LEN.size : at + _LEN.size + n])
+                    at += _LEN.size + n
+                    # outputs before errors: a drop told a little later is still a drop,
+                    # an answer told later may be late
+                    self.outbox.put((msg[4] is not None, next(self.order), msg))
+                del buf[:at]
+        except (ConnectionError, OSError, EOFError, struct.error, pickle.UnpicklingError):
+            self._fail_all("the router closed the door")
+
+    def _send_loop(self) -> None:
+        while True:
+            _, _, msg = self.outbox.get()
+            if msg is None:
+                return
+            with contextlib.suppress(Exception):  # a client gone: the next answer goes on
+                self._answer(msg)
+
+    def _answer(self, msg: tuple) -> None:
+        """Send one answer. Each send waits for Triton to take the response (about 0.4 ms
+        on an idle 2-core host), so a few threads send side by side."""
+        _, rid, sent_ns, outs, code, message = msg
+        sender = self.pending.pop(rid, None)
+        if sender is None:
+            return
+        if code is None:
+            pairs = zip(self.outputs, outs, strict=True)
+            tensors = [pb_utils.Tensor(k, np.asarray(v)) for k, v in pairs]
+            sender.send(pb_utils.InferenceResponse(tensors), FINAL)
+        else:
+            sender.send(_error(message, code), FINAL)
+        self.egress.append(time.monotonic_ns() - sent_ns)
+
+    def _fail_all(self, why: str) -> None:
+        self.closed = True
+        for rid in list(self.pending):
+            sender = self.pending.pop(rid, None)
+            if sender is not None:
+                with contextlib.suppress(Exception):
+                    sender.send(_error(why, "UNAVAILABLE"), FINAL)
+
+    def finalize(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.reader.join(5.0)
+        for _ in self.senders:
+            self.outbox.put((True, next(self.order), None))
+
+
+def _error(message: str, code: str) -> object:
+    err = pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
+    return pb_utils.InferenceResponse(error=err)
