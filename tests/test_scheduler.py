@@ -160,7 +160,7 @@ def test_a_shorter_slo_queued_behind_longer_ones_goes_first_not_late():
     for x in d.dispatches:
         for r in x.requests:
             assert x.hops[-1].end_us <= r.deadline_us, (r.id, x.hops[-1].end_us)
-    assert [r.id for r in d.dispatches[0].requests][0] == 2
+    assert d.dispatches[0].requests[0].id == 2
     # equal deadlines keep their arrival order (uniform SLOs: FIFO as before)
     s2 = ReservationScheduler(make_topology([([0], [5.0, 12.0], 0.0)], batch=2, slo_us=100.0))
     for r in make_requests(4, gap_us=1.0, slo_us=100.0):
