@@ -129,7 +129,7 @@ class TritonPythonModel:
         buf = bytearray()
         try:
             while True:
-                chunk = self.sock.recv(1 << 20)
+                chunk = self.sock.recv(1 << 16)
                 if not chunk:
                     raise ConnectionError("the router closed the door")
                 buf += chunk
