@@ -326,3 +326,23 @@ def test_a_batch_with_nothing_left_on_time_does_not_run_and_frees_its_path():
     rt.submit(0, [2])  # the path it held is free: the next request is served from now
     nxt = ex.jobs[-1]
     assert nxt.dispatch.hops[0].start_us == pytest.approx(30.0)
+
+
+def test_an_overrun_into_the_reply_margin_is_not_dropped():
+    # SLO 40 µs, margin 10: reserved to end at 20 (slack 20 to the SLO's end). Stage 0 runs
+    # 12 µs over: stage 1 ends at 32, past the scheduled 30 but within the SLO (the margin
+    # is held back for the reply, not a deadline of the stages): it runs, on time.
+    rt, clock, ex = runtime(
+        [([0], [10.0], 0.0), ([1], [10.0], 0.0)], slo_us=40.0, reply_margin_us=10.0
+    )
+    rt.submit(0, [1])
+    (job,) = ex.jobs
+    assert job.slack_us == pytest.approx(20.0)
+    rt.hop_started(job, 0, 0.0)
+    clock.run_until(22.0)
+    rt.hop_done(job, 0, 0.0, 22.0)
+    assert rt.hop_late(job, 1) is True and not ex.answers
+    rt.hop_started(job, 1, 22.0)
+    clock.run_until(32.0)
+    rt.hop_done(job, 1, 22.0, 32.0)
+    assert ex.answers[1] == (ON_TIME, "")

@@ -296,7 +296,7 @@ class ServingRuntime:
         if d.hops[0].pool == gen.first_pool[d.pipeline]:
             self.batches += 1
             entries[0].stats.batch_sizes[n] += 1
-        slack = min(e.deadline_us for e in entries) - d.hops[-1].end_us
+        slack = min(e.due_us for e in entries) - d.hops[-1].end_us
         self.executor.run(Job(d, entries, gen, slack))
 
     # ------------------------------------------------------------------ reports
@@ -342,9 +342,10 @@ class ServingRuntime:
     def hop_late(self, job: Job, h: int) -> bool:
         """Hop `h` of `job` may start now, later than reserved (its vGPU was busy with a
         stage that ran over its reservation). Requests that can no longer be on time (the
-        rest of the path as reserved, shifted by the delay) are dropped now, explicitly,
-        rather than answered late; True while any request of the batch remains, else the
-        rest of the path is released and the hop must not run."""
+        rest of the path as reserved, shifted by the delay, ends after their SLO: late even
+        with no time for the reply, whose margin was held back for this) are dropped now,
+        explicitly, rather than answered late; True while any request of the batch remains,
+        else the rest of the path is released and the hop must not run."""
         gen = job.generation
         d = job.dispatch
         now = self.clock.now()
@@ -354,11 +355,11 @@ class ServingRuntime:
         for entry in job.entries:
             if entry.outcome != PENDING:
                 continue
-            if entry.deadline_us < end:
+            if entry.due_us < end:
                 if live.pop(entry.id, None) is not None:
                     self._end(entry, DROPPED, DROP_STAGE_OVERRAN, now)
             else:
-                first = min(first, entry.deadline_us)
+                first = min(first, entry.due_us)
         if first < math.inf:
             job.slack_us = first - d.hops[-1].end_us
             return True

@@ -76,7 +76,7 @@ class Job:
         self.started = 0  # hops reported started so far
         self.idle: list[bool] = []  # per started hop: its vGPU had nothing else running
         # How much later than reserved a hop may start with every request still on time
-        # (the earliest deadline less the reserved end of the last hop).
+        # (the earliest SLO end, arrival + SLO, less the reserved end of the last hop).
         self.slack_us = slack_us
 
     @property
