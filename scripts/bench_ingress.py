@@ -38,6 +38,7 @@ from rich.table import Table
 
 from poolpipe.store.warehouse import Warehouse
 from triton_backend.env import fix_this_process, free_ports
+from triton_backend.nodes import cpu_seconds
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
@@ -79,25 +80,6 @@ class TritonPythonModel:
                 sender.send(out, FINAL)
         return None
 """
-
-
-def cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes and all their descendants."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total, seen, todo = 0.0, set(), list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            continue
-        todo += [int(k) for k in kids]
-    return total
 
 
 class Native:
@@ -205,12 +187,12 @@ def one_at_a_time(server, protocol: str, n: int) -> tuple[np.ndarray, float, flo
     for _ in range(20):  # warm
         client.infer("echo", [i])
     lat = []
-    cpu0, own0 = cpu_s(server.pids), time.process_time()
+    cpu0, own0 = cpu_seconds(server.pids), time.process_time()
     for _ in range(n):
         t = time.perf_counter()
         client.infer("echo", [i])
         lat.append((time.perf_counter() - t) * 1e3)
-    cpu, own = cpu_s(server.pids) - cpu0, time.process_time() - own0
+    cpu, own = cpu_seconds(server.pids) - cpu0, time.process_time() - own0
     return np.asarray(lat), cpu / n, own / n
 
 

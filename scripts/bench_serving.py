@@ -45,6 +45,7 @@ from rich.table import Table
 from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
+from triton_backend.nodes import cpu_seconds
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
@@ -135,10 +136,10 @@ def main() -> int:
         d = client_run("closed", node.grpc_url, part, in_name, x, args.requests)
         dep.core.take_window()
         door = dep.frontend.node.process.pid  # the router's Triton and its door stubs
-        cpu0, door0 = time.process_time(), cpu_s([door])
+        cpu0, door0 = time.process_time(), cpu_seconds([door])
         r = client_run("closed", dep.grpc_url, name, in_name, x, args.requests)
         router_cpu = (time.process_time() - cpu0) / args.requests * 1e6
-        door_cpu = (cpu_s([door]) - door0) / args.requests * 1e6
+        door_cpu = (cpu_seconds([door]) - door0) / args.requests * 1e6
         # the router's own time per request (the door's stamp to its answer); the rest of
         # the path is the door's (Triton front end, Python stub, the socket both ways)
         inside50 = float(dep.core.take_window()[0][0]["p50_ms"])
@@ -377,25 +378,6 @@ def client_run(kind, url, model, in_name, x, n, slo_ms=None):
     )
     result = json.loads(out.stdout)
     return np.asarray(result) if kind == "closed" else result
-
-
-def cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes and all their descendants."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total, seen, todo = 0.0, set(), list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            continue
-        todo += [int(k) for k in kids]
-    return total
 
 
 def burst_check(args, name: str, tmp: Path, record) -> None:

@@ -27,7 +27,7 @@ _LEN = struct.Struct("<I")
 log = logging.getLogger(__name__)
 
 
-def _frame(obj: object) -> bytes:
+def _frame(obj: object) -> bytes:  # door_model.py's framing (the stub imports nothing of ours)
     data = pickle.dumps(obj, protocol=5)
     return _LEN.pack(len(data)) + data
 
@@ -51,12 +51,13 @@ class _Connection(asyncio.Protocol):
         buf = self.buf
         buf += data
         at = 0
-        while len(buf) - at >= 4:
+        size = _LEN.size
+        while len(buf) - at >= size:
             (n,) = _LEN.unpack_from(buf, at)
-            if len(buf) - at - 4 < n:
+            if len(buf) - at - size < n:
                 break
-            msg = pickle.loads(memoryview(buf)[at + 4 : at + 4 + n])
-            at += 4 + n
+            msg = pickle.loads(memoryview(buf)[at + size : at + size + n])
+            at += size + n
             try:
                 self.door.handle(self, msg)
             except Exception:  # a bug of ours must not take the door down

@@ -44,9 +44,9 @@ _HANDOVER_NS = 100_000  # per request: more than Triton takes to copy one into t
 _BACKLOG = 3  # requests in one back-to-back batch that show a backlog
 
 
-def _send(sock: socket.socket, obj: object) -> None:
+def _frame(obj: object) -> bytes:
     data = pickle.dumps(obj, protocol=5)
-    sock.sendall(_LEN.pack(len(data)) + data)
+    return _LEN.pack(len(data)) + data
 
 
 class TritonPythonModel:
@@ -65,8 +65,7 @@ class TritonPythonModel:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        _send(self.sock, ("hello", config["name"], args.get("model_instance_name", "")))
-        self.lock = threading.Lock()  # sendall from execute's thread
+        self.sock.sendall(_frame(("hello", config["name"], args.get("model_instance_name", ""))))
         self.pending: dict[int, Any] = {}  # request id -> its response sender
         self.ids = itertools.count()
         self.egress: list[int] = []
@@ -114,12 +113,8 @@ class TritonPythonModel:
             egress, self.egress = self.egress, []
             frames.append(("req", rid, arrived, r.parameters(), arrays, egress))
         if frames:
-            data = b"".join(
-                _LEN.pack(len(p)) + p for p in (pickle.dumps(f, protocol=5) for f in frames)
-            )
-            try:
-                with self.lock:
-                    self.sock.sendall(data)
+            try:  # the only writer after initialize (one execute at a time per instance)
+                self.sock.sendall(b"".join(_frame(f) for f in frames))
             except OSError:
                 self._fail_all("the router is not running")
         self.last_end = time.monotonic_ns()

@@ -118,10 +118,6 @@ class Frontend:
     def grpc_port(self) -> int:
         return self.node.grpc_port
 
-    @property
-    def log_path(self) -> Path:
-        return self.node.log_path
-
     def start(self) -> Frontend:
         try:
             # The socket's path must fit in 108 bytes: a short private folder, not the

@@ -1,5 +1,5 @@
 """The router: poolpipe's serving runtime driven by the real clock, with an executor that
-runs each batch along its path of stage workers through tritonclient's asyncio gRPC client,
+runs each batch along its path of stage workers through tritonclient's gRPC client,
 behind the router's own Triton (the door: a Python-backend model per served model name that
 clients call over KServe v2 HTTP/gRPC, see door.py).
 
@@ -49,14 +49,6 @@ BAD_REQUEST_MARKER = "POOLPIPE_BAD_REQUEST"
 FAIL_MARKER = "POOLPIPE_STAGE_FAILED"
 
 T = TypeVar("T")
-
-
-class Dropped(Exception):
-    """The request was not served because its deadline could not be met."""
-
-
-class StageFailed(Exception):
-    """A stage worker failed while serving the request's batch."""
 
 
 @dataclass(frozen=True)
