@@ -122,6 +122,23 @@ def print_side_by_side(plans: list[Plan]) -> None:
                 )
 
 
+def _cluster_arg(args: argparse.Namespace):
+    """--cluster NAME, or the cluster of --inventory FILE's live nodes."""
+    inventory = getattr(args, "inventory", None)
+    if inventory and args.cluster:
+        raise PoolpipeError("give --cluster or --inventory, not both")
+    if inventory:
+        from poolpipe.domain.inventory import load_inventory
+
+        return load_inventory(inventory).cluster()
+    if not args.cluster:
+        raise PoolpipeError(
+            "give --cluster NAME (a cluster in the warehouse or --clusters-file) or "
+            "--inventory FILE"
+        )
+    return args.cluster
+
+
 def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> PlanRequest:
     names = parse_list(args.models, "models")
     weights = parse_floats(args.weights, "weights") if args.weights else None
@@ -136,7 +153,7 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
     return plan_request(
         wh,
         names,
-        args.cluster,
+        _cluster_arg(args),
         clusters_file=args.clusters_file,
         weights=weights,
         slo_us=explicit,
@@ -214,8 +231,13 @@ def cmd_paper_plans(args: argparse.Namespace) -> int:
 def _planning_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", required=True, help="comma-separated model names (in the warehouse)")
     p.add_argument("--weights", help="workload share per model, same order (default: equal)")
-    p.add_argument("--cluster", required=True, help="cluster name, e.g. hc2-large")
+    p.add_argument("--cluster", help="cluster name, e.g. hc2-large")
     p.add_argument("--clusters-file", help="TOML file with the cluster (default: the warehouse)")
+    p.add_argument(
+        "--inventory",
+        help="plan for the live nodes of this inventory TOML instead of --cluster (device "
+        "counts, nodes per server and NIC bandwidth follow from it)",
+    )
     p.add_argument("--slo-scale", type=float, help="SLO = this x each model's reference latency")
     p.add_argument("--slo-us", help="explicit SLOs, e.g. A=70000,B=23000 (µs)")
     p.add_argument("--margin", type=float, default=0.4, help="fraction of the SLO held back (0.4)")

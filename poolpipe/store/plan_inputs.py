@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from poolpipe.domain.cluster import load_cluster
+from poolpipe.domain.cluster import Cluster, load_cluster
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest
 from poolpipe.store.warehouse import Warehouse
@@ -16,7 +16,7 @@ from poolpipe.store.warehouse import Warehouse
 def plan_request(
     wh: Warehouse,
     models: Sequence[str],
-    cluster: str,
+    cluster: str | Cluster,
     *,
     clusters_file: Path | str | None = None,
     weights: Sequence[float] | None = None,
@@ -50,9 +50,12 @@ def plan_request(
             slos.append(p.slo_us)
         else:
             raise PoolpipeError(f"model {p.name} has no SLO; give an SLO scale or its SLO")
-    inventory = (
-        load_cluster(Path(clusters_file), cluster) if clusters_file else wh.load_cluster(cluster)
-    )
+    if isinstance(cluster, Cluster):  # e.g. from an inventory of nodes
+        inventory = cluster
+    elif clusters_file:
+        inventory = load_cluster(Path(clusters_file), cluster)
+    else:
+        inventory = wh.load_cluster(cluster)
     return PlanRequest(
         models=profiles,
         weights=tuple(weights),

@@ -1,0 +1,232 @@
+"""What a deployment's hosts hold: servers (each with one NIC) and the stage-worker nodes
+on them (one Triton endpoint per GPU, reached by address). Read from TOML:
+
+    [[servers]]                 # hosts; the nodes of one server share its NIC
+    name = "s0"
+    bandwidth_gbps = 1
+    [[nodes]]                   # one Triton stage-worker endpoint
+    name = "s0-n0"
+    server = "s0"
+    device = "cpu-1t"           # device type as profiled in the warehouse
+    grpc = "10.0.0.2:8001"      # where the router and other nodes reach it
+    shares = [1]                # optional: vGPU shares the planner may use on it
+
+The planner plans for an inventory (`cluster()`: device counts, nodes per server and NIC
+bandwidth follow from it); the router attaches to its nodes (`assign()`)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from poolpipe.domain.cluster import Cluster, GpuPool
+from poolpipe.errors import ClusterError
+
+_ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+
+
+class InventoryError(ClusterError):
+    pass
+
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    bandwidth_gbps: float
+
+
+@dataclass(frozen=True)
+class InventoryNode:
+    name: str
+    server: str
+    device: str
+    grpc: str  # host:port
+    shares: tuple[int, ...] = (1,)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    servers: tuple[Server, ...]
+    nodes: tuple[InventoryNode, ...]
+    source: str = "inventory"  # the file it came from (for messages)
+    down: frozenset[str] = field(default_factory=frozenset)  # node names marked down
+
+    def __post_init__(self) -> None:
+        where = self.source
+        names = [s.name for s in self.servers]
+        if len(set(names)) != len(names):
+            raise InventoryError(f"{where}: a server name is listed twice ({names})")
+        for s in self.servers:
+            if not s.bandwidth_gbps > 0:
+                raise InventoryError(
+                    f"{where}: server {s.name}: bandwidth_gbps must be > 0, got {s.bandwidth_gbps}"
+                )
+        seen: dict[str, str] = {}
+        for n in self.nodes:
+            if n.name in seen:
+                raise InventoryError(f"{where}: node name {n.name!r} is listed twice")
+            seen[n.name] = n.grpc
+            if n.server not in names:
+                raise InventoryError(
+                    f"{where}: node {n.name}: server {n.server!r} is not among [[servers]] "
+                    f"({', '.join(names) or 'none'})"
+                )
+            if not _ADDRESS.match(n.grpc) or not 0 < int(n.grpc.rsplit(":", 1)[1]) < 65536:
+                raise InventoryError(f"{where}: node {n.name}: grpc = {n.grpc!r} is not HOST:PORT")
+            if not n.shares or any(v < 1 for v in n.shares):
+                raise InventoryError(f"{where}: node {n.name}: shares must be integers >= 1")
+        addresses = [n.grpc for n in self.nodes]
+        if len(set(addresses)) != len(addresses):
+            raise InventoryError(f"{where}: two nodes share one gRPC address")
+        for device, nodes in self.by_device().items():
+            if len({n.shares for n in nodes}) > 1:
+                raise InventoryError(f"{where}: nodes of device {device} list different shares")
+        unknown = self.down - set(seen)
+        if unknown:
+            raise InventoryError(f"{where}: nodes marked down are not listed: {sorted(unknown)}")
+
+    def by_device(self, live_only: bool = False) -> dict[str, list[InventoryNode]]:
+        """Nodes per device type, in server order then as listed: the i-th is the plan's
+        GPU i of that type."""
+        order = {s.name: i for i, s in enumerate(self.servers)}
+        out: dict[str, list[InventoryNode]] = defaultdict(list)
+        for n in sorted(self.nodes, key=lambda n: order[n.server]):  # stable: as listed
+            if not (live_only and n.name in self.down):
+                out[n.device].append(n)
+        return dict(out)
+
+    def cluster(self, name: str | None = None) -> Cluster:
+        """The cluster the planner sees: per device type the nodes not marked down, as many
+        GPUs per server as the fullest server holds, and the slowest server's NIC."""
+        per_device = self.by_device(live_only=True)
+        if not per_device:
+            raise InventoryError(f"{self.source}: no node left to plan for")
+        pools = []
+        for device, nodes in sorted(per_device.items()):
+            per_server: dict[str, int] = defaultdict(int)
+            for n in nodes:
+                per_server[n.server] += 1
+            pools.append(GpuPool(device, len(nodes), max(per_server.values()), nodes[0].shares))
+        bandwidth = min(s.bandwidth_gbps for s in self.servers)
+        return Cluster(name or Path(self.source).stem, bandwidth, tuple(pools))
+
+    def mark_down(self, names: set[str]) -> Inventory:
+        return Inventory(self.servers, self.nodes, self.source, self.down | frozenset(names))
+
+    def to_toml(self) -> str:
+        lines = []
+        for s in self.servers:
+            lines += [
+                "[[servers]]",
+                f'name = "{s.name}"',
+                f"bandwidth_gbps = {s.bandwidth_gbps:g}",
+                "",
+            ]
+        for n in self.nodes:
+            lines += [
+                "[[nodes]]",
+                f'name = "{n.name}"',
+                f'server = "{n.server}"',
+                f'device = "{n.device}"',
+                f'grpc = "{n.grpc}"',
+            ]
+            if n.shares != (1,):
+                lines.append(f"shares = [{', '.join(str(v) for v in n.shares)}]")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def load_inventory(path: str | Path) -> Inventory:
+    """An inventory file; InventoryError names the file and the field that is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise InventoryError(f"{path}: inventory file is missing")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise InventoryError(f"{path}: not valid TOML ({e})") from None
+    return parse_inventory(data, str(path))
+
+
+def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
+    def need(entry: dict, key: str, what: str, kind: type):
+        if key not in entry:
+            raise InventoryError(f"{source}: {what} has no {key!r}")
+        value = entry[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise InventoryError(f"{source}: {what}: {key} = {value!r} is not a {kind.__name__}")
+        return value
+
+    def known(entry: dict, keys: set[str], what: str) -> None:
+        extra = sorted(set(entry) - keys)
+        if extra:
+            raise InventoryError(
+                f"{source}: {what}: unknown key(s) {', '.join(extra)} "
+                f"(known: {', '.join(sorted(keys))})"
+            )
+
+    known(data, {"servers", "nodes", "down"}, "top level")
+    servers, nodes = [], []
+    for i, s in enumerate(_tables(data, "servers", source)):
+        what = f"[[servers]] #{i + 1}"
+        known(s, {"name", "bandwidth_gbps"}, what)
+        servers.append(Server(need(s, "name", what, str), need(s, "bandwidth_gbps", what, float)))
+    for i, n in enumerate(_tables(data, "nodes", source)):
+        what = f"[[nodes]] #{i + 1}"
+        name = need(n, "name", what, str)
+        what = f"node {name}"
+        known(n, {"name", "server", "device", "grpc", "shares"}, what)
+        shares = n.get("shares", [1])
+        if not isinstance(shares, list) or not all(isinstance(v, int) for v in shares):
+            raise InventoryError(f"{source}: {what}: shares = {shares!r} is not a list of integers")
+        nodes.append(
+            InventoryNode(
+                name,
+                need(n, "server", what, str),
+                need(n, "device", what, str),
+                need(n, "grpc", what, str),
+                tuple(shares),
+            )
+        )
+    down = data.get("down", [])
+    if not isinstance(down, list) or not all(isinstance(d, str) for d in down):
+        raise InventoryError(f"{source}: down = {down!r} is not a list of node names")
+    if not nodes:
+        raise InventoryError(f"{source}: no [[nodes]]")
+    return Inventory(tuple(servers), tuple(nodes), source, frozenset(down))
+
+
+def _tables(data: dict, key: str, source: str) -> list[dict]:
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise InventoryError(f"{source}: {key} must be an array of tables ([[{key}]])")
+    return value
+
+
+def assign(
+    nodes: dict[str, tuple[str, int]], inv: Inventory, what: str = "the plan"
+) -> dict[str, InventoryNode]:
+    """The inventory node behind each of a layout's nodes (name -> (device, index of that
+    device's GPU)): GPU i of a device is the device's i-th live node (Inventory.by_device).
+    InventoryError, before anything is loaded, when the inventory lacks a device or has
+    too few nodes of one."""
+    live = inv.by_device(live_only=True)
+    need: dict[str, int] = defaultdict(int)
+    for device, i in nodes.values():
+        need[device] = max(need[device], i + 1)
+    short = [
+        f"{device}: needs {n}, has {len(live.get(device, []))}"
+        for device, n in sorted(need.items())
+        if len(live.get(device, [])) < n
+    ]
+    if short:
+        raise InventoryError(
+            f"{what} needs more nodes than {inv.source} has live ({'; '.join(short)}); "
+            "add nodes or plan for this inventory (poolpipe plan ... --inventory FILE)"
+        )
+    return {name: live[device][i] for name, (device, i) in nodes.items()}

@@ -1,0 +1,144 @@
+"""Inventories: parsing with errors that name the file and the field, the cluster the
+planner sees, which node serves which GPU of a plan, and planning for an inventory."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolpipe.domain.inventory import (
+    InventoryError,
+    assign,
+    load_inventory,
+    parse_inventory,
+)
+
+GOOD = """
+[[servers]]
+name = "s0"
+bandwidth_gbps = 10
+[[servers]]
+name = "s1"
+bandwidth_gbps = 1
+[[nodes]]
+name = "b"
+server = "s1"
+device = "T4"
+grpc = "10.0.0.3:8001"
+[[nodes]]
+name = "a"
+server = "s0"
+device = "T4"
+grpc = "10.0.0.2:8001"
+[[nodes]]
+name = "c"
+server = "s0"
+device = "L4"
+grpc = "host-c.example:9001"
+shares = [1, 2]
+[[nodes]]
+name = "d"
+server = "s0"
+device = "T4"
+grpc = "10.0.0.2:8011"
+"""
+
+
+def test_an_inventory_gives_the_planner_its_cluster(tmp_path):
+    f = tmp_path / "inv.toml"
+    f.write_text(GOOD)
+    inv = load_inventory(f)
+    # GPU i of a type is the i-th node in server order, then as listed
+    assert [n.name for n in inv.by_device()["T4"]] == ["a", "d", "b"]
+    c = inv.cluster()
+    assert c.name == "inv" and c.bandwidth_gbps == 1  # the slowest server's NIC
+    assert {p.gpu: (p.count, p.gpus_per_server, p.shares) for p in c.pools} == {
+        "L4": (1, 1, (1, 2)),
+        "T4": (3, 2, (1,)),
+    }
+    down = inv.mark_down({"d"})
+    assert down.cluster().pool("T4").count == 2
+    got = assign({"T4-0": ("T4", 0), "T4-1": ("T4", 1), "L4-0": ("L4", 0)}, down)
+    assert {k: v.name for k, v in got.items()} == {"T4-0": "a", "T4-1": "b", "L4-0": "c"}
+    with pytest.raises(InventoryError, match=r"T4: needs 3, has 2"):
+        assign({"T4-2": ("T4", 2)}, down)
+    with pytest.raises(InventoryError, match=r"V100: needs 1, has 0"):
+        assign({"V100-0": ("V100", 0)}, inv)
+    # written out and read back, it is the same inventory
+    f2 = tmp_path / "again.toml"
+    f2.write_text(inv.to_toml())
+    again = load_inventory(f2)
+    assert again.nodes == inv.nodes and again.servers == inv.servers
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda t: t.replace('grpc = "10.0.0.3:8001"', 'grpc = "10.0.0.3"'),
+            r"node b: grpc = '10.0.0.3' is not HOST:PORT",
+        ),
+        (
+            lambda t: t.replace('server = "s1"', 'server = "s9"'),
+            r"node b: server 's9' is not among",
+        ),
+        (
+            lambda t: t.replace("bandwidth_gbps = 1\n", 'bandwidth_gbps = "fast"\n'),
+            r"\[\[servers\]\] #2: bandwidth_gbps = 'fast' is not a float",
+        ),
+        (lambda t: t.replace('name = "d"', 'name = "a"'), r"node name 'a' is listed twice"),
+        (
+            lambda t: t.replace('grpc = "10.0.0.2:8011"', 'grpc = "10.0.0.2:8001"'),
+            r"two nodes share one gRPC address",
+        ),
+        (lambda t: t.replace('device = "L4"\n', ""), r"node c has no 'device'"),
+        (lambda t: "down = ['zz']\n" + t, r"nodes marked down are not listed: \['zz'\]"),
+        (lambda t: t + "\ndown = ['a']\n", r"node d: unknown key\(s\) down"),
+        (lambda t: t.replace("[[nodes]]", "[nodes]", 1), r"not valid TOML|nodes must be an array"),
+        (
+            lambda t: t.replace("shares = [1, 2]", "shares = [0]"),
+            r"node c: shares must be integers >= 1",
+        ),
+    ],
+)
+def test_a_bad_inventory_names_the_file_and_the_field(tmp_path, edit, message):
+    f = tmp_path / "bad.toml"
+    f.write_text(edit(GOOD))
+    with pytest.raises(InventoryError, match=message) as e:
+        load_inventory(f)
+    assert str(f) in str(e.value)
+
+
+def test_missing_or_empty_inventories(tmp_path):
+    with pytest.raises(InventoryError, match="inventory file is missing"):
+        load_inventory(tmp_path / "none.toml")
+    with pytest.raises(InventoryError, match=r"x: no \[\[nodes\]\]"):
+        parse_inventory({"servers": [{"name": "s0", "bandwidth_gbps": 1}]}, "x")
+    inv = parse_inventory(
+        {
+            "servers": [{"name": "s0", "bandwidth_gbps": 1}],
+            "nodes": [{"name": "n", "server": "s0", "device": "cpu-1t", "grpc": "h:1"}],
+            "down": ["n"],
+        },
+        "y",
+    )
+    with pytest.raises(InventoryError, match="y: no node left to plan for"):
+        inv.cluster()
+
+
+def test_plan_for_an_inventory(tmp_path, capsys, ppipe_dir):
+    """`poolpipe plan --inventory` plans for the inventory's live nodes (real MILP)."""
+    from poolpipe.cli import main
+    from poolpipe.domain.plan import Plan
+
+    wh = str(tmp_path / "wh.duckdb")
+    assert main(["--warehouse", wh, "profiles", "import-ppipe", str(ppipe_dir)]) == 0
+    inv = tmp_path / "inv.toml"
+    inv.write_text("down = ['d']\n" + GOOD)
+    out = tmp_path / "plan.json"
+    args = ["--warehouse", wh, "plan", "--models", "repvgg-b3", "--inventory", str(inv)]
+    assert main([*args, "--slo-scale", "5", "--out", str(out)]) == 0
+    plan = Plan.load(out)
+    assert {p.gpu: p.count for p in plan.cluster.pools} == {"L4": 1, "T4": 2}
+    assert all(n <= {"L4": 1, "T4": 2}[g] for g, n in plan.gpus_used().items())
+    assert main([*args, "--cluster", "hc2-large"]) == 2
+    assert "not both" in capsys.readouterr().err
