@@ -101,10 +101,22 @@ def test_partitions_run_on_two_nodes_with_fp16_between_them(served):
     assert len(served.nodes) == 2 and all(n.alive for n in served.nodes.values())
     placed = sorted((p.node, p.start, p.end) for p in served.layout.placements)
     assert [(a, b) for _, a, b in placed] == [(0, 2), (2, 4)]
-    # the boundary is fp16 on the wire
+    # the boundary is fp16 on the wire: the config the node loaded says so
+    import tritonclient.grpc as grpcclient
+
     second = next(p for p in served.layout.placements if p.start == 2)
-    config = served.workspace / "repos" / second.node / second.partition / "config.pbtxt"
-    assert "TYPE_FP16" in config.read_text()
+    client = grpcclient.InferenceServerClient(served.nodes[second.node].grpc_url)
+    cfg = client.get_model_config(second.partition, as_json=True)["config"]
+    client.close()
+    assert [i["data_type"] for i in cfg["input"]] == ["TYPE_FP16"]
+    # the models were uploaded through the repository API: nothing on the nodes' disks
+    for name in served.nodes:
+        assert not any((served.workspace / "repos" / name).iterdir())
+    # and the nodes are written down as an inventory, which the deployment attached to
+    from poolpipe.domain.inventory import load_inventory
+
+    inv = load_inventory(served.workspace / "inventory.toml")
+    assert sorted(n.grpc for n in inv.nodes) == sorted(n.grpc_url for n in served.nodes.values())
     # the door answered its warm-up requests before any client came
     from triton_backend.frontend import WARM_UP
 

@@ -11,13 +11,13 @@ import numpy as np
 from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler.topology import Topology
-from triton_backend.nodes import TritonNode
+from triton_backend.nodes import RepositoryAPI
 
 
 def calibrate(
     topo: Topology,
     lay: Layout,
-    nodes: dict[str, TritonNode],
+    nodes: dict[str, RepositoryAPI],
     parts: dict[str, PartitionFile],
     reps: int = 5,
     known: dict[tuple, float] | None = None,
@@ -63,7 +63,7 @@ def calibrate(
 
 def warm(
     lay: Layout,
-    nodes: dict[str, TritonNode],
+    nodes: dict[str, RepositoryAPI],
     parts: dict[str, PartitionFile],
     max_batch: int,
     only: str | None = None,

@@ -1,9 +1,12 @@
-"""Bring a plan up on this machine and keep it serving: its partitions loaded on one
-tritonserver node per physical GPU of its topology, calibrated, with the router (the serving
-runtime on the real clock) and its front door in front; roll out new plans; take it down.
+"""Bring a plan up and keep it serving: its partitions uploaded to one stage-worker node per
+physical GPU of its topology (the nodes of an inventory, wherever they run, or nodes this
+process starts on loopback and describes by an inventory of its own), calibrated, with the
+router (the serving runtime on the real clock) and its front door in front; roll out new
+plans; take it down.
 
 The steps live in their own modules: prepare (topology, layout, partition files), load
-(repositories onto nodes), calibration, router, frontend (the router's Triton and door)."""
+(attach to nodes, upload models), calibration, router, frontend (the router's Triton and
+door)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import (
@@ -31,14 +35,14 @@ from poolpipe.sim.scenario import Scenario
 from triton_backend.calibration import calibrate, warm
 from triton_backend.env import triton_home
 from triton_backend.frontend import Frontend
-from triton_backend.load import load_layout
-from triton_backend.nodes import TritonNode, stop_nodes
+from triton_backend.load import LocalNodes, attach, load_layout
+from triton_backend.nodes import RepositoryAPI, TritonNode
 from triton_backend.prepare import model_io, prepare
 from triton_backend.router import ModelIO, RouterCore, served_plan
 
 
 def _served(
-    live: Topology, lay: Layout, nodes: dict[str, TritonNode], ios: list[ModelIO], options: dict
+    live: Topology, lay: Layout, nodes: dict[str, RepositoryAPI], ios: list[ModelIO], options: dict
 ) -> ServedPlan:
     """What the router needs to serve a calibrated topology on these nodes."""
     return served_plan(
@@ -67,7 +71,7 @@ class Deployment:
     plan: Plan
     topo: Topology
     layout: Layout
-    nodes: dict[str, TritonNode]
+    nodes: dict[str, RepositoryAPI]  # by the layout's node names
     core: RouterCore
     workspace: Path
     ios: list[ModelIO]
@@ -77,6 +81,8 @@ class Deployment:
     control: Callable[[dict], dict] | None = field(default=None, repr=False)
     calibration: dict[tuple, float] = field(default_factory=dict, repr=False)
     parts: dict = field(default_factory=dict, repr=False)  # partition files by model name
+    inventory: Inventory | None = None  # the nodes attached to
+    local: LocalNodes | None = field(default=None, repr=False)  # nodes this process runs
 
     @property
     def http_port(self) -> int:
@@ -118,6 +124,7 @@ class Deployment:
         listen: str = "127.0.0.1",
         http_port: int = 0,
         grpc_port: int = 0,
+        inventory: Inventory | None = None,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
@@ -126,7 +133,9 @@ class Deployment:
         `reply_margin_us` / `reply_margin_max_us`: the floor and the ceiling of the reply
         margin, which the router measures (its ingress + egress p99) and holds back from
         every request's deadline; the ceiling defaults to the larger of the floor and 25 ms.
-        `listen`, `http_port`, `grpc_port`: where clients reach the router (0: a free port)."""
+        `listen`, `http_port`, `grpc_port`: where clients reach the router (0: a free port).
+        `inventory`: the running nodes to serve on; without one, this process starts a node
+        per GPU of the plan on loopback and writes their inventory to the workspace."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         ceiling = (
@@ -142,12 +151,15 @@ class Deployment:
             "reply_margin_us": reply_margin_us,
             "reply_margin_max_us": ceiling,
         }
-        nodes: dict[str, TritonNode] = {}
+        local = (
+            None if inventory is not None else LocalNodes(workspace, plan.cluster.bandwidth_gbps)
+        )
         dep: Deployment | None = None
         triton_home(workspace)  # once, before the nodes start side by side
         try:
             topo, lay, parts = prepare(plan, warehouse, workspace, "g0")
-            load_layout(lay, parts, nodes, workspace, max_batch, loaded=[], started=[])
+            nodes, inventory = _attach(lay, inventory, local, workspace)
+            load_layout(lay, parts, nodes, max_batch, loaded=[])
             warm(lay, nodes, parts, _top_batch(topo))
             ios = model_io(topo, lay, parts)
             known: dict[tuple, float] = {}
@@ -155,6 +167,7 @@ class Deployment:
             core = RouterCore(_served(live, lay, nodes, ios, options), margin=margin).start()
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
+            dep.inventory, dep.local = inventory, local
             dep.frontend = Frontend(
                 core, ios, workspace, router_instances, control, listen, http_port, grpc_port
             ).start()
@@ -162,8 +175,8 @@ class Deployment:
         except BaseException:
             if dep is not None:
                 dep.down()
-            else:
-                stop_nodes(list(nodes.values()))
+            elif local is not None:
+                local.stop()
             raise
 
     def rollout(
@@ -177,7 +190,7 @@ class Deployment:
         names = lambda p: ",".join(m.name for m in p.models)  # noqa: E731
         label_from = f"{self.plan.strategy}:{names(self.plan)}@gen{self.generation}"
         label_to = f"{plan.strategy}:{names(plan)}@gen{self.generation + 1}"
-        loaded: list[tuple[TritonNode, str]] = []
+        loaded: list[tuple[RepositoryAPI, str]] = []
         started: list[TritonNode] = []
         t0 = time.perf_counter()
         try:
@@ -192,35 +205,32 @@ class Deployment:
                     )
                 if io != served[io.name]:
                     raise PoolpipeError(f"{io.name}: the new plan's tensors differ")
-            load_layout(
-                lay, parts, self.nodes, self.workspace, self.options["max_batch"], loaded, started
-            )
-            warm(lay, self.nodes, parts, _top_batch(topo))
-            live = with_latencies(
-                topo, calibrate(topo, lay, self.nodes, parts, known=self.calibration)
-            )
+            if self.local is not None:
+                started = self.local.ensure(lay)
+            nodes, inventory = _attach(lay, self.inventory, self.local, self.workspace)
+            load_layout(lay, parts, nodes, self.options["max_batch"], loaded)
+            warm(lay, nodes, parts, _top_batch(topo))
+            live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=self.calibration))
         except Exception as exc:
             for node, partition in loaded:
                 with contextlib.suppress(Exception):
                     node.unload(partition)
-            stop_nodes(started)
-            for node in started:
-                self.nodes.pop(node.name, None)
+            if self.local is not None:
+                self.local.stop(started)
             return RolloutResult(
                 "rolled back", str(exc), label_from, label_to, time.perf_counter() - t0, 0, 0, 0
             )
         prepare_s = time.perf_counter() - t0
-        res = self.core.switch(_served(live, lay, self.nodes, ios, self.options), flush_timeout_s)
-        old = self.layout
+        res = self.core.switch(_served(live, lay, nodes, ios, self.options), flush_timeout_s)
+        old, old_nodes = self.layout, self.nodes
         self.plan, self.topo, self.layout, self.parts = plan, topo, lay, parts
+        self.nodes, self.inventory = nodes, inventory
         self.generation += 1
-        for p in old.placements:
+        for p in old.placements:  # the node removes an unloaded model's files
             with contextlib.suppress(Exception):
-                self.nodes[p.node].unload(p.partition)
-        idle = [n for name, n in self.nodes.items() if name not in {s.name for s in lay.nodes}]
-        stop_nodes(idle)
-        for n in idle:
-            self.nodes.pop(n.name)
+                old_nodes[p.node].unload(p.partition)
+        if self.local is not None:  # nodes the new plan does not use
+            self.local.stop([n for name, n in self.local.nodes.items() if name not in self.nodes])
         return RolloutResult(
             "done",
             "",
@@ -268,14 +278,21 @@ class Deployment:
         ).run()
 
     def restart_node(self, name: str) -> None:
-        """Start a stopped or crashed node again on its ports with its partition models;
-        the router notices it answering and puts its vGPUs back in service."""
+        """Start a stopped or crashed local node again on its ports and load its partition
+        models (the operator restarts remote ones); the router notices it answering and
+        puts its vGPUs back in service."""
         node = self.nodes[name]
+        if not isinstance(node, TritonNode):
+            raise PoolpipeError(f"node {name} runs elsewhere ({node.grpc_url}); restart it there")
         node.stop()
         node.start()
-        for p in self.layout.placements:
-            if p.node == name:
-                node.load(p.partition)
+        only = Layout(
+            tuple(s for s in self.layout.nodes if s.name == name),
+            self.layout.placements,
+            self.layout.vgpu_node,
+            self.layout.pool_partition,
+        )
+        load_layout(only, self.parts, self.nodes, self.options["max_batch"], loaded=[])
         warm(self.layout, self.nodes, self.parts, _top_batch(self.topo), only=name)
 
     def down(self) -> None:
@@ -283,13 +300,32 @@ class Deployment:
             self.frontend.stop()
             self.frontend = None
         self.core.stop()
-        stop_nodes(list(self.nodes.values()))
+        if self.local is not None:
+            self.local.stop()
+        else:  # attached nodes keep running: take this deployment's models off them
+            for p in self.layout.placements:
+                with contextlib.suppress(Exception):
+                    self.nodes[p.node].unload(p.partition)
 
     def __enter__(self) -> Deployment:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def _attach(
+    lay: Layout, inventory: Inventory | None, local: LocalNodes | None, workspace: Path
+) -> tuple[dict[str, RepositoryAPI], Inventory]:
+    """The nodes behind the layout: those of `inventory`, or `local`'s (started for the
+    layout first, their inventory written to the workspace). One attach path either way."""
+    if local is not None:
+        local.ensure(lay)
+        inventory = local.inventory()
+        (workspace / "inventory.toml").write_text(inventory.to_toml())
+        return attach(lay, inventory, dict(local.nodes)), inventory
+    assert inventory is not None
+    return attach(lay, inventory), inventory
 
 
 def _top_batch(topo: Topology) -> int:

@@ -1,57 +1,122 @@
-"""Load a layout onto stage-worker nodes: render each partition's repository, start the
-nodes that are not running yet, and load the partition models (recorded, so that a failure
-can be undone)."""
+"""Put a layout's partitions on stage-worker nodes: find the node behind each of the
+layout's nodes in an inventory (attach), start local ones first where this process runs
+the deployment itself (LocalNodes), and upload and load the partition models through each
+node's model repository API (recorded, so that a failure can be undone)."""
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from poolpipe.domain.inventory import Inventory, InventoryError, InventoryNode, Server, assign
 from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
-from triton_backend.nodes import TritonNode
+from triton_backend.nodes import RemoteNode, RepositoryAPI, TritonNode, stop_nodes
 from triton_backend.prepare import threads_of
-from triton_backend.repository import render_partition
+from triton_backend.repository import partition_files, upload_config
+
+
+def attach(
+    lay: Layout, inv: Inventory, have: dict[str, RepositoryAPI] | None = None
+) -> dict[str, RepositoryAPI]:
+    """The node behind each of the layout's nodes (by layout node name): GPU i of a device
+    type is the inventory's i-th live node of that type. Nodes in `have` (by inventory
+    name) are used as they are; the others are reached by address. InventoryError, before
+    anything is loaded, when the inventory has too few nodes or one does not answer."""
+    picked = assign({s.name: (s.gpu, s.physical) for s in lay.nodes}, inv)
+    have = have or {}
+    out: dict[str, RepositoryAPI] = {}
+    for name, n in picked.items():
+        out[name] = have.get(n.name) or RemoteNode(n.name, n.device, n.grpc, n.server)
+
+    def answers(node: RepositoryAPI) -> bool:
+        return node.live()
+
+    with ThreadPoolExecutor(max(1, min(16, len(out)))) as pool:
+        dead = [
+            f"{node.name} ({node.grpc_url})"
+            for node, ok in zip(out.values(), pool.map(answers, out.values()), strict=True)
+            if not ok
+        ]
+    if dead:
+        raise InventoryError(
+            f"{inv.source}: node(s) not answering on gRPC: {', '.join(dead)}; start them "
+            "(poolpipe node ...) or mark them down"
+        )
+    return out
 
 
 def load_layout(
     lay: Layout,
     parts: dict[str, PartitionFile],
-    nodes: dict[str, TritonNode],
-    workspace: Path,
+    nodes: dict[str, RepositoryAPI],
     max_batch: int,
-    loaded: list[tuple[TritonNode, str]],
-    started: list[TritonNode],
+    loaded: list[tuple[RepositoryAPI, str]],
 ) -> None:
-    """Render every placement into its node's repository, start the nodes that are not
-    running yet and load the partition models (recorded in `loaded` and `started`, so that
-    a failure can be undone)."""
-    for spec in lay.nodes:
-        if spec.name not in nodes:
-            repo = workspace / "repos" / spec.name
-            shutil.rmtree(repo, ignore_errors=True)
-            nodes[spec.name] = node = TritonNode(spec.name, spec.gpu, repo, workspace)
-            started.append(node)
-        node = nodes[spec.name]
+    """Upload every placement's partition model to its node and load it (each recorded in
+    `loaded` once loaded, so that a failure can be undone); nodes side by side."""
+
+    def bring_up(spec_name: str, gpu: str) -> None:
+        node = nodes[spec_name]
         for p in lay.placements:
-            if p.node == spec.name:
-                render_partition(
+            if p.node == spec_name:
+                text, files = partition_files(
                     parts[p.partition],
-                    node.repo,
                     instances=p.instances,
-                    threads=threads_of(spec.gpu),
+                    threads=threads_of(gpu),
                     max_batch=max_batch,
                 )
-
-    def bring_up(node: TritonNode) -> None:
-        if not node.alive:
-            node.start()
-        for p in lay.placements:
-            if p.node == node.name:
-                node.load(p.partition)
+                node.load(p.partition, upload_config(text, p.partition), files)
                 loaded.append((node, p.partition))
 
-    todo = [nodes[s.name] for s in lay.nodes]
-    with ThreadPoolExecutor(max(1, len(todo))) as pool:
-        list(pool.map(bring_up, todo))
+    with ThreadPoolExecutor(max(1, len(lay.nodes))) as pool:
+        list(pool.map(lambda s: bring_up(s.name, s.gpu), lay.nodes))
+
+
+class LocalNodes:
+    """The nodes of a deployment this process runs itself (the local demo and `poolpipe
+    serve` without --nodes): one tritonserver per node of a layout, on loopback, named as
+    the layout's nodes, described by an inventory like any other cluster."""
+
+    def __init__(self, workspace: Path, bandwidth_gbps: float):
+        self.workspace = Path(workspace)
+        self.bandwidth_gbps = bandwidth_gbps
+        self.nodes: dict[str, TritonNode] = {}
+        self._where: dict[str, tuple[int, int]] = {}  # node -> (server, GPU index)
+
+    def ensure(self, lay: Layout) -> list[TritonNode]:
+        """Start the layout's nodes that are not running yet (side by side); returns them
+        (stop them to undo)."""
+        new = []
+        for spec in lay.nodes:
+            if spec.name not in self.nodes:
+                repo = self.workspace / "repos" / spec.name  # stays empty: models are uploaded
+                self.nodes[spec.name] = TritonNode(spec.name, spec.gpu, repo, self.workspace)
+                self._where[spec.name] = (spec.server, spec.physical)
+                new.append(self.nodes[spec.name])
+        try:
+            with ThreadPoolExecutor(max(1, len(new))) as pool:
+                list(pool.map(lambda n: n.start(), new))
+        except BaseException:
+            self.stop(new)
+            raise
+        return new
+
+    def stop(self, nodes: list[TritonNode] | None = None) -> None:
+        nodes = list(self.nodes.values()) if nodes is None else nodes
+        stop_nodes(nodes)
+        for n in nodes:
+            self.nodes.pop(n.name, None)
+            self._where.pop(n.name, None)
+
+    def inventory(self) -> Inventory:
+        """Node i of each device type is the layout's GPU i of that type."""
+        servers = sorted({s for s, _ in self._where.values()})
+        return Inventory(
+            tuple(Server(f"s{s}", self.bandwidth_gbps) for s in servers),
+            tuple(
+                InventoryNode(n.name, f"s{self._where[n.name][0]}", n.device, n.grpc_url)
+                for n in sorted(self.nodes.values(), key=lambda n: self._where[n.name])
+            ),
+            str(self.workspace / "inventory.toml"),
+        )

@@ -1,6 +1,10 @@
-"""Stage-worker nodes: `tritonserver` processes (the binary of the nvidia-pytriton wheel)
-serving a rendered model repository on loopback ports, in explicit model-control mode so
-that partition models are loaded and unloaded live (rollout)."""
+"""Stage-worker nodes: Triton servers in explicit model-control mode, reached by address.
+
+`RemoteNode` is a node someone else started (the operator, `poolpipe node`, the emulated
+cluster): the router knows only its gRPC address and uploads partition models through
+Triton's model repository API (config and files in the load request; nothing on a shared
+disk). `TritonNode` is a node this process starts: a `tritonserver` process (the binary of
+the nvidia-pytriton wheel) on its own ports, used the same way."""
 
 from __future__ import annotations
 
@@ -20,9 +24,90 @@ class NodeError(PoolpipeError):
     pass
 
 
+class RepositoryAPI:
+    """What the router does to a node, over its gRPC address only: load (uploading the
+    model's config and files), unload, list, check liveness."""
+
+    name: str
+    device: str
+
+    @property
+    def grpc_url(self) -> str:
+        raise NotImplementedError
+
+    def _grpc(self):
+        import tritonclient.grpc as grpcclient
+
+        return grpcclient.InferenceServerClient(self.grpc_url)
+
+    def live(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with contextlib.closing(self._grpc()) as c:
+                return bool(c.is_server_live(client_timeout=timeout_s))
+        except Exception:
+            return False
+
+    def load(
+        self,
+        model: str,
+        config: str | None = None,
+        files: dict[str, bytes] | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        """Load `model`; with `config` (the model config as JSON) and `files` (path in the
+        model's folder -> contents, e.g. "1/model.onnx"), upload it: the node keeps the
+        files only while the model is loaded."""
+        payload = None if files is None else {f"file:{k}": v for k, v in files.items()}
+        try:
+            with contextlib.closing(self._grpc()) as c:
+                c.load_model(model, config=config, files=payload, client_timeout=timeout_s)
+                if not c.is_model_ready(model):
+                    raise NodeError(f"{model} is not ready after loading")
+        except Exception as exc:
+            raise NodeError(
+                f"node {self.name} ({self.grpc_url}): loading {model} failed ({_short(exc)})"
+            ) from None
+
+    def unload(self, model: str) -> None:
+        with contextlib.closing(self._grpc()) as c:
+            c.unload_model(model)
+
+    def models(self) -> list[str]:
+        """The models loaded now (uploaded models are in no repository index: the
+        statistics endpoint lists every loaded model)."""
+        with contextlib.closing(self._grpc()) as c:
+            stats = c.get_inference_statistics(as_json=True).get("model_stats", [])
+            return sorted({m["name"] for m in stats})
+
+
+def _short(exc: BaseException) -> str:
+    """An error's message without the client's framing, one line."""
+    text = str(exc.message() if hasattr(exc, "message") and callable(exc.message) else exc)
+    return " ".join(text.split())[:500]
+
+
 @dataclass
-class TritonNode:
-    """One stage worker: a tritonserver process with its own model repository."""
+class RemoteNode(RepositoryAPI):
+    """A running node this process did not start, by its gRPC address."""
+
+    name: str
+    device: str
+    address: str  # host:port of its gRPC endpoint
+    server: str = ""
+
+    @property
+    def grpc_url(self) -> str:
+        return self.address
+
+    @property
+    def alive(self) -> bool:
+        return self.live()
+
+
+@dataclass
+class TritonNode(RepositoryAPI):
+    """One stage worker this process runs: a tritonserver process (with its own model
+    repository folder, empty unless something renders into it)."""
 
     name: str
     device: str  # device type, e.g. cpu-1t
@@ -76,18 +161,9 @@ class TritonNode:
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self._wait(lambda c: c.is_server_live(), timeout_s, "start")
-        self._wait(lambda _: self._grpc_live(), timeout_s, "start (gRPC)")
+        # the gRPC endpoint answers too (the HTTP one can be up a moment before it)
+        self._wait(lambda _: self.live(1.0), timeout_s, "start (gRPC)")
         return self
-
-    def _grpc_live(self) -> bool:
-        """The gRPC endpoint answers too (the HTTP one can be up a moment before it)."""
-        import tritonclient.grpc as grpcclient
-
-        c = grpcclient.InferenceServerClient(self.grpc_url)
-        try:
-            return bool(c.is_server_live(client_timeout=1.0))
-        finally:
-            c.close()
 
     def client(self):
         import tritonclient.http as th
@@ -115,22 +191,6 @@ class TritonNode:
         except OSError:
             return "no log"
         return "log: " + " | ".join(lines[-n:])
-
-    def load(self, model: str, timeout_s: float = 120.0) -> None:
-        try:
-            with contextlib.closing(self.client()) as c:
-                c.load_model(model)
-        except Exception as exc:
-            raise NodeError(f"node {self.name}: loading {model} failed ({exc})") from None
-        self._wait(lambda c: c.is_model_ready(model), timeout_s, f"load {model}")
-
-    def unload(self, model: str) -> None:
-        with contextlib.closing(self.client()) as c:
-            c.unload_model(model)
-
-    def models(self) -> list[str]:
-        with contextlib.closing(self.client()) as c:
-            return [m["name"] for m in c.get_model_repository_index() if m.get("state") == "READY"]
 
     @property
     def alive(self) -> bool:

@@ -1,20 +1,19 @@
 """Render Triton model repositories for stage-worker nodes from `model_repo_templates/`.
 
-Each partition placed on a node becomes `<repo>/<partition>/config.pbtxt` and
-`<repo>/<partition>/1/model.onnx` (plus `model.py` for the Python backend that runs ONNX
-Runtime on CPU nodes). Every rendered config is parsed into Triton's `ModelConfig` protobuf
-(shipped with tritonclient), so a template error fails here and not inside a server.
+Each partition placed on a node is a config and files (`1/model.onnx`, plus `1/model.py` for
+the Python backend that runs ONNX Runtime on CPU nodes), uploaded with the node's load
+request (or written as `<repo>/<partition>/...`). Every rendered config is parsed into
+Triton's `ModelConfig` protobuf (shipped with tritonclient), so a template error fails here
+and not inside a server.
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from tritonclient.grpc import model_config_pb2
 
@@ -102,6 +101,42 @@ def part_name(part: PartitionFile) -> str:
     return part.path.stem
 
 
+def partition_files(
+    part: PartitionFile,
+    *,
+    backend: str = "python",
+    instances: int = 1,
+    threads: int = 1,
+    max_batch: int = 8,
+    cpu: bool = True,
+) -> tuple[str, dict[str, bytes]]:
+    """One partition model as a node loads it: its config (config.pbtxt text) and its
+    files by path inside the model's folder ("1/model.onnx", ...)."""
+    text = render_config(
+        part, backend=backend, instances=instances, threads=threads, max_batch=max_batch, cpu=cpu
+    )
+    if backend == "tensorrt":
+        raise PoolpipeError(
+            "tensorrt_plan partitions need engines built on the GPU node (poolpipe.offline.engines."
+            "TensorRTEngine); render them there"
+        )
+    # CPU stage workers run ONNX Runtime with layout anchors, as the profiler does
+    anchored = anchored_file(part.path) if backend == "python" else None
+    files = {
+        "1/model.onnx": (
+            anchored.SerializeToString() if anchored is not None else part.path.read_bytes()
+        )
+    }
+    if backend == "python":
+        files["1/model.py"] = (TEMPLATES / "python_onnx_model.py").read_bytes()
+    return text, files
+
+
+def upload_config(text: str, what: str) -> str:
+    """A config.pbtxt as the JSON the model repository API's load request carries."""
+    return json_format.MessageToJson(parse_config(text, what), preserving_proto_field_name=True)
+
+
 def render_partition(
     part: PartitionFile,
     repo: Path,
@@ -113,25 +148,12 @@ def render_partition(
     cpu: bool = True,
 ) -> Path:
     """Write one partition model into repository `repo`; returns its folder."""
-    text = render_config(
+    text, files = partition_files(
         part, backend=backend, instances=instances, threads=threads, max_batch=max_batch, cpu=cpu
     )
     folder = Path(repo) / part_name(part)
-    version = folder / "1"
-    version.mkdir(parents=True, exist_ok=True)
+    (folder / "1").mkdir(parents=True, exist_ok=True)
     (folder / "config.pbtxt").write_text(text)
-    target = version / ("model.plan" if backend == "tensorrt" else "model.onnx")
-    if backend == "tensorrt":
-        raise PoolpipeError(
-            "tensorrt_plan partitions need engines built on the GPU node (poolpipe.offline.engines."
-            "TensorRTEngine); render them there"
-        )
-    # CPU stage workers run ONNX Runtime with layout anchors, as the profiler does
-    anchored = anchored_file(part.path) if backend == "python" else None
-    if anchored is not None:
-        onnx.save(anchored, str(target))
-    else:
-        shutil.copyfile(part.path, target)
-    if backend == "python":
-        shutil.copyfile(TEMPLATES / "python_onnx_model.py", version / "model.py")
+    for rel, data in files.items():
+        (folder / rel).write_bytes(data)
     return folder
