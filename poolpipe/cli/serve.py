@@ -1,18 +1,20 @@
-"""`poolpipe serve` (a plan on this machine: stage-worker nodes and the router) and
-`poolpipe rollout` (a new plan to a running router, as a Prefect flow)."""
+"""`poolpipe serve` (a plan: the router, on nodes of an inventory or on nodes it starts
+here), `poolpipe node` (one stage-worker node on this host) and `poolpipe rollout` (a new
+plan to a running router, as a Prefect flow)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import signal
 import threading
 from pathlib import Path
 
 from rich.console import Console
 
-from poolpipe.cli.common import add_reply_margin_argument, warn_slo_room
+from poolpipe.cli.common import add_reply_margin_argument, err_console, warn_slo_room
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES
 
@@ -34,13 +36,33 @@ def _plan_arg(args: argparse.Namespace):
         return plan, wh.store_plan(plan, label=f"serve:{path.name}")
 
 
+def _wait_for_signal(also=None) -> None:
+    """Until SIGTERM or Ctrl-C (or `also()` says so, checked every second)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            if also is not None and also():
+                break
+    except KeyboardInterrupt:
+        pass
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from triton_backend.serve import Server
 
+    inventory = None
+    if args.nodes:
+        from poolpipe.domain.inventory import load_inventory
+
+        inventory = load_inventory(args.nodes)
     plan, plan_id = _plan_arg(args)
     warn_slo_room(plan, args.reply_margin_ms * 1e3)
     workspace = Path(args.workspace)
-    with console.status("starting stage-worker nodes and the router ..."):
+    what = (
+        f"attaching to the nodes of {args.nodes}" if args.nodes else "starting stage-worker nodes"
+    )
+    with console.status(f"{what} and starting the router ..."):
         server = Server(
             plan,
             args.warehouse,
@@ -50,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stats_interval_s=args.stats_interval,
             metrics_port=args.metrics_port,
             plane=args.plane,
+            inventory=inventory,
             **router_options(args),
         )
     dep = server.deployment
@@ -61,15 +84,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"roll out another plan: poolpipe rollout PLAN --router {dep.grpc_url}\n"
         "Ctrl-C stops."
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
+    _wait_for_signal()
     with console.status("stopping ..."):
         server.close()
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from triton_backend.nodes import TritonNode
+
+    if not re.fullmatch(r"cpu-\d+t", args.device) and not Path("/dev/nvidiactl").exists():
+        err_console.print(
+            f"[yellow]warning:[/] device {args.device!r} is not a CPU class (cpu-<n>t) and this "
+            "host shows no NVIDIA GPU; partitions for it will not load here",
+            highlight=False,
+        )
+    name = args.name or f"{args.device}@{args.listen}:{args.grpc_port or 'auto'}"
+    workspace = Path(args.workspace or f"out/node-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}")
+    node = TritonNode(
+        re.sub(r"[^A-Za-z0-9_.-]", "_", name),
+        args.device,
+        workspace / "repo",
+        workspace,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        address=args.listen,
+    )
+    with console.status(f"starting node {name} ..."):
+        node.start()
+    try:
+        console.print(
+            f"node {name} ({args.device}) serving: gRPC {node.grpc_url}, HTTP {node.http_url}, "
+            f"metrics :{node.metrics_port}; models arrive through the model repository API "
+            f"(log: {node.log_path}). Ctrl-C stops.",
+            highlight=False,
+        )
+        _wait_for_signal(also=lambda: not node.alive)
+        if not node.alive:
+            raise PoolpipeError(f"node {name}: tritonserver exited; see {node.log_path}")
+    finally:
+        with console.status("stopping ..."):
+            node.stop()
     return 0
 
 
@@ -138,6 +194,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "statistics into the warehouse and Prometheus metrics; run until Ctrl-C.",
     )
     p.add_argument("plan", help="a plan id in the warehouse or a plan JSON file")
+    p.add_argument(
+        "--nodes",
+        metavar="INVENTORY",
+        help="serve on the running nodes of this inventory TOML (default: start nodes here)",
+    )
     p.add_argument("--workspace", default="out/serve", help="working folder (out/serve)")
     p.add_argument("--name", default="local", help="deployment name in the statistics")
     p.add_argument("--plane", choices=DATA_PLANES, default="reservation")
@@ -145,6 +206,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stats-interval", type=float, default=60.0, help="seconds (60)")
     p.add_argument("--metrics-port", type=int, default=0, help="router metrics port (free one)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "node",
+        help="run one stage-worker node (Triton) on this host until Ctrl-C",
+        description="Start one tritonserver in explicit model-control mode with an empty "
+        "repository: a router that lists it in its inventory uploads partition models to it "
+        "through Triton's model repository API. CPU device classes (cpu-<threads>t) run here.",
+    )
+    p.add_argument("--device", required=True, help="device type as profiled, e.g. cpu-1t")
+    p.add_argument("--name", help="node name in logs and folders (device@address:port)")
+    p.add_argument("--listen", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (a free one)")
+    p.add_argument("--http-port", type=int, default=0, help="HTTP port (a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="metrics port (a free one)")
+    p.add_argument("--workspace", help="working folder (out/node-NAME)")
+    p.set_defaults(func=cmd_node)
 
     p = sub.add_parser(
         "rollout",
