@@ -1,0 +1,99 @@
+"""Serving on an emulated multi-host cluster (cluster.md): each server a network namespace
+with its own address and a 1 Gbit/s `tc`-limited NIC, a `poolpipe node` in each, the router
+in the root namespace attaching to them by an inventory and uploading its partition models
+through Triton's model repository API. Skipped, with the reason, where namespaces cannot be
+made."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+from poolpipe.domain.inventory import Inventory, InventoryError, InventoryNode, load_inventory
+from tests.test_serving import _grpc, _infer, onboarded_tiny, two_partition_plan, whole_model  # noqa: F401
+from triton_backend.emulated import EmulatedCluster, unavailable
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(unavailable() is not None, reason=f"no network namespaces: {unavailable()}"),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with EmulatedCluster(2, tmp_path_factory.mktemp("cluster"), bandwidth_gbps=1.0) as c:
+        for k in range(2):
+            c.start_node(k, "cpu-1t", wait=False)
+        for k in range(2):
+            c.wait_node(k)
+        yield c
+
+
+def _loaded(dep_or_inv) -> list[str]:
+    from triton_backend.nodes import RemoteNode
+
+    return sorted(
+        m for n in dep_or_inv.nodes for m in RemoteNode(n.name, n.device, n.grpc).models()
+    )
+
+
+def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path):  # noqa: F811
+    from triton_backend.deploy import Deployment
+
+    wh, _ = onboarded_tiny
+    inv = load_inventory(cluster.write_inventory())
+    before = [cluster.link_bytes(k) for k in range(2)]
+    dep = Deployment.up(two_partition_plan(), wh, tmp_path / "router", inventory=inv)
+    try:
+        assert sorted(n.grpc_url for n in dep.nodes.values()) == sorted(n.grpc for n in inv.nodes)
+        # each server's NIC carried its partition model (uploaded, not read from a disk)
+        for k, (down, _) in enumerate(before):
+            assert cluster.link_bytes(k)[0] - down > 20_000
+        for s in cluster.servers:  # the nodes' repositories stay empty
+            assert not any((cluster.workspace / s.node_name / "repo").iterdir())
+        mod, client = _grpc(dep)
+        x = np.random.default_rng(3).standard_normal((2, 3, 32, 32)).astype(np.float32)
+        got = _infer(mod, client, x).as_numpy(dep.ios[0].outputs[0].name)
+        want = whole_model(wh).run(None, {"input": x})[0]
+        assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
+        # a rollout uploads the new generation and unloads the old one from the nodes
+        r = dep.rollout(two_partition_plan(cut=1), wh)
+        assert r.status == "done", r.reason
+        assert _loaded(inv) == ["tiny__b00-01__g1", "tiny__b01-04__g1"]
+        got = _infer(mod, client, x).as_numpy(dep.ios[0].outputs[0].name)
+        assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
+    finally:
+        dep.down()
+    assert _loaded(inv) == []  # the nodes keep running, with this deployment's models gone
+
+
+def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny, tmp_path):  # noqa: F811
+    from triton_backend.deploy import Deployment
+
+    wh, _ = onboarded_tiny
+    inv = cluster.inventory()
+    one = Inventory(inv.servers, inv.nodes[:1], "one.toml")
+    with pytest.raises(InventoryError, match=r"one.toml has live \(cpu-1t: needs 2, has 1\)"):
+        Deployment.up(two_partition_plan(), wh, tmp_path / "a", inventory=one)
+    down = inv.mark_down({inv.nodes[1].name})
+    with pytest.raises(InventoryError, match="needs 2, has 1"):
+        Deployment.up(two_partition_plan(), wh, tmp_path / "b", inventory=down)
+    unreachable = str(list(cluster.subnet.hosts())[200])
+    ghost = Inventory(
+        inv.servers,
+        (inv.nodes[0], InventoryNode("ghost", "s1", "cpu-1t", f"{unreachable}:8001")),
+        "ghost.toml",
+    )
+    with pytest.raises(
+        InventoryError, match=rf"not answering on gRPC: ghost \({unreachable}:8001\)"
+    ):
+        Deployment.up(two_partition_plan(), wh, tmp_path / "c", inventory=ghost)
+    assert _loaded(inv) == []
+
+
+def test_a_node_stops_cleanly_on_sigterm(cluster):
+    cluster.stop_node(1, signal.SIGTERM)
+    assert cluster.servers[1].node.returncode == 0
+    cluster.start_node(1, "cpu-1t")  # back for whatever runs next

@@ -1,0 +1,233 @@
+"""A multi-host cluster on one machine (docs: cluster.md, "The emulated cluster"): one Linux
+network namespace per server, each with its own address on a private bridge and a NIC
+limited by `tc` in both directions (the namespace end limits the server's uplink, the
+bridge end its downlink: the NIC model of the planner and the scheduler made physical),
+a stage-worker node (`poolpipe node`) started inside each, and the inventory that lists
+them. The router runs in the root namespace and reaches the nodes by address only.
+
+Needs root (CAP_NET_ADMIN) and the `ip` and `tc` tools; `unavailable()` says why not where
+they are missing. Everything made is torn down on exit, also after a failure."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from poolpipe.domain.inventory import Inventory, InventoryNode, Server
+from poolpipe.errors import PoolpipeError
+from triton_backend.nodes import RemoteNode, descendants, reap
+
+GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, one node per server
+
+
+class EmulationError(PoolpipeError):
+    pass
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise EmulationError(f"`{' '.join(cmd)}` failed: {res.stderr.strip() or res.returncode}")
+    return res
+
+
+def unavailable() -> str | None:
+    """Why network namespaces cannot be used here (None: they can)."""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the `{tool}` tool is missing (iproute2)"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root (CAP_NET_ADMIN)"
+    probe = f"pp-probe-{uuid.uuid4().hex[:6]}"
+    res = _run("ip", "netns", "add", probe, check=False)
+    if res.returncode != 0:
+        return f"`ip netns add` was refused: {res.stderr.strip()}"
+    _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def free_subnet() -> ipaddress.IPv4Network:
+    """A private /24 that no interface here has an address in."""
+    used = []
+    for line in _run("ip", "-o", "-4", "addr").stdout.splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            used.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
+    for third in range(200, 256):
+        net = ipaddress.IPv4Network(f"10.213.{third}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise EmulationError("no free 10.213.x.0/24 subnet for the emulated cluster")
+
+
+@dataclass
+class EmulatedServer:
+    index: int
+    namespace: str
+    address: str
+    veth: str  # bridge end, in the root namespace (its tx is the server's downlink)
+    peer: str  # namespace end
+    node: subprocess.Popen | None = field(default=None, repr=False)
+    node_name: str = ""
+    device: str = ""
+
+
+class EmulatedCluster:
+    """`servers` namespaces with `bandwidth_gbps` NICs; use as a context manager."""
+
+    def __init__(self, servers: int, workspace: Path, bandwidth_gbps: float = 1.0):
+        if servers < 1:
+            raise EmulationError(f"an emulated cluster needs at least one server, got {servers}")
+        self.bandwidth_gbps = bandwidth_gbps
+        self.workspace = Path(workspace)
+        self.tag = f"pp{uuid.uuid4().hex[:5]}"  # interface names stay within 15 characters
+        self.bridge = f"{self.tag}br"
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.router_address = ""
+        self.servers: list[EmulatedServer] = []
+        self._n = servers
+        self._made: list[tuple[str, ...]] = []  # teardown commands, last first
+
+    # ------------------------------------------------------------------ set-up
+
+    def __enter__(self) -> EmulatedCluster:
+        why = unavailable()
+        if why:
+            raise EmulationError(f"cannot emulate a cluster here: {why}")
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        self.subnet = free_subnet()
+        hosts = list(self.subnet.hosts())
+        self.router_address = str(hosts[0])
+        prefix = self.subnet.prefixlen
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        self._made.append(("ip", "link", "del", self.bridge))
+        _run("ip", "addr", "add", f"{self.router_address}/{prefix}", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        rate = f"{self.bandwidth_gbps * 1000:g}mbit"
+        for k in range(self._n):
+            s = EmulatedServer(
+                k, f"{self.tag}-s{k}", str(hosts[9 + k]), f"{self.tag}v{k}", f"{self.tag}p{k}"
+            )
+            _run("ip", "netns", "add", s.namespace)
+            self._made.append(("ip", "netns", "del", s.namespace))
+            _run("ip", "link", "add", s.veth, "type", "veth", "peer", "name", s.peer)
+            self._made.append(("ip", "link", "del", s.veth))
+            _run("ip", "link", "set", s.peer, "netns", s.namespace)
+            inside = ("ip", "netns", "exec", s.namespace)
+            _run(*inside, "ip", "addr", "add", f"{s.address}/{prefix}", "dev", s.peer)
+            _run(*inside, "ip", "link", "set", s.peer, "up")
+            _run(*inside, "ip", "link", "set", "lo", "up")
+            _run("ip", "link", "set", s.veth, "master", self.bridge)
+            _run("ip", "link", "set", s.veth, "up")
+            for cmd in (("tc",), (*inside, "tc")):
+                dev = s.veth if len(cmd) == 1 else s.peer
+                _run(*cmd, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                     "burst", "256kb", "latency", "100ms")  # fmt: skip
+            self.servers.append(s)
+
+    # ------------------------------------------------------------------ nodes
+
+    def start_node(
+        self, server: int, device: str, name: str | None = None, wait: bool = True
+    ) -> RemoteNode | None:
+        """Start `poolpipe node` inside server `server`'s namespace on its address, and
+        (with `wait`) wait until the router's namespace reaches its gRPC port."""
+        s = self.servers[server]
+        s.device, s.node_name = device, name or f"s{server}-n0"
+        log = self.workspace / f"{s.node_name}.out"
+        self.workspace.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            "ip", "netns", "exec", s.namespace,
+            sys.executable, "-m", "poolpipe.cli", "node",
+            "--device", device, "--name", s.node_name, "--listen", s.address,
+            "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
+            "--metrics-port", str(METRICS_PORT),
+            "--workspace", str(self.workspace / s.node_name),
+        ]  # fmt: skip
+        with open(log, "ab") as out:
+            s.node = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self.wait_node(server) if wait else None
+
+    def wait_node(self, server: int, timeout_s: float = 90.0) -> RemoteNode:
+        s = self.servers[server]
+        remote = RemoteNode(s.node_name, s.device, f"{s.address}:{GRPC_PORT}", f"s{server}")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if s.node is not None and s.node.poll() is not None:
+                tail = (self.workspace / f"{s.node_name}.out").read_text(errors="replace")
+                raise EmulationError(f"node {s.node_name} exited: {tail[-800:]}")
+            if remote.live(1.0):
+                return remote
+            time.sleep(0.2)
+        raise EmulationError(f"node {s.node_name} did not answer within {timeout_s:.0f} s")
+
+    def stop_node(self, server: int, sig: int = signal.SIGTERM) -> None:
+        """Stop server `server`'s node (SIGKILL: as a crash, its Triton killed with it)."""
+        s = self.servers[server]
+        if s.node is None or s.node.poll() is not None:
+            return
+        below = descendants(s.node.pid)
+        with contextlib.suppress(ProcessLookupError):
+            if sig == signal.SIGKILL:
+                os.killpg(s.node.pid, signal.SIGKILL)
+            else:
+                s.node.send_signal(sig)
+        try:
+            s.node.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(s.node.pid, signal.SIGKILL)
+            s.node.wait()
+        reap(below, grace_s=0.0 if sig == signal.SIGKILL else 5.0)
+
+    def inventory(self) -> Inventory:
+        return Inventory(
+            tuple(Server(f"s{s.index}", self.bandwidth_gbps) for s in self.servers),
+            tuple(
+                InventoryNode(s.node_name, f"s{s.index}", s.device, f"{s.address}:{GRPC_PORT}")
+                for s in self.servers
+                if s.node is not None
+            ),
+            str(self.workspace / "inventory.toml"),
+        )
+
+    def write_inventory(self) -> Path:
+        path = self.workspace / "inventory.toml"
+        path.write_text(self.inventory().to_toml())
+        return path
+
+    def link_bytes(self, server: int) -> tuple[int, int]:
+        """(bytes to the server, bytes from it) through its NIC so far."""
+        stats = Path("/sys/class/net") / self.servers[server].veth / "statistics"
+        return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        for k in range(len(self.servers)):
+            with contextlib.suppress(Exception):
+                self.stop_node(k)
+        while self._made:
+            _run(*self._made.pop(), check=False)
+        self.servers = []
