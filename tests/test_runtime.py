@@ -346,3 +346,37 @@ def test_an_overrun_into_the_reply_margin_is_not_dropped():
     clock.run_until(32.0)
     rt.hop_done(job, 1, 22.0, 32.0)
     assert ex.answers[1] == (ON_TIME, "")
+
+
+def test_held_batches_wake_earlier_when_the_clocks_timers_fire_late():
+    """A lone request is held for batch-mates until its last moment less the wake guard
+    (1 µs in the simulator). On a clock whose timers fire 30 µs late it is dropped, until
+    the runtime has measured that lateness (after 8 wakes) and the plane wakes that much
+    earlier: then every lone request is served on time again. The plane's guard follows
+    the p99 of the lateness."""
+
+    class LateClock(VirtualClock):
+        def call_at(self, t_us, fn):
+            return super().call_at(t_us + 30.0, fn)
+
+    topo = make_topology([([0], [10.0, 12.0, 14.0, 16.0], 0.0)], slo_us=1000.0, batch=4)
+    clock = LateClock()
+    ex = HandExecutor()
+    plane = make_data_plane("reservation", topo)
+    rt = ServingRuntime(ServedPlan(topo, plane, vgpu_nodes(topo)), clock, ex, RuntimeConfig())
+    outcomes = []
+    t = 0.0
+    for k in range(12):
+        clock.run_until(t)
+        rt.submit(0, [k])
+        jobs = len(ex.jobs)
+        while k not in ex.answers and len(ex.jobs) == jobs:  # until its (late) wake
+            t += 1.0
+            clock.run_until(t)
+        if len(ex.jobs) > jobs:  # sent: runs as reserved, from its wake
+            run_job(rt, ex.jobs[-1], t, [10.0])
+        outcomes.append(ex.answers[k][0])
+        t += 5000.0
+    assert outcomes[:8] == [DROPPED] * 8  # held to the last moment: the late wake misses it
+    assert outcomes[8:] == [ON_TIME] * 4
+    assert rt.wake_late_us == 30.0 and plane.wake_guard_us == 31.0

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime.intake import MAX_SLO_MS, check_request
+from poolpipe.runtime.intake import MAX_SLO_MS, check_request, p99
 from poolpipe.runtime.ports import (
     DROPPED,
     FAILED,
@@ -50,6 +50,9 @@ RECALIBRATE_EVERY = 20
 RECALIBRATE_BAND = 0.1
 # A failed node is asked whether it serves again this often (µs).
 NODE_CHECK_EVERY_US = 500_000.0
+# The plane's wake guard grows by the p99 of how late the last WAKE_WINDOW wakes fired
+# (recomputed every WAKE_EVERY wakes), by at most WAKE_LATE_CAP_US.
+WAKE_WINDOW, WAKE_EVERY, WAKE_LATE_CAP_US = 256, 8, 20_000.0
 SWITCHED_AWAY = "the plan was switched before this request could finish"
 
 
@@ -149,6 +152,9 @@ class ServingRuntime:
         self._next_id = 0
         self._wake: Timer | None = None
         self._wake_at = math.inf
+        # How late the clock's timers fire (its wakes), for the plane's wake guard
+        self._late_us: deque[float] = deque(maxlen=WAKE_WINDOW)
+        self.wake_late_us = 0.0  # p99 of the window, at most WAKE_LATE_CAP_US
         self._down: set[str] = set()  # failed nodes, until they answer again
         self._paused = False
         self._held: list[tuple[str, float | None, Any, float]] = []
@@ -281,8 +287,18 @@ class ServingRuntime:
             self._wake = self.clock.call_at(w, self._on_wake)
 
     def _on_wake(self) -> None:
+        now = self.clock.now()
+        self._late_us.append(max(0.0, now - self._wake_at))
         self._wake, self._wake_at = None, math.inf
-        self._decide(self.clock.now())
+        if len(self._late_us) % WAKE_EVERY == 0 or len(self._late_us) == WAKE_WINDOW:
+            # A batch held for more requests until its last moment is dropped when the
+            # wake comes later than the plane's guard: wake earlier by what the clock's
+            # lateness has been (the simulator's is 0, a busy live host's a few ms).
+            late = min(WAKE_LATE_CAP_US, p99(self._late_us))
+            if late != self.wake_late_us:
+                self.wake_late_us = late
+                self.gen.plane.set_wake_lateness(late)
+        self._decide(now)
 
     def _start(self, gen: Generation, d: Dispatch, now: float) -> None:
         # The plane's requests are the runtime's entries, all still waiting: a request is
@@ -554,6 +570,7 @@ class ServingRuntime:
         self._wake, self._wake_at = None, math.inf
         self.gen = gen = Generation(sw.served, self.stats)
         self.generations.append(gen)
+        gen.plane.set_wake_lateness(self.wake_late_us)
         self.windows.restart_pools()
         for v, node in sw.served.vgpu_node.items():
             if node in self._down:  # still failed: out of the new plan's tables too

@@ -87,6 +87,7 @@ class ReservationScheduler:
         # A waiting batch wakes this long before its last moment: a live driver's timers
         # fire late by up to about a millisecond, the simulator's never do.
         self.wake_guard_us = wake_guard_us
+        self.wake_guard_floor_us = wake_guard_us  # set_wake_lateness adds to it
         self.vgpu_table = [ReservationTable(f"vgpu{v.id}") for v in topo.vgpus]
         self.uplink = [ReservationTable(f"up{s.id}") for s in topo.servers]
         self.downlink = [ReservationTable(f"down{s.id}") for s in topo.servers]
@@ -183,6 +184,9 @@ class ReservationScheduler:
         self.policy = "eager"
         for m in range(len(self.queues)):
             self._dirty[m] = True
+
+    def set_wake_lateness(self, late_us: float) -> None:
+        self.wake_guard_us = self.wake_guard_floor_us + max(0.0, late_us)
 
     def set_latencies(self, topo: Topology) -> None:
         """Plan with the pools' latencies of `topo`, the same topology measured anew (a live

@@ -122,6 +122,11 @@ class DataPlane(Protocol):
         anew (a live router recalibrating under load); what is reserved stays."""
         ...
 
+    def set_wake_lateness(self, late_us: float) -> None:
+        """The driver's wakes come up to `late_us` after the time asked for (measured):
+        a batch held for more requests wakes that much earlier."""
+        ...
+
     def drain(self) -> None:
         """Stop waiting for fuller batches: every queued request goes out at its next
         decision (a flush before a plan switch)."""

@@ -90,6 +90,9 @@ class ReactiveScheduler:
         """Nothing to do: the reactive plane never waits for a fuller batch."""
         self._dirty.update(self.req_queue)
 
+    def set_wake_lateness(self, late_us: float) -> None:
+        """Nothing to do: the reactive plane never holds a batch for more requests."""
+
     def set_latencies(self, topo: Topology) -> None:
         self.topo = topo
         self._stage_frac = _stage_fractions(topo)

@@ -404,6 +404,7 @@ class MeteredPlane:
         self.on_dispatch_failed = plane.on_dispatch_failed
         self.set_vgpu_down = plane.set_vgpu_down
         self.set_latencies = plane.set_latencies
+        self.set_wake_lateness = plane.set_wake_lateness
         self.drain = plane.drain
         self.seconds = 0.0
         self.per_batch: list[float] = []  # wall s per dispatched batch, per decide call
