@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
 from poolpipe.domain.plan import STRATEGIES, Plan
+from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
 from poolpipe.planner.replan import objective_under, observed_weights, worth_rolling_out
 from poolpipe.store.plan_inputs import plan_request
@@ -31,10 +32,13 @@ def observed_mix(warehouse: str | None, deployment: str, hours: float) -> dict[s
 
 
 @task(name="serving-plan", cache_policy=NO_CACHE)
-def serving_plan(router: str) -> tuple[Plan, int | None]:
+def serving_plan(router: str, token_file: str | None = None) -> tuple[Plan, int | None]:
     from poolpipe.client import send_control
+    from poolpipe.client.control import token_from
 
-    answer = send_control(router, {"op": "plan"})
+    answer = send_control(router, {"op": "plan"}, token=token_from(token_file))
+    if not answer.get("ok"):
+        raise PoolpipeError(f"router {router}: {answer.get('error', answer)}")
     return Plan.from_dict(answer["plan"]), answer.get("plan_id")
 
 
@@ -78,13 +82,15 @@ def nightly_replan(
     deployment: str = "local",
     hours: float = 24.0,
     margin: float = 0.05,
+    token_file: str | None = None,
 ) -> dict:
     """Re-plan for the mix the router saw in the last HOURS; roll out when better by MARGIN.
-    ROUTER: its gRPC host:port (default $POOLPIPE_ROUTER of the worker)."""
+    ROUTER: its gRPC host:port (default $POOLPIPE_ROUTER of the worker); TOKEN_FILE: the
+    router's token (default $POOLPIPE_TOKEN_FILE of the worker)."""
     router, warehouse = worker.router(router), worker.warehouse(warehouse)
     from flows.rollout import switch
 
-    current, current_id = serving_plan(router)
+    current, current_id = serving_plan(router, token_file)
     names = [m.name for m in current.models]
     weights = observed_weights(observed_mix(warehouse, deployment, hours), names)
     if weights is None:
@@ -101,7 +107,7 @@ def nightly_replan(
         }
         if worth_rolling_out(old_obj, new_obj, margin):
             plan_id = store(warehouse, candidate)
-            result = switch(router, plan_id)
+            result = switch(router, plan_id, token_file)
             decision |= {"rolled_out": bool(result.get("ok")), "plan_id": plan_id, **result}
         else:
             decision["why"] = f"not better than plan {current_id} by more than {margin:.0%}"

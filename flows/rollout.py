@@ -33,19 +33,26 @@ def resolve_plan(warehouse: str | None, plan: str) -> int:
 
 
 @task(name="switch", cache_policy=NO_CACHE)
-def switch(router: str, plan_id: int) -> dict:
+def switch(router: str, plan_id: int, token_file: str | None = None) -> dict:
     from poolpipe.client import send_control
+    from poolpipe.client.control import token_from
 
-    return send_control(router, {"op": "rollout", "plan_id": plan_id})
+    return send_control(router, {"op": "rollout", "plan_id": plan_id}, token=token_from(token_file))
 
 
 @flow(name="rollout", log_prints=True)
-def rollout_plan(plan: str, router: str | None = None, warehouse: str | None = None) -> dict:
+def rollout_plan(
+    plan: str,
+    router: str | None = None,
+    warehouse: str | None = None,
+    token_file: str | None = None,
+) -> dict:
     """Roll PLAN (id or JSON file) out to the router at ROUTER (its gRPC host:port; default
-    $POOLPIPE_ROUTER)."""
+    $POOLPIPE_ROUTER), with the router's token from TOKEN_FILE (default
+    $POOLPIPE_TOKEN_FILE of the worker; the token itself is never a parameter)."""
     router, warehouse = worker.router(router), worker.warehouse(warehouse)
     plan_id = resolve_plan(warehouse, plan)
-    result = switch(router, plan_id)
+    result = switch(router, plan_id, token_file)
     rows = [[k, v] for k, v in result.items() if k != "ok"]
     create_markdown_artifact(
         key=artifact_key("rollout", str(plan_id)),

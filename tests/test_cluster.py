@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import signal
 
+import httpx
 import numpy as np
 import pytest
 
+from poolpipe.client.control import new_token_file, node_key, read_token
 from poolpipe.domain.inventory import Inventory, InventoryError, InventoryNode, load_inventory
 from tests.test_serving import _grpc, _infer, onboarded_tiny, two_partition_plan, whole_model  # noqa: F401
 from triton_backend.emulated import EmulatedCluster, unavailable
+from triton_backend.nodes import NodeError, RemoteNode
 
 pytestmark = [
     pytest.mark.integration,
@@ -23,19 +26,28 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with EmulatedCluster(2, tmp_path_factory.mktemp("cluster"), bandwidth_gbps=1.0) as c:
+    """Two servers, a cpu-1t node on each whose management APIs need the cluster's token."""
+    work = tmp_path_factory.mktemp("cluster")
+    token_file = work / "token"
+    new_token_file(token_file)
+    with EmulatedCluster(2, work, bandwidth_gbps=1.0) as c:
+        c.token_file = token_file
         for k in range(2):
-            c.start_node(k, "cpu-1t", wait=False)
+            c.start_node(k, "cpu-1t", wait=False, token_file=token_file)
         for k in range(2):
             c.wait_node(k)
         yield c
 
 
-def _loaded(dep_or_inv) -> list[str]:
+def _key(cluster) -> str:
+    return node_key(read_token(cluster.token_file))
+
+
+def _loaded(inv: Inventory, key: str) -> list[str]:
     from triton_backend.nodes import RemoteNode
 
     return sorted(
-        m for n in dep_or_inv.nodes for m in RemoteNode(n.name, n.device, n.grpc).models()
+        m for n in inv.nodes for m in RemoteNode(n.name, n.device, n.grpc, key=key).models()
     )
 
 
@@ -45,7 +57,8 @@ def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path
     wh, _ = onboarded_tiny
     inv = load_inventory(cluster.write_inventory())
     before = [cluster.link_bytes(k) for k in range(2)]
-    dep = Deployment.up(two_partition_plan(), wh, tmp_path / "router", inventory=inv)
+    token = read_token(cluster.token_file)
+    dep = Deployment.up(two_partition_plan(), wh, tmp_path / "router", inventory=inv, token=token)
     try:
         assert sorted(n.grpc_url for n in dep.nodes.values()) == sorted(n.grpc for n in inv.nodes)
         # each server's NIC carried its partition model (uploaded, not read from a disk)
@@ -61,12 +74,20 @@ def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path
         # a rollout uploads the new generation and unloads the old one from the nodes
         r = dep.rollout(two_partition_plan(cut=1), wh)
         assert r.status == "done", r.reason
-        assert _loaded(inv) == ["tiny__b00-01__g1", "tiny__b01-04__g1"]
+        assert _loaded(inv, _key(cluster)) == ["tiny__b00-01__g1", "tiny__b01-04__g1"]
+        # an anonymous client of a node may not unload what the router loaded
+        node = inv.nodes[0]
+        host = node.grpc.rsplit(":", 1)[0]
+        r = httpx.post(f"http://{host}:8000/v2/repository/models/tiny__b00-01__g1/unload")
+        assert r.status_code == 403
+        with pytest.raises(NodeError, match="restricted"):
+            RemoteNode(node.name, node.device, node.grpc).load("tiny__b00-01__g1")
         got = _infer(mod, client, x).as_numpy(dep.ios[0].outputs[0].name)
         assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
     finally:
         dep.down()
-    assert _loaded(inv) == []  # the nodes keep running, with this deployment's models gone
+    # the nodes keep running, with this deployment's models gone
+    assert _loaded(inv, _key(cluster)) == []
 
 
 def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny, tmp_path):  # noqa: F811
@@ -90,10 +111,10 @@ def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny,
         InventoryError, match=rf"not answering on gRPC: ghost \({unreachable}:8001\)"
     ):
         Deployment.up(two_partition_plan(), wh, tmp_path / "c", inventory=ghost)
-    assert _loaded(inv) == []
+    assert _loaded(inv, _key(cluster)) == []
 
 
 def test_a_node_stops_cleanly_on_sigterm(cluster):
     cluster.stop_node(1, signal.SIGTERM)
     assert cluster.servers[1].node.returncode == 0
-    cluster.start_node(1, "cpu-1t")  # back for whatever runs next
+    cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # back for what runs next

@@ -18,9 +18,18 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def server(onboarded_tiny):  # noqa: F811
+    """A router whose control needs a token; the flows of this module find it through
+    $POOLPIPE_TOKEN_FILE, as a worker would."""
+    import os
+
+    from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, read_token
     from triton_backend.serve import Server
 
     wh, tmp = onboarded_tiny
+    token_file = tmp / "ops.token"
+    new_token_file(token_file)
+    before = os.environ.get(TOKEN_FILE_VAR)
+    os.environ[TOKEN_FILE_VAR] = str(token_file)
     plan = two_partition_plan()
     with Warehouse.open(wh) as w:
         plan_id = w.store_plan(plan, label="test")
@@ -32,9 +41,14 @@ def server(onboarded_tiny):  # noqa: F811
         stats_interval_s=3600,
         metrics_port=0,
         router_instances=4,
+        token=read_token(token_file),
     )
     yield srv
     srv.close()
+    if before is None:
+        os.environ.pop(TOKEN_FILE_VAR, None)
+    else:
+        os.environ[TOKEN_FILE_VAR] = before
 
 
 def _send(server, n: int) -> None:
@@ -91,6 +105,36 @@ def test_rollout_flow_goes_through_the_control_model(prefect_api, server, onboar
     assert {p.start for p in server.deployment.layout.placements} == {0, 1}
 
 
+def test_control_and_management_need_the_token(server):
+    """Anonymous clients of the router may infer, but not control it, nor load or unload
+    models on its nodes or on its own Triton (Triton's restricted APIs); with the token
+    (the key derived from it) they may."""
+    import os
+
+    from poolpipe.client import send_control
+    from poolpipe.client.control import TOKEN_FILE_VAR, node_headers, node_key, read_token
+
+    router = f"127.0.0.1:{server.deployment.grpc_port}"
+    refused = send_control(router, {"op": "stats"})
+    assert refused["ok"] is False and "need this router's token" in refused["error"]
+    assert send_control(router, {"op": "stats"}, token="x" * 32)["ok"] is False
+    token = read_token(os.environ[TOKEN_FILE_VAR])
+    assert send_control(router, {"op": "stats"}, token=token)["ok"] is True
+    dep = server.deployment
+    node = next(iter(dep.nodes.values()))
+    partition = next(p.partition for p in dep.layout.placements if p.node == node.name)
+    for url, model in ((f"http://{dep.http_url}", "tiny"), (f"http://{node.http_url}", partition)):
+        r = httpx.post(f"{url}/v2/repository/models/{model}/unload")
+        assert r.status_code == 403 and "restricted" in r.text
+        r = httpx.post(f"{url}/v2/repository/index")
+        assert r.status_code == 403
+        r = httpx.post(
+            f"{url}/v2/repository/index", headers=node_headers(node_key(token), grpc=False)
+        )
+        assert r.status_code == 200
+    _send(server, 1)  # still serving: nothing was unloaded
+
+
 def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarded_tiny):  # noqa: F811
     from flows.replan import nightly_replan
 
@@ -111,7 +155,7 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
     _send(server, 2)
 
 
-def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path):  # noqa: F811
+def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsys):  # noqa: F811
     """`poolpipe serve PLAN.json` in its own process, a request to it, `poolpipe rollout`
     from this one, and a clean stop on SIGTERM. Its reply margin is the plan's whole SLO:
     it warns, and requests that bring their own SLO are served."""
@@ -159,6 +203,8 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path):  # n
             m = re.search(r"gRPC 127\.0\.0\.1:(\d+)", line)
             port = int(m.group(1)) if m else None
         assert port, "".join(seen[-20:])
+        while "Ctrl-C" not in seen[-1]:  # the rest of what serve says on start
+            seen.append(proc.stdout.readline())
         said = " ".join("".join(seen).split())
         assert "tiny: SLO 300 ms less the router's reply margin 300 ms leaves less" in said
         assert "every request at that SLO will be dropped" in said
@@ -173,9 +219,14 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path):  # n
         ).shape == (1, 1000)
         b = tmp_path / "b.json"
         two_partition_plan(cut=1).save(b)
-        assert (
-            cli_main(["--warehouse", wh, "rollout", str(b), "--router", f"127.0.0.1:{port}"]) == 0
-        )
+        # serve made a token only its user may read: without it no rollout happens
+        token = tmp_path / "ws" / "control.token"
+        assert f"--token-file {token}" in said and token.stat().st_mode & 0o077 == 0
+        rollout = ["--warehouse", wh, "rollout", str(b), "--router", f"127.0.0.1:{port}"]
+        capsys.readouterr()
+        assert cli_main(rollout) == 2
+        assert "refused: control commands need" in capsys.readouterr().err
+        assert cli_main([*rollout, "--token-file", str(token)]) == 0
         assert client.infer("tiny", [i], parameters={"slo_ms": 1000}).as_numpy(
             client.get_model_metadata("tiny").outputs[0].name
         ).shape == (1, 1000)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from poolpipe.client.control import node_key
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
@@ -125,6 +126,7 @@ class Deployment:
         http_port: int = 0,
         grpc_port: int = 0,
         inventory: Inventory | None = None,
+        token: str | None = None,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
@@ -135,7 +137,10 @@ class Deployment:
         every request's deadline; the ceiling defaults to the larger of the floor and 25 ms.
         `listen`, `http_port`, `grpc_port`: where clients reach the router (0: a free port).
         `inventory`: the running nodes to serve on; without one, this process starts a node
-        per GPU of the plan on loopback and writes their inventory to the workspace."""
+        per GPU of the plan on loopback and writes their inventory to the workspace.
+        `token`: the secret shared with the nodes (their management APIs expect the key
+        derived from it; nodes this process starts are restricted so, and so is the
+        router's own Triton); None: nothing restricted."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         ceiling = (
@@ -144,21 +149,25 @@ class Deployment:
             else reply_margin_max_us
         )
         margin = MarginMeter(reply_margin_us, ceiling)  # checks floor <= ceiling first
-        options = {
+        key = None if token is None else node_key(token)
+        options: dict = {
             "plane": plane,
             "max_batch": max_batch,
             "wake_guard_us": wake_guard_us,
             "reply_margin_us": reply_margin_us,
             "reply_margin_max_us": ceiling,
+            "key": key,
         }
         local = (
-            None if inventory is not None else LocalNodes(workspace, plan.cluster.bandwidth_gbps)
+            None
+            if inventory is not None
+            else LocalNodes(workspace, plan.cluster.bandwidth_gbps, key)
         )
         dep: Deployment | None = None
         triton_home(workspace)  # once, before the nodes start side by side
         try:
             topo, lay, parts = prepare(plan, warehouse, workspace, "g0")
-            nodes, inventory = _attach(lay, inventory, local, workspace)
+            nodes, inventory = _attach(lay, inventory, local, workspace, key)
             load_layout(lay, parts, nodes, max_batch, loaded=[])
             warm(lay, nodes, parts, _top_batch(topo))
             ios = model_io(topo, lay, parts)
@@ -169,7 +178,15 @@ class Deployment:
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
             dep.frontend = Frontend(
-                core, ios, workspace, router_instances, control, listen, http_port, grpc_port
+                core,
+                ios,
+                workspace,
+                router_instances,
+                control,
+                listen,
+                http_port,
+                grpc_port,
+                key,
             ).start()
             return dep
         except BaseException:
@@ -207,7 +224,9 @@ class Deployment:
                     raise PoolpipeError(f"{io.name}: the new plan's tensors differ")
             if self.local is not None:
                 started = self.local.ensure(lay)
-            nodes, inventory = _attach(lay, self.inventory, self.local, self.workspace)
+            nodes, inventory = _attach(
+                lay, self.inventory, self.local, self.workspace, self.options["key"]
+            )
             load_layout(lay, parts, nodes, self.options["max_batch"], loaded)
             warm(lay, nodes, parts, _top_batch(topo))
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=self.calibration))
@@ -315,7 +334,11 @@ class Deployment:
 
 
 def _attach(
-    lay: Layout, inventory: Inventory | None, local: LocalNodes | None, workspace: Path
+    lay: Layout,
+    inventory: Inventory | None,
+    local: LocalNodes | None,
+    workspace: Path,
+    key: str | None,
 ) -> tuple[dict[str, RepositoryAPI], Inventory]:
     """The nodes behind the layout: those of `inventory`, or `local`'s (started for the
     layout first, their inventory written to the workspace). One attach path either way."""
@@ -323,9 +346,9 @@ def _attach(
         local.ensure(lay)
         inventory = local.inventory()
         (workspace / "inventory.toml").write_text(inventory.to_toml())
-        return attach(lay, inventory, dict(local.nodes)), inventory
+        return attach(lay, inventory, dict(local.nodes), key), inventory
     assert inventory is not None
-    return attach(lay, inventory), inventory
+    return attach(lay, inventory, key=key), inventory
 
 
 def _top_batch(topo: Topology) -> int:

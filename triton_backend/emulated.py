@@ -147,10 +147,16 @@ class EmulatedCluster:
     # ------------------------------------------------------------------ nodes
 
     def start_node(
-        self, server: int, device: str, name: str | None = None, wait: bool = True
+        self,
+        server: int,
+        device: str,
+        name: str | None = None,
+        wait: bool = True,
+        token_file: Path | None = None,
     ) -> RemoteNode | None:
-        """Start `poolpipe node` inside server `server`'s namespace on its address, and
-        (with `wait`) wait until the router's namespace reaches its gRPC port."""
+        """Start `poolpipe node` inside server `server`'s namespace on its address (its
+        management APIs restricted by `token_file`'s token when given), and (with `wait`)
+        wait until the router's namespace reaches its gRPC port."""
         s = self.servers[server]
         s.device, s.node_name = device, name or f"s{server}-n0"
         log = self.workspace / f"{s.node_name}.out"
@@ -162,6 +168,7 @@ class EmulatedCluster:
             "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
             "--metrics-port", str(METRICS_PORT),
             "--workspace", str(self.workspace / s.node_name),
+            *(["--token-file", str(token_file)] if token_file else []),
         ]  # fmt: skip
         with open(log, "ab") as out:
             s.node = subprocess.Popen(

@@ -91,7 +91,10 @@ class Frontend:
         address: str = "127.0.0.1",
         http_port: int = 0,
         grpc_port: int = 0,
+        key: str | None = None,
     ):
+        """`key`: restricts this Triton's management APIs (model repository, ...), as the
+        nodes' are."""
         self.core = core
         self.ios = list(ios)
         self.workspace = Path(workspace)
@@ -105,6 +108,7 @@ class Frontend:
             http_port=http_port,
             grpc_port=grpc_port,
             address=address,
+            key=key,
         )
         self.warmed = 0
         self.door: Door | None = None

@@ -17,17 +17,21 @@ from triton_backend.repository import partition_files, upload_config
 
 
 def attach(
-    lay: Layout, inv: Inventory, have: dict[str, RepositoryAPI] | None = None
+    lay: Layout,
+    inv: Inventory,
+    have: dict[str, RepositoryAPI] | None = None,
+    key: str | None = None,
 ) -> dict[str, RepositoryAPI]:
     """The node behind each of the layout's nodes (by layout node name): GPU i of a device
     type is the inventory's i-th live node of that type. Nodes in `have` (by inventory
     name) are used as they are; the others are reached by address. InventoryError, before
-    anything is loaded, when the inventory has too few nodes or one does not answer."""
+    anything is loaded, when the inventory has too few nodes or one does not answer.
+    `key`: what the nodes' restricted APIs expect (poolpipe.client.control.node_key)."""
     picked = assign({s.name: (s.gpu, s.physical) for s in lay.nodes}, inv)
     have = have or {}
     out: dict[str, RepositoryAPI] = {}
     for name, n in picked.items():
-        out[name] = have.get(n.name) or RemoteNode(n.name, n.device, n.grpc, n.server)
+        out[name] = have.get(n.name) or RemoteNode(n.name, n.device, n.grpc, n.server, key)
 
     def answers(node: RepositoryAPI) -> bool:
         return node.live()
@@ -78,8 +82,9 @@ class LocalNodes:
     serve` without --nodes): one tritonserver per node of a layout, on loopback, named as
     the layout's nodes, described by an inventory like any other cluster."""
 
-    def __init__(self, workspace: Path, bandwidth_gbps: float):
+    def __init__(self, workspace: Path, bandwidth_gbps: float, key: str | None = None):
         self.workspace = Path(workspace)
+        self.key = key
         self.bandwidth_gbps = bandwidth_gbps
         self.nodes: dict[str, TritonNode] = {}
         self._where: dict[str, tuple[int, int]] = {}  # node -> (server, GPU index)
@@ -91,7 +96,9 @@ class LocalNodes:
         for spec in lay.nodes:
             if spec.name not in self.nodes:
                 repo = self.workspace / "repos" / spec.name  # stays empty: models are uploaded
-                self.nodes[spec.name] = TritonNode(spec.name, spec.gpu, repo, self.workspace)
+                self.nodes[spec.name] = TritonNode(
+                    spec.name, spec.gpu, repo, self.workspace, key=self.key
+                )
                 self._where[spec.name] = (spec.server, spec.physical)
                 new.append(self.nodes[spec.name])
         try:

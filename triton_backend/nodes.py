@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from poolpipe.client.control import node_headers, node_restrictions
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import free_ports, libpython_first, libs_path, triton_home
 
@@ -30,10 +31,15 @@ class RepositoryAPI:
 
     name: str
     device: str
+    key: str | None  # what its restricted APIs expect (poolpipe.client.control.node_key)
 
     @property
     def grpc_url(self) -> str:
         raise NotImplementedError
+
+    @property
+    def _headers(self) -> dict[str, str] | None:
+        return node_headers(self.key)
 
     def _grpc(self):
         import tritonclient.grpc as grpcclient
@@ -60,7 +66,13 @@ class RepositoryAPI:
         payload = None if files is None else {f"file:{k}": v for k, v in files.items()}
         try:
             with contextlib.closing(self._grpc()) as c:
-                c.load_model(model, config=config, files=payload, client_timeout=timeout_s)
+                c.load_model(
+                    model,
+                    headers=self._headers,
+                    config=config,
+                    files=payload,
+                    client_timeout=timeout_s,
+                )
                 if not c.is_model_ready(model):
                     raise NodeError(f"{model} is not ready after loading")
         except Exception as exc:
@@ -70,13 +82,14 @@ class RepositoryAPI:
 
     def unload(self, model: str) -> None:
         with contextlib.closing(self._grpc()) as c:
-            c.unload_model(model)
+            c.unload_model(model, headers=self._headers)
 
     def models(self) -> list[str]:
         """The models loaded now (uploaded models are in no repository index: the
         statistics endpoint lists every loaded model)."""
         with contextlib.closing(self._grpc()) as c:
-            stats = c.get_inference_statistics(as_json=True).get("model_stats", [])
+            stats = c.get_inference_statistics(headers=self._headers, as_json=True)
+            stats = stats.get("model_stats", [])
             return sorted({m["name"] for m in stats})
 
 
@@ -94,6 +107,7 @@ class RemoteNode(RepositoryAPI):
     device: str
     address: str  # host:port of its gRPC endpoint
     server: str = ""
+    key: str | None = field(default=None, repr=False)
 
     @property
     def grpc_url(self) -> str:
@@ -117,6 +131,7 @@ class TritonNode(RepositoryAPI):
     grpc_port: int = 0
     metrics_port: int = 0
     address: str = "127.0.0.1"  # where its HTTP and gRPC ports listen
+    key: str | None = field(default=None, repr=False)  # restricts its management APIs
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -156,6 +171,7 @@ class TritonNode(RepositoryAPI):
             "--exit-timeout-secs=2",
             "--log-verbose=0",
             "--strict-readiness=true",
+            *node_restrictions(self.key),
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 (the process keeps it)
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -15,6 +15,7 @@ from typing import Any
 
 import duckdb
 
+from poolpipe.client.control import authorised
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import Warehouse
@@ -84,14 +85,21 @@ class Server:
         plan_id: int | None = None,
         stats_interval_s: float = 60.0,
         metrics_port: int | None = None,
+        token: str | None = None,
         **options: Any,
     ):
+        """`token`: control commands must carry it (poolpipe.client.send_control(token=)),
+        and the nodes' and the router's Triton management APIs expect the key derived from
+        it; None: anyone who reaches the router may control it."""
         self.warehouse = warehouse
+        self.token = token
         self.name = name
         self.plan_id = plan_id
         self.stats_interval_s = stats_interval_s
         self._lock = threading.Lock()  # one rollout at a time
-        self.deployment = Deployment.up(plan, warehouse, workspace, control=self.control, **options)
+        self.deployment = Deployment.up(
+            plan, warehouse, workspace, control=self.control, token=token, **options
+        )
         self._stop = threading.Event()
         self._window_start = datetime.now()
         self._stats_thread = threading.Thread(target=self._stats_loop, daemon=True)
@@ -140,6 +148,12 @@ class Server:
     # ------------------------------------------------------------------ control
 
     def control(self, cmd: dict) -> dict:
+        if not authorised(cmd, self.token):
+            return {
+                "ok": False,
+                "error": "refused: control commands need this router's token "
+                "(--token-file, or $POOLPIPE_TOKEN_FILE where the command runs)",
+            }
         op = cmd.get("op")
         if op == "rollout":
             return self.rollout_plan_id(int(cmd["plan_id"]))

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from poolpipe.cli.serve import add_router_arguments, router_options
+from poolpipe.client.control import new_token_file
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT
 
@@ -95,6 +96,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         plan_id=first[1],
         stats_interval_s=3600,
         metrics_port=0,
+        token=new_token_file(out / "serve" / "control.token"),  # control needs it
         **router_options(args),
     )
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from poolpipe.cli.common import add_reply_margin_argument, err_console, warn_slo_room
+from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES
 
@@ -59,6 +60,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     plan, plan_id = _plan_arg(args)
     warn_slo_room(plan, args.reply_margin_ms * 1e3)
     workspace = Path(args.workspace)
+    token_file = args.token_file or os.environ.get(TOKEN_FILE_VAR)
+    if token_file:
+        token = read_token(token_file)
+    else:  # secure by default: a fresh token only this user can read
+        token_file = str(workspace / "control.token")
+        token = new_token_file(Path(token_file))
     what = (
         f"attaching to the nodes of {args.nodes}" if args.nodes else "starting stage-worker nodes"
     )
@@ -73,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             plane=args.plane,
             inventory=inventory,
+            token=token,
             **router_options(args),
         )
     dep = server.deployment
@@ -81,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"{len(dep.nodes)} node(s): KServe v2 HTTP {dep.http_url}, "
         f"gRPC {dep.grpc_url}, router metrics "
         f"http://127.0.0.1:{server.metrics_port}/metrics\n"
-        f"roll out another plan: poolpipe rollout PLAN --router {dep.grpc_url}\n"
+        f"roll out another plan: poolpipe rollout PLAN --router {dep.grpc_url} "
+        f"--token-file {token_file}\n"
         "Ctrl-C stops."
     )
     _wait_for_signal()
@@ -99,6 +108,14 @@ def cmd_node(args: argparse.Namespace) -> int:
             "host shows no NVIDIA GPU; partitions for it will not load here",
             highlight=False,
         )
+    token_file = args.token_file or os.environ.get(TOKEN_FILE_VAR)
+    key = node_key(read_token(token_file)) if token_file else None
+    if key is None and args.listen not in ("127.0.0.1", "localhost", "::1"):
+        err_console.print(
+            f"[yellow]warning:[/] no --token-file: anyone who reaches {args.listen} may load "
+            "and unload models on this node",
+            highlight=False,
+        )
     name = args.name or f"{args.device}@{args.listen}:{args.grpc_port or 'auto'}"
     workspace = Path(args.workspace or f"out/node-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}")
     node = TritonNode(
@@ -110,6 +127,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         address=args.listen,
+        key=key,
     )
     with console.status(f"starting node {name} ..."):
         node.start()
@@ -135,10 +153,22 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.rollout import rollout_plan
 
+    token_file = args.token_file or os.environ.get(TOKEN_FILE_VAR)
+    if token_file:
+        read_token(token_file)  # a bad file is refused here, before the flow runs
     with console.status(f"rolling plan {args.plan} out to {args.router} ..."):
-        result = rollout_plan(args.plan, args.router, warehouse=args.warehouse)
+        result = rollout_plan(
+            args.plan, args.router, warehouse=args.warehouse, token_file=token_file
+        )
     console.print(json.dumps(result, indent=2))
     return 0
+
+
+def _token_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--token-file",
+        help=f"file holding {what}; mode 600 (default: ${TOKEN_FILE_VAR})",
+    )
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
@@ -203,6 +233,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="local", help="deployment name in the statistics")
     p.add_argument("--plane", choices=DATA_PLANES, default="reservation")
     add_router_arguments(p)
+    _token_argument(
+        p,
+        "the secret control commands and the nodes' model repository API require (default: "
+        "a fresh one in WORKSPACE/control.token)",
+    )
     p.add_argument("--stats-interval", type=float, default=60.0, help="seconds (60)")
     p.add_argument("--metrics-port", type=int, default=0, help="router metrics port (free one)")
     p.set_defaults(func=cmd_serve)
@@ -221,6 +256,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=0, help="HTTP port (a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="metrics port (a free one)")
     p.add_argument("--workspace", help="working folder (out/node-NAME)")
+    _token_argument(p, "the router's token: only it may load and unload models here")
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser(
@@ -231,5 +267,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plan", help="a plan id in the warehouse or a plan JSON file")
     p.add_argument("--router", required=True, help="the router's gRPC host:port")
+    _token_argument(p, "the router's token (serve prints where it is)")
     p.add_argument("-v", "--verbose", action="store_true", help="show Prefect's logs")
     p.set_defaults(func=cmd_rollout)
