@@ -1,24 +1,46 @@
 """Triton Python-backend model: one partition (an ONNX file) run with ONNX Runtime.
 
-Copied into each rendered repository as <partition>/1/model.py beside model.onnx; the thread
-count comes from the config's `intra_op_threads` parameter (a node class's device type).
+Uploaded to each node as <partition>/1/model.py beside model.onnx; the thread count comes
+from the config's `intra_op_threads` parameter (a node class's device type).
+
+Called plainly, it answers its partition's outputs. Called as a hop of a chain (request
+parameter `poolpipe_next`: JSON list of the hops after this one, each {"url", "model"};
+`[]` on the last), it sends its feature map straight to the next hop's node with the rest
+of the chain and answers, once the chain's answer comes back, the whole model's outputs
+(`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
+nanoseconds of each hop's own monotonic clock, this hop first. Its instance is free for the
+next batch while the rest of the chain runs. With a `poolpipe_key` parameter in the config,
+a chain is followed only when `poolpipe_sig` (HMAC-SHA256 of the chain with the key) is
+right: nobody without it can make the node send data elsewhere. An error down the chain is
+answered as "POOLPIPE_HOP k: ..." with k the failing hop, counted from this one.
 """
 
+import hashlib
+import hmac
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+HOPS = "POOLPIPE_HOPS"
+FORWARD_TIMEOUT_S = 60.0
+
+
+def chain_signature(key, chain):
+    return hmac.new(key.encode(), chain.encode(), hashlib.sha256).hexdigest()
+
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        params = config.get("parameters", {})
-        threads = int(params.get("intra_op_threads", {}).get("string_value", "1"))
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
+        so.intra_op_num_threads = int(params.get("intra_op_threads", "1"))
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         # as profiled (poolpipe.offline.engines.OrtEngine): idle threads must not spin
@@ -26,25 +48,120 @@ class TritonPythonModel:
         path = os.path.join(args["model_repository"], args["model_version"], "model.onnx")
         self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         self.inputs = [i["name"] for i in config["input"]]
-        self.outputs = [o["name"] for o in config["output"]]
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.key = params.get("poolpipe_key") or None
+        self.clients = {}
+        self.lock = threading.Lock()
 
     def execute(self, requests):
-        responses = []
         for request in requests:
+            sender = request.get_response_sender()
             try:
+                params = json.loads(request.parameters() or "{}")
                 feeds = {
                     name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()
                     for name in self.inputs
                 }
+                chain = params.get("poolpipe_next")
+                if chain is not None:
+                    self._check(chain, params.get("poolpipe_sig", ""))
+                start = time.monotonic_ns()
                 outs = self.session.run(self.outputs, feeds)
-                responses.append(
-                    pb_utils.InferenceResponse(
-                        output_tensors=[
-                            pb_utils.Tensor(n, np.ascontiguousarray(v))
-                            for n, v in zip(self.outputs, outs)
-                        ]
-                    )
-                )
+                end = time.monotonic_ns()
+                if chain is None:
+                    self._send(sender, dict(zip(self.outputs, outs)))
+                    continue
+                hops = json.loads(chain)
+                rows = len(outs[0])
+                if not hops:  # the last hop: the model's outputs and this hop's times
+                    mine = np.tile(np.array([start, end, end], np.int64), (rows, 1))
+                    self._send(sender, {**dict(zip(self.outputs, outs)), HOPS: mine})
+                    continue
+                self._forward(sender, outs, hops, params, start, end)
             except Exception as exc:  # answer this request with the error, keep serving
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
-        return responses
+                self._fail(sender, f"POOLPIPE_HOP 0: {exc}")
+        return None
+
+    # ------------------------------------------------------------------ chains
+
+    def _check(self, chain, sig):
+        if self.key is not None and not hmac.compare_digest(
+            chain_signature(self.key, chain), str(sig)
+        ):
+            raise ValueError("refused: the chain is not signed with this cluster's key")
+
+    def _client(self, url):
+        import tritonclient.grpc as grpcclient
+
+        with self.lock:
+            c = self.clients.get(url)
+            if c is None:
+                c = self.clients[url] = grpcclient.InferenceServerClient(url)
+            return c
+
+    def _forward(self, sender, outs, hops, params, start, end):
+        """Send the feature map to the next hop; answer when the chain's answer is back."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import np_to_triton_dtype
+
+        nxt, rest = hops[0], json.dumps(hops[1:])
+        names = json.loads(params.get("poolpipe_outputs", "[]"))
+        inputs = []
+        for k, x in enumerate(outs):
+            t = grpcclient.InferInput(f"in_{k}", list(x.shape), np_to_triton_dtype(x.dtype))
+            t.set_data_from_numpy(np.ascontiguousarray(x))
+            inputs.append(t)
+        wanted = [grpcclient.InferRequestedOutput(n) for n in [*names, HOPS]]
+        forward = {"poolpipe_next": rest, "poolpipe_outputs": json.dumps(names)}
+        if self.key is not None:
+            forward["poolpipe_sig"] = chain_signature(self.key, rest)
+        sent = time.monotonic_ns()
+
+        def done(result, error):
+            try:
+                if error is not None:
+                    message = error.message() if hasattr(error, "message") else str(error)
+                    if message.startswith("POOLPIPE_HOP "):  # renumber from this hop
+                        k, _, why = message[len("POOLPIPE_HOP ") :].partition(":")
+                        message = f"POOLPIPE_HOP {int(k) + 1}:{why}"
+                    else:
+                        message = f"POOLPIPE_HOP 1: {nxt['url']}: {message}"
+                    self._fail(sender, message)
+                    return
+                answer = {n: result.as_numpy(n) for n in names}
+                theirs = result.as_numpy(HOPS)
+                mine = np.tile(np.array([start, end, sent], np.int64), (len(theirs), 1))
+                answer[HOPS] = np.concatenate([mine, theirs], axis=1)
+                self._send(sender, answer)
+            except Exception as exc:
+                self._fail(sender, f"POOLPIPE_HOP 0: {exc}")
+
+        self._client(nxt["url"]).async_infer(
+            nxt["model"],
+            inputs,
+            done,
+            outputs=wanted,
+            parameters=forward,
+            client_timeout=FORWARD_TIMEOUT_S,
+        )
+
+    # ------------------------------------------------------------------ answers
+
+    @staticmethod
+    def _send(sender, tensors):
+        sender.send(
+            pb_utils.InferenceResponse(
+                output_tensors=[
+                    pb_utils.Tensor(n, np.ascontiguousarray(v)) for n, v in tensors.items()
+                ]
+            ),
+            flags=FINAL,
+        )
+
+    @staticmethod
+    def _fail(sender, message):
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+
+    def finalize(self):
+        for c in self.clients.values():
+            c.close()

@@ -7,6 +7,7 @@ made."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -118,3 +119,84 @@ def test_a_node_stops_cleanly_on_sigterm(cluster):
     cluster.stop_node(1, signal.SIGTERM)
     assert cluster.servers[1].node.returncode == 0
     cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # back for what runs next
+
+
+def _iface_bytes(name: str) -> int:
+    stats = Path("/sys/class/net") / name / "statistics"
+    return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+
+def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noqa: F811
+    """transport="chain": the router sends a batch's input to the first node with the rest
+    of its path; the first node sends its fp16 feature map straight to the second, whose
+    answer comes back along the chain. The same requests through the same plan with
+    transport="router" (every hop sent from the router) cross the router's interface with
+    each feature map twice more; through the chain, the feature maps cross from server 0
+    to server 1 instead. Answers match the whole model, and a chain that is not signed
+    with the cluster's key is refused by the node."""
+    import tritonclient.grpc as grpcclient
+
+    from triton_backend.deploy import Deployment
+
+    wh, _ = onboarded_tiny
+    inv = cluster.inventory()
+    token = read_token(cluster.token_file)
+    x = np.random.default_rng(5).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    want = whole_model(wh).run(None, {"input": x})[0]
+    n = 25
+    seen = {}
+    for transport in ("router", "chain"):
+        dep = Deployment.up(
+            two_partition_plan(cut=1),
+            wh,
+            tmp_path / transport,
+            inventory=inv,
+            token=token,
+            transport=transport,
+        )
+        try:
+            first = next(p for p in dep.layout.placements if p.start == 0)
+            fmap = dep.parts[first.partition].outputs
+            fmap_bytes = len(x) * sum(
+                int(np.prod(t.dims)) * np.dtype(t.dtype).itemsize for t in fmap
+            )
+            s0 = next(
+                k
+                for k, s in enumerate(cluster.servers)
+                if s.node_name == dep.nodes[first.node].name
+            )
+            s1 = 1 - s0
+            mod, client = _grpc(dep)
+            out_name = dep.ios[0].outputs[0].name
+            before = (_iface_bytes(cluster.bridge), cluster.link_bytes(s0), cluster.link_bytes(s1))
+            for _ in range(n):
+                got = _infer(mod, client, x).as_numpy(out_name)
+                assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
+            seen[transport] = (
+                _iface_bytes(cluster.bridge) - before[0],
+                cluster.link_bytes(s0)[1] - before[1][1],  # from server 0
+                cluster.link_bytes(s1)[0] - before[2][0],  # to server 1
+            )
+            if transport == "chain":
+                # a chain not signed with the cluster's key is refused
+                c = grpcclient.InferenceServerClient(dep.nodes[first.node].grpc_url)
+                i = grpcclient.InferInput("input", list(x.shape), "FP32")
+                i.set_data_from_numpy(x)
+                chain = '[{"url": "10.0.0.99:8001", "model": "x"}]'
+                with pytest.raises(Exception, match="not signed with this cluster's key"):
+                    c.infer(
+                        first.partition,
+                        [i],
+                        parameters={"poolpipe_next": chain, "poolpipe_sig": "0" * 64},
+                    )
+                c.close()
+        finally:
+            dep.down()
+    payload = n * (x.nbytes + want.nbytes)
+    router, chain = seen["router"], seen["chain"]
+    # through the router each feature map crosses its interface twice (in and out) ...
+    assert router[0] - chain[0] >= 1.5 * n * fmap_bytes, (seen, n * fmap_bytes)
+    # ... through the chain the router carries about the requests' own bytes
+    assert chain[0] < 1.2 * payload, (seen, payload)
+    # and the feature maps went from server 0 to server 1 directly
+    assert chain[1] >= n * fmap_bytes and chain[2] >= n * fmap_bytes, seen

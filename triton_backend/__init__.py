@@ -1,2 +1,6 @@
 """Triton adapters: stage-worker nodes (tritonserver processes serving rendered model
 repositories) and the router (poolpipe's serving runtime live, behind its own Triton)."""
+
+# How a batch travels its path (triton_backend.router.TritonExecutor): through the router
+# between stages, or from node to node.
+TRANSPORTS = ("router", "chain")

@@ -127,6 +127,7 @@ class Deployment:
         grpc_port: int = 0,
         inventory: Inventory | None = None,
         token: str | None = None,
+        transport: str = "router",
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
@@ -140,7 +141,9 @@ class Deployment:
         per GPU of the plan on loopback and writes their inventory to the workspace.
         `token`: the secret shared with the nodes (their management APIs expect the key
         derived from it; nodes this process starts are restricted so, and so is the
-        router's own Triton); None: nothing restricted."""
+        router's own Triton); None: nothing restricted.
+        `transport`: "router" (each hop sent from the router; feature maps pass through it)
+        or "chain" (feature maps node to node; the router sends inputs, gets outputs)."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         ceiling = (
@@ -157,6 +160,7 @@ class Deployment:
             "reply_margin_us": reply_margin_us,
             "reply_margin_max_us": ceiling,
             "key": key,
+            "transport": transport,
         }
         local = (
             None
@@ -173,7 +177,12 @@ class Deployment:
             ios = model_io(topo, lay, parts)
             known: dict[tuple, float] = {}
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
-            core = RouterCore(_served(live, lay, nodes, ios, options), margin=margin).start()
+            core = RouterCore(
+                _served(live, lay, nodes, ios, options),
+                margin=margin,
+                transport=transport,
+                key=key,
+            ).start()
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local

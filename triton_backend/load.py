@@ -58,7 +58,11 @@ def load_layout(
     loaded: list[tuple[RepositoryAPI, str]],
 ) -> None:
     """Upload every placement's partition model to its node and load it (each recorded in
-    `loaded` once loaded, so that a failure can be undone); nodes side by side."""
+    `loaded` once loaded, so that a failure can be undone); nodes side by side. Every
+    partition but a model's last declares the model's outputs too (chains of nodes)."""
+    last: dict[str, str] = {}
+    for p in sorted(lay.placements, key=lambda p: p.end):
+        last[p.model] = p.partition
 
     def bring_up(spec_name: str, gpu: str) -> None:
         node = nodes[spec_name]
@@ -69,6 +73,8 @@ def load_layout(
                     instances=p.instances,
                     threads=threads_of(gpu),
                     max_batch=max_batch,
+                    final_outputs=parts[last[p.model]].outputs,
+                    key=node.key,
                 )
                 node.load(p.partition, upload_config(text, p.partition), files)
                 loaded.append((node, p.partition))

@@ -9,6 +9,7 @@ and not inside a server.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tritonclient.grpc import model_config_pb2
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.anchors import anchored_file
-from poolpipe.offline.partitions import PartitionFile
+from poolpipe.offline.partitions import PartitionFile, TensorSpec
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
 BACKENDS = ("python", "onnxruntime", "tensorrt")
@@ -57,6 +58,9 @@ def _env() -> Environment:
     )
 
 
+HOPS_OUTPUT = "POOLPIPE_HOPS"  # per row: (start, end, sent) ns of each hop of a chain
+
+
 def render_config(
     part: PartitionFile,
     *,
@@ -65,7 +69,13 @@ def render_config(
     threads: int = 1,
     max_batch: int = 8,
     cpu: bool = True,
+    final_outputs: Sequence[TensorSpec] = (),
+    key: str | None = None,
 ) -> str:
+    """`final_outputs`: the whole model's outputs, declared on a partition that is not the
+    last so that it may return them (and every partition the hop times) when it forwards
+    its feature map along a chain of nodes (python_onnx_model.py); `key`: chains must be
+    signed with it (the nodes' key: their model-config API is restricted to it)."""
     if backend not in BACKENDS:
         raise PoolpipeError(f"unknown Triton backend {backend!r}; choose {', '.join(BACKENDS)}")
     text = (
@@ -77,12 +87,23 @@ def render_config(
             max_batch=max_batch,
             inputs=[_T(t.name, triton_dtype(t.dtype), t.dims) for t in part.inputs],
             outputs=[_T(t.name, triton_dtype(t.dtype), t.dims) for t in part.outputs],
+            relay_outputs=(
+                [
+                    _T(t.name, triton_dtype(t.dtype), t.dims)
+                    for t in final_outputs
+                    if t.name not in {o.name for o in part.outputs}
+                ]
+                + [_T(HOPS_OUTPUT, "TYPE_INT64", (-1,))]
+                if backend == "python"
+                else []
+            ),
             instances=instances,
             cpu=cpu,
             threads=threads,
             model=part.model,
             start=part.start,
             end=part.end,
+            key=key,
         )
     )
     parse_config(text, part_name(part))
@@ -109,11 +130,20 @@ def partition_files(
     threads: int = 1,
     max_batch: int = 8,
     cpu: bool = True,
+    final_outputs: Sequence[TensorSpec] = (),
+    key: str | None = None,
 ) -> tuple[str, dict[str, bytes]]:
     """One partition model as a node loads it: its config (config.pbtxt text) and its
     files by path inside the model's folder ("1/model.onnx", ...)."""
     text = render_config(
-        part, backend=backend, instances=instances, threads=threads, max_batch=max_batch, cpu=cpu
+        part,
+        backend=backend,
+        instances=instances,
+        threads=threads,
+        max_batch=max_batch,
+        cpu=cpu,
+        final_outputs=final_outputs,
+        key=key,
     )
     if backend == "tensorrt":
         raise PoolpipeError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import heapq
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from poolpipe.client.control import chain_signature
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.partitions import TensorSpec
 from poolpipe.runtime import (
@@ -42,7 +44,8 @@ from poolpipe.runtime import (
 )
 from poolpipe.scheduler import DataPlane
 from poolpipe.scheduler.topology import Topology
-from triton_backend.repository import kserve_dtype
+from triton_backend import TRANSPORTS
+from triton_backend.repository import HOPS_OUTPUT, kserve_dtype
 
 DROP_MARKER = "POOLPIPE_DROPPED"
 BAD_REQUEST_MARKER = "POOLPIPE_BAD_REQUEST"
@@ -204,12 +207,26 @@ class LoopClock:
 
 
 class TritonExecutor:
-    """Runs each batch hop by hop through the stage workers' gRPC endpoints and answers
-    the clients' futures."""
+    """Runs each batch through the stage workers' gRPC endpoints and answers the clients'
+    futures. `transport`: "router" sends every hop from here (feature maps come back to the
+    router between stages); "chain" sends the batch to its first node with the rest of its
+    path, and each node sends its feature map straight to the next (python_onnx_model.py):
+    the router's NIC carries inputs and outputs only. `key` signs chains (the nodes'
+    key; None: unsigned)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stage_timeout_s: float):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        stage_timeout_s: float,
+        transport: str = "router",
+        key: str | None = None,
+    ):
+        if transport not in TRANSPORTS:
+            raise PoolpipeError(f"unknown transport {transport!r}; choose {', '.join(TRANSPORTS)}")
         self.loop = loop
         self.stage_timeout_s = stage_timeout_s
+        self.transport = transport
+        self.key = key
         self._clients: dict[str, Any] = {}
         self._tasks: set[asyncio.Task] = set()
         self._gates: dict[tuple[int, int], _Gate] = {}  # (generation, vGPU) -> its turns
@@ -231,7 +248,7 @@ class TritonExecutor:
             c = self._clients[url] = grpcclient.InferenceServerClient(url)
         return c
 
-    def _infer(self, url: str, model: str, inputs: list) -> asyncio.Future:
+    def _infer(self, url: str, model: str, inputs: list, **kw: Any) -> asyncio.Future:
         """A stage call through the synchronous client's gRPC future, settled on the loop
         (measured: about 0.3 ms per call less than tritonclient's asyncio client)."""
         fut = self.loop.create_future()
@@ -240,7 +257,9 @@ class TritonExecutor:
         def done(result: Any = None, error: Any = None) -> None:
             loop.call_soon_threadsafe(_settle, fut, result, error)
 
-        self._client(url).async_infer(model, inputs, done, client_timeout=self.stage_timeout_s)
+        self._client(url).async_infer(
+            model, inputs, done, client_timeout=self.stage_timeout_s, **kw
+        )
         return fut
 
     async def close(self) -> None:
@@ -253,12 +272,13 @@ class TritonExecutor:
     def run(self, job: Job) -> None:
         gen = id(job.generation)
         tokens = []
-        for hop in job.dispatch.hops:
+        chain = self.transport == "chain" and len(job.dispatch.hops) > 1
+        for hop in job.dispatch.hops[:1] if chain else job.dispatch.hops:
             gate = self._gates.get((gen, hop.vgpu))
             if gate is None:
                 gate = self._gates[(gen, hop.vgpu)] = _Gate(self.loop)
             tokens.append(gate.add(hop.start_us))
-        self._spawn(self._run(job, tokens))
+        self._spawn(self._run_chain(job, tokens[0]) if chain else self._run(job, tokens))
 
     def answer(self, entry: Entry, outcome: int, reason: str) -> None:
         p: _Payload = entry.payload
@@ -331,6 +351,72 @@ class TritonExecutor:
             for k in range(taken, len(d.hops)):  # turns it will not take
                 self._gates[(gen, d.hops[k].vgpu)].forget(tokens[k])
 
+    async def _run_chain(self, job: Job, token: tuple[float, int]) -> None:
+        """The job's path as a chain of nodes: its batch to the first node when its turn
+        comes there, with the rest of the path; the first vGPU's turn ends when its hop's
+        reserved time is up (the nodes after it take hops as feature maps arrive, in
+        Triton's queue). When the answer is back, every hop is reported with the times the
+        nodes measured (durations exact; the gaps between hosts, whose clocks differ,
+        taken as reserved), or the hop that failed."""
+        import tritonclient.grpc as grpcclient
+
+        rt, served, d = self.rt, job.served, job.dispatch
+        plan: RouterPlan = served.adapter
+        io = plan.io[served.topo.models[d.model].name]
+        entries = job.entries
+        inputs = []
+        for k, spec in enumerate(io.inputs):
+            x = np.concatenate([e.payload.inputs[k] for e in entries])
+            t = grpcclient.InferInput(spec.name, list(x.shape), kserve_dtype(x.dtype))
+            t.set_data_from_numpy(x)
+            inputs.append(t)
+        path = json.dumps(
+            [
+                {"url": served.vgpu_node[h.vgpu], "model": plan.pool_partition[h.pool]}
+                for h in d.hops[1:]
+            ]
+        )
+        names = [t.name for t in io.outputs]
+        params = {"poolpipe_next": path, "poolpipe_outputs": json.dumps(names)}
+        if self.key is not None:
+            params["poolpipe_sig"] = chain_signature(self.key, path)
+        wanted = [grpcclient.InferRequestedOutput(n) for n in [*names, HOPS_OUTPUT]]
+        hop0 = d.hops[0]
+        gate = self._gates[(id(job.generation), hop0.vgpu)]
+        await gate.turn(token)
+        start = rt.clock.now()
+        if start - hop0.start_us > job.slack_us and not rt.hop_late(job, 0):
+            gate.release()
+            return  # dropped: the rest of its path is released
+        self.loop.call_later(max(0.0, (hop0.end_us - hop0.start_us) / 1e6), gate.release)
+        rt.hop_started(job, 0, start)
+        try:
+            result = await self._infer(
+                served.vgpu_node[hop0.vgpu],
+                plan.pool_partition[hop0.pool],
+                inputs,
+                outputs=wanted,
+                parameters=params,
+            )
+        except Exception as exc:
+            failed, why = _failed_hop(exc)
+            times = _reserved_times(d.hops, start)
+            for h in range(1, failed + 1):
+                rt.hop_done(job, h - 1, *times[h - 1])
+                rt.hop_started(job, h, times[h][0])
+            rt.hop_failed(job, failed, f"{plan.pool_partition[d.hops[failed].pool]}: {why}")
+            return
+        back = rt.clock.now()
+        outs = _outputs(result, names)
+        times = _chain_times(d.hops, result.as_numpy(HOPS_OUTPUT)[0], start, back)
+        for i, e in enumerate(entries):
+            e.payload.tensors = [o[i : i + 1] for o in outs]
+            e.result = {t.name: v for t, v in zip(io.outputs, e.payload.tensors, strict=True)}
+        for h, (s_us, e_us) in enumerate(times):
+            if h:
+                rt.hop_started(job, h, s_us)
+            rt.hop_done(job, h, s_us, e_us)
+
     async def _check(self, url: str, models: set[str]) -> None:
         """Is the node live with its models ready? (A fresh channel: the old one may be in
         gRPC's reconnect back-off.)"""
@@ -362,12 +448,14 @@ class RouterCore:
         stage_timeout_s: float = 30.0,
         margin: MarginMeter | None = None,
         recalibrate: bool = True,
+        transport: str = "router",
+        key: str | None = None,
     ):
         """`margin`: what the reply margin is learnt with (its floor until it has samples;
         the floor and ceiling equal for a fixed margin)."""
         self._loop = asyncio.new_event_loop()
         self.clock = LoopClock(self._loop)
-        self.executor = TritonExecutor(self._loop, stage_timeout_s)
+        self.executor = TritonExecutor(self._loop, stage_timeout_s, transport, key)
         self.margin = margin or MarginMeter()
         self.runtime = ServingRuntime(
             served,
@@ -541,6 +629,43 @@ def _settle(fut: asyncio.Future, result: Any, error: Any) -> None:
         fut.set_exception(error)
     else:
         fut.set_result(result)
+
+
+def _failed_hop(exc: BaseException) -> tuple[int, str]:
+    """Which hop of a chain failed ("POOLPIPE_HOP k: why" from the nodes; 0 otherwise:
+    the first node did not answer)."""
+    text = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
+    text = str(text)
+    if text.startswith("POOLPIPE_HOP "):
+        k, _, why = text[len("POOLPIPE_HOP ") :].partition(":")
+        if k.strip().isdigit():
+            return int(k), why.strip()
+    return 0, text
+
+
+def _reserved_times(hops: Sequence[Any], start: float) -> list[tuple[float, float]]:
+    """Each hop's (start, end) as reserved, shifted to begin at `start`."""
+    shift = start - hops[0].start_us
+    return [(h.start_us + shift, h.end_us + shift) for h in hops]
+
+
+def _chain_times(
+    hops: Sequence[Any], measured: np.ndarray, sent: float, back: float
+) -> list[tuple[float, float]]:
+    """Each hop's (start, end) on the router's clock from what the nodes measured (start,
+    end, sent ns per hop, each on its own host's clock): durations as measured, placed
+    back from when the answer came, with the transfers between hops as reserved, never
+    before the batch was sent."""
+    n = len(hops)
+    took = [max(0.0, float(measured[3 * h + 1] - measured[3 * h]) / 1e3) for h in range(n)]
+    times: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    end = back
+    for h in range(n - 1, -1, -1):
+        begin = max(sent, end - took[h])
+        times[h] = (begin, max(begin, end))
+        transfer = hops[h].transfer_end_us - hops[h].transfer_start_us
+        end = max(sent, begin - transfer)
+    return times
 
 
 def _outputs(result: Any, names: list[str] | None) -> list[np.ndarray]:

@@ -18,6 +18,7 @@ from poolpipe.cli.common import add_reply_margin_argument, err_console, warn_slo
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES
+from triton_backend import TRANSPORTS
 
 console = Console()
 
@@ -196,6 +197,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "--listen", default="127.0.0.1", help="the router's address for clients (127.0.0.1)"
     )
     p.add_argument("--http-port", type=int, default=0, help="the router's HTTP port (a free one)")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="router",
+        help="router: every stage called from the router (feature maps pass through it); "
+        "chain: the first node sends its feature map straight to the next (router)",
+    )
     p.add_argument("--grpc-port", type=int, default=0, help="the router's gRPC port (a free one)")
 
 
@@ -210,6 +218,7 @@ def router_options(args: argparse.Namespace) -> dict:
             None if args.reply_margin_max_ms is None else args.reply_margin_max_ms * 1e3
         ),
         "listen": args.listen,
+        "transport": args.transport,
         "http_port": args.http_port,
         "grpc_port": args.grpc_port,
     }

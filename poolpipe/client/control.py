@@ -4,8 +4,8 @@ require.
 
 A router, its nodes and the processes that control it share one token (`--token-file`,
 or $POOLPIPE_TOKEN_FILE). Control commands carry it; the router refuses those that do
-not. Nodes restrict Triton's model-repository, shared-memory, statistics, trace and
-logging APIs to requests with a header derived from it (`node_key`: Triton takes the
+not. Nodes restrict Triton's model-repository, model-config, shared-memory, statistics,
+trace and logging APIs to requests with a header derived from it (`node_key`: Triton takes the
 header's value on its command line, where local users of the node's host can read it, so
 it is not the token itself)."""
 
@@ -24,7 +24,7 @@ from poolpipe.errors import PoolpipeError
 CONTROL_MODEL = "poolpipe_control"
 TOKEN_FILE_VAR = "POOLPIPE_TOKEN_FILE"
 NODE_KEY_HEADER = "poolpipe-key"  # HTTP header; gRPC: triton-grpc-protocol-poolpipe-key
-RESTRICTED = "model-repository,shared-memory,statistics,trace,logging"
+RESTRICTED = "model-repository,model-config,shared-memory,statistics,trace,logging"
 
 
 class TokenError(PoolpipeError):
@@ -72,6 +72,12 @@ def token_from(path: str | Path | None) -> str | None:
 def node_key(token: str) -> str:
     """The header value the nodes' restricted APIs expect, derived from the token."""
     return hmac.new(token.encode(), b"poolpipe node api", hashlib.sha256).hexdigest()[:40]
+
+
+def chain_signature(key: str, chain: str) -> str:
+    """What a node checks before it forwards a feature map along `chain` (the JSON of the
+    hops after it): HMAC-SHA256 with the nodes' key (as python_onnx_model.py computes)."""
+    return hmac.new(key.encode(), chain.encode(), hashlib.sha256).hexdigest()
 
 
 def node_headers(key: str | None, grpc: bool = True) -> dict[str, str] | None:
