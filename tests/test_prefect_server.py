@@ -214,9 +214,18 @@ class Server:
             if state in TERMINAL:
                 break
             time.sleep(1)
-        logs = self.http.post(
-            "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
-        ).json()
+        # The run's process ships its logs in batches, after its state may have landed:
+        # wait (briefly) for them, and a little longer for the last batch.
+        logs: list = []
+        settle = time.monotonic() + 20
+        while time.monotonic() < settle:
+            now = self.http.post(
+                "/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
+            ).json()
+            if now and len(now) == len(logs):
+                break
+            logs = now
+            time.sleep(2)
         return state, "\n".join(entry["message"] for entry in logs)
 
     def stop(self) -> None:

@@ -155,7 +155,7 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
     _send(server, 2)
 
 
-def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsys):  # noqa: F811
+def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsys, monkeypatch):  # noqa: F811
     """`poolpipe serve PLAN.json` in its own process, a request to it, `poolpipe rollout`
     from this one, and a clean stop on SIGTERM. Its reply margin is the plan's whole SLO:
     it warns, and requests that bring their own SLO are served."""
@@ -166,7 +166,9 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
     import time
 
     from poolpipe.cli import main as cli_main
+    from poolpipe.client.control import TOKEN_FILE_VAR
 
+    monkeypatch.delenv(TOKEN_FILE_VAR, raising=False)  # serve makes its own token
     wh, _ = onboarded_tiny
     plan_file = tmp_path / "plan.json"
     two_partition_plan().save(plan_file)

@@ -1,0 +1,228 @@
+"""Serving on an emulated multi-host cluster (cluster.md): `--servers` network namespaces with
+`--bandwidth-gbps` NICs limited by tc in both directions, a `poolpipe node` (cpu-1t) in
+each, the router in the root namespace attached by their inventory. A generated ResNet-50
+and a 2-partition plan (each partition on half the nodes) are served with both transports:
+
+- `router`: every stage called from the router (feature maps go node -> router -> node);
+- `chain`:  the first node sends its feature map straight to the next.
+
+At each load: what crossed the router's interface against the requests' own inputs and
+outputs (target <= 1.1x with `chain`), what went server to server, attainment measured
+by the client beside the simulator's prediction on the router's calibrated topology (with
+stage times drawn from a calibration run), p50 / p99. Stored in the warehouse
+(bench_serving, bench "cluster"). Needs root (network namespaces).
+
+    ./run bench-cluster [--servers 4] [--bandwidth-gbps 1] [--duration 15] [--rates 5,10,15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe.client.control import new_token_file
+from poolpipe.domain.cluster import Cluster, GpuPool
+from poolpipe.domain.plan import manual_plan
+from poolpipe.store.warehouse import Warehouse
+
+console = Console(width=None if sys.stdout.isatty() else 170)
+
+
+def iface_bytes(name: str) -> int:
+    stats = Path("/sys/class/net") / name / "statistics"
+    return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--warehouse", default=None)
+    ap.add_argument("--label", default="bench")
+    ap.add_argument("--servers", type=int, default=4, help="emulated servers, one node each (4)")
+    ap.add_argument("--bandwidth-gbps", type=float, default=1.0, help="each server's NIC (1)")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds per load (15)")
+    ap.add_argument("--rates", default="5,10,15", help="req/s, comma-separated (5,10,15)")
+    ap.add_argument("--slo-ms", type=float, default=400.0, help="SLO (400)")
+    ap.add_argument("--cut", type=int, default=1, help="blocks on the first partition (1 of 4)")
+    args = ap.parse_args()
+
+    from triton_backend.emulated import EmulatedCluster, unavailable
+
+    why = unavailable()
+    if why:
+        console.print(f"[red]cannot emulate a cluster here:[/] {why}")
+        return 2
+    from flows.onboard import onboard_model
+    from poolpipe.offline.zoo import make_model
+    from triton_backend.deploy import Deployment
+    from triton_backend.loadgen import drive, poisson_times, summarize
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    rows: list[dict] = []
+
+    def record(config: str, metric: str, value: float) -> None:
+        rows.append(
+            {
+                "run_at": now,
+                "run_label": args.label,
+                "bench": "cluster",
+                "config": config,
+                "metric": metric,
+                "value": float(value),
+                "host": socket.gethostname(),
+            }
+        )
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    name = "bench-cluster-resnet"
+    path = make_model("resnet50", tmp / "m.onnx", width=0.5, image=64)
+    with console.status("onboarding the benchmark model (cpu-1t) ..."):
+        onboard_model(str(path), name, warehouse=args.warehouse, blocks=4, batches=[1, 2, 3, 4])
+    with Warehouse.open(args.warehouse) as wh:
+        profile = wh.load_profile(name)
+    half = args.servers // 2
+    cluster = Cluster(
+        "emulated", args.bandwidth_gbps, (GpuPool("cpu-1t", args.servers, 1, (1,)),)
+    )
+    plan = manual_plan(
+        name,
+        args.slo_ms * 1e3,
+        cluster,
+        [(0, args.cut, "cpu-1t", half), (args.cut, 4, "cpu-1t", args.servers - half)],
+        4,
+        profile,
+    )
+    rates = [float(r) for r in args.rates.split(",")]
+    results: dict[str, list[tuple[float, dict]]] = {}
+    with EmulatedCluster(args.servers, tmp / "cluster", args.bandwidth_gbps) as em:
+        token_file = tmp / "token"
+        token = new_token_file(token_file)
+        with console.status(f"starting {args.servers} nodes in their namespaces ..."):
+            for k in range(args.servers):
+                em.start_node(k, "cpu-1t", wait=False, token_file=token_file)
+            for k in range(args.servers):
+                em.wait_node(k)
+        inv = em.inventory()
+        for transport in ("router", "chain"):
+            with console.status(f"{transport}: uploading and calibrating ..."):
+                dep = Deployment.up(
+                    plan,
+                    args.warehouse,
+                    tmp / transport,
+                    inventory=inv,
+                    token=token,
+                    transport=transport,
+                )
+            try:
+                x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
+                in_name = dep.ios[0].inputs[0].name
+                out = dep.ios[0].outputs[0]
+                out_bytes = int(np.prod(out.dims)) * np.dtype(out.dtype).itemsize
+                first = next(p for p in dep.layout.placements if p.start == 0)
+                fmap = sum(
+                    int(np.prod(t.dims)) * np.dtype(t.dtype).itemsize
+                    for t in dep.parts[first.partition].outputs
+                )
+                url = dep.grpc_url
+                drive(url, name, {in_name: x}, poisson_times(5, 2, 0))  # warm-up
+                dep.core.take_stage_factors()
+                drive(url, name, {in_name: x}, poisson_times(rates[0], args.duration, 100))
+                factors = dep.core.take_stage_factors()
+                results[transport] = []
+                for k, rate in enumerate(rates):
+                    times = poisson_times(rate, args.duration, k + 1)
+                    before = (
+                        iface_bytes(em.bridge),
+                        sum(em.link_bytes(s)[1] for s in range(args.servers)),
+                    )
+                    shots = drive(url, name, {in_name: x}, times)
+                    router_bytes = iface_bytes(em.bridge) - before[0]
+                    servers_out = sum(em.link_bytes(s)[1] for s in range(args.servers)) - before[1]
+                    s = summarize(shots, args.slo_ms / 1e3, args.duration)
+                    answered = s["ok"]
+                    payload = len(shots) * x.nbytes + answered * out_bytes
+                    sim = dep.simulate(times, args.duration, factors)
+                    s |= {
+                        "router_bytes": router_bytes,
+                        "payload_bytes": payload,
+                        "ratio": router_bytes / max(1, payload),
+                        "server_out_bytes": servers_out,
+                        "fmap_bytes": fmap * answered,
+                        "sim": sim.attainment,
+                    }
+                    results[transport].append((rate, s))
+                    config = f"{transport}@{rate:g}req/s"
+                    for metric in (
+                        "attainment",
+                        "sim",
+                        "p50_ms",
+                        "p99_ms",
+                        "ratio",
+                        "router_bytes",
+                        "payload_bytes",
+                        "server_out_bytes",
+                    ):
+                        record(config, metric, s[metric])
+            finally:
+                dep.down()
+
+    t = Table(
+        title=f"emulated cluster: {args.servers} servers, {args.bandwidth_gbps:g} Gbit/s NICs, "
+        f"ResNet-50 (width 0.5, 64 px) cut after block {args.cut} of 4, SLO {args.slo_ms:g} ms",
+        title_justify="left",
+    )
+    for col in (
+        "transport",
+        "req/s",
+        "router iface MB",
+        "inputs+outputs MB",
+        "ratio",
+        "servers sent MB",
+        "feature maps MB",
+        "live",
+        "simulator",
+        "points apart",
+        "p50 ms",
+        "p99 ms",
+    ):
+        t.add_column(col, justify="right")
+    for transport, runs in results.items():
+        for rate, s in runs:
+            gap = abs(s["attainment"] - s["sim"]) * 100
+            ok = "" if transport != "chain" or s["ratio"] <= 1.1 else " (> 1.1)"
+            t.add_row(
+                transport,
+                f"{rate:g}",
+                f"{s['router_bytes'] / 1e6:.2f}",
+                f"{s['payload_bytes'] / 1e6:.2f}",
+                f"{s['ratio']:.2f}{ok}",
+                f"{s['server_out_bytes'] / 1e6:.2f}",
+                f"{s['fmap_bytes'] / 1e6:.2f}",
+                f"{s['attainment']:.3f}",
+                f"{s['sim']:.3f}",
+                f"{gap:.1f}{'' if gap <= 2 else ' (> 2)'}",
+                f"{s['p50_ms']:.1f}",
+                f"{s['p99_ms']:.1f}",
+            )
+        t.add_section()
+    console.print(t)
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+        console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench cluster)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
