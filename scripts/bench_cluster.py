@@ -9,7 +9,9 @@ and a 2-partition plan (each partition on half the nodes) are served with both t
 At each load: what crossed the router's interface against the requests' own inputs and
 outputs (target <= 1.1x with `chain`), what went server to server, attainment measured
 by the client beside the simulator's prediction on the router's calibrated topology (with
-stage times drawn from a calibration run), p50 / p99. Stored in the warehouse
+stage times drawn from a calibration run), p50 / p99, and a chain's overhead (the time
+from sending to the answer that the nodes' measured computes and the reserved transfers do
+not explain: forwarding, queues, the answer's way back). Stored in the warehouse
 (bench_serving, bench "cluster"). Needs root (network namespaces).
 
     ./run bench-cluster [--servers 4] [--bandwidth-gbps 1] [--duration 15] [--rates 5,10,15]
@@ -147,7 +149,9 @@ def main() -> int:
                         iface_bytes(em.bridge),
                         sum(em.link_bytes(s)[1] for s in range(args.servers)),
                     )
+                    dep.core.take_chain_overheads()
                     shots = drive(url, name, {in_name: x}, times)
+                    overheads = dep.core.take_chain_overheads()
                     router_bytes = iface_bytes(em.bridge) - before[0]
                     servers_out = sum(em.link_bytes(s)[1] for s in range(args.servers)) - before[1]
                     s = summarize(shots, args.slo_ms / 1e3, args.duration)
@@ -161,6 +165,10 @@ def main() -> int:
                         "server_out_bytes": servers_out,
                         "fmap_bytes": fmap * answered,
                         "sim": sim.attainment,
+                        "overhead_p50_ms": float(np.median(overheads)) / 1e3 if overheads else 0,
+                        "overhead_p99_ms": (
+                            float(np.percentile(overheads, 99)) / 1e3 if overheads else 0
+                        ),
                     }
                     results[transport].append((rate, s))
                     config = f"{transport}@{rate:g}req/s"
@@ -173,6 +181,8 @@ def main() -> int:
                         "router_bytes",
                         "payload_bytes",
                         "server_out_bytes",
+                        "overhead_p50_ms",
+                        "overhead_p99_ms",
                     ):
                         record(config, metric, s[metric])
             finally:
@@ -196,6 +206,7 @@ def main() -> int:
         "points apart",
         "p50 ms",
         "p99 ms",
+        "chain overhead p50/p99 ms",
     ):
         t.add_column(col, justify="right")
     for transport, runs in results.items():
@@ -215,6 +226,9 @@ def main() -> int:
                 f"{gap:.1f}{'' if gap <= 2 else ' (> 2)'}",
                 f"{s['p50_ms']:.1f}",
                 f"{s['p99_ms']:.1f}",
+                f"{s['overhead_p50_ms']:.1f} / {s['overhead_p99_ms']:.1f}"
+                if transport == "chain"
+                else "",
             )
         t.add_section()
     console.print(t)

@@ -100,5 +100,9 @@ def test_the_reply_margin_follows_egress_within_floor_and_ceiling():
     assert m.margin_us == pytest.approx(1_100.0)
     f = m.figures()
     assert f["reply_margin_ms"] == pytest.approx(1.1) and f["ingress_p99_ms"] == pytest.approx(0.5)
+    # chains of nodes: their overhead's p99 (negative ones count as 0) is held back too
+    assert m.observe(None, path_us=[3_000.0] * 9 + [-50.0])
+    assert m.margin_us == pytest.approx(1_000.0 + 100.0 + 3_000.0)
+    assert m.figures()["chain_overhead_p99_ms"] == pytest.approx(3.0)
     with pytest.raises(PoolpipeError, match="floor <= ceiling"):
         MarginMeter(floor_us=5_000.0, ceiling_us=1_000.0)

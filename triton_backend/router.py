@@ -20,6 +20,7 @@ import heapq
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -227,6 +228,8 @@ class TritonExecutor:
         self.stage_timeout_s = stage_timeout_s
         self.transport = transport
         self.key = key
+        self.chain_overheads_us: deque[float] = deque(maxlen=4096)  # see _chain_times
+        self.on_overhead: Callable[[float], None] = lambda us: None
         self._clients: dict[str, Any] = {}
         self._tasks: set[asyncio.Task] = set()
         self._gates: dict[tuple[int, int], _Gate] = {}  # (generation, vGPU) -> its turns
@@ -408,7 +411,9 @@ class TritonExecutor:
             return
         back = rt.clock.now()
         outs = _outputs(result, names)
-        times = _chain_times(d.hops, result.as_numpy(HOPS_OUTPUT)[0], start, back)
+        times, overhead = _chain_times(d.hops, result.as_numpy(HOPS_OUTPUT)[0], start, back)
+        self.chain_overheads_us.append(overhead)
+        self.on_overhead(overhead)
         for i, e in enumerate(entries):
             e.payload.tensors = [o[i : i + 1] for o in outs]
             e.result = {t.name: v for t, v in zip(io.outputs, e.payload.tensors, strict=True)}
@@ -456,6 +461,7 @@ class RouterCore:
         self._loop = asyncio.new_event_loop()
         self.clock = LoopClock(self._loop)
         self.executor = TritonExecutor(self._loop, stage_timeout_s, transport, key)
+        self.executor.on_overhead = self._observe_path
         self.margin = margin or MarginMeter()
         self.runtime = ServingRuntime(
             served,
@@ -577,6 +583,11 @@ class RouterCore:
         ):
             self.runtime.reply_margin_us = m.margin_us
 
+    def _observe_path(self, overhead_us: float) -> None:
+        """A chain's overhead (on the router's loop): the reply margin follows it."""
+        if self.margin.observe(None, path_us=[overhead_us]):
+            self.runtime.reply_margin_us = self.margin.margin_us
+
     def margin_figures(self) -> dict[str, float]:
         return self._call(self.margin.figures)
 
@@ -595,6 +606,16 @@ class RouterCore:
         under load than when they were calibrated one at a time (on a shared host, mostly
         each other's CPU)."""
         return self._call(self.runtime.take_stage_factors)
+
+    def take_chain_overheads(self) -> list[float]:
+        """The overhead (µs) of each chain answered since the last call (_chain_times)."""
+
+        def take() -> list[float]:
+            out = list(self.executor.chain_overheads_us)
+            self.executor.chain_overheads_us.clear()
+            return out
+
+        return self._call(take)
 
     def take_window(self) -> tuple[list[dict], list[dict]]:
         """What happened since the last call: one row per model and one per pool (the live
@@ -651,21 +672,24 @@ def _reserved_times(hops: Sequence[Any], start: float) -> list[tuple[float, floa
 
 def _chain_times(
     hops: Sequence[Any], measured: np.ndarray, sent: float, back: float
-) -> list[tuple[float, float]]:
+) -> tuple[list[tuple[float, float]], float]:
     """Each hop's (start, end) on the router's clock from what the nodes measured (start,
-    end, sent ns per hop, each on its own host's clock): durations as measured, placed
-    back from when the answer came, with the transfers between hops as reserved, never
-    before the batch was sent."""
+    end, sent ns per hop, each on its own host's clock), and the chain's overhead: the
+    time from sending to the answer that neither the measured computes nor the reserved
+    transfers explain (the nodes' forwarding, their queues, the answer's way back: the
+    reply margin holds its p99 back, see MarginMeter). Placed back from when the answer
+    came, never before the batch was sent."""
     n = len(hops)
     took = [max(0.0, float(measured[3 * h + 1] - measured[3 * h]) / 1e3) for h in range(n)]
+    gaps = [h.transfer_end_us - h.transfer_start_us for h in hops[1:]]
+    overhead = (back - sent) - sum(took) - sum(gaps)
     times: list[tuple[float, float]] = [(0.0, 0.0)] * n
     end = back
     for h in range(n - 1, -1, -1):
         begin = max(sent, end - took[h])
         times[h] = (begin, max(begin, end))
-        transfer = hops[h].transfer_end_us - hops[h].transfer_start_us
-        end = max(sent, begin - transfer)
-    return times
+        end = max(sent, begin - (gaps[h - 1] if h else 0.0))
+    return times, overhead
 
 
 def _outputs(result: Any, names: list[str] | None) -> list[np.ndarray]:
