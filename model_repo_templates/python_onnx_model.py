@@ -1,7 +1,9 @@
 """Triton Python-backend model: one partition (an ONNX file) run with ONNX Runtime.
 
 Uploaded to each node as <partition>/1/model.py beside model.onnx; the thread count comes
-from the config's `intra_op_threads` parameter (a node class's device type).
+from the config's `intra_op_threads` parameter (a node class's device type), the execution
+providers from `providers` (on GPU nodes CUDA, TensorRT first where onnxruntime-gpu has it;
+each instance on the GPU Triton gives it).
 
 Called plainly, it answers its partition's outputs. Called as a hop of a chain (request
 parameter `poolpipe_next`: JSON list of the hops after this one, each {"url", "model"};
@@ -46,7 +48,19 @@ class TritonPythonModel:
         # as profiled (poolpipe.offline.engines.OrtEngine): idle threads must not spin
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         path = os.path.join(args["model_repository"], args["model_version"], "model.onnx")
-        self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        wanted = params.get("providers", "CPUExecutionProvider").split(",")
+        have = ort.get_available_providers()
+        providers = [p for p in wanted if p in have]
+        if not providers:
+            raise RuntimeError(
+                f"none of the execution providers {wanted} is in this node's onnxruntime "
+                f"({have}); a GPU node needs onnxruntime-gpu"
+            )
+        device = str(args.get("model_instance_device_id", "0"))
+        options = [{"device_id": device} if p != "CPUExecutionProvider" else {} for p in providers]
+        self.session = ort.InferenceSession(
+            path, so, providers=providers, provider_options=options
+        )
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.key = params.get("poolpipe_key") or None

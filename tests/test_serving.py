@@ -352,6 +352,29 @@ def test_rendered_configs_are_triton_model_configs(onboarded_tiny, tmp_path):
 
     assert [i.name for i in cfg.input] == ["in_0"] and cfg.input[0].data_type == mc.TYPE_FP16
     assert cfg.parameters["intra_op_threads"].string_value == "2"
+    assert cfg.parameters["providers"].string_value == "CPUExecutionProvider"
+    assert [o.name for o in cfg.output] == ["out_0", "POOLPIPE_HOPS"]
+    # a GPU node's partition (rendered and checked here, though no GPU can run it): on the
+    # GPU with CUDA / TensorRT; a partition before the last declares the model's outputs
+    # too, for chains of nodes, and carries the key chains are signed with
+    from triton_backend.prepare import device_class
+
+    assert device_class("cpu-4t") == (True, 4) and device_class("T4") == (False, 1)
+    with Warehouse.open(wh) as w:
+        whole, layers = w.whole_model_file("tiny"), w.block_layers("tiny")
+        head = make_partition(whole, "tiny", layers, 0, 1, tmp_path)
+        tail = make_partition(whole, "tiny", layers, 3, 4, tmp_path)
+    final = [t.name for t in tail.outputs]
+    gpu = parse_config(
+        render_config(head, cpu=False, final_outputs=tail.outputs, key="k" * 40), "x"
+    )
+    assert gpu.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert gpu.parameters["providers"].string_value.split(",") == [
+        "TensorrtExecutionProvider",
+        "CUDAExecutionProvider",
+    ]
+    assert [o.name for o in gpu.output] == ["out_0", *final, "POOLPIPE_HOPS"]
+    assert gpu.parameters["poolpipe_key"].string_value == "k" * 40
     folder = render_partition(part, tmp_path / "repo", backend="onnxruntime")
     assert (folder / "1" / "model.onnx").is_file() and not (folder / "1" / "model.py").exists()
     with pytest.raises(PoolpipeError, match="not a ModelConfig"):

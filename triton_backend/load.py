@@ -12,7 +12,7 @@ from poolpipe.domain.inventory import Inventory, InventoryError, InventoryNode, 
 from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
 from triton_backend.nodes import RemoteNode, RepositoryAPI, TritonNode, stop_nodes
-from triton_backend.prepare import threads_of
+from triton_backend.prepare import device_class
 from triton_backend.repository import partition_files, upload_config
 
 
@@ -66,12 +66,14 @@ def load_layout(
 
     def bring_up(spec_name: str, gpu: str) -> None:
         node = nodes[spec_name]
+        cpu, threads = device_class(gpu)
         for p in lay.placements:
             if p.node == spec_name:
                 text, files = partition_files(
                     parts[p.partition],
                     instances=p.instances,
-                    threads=threads_of(gpu),
+                    threads=threads,
+                    cpu=cpu,
                     max_batch=max_batch,
                     final_outputs=parts[last[p.model]].outputs,
                     key=node.key,

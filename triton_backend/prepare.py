@@ -20,14 +20,11 @@ from triton_backend.router import ModelIO
 _CPU = re.compile(r"^cpu-(\d+)t$")
 
 
-def threads_of(device: str) -> int:
+def device_class(device: str) -> tuple[bool, int]:
+    """(CPU class?, intra-op threads) of a device type: `cpu-<n>t` runs on n CPU threads;
+    any other name is a GPU type (one ONNX Runtime session on the node's GPU, KIND_GPU)."""
     m = _CPU.match(device)
-    if not m:
-        raise PoolpipeError(
-            f"device type {device!r} is not a CPU class (cpu-<threads>t); GPU node types need "
-            "a GPU node running Triton's onnxruntime or tensorrt backend"
-        )
-    return int(m.group(1))
+    return (True, int(m.group(1))) if m else (False, 1)
 
 
 # make_partition's arguments: whole model, model, block layers, start, end, out dir, tag
