@@ -200,3 +200,75 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
     assert chain[0] < 1.2 * payload, (seen, payload)
     # and the feature maps went from server 0 to server 1 directly
     assert chain[1] >= n * fmap_bytes and chain[2] >= n * fmap_bytes, seen
+
+
+def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
+    cluster,
+    onboarded_tiny,  # noqa: F811
+    tmp_path,
+):
+    """One partition on the nodes of both servers, chained transport; one server's node is
+    killed (SIGKILL, its Triton with it) under load: its batch is retried on the other
+    server's node and every request gets an answer (a result, or an explicit drop: no
+    request hangs). The operator starts the node again, empty: the router's watch finds it
+    answering without its models, uploads them and puts it back in service."""
+    import threading
+    import time
+
+    from tests.test_serving import hand_plan
+    from triton_backend.deploy import Deployment
+    from triton_backend.router import DROP_MARKER
+
+    wh, _ = onboarded_tiny
+    token = read_token(cluster.token_file)
+    dep = Deployment.up(
+        hand_plan([(0, 4, 2)]),
+        wh,
+        tmp_path / "router",
+        inventory=cluster.inventory(),
+        token=token,
+        transport="chain",
+        router_instances=4,
+    )
+    try:
+        mod, _ = _grpc(dep)
+        out = dep.ios[0].outputs[0].name
+        answers: list[object] = []
+        stop = threading.Event()
+
+        def client_loop() -> None:
+            _, c = _grpc(dep)
+            x = np.zeros((1, 3, 32, 32), np.float32)
+            while not stop.is_set():
+                try:
+                    answers.append(_infer(mod, c, x).as_numpy(out).shape)
+                except Exception as exc:
+                    answers.append(exc)
+
+        threads = [threading.Thread(target=client_loop) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        cluster.stop_node(1, signal.SIGKILL)
+        time.sleep(1.5)
+        n_during = len(answers)
+        assert dep.core.down_nodes(), "the killed node was not taken out of service"
+        cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # empty, same address
+        deadline = time.monotonic() + 60
+        while dep.core.recoveries < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        errors = [str(a)[-300:] for a in answers if not isinstance(a, tuple)]
+        assert all(DROP_MARKER in e for e in errors), errors[:3]
+        assert len(errors) <= 0.05 * len(answers), errors[:3]
+        assert len(answers) > n_during > 0
+        assert dep.core.recoveries == 1 and not dep.core.down_nodes()
+        assert _loaded(cluster.inventory(), _key(cluster)) == ["tiny__b00-04__g0"] * 2
+        s = dep.core.stats["tiny"]
+        assert s.failed == 0 and s.arrivals == len(answers)
+    finally:
+        dep.down()

@@ -11,6 +11,7 @@ door)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from triton_backend.load import LocalNodes, attach, load_layout
 from triton_backend.nodes import RepositoryAPI, TritonNode
 from triton_backend.prepare import model_io, prepare
 from triton_backend.router import ModelIO, RouterCore, served_plan
+
+log = logging.getLogger(__name__)
 
 
 def _served(
@@ -186,6 +189,7 @@ class Deployment:
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
+            core.executor.on_empty_node = dep._refill_url
             dep.frontend = Frontend(
                 core,
                 ios,
@@ -314,6 +318,11 @@ class Deployment:
             raise PoolpipeError(f"node {name} runs elsewhere ({node.grpc_url}); restart it there")
         node.stop()
         node.start()
+        self._refill(name)
+
+    def _refill(self, name: str) -> None:
+        """Load node `name`'s partition models of the plan being served onto it (uploaded)
+        and warm them: a node back from a crash or restart answers without them."""
         only = Layout(
             tuple(s for s in self.layout.nodes if s.name == name),
             self.layout.placements,
@@ -322,6 +331,17 @@ class Deployment:
         )
         load_layout(only, self.parts, self.nodes, self.options["max_batch"], loaded=[])
         warm(self.layout, self.nodes, self.parts, _top_batch(self.topo), only=name)
+
+    def _refill_url(self, url: str) -> None:
+        """The router's watch found the node at `url` answering without its models."""
+        name = next((n for n, node in self.nodes.items() if node.grpc_url == url), None)
+        if name is None or isinstance(self.nodes[name], TritonNode):
+            return  # local nodes come back through restart_node, which loads them
+        try:
+            self._refill(name)
+            log.info("node %s answered again without its models: loaded them", name)
+        except Exception as exc:  # the watch tries again at its next look
+            log.warning("node %s is back but its models did not load: %s", name, exc)
 
     def down(self) -> None:
         if self.frontend is not None:

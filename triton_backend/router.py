@@ -230,6 +230,10 @@ class TritonExecutor:
         self.key = key
         self.chain_overheads_us: deque[float] = deque(maxlen=4096)  # see _chain_times
         self.on_overhead: Callable[[float], None] = lambda us: None
+        # a failed node that answers again without its models (restarted empty, e.g. by its
+        # operator): given its URL, loads them (blocking; run off the loop); None: wait
+        self.on_empty_node: Callable[[str], None] | None = None
+        self._refilling: set[str] = set()
         self._clients: dict[str, Any] = {}
         self._tasks: set[asyncio.Task] = set()
         self._gates: dict[tuple[int, int], _Gate] = {}  # (generation, vGPU) -> its turns
@@ -428,14 +432,19 @@ class TritonExecutor:
         import tritonclient.grpc.aio as grpcaio
 
         probe = grpcaio.InferenceServerClient(url)
+        live = ready = False
         try:
-            ready = await probe.is_server_live(client_timeout=1.0)
+            live = ready = await probe.is_server_live(client_timeout=1.0)
             for m in models:
                 ready = ready and await probe.is_model_ready(m, client_timeout=1.0)
         except Exception:
             ready = False
         finally:
             await probe.close()
+        if live and not ready and self.on_empty_node and url not in self._refilling:
+            self._refilling.add(url)
+            refill = self.loop.run_in_executor(None, self.on_empty_node, url)
+            refill.add_done_callback(lambda f: self._refilling.discard(url))
         if ready:
             old = self._clients.pop(url, None)
             if old is not None:
