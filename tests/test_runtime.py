@@ -380,3 +380,31 @@ def test_held_batches_wake_earlier_when_the_clocks_timers_fire_late():
     assert outcomes[:8] == [DROPPED] * 8  # held to the last moment: the late wake misses it
     assert outcomes[8:] == [ON_TIME] * 4
     assert rt.wake_late_us == 30.0 and plane.wake_guard_us == 31.0
+
+
+def test_held_batches_go_out_earlier_when_batches_overrun_their_reservations():
+    """Stages that run 30 µs over their reservation (a busy host's stage workers, the
+    executor's own path) make every lone request, held for batch-mates until its last
+    moment, late. After 8 such batches (stages that found their vGPU idle) the runtime
+    has measured the overrun and the plane's wake guard holds its p99 back: lone requests
+    go out that much earlier and are on time again."""
+    topo = make_topology([([0], [10.0, 12.0, 14.0, 16.0], 0.0)], slo_us=1000.0, batch=4)
+    clock = VirtualClock()
+    ex = HandExecutor()
+    plane = make_data_plane("reservation", topo)
+    rt = ServingRuntime(ServedPlan(topo, plane, vgpu_nodes(topo)), clock, ex, RuntimeConfig())
+    outcomes = []
+    t = 0.0
+    for k in range(12):
+        clock.run_until(t)
+        rt.submit(0, [k])
+        jobs = len(ex.jobs)
+        while len(ex.jobs) == jobs:  # held until its wake
+            t += 1.0
+            clock.run_until(t)
+        run_job(rt, ex.jobs[-1], t, [40.0])  # reserved 10 µs
+        outcomes.append(ex.answers[k][0])
+        t += 5000.0
+    assert outcomes[:8] == [LATE] * 8
+    assert outcomes[8:] == [ON_TIME] * 4
+    assert rt.overrun_us == 30.0 and plane.wake_guard_us == 31.0

@@ -51,8 +51,12 @@ RECALIBRATE_BAND = 0.1
 # A failed node is asked whether it serves again this often (µs).
 NODE_CHECK_EVERY_US = 500_000.0
 # The plane's wake guard grows by the p99 of how late the last WAKE_WINDOW wakes fired
-# (recomputed every WAKE_EVERY wakes), by at most WAKE_LATE_CAP_US.
+# (recomputed every WAKE_EVERY wakes), by at most WAKE_LATE_CAP_US; and by the p99 of how
+# far the last WAKE_WINDOW batches whose stages all found their vGPU idle ended after
+# their reserved end (stages slower than reserved, transfers, the executor's own path),
+# by at most OVERRUN_CAP_US. Batches held for more requests then go out that much earlier.
 WAKE_WINDOW, WAKE_EVERY, WAKE_LATE_CAP_US = 256, 8, 20_000.0
+OVERRUN_CAP_US = 20_000.0
 SWITCHED_AWAY = "the plan was switched before this request could finish"
 
 
@@ -155,6 +159,9 @@ class ServingRuntime:
         # How late the clock's timers fire (its wakes), for the plane's wake guard
         self._late_us: deque[float] = deque(maxlen=WAKE_WINDOW)
         self.wake_late_us = 0.0  # p99 of the window, at most WAKE_LATE_CAP_US
+        # How far batches that never queued ended after their reservation
+        self._over_us: deque[float] = deque(maxlen=WAKE_WINDOW)
+        self.overrun_us = 0.0  # p99 of the window, at most OVERRUN_CAP_US
         self._down: set[str] = set()  # failed nodes, until they answer again
         self._paused = False
         self._held: list[tuple[str, float | None, Any, float]] = []
@@ -297,8 +304,22 @@ class ServingRuntime:
             late = min(WAKE_LATE_CAP_US, p99(self._late_us))
             if late != self.wake_late_us:
                 self.wake_late_us = late
-                self.gen.plane.set_wake_lateness(late)
+                self.gen.plane.set_wake_lateness(self.guard_extra_us)
         self._decide(now)
+
+    @property
+    def guard_extra_us(self) -> float:
+        """What the plane's wake guard holds back beyond its floor: the timer's lateness
+        and the batches' overrun (p99 of each)."""
+        return self.wake_late_us + self.overrun_us
+
+    def _overran(self, over_us: float) -> None:
+        self._over_us.append(max(0.0, over_us))
+        if len(self._over_us) % WAKE_EVERY == 0 or len(self._over_us) == WAKE_WINDOW:
+            over = min(OVERRUN_CAP_US, p99(self._over_us))
+            if over != self.overrun_us:
+                self.overrun_us = over
+                self.gen.plane.set_wake_lateness(self.guard_extra_us)
 
     def _start(self, gen: Generation, d: Dispatch, now: float) -> None:
         # The plane's requests are the runtime's entries, all still waiting: a request is
@@ -346,6 +367,8 @@ class ServingRuntime:
                 reserved = max(1.0, hop.end_us - hop.start_us)
                 self._observe(gen, hop.pool, (end_us - start_us) / reserved)
         again = gen.plane.on_stage_done(StageReport(d.id, h, start_us, end_us), end_us)
+        if h == len(d.hops) - 1 and self._observing and all(job.idle) and gen is self.gen:
+            self._overran(end_us - hop.end_us)
         if h == len(d.hops) - 1 and d.final:
             live = self._live
             for entry in job.entries:
@@ -570,7 +593,7 @@ class ServingRuntime:
         self._wake, self._wake_at = None, math.inf
         self.gen = gen = Generation(sw.served, self.stats)
         self.generations.append(gen)
-        gen.plane.set_wake_lateness(self.wake_late_us)
+        gen.plane.set_wake_lateness(self.guard_extra_us)
         self.windows.restart_pools()
         for v, node in sw.served.vgpu_node.items():
             if node in self._down:  # still failed: out of the new plan's tables too
