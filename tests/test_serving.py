@@ -120,7 +120,7 @@ def test_partitions_run_on_two_nodes_with_fp16_between_them(served):
     # the door answered its warm-up requests before any client came
     from triton_backend.frontend import WARM_UP
 
-    assert served.warmed == WARM_UP
+    assert served.warmed == 2 * WARM_UP  # a cold round, then one for the reply margin
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

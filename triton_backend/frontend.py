@@ -172,8 +172,9 @@ class Frontend:
 
     def _warm_up(self) -> None:
         """WARM_UP requests per served model, a few at a time, so that the door's first
-        calls are behind it and the reply margin has samples; then the router's statistics
-        start from zero."""
+        calls are behind it; then as many again for the reply margin's first samples (the
+        first round's, taken cold, are forgotten); then the router's statistics start from
+        zero."""
         import tritonclient.grpc as grpcclient
         import tritonclient.grpc.aio as grpcaio
 
@@ -201,4 +202,6 @@ class Frontend:
 
         with ThreadPoolExecutor(1) as pool:  # asyncio.run needs a thread without a loop
             self.warmed = pool.submit(asyncio.run, warm()).result()
+            self.core.restart_margin()
+            self.warmed += pool.submit(asyncio.run, warm()).result()
         self.core.reset_stats()

@@ -597,6 +597,15 @@ class RouterCore:
         if self.margin.observe(None, path_us=[overhead_us]):
             self.runtime.reply_margin_us = self.margin.margin_us
 
+    def restart_margin(self) -> None:
+        """The reply margin from new samples only (MarginMeter.restart)."""
+
+        def restart() -> None:
+            self.margin.restart()
+            self.runtime.reply_margin_us = self.margin.margin_us
+
+        self._call(restart)
+
     def margin_figures(self) -> dict[str, float]:
         return self._call(self.margin.figures)
 

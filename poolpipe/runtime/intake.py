@@ -66,6 +66,17 @@ class MarginMeter:
         self.margin_us = floor_us
         self._since = 0
 
+    def restart(self) -> None:
+        """Forget the samples (the margin back at the floor until `every` new ones): what
+        a cold start measured (a stub's first calls) says nothing of the warm path, and it
+        would stay in the window while a margin too wide for the SLOs has every request
+        refused at the door, so that no answer brings a new sample."""
+        self.ingress_us.clear()
+        self.egress_us.clear()
+        self.path_us.clear()
+        self.margin_us = self.floor_us
+        self._since = 0
+
     def observe(
         self,
         ingress_us: float | None,
