@@ -42,9 +42,20 @@ class RepositoryAPI:
         return node_headers(self.key)
 
     def _grpc(self):
+        """A client on a channel of its own: gRPC shares connections between a process's
+        channels to one address, and one to a node that was down is in reconnect back-off
+        (failing at once) for seconds after the node answers again."""
         import tritonclient.grpc as grpcclient
+        from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
 
-        return grpcclient.InferenceServerClient(self.grpc_url)
+        return grpcclient.InferenceServerClient(
+            self.grpc_url,
+            channel_args=[
+                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.use_local_subchannel_pool", 1),
+            ],
+        )
 
     def live(self, timeout_s: float = 2.0) -> bool:
         try:
