@@ -11,8 +11,12 @@ outputs (target <= 1.1x with `chain`), what went server to server, attainment me
 by the client beside the simulator's prediction on the router's calibrated topology (with
 stage times drawn from a calibration run), p50 / p99, and a chain's overhead (the time
 from sending to the answer that the nodes' measured computes and the reserved transfers do
-not explain: forwarding, queues, the answer's way back). Stored in the warehouse
-(bench_serving, bench "cluster"). Needs root (network namespaces).
+not explain: forwarding, queues, the answer's way back). Then, with `chain`, under the
+middle load: a rollout (the cut moves one block; requests unanswered, failed, the switch's
+downtime against SLO + 100 ms) and a node killed (SIGKILL) and restarted empty at its
+address (no request may hang; the router must upload its models and put it back in
+service). Stored in the warehouse (bench_serving, bench "cluster"). Needs root (network
+namespaces).
 
     ./run bench-cluster [--servers 4] [--bandwidth-gbps 1] [--duration 15] [--rates 5,10,15]
 """
@@ -21,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -41,11 +48,148 @@ from poolpipe.domain.plan import manual_plan
 from poolpipe.store.warehouse import Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 170)
+TIMEOUT_S = 30.0  # a client gives up on a request after this long: it hung
 
 
 def iface_bytes(name: str) -> int:
     stats = Path("/sys/class/net") / name / "statistics"
     return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+
+def unanswered(shots: list, sent: int, timeout_s: float = TIMEOUT_S) -> int:
+    """Requests with no answer: never back, or back only when the client gave up."""
+    return sent - len(shots) + sum(1 for x in shots if x.latency_s >= 0.99 * timeout_s)
+
+
+def rollout_phase(dep, plan, args, inputs: dict, rate: float) -> dict:
+    """Steady load for 3 x --duration; the rollout to `plan` starts after 1/4 of it."""
+    from triton_backend.loadgen import drive, poisson_times, summarize
+
+    duration = 3 * args.duration
+    times = poisson_times(rate, duration, 77)
+    done: dict = {}
+
+    def roll() -> None:
+        time.sleep(duration / 4)
+        done["r"] = dep.rollout(plan, args.warehouse)
+
+    t = threading.Thread(target=roll)
+    t.start()
+    shots = drive(dep.grpc_url, dep.ios[0].name, inputs, times, timeout_s=TIMEOUT_S)
+    t.join()
+    r = done["r"]
+    s = summarize(shots, args.slo_ms / 1e3, duration)
+    return {
+        "status": r.status,
+        "reason": r.reason,
+        "prepare_s": r.prepare_s,
+        "downtime_ms": r.downtime_ms,
+        "held": r.held,
+        "sent": len(times),
+        "unanswered": unanswered(shots, len(times)),
+        "failed": s["failed"],
+        "dropped": s["dropped"],
+        "attainment": s["attainment"],
+    }
+
+
+def node_loss_phase(dep, em, token_file: Path, args, inputs: dict, rate: float) -> dict:
+    """Steady load for 3 x --duration: after one third a node of a two-node pool is killed
+    (SIGKILL, its Triton with it), after two thirds started again, empty, at its address;
+    the router must find it, upload its models and put it back in service."""
+    from triton_backend.loadgen import drive, poisson_times, summarize
+
+    part = next(
+        p.partition
+        for p in dep.layout.placements
+        if sum(q.partition == p.partition for q in dep.layout.placements) > 1
+    )
+    node = next(p.node for p in dep.layout.placements if p.partition == part)
+    k = next(i for i, s in enumerate(em.servers) if s.node_name == dep.nodes[node].name)
+    victim = em.servers[k]
+    duration = 3 * args.duration
+    times = poisson_times(rate, duration, 78)
+    marks: dict[str, float] = {}
+    recovered = dep.core.recoveries
+
+    def chaos() -> None:
+        time.sleep(args.duration)
+        marks["kill"] = time.monotonic()
+        em.stop_node(k, signal.SIGKILL)
+        time.sleep(args.duration)
+        marks["restart"] = time.monotonic()
+        em.start_node(k, victim.device, name=victim.node_name, token_file=token_file)
+        deadline = time.monotonic() + 120
+        while dep.core.recoveries == recovered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        marks["back"] = time.monotonic()
+
+    t = threading.Thread(target=chaos)
+    t0 = time.monotonic()
+    t.start()
+    shots = drive(dep.grpc_url, dep.ios[0].name, inputs, times, timeout_s=TIMEOUT_S)
+    t.join()
+    slo = args.slo_ms / 1e3
+    kill, restart = marks["kill"] - t0, marks["restart"] - t0
+    phase = {
+        "before": [x for x in shots if x.sent_s < kill],
+        "down": [x for x in shots if kill <= x.sent_s < restart],
+        "after": [x for x in shots if x.sent_s >= restart],
+    }
+    s = summarize(shots, slo, duration)
+    back = dep.core.recoveries > recovered
+    return {
+        "node": victim.node_name,
+        "sent": len(times),
+        "unanswered": unanswered(shots, len(times)),
+        "failed": s["failed"],
+        "dropped": s["dropped"],
+        "attainment": s["attainment"],
+        **{f"attainment_{k}": summarize(v, slo, 1)["attainment"] for k, v in phase.items()},
+        "returned": int(back),
+        "return_s": marks["back"] - marks["restart"] if back else float("nan"),
+    }
+
+
+def events_table(events: dict[str, dict], args) -> None:
+    if not events:
+        return
+    t = Table(
+        title="events under load (chain transport)",
+        title_justify="left",
+    )
+    for col in ("event", "outcome", "sent", "unanswered", "failed", "dropped", "on time"):
+        t.add_column(col, justify="right")
+    r = events["rollout"]
+    slack = args.slo_ms + 100
+    t.add_row(
+        "rollout (cut moves)",
+        f"{' '.join(x for x in (r['status'], r['reason']) if x)}; "
+        f"downtime {r['downtime_ms']:.0f} ms "
+        f"({'<=' if r['downtime_ms'] <= slack else '>'} SLO + 100 ms), {r['held']} held",
+        str(r["sent"]),
+        str(r["unanswered"]),
+        str(r["failed"]),
+        str(r["dropped"]),
+        f"{r['attainment']:.3f}",
+    )
+    n = events["node loss"]
+    back = (
+        f"back in service {n['return_s']:.1f} s after its restart"
+        if n["returned"]
+        else "NOT back in service"
+    )
+    t.add_row(
+        f"node {n['node']} killed",
+        f"{back}; on time before / down / after: {n['attainment_before']:.3f} / "
+        f"{n['attainment_down']:.3f} / {n['attainment_after']:.3f}",
+        str(n["sent"]),
+        str(n["unanswered"]),
+        str(n["failed"]),
+        str(n["dropped"]),
+        f"{n['attainment']:.3f}",
+    )
+    console.print(t)
 
 
 def main() -> int:
@@ -95,9 +239,7 @@ def main() -> int:
     with Warehouse.open(args.warehouse) as wh:
         profile = wh.load_profile(name)
     half = args.servers // 2
-    cluster = Cluster(
-        "emulated", args.bandwidth_gbps, (GpuPool("cpu-1t", args.servers, 1, (1,)),)
-    )
+    cluster = Cluster("emulated", args.bandwidth_gbps, (GpuPool("cpu-1t", args.servers, 1, (1,)),))
     plan = manual_plan(
         name,
         args.slo_ms * 1e3,
@@ -108,6 +250,7 @@ def main() -> int:
     )
     rates = [float(r) for r in args.rates.split(",")]
     results: dict[str, list[tuple[float, dict]]] = {}
+    events: dict[str, dict] = {}
     with EmulatedCluster(args.servers, tmp / "cluster", args.bandwidth_gbps) as em:
         token_file = tmp / "token"
         token = new_token_file(token_file)
@@ -185,6 +328,27 @@ def main() -> int:
                         "overhead_p99_ms",
                     ):
                         record(config, metric, s[metric])
+                if transport == "chain":
+                    rate = rates[len(rates) // 2]
+                    second = manual_plan(
+                        name,
+                        args.slo_ms * 1e3,
+                        cluster,
+                        [(0, args.cut + 1, "cpu-1t", half), (args.cut + 1, 4, "cpu-1t", half)],
+                        4,
+                        profile,
+                    )
+                    inputs = {in_name: x}
+                    with console.status(f"rollout under {rate:g} req/s ..."):
+                        events["rollout"] = rollout_phase(dep, second, args, inputs, rate)
+                    with console.status(f"a node killed under {rate:g} req/s ..."):
+                        events["node loss"] = node_loss_phase(
+                            dep, em, token_file, args, inputs, rate
+                        )
+                    for event, e in events.items():
+                        for metric, value in e.items():
+                            if isinstance(value, int | float):
+                                record(f"chain {event}@{rate:g}req/s", metric, value)
             finally:
                 dep.down()
 
@@ -232,6 +396,7 @@ def main() -> int:
             )
         t.add_section()
     console.print(t)
+    events_table(events, args)
     with Warehouse.open(args.warehouse) as wh:
         wh.store_rows("bench_serving", rows)
         console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench cluster)")
