@@ -52,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PoolpipeError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False)
         return 2
+    except KeyboardInterrupt:  # what the command started was stopped on the way out
+        err_console.print("interrupted", highlight=False)
+        return 130
 
 
 if __name__ == "__main__":
