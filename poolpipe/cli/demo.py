@@ -9,9 +9,12 @@ second plan out under load, and write plots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -77,35 +80,42 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
         plan = make_plan(req)
         first = (plan, wh.store_plan(plan, label="demo:ppipe"))
-        # the second plan pipelines the model over both workers: blocks [0, k) on cpu-2t,
-        # [k, B) on cpu-1t, k balancing the two stages (the rollout switches to it)
-        profile = req.models[0]
-        piped = pipelined_plan(profile, args.slo_ms * 1e3, req.cluster)
-        second = (piped, wh.store_plan(piped, label="demo:pipelined"))
+        # whole-model serving on the same nodes: the rollout switches to it under load,
+        # and then its capacity is measured beside the ppipe plan's
+        whole = make_plan(replace(req, strategy="np"))
+        second = (whole, wh.store_plan(whole, label="demo:np"))
     from poolpipe.cli.plans import print_plan
 
     print_plan(first[0])
     print_plan(second[0])
 
-    _step("starting stage-worker nodes (tritonserver) and the router (its own tritonserver)")
-    server = Server(
-        first[0],
-        args.warehouse,
-        out / "serve",
-        name="demo",
-        plan_id=first[1],
-        stats_interval_s=3600,
-        metrics_port=0,
-        token=new_token_file(out / "serve" / "control.token"),  # control needs it
-        **router_options(args),
-    )
-    try:
+    token_file = out / "serve" / "control.token"
+    token = new_token_file(token_file)  # control (and the nodes' management APIs) need it
+    with contextlib.ExitStack() as stack:
+        options = _nodes(stack, req.cluster, out, token_file, args)
+        _step("starting the router (its own tritonserver) attached to the nodes")
+        server = Server(
+            first[0],
+            args.warehouse,
+            out / "serve",
+            name="demo",
+            plan_id=first[1],
+            stats_interval_s=3600,
+            metrics_port=0,
+            token=token,
+            **options,
+            **router_options(args),
+        )
+        stack.callback(server.close)
         rows, timeline = _drive_loads(server, name, args)
-        _step(f"rolling plan {second[1]} (two-stage pipeline) out under load")
+        topo = server.deployment.core.topo
+        top = min(sum(m.throughput for m in topo.models), args.max_rate)  # ppipe's
+        capacity = [_capacity(server, "ppipe", top, name, args)]
+        _step(f"rolling plan {second[1]} (whole-model serving, np) out under load")
         roll = _rollout_under_load(server, second[0], second[1], name, args)
+        capacity.append(_capacity(server, "np", top, name, args))
+        capacity[0]["same"] = _pipelines(first[0]) == _pipelines(second[0])
         server.flush_stats()
-    finally:
-        server.close()
 
     table = Table(
         title=f"{name} live (router + Triton nodes) vs simulator, SLO {args.slo_ms:g} ms",
@@ -136,19 +146,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
             str(row["failed"]),
         )
     console.print(table)
+    _capacity_table(capacity, args)
+    _store_capacity(capacity, args.warehouse, "emulated" if options else "loopback")
     att = roll["attainment"]
     console.print(
-        f"rollout to the pipelined plan under {roll['rate']:.0f} req/s: {roll['status']} "
+        f"rollout to whole-model serving under {roll['rate']:.0f} req/s: {roll['status']} "
         f"{roll['reason']}\n  prepared in {roll['prepare_s']:.1f} s while the old plan served, "
         f"downtime {roll['downtime_ms']:.1f} ms, {roll['held']} requests held during the "
         f"switch, {roll['failed']} failed, {roll['unanswered']} of {roll['sent']} unanswered\n"
         f"  attainment before {att['before']:.3f}, while preparing {att['preparing']:.3f}, "
         f"after the switch {att['after']:.3f}"
     )
-    _plots(out, rows, timeline, args.slo_ms)
+    _plots(out, rows, timeline, args.slo_ms, capacity)
     console.print(
-        f"plots in {out}/ (attainment_vs_load.png, pool_utilization.png); statistics and "
-        f"rollouts in the warehouse; {time.perf_counter() - t_start:.0f} s in all"
+        f"plots in {out}/ (attainment_vs_load.png, pool_utilization.png, capacity.png); "
+        f"statistics and rollouts in the warehouse; {time.perf_counter() - t_start:.0f} s in all"
     )
     return 0
 
@@ -237,17 +249,175 @@ def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Na
     }
 
 
-def pipelined_plan(profile, slo_us: float, cluster, batch: int = 4):
-    """Blocks [0, k) on cpu-2t and [k, B) on cpu-1t, k making the stages most even."""
-    from poolpipe.domain.plan import manual_plan
+def _nodes(stack: contextlib.ExitStack, cluster, out: Path, token_file: Path, args) -> dict:
+    """The demo's nodes, one per GPU of the cluster: each on its own emulated server (a
+    network namespace with its own address and a NIC of the cluster's bandwidth, limited by
+    tc) where namespaces are permitted, else on loopback. Returns the deployment's options:
+    the inventory to attach to, or none (the deployment starts local nodes)."""
+    from triton_backend.emulated import EmulatedCluster, unavailable
 
-    fast = profile.tables[("cpu-2t", 1)].latency_us[:, batch - 1]
-    slow = profile.tables[("cpu-1t", 1)].latency_us[:, batch - 1]
-    n = profile.num_blocks
-    k = min(range(1, n), key=lambda c: max(fast[:c].sum(), slow[c:].sum()))
-    return manual_plan(
-        profile.name, slo_us, cluster, [(0, k, "cpu-2t", 1), (k, n, "cpu-1t", 1)], batch, profile
+    why = "--loopback given" if args.loopback else unavailable()
+    if why:
+        _step(f"starting stage-worker nodes on loopback (no emulated cluster: {why})")
+        return {}
+    gpus = [(pool.gpu, i) for pool in cluster.pools for i in range(pool.count)]
+    em = stack.enter_context(EmulatedCluster(len(gpus), out / "cluster", cluster.bandwidth_gbps))
+    _step(
+        f"emulated cluster: {len(gpus)} servers as network namespaces on {em.subnet} "
+        f"({cluster.bandwidth_gbps:g} Gbit/s NICs, tc), a stage-worker node (tritonserver) in each"
     )
+    for k, (gpu, i) in enumerate(gpus):
+        em.start_node(k, gpu, name=f"{gpu}-{i}", wait=False, token_file=token_file)
+    for k in range(len(gpus)):
+        em.wait_node(k)
+    for s in em.servers:
+        console.print(f"  {s.node_name} ({s.device}) on server s{s.index} at {s.address}")
+    console.print(f"  inventory: {em.write_inventory()}")
+    return {"inventory": em.inventory()}
+
+
+CAPACITY_STEPS = 16  # live capacity is found to 1/16 of the top rate
+
+
+def _bisect(passes: Callable[[int], bool], top: int) -> int:
+    """The largest i in [0, top] with passes(i), assuming passing falls with i (0 passes)."""
+    if passes(top):
+        return top
+    lo, hi = 0, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if passes(mid) else (lo, mid)
+    return lo
+
+
+def _capacity(server, label: str, top: float, name: str, args: argparse.Namespace) -> dict:
+    """Live capacity of the plan being served: the highest rate (a multiple of top/16) with
+    >= 99% of requests on time, bisected on Poisson traces of --duration seconds; beside it
+    the simulator's, found the same way on the same traces with the stage times measured on
+    these nodes (the grid and the traces are the same for every plan)."""
+    from poolpipe.sim.metrics import ATTAINMENT_TARGET
+    from triton_backend.loadgen import drive, poisson_times, summarize
+
+    dep = server.deployment
+    planned = sum(m.throughput for m in dep.core.topo.models)
+    x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
+    inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
+    url = dep.grpc_url
+    drive(url, name, inputs, poisson_times(0.3 * top, 2.0, seed=0))  # warm-up
+    dep.core.take_stage_factors()
+    drive(url, name, inputs, poisson_times(0.5 * top, 3.0, seed=100))
+    factors = [list(f) for f in dep.core.take_stage_factors()]
+    live: dict[float, float] = {}
+    sim: dict[float, float] = {}
+
+    def trace(i: int):
+        return i * top / CAPACITY_STEPS, poisson_times(
+            i * top / CAPACITY_STEPS, args.duration, 200 + i
+        )
+
+    def sim_passes(i: int) -> bool:
+        rate, times = trace(i)
+        sim[rate] = dep.simulate(times, args.duration, factors).attainment
+        return sim[rate] >= ATTAINMENT_TARGET
+
+    def live_passes(i: int) -> bool:
+        rate, times = trace(i)
+        shots = drive(url, name, inputs, times)
+        live[rate] = summarize(shots, args.slo_ms / 1e3, args.duration)["attainment"]
+        console.print(
+            f"  {label}: {rate:.0f} req/s for {args.duration:g} s: {live[rate]:.3f} on time"
+        )
+        return live[rate] >= ATTAINMENT_TARGET
+
+    _step(
+        f"{label}: live capacity at >= {ATTAINMENT_TARGET:.0%} on time, bisecting 0-{top:.0f} req/s"
+    )
+    sim_i = _bisect(sim_passes, CAPACITY_STEPS)
+    live_i = _bisect(live_passes, CAPACITY_STEPS)
+    return {
+        "plan": label,
+        "planned": planned,
+        "top": top,
+        "sim": sim_i * top / CAPACITY_STEPS,
+        "live": live_i * top / CAPACITY_STEPS,
+        "capped": live_i == CAPACITY_STEPS,
+        "sim_capped": sim_i == CAPACITY_STEPS,
+        "live_points": live,
+        "sim_points": sim,
+    }
+
+
+def _pipelines(plan) -> list:
+    """A plan's pipelines as (batch, ((blocks, device, vGPUs), ...)), to compare plans."""
+    return sorted(
+        (p.batch, tuple((q.start, q.end, q.gpu, q.vgpus) for q in p.partitions))
+        for m in plan.models
+        for p in m.pipelines
+    )
+
+
+def _store_capacity(runs: list[dict], warehouse, where: str) -> None:
+    """The capacities in the warehouse (bench_serving, bench "demo", config "<plan>@<where>")."""
+    import socket
+    from datetime import UTC, datetime
+
+    from poolpipe.store.warehouse import Warehouse
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    rows = [
+        {
+            "run_at": now,
+            "run_label": "demo",
+            "bench": "demo",
+            "config": f"{r['plan']}@{where}",
+            "metric": metric,
+            "value": float(r[key]),
+            "host": socket.gethostname(),
+        }
+        for r in runs
+        for metric, key in (
+            ("capacity_live_req_s", "live"),
+            ("capacity_sim_req_s", "sim"),
+            ("planned_req_s", "planned"),
+        )
+    ]
+    with Warehouse.open(warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+
+
+def _capacity_table(runs: list[dict], args: argparse.Namespace) -> None:
+    t = Table(
+        title=f"capacity on the same nodes (>= 99% on time, SLO {args.slo_ms:g} ms)",
+        title_justify="left",
+    )
+    for col in ("plan", "planned req/s", "simulator req/s", "live req/s", "live / simulator"):
+        t.add_column(col, justify="right")
+    for r in runs:
+        t.add_row(
+            r["plan"],
+            f"{r['planned']:.0f}",
+            f"{'>= ' if r['sim_capped'] else ''}{r['sim']:.0f}",
+            f"{'>= ' if r['capped'] else ''}{r['live']:.0f}",
+            f"{r['live'] / r['sim']:.2f}" if r["sim"] else "-",
+        )
+    console.print(t)
+    pp, whole = runs
+    if pp["same"]:
+        console.print(
+            "Here the ppipe plan is the np plan: at this SLO the slower class serves the "
+            "whole model in time, so pipelining gains nothing. ppipe pipelines where an "
+            "old device cannot serve the whole model within the SLO but can serve its "
+            "later layers (`poolpipe compare` on the real GPU profiles; here, --image 128 "
+            "--slo-ms 55 plans 1.4x np, but on this machine's shared cores the stages run "
+            "about 1.5x slower than profiled and miss that SLO)."
+        )
+    if whole["live"] and whole["sim"]:
+        what = "the same plan measured twice gives" if pp["same"] else "ppipe serves"
+        console.print(
+            f"{what} {pp['live'] / whole['live']:.2f}x the load of whole-model serving "
+            f"live (simulator: {pp['sim'] / whole['sim']:.2f}x); rates are multiples of "
+            f"{pp['top'] / CAPACITY_STEPS:.1f} req/s up to {pp['top']:.0f} (--max-rate)"
+        )
 
 
 class _Sampler:
@@ -281,7 +451,7 @@ class _Sampler:
         return labels, self.samples
 
 
-def _plots(out: Path, rows: list[dict], timeline, slo_ms: float) -> None:
+def _plots(out: Path, rows: list[dict], timeline, slo_ms: float, capacity: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,6 +485,27 @@ def _plots(out: Path, rows: list[dict], timeline, slo_ms: float) -> None:
     fig.savefig(out / "pool_utilization.png", dpi=120)
     plt.close(fig)
 
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for run, color in zip(capacity, ("tab:blue", "tab:orange"), strict=False):
+        for key, style, what in (("live_points", "o", "live"), ("sim_points", "s", "simulator")):
+            pts = sorted(run[key].items())
+            ax.plot(
+                [r for r, _ in pts],
+                [a for _, a in pts],
+                style + ("-" if what == "live" else ":"),
+                color=color,
+                label=f"{run['plan']} {what}",
+            )
+    ax.axhline(0.99, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("offered load (req/s, Poisson)")
+    ax.set_ylabel(f"on time ({slo_ms:g} ms)")
+    ax.set_title("capacity search: ppipe vs whole-model (np) on the same nodes", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "capacity.png", dpi=120)
+    plt.close(fig)
+
 
 def _loads(text: str) -> list[float]:
     try:
@@ -336,5 +527,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=8.0, help="seconds per load (8)")
     p.add_argument(
         "--max-rate", type=float, default=100.0, help="load 1.0 is at most this req/s (100)"
+    )
+    p.add_argument(
+        "--loopback",
+        action="store_true",
+        help="nodes on loopback even where an emulated cluster (network namespaces) is possible",
     )
     add_router_arguments(p)
