@@ -245,22 +245,26 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
                 except Exception as exc:
                     answers.append(exc)
 
-        threads = [threading.Thread(target=client_loop) for _ in range(3)]
+        # daemon threads, stopped in any case: a failure must not leave them running
+        threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
-        cluster.stop_node(1, signal.SIGKILL)
-        time.sleep(1.5)
-        n_during = len(answers)
-        assert dep.core.down_nodes(), "the killed node was not taken out of service"
-        cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # empty, same address
-        deadline = time.monotonic() + 60
-        while dep.core.recoveries < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(0.5)
-        stop.set()
-        for t in threads:
-            t.join(60)
+        try:
+            time.sleep(1.0)
+            cluster.stop_node(1, signal.SIGKILL)
+            time.sleep(1.5)
+            n_during = len(answers)
+            down = dep.core.down_nodes()
+            cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # empty, same address
+            deadline = time.monotonic() + 60
+            while dep.core.recoveries < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert down, "the killed node was not taken out of service"
         assert not any(t.is_alive() for t in threads), "a request hung"
         errors = [str(a)[-300:] for a in answers if not isinstance(a, tuple)]
         assert all(DROP_MARKER in e for e in errors), errors[:3]

@@ -452,22 +452,25 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
                 except Exception as exc:
                     answers.append(exc)
 
-        threads = [threading.Thread(target=client_loop) for _ in range(3)]
+        # daemon threads, stopped in any case: a failure must not leave them running
+        threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(1.0)
-        victim = sorted(dep.nodes)[0]
-        dep.nodes[victim].kill()
-        time.sleep(1.5)
-        n_during = len(answers)
-        dep.restart_node(victim)
-        deadline = time.monotonic() + 20
-        while dep.core.recoveries < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
-        stop.set()
-        for t in threads:
-            t.join(60)
+        try:
+            time.sleep(1.0)
+            victim = sorted(dep.nodes)[0]
+            dep.nodes[victim].kill()
+            time.sleep(1.5)
+            n_during = len(answers)
+            dep.restart_node(victim)
+            deadline = time.monotonic() + 20
+            while dep.core.recoveries < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
         from triton_backend.router import DROP_MARKER
 
         errors = [str(a)[-300:] for a in answers if not isinstance(a, tuple)]

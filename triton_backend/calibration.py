@@ -36,7 +36,7 @@ def calibrate(
         name = lay.pool_partition[pool.id]
         node = nodes[lay.vgpu_node[pool.vgpus[0]]]
         part = parts[name]
-        client = grpcclient.InferenceServerClient(node.grpc_url)
+        client = node.grpc_client()
         lats = [float("nan")]
         rng = np.random.default_rng(0)
         for b in range(1, len(pool.latency_us)):
@@ -76,9 +76,9 @@ def warm(
 
     from triton_backend.repository import kserve_dtype
 
-    def one(url: str, name: str, b: int) -> None:
+    def one(node: RepositoryAPI, name: str, b: int) -> None:
         part = parts[name]
-        client = grpcclient.InferenceServerClient(url)
+        client = node.grpc_client()
         try:
             inputs = []
             for t in part.inputs:
@@ -90,7 +90,7 @@ def warm(
             client.close()
 
     calls = [
-        (nodes[p.node].grpc_url, p.partition, b)
+        (nodes[p.node], p.partition, b)
         for p in lay.placements
         if only is None or p.node == only
         for b in range(1, max_batch + 1)

@@ -41,7 +41,7 @@ class RepositoryAPI:
     def _headers(self) -> dict[str, str] | None:
         return node_headers(self.key)
 
-    def _grpc(self):
+    def grpc_client(self):
         """A client on a channel of its own: gRPC shares connections between a process's
         channels to one address, and one to a node that was down is in reconnect back-off
         (failing at once) for seconds after the node answers again."""
@@ -59,7 +59,7 @@ class RepositoryAPI:
 
     def live(self, timeout_s: float = 2.0) -> bool:
         try:
-            with contextlib.closing(self._grpc()) as c:
+            with contextlib.closing(self.grpc_client()) as c:
                 return bool(c.is_server_live(client_timeout=timeout_s))
         except Exception:
             return False
@@ -76,7 +76,7 @@ class RepositoryAPI:
         files only while the model is loaded."""
         payload = None if files is None else {f"file:{k}": v for k, v in files.items()}
         try:
-            with contextlib.closing(self._grpc()) as c:
+            with contextlib.closing(self.grpc_client()) as c:
                 c.load_model(
                     model,
                     headers=self._headers,
@@ -92,13 +92,13 @@ class RepositoryAPI:
             ) from None
 
     def unload(self, model: str) -> None:
-        with contextlib.closing(self._grpc()) as c:
+        with contextlib.closing(self.grpc_client()) as c:
             c.unload_model(model, headers=self._headers)
 
     def models(self) -> list[str]:
         """The models loaded now (uploaded models are in no repository index: the
         statistics endpoint lists every loaded model)."""
-        with contextlib.closing(self._grpc()) as c:
+        with contextlib.closing(self.grpc_client()) as c:
             stats = c.get_inference_statistics(headers=self._headers, as_json=True)
             stats = stats.get("model_stats", [])
             return sorted({m["name"] for m in stats})
