@@ -11,11 +11,14 @@ outputs (target <= 1.1x with `chain`), what went server to server, attainment me
 by the client beside the simulator's prediction on the router's calibrated topology (with
 stage times drawn from a calibration run), p50 / p99, and a chain's overhead (the time
 from sending to the answer that the nodes' measured computes and the reserved transfers do
-not explain: forwarding, queues, the answer's way back). Then, with `chain`, under the
+not explain: forwarding, queues, the answer's way back). With each transport, the live
+capacity at >= 99% on time (bisected up to --capacity-top) beside the simulator's on the
+same traces. Then, with `chain`, under the
 middle load: a rollout (the cut moves one block; requests unanswered, failed, the switch's
 downtime against SLO + 100 ms) and a node killed (SIGKILL) and restarted empty at its
 address (no request may hang; the router must upload its models and put it back in
-service). Stored in the warehouse (bench_serving, bench "cluster"). Needs root (network
+service); last, the whole model on every node (np) rolled out and its capacity found on
+the same nodes. Stored in the warehouse (bench_serving, bench "cluster"). Needs root (network
 namespaces).
 
     ./run bench-cluster [--servers 4] [--bandwidth-gbps 1] [--duration 15] [--rates 5,10,15]
@@ -192,6 +195,32 @@ def events_table(events: dict[str, dict], args) -> None:
     console.print(t)
 
 
+def capacity_table(capacity: dict[str, dict], args) -> None:
+    from triton_backend.loadgen import CAPACITY_STEPS, CAPACITY_TARGET
+
+    if not capacity:
+        return
+    t = Table(
+        title=f"capacity on the same nodes (>= {CAPACITY_TARGET:.0%} on time, bisected to "
+        f"{args.capacity_top / CAPACITY_STEPS:g} req/s, {args.capacity_duration:g} s a probe)",
+        title_justify="left",
+    )
+    for col in ("plan", "planned req/s", "simulator req/s", "live req/s", "probes: live / sim"):
+        t.add_column(col, justify="right")
+    for label, c in capacity.items():
+        both = sorted(set(c["live_points"]) & set(c["sim_points"]))
+        t.add_row(
+            label,
+            f"{c['planned']:.0f}",
+            f"{'>= ' if c['sim_capped'] else ''}{c['sim']:.1f}",
+            f"{'>= ' if c['capped'] else ''}{c['live']:.1f}",
+            ", ".join(
+                f"{r:.0f}: {c['live_points'][r]:.3f} / {c['sim_points'][r]:.3f}" for r in both
+            ),
+        )
+    console.print(t)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
@@ -202,6 +231,12 @@ def main() -> int:
     ap.add_argument("--rates", default="5,10,15", help="req/s, comma-separated (5,10,15)")
     ap.add_argument("--slo-ms", type=float, default=400.0, help="SLO (400)")
     ap.add_argument("--cut", type=int, default=1, help="blocks on the first partition (1 of 4)")
+    ap.add_argument(
+        "--capacity-top", type=float, default=120.0, help="capacity searched up to (120 req/s)"
+    )
+    ap.add_argument(
+        "--capacity-duration", type=float, default=8.0, help="seconds per capacity probe (8)"
+    )
     args = ap.parse_args()
 
     from triton_backend.emulated import EmulatedCluster, unavailable
@@ -213,7 +248,7 @@ def main() -> int:
     from flows.onboard import onboard_model
     from poolpipe.offline.zoo import make_model
     from triton_backend.deploy import Deployment
-    from triton_backend.loadgen import drive, poisson_times, summarize
+    from triton_backend.loadgen import drive, live_capacity, poisson_times, summarize
 
     now = datetime.now(UTC).replace(tzinfo=None)
     rows: list[dict] = []
@@ -251,6 +286,13 @@ def main() -> int:
     rates = [float(r) for r in args.rates.split(",")]
     results: dict[str, list[tuple[float, dict]]] = {}
     events: dict[str, dict] = {}
+    capacity: dict[str, dict] = {}
+
+    def search(dep, inputs: dict) -> dict:
+        return live_capacity(
+            dep, inputs, args.capacity_top, args.capacity_duration, args.slo_ms / 1e3
+        )
+
     with EmulatedCluster(args.servers, tmp / "cluster", args.bandwidth_gbps) as em:
         token_file = tmp / "token"
         token = new_token_file(token_file)
@@ -328,6 +370,8 @@ def main() -> int:
                         "overhead_p99_ms",
                     ):
                         record(config, metric, s[metric])
+                with console.status(f"{transport}: capacity ..."):
+                    capacity[f"{half}+{half} nodes, {transport}"] = search(dep, {in_name: x})
                 if transport == "chain":
                     rate = rates[len(rates) // 2]
                     second = manual_plan(
@@ -349,6 +393,25 @@ def main() -> int:
                         for metric, value in e.items():
                             if isinstance(value, int | float):
                                 record(f"chain {event}@{rate:g}req/s", metric, value)
+                    # whole-model serving on the same nodes
+                    whole = manual_plan(
+                        name,
+                        args.slo_ms * 1e3,
+                        cluster,
+                        [(0, 4, "cpu-1t", args.servers)],
+                        4,
+                        profile,
+                    )
+                    with console.status("whole model (np): rollout and capacity ..."):
+                        r = dep.rollout(whole, args.warehouse)
+                        if r.status != "done":
+                            raise SystemExit(f"the rollout to the np plan failed: {r.reason}")
+                        capacity[f"{args.servers} nodes, whole model (np)"] = search(
+                            dep, {in_name: x}
+                        )
+                for label, c in capacity.items():
+                    for metric in ("planned", "sim", "live"):
+                        record(f"capacity {label}", f"{metric}_req_s", c[metric])
             finally:
                 dep.down()
 
@@ -397,6 +460,7 @@ def main() -> int:
         t.add_section()
     console.print(t)
     events_table(events, args)
+    capacity_table(capacity, args)
     with Warehouse.open(args.warehouse) as wh:
         wh.store_rows("bench_serving", rows)
         console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench cluster)")

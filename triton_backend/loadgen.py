@@ -4,7 +4,9 @@ asyncio gRPC client, each answer timed and classified (ok, dropped, failed, erro
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -147,3 +149,69 @@ async def _burst(
 
     shots = await asyncio.gather(*(one(r, w) for r, w in conns))
     return sorted(shots, key=lambda s: s.sent_s)
+
+
+CAPACITY_STEPS = 16  # live capacity is found to 1/16 of the top rate
+CAPACITY_TARGET = 0.99  # the share of requests on time that a load must keep
+
+
+def bisect_grid(passes: Callable[[int], bool], top: int) -> int:
+    """The largest i in [0, top] with passes(i), assuming passing falls with i (0 passes)."""
+    if passes(top):
+        return top
+    lo, hi = 0, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if passes(mid) else (lo, mid)
+    return lo
+
+
+def live_capacity(
+    dep: Any,
+    inputs: dict[str, np.ndarray],
+    top: float,
+    duration_s: float,
+    slo_s: float,
+    on_point: Callable[[float, float], None] = lambda rate, att: None,
+) -> dict:
+    """Capacity of what deployment `dep` serves (its first model): the highest rate, a
+    multiple of top/CAPACITY_STEPS, whose Poisson trace of `duration_s` keeps >=
+    CAPACITY_TARGET of requests on time, bisected live; beside it the simulator's, found the
+    same way on the same traces with the stage times measured on these nodes just before
+    (the grid and the traces depend on `top` only, so plans searched with one `top` see the
+    same loads). `on_point(rate, on_time)` after each live probe."""
+    model, url = dep.ios[0].name, dep.grpc_url
+    drive(url, model, inputs, poisson_times(0.3 * top, 2.0, seed=0))  # warm-up
+    dep.core.take_stage_factors()
+    drive(url, model, inputs, poisson_times(0.5 * top, 3.0, seed=100))
+    factors = [list(f) for f in dep.core.take_stage_factors()]
+    live: dict[float, float] = {}
+    sim: dict[float, float] = {}
+
+    def trace(i: int) -> tuple[float, np.ndarray]:
+        rate = i * top / CAPACITY_STEPS
+        return rate, poisson_times(rate, duration_s, 200 + i)
+
+    def sim_passes(i: int) -> bool:
+        rate, times = trace(i)
+        sim[rate] = dep.simulate(times, duration_s, factors).attainment
+        return sim[rate] >= CAPACITY_TARGET
+
+    def live_passes(i: int) -> bool:
+        rate, times = trace(i)
+        live[rate] = summarize(drive(url, model, inputs, times), slo_s, duration_s)["attainment"]
+        on_point(rate, live[rate])
+        return live[rate] >= CAPACITY_TARGET
+
+    sim_i = bisect_grid(sim_passes, CAPACITY_STEPS)
+    live_i = bisect_grid(live_passes, CAPACITY_STEPS)
+    return {
+        "planned": sum(m.throughput for m in dep.core.topo.models),
+        "top": top,
+        "sim": sim_i * top / CAPACITY_STEPS,
+        "live": live_i * top / CAPACITY_STEPS,
+        "capped": live_i == CAPACITY_STEPS,
+        "sim_capped": sim_i == CAPACITY_STEPS,
+        "live_points": live,
+        "sim_points": sim,
+    }

@@ -13,7 +13,6 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -276,75 +275,21 @@ def _nodes(stack: contextlib.ExitStack, cluster, out: Path, token_file: Path, ar
     return {"inventory": em.inventory()}
 
 
-CAPACITY_STEPS = 16  # live capacity is found to 1/16 of the top rate
-
-
-def _bisect(passes: Callable[[int], bool], top: int) -> int:
-    """The largest i in [0, top] with passes(i), assuming passing falls with i (0 passes)."""
-    if passes(top):
-        return top
-    lo, hi = 0, top
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if passes(mid) else (lo, mid)
-    return lo
-
-
 def _capacity(server, label: str, top: float, name: str, args: argparse.Namespace) -> dict:
-    """Live capacity of the plan being served: the highest rate (a multiple of top/16) with
-    >= 99% of requests on time, bisected on Poisson traces of --duration seconds; beside it
-    the simulator's, found the same way on the same traces with the stage times measured on
-    these nodes (the grid and the traces are the same for every plan)."""
-    from poolpipe.sim.metrics import ATTAINMENT_TARGET
-    from triton_backend.loadgen import drive, poisson_times, summarize
+    """Live capacity of the plan being served beside the simulator's (loadgen.live_capacity):
+    bisected on Poisson traces of --duration seconds up to `top` req/s."""
+    from triton_backend.loadgen import CAPACITY_TARGET, live_capacity
 
     dep = server.deployment
-    planned = sum(m.throughput for m in dep.core.topo.models)
     x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
     inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
-    url = dep.grpc_url
-    drive(url, name, inputs, poisson_times(0.3 * top, 2.0, seed=0))  # warm-up
-    dep.core.take_stage_factors()
-    drive(url, name, inputs, poisson_times(0.5 * top, 3.0, seed=100))
-    factors = [list(f) for f in dep.core.take_stage_factors()]
-    live: dict[float, float] = {}
-    sim: dict[float, float] = {}
+    _step(f"{label}: capacity at >= {CAPACITY_TARGET:.0%} on time, bisecting 0-{top:.0f} req/s")
 
-    def trace(i: int):
-        return i * top / CAPACITY_STEPS, poisson_times(
-            i * top / CAPACITY_STEPS, args.duration, 200 + i
-        )
+    def point(rate: float, on_time: float) -> None:
+        console.print(f"  {label}: {rate:.0f} req/s for {args.duration:g} s: {on_time:.3f} on time")
 
-    def sim_passes(i: int) -> bool:
-        rate, times = trace(i)
-        sim[rate] = dep.simulate(times, args.duration, factors).attainment
-        return sim[rate] >= ATTAINMENT_TARGET
-
-    def live_passes(i: int) -> bool:
-        rate, times = trace(i)
-        shots = drive(url, name, inputs, times)
-        live[rate] = summarize(shots, args.slo_ms / 1e3, args.duration)["attainment"]
-        console.print(
-            f"  {label}: {rate:.0f} req/s for {args.duration:g} s: {live[rate]:.3f} on time"
-        )
-        return live[rate] >= ATTAINMENT_TARGET
-
-    _step(
-        f"{label}: live capacity at >= {ATTAINMENT_TARGET:.0%} on time, bisecting 0-{top:.0f} req/s"
-    )
-    sim_i = _bisect(sim_passes, CAPACITY_STEPS)
-    live_i = _bisect(live_passes, CAPACITY_STEPS)
-    return {
-        "plan": label,
-        "planned": planned,
-        "top": top,
-        "sim": sim_i * top / CAPACITY_STEPS,
-        "live": live_i * top / CAPACITY_STEPS,
-        "capped": live_i == CAPACITY_STEPS,
-        "sim_capped": sim_i == CAPACITY_STEPS,
-        "live_points": live,
-        "sim_points": sim,
-    }
+    found = live_capacity(dep, inputs, top, args.duration, args.slo_ms / 1e3, point)
+    return {"plan": label, **found}
 
 
 def _pipelines(plan) -> list:
@@ -386,6 +331,8 @@ def _store_capacity(runs: list[dict], warehouse, where: str) -> None:
 
 
 def _capacity_table(runs: list[dict], args: argparse.Namespace) -> None:
+    from triton_backend.loadgen import CAPACITY_STEPS
+
     t = Table(
         title=f"capacity on the same nodes (>= 99% on time, SLO {args.slo_ms:g} ms)",
         title_justify="left",
