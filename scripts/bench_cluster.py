@@ -13,7 +13,8 @@ stage times drawn from a calibration run), p50 / p99, and a chain's overhead (th
 from sending to the answer that the nodes' measured computes and the reserved transfers do
 not explain: forwarding, queues, the answer's way back). With each transport, the live
 capacity at >= 99% on time (bisected up to --capacity-top) beside the simulator's on the
-same traces. Then, with `chain`, under the
+same traces (with --capacity: one run with it stopped answering in the chain phase and
+was killed after 25 minutes; cause not found yet). Then, with `chain`, under the
 middle load: a rollout (the cut moves one block; requests unanswered, failed, the switch's
 downtime against SLO + 100 ms) and a node killed (SIGKILL) and restarted empty at its
 address (no request may hang; the router must upload its models and put it back in
@@ -221,7 +222,12 @@ def capacity_table(capacity: dict[str, dict], args) -> None:
     console.print(t)
 
 
+def _terminated(*_: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM tears the cluster down as Ctrl-C does
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
@@ -231,6 +237,12 @@ def main() -> int:
     ap.add_argument("--rates", default="5,10,15", help="req/s, comma-separated (5,10,15)")
     ap.add_argument("--slo-ms", type=float, default=400.0, help="SLO (400)")
     ap.add_argument("--cut", type=int, default=1, help="blocks on the first partition (1 of 4)")
+    ap.add_argument(
+        "--capacity",
+        action="store_true",
+        help="also search each plan's live capacity (see the module's text: with `chain` the "
+        "search once stopped answering; off by default until that is understood)",
+    )
     ap.add_argument(
         "--capacity-top", type=float, default=120.0, help="capacity searched up to (120 req/s)"
     )
@@ -370,8 +382,9 @@ def main() -> int:
                         "overhead_p99_ms",
                     ):
                         record(config, metric, s[metric])
-                with console.status(f"{transport}: capacity ..."):
-                    capacity[f"{half}+{half} nodes, {transport}"] = search(dep, {in_name: x})
+                if args.capacity:
+                    with console.status(f"{transport}: capacity ..."):
+                        capacity[f"{half}+{half} nodes, {transport}"] = search(dep, {in_name: x})
                 if transport == "chain":
                     rate = rates[len(rates) // 2]
                     second = manual_plan(
@@ -393,6 +406,7 @@ def main() -> int:
                         for metric, value in e.items():
                             if isinstance(value, int | float):
                                 record(f"chain {event}@{rate:g}req/s", metric, value)
+                if transport == "chain" and args.capacity:
                     # whole-model serving on the same nodes
                     whole = manual_plan(
                         name,

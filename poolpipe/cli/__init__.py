@@ -4,6 +4,7 @@ Prefect flows and the Triton adapters together (one module per group of subcomma
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -45,8 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(*_: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops a command as Ctrl-C does: torn down on the way out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)  # commands that serve set their own
     try:
         return int(args.func(args))
     except PoolpipeError as e:
