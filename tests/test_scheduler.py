@@ -3,6 +3,8 @@ the drop / wait / dispatch branches, feedback correction, overload rejection."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from poolpipe.errors import PoolpipeError
@@ -111,6 +113,24 @@ def test_waits_for_a_fuller_batch_then_dispatches_at_the_last_moment():
     assert len(d.dispatches) == 1
     assert [r.id for r in d.dispatches[0].requests] == [0]
     assert d.dispatches[0].hops[-1].end_us <= r0.deadline_us
+
+
+def test_a_hold_of_round_off_length_dispatches_rather_than_waking_at_the_same_instant():
+    # Found by the simulator hanging: a wake at now + slack - guard came back with a slack
+    # above the guard by a round-off, so the plane asked to be woken at now + (a few ulp),
+    # which is now in floating point: the virtual clock woke it at the same instant for ever.
+    lat, guard, now = 9937.506, 23037.03669380513, 2912533.834256217
+    s = ReservationScheduler(
+        make_topology([([0], [lat, 2 * lat, 3 * lat], 0.0)], batch=3), wake_guard_us=guard
+    )
+    finish = s.probe(s.topo.pipelines[0], 1, now).finish_us
+    deadline = finish + guard
+    while not (deadline - finish > guard and now + (deadline - finish - guard) == now):
+        deadline = math.nextafter(deadline, math.inf)
+    (r,) = make_requests(1, start_us=deadline - 50_000.0, slo_us=50_000.0)
+    s.add_request(r, now)
+    d = s.decide(now)
+    assert len(d.dispatches) == 1 or (d.wake_at_us is not None and d.wake_at_us > now)
 
 
 def test_dispatches_when_the_planned_batch_is_there():

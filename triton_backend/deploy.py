@@ -304,6 +304,9 @@ class Deployment:
                 duration_s=duration_s,
                 stage_factors=tuple(tuple(f) for f in stage_factors),
                 reply_margin_us=self.core.runtime.reply_margin_us,
+                # as the router's runtime: stage times drawn off reservation recalibrate
+                # pools and feed the overrun held back from held batches
+                recalibrate=self.core.runtime.config.recalibrate,
             ),
             scenario,
             lambda t: make_data_plane(kind, t, wake_guard_us=guard),

@@ -41,6 +41,10 @@ POLICIES = ("adaptive", "eager", "deferred")
 # Wake up this long before the computed last moment, so float round-off cannot turn an
 # on-time dispatch into a late one (µs).
 WAKE_GUARD_US = 1.0
+# The shortest hold worth a wake-up (µs): a slack above the guard by less than this is a
+# round-off of the last wake (now + slack - guard == now in floating point), and a hold
+# for it would wake the driver at the same instant for ever (a virtual clock never moves).
+MIN_HOLD_US = 1e-3
 
 # One hop of a probed path: a tuple in Hop's field order (pool, vgpu, src_vgpu,
 # transfer_start_us, transfer_end_us, start_us, end_us), made a Hop once dispatched. Plain
@@ -448,7 +452,7 @@ class ReservationScheduler:
                         slack = head.deadline_us - self.probe(pipe, n + 1, now).finish_us
                     else:
                         slack = head.deadline_us - pn.finish_us
-                    if slack > self.wake_guard_us:
+                    if slack - self.wake_guard_us > MIN_HOLD_US:
                         self._wake[m] = now + slack - self.wake_guard_us
                         self._wait_batch[m] = b
                         return
