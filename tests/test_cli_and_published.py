@@ -266,3 +266,69 @@ def test_group_plan_is_proven_by_the_knapsack_after_a_swap(ppipe_profiles):
     # HiGHS alone (the step before the swaps) needs about 10 s to reach the same plan
     assert plan.objective >= kb.bound / (1 + req.mip_gap)
     plan.verify(ppipe_profiles)
+
+
+def test_cost_objective_plans_the_cheapest_gpus_for_given_rates(imported, tmp_path, capsys):
+    # Rates at half of what the max-min plan serves; prices from the clusters file (L4)
+    # and --prices (T4). The plan serves every rate, costs what its GPUs cost, and is
+    # printed beside the cheapest np plan and single-type plans.
+    base = ["--warehouse", str(imported), "plan", "--models", ",".join(GROUP)]
+    base += ["--slo-scale", "5", "--packing", "per-position"]
+    assert main([*base, "--cluster", "hc2-large", "--json"]) == 0
+    maxmin = json.loads(capsys.readouterr().out)
+    rates = {m["name"]: round(m["throughput"] / 2, 1) for m in maxmin["models"]}
+    clusters = tmp_path / "priced.toml"
+    clusters.write_text(
+        "[priced]\nbandwidth_gbps = 10\ngpus = [\n"
+        '  { type = "L4", count = 25, gpus_per_server = 4, shares = [1, 2, 3, 4], '
+        "price_per_hour = 0.8 },\n"
+        '  { type = "T4", count = 75, gpus_per_server = 2, shares = [1, 2, 3, 4] } ]\n'
+    )
+    cost = [*base, "--clusters-file", str(clusters), "--cluster", "priced"]
+    cost += ["--objective", "cost", "--rates", ",".join(f"{n}={r}" for n, r in rates.items())]
+    cost += ["--prices", "T4=0.35"]
+    out = tmp_path / "cost.json"
+    assert main([*cost, "--out", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    plan = Plan.load(out)
+    used = plan.gpus_used()
+    assert plan.meta["objective"] == "cost" and plan.solver.status == "optimal"
+    assert plan.meta["cost_per_hour"] == pytest.approx(
+        0.8 * used.get("L4", 0) + 0.35 * used.get("T4", 0)
+    )
+    for m in plan.models:
+        assert m.throughput >= rates[m.name] * (1 - 1e-6)
+    assert f"cost {plan.meta['cost_per_hour']:,.2f}/h" in printed
+    assert "cheapest plans for" in printed and "np: whole models, whole GPUs" in printed
+    assert "ppipe on T4 only" in printed
+    np_cost = plan.meta["np_cost_per_hour"]
+    assert np_cost is None or np_cost >= plan.meta["cost_per_hour"] - 1e-9
+    with Warehouse.open(imported) as wh:
+        plan.verify({n: wh.load_profile(n) for n in GROUP})
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--objective", "cost", "--prices", "L4=1,T4=1"], "needs the rates to serve: --rates"),
+        (
+            ["--objective", "cost", "--rates", "repvgg-b3=10,other=5", "--prices", "L4=1,T4=1"],
+            "not in --models: ['other']",
+        ),
+        (["--objective", "cost", "--rates", "repvgg-b3=10"], "missing L4, T4"),
+        (
+            ["--objective", "cost", "--rates", "repvgg-b3=10", "--prices", "L4=1,H100=3"],
+            "--prices names ['H100'], not GPU types of cluster hc2-large",
+        ),
+        (["--rates", "repvgg-b3=10"], "--rates applies to --objective cost only"),
+        (
+            ["--objective", "cost", "--rates", "repvgg-b3=1e9", "--prices", "L4=1,T4=1"],
+            "repvgg-b3 asks 1,000,000,000.0 req/s, at most",
+        ),
+    ],
+)
+def test_cost_objective_errors_name_the_bad_input(imported, capsys, extra, message):
+    argv = ["--warehouse", str(imported), "plan", "--cluster", "hc2-large"]
+    assert main([*argv, "--models", "repvgg-b3", *extra]) == 2
+    printed = capsys.readouterr()
+    assert message in " ".join(printed.err.split()) and not printed.out

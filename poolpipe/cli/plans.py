@@ -23,6 +23,7 @@ from poolpipe.cli.profiles import cmd_import_ppipe
 from poolpipe.domain.plan import PACKINGS, STRATEGIES, PipelinePlan, Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner.request import OBJECTIVES
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
 from poolpipe.store.plan_inputs import plan_request
 from poolpipe.store.warehouse import Warehouse
@@ -70,10 +71,43 @@ def print_plan(plan: Plan) -> None:
     used = plan.gpus_used()
     gpus = ", ".join(f"{p.gpu} {used.get(p.gpu, 0)}/{p.count}" for p in plan.cluster.pools)
     s = plan.solver
+    head = f"objective {plan.objective:,.2f}"
+    if plan.meta.get("objective") == "cost":
+        head = f"cost {plan.meta['cost_per_hour']:,.2f}/h"
     console.print(
-        f"objective {plan.objective:,.2f}  |  GPUs {gpus}  |  {s.name} {s.status}, "
+        f"{head}  |  GPUs {gpus}  |  {s.name} {s.status}, "
         f"gap {s.gap:.1e}, {s.seconds:.2f} s ({s.candidates} candidate pipelines)"
     )
+    if plan.meta.get("objective") == "cost":
+        print_costs(plan)
+
+
+def print_costs(plan: Plan) -> None:
+    """A cost plan's price beside the cheapest np plan and single-type plans for its rates."""
+    meta = plan.meta
+    cost = float(meta["cost_per_hour"])
+    prices = ", ".join(f"{g} {p:g}" for g, p in meta["prices"].items())
+    rates = ", ".join(f"{m} {r:,.1f}" for m, r in meta["rates"].items())
+    t = Table(
+        title=f"cheapest plans for {rates} req/s (prices per GPU-hour: {prices})",
+        title_justify="left",
+    )
+    t.add_column("plan")
+    t.add_column("cost / h", justify="right")
+    t.add_column(f"{plan.strategy} saves", justify="right")
+
+    def row(label: str, other: float | None) -> None:
+        if other is None:
+            t.add_row(label, "cannot serve these rates", "")
+        else:
+            t.add_row(label, f"{other:,.2f}", f"{1 - cost / other:.0%}" if other > 0 else "")
+
+    t.add_row(f"{plan.strategy} (this plan)", f"{cost:,.2f}", "")
+    if plan.strategy != "np" and "np_cost_per_hour" in meta:
+        row("np: whole models, whole GPUs", meta["np_cost_per_hour"])
+    for gpu, other in (meta.get("single_type_cost_per_hour") or {}).items():
+        row(f"{plan.strategy} on {gpu} only", other)
+    console.print(t)
 
 
 def print_side_by_side(plans: list[Plan]) -> None:
@@ -139,6 +173,55 @@ def _cluster_arg(args: argparse.Namespace):
     return args.cluster
 
 
+def parse_pairs(text: str, what: str) -> dict[str, float]:
+    """NAME=NUMBER,... as a dict; the bad item named."""
+    out: dict[str, float] = {}
+    for item in parse_list(text, what):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise PoolpipeError(f"--{what}: {item!r} is not NAME=NUMBER")
+        out[name.strip()] = parse_floats(value, what)[0]
+    return out
+
+
+def with_objective(args: argparse.Namespace, req: PlanRequest) -> PlanRequest:
+    """--objective cost: the rates of --rates (one per model) and the prices of the
+    cluster's file or warehouse, overridden by --prices."""
+    if getattr(args, "objective", "maxmin") != "cost":
+        for flag in ("rates", "prices"):
+            if getattr(args, flag, None):
+                raise PoolpipeError(f"--{flag} applies to --objective cost only")
+        return req
+    names = [m.name for m in req.models]
+    if not args.rates:
+        raise PoolpipeError(
+            "--objective cost needs the rates to serve: --rates "
+            + ",".join(f"{n}=REQ_PER_S" for n in names)
+        )
+    rates = parse_pairs(args.rates, "rates")
+    unknown = sorted(set(rates) - set(names))
+    missing = [n for n in names if n not in rates]
+    if unknown or missing:
+        raise PoolpipeError(
+            f"--rates must name each of --models {names} once"
+            + (f"; not in --models: {unknown}" if unknown else "")
+            + (f"; missing: {missing}" if missing else "")
+        )
+    prices = req.cluster.prices()
+    if args.prices:
+        given = parse_pairs(args.prices, "prices")
+        types = [p.gpu for p in req.cluster.pools]
+        extra = sorted(set(given) - set(types))
+        if extra:
+            raise PoolpipeError(
+                f"--prices names {extra}, not GPU types of cluster {req.cluster.name} ({types})"
+            )
+        prices.update(given)
+    return dataclasses.replace(
+        req, objective="cost", rates=tuple(rates[n] for n in names), prices=prices
+    )
+
+
 def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> PlanRequest:
     names = parse_list(args.models, "models")
     weights = parse_floats(args.weights, "weights") if args.weights else None
@@ -170,8 +253,9 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
 
 def cmd_plan(args: argparse.Namespace) -> int:
     with open_warehouse(args) as wh:
-        req = build_request(args, wh, args.strategy)
-        with console.status(f"planning {args.strategy} with {args.solver} ..."):
+        req = with_objective(args, build_request(args, wh, args.strategy))
+        what = "the cheapest " if req.objective == "cost" else ""
+        with console.status(f"planning {what}{args.strategy} with {args.solver} ..."):
             plan = make_plan(req)
         plan_id = wh.store_plan(plan, label=args.label)
     if args.out:
@@ -274,6 +358,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="plan a model group on a cluster (MILP)")
     _planning_options(plan)
     plan.add_argument("--strategy", choices=STRATEGIES, default="ppipe")
+    plan.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="maxmin",
+        help="maxmin: the most throughput at the --weights mix on the cluster's GPUs "
+        "(default); cost: the cheapest of the cluster's GPUs serving --rates",
+    )
+    plan.add_argument(
+        "--rates", help="with --objective cost: req/s to serve per model, e.g. A=1200,B=900"
+    )
+    plan.add_argument(
+        "--prices",
+        help="with --objective cost: price per GPU-hour per GPU type, e.g. L4=0.8,T4=0.35 "
+        "(default: price_per_hour of the clusters file; these override it)",
+    )
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
     add_reply_margin_argument(

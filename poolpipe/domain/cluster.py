@@ -21,6 +21,7 @@ class GpuPool:
     count: int
     gpus_per_server: int  # these GPUs share one server NIC
     shares: tuple[int, ...] = (1,)  # v values the planner may use (1 = whole GPU)
+    price_per_hour: float | None = None  # for the cost objective (any currency)
 
     def __post_init__(self) -> None:
         if self.count < 0:
@@ -29,6 +30,9 @@ class GpuPool:
             raise ClusterError(f"GPU pool {self.gpu}: gpus_per_server must be >= 1")
         if not self.shares or any(v < 1 for v in self.shares):
             raise ClusterError(f"GPU pool {self.gpu}: shares must be a list of integers >= 1")
+        p = self.price_per_hour
+        if p is not None and not (p > 0 and p < float("inf")):
+            raise ClusterError(f"GPU pool {self.gpu}: price_per_hour must be > 0, got {p}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class Cluster:
                 return p
         raise UnknownNameError(f"cluster {self.name} has no GPU type {gpu!r}")
 
+    def prices(self) -> dict[str, float]:
+        """price_per_hour of the GPU types that have one."""
+        return {p.gpu: p.price_per_hour for p in self.pools if p.price_per_hour is not None}
+
     @property
     def total_gpus(self) -> int:
         return sum(p.count for p in self.pools)
@@ -66,6 +74,7 @@ class Cluster:
                     "count": p.count,
                     "gpus_per_server": p.gpus_per_server,
                     "shares": list(p.shares),
+                    **({} if p.price_per_hour is None else {"price_per_hour": p.price_per_hour}),
                 }
                 for p in self.pools
             ],
@@ -81,6 +90,9 @@ class Cluster:
                     count=int(g["count"]),
                     gpus_per_server=int(g.get("gpus_per_server", 1)),
                     shares=tuple(int(v) for v in g.get("shares", [1])),
+                    price_per_hour=(
+                        None if g.get("price_per_hour") is None else float(g["price_per_hour"])
+                    ),
                 )
                 for g in data["gpus"]
             )
@@ -88,7 +100,8 @@ class Cluster:
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(
                 f"{where}: malformed cluster entry ({type(e).__name__}: {e}); each cluster "
-                "needs bandwidth_gbps and gpus = [{type, count, gpus_per_server, shares}]"
+                "needs bandwidth_gbps and gpus = [{type, count, gpus_per_server, shares, "
+                "price_per_hour (optional)}]"
             ) from None
 
 

@@ -147,6 +147,13 @@ class Plan:
                 problems.append(
                     f"{gpu}: plan uses {used} GPUs ({self.packing}), cluster has {have}"
                 )
+        rates: Mapping[str, float] = (
+            self.meta.get("rates") or {} if self.meta.get("objective") == "cost" else {}
+        )
+        for m in self.models if rates else ():
+            want = float(rates.get(m.name, 0.0))
+            if m.throughput < want * (1 - VERIFY_RTOL) - 1e-6:
+                problems.append(f"{m.name}: serves {m.throughput:.3f} req/s, asked {want:.3f}")
         if self.models:
             achieved = min(m.throughput / m.weight for m in self.models)
             if self.objective > achieved * (1 + VERIFY_RTOL) + 1e-6:

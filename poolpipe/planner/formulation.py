@@ -9,6 +9,7 @@ Variables
 Constraints
     (a) x[c] <= thr[c, d] * n[c, d]                    a pipeline runs at its slowest pool
     (b) w[m] * z <= sum_c x[c]                         max-min over models
+        (cost objective: sum_c x[c] >= rate[m], minimise sum of price[k] x GPUs of k)
     (c) per-share:    sum n[c,d] over bucket (k,v) <= v * G[k, v];  sum_v G[k, v] <= N[k]
         per-position: sum n[c,d] / v over (m, d, k) <= C[m, d, k];  sum C[., ., k] <= N[k]
     Whole-GPU buckets (v = 1) use the n's directly instead of a G / C variable.
@@ -66,6 +67,45 @@ def build_group_milp(
     milp = Milp()
     count = {p.gpu: min(p.count, (budgets or {}).get(p.gpu, p.count)) for p in cluster.pools}
     z = milp.add_var(cost=1.0)
+    xs, ns, buckets = _add_pipelines(milp, candidates, count, packing)
+    for m, xm in enumerate(xs):
+        # (b) w z - sum x <= 0
+        milp.add_row({z: weights[m], **{x: -1.0 for x in xm}}, upper=0.0)
+    gpu_rows = {
+        gpu: milp.add_row(terms, upper=float(count[gpu]))
+        for gpu, terms in _add_packing(milp, buckets, count, packing).items()
+    }
+    return GroupMilp(milp=milp, z=z, x=xs, n=ns, gpu_rows=gpu_rows)
+
+
+def build_cost_milp(
+    candidates: list[list[CandidatePipeline]],
+    rates: list[float],
+    cluster: Cluster,
+    packing: str,
+    prices: dict[str, float],
+) -> GroupMilp:
+    """The cost MILP: the same pipelines and packing as the group MILP, each model's
+    pipelines serving at least its rate, minimising the price of the physical GPUs used
+    (maximising its negative; `z` is unused and fixed at 0)."""
+    milp = Milp()
+    count = {p.gpu: p.count for p in cluster.pools}
+    z = milp.add_var(upper=0.0)
+    xs, ns, buckets = _add_pipelines(milp, candidates, count, packing)
+    for m, xm in enumerate(xs):
+        milp.add_row({x: 1.0 for x in xm}, lower=rates[m])
+    gpu_rows = {}
+    for gpu, terms in _add_packing(milp, buckets, count, packing).items():
+        gpu_rows[gpu] = milp.add_row(terms, upper=float(count[gpu]))
+        for var, coef in terms.items():  # each term counts physical GPUs of `gpu`
+            milp.cost[var] = -prices[gpu] * coef
+    return GroupMilp(milp=milp, z=z, x=xs, n=ns, gpu_rows=gpu_rows)
+
+
+def _add_pipelines(
+    milp: Milp, candidates: list[list[CandidatePipeline]], count: dict[str, int], packing: str
+) -> tuple[list[list[int]], list[list[list[int]]], dict[tuple, dict[int, float]]]:
+    """x and n variables and rows (a) of every candidate; the n's by GPU bucket."""
     xs: list[list[int]] = []
     ns: list[list[list[int]]] = []
     # bucket -> {n var: coefficient}, per packing mode
@@ -84,11 +124,15 @@ def build_group_milp(
                 n_vars.append(n)
             xm.append(x)
             nm.append(n_vars)
-        # (b) w z - sum x <= 0
-        milp.add_row({z: weights[m], **{x: -1.0 for x in xm}}, upper=0.0)
         xs.append(xm)
         ns.append(nm)
-    # (c) GPU packing
+    return xs, ns, buckets
+
+
+def _add_packing(
+    milp: Milp, buckets: dict[tuple, dict[int, float]], count: dict[str, int], packing: str
+) -> dict[str, dict[int, float]]:
+    """(c) GPU packing: per GPU type, the terms whose sum is its physical GPUs used."""
     per_type: dict[str, dict[int, float]] = defaultdict(dict)
     for key, terms in buckets.items():
         gpu = key[0]
@@ -111,10 +155,7 @@ def build_group_milp(
                 {**{n: coef * lcm for n, coef in terms.items()}, g: -float(lcm)}, upper=0.0
             )
             per_type[gpu][g] = 1.0
-    gpu_rows = {}
-    for gpu, terms in per_type.items():
-        gpu_rows[gpu] = milp.add_row(terms, upper=float(count[gpu]))
-    return GroupMilp(milp=milp, z=z, x=xs, n=ns, gpu_rows=gpu_rows)
+    return per_type
 
 
 Chosen = list[tuple[CandidatePipeline, list[int]]]  # one model's pipelines and vGPU counts

@@ -4,13 +4,16 @@ solver options."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import PACKINGS, STRATEGIES
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
+
+OBJECTIVES = ("maxmin", "cost")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class PlanRequest:
     mip_gap: float = DEFAULT_MIP_GAP
     threads: int | None = None
     batch_wait: bool = True  # include the batch-fill estimate in pipeline latency
+    # "maxmin": the most normalised throughput on the cluster's GPUs; "cost": the cheapest
+    # GPUs (prices per GPU-hour) that serve `rates` (req/s per model) within their SLOs
+    objective: str = "maxmin"
+    rates: tuple[float, ...] | None = None
+    prices: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.models)
@@ -59,9 +67,45 @@ class PlanRequest:
             raise PoolpipeError(f"max partitions must be >= 1, got {self.max_partitions}")
         if self.solver not in SOLVERS:
             raise PoolpipeError(f"unknown solver {self.solver!r}; choose {', '.join(SOLVERS)}")
+        if self.objective not in OBJECTIVES:
+            raise PoolpipeError(
+                f"unknown objective {self.objective!r}; choose {', '.join(OBJECTIVES)}"
+            )
+        if self.objective == "cost":
+            self._check_cost_inputs()
         for m in self.models:
             if not any(gpu in m.gpus for gpu in (p.gpu for p in self.cluster.pools)):
                 raise PoolpipeError(
                     f"model {m.name} has no profile for any GPU type of cluster "
                     f"{self.cluster.name} ({[p.gpu for p in self.cluster.pools]}); it has {m.gpus}"
                 )
+
+    def _check_cost_inputs(self) -> None:
+        names = [m.name for m in self.models]
+        if self.rates is None or len(self.rates) != len(names):
+            raise PoolpipeError(
+                f"the cost objective needs a rate (req/s) for each of {names}; give "
+                "--rates " + ",".join(f"{n}=RATE" for n in names)
+            )
+        bad = [f"{n}={r}" for n, r in zip(names, self.rates, strict=True) if not _positive(r)]
+        if bad:
+            raise PoolpipeError(f"rates must be finite req/s > 0, got {', '.join(bad)}")
+        gpus = [p.gpu for p in self.cluster.pools]
+        missing = [g for g in gpus if g not in self.prices]
+        if missing:
+            raise PoolpipeError(
+                f"the cost objective needs a price per GPU-hour for every GPU type of "
+                f"cluster {self.cluster.name}; missing {', '.join(missing)} (give "
+                "price_per_hour in the clusters file or --prices "
+                + ",".join(f"{g}=PRICE" for g in gpus)
+                + ")"
+            )
+        bad = [f"{g}={self.prices[g]}" for g in gpus if not _positive(self.prices[g])]
+        if bad:
+            raise PoolpipeError(f"prices must be finite amounts > 0, got {', '.join(bad)}")
+        if self.strategy == "dart-r":
+            raise PoolpipeError("the cost objective plans ppipe or np, not dart-r")
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0

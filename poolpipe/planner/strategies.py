@@ -13,6 +13,7 @@ from dataclasses import replace
 from poolpipe.domain.plan import Plan
 from poolpipe.planner.baselines import plan_dart_r
 from poolpipe.planner.candidates import enumerate_pipelines
+from poolpipe.planner.cost import make_cost_plan, rate_shares
 from poolpipe.planner.exact import Solved, model_costs, solve_group
 from poolpipe.planner.readback import assemble, pipeline_plan, solver_info
 from poolpipe.planner.request import PlanRequest
@@ -47,8 +48,12 @@ def estimate_arrival_rates(req: PlanRequest) -> tuple[list[float | None], Solved
 
 
 def make_plan(req: PlanRequest) -> Plan:
-    """Plan the group with the request's strategy; the result is verified."""
+    """Plan the group with the request's strategy and objective; the result is verified."""
     started = time.perf_counter()
+    if req.objective == "cost":
+        req = rate_shares(req)
+        lam, lam_solved = estimate_arrival_rates(req)
+        return make_cost_plan(req, lam, lam_solved, started)
     lam, lam_solved = estimate_arrival_rates(req)
     if req.strategy == "dart-r":
         plan = plan_dart_r(req, lam, lam_solved, started)

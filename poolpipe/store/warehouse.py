@@ -502,8 +502,16 @@ class Warehouse:
                 )
                 for p in c.pools:
                     con.execute(
-                        "INSERT INTO cluster_pools VALUES (?, ?, ?, ?, ?)",
-                        [c.name, p.gpu, p.count, p.gpus_per_server, list(p.shares)],
+                        "INSERT INTO cluster_pools (cluster, gpu_type, count, gpus_per_server, "
+                        "shares, price_per_hour) VALUES (?, ?, ?, ?, ?, ?)",
+                        [
+                            c.name,
+                            p.gpu,
+                            p.count,
+                            p.gpus_per_server,
+                            list(p.shares),
+                            p.price_per_hour,
+                        ],
                     )
 
     def load_cluster(self, name: str) -> Cluster:
@@ -519,9 +527,10 @@ class Warehouse:
                 "pass --clusters-file FILE.toml or import one"
             )
         pools = tuple(
-            GpuPool(gpu, count, gps, tuple(shares))
-            for gpu, count, gps, shares in self.con.execute(
-                "SELECT gpu_type, count, gpus_per_server, shares FROM cluster_pools "
+            GpuPool(gpu, count, gps, tuple(shares), price)
+            for gpu, count, gps, shares, price in self.con.execute(
+                "SELECT gpu_type, count, gpus_per_server, shares, price_per_hour "
+                "FROM cluster_pools "
                 "WHERE cluster = ? ORDER BY rowid",
                 [name],
             ).fetchall()
