@@ -2,7 +2,13 @@
 single-model configurations; prints objective, per-model throughput, status, gap and solve
 time, and stores one row per (configuration, strategy, model) in the warehouse.
 
-    ./run bench-planner [--packing per-position] [--quick] [--warehouse FILE]
+With the cost part: the cheapest ppipe plan of every main configuration for rates of 50%
+and 90% of its max-min plan's per-model throughput, beside the cheapest np and single-type
+plans for the same rates. With the replan part: the max-min plan again after losing 5% and
+20% of one GPU type (each type in turn), as `poolpipe plan --exclude TYPE:N` does.
+
+    ./run bench-planner [--parts maxmin,cost,replan] [--packing per-position] [--quick]
+                        [--prices L4=0.56,...] [--warehouse FILE]
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import socket
 import statistics
 import sys
 import tomllib
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -21,7 +28,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from poolpipe.cli.common import ppipe_dir
-from poolpipe.domain.cluster import load_clusters
+from poolpipe.domain.cluster import Cluster, GpuPool, load_clusters
 from poolpipe.domain.plan import PACKINGS, STRATEGIES, Plan
 from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.planner import PlanRequest, make_plan
@@ -29,6 +36,23 @@ from poolpipe.store.warehouse import Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 MAIN_CLUSTERS = ("hc1-large", "hc2-large", "hc3-large", "hc4-large")
+# Example prices per GPU-hour (USD, on-demand list prices of one cloud's GPUs, 2025): the
+# shipped clusters carry none. Pass --prices to use your own.
+PRICES = {"L4": 0.56, "T4": 0.35, "P4": 0.60, "V100": 2.48}
+PARTS = ("maxmin", "types", "cost", "replan")
+# Clusters of three and four GPU types from the shipped profiles' types (NICs and shares as
+# in clusters.toml: P4 whole GPUs only), in several proportions of new to old GPUs.
+MANY_TYPES = {
+    "3t-l4-t4-p4": (10, {"L4": 10, "T4": 30, "P4": 60}),
+    "3t-v100-t4-p4": (10, {"V100": 10, "T4": 30, "P4": 60}),
+    "3t-l4-v100-p4": (6, {"L4": 15, "V100": 15, "P4": 70}),
+    "4t-even": (10, {"L4": 25, "V100": 25, "T4": 25, "P4": 25}),
+    "4t-few-new": (10, {"L4": 5, "V100": 5, "T4": 40, "P4": 50}),
+    "4t-many-new": (10, {"L4": 40, "V100": 20, "T4": 20, "P4": 20}),
+}
+GPUS_PER_SERVER = {"L4": 4, "V100": 4, "T4": 2, "P4": 1}
+COST_FRACTIONS = (0.5, 0.9)
+LOSSES = (0.05, 0.20)
 
 
 def main() -> int:
@@ -43,9 +67,21 @@ def main() -> int:
     ap.add_argument("--mix", default="maf19")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--quick", action="store_true", help="2 groups x 2 clusters, 4 single models")
+    ap.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}"
+    )
+    ap.add_argument(
+        "--prices",
+        default=",".join(f"{g}={p}" for g, p in PRICES.items()),
+        help="price per GPU-hour per type for the cost part",
+    )
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default=None, help="run label stored with the rows")
     args = ap.parse_args()
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if not parts or set(parts) - set(PARTS):
+        ap.error(f"--parts: choose among {', '.join(PARTS)}")
+    prices = {g: float(p) for g, _, p in (x.partition("=") for x in args.prices.split(","))}
 
     profiles = {p.name: p for p in load_ppipe_dir(args.profiles)}
     clusters = load_clusters(args.profiles / "clusters.toml")
@@ -57,9 +93,10 @@ def main() -> int:
     singles = sorted(profiles)[:4] if args.quick else sorted(profiles)
 
     jobs: list[tuple[str, PlanRequest]] = []
+    main_strategies = STRATEGIES if "maxmin" in parts else ("ppipe",)
     for gi, group in enumerate(groups):
         for cname in main_clusters:
-            for strategy in STRATEGIES:
+            for strategy in main_strategies:
                 jobs.append(
                     (
                         f"main:g{gi}:{cname}",
@@ -78,7 +115,29 @@ def main() -> int:
                         ),
                     )
                 )
-    for name in singles:
+    if "types" in parts:
+        for gi, group in enumerate(groups):
+            for cname, cluster in many_type_clusters(args.quick).items():
+                for packing in PACKINGS:
+                    jobs.append(
+                        (
+                            f"types:g{gi}:{cname}:{packing}",
+                            PlanRequest(
+                                models=tuple(profiles[n] for n in group),
+                                weights=mix,
+                                slos_us=tuple(
+                                    slo_scale * profiles[n].reference_latency_us for n in group
+                                ),
+                                cluster=cluster,
+                                strategy="ppipe",
+                                packing=packing,
+                                margin=0.4,
+                                max_partitions=2,
+                                time_limit_s=args.time_limit,
+                            ),
+                        )
+                    )
+    for name in singles if "maxmin" in parts else ():
         jobs.append(
             (
                 f"single:{name}:hc2-large",
@@ -104,11 +163,204 @@ def main() -> int:
             results.append((config, make_plan(req)))
             progress.advance(task)
 
-    print_main(results, args.packing)
-    print_singles(results)
-    print_summary(results)
+    if "maxmin" in parts:
+        print_main(results, args.packing)
+        print_singles(results)
+        print_summary(results)
+    mains = [(c, p, req) for (c, req), (_, p) in zip(jobs, results, strict=True)]
+    mains = [(c, p, req) for c, p, req in mains if c.startswith("main:") and p.strategy == "ppipe"]
+    if "types" in parts:
+        print_types(results)
+    if "cost" in parts:
+        cost = cost_part(mains, prices)
+        print_cost(cost, args.packing)
+        results += [(c, p) for c, p, _ in cost]
+    if "replan" in parts:
+        replans = replan_part(mains)
+        print_replan(replans, args.packing)
+        results += [(c, p) for c, p, _ in replans]
     store(results, args)
     return 0
+
+
+def many_type_clusters(quick: bool) -> dict[str, Cluster]:
+    out = {}
+    for name, (bw, counts) in MANY_TYPES.items():
+        pools = tuple(
+            GpuPool(g, n, GPUS_PER_SERVER[g], (1,) if g == "P4" else (1, 2, 3, 4))
+            for g, n in counts.items()
+        )
+        out[name] = Cluster(name, bw, pools)
+    if quick:
+        return {k: out[k] for k in ("3t-l4-t4-p4", "4t-even")}
+    return out
+
+
+def print_types(results: list[tuple[str, Plan]]) -> None:
+    rows = [(c, p) for c, p in results if c.startswith("types:")]
+    t = Table(
+        title="ppipe max-min plans on clusters of 3 and 4 GPU types (P=2, margin 0.4)",
+        title_justify="left",
+    )
+    for col in (
+        "group",
+        "cluster",
+        "packing",
+        "objective",
+        "GPUs used",
+        "status",
+        "gap",
+        "proof",
+        "seconds",
+    ):
+        t.add_column(col, justify="right" if col in ("objective", "gap", "seconds") else "left")
+    for c, p in rows:
+        _, g, cname, packing = c.split(":")
+        t.add_row(
+            g,
+            cname,
+            packing,
+            _cell(p),
+            ", ".join(f"{k} {n}" for k, n in sorted(p.gpus_used().items())),
+            p.solver.status,
+            f"{p.solver.gap:.1e}",
+            p.solver.proof,
+            f"{p.solver.seconds:.2f}",
+        )
+    console.print(t)
+    secs = [p.solver.seconds for _, p in rows]
+    proven = sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p in rows)
+    console.print(
+        f"[bold]{len(rows)} many-type plans[/]: {proven} proven optimal (gap <= 1e-4); "
+        f"median {statistics.median(secs):.2f} s, max {max(secs):.2f} s, "
+        f"{sum(s > 10 for s in secs)} over 10 s"
+    )
+
+
+def cost_part(
+    mains: list[tuple[str, Plan, PlanRequest]], prices: dict[str, float]
+) -> list[tuple[str, Plan, float]]:
+    """The cheapest ppipe plan for COST_FRACTIONS of each max-min plan's per-model rates."""
+    out = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("cost", total=len(mains) * len(COST_FRACTIONS))
+        for config, plan, req in mains:
+            for f in COST_FRACTIONS:
+                rates = tuple(f * m.throughput for m in plan.models)
+                priced = replace(req, objective="cost", rates=rates, prices=prices)
+                progress.update(task, description=f"cost {config} at {f:.0%}")
+                out.append(
+                    (f"cost{f * 100:.0f}:{config.removeprefix('main:')}", make_plan(priced), f)
+                )
+                progress.advance(task)
+    return out
+
+
+def print_cost(cost: list[tuple[str, Plan, float]], packing: str) -> None:
+    t = Table(
+        title=f"cheapest ppipe plans ({packing}) for rates at 50% / 90% of the max-min plan's",
+        title_justify="left",
+    )
+    for col in (
+        "config",
+        "rates",
+        "cost/h",
+        "GPUs",
+        "np cost/h",
+        "saves vs np",
+        "cheapest one type",
+        "saves vs it",
+        "status",
+        "gap",
+        "solve s",
+        "all s",
+    ):
+        t.add_column(
+            col, justify="left" if col in ("config", "GPUs", "cheapest one type") else "right"
+        )
+    solve, savings_np, savings_one = [], [], []
+    for config, plan, f in cost:
+        m = plan.meta
+        c = m["cost_per_hour"]
+        singles = {g: x for g, x in m["single_type_cost_per_hour"].items() if x is not None}
+        one = min(singles.items(), key=lambda kv: kv[1]) if singles else None
+        np_c = m["np_cost_per_hour"]
+        if np_c:
+            savings_np.append(1 - c / np_c)
+        if one:
+            savings_one.append(1 - c / one[1])
+        solve.append(plan.solver.milp_seconds)
+        t.add_row(
+            config.split(":", 1)[1],
+            f"{f:.0%}",
+            f"{c:,.2f}",
+            ", ".join(f"{g} {n}" for g, n in sorted(plan.gpus_used().items())),
+            "-" if np_c is None else f"{np_c:,.2f}",
+            "np cannot" if np_c is None else f"{1 - c / np_c:.0%}",
+            "none can" if one is None else f"{one[0]} {one[1]:,.2f}",
+            "" if one is None else f"{1 - c / one[1]:.0%}",
+            plan.solver.status,
+            f"{plan.solver.gap:.1e}",
+            f"{plan.solver.milp_seconds:.2f}",
+            f"{plan.solver.seconds:.2f}",
+        )
+    console.print(t)
+    proven = sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p, _ in cost)
+    console.print(
+        f"[bold]{len(cost)} cost plans[/]: {proven} proven optimal; solve median "
+        f"{statistics.median(solve):.2f} s, max {max(solve):.2f} s, {sum(s > 10 for s in solve)} "
+        f"over 10 s; saving vs np: {_spread(savings_np)} ({len(savings_np)} where np serves the "
+        f"rates); vs the cheapest single type: {_spread(savings_one)} ({len(savings_one)} where "
+        "one type serves them)"
+    )
+
+
+def _spread(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return f"mean {statistics.mean(xs):.0%} (min {min(xs):.0%}, max {max(xs):.0%})"
+
+
+def replan_part(mains: list[tuple[str, Plan, PlanRequest]]) -> list[tuple[str, Plan, float]]:
+    """Max-min plans after losing LOSSES of each GPU type in turn."""
+    out = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("replan", total=len(mains) * len(LOSSES) * 2)
+        for config, _, req in mains:
+            for pool in req.cluster.pools:
+                for loss in LOSSES:
+                    n = max(1, round(loss * pool.count))
+                    lost = replace(req, cluster=req.cluster.without({pool.gpu: n}))
+                    progress.update(task, description=f"replan {config} less {pool.gpu}:{n}")
+                    name = f"replan:{config.removeprefix('main:')}:{pool.gpu}-{n}"
+                    out.append((name, make_plan(lost), loss))
+                    progress.advance(task)
+    return out
+
+
+def print_replan(replans: list[tuple[str, Plan, float]], packing: str) -> None:
+    secs = [p.solver.seconds for _, p, _ in replans]
+    proven = sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p, _ in replans)
+    t = Table(title=f"re-planning after GPU loss ({packing})", title_justify="left")
+    for col in ("lost", "plans", "proven", "median s", "max s", "slowest"):
+        t.add_column(col, justify="left" if col in ("lost", "slowest") else "right")
+    for loss in LOSSES:
+        rows = [(c, p) for c, p, x in replans if x == loss]
+        s = [p.solver.seconds for _, p in rows]
+        slow = max(rows, key=lambda r: r[1].solver.seconds)
+        t.add_row(
+            f"{loss:.0%} of one type",
+            str(len(rows)),
+            str(sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p in rows)),
+            f"{statistics.median(s):.2f}",
+            f"{max(s):.2f}",
+            slow[0].removeprefix("replan:"),
+        )
+    console.print(t)
+    console.print(
+        f"[bold]{len(replans)} re-plans[/]: {proven} proven optimal; median "
+        f"{statistics.median(secs):.2f} s, max {max(secs):.2f} s"
+    )
 
 
 def _cell(plan: Plan) -> str:
@@ -233,7 +485,7 @@ def store(results: list[tuple[str, Plan]], args: argparse.Namespace) -> None:
                     "strategy": plan.strategy,
                     "packing": plan.packing,
                     "model": m.name,
-                    "objective": plan.objective,
+                    "objective": plan.meta.get("cost_per_hour", plan.objective),
                     "throughput": m.throughput,
                     "status": plan.solver.status,
                     "gap": plan.solver.gap if plan.solver.gap != float("inf") else None,

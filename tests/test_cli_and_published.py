@@ -115,6 +115,11 @@ def test_slo_us_and_json_output(imported, capsys):
             r"repvgg-b3: no 2-partition configuration meets its SLO of 1,000 µs",
         ),
         (["--models", "repvgg-b3", "--slo-us", "other=5"], "not in --models"),
+        (["--models", "repvgg-b3", "--exclude", "T4=5"], "'T4=5' is not TYPE:COUNT"),
+        (
+            ["--models", "repvgg-b3", "--exclude", "T4:76"],
+            "cannot exclude 76 T4 GPUs: cluster hc2-large has 75",
+        ),
     ],
 )
 def test_cli_errors_name_the_bad_input(imported, capsys, argv, message):
@@ -124,6 +129,17 @@ def test_cli_errors_name_the_bad_input(imported, capsys, argv, message):
     assert main(base + argv) == 2
     printed = capsys.readouterr()
     assert message in printed.err.replace("\n", " ") and not printed.out  # errors: stderr
+
+
+def test_exclude_plans_without_the_lost_gpus(imported, capsys):
+    argv = ["--warehouse", str(imported), "plan", "--cluster", "hc2-large", "--json"]
+    argv += ["--models", "repvgg-b3", "--slo-scale", "5"]
+    assert main(argv) == 0
+    full = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert main([*argv, "--exclude", "L4:20,T4:5"]) == 0
+    less = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert {p.gpu: p.count for p in less.cluster.pools} == {"L4": 5, "T4": 70}
+    assert less.gpus_used().get("L4", 0) <= 5 and less.objective < full.objective
 
 
 def test_profiles_list_and_show(imported, capsys):

@@ -202,3 +202,33 @@ def test_cost_matches_the_cheapest_sub_cluster_found_by_brute_force(inst):
     plan = make_plan(req)
     assert plan.meta["cost_per_hour"] == pytest.approx(best)
     assert plan.models[0].throughput >= rate * (1 - 1e-6)
+
+
+def test_exclude_plans_for_the_surviving_gpus_and_names_bad_counts():
+    from poolpipe.errors import ClusterError
+
+    cluster = cost_request(model(), 12_000, 1.0).cluster
+    less = cluster.without({"A": 1})
+    assert [(p.gpu, p.count) for p in less.pools] == [("A", 1), ("B", 4)]
+    req = PlanRequest(
+        models=(model(),),
+        weights=(1.0,),
+        slos_us=(12_000,),
+        cluster=less,
+        margin=0.0,
+        mip_gap=1e-9,
+        batch_wait=False,
+    )
+    # one A left: one B -> A pipeline, block 1 on the A at 250 req/s, block 0 on 2 B
+    assert make_plan(req).objective == pytest.approx(250.0)
+    with pytest.raises(ClusterError, match="cannot exclude 3 A GPUs: cluster tiny has 2"):
+        cluster.without({"A": 3})
+
+
+def test_prices_become_whole_units_for_the_solver():
+    from poolpipe.planner.formulation import price_units
+
+    assert price_units({"A": 2.48, "B": 0.6}) == ({"A": 248.0, "B": 60.0}, 100.0)
+    assert price_units({"A": 3.0}) == ({"A": 3.0}, 1.0)
+    third = {"A": 1 / 3}
+    assert price_units(third) == (third, 1.0)

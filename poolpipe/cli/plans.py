@@ -233,7 +233,7 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
         if name not in names:
             raise PoolpipeError(f"--slo-us names {name!r}, which is not in --models {names}")
         explicit[name] = parse_floats(value, "slo-us")[0]
-    return plan_request(
+    req = plan_request(
         wh,
         names,
         _cluster_arg(args),
@@ -249,6 +249,20 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
         time_limit_s=args.time_limit,
         mip_gap=args.mip_gap,
     )
+    if getattr(args, "exclude", None):
+        req = dataclasses.replace(req, cluster=req.cluster.without(parse_exclude(args.exclude)))
+    return req
+
+
+def parse_exclude(text: str) -> dict[str, int]:
+    """--exclude T4:5,L4:1 as {GPU type: GPUs lost}."""
+    out: dict[str, int] = {}
+    for item in parse_list(text, "exclude"):
+        gpu, colon, n = item.partition(":")
+        if not colon or not gpu.strip() or not n.strip().isdigit():
+            raise PoolpipeError(f"--exclude: {item!r} is not TYPE:COUNT (e.g. T4:5)")
+        out[gpu.strip()] = out.get(gpu.strip(), 0) + int(n)
+    return out
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -321,6 +335,11 @@ def _planning_options(p: argparse.ArgumentParser) -> None:
         "--inventory",
         help="plan for the live nodes of this inventory TOML instead of --cluster (device "
         "counts, nodes per server and NIC bandwidth follow from it)",
+    )
+    p.add_argument(
+        "--exclude",
+        help="plan without some GPUs (failed, in maintenance), e.g. T4:5,L4:1 (an inventory "
+        "marks such nodes down instead)",
     )
     p.add_argument("--slo-scale", type=float, help="SLO = this x each model's reference latency")
     p.add_argument("--slo-us", help="explicit SLOs, e.g. A=70000,B=23000 (µs)")

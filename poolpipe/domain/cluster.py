@@ -6,7 +6,7 @@ Clusters are read from TOML files in the layout of `profiles/ppipe-gpu/clusters.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,21 @@ class Cluster:
     def prices(self) -> dict[str, float]:
         """price_per_hour of the GPU types that have one."""
         return {p.gpu: p.price_per_hour for p in self.pools if p.price_per_hour is not None}
+
+    def without(self, lost: dict[str, int]) -> Cluster:
+        """This cluster less `lost` GPUs per type (failed, in maintenance); the types and
+        counts named must exist."""
+        for gpu, n in lost.items():
+            have = self.pool(gpu).count
+            if not 0 <= n <= have:
+                raise ClusterError(
+                    f"cannot exclude {n} {gpu} GPUs: cluster {self.name} has {have} of them"
+                )
+        return Cluster(
+            self.name,
+            self.bandwidth_gbps,
+            tuple(replace(p, count=p.count - lost.get(p.gpu, 0)) for p in self.pools),
+        )
 
     @property
     def total_gpus(self) -> int:

@@ -26,7 +26,7 @@ from poolpipe.planner.exact import (
     model_costs,
     solve_group,
 )
-from poolpipe.planner.formulation import GroupMilp, build_cost_milp
+from poolpipe.planner.formulation import GroupMilp, build_cost_milp, price_units
 from poolpipe.planner.readback import assemble, pipeline_plan, solver_info
 from poolpipe.planner.request import PlanRequest
 from poolpipe.planner.solvers import MilpResult, solve
@@ -119,9 +119,10 @@ def cheapest(
             "raise --time-limit"
         )
     chosen = _read_counts(group, cands, result.values)
-    solved = _solved(chosen, result, enums, group, cands)
+    solved = _solved(chosen, result, enums, group, cands, price_units(dict(req.prices))[1])
     gpus = {gpu: round(_used(group, gpu, result)) for gpu in group.gpu_rows}
-    return Cheapest(solved, result.objective, {g: n for g, n in gpus.items() if n})
+    cost = sum(req.prices[g] * n for g, n in gpus.items())
+    return Cheapest(solved, cost, {g: n for g, n in gpus.items() if n})
 
 
 def _solved(
@@ -130,9 +131,10 @@ def _solved(
     enums: list[Enumeration],
     group: GroupMilp,
     cands: list[list[CandidatePipeline]],
+    scale: float,
 ) -> Solved:
-    # objective and bound are costs (negated back) from here on, for the plan's account
-    result.objective, result.bound = -result.objective, -result.bound
+    # objective and bound are costs (negated back, in the prices' units) from here on
+    result.objective, result.bound = -result.objective / scale, -result.bound / scale
     return Solved(chosen, result, enums, group, cands, proof="milp")
 
 

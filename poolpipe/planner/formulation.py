@@ -87,19 +87,34 @@ def build_cost_milp(
 ) -> GroupMilp:
     """The cost MILP: the same pipelines and packing as the group MILP, each model's
     pipelines serving at least its rate, minimising the price of the physical GPUs used
-    (maximising its negative; `z` is unused and fixed at 0)."""
+    (maximising its negative, in price_units; `z` is unused and fixed at 0)."""
     milp = Milp()
     count = {p.gpu: p.count for p in cluster.pools}
     z = milp.add_var(upper=0.0)
     xs, ns, buckets = _add_pipelines(milp, candidates, count, packing)
     for m, xm in enumerate(xs):
         milp.add_row({x: 1.0 for x in xm}, lower=rates[m])
+    units, _ = price_units(prices)
     gpu_rows = {}
     for gpu, terms in _add_packing(milp, buckets, count, packing).items():
         gpu_rows[gpu] = milp.add_row(terms, upper=float(count[gpu]))
         for var, coef in terms.items():  # each term counts physical GPUs of `gpu`
-            milp.cost[var] = -prices[gpu] * coef
+            milp.cost[var] = -units[gpu] * coef
     return GroupMilp(milp=milp, z=z, x=xs, n=ns, gpu_rows=gpu_rows)
+
+
+def price_units(prices: dict[str, float]) -> tuple[dict[str, float], float]:
+    """Prices as whole multiples of 10^-d (d <= 6, the fewest that make them whole), and
+    10^d: an objective of whole numbers lets the solver round its bound up to the next
+    attainable cost (found 2x faster on the slowest cost benchmark). Prices with more
+    digits stay as they are (scale 1)."""
+    for d in range(7):
+        scale = 10.0**d
+        if all(
+            abs(p * scale - round(p * scale)) <= 1e-9 * max(1.0, p * scale) for p in prices.values()
+        ):
+            return {g: float(round(p * scale)) for g, p in prices.items()}, scale
+    return dict(prices), 1.0
 
 
 def _add_pipelines(
