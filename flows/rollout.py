@@ -15,6 +15,7 @@ from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
+from poolpipe.store.plan_inputs import check_plan
 from poolpipe.store.warehouse import Warehouse
 
 
@@ -23,13 +24,14 @@ def resolve_plan(warehouse: str | None, plan: str) -> int:
     """A plan id in the warehouse, or a plan JSON file (stored, to get an id)."""
     if plan.isdigit():
         with Warehouse.open(warehouse) as wh:
-            wh.load_plan(int(plan))  # exists?
+            check_plan(wh, wh.load_plan(int(plan)), f"plan {plan}")
         return int(plan)
     path = Path(plan)
     if not path.is_file():
         raise PoolpipeError(f"plan {plan!r} is neither a plan id nor a plan file")
-    with Warehouse.open(warehouse) as wh:
-        return wh.store_plan(Plan.load(path), label=f"rollout:{path.name}")
+    loaded = Plan.load(path)
+    with Warehouse.open(warehouse) as wh:  # stored only once it passes
+        return wh.store_plan(check_plan(wh, loaded, str(path)), label=f"rollout:{path.name}")
 
 
 @task(name="switch", cache_policy=NO_CACHE)

@@ -29,6 +29,11 @@ class PlanVerificationError(PoolpipeError):
     """A plan violates a constraint it must satisfy; the message lists the violations."""
 
 
+class PlanFormatError(PoolpipeError):
+    """A plan file or document is not a plan: unreadable, not JSON, a field missing or of
+    the wrong type; the message names the file and the field."""
+
+
 class WarehouseError(PoolpipeError):
     """The warehouse file cannot be used as it is (e.g. wrong schema version)."""
 

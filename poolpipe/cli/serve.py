@@ -25,16 +25,19 @@ console = Console()
 
 def _plan_arg(args: argparse.Namespace):
     from poolpipe.domain.plan import Plan
+    from poolpipe.store.plan_inputs import check_plan
     from poolpipe.store.warehouse import Warehouse
 
     if args.plan.isdigit():
         with Warehouse.open(args.warehouse) as wh:
-            return wh.load_plan(int(args.plan)), int(args.plan)
+            plan = wh.load_plan(int(args.plan))
+            return check_plan(wh, plan, f"plan {args.plan}"), int(args.plan)
     path = Path(args.plan)
     if not path.is_file():
         raise PoolpipeError(f"--plan {args.plan!r} is neither a plan id nor a plan JSON file")
     plan = Plan.load(path)
-    with Warehouse.open(args.warehouse) as wh:
+    with Warehouse.open(args.warehouse) as wh:  # stored only once it passes
+        check_plan(wh, plan, str(path))
         return plan, wh.store_plan(plan, label=f"serve:{path.name}")
 
 

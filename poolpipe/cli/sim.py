@@ -16,6 +16,7 @@ from poolpipe.scheduler import DATA_PLANES, Topology, build_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, load_scenario, run_once
 from poolpipe.sim.capacity import SEARCHES, CapacityResult, search_capacity
 from poolpipe.sim.records import capacity_rows, sim_rows
+from poolpipe.store.plan_inputs import check_plan
 from poolpipe.store.warehouse import Warehouse
 
 
@@ -26,12 +27,15 @@ def _read_plan(path: str | Path) -> Plan:
     return Plan.load(p)
 
 
-def _lay_out(plans: list[Plan], warehouse: str | None) -> list[Topology]:
-    """The plans' topologies, with the profiles read in one short warehouse session (the
-    warehouse is not held while the simulator computes)."""
+def _lay_out(plans: list[Plan], warehouse: str | None, where: list[str]) -> list[Topology]:
+    """The plans' topologies (each checked against the profiles first, named by `where`),
+    with the profiles read in one short warehouse session (the warehouse is not held while
+    the simulator computes)."""
     names = sorted({m.name for plan in plans for m in plan.models})
     with Warehouse.open(warehouse) as wh:
         profiles = {name: wh.load_profile(name) for name in names}
+        for plan, name in zip(plans, where, strict=True):
+            check_plan(wh, plan, name)
     return [build_topology(plan, profiles, larger_batches=True) for plan in plans]
 
 
@@ -110,7 +114,7 @@ def print_sim(result: SimResult, title: str) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     spec = ArrivalSpec.parse(args.arrivals)
     plan = _read_plan(args.plan)
-    (topo,) = _lay_out([plan], args.warehouse)
+    (topo,) = _lay_out([plan], args.warehouse, [args.plan])
     rates = _reference_rates(args, plan)
     scenario = None
     if args.scenario:
@@ -118,7 +122,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             args.scenario,
             gpu_counts=dict(topo.gpu_counts),
             models=[m.name for m in topo.models],
-            load_plan=lambda path: _lay_out([_read_plan(path)], args.warehouse)[0],
+            load_plan=lambda path: _lay_out([_read_plan(path)], args.warehouse, [str(path)])[0],
         )
     config = SimConfig(duration_s=args.duration, seed=args.seed, jitter=args.jitter)
     with console.status("simulating ..."):
@@ -222,7 +226,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     seeds = _seeds(args.seeds)
     paths = [args.plan] + [p.strip() for p in (args.baseline_plans or "").split(",") if p.strip()]
     plans = [_read_plan(path) for path in paths]
-    topos = _lay_out(plans, args.warehouse)
+    topos = _lay_out(plans, args.warehouse, [str(p) for p in paths])
     plan = plans[0]
     # every plan runs at the reference plan's absolute rates, in its own model order
     runs = [

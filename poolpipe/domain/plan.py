@@ -18,7 +18,12 @@ from typing import Any
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.costs import ModelCosts
 from poolpipe.domain.profiles import ModelProfile
-from poolpipe.errors import PlanVerificationError, UnknownNameError
+from poolpipe.errors import (
+    PlanFormatError,
+    PlanVerificationError,
+    PoolpipeError,
+    UnknownNameError,
+)
 
 STRATEGIES = ("ppipe", "np", "dart-r")
 PACKINGS = ("per-share", "per-position")
@@ -128,7 +133,7 @@ class Plan:
     def verify(self, profiles: Mapping[str, ModelProfile]) -> None:
         """Raise PlanVerificationError listing every violated constraint."""
         problems: list[str] = []
-        if self.strategy not in STRATEGIES:
+        if self.strategy not in (*STRATEGIES, "manual"):
             problems.append(f"unknown strategy {self.strategy!r}")
         if self.packing not in PACKINGS:
             problems.append(f"unknown packing {self.packing!r}")
@@ -192,7 +197,9 @@ class Plan:
                 or not contiguous
             ):
                 problems.append(
-                    f"{where}: partitions {edges} do not cover blocks 0..{profile.num_blocks}"
+                    f"{where}: partitions "
+                    + " ".join(f"[{q.start},{q.end})" for q in p.partitions)
+                    + f" do not cover blocks 0..{profile.num_blocks} one after another"
                 )
                 continue
             parts = []
@@ -282,57 +289,144 @@ class Plan:
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
-        c = d["cluster"]
-        solver = dict(d["solver"])
-        for k in ("gap", "seconds", "milp_seconds"):
-            if solver.get(k) is None and k in solver:
-                solver[k] = math.inf
-        return cls(
-            strategy=d["strategy"],
-            packing=d["packing"],
-            margin=float(d["margin"]),
-            max_partitions=int(d["max_partitions"]),
-            cluster=Cluster.from_dict(c["name"], c),
-            objective=float(d["objective"]),
-            solver=SolverInfo(**solver),
-            models=tuple(
-                ModelPlan(
-                    name=m["name"],
-                    weight=float(m["weight"]),
-                    slo_us=float(m["slo_us"]),
-                    est_throughput=m.get("est_throughput"),
-                    throughput=float(m["throughput"]),
-                    pipelines=tuple(
-                        PipelinePlan(
-                            batch=int(p["batch"]),
-                            latency_us=float(p["latency_us"]),
-                            throughput=float(p["throughput"]),
-                            partitions=tuple(
-                                PartitionPlan(
-                                    start=int(q["blocks"][0]),
-                                    end=int(q["blocks"][1]),
-                                    gpu=q["gpu"],
-                                    share=int(q["share"]),
-                                    vgpus=int(q["vgpus"]),
-                                    latency_us=float(q["latency_us"]),
-                                    transfer_us=float(q["transfer_us"]),
-                                    vgpu_throughput=float(q["vgpu_throughput"]),
-                                )
-                                for q in p["partitions"]
-                            ),
+    def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> Plan:
+        """A plan from its JSON form; PlanFormatError names `where` and the bad field."""
+        f = _Fields(where)
+        c = f.mapping(d, "cluster")
+        solver = dict(f.mapping(d, "solver"))
+        for key in ("gap", "seconds", "milp_seconds"):
+            if solver.get(key) is None and key in solver:
+                solver[key] = math.inf
+        try:
+            info = SolverInfo(**solver)
+        except TypeError as e:
+            raise PlanFormatError(f"{where}: field solver: {e}") from None
+        try:
+            name = f.text(c, "name", "cluster")
+            cluster = Cluster.from_dict(name, dict(c), where=f"{where} cluster")
+        except PoolpipeError as e:
+            raise PlanFormatError(str(e)) from None
+        models = []
+        for i, m in enumerate(f.items(d, "models")):
+            at = f"models[{i}]"
+            pipes = []
+            for j, p in enumerate(f.items(m, "pipelines", at)):
+                pat = f"{at}.pipelines[{j}]"
+                parts = []
+                for k, q in enumerate(f.items(p, "partitions", pat)):
+                    qat = f"{pat}.partitions[{k}]"
+                    blocks = f.items(q, "blocks", qat)
+                    if len(blocks) != 2:
+                        raise PlanFormatError(f"{where}: {qat}.blocks must be [start, end]")
+                    parts.append(
+                        PartitionPlan(
+                            start=f.integer(blocks, 0, f"{qat}.blocks"),
+                            end=f.integer(blocks, 1, f"{qat}.blocks"),
+                            gpu=f.text(q, "gpu", qat),
+                            share=f.integer(q, "share", qat),
+                            vgpus=f.integer(q, "vgpus", qat),
+                            latency_us=f.number(q, "latency_us", qat),
+                            transfer_us=f.number(q, "transfer_us", qat),
+                            vgpu_throughput=f.number(q, "vgpu_throughput", qat),
                         )
-                        for p in m["pipelines"]
-                    ),
+                    )
+                pipes.append(
+                    PipelinePlan(
+                        batch=f.integer(p, "batch", pat),
+                        latency_us=f.number(p, "latency_us", pat),
+                        throughput=f.number(p, "throughput", pat),
+                        partitions=tuple(parts),
+                    )
                 )
-                for m in d["models"]
-            ),
-            meta=d.get("meta", {}),
+            est = m.get("est_throughput") if isinstance(m, Mapping) else None
+            models.append(
+                ModelPlan(
+                    name=f.text(m, "name", at),
+                    weight=f.number(m, "weight", at),
+                    slo_us=f.number(m, "slo_us", at),
+                    est_throughput=None if est is None else f.number(m, "est_throughput", at),
+                    throughput=f.number(m, "throughput", at),
+                    pipelines=tuple(pipes),
+                )
+            )
+        meta = d.get("meta", {})
+        return cls(
+            strategy=f.text(d, "strategy"),
+            packing=f.text(d, "packing"),
+            margin=f.number(d, "margin"),
+            max_partitions=f.integer(d, "max_partitions"),
+            cluster=cluster,
+            objective=f.number(d, "objective"),
+            solver=info,
+            models=tuple(models),
+            meta=meta if isinstance(meta, Mapping) else {},
         )
 
     @classmethod
     def load(cls, path: Path) -> Plan:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A plan JSON file; PlanFormatError names the file and what is wrong with it."""
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except OSError as e:
+            raise PlanFormatError(f"cannot read plan file {path}: {e.strerror or e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanFormatError(
+                f"{path} is not a plan JSON file ({e}); write plans with poolpipe plan --out"
+            ) from None
+        if not isinstance(doc, Mapping):
+            raise PlanFormatError(f"{path}: a plan is a JSON object, got {type(doc).__name__}")
+        return cls.from_dict(doc, where=str(path))
+
+
+class _Fields:
+    """Typed reads of a plan's JSON fields, naming the file and the field when one is
+    missing or of the wrong type."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def _get(self, d: Any, key: str | int, at: str) -> Any:
+        name = f"{at}.{key}" if at and isinstance(key, str) else f"{at}[{key}]" if at else key
+        try:
+            return d[key], name
+        except (KeyError, IndexError, TypeError):
+            raise PlanFormatError(f"{self.where}: field {name} is missing") from None
+
+    def _bad(self, name: str, want: str, got: Any) -> PlanFormatError:
+        return PlanFormatError(f"{self.where}: field {name} must be {want}, got {got!r}")
+
+    def mapping(self, d: Any, key: str, at: str = "") -> Mapping[str, Any]:
+        v, name = self._get(d, key, at)
+        if not isinstance(v, Mapping):
+            raise self._bad(name, "an object", v)
+        return v
+
+    def items(self, d: Any, key: str, at: str = "") -> list[Any]:
+        v, name = self._get(d, key, at)
+        if not isinstance(v, list):
+            raise self._bad(name, "a list", v)
+        return v
+
+    def text(self, d: Any, key: str, at: str = "") -> str:
+        v, name = self._get(d, key, at)
+        if not isinstance(v, str) or not v:
+            raise self._bad(name, "a non-empty string", v)
+        return v
+
+    def number(self, d: Any, key: str, at: str = "") -> float:
+        v, name = self._get(d, key, at)
+        if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v):
+            raise self._bad(name, "a number", v)
+        return float(v)
+
+    def integer(self, d: Any, key: str | int, at: str = "") -> int:
+        v, name = self._get(d, key, at)
+        if isinstance(v, bool) or not (
+            isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        ):
+            raise self._bad(str(name), "a whole number", v)
+        return int(v)
 
 
 def _json_float(v: Any) -> Any:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from poolpipe.domain.cluster import Cluster, load_cluster
+from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest
 from poolpipe.store.warehouse import Warehouse
@@ -64,3 +65,26 @@ def plan_request(
         strategy=strategy,
         **options,
     )
+
+
+def check_plan(wh: Warehouse, plan: Plan, where: str = "the plan") -> Plan:
+    """`plan` if it can be served or simulated: every model profiled in the warehouse, and
+    every constraint re-derived from the profiles (Plan.verify: blocks 0..B contiguous,
+    shares and batch sizes profiled, GPUs per type within the cluster, latencies within
+    the SLO, throughputs within capacity); else a PlanVerificationError naming `where`.
+    Call it before storing or starting anything."""
+    from poolpipe.errors import PlanVerificationError
+
+    known = set(wh.model_names())
+    missing = [m.name for m in plan.models if m.name not in known]
+    if missing:
+        raise PlanVerificationError(
+            f"{where} serves {missing}, which warehouse {wh.path} has no profiles of; "
+            "onboard or import them first"
+        )
+    profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
+    try:
+        plan.verify(profiles)
+    except PlanVerificationError as e:
+        raise PlanVerificationError(f"{where}: {e}") from None
+    return plan
