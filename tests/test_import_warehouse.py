@@ -103,6 +103,16 @@ def _rewrite(path: Path, row: int, text: str) -> None:
             lambda d: _rewrite(d / "block-latency" / f"{MODEL}-T4-1.csv", 10, "nan,1,1,1,1,1,1,1"),
             r"row 10, column 1: 'nan' must be finite",
         ),
+        (  # zeros were accepted and planned at 80,000,000 req/s
+            lambda d: _rewrite(d / "block-latency" / f"{MODEL}-L4-1.csv", 4, "0,0,0,0,0,0,0,0"),
+            rf"{MODEL}-L4-1.csv: L4/1: row 4 \(block 3\), batch 1: latency 0.0 µs; every "
+            r"latency must be a finite number > 0 \(8 such cells\)",
+        ),
+        (
+            lambda d: _rewrite(d / "block-latency" / f"{MODEL}-L4-1.csv", 2, "9,8,10,11,12,13,14,15"),
+            rf"{MODEL}-L4-1.csv: row 2 \(block 1\): latency at batch 2 \(8 µs\) is not above "
+            r"batch 1's \(9 µs\); latencies must grow with the batch",
+        ),
     ],
 )
 def test_corrupted_copy_is_rejected_and_nothing_is_written(

@@ -35,8 +35,30 @@ class LatencyTable:
             raise ProfileError(f"{self.gpu}: share must be >= 1, got {self.share}")
         if self.latency_us.ndim != 2 or self.latency_us.shape[1] < 1:
             raise ProfileError(f"{self.gpu}/{self.share}: latency table must be blocks x batches")
-        if not np.all(np.isfinite(self.latency_us)) or np.any(self.latency_us < 0):
-            raise ProfileError(f"{self.gpu}/{self.share}: latencies must be finite and >= 0")
+        bad = ~np.isfinite(self.latency_us) | (self.latency_us <= 0)
+        if bad.any():
+            i, b = (int(x) for x in np.argwhere(bad)[0])
+            raise ProfileError(
+                f"{self.gpu}/{self.share}: row {i + 1} (block {i}), batch {b + 1}: latency "
+                f"{self.latency_us[i, b]!r} µs; every latency must be a finite number > 0 "
+                f"({int(bad.sum())} such cells)"
+            )
+
+    def check_grows_with_batch(self, where: str) -> None:
+        """Raise ProfileError naming `where`, the row and the column where a block's latency
+        does not grow with the batch (a table of one figure copied, or columns swapped):
+        imported tables must; measured ones may wobble and are not checked."""
+        lat = self.latency_us
+        if lat.shape[1] < 2:
+            return
+        flat = np.argwhere(np.diff(lat, axis=1) <= 0)
+        if len(flat):
+            i, b = (int(x) for x in flat[0])
+            raise ProfileError(
+                f"{where}: row {i + 1} (block {i}): latency at batch {b + 2} "
+                f"({lat[i, b + 1]:g} µs) is not above batch {b + 1}'s ({lat[i, b]:g} µs); "
+                f"latencies must grow with the batch ({len(flat)} such cells)"
+            )
 
     @property
     def max_batch(self) -> int:
@@ -152,9 +174,12 @@ def load_ppipe_dir(root: Path) -> list[ModelProfile]:
     for path in sorted(lat_dir.glob("*.csv")):
         model, gpu, share = parse_block_latency_name(path)
         matrix = read_matrix(path)
-        tables.setdefault(model, {})[(gpu, share)] = LatencyTable(
-            gpu=gpu, share=share, latency_us=matrix, source="ppipe-artifact"
-        )
+        try:
+            table = LatencyTable(gpu=gpu, share=share, latency_us=matrix, source="ppipe-artifact")
+        except ProfileError as e:  # name the file and its row (block i is row i + 1)
+            raise ProfileError(f"{path}: {e}") from None
+        table.check_grows_with_batch(str(path))
+        tables.setdefault(model, {})[(gpu, share)] = table
     if not tables:
         raise ProfileError(f"{lat_dir}: no <model>-<GPU>-<share>.csv files found")
 
