@@ -109,7 +109,9 @@ def _rewrite(path: Path, row: int, text: str) -> None:
             r"latency must be a finite number > 0 \(8 such cells\)",
         ),
         (
-            lambda d: _rewrite(d / "block-latency" / f"{MODEL}-L4-1.csv", 2, "9,8,10,11,12,13,14,15"),
+            lambda d: _rewrite(
+                d / "block-latency" / f"{MODEL}-L4-1.csv", 2, "9,8,10,11,12,13,14,15"
+            ),
             rf"{MODEL}-L4-1.csv: row 2 \(block 1\): latency at batch 2 \(8 µs\) is not above "
             r"batch 1's \(9 µs\); latencies must grow with the batch",
         ),
