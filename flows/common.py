@@ -9,6 +9,8 @@ from typing import Any
 
 import duckdb
 
+from poolpipe.errors import WarehouseBusyError
+
 DEFAULT_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8)  # profiled batch sizes
 
 _reporter: Callable[[str, int, int], None] | None = None
@@ -36,7 +38,7 @@ def io_error_only(task: Any, task_run: Any, state: Any) -> bool:
     input fails at once, because trying again cannot fix it."""
     try:
         state.result()
-    except (OSError, duckdb.IOException):
+    except (OSError, duckdb.IOException, WarehouseBusyError):
         return True
     except BaseException:
         return False

@@ -38,5 +38,9 @@ class WarehouseError(PoolpipeError):
     """The warehouse file cannot be used as it is (e.g. wrong schema version)."""
 
 
+class WarehouseBusyError(WarehouseError):
+    """Another process kept the warehouse file locked for longer than we would wait."""
+
+
 class ModelError(PoolpipeError):
     """An ONNX model cannot be onboarded; the message names the model and the step."""

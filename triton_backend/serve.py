@@ -7,34 +7,22 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import duckdb
-
 from poolpipe.client.control import authorised
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.store.warehouse import Warehouse
+from poolpipe.store.warehouse import Warehouse, store_rows_durably
 from triton_backend.deploy import Deployment, RolloutResult
 from triton_backend.env import free_ports
 from triton_backend.router import RouterCore
 
-
-def _retry_io(fn, attempts: int = 20, delay_s: float = 0.25):
-    """The warehouse is one DuckDB file that other processes (flows) open now and then:
-    a lock conflict is an I/O error worth waiting out."""
-    for k in range(attempts):
-        try:
-            return fn()
-        except (duckdb.IOException, OSError):
-            if k == attempts - 1:
-                raise
-            time.sleep(delay_s)
-    return None
+# How long the statistics and rollout writers wait for a warehouse another process holds
+# before they spool their rows beside it (Warehouse.open writes them in later).
+STATS_WAIT_S = 2.0
 
 
 class RouterCollector:
@@ -137,12 +125,9 @@ class Server:
         rows = [{**base, **m} for m in models]
         busy = [{**base, **p} for p in pools]
 
-        def write() -> None:
-            with Warehouse.open(self.warehouse) as wh:
-                wh.store_rows("serving_stats", rows)
-                wh.store_rows("serving_pool_busy", busy)
-
-        _retry_io(write)
+        # another process may hold the warehouse: wait a little, else spool (nothing lost)
+        store_rows_durably(self.warehouse, "serving_stats", rows, wait_s=STATS_WAIT_S)
+        store_rows_durably(self.warehouse, "serving_pool_busy", busy, wait_s=STATS_WAIT_S)
         return len(rows) + len(busy)
 
     # ------------------------------------------------------------------ control
@@ -180,7 +165,7 @@ class Server:
         raise PoolpipeError(f"unknown control op {op!r}; use rollout, stats or plan")
 
     def rollout_plan_id(self, plan_id: int) -> dict:
-        plan = _retry_io(lambda: _load_plan(self.warehouse, plan_id))
+        plan = _load_plan(self.warehouse, plan_id)  # waits out a busy warehouse
         result = self.rollout(plan, plan_id)
         return {"ok": result.status == "done", **asdict(result)}
 
@@ -196,12 +181,8 @@ class Server:
                 "plan_id": plan_id,
                 **asdict(result),
             }
-
-            def write() -> None:
-                with Warehouse.open(self.warehouse) as wh:
-                    wh.store_rows("rollouts", [row])
-
-            _retry_io(write)
+            # recorded as it happened, now or (warehouse busy) on the next open
+            store_rows_durably(self.warehouse, "rollouts", [row], wait_s=STATS_WAIT_S)
             return result
 
     def close(self) -> None:

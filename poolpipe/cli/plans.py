@@ -266,11 +266,14 @@ def parse_exclude(text: str) -> dict[str, int]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    # the warehouse is open to read the inputs and to store the plan, not while planning:
+    # other processes (a router writing statistics) need it meanwhile
     with open_warehouse(args) as wh:
         req = with_objective(args, build_request(args, wh, args.strategy))
-        what = "the cheapest " if req.objective == "cost" else ""
-        with console.status(f"planning {what}{args.strategy} with {args.solver} ..."):
-            plan = make_plan(req)
+    what = "the cheapest " if req.objective == "cost" else ""
+    with console.status(f"planning {what}{args.strategy} with {args.solver} ..."):
+        plan = make_plan(req)
+    with open_warehouse(args) as wh:
         plan_id = wh.store_plan(plan, label=args.label)
     if args.out:
         plan.save(Path(args.out))
@@ -288,14 +291,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     plans = []
+    strategies = parse_list(args.strategies, "strategies")
     with open_warehouse(args) as wh:
-        strategies = parse_list(args.strategies, "strategies")
         base = build_request(args, wh, strategies[0])
-        for strategy in strategies:
-            with console.status(f"planning {strategy} ..."):
-                plan = make_plan(dataclasses.replace(base, strategy=strategy))
+    for strategy in strategies:
+        with console.status(f"planning {strategy} ..."):
+            plans.append(make_plan(dataclasses.replace(base, strategy=strategy)))
+    with open_warehouse(args) as wh:
+        for plan in plans:
             wh.store_plan(plan, label=args.label)
-            plans.append(plan)
     print_side_by_side(plans)
     return 0
 

@@ -8,9 +8,11 @@ it. Every write that spans several rows runs in one transaction: all or nothing.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -23,7 +25,7 @@ import numpy as np
 from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import DEFAULT_SLO_SCALE, LatencyTable, ModelProfile
-from poolpipe.errors import UnknownNameError, WarehouseError
+from poolpipe.errors import UnknownNameError, WarehouseBusyError, WarehouseError
 
 if TYPE_CHECKING:  # the ONNX side is imported only where it is used
     from poolpipe.offline.engines import EngineInfo
@@ -124,24 +126,129 @@ def _insert_columns(con: duckdb.DuckDBPyConnection, table: str, columns: dict[st
     )
 
 
+# How long opening the warehouse waits for another process's lock (s), unless told.
+LOCK_WAIT_S = 10.0
+WAIT_ENV_VAR = "POOLPIPE_WAREHOUSE_WAIT_S"
+
+
+def lock_wait_s() -> float:
+    text = os.environ.get(WAIT_ENV_VAR)
+    if text is None:
+        return LOCK_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 and math.isfinite(value)):
+        raise WarehouseError(f"${WAIT_ENV_VAR} must be seconds >= 0, got {text!r}")
+    return value
+
+
+def _is_lock_conflict(e: BaseException) -> bool:
+    return isinstance(e, duckdb.IOException) and "lock" in str(e).lower()
+
+
+def _connect(path: Path, wait_s: float) -> duckdb.DuckDBPyConnection:
+    """A connection to `path`, waiting out another process's lock up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.05
+    while True:
+        try:
+            return duckdb.connect(str(path))
+        except duckdb.Error as e:
+            if not _is_lock_conflict(e):
+                raise WarehouseError(f"cannot open warehouse {path}: {e}") from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                holder = re.search(r"held in (.*?\(PID \d+\))", str(e))
+                raise WarehouseBusyError(
+                    f"warehouse {path} is in use by another process"
+                    + (f" ({holder.group(1)})" if holder else "")
+                    + f"; waited {wait_s:g} s. Try again when it is done, or wait longer "
+                    f"(${WAIT_ENV_VAR})"
+                ) from None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 1.0)
+
+
+def spool_dir(path: Path) -> Path:
+    """Where rows wait while the warehouse at `path` is busy (beside it, same disk)."""
+    return path.with_name(path.name + ".spool")
+
+
+def store_rows_durably(
+    path: Path | str | None, table: str, rows: list[dict[str, Any]], wait_s: float | None = None
+) -> bool:
+    """Write rows to the warehouse; if another process keeps it busy past `wait_s`, spool
+    them to a file beside it (written atomically) that the next open writes in. True when
+    written now, False when spooled: either way nothing is lost."""
+    if not rows:
+        return True
+    p = Path(path) if path is not None else default_path()
+    try:
+        with Warehouse.open(p, wait_s=wait_s) as wh:
+            wh.store_rows(table, rows)
+        return True
+    except WarehouseBusyError:
+        pass
+    folder = spool_dir(p)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{time.time_ns():020d}-{os.getpid()}-{table}"
+    tmp = folder / f"{name}.tmp"
+    with tmp.open("w") as f:
+        f.write(json.dumps({"table": table}) + "\n")
+        for row in rows:
+            f.write(json.dumps(row, default=_encode) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(folder / f"{name}.jsonl")
+    return False
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, datetime):
+        return {"__datetime__": v.isoformat()}
+    if isinstance(v, np.generic):
+        return v.item()
+    raise TypeError(f"cannot spool a {type(v).__name__}")
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, dict) and "__datetime__" in v:
+        return datetime.fromisoformat(v["__datetime__"])
+    return v
+
+
+def _read_spool(f: Path) -> tuple[str, list[dict[str, Any]]]:
+    lines = f.read_text().splitlines()
+    table = json.loads(lines[0])["table"]
+    rows = [{k: _decode(v) for k, v in json.loads(line).items()} for line in lines[1:] if line]
+    return table, rows
+
+
 class Warehouse:
     """An open warehouse file. Use `Warehouse.open(path)`; close with `.close()` or `with`."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, path: Path):
         self.con = con
         self.path = path
+        self.spool_problems: list[str] = []  # spooled files that could not be written
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def open(cls, path: Path | str | None = None, migrate: bool = False) -> Warehouse:
-        """Open (creating a new file at the latest schema); refuse other schema versions."""
+    def open(
+        cls, path: Path | str | None = None, migrate: bool = False, wait_s: float | None = None
+    ) -> Warehouse:
+        """Open (creating a new file at the latest schema); refuse other schema versions.
+
+        DuckDB lets one process at a time write a file: while another holds it, wait up to
+        `wait_s` (default $POOLPIPE_WAREHOUSE_WAIT_S, else LOCK_WAIT_S) with backoff, then
+        raise WarehouseBusyError naming the holder. Rows spooled by writers that found it
+        busy (store_rows_durably) are written first thing once it opens."""
         path = Path(path) if path is not None else default_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            con = duckdb.connect(str(path))
-        except duckdb.Error as e:
-            raise WarehouseError(f"cannot open warehouse {path}: {e}") from None
+        con = _connect(path, lock_wait_s() if wait_s is None else wait_s)
         wh = cls(con, path)
         version = wh.schema_version()
         if version is None and not wh._has_tables():
@@ -152,7 +259,29 @@ class Warehouse:
             else:
                 con.close()
                 raise WarehouseError(wh._version_message(version))
+        wh.replay_spool()
         return wh
+
+    def replay_spool(self) -> int:
+        """Write the rows spooled while the warehouse was busy (oldest first), each file in
+        one transaction and removed after it; returns the rows written."""
+        folder = spool_dir(self.path)
+        if not folder.is_dir():
+            return 0
+        written = 0
+        for f in sorted(folder.glob("*.jsonl")):
+            try:
+                table, rows = _read_spool(f)
+                self.store_rows(table, rows)
+            except Exception as e:
+                # it is kept aside for a person to look at; the warehouse stays usable
+                bad = f.with_suffix(".unreadable")
+                f.rename(bad)
+                self.spool_problems.append(f"{bad}: {type(e).__name__}: {e}")
+                continue
+            f.unlink()
+            written += len(rows)
+        return written
 
     def _version_message(self, version: int | None) -> str:
         if version is None:
