@@ -236,3 +236,83 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     assert rc == 0
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid`, from /proc (children of children too)."""
+    import os
+
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                parent[int(entry)] = int(fields[1])
+            except OSError:
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for child, ppid in parent.items():
+            if ppid == p and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_path):  # noqa: F811
+    """Two SIGINTs 0.5 s apart used to kill `serve` in the middle of its teardown with a
+    traceback and leave its tritonservers listening: teardown now finishes whatever
+    arrives meanwhile."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    wh, _ = onboarded_tiny
+    plan_file = tmp_path / "plan.json"
+    two_partition_plan().save(plan_file)
+    shm_before = set(os.listdir("/dev/shm"))
+    argv = [sys.executable, "-m", "poolpipe.cli", "--warehouse", wh, "serve", str(plan_file)]
+    proc = subprocess.Popen(
+        [*argv, "--workspace", str(tmp_path / "ws")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "Ctrl-C stops" in line:
+                break
+        assert "Ctrl-C stops" in "".join(seen), "".join(seen[-20:])
+        children = _descendants(proc.pid)
+        assert len(children) >= 3  # the router's and the nodes' tritonservers, at least
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(90)
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = {p for p in children if Path(f"/proc/{p}").exists()}
+    for p in left:  # do not leave them to the next test
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"orphaned processes {sorted(left)}"
+    assert "Traceback" not in out, out
+    assert rc in (0, 130), out
+    shm_left = {f for f in set(os.listdir("/dev/shm")) - shm_before if "triton" in f}
+    assert not shm_left, shm_left

@@ -35,7 +35,7 @@ from poolpipe.scheduler.topology import Topology, with_latencies
 from poolpipe.sim.metrics import SimResult
 from poolpipe.sim.scenario import Scenario
 from triton_backend.calibration import calibrate, warm
-from triton_backend.env import triton_home
+from triton_backend.env import signals_held, triton_home
 from triton_backend.frontend import Frontend
 from triton_backend.load import LocalNodes, attach, load_layout
 from triton_backend.nodes import RepositoryAPI, TritonNode
@@ -347,6 +347,10 @@ class Deployment:
             log.warning("node %s is back but its models did not load: %s", name, exc)
 
     def down(self) -> None:
+        with signals_held():  # stopping half the nodes would leave the rest running
+            self._down()
+
+    def _down(self) -> None:
         if self.frontend is not None:
             self.frontend.stop()
             self.frontend = None

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from poolpipe.domain.inventory import Inventory, InventoryNode, Server
 from poolpipe.errors import PoolpipeError
+from triton_backend.env import signals_held
 from triton_backend.nodes import RemoteNode, descendants, reap
 
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, one node per server
@@ -232,6 +233,10 @@ class EmulatedCluster:
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
+        with signals_held():  # a second Ctrl-C must not leave namespaces or nodes behind
+            self._close()
+
+    def _close(self) -> None:
         for k in range(len(self.servers)):
             with contextlib.suppress(Exception):
                 self.stop_node(k)

@@ -8,14 +8,17 @@ LIBDIR goes first in LD_LIBRARY_PATH, and the stub sees this environment's site-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import site
 import socket
 import sys
 import sysconfig
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -96,3 +99,24 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.close()
     return ports
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM are noted (the yielded list), not acted on, while the block runs:
+    for teardown that must finish, since a second Ctrl-C in the middle of stopping nodes
+    left them running. Off the main thread (where handlers cannot be set) it does nothing;
+    nested, the outer one holds."""
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    got: list[int] = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.getsignal(s) for s in kinds}
+    for s in kinds:
+        signal.signal(s, lambda n, _frame: got.append(n))
+    try:
+        yield got
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

@@ -17,7 +17,7 @@ from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import Warehouse, store_rows_durably
 from triton_backend.deploy import Deployment, RolloutResult
-from triton_backend.env import free_ports
+from triton_backend.env import free_ports, signals_held
 from triton_backend.router import RouterCore
 
 # How long the statistics and rollout writers wait for a warehouse another process holds
@@ -186,10 +186,11 @@ class Server:
             return result
 
     def close(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(Exception):
-            self.flush_stats()
-        self.deployment.down()
+        with signals_held():  # the last statistics and every node, whatever arrives
+            self._stop.set()
+            with contextlib.suppress(Exception):
+                self.flush_stats()
+            self.deployment.down()
 
     def __enter__(self) -> Server:
         return self
