@@ -68,7 +68,9 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--quick", action="store_true", help="2 groups x 2 clusters, 4 single models")
     ap.add_argument(
-        "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}"
+        "--parts",
+        default="maxmin",
+        help=f"comma-separated, of {', '.join(PARTS)} (default maxmin; types takes ~25 min)",
     )
     ap.add_argument(
         "--prices",

@@ -1,0 +1,302 @@
+"""Reliability benchmark on this machine (real tritonserver nodes, a real second process
+holding the warehouse, real signals). Parts, each printed as a table and stored in the
+warehouse (bench_serving, bench "reliability"):
+
+1. warehouse held: the router writes its statistics every 2 s under steady load while
+   another process holds the warehouse file for `--hold` seconds: statistics windows lost,
+   and the router's arrivals against the sum of serving_stats arrivals afterwards;
+2. shutdowns: `poolpipe serve` started `--shutdowns` times and sent 1 to 3 SIGINT/SIGTERM
+   (random kinds, 0-1 s apart) at a random moment of its start-up or its serving:
+   processes of its tree left behind, Triton shared-memory files left, exits that hung.
+
+    ./run bench-reliability [--hold 60] [--shutdowns 20] [--rate 20] [--warehouse FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe.domain.cluster import load_cluster
+from poolpipe.domain.plan import Plan, manual_plan
+from poolpipe.store.warehouse import REPO_ROOT, Warehouse, default_path
+
+console = Console(width=None if sys.stdout.isatty() else 150)
+CLUSTERS = REPO_ROOT / "local-clusters.toml"
+HOLD = (
+    "import duckdb, sys, time\n"
+    "con = duckdb.connect(sys.argv[1])\n"
+    "print('held', flush=True)\n"
+    "time.sleep(float(sys.argv[2]))\n"
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--warehouse", default=None)
+    ap.add_argument("--label", default="bench")
+    ap.add_argument("--hold", type=float, default=60.0, help="seconds the warehouse is held")
+    ap.add_argument("--rate", type=float, default=20.0, help="req/s while it is held")
+    ap.add_argument("--shutdowns", type=int, default=20, help="serve starts and stops")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    warehouse = Path(args.warehouse) if args.warehouse else default_path()
+
+    from flows.onboard import onboard_model
+    from poolpipe.offline.zoo import make_model
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    rows: list[dict] = []
+
+    def record(config: str, metric: str, value: float) -> None:
+        rows.append(
+            {
+                "run_at": now,
+                "run_label": args.label,
+                "bench": "reliability",
+                "config": config,
+                "metric": metric,
+                "value": float(value),
+                "host": socket.gethostname(),
+            }
+        )
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-reliability-"))
+    name = "bench-rel"
+    path = make_model("resnet50", tmp / "m.onnx", width=0.25, image=32)
+    with console.status("onboarding a small model (cpu-1t) ..."):
+        onboard_model(str(path), name, warehouse=str(warehouse), blocks=2, batches=[1, 2], reps=3)
+    with Warehouse.open(warehouse) as wh:
+        profile = wh.load_profile(name)
+    plan = manual_plan(
+        name, 500e3, load_cluster(CLUSTERS, "local"), [(0, 2, "cpu-1t", 1)], 1, profile
+    )
+    held_part(args, warehouse, plan, tmp, record)
+    shutdown_part(args, warehouse, plan, tmp, record)
+    with Warehouse.open(warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+    console.print(f"stored {len(rows)} rows in {warehouse} (bench_serving, bench reliability)")
+    return 0
+
+
+# ---------------------------------------------------------------------------- 1. held
+
+
+def held_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
+    from triton_backend.loadgen import drive, poisson_times
+    from triton_backend.serve import Server
+
+    with Warehouse.open(warehouse) as wh:
+        plan_id = wh.store_plan(plan, label="bench-reliability")
+    deployment = f"reliability-{os.getpid()}"
+    with console.status("warehouse held: starting a deployment ..."):
+        srv = Server(
+            plan, str(warehouse), tmp / "ws-held", name=deployment, plan_id=plan_id,
+            stats_interval_s=2.0,
+        )  # fmt: skip
+    flushed = {"windows": 0, "arrivals": 0}
+    flush = srv.flush_stats
+
+    def counted() -> int:
+        n = flush()
+        flushed["windows"] += 1
+        return n
+
+    srv.flush_stats = counted  # type: ignore[method-assign]
+    before = _router_arrivals(srv)
+    dep = srv.deployment
+    x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
+    inputs = {dep.ios[0].inputs[0].name: x}
+    duration = args.hold + 10.0
+    shots: list = []
+    load = threading.Thread(
+        target=lambda: shots.extend(
+            drive(dep.grpc_url, plan.models[0].name, inputs, poisson_times(args.rate, duration, 1))
+        ),
+        daemon=True,
+    )
+    try:
+        load.start()
+        time.sleep(5.0)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(warehouse), str(args.hold)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        console.print(f"warehouse held by PID {holder.pid} for {args.hold:g} s under load ...")
+        holder.wait()
+        load.join(duration + 60)
+        srv.flush_stats()
+        arrivals = _router_arrivals(srv) - before
+    finally:
+        srv.close()
+    with Warehouse.open(warehouse) as wh:  # this open writes whatever was spooled
+        stored_rows, stored = wh.con.execute(
+            "SELECT count(*), coalesce(sum(arrivals), 0) FROM serving_stats WHERE deployment = ?",
+            [deployment],
+        ).fetchone()  # type: ignore[misc]
+    windows_with_rows = flushed["windows"]
+    t = Table(title=f"warehouse held {args.hold:g} s, statistics every 2 s", title_justify="left")
+    for col in ("requests sent", "router arrivals", "serving_stats arrivals", "windows flushed",
+                "windows stored", "windows lost"):
+        t.add_column(col, justify="right")
+    lost = max(0, windows_with_rows - int(stored_rows))
+    t.add_row(str(len(shots)), str(arrivals), str(int(stored)), str(windows_with_rows),
+              str(int(stored_rows)), str(lost))  # fmt: skip
+    console.print(t)
+    console.print(
+        "windows stored counts one row per window (one model); a window whose rows were "
+        "spooled while the warehouse was held is written on its next open"
+    )
+    record("held", "sent", len(shots))
+    record("held", "router_arrivals", arrivals)
+    record("held", "stored_arrivals", stored)
+    record("held", "windows_flushed", windows_with_rows)
+    record("held", "windows_lost", lost)
+
+
+def _router_arrivals(srv) -> int:
+    return sum(s.arrivals for s in srv.deployment.core.stats.values())
+
+
+# ---------------------------------------------------------------------------- 2. shutdowns
+
+
+def shutdown_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
+    rng = random.Random(args.seed)
+    plan_file = tmp / "plan.json"
+    plan.save(plan_file)
+    results = []
+    for i in range(args.shutdowns):
+        with console.status(f"shutdown {i + 1}/{args.shutdowns} ..."):
+            results.append(_one_shutdown(warehouse, plan_file, tmp / f"ws-stop-{i}", rng))
+    t = Table(title=f"{args.shutdowns} serve shutdowns, 1-3 signals each", title_justify="left")
+    for col in ("#", "signals", "at", "exit", "seconds to exit", "processes left", "shm left"):
+        t.add_column(col, justify="left" if col in ("signals", "at") else "right")
+    for i, r in enumerate(results):
+        t.add_row(str(i + 1), " ".join(r["signals"]), r["at"], str(r["rc"]),
+                  f"{r['exit_s']:.1f}", str(r["left"]), str(r["shm"]))  # fmt: skip
+    console.print(t)
+    left = sum(r["left"] for r in results)
+    shm = sum(r["shm"] for r in results)
+    hung = sum(r["rc"] == "hung" for r in results)
+    console.print(
+        f"[bold]{len(results)} shutdowns[/]: {left} processes orphaned, {shm} shared-memory "
+        f"files left, {hung} hung"
+    )
+    record("shutdowns", "runs", len(results))
+    record("shutdowns", "orphaned_processes", left)
+    record("shutdowns", "shm_files_left", shm)
+    record("shutdowns", "hung", hung)
+
+
+def _one_shutdown(warehouse: Path, plan_file: Path, ws: Path, rng: random.Random) -> dict:
+    shm_before = _shm()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poolpipe.cli", "--warehouse", str(warehouse), "serve",
+         str(plan_file), "--workspace", str(ws)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "Ctrl-C stops" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    serving = rng.random() < 0.5  # half the time while serving, else during start-up
+    if serving:
+        ready.wait(120)
+        time.sleep(rng.uniform(0, 2))
+    else:
+        time.sleep(rng.uniform(0.5, 6.0))
+    at = "serving" if ready.is_set() else "start-up"
+    tree = _descendants(proc.pid)
+    kinds = [rng.choice((signal.SIGINT, signal.SIGTERM)) for _ in range(rng.randint(1, 3))]
+    t0 = time.monotonic()
+    for k, sig in enumerate(kinds):
+        if k:
+            time.sleep(rng.uniform(0, 1))
+        tree |= _descendants(proc.pid)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    try:
+        rc: int | str = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        rc = "hung"
+        proc.kill()
+        proc.wait()
+    exit_s = time.monotonic() - t0
+    time.sleep(0.5)
+    left = [p for p in tree if Path(f"/proc/{p}").exists() and _alive(p)]
+    for p in left:  # not left to the next round
+        os.kill(p, signal.SIGKILL)
+    shm = _shm() - shm_before
+    return {
+        "signals": [signal.Signals(s).name for s in kinds],
+        "at": at,
+        "rc": rc,
+        "exit_s": exit_s,
+        "left": len(left),
+        "shm": len(shm),
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _shm() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if "triton" in f}
+
+
+def _descendants(pid: int) -> set[int]:
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for child, ppid in parent.items():
+            if ppid == p and child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+if __name__ == "__main__":
+    sys.exit(main())
