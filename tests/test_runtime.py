@@ -152,8 +152,10 @@ def test_without_a_live_path_the_batch_fails_explicitly():
     assert ex.answers[2][0] == FAILED
     assert rt.stats["m"].failed == 2 and rt.in_flight() == 0
     assert not rt.has_live_path(0)
-    rt.submit(0, [3])  # nothing can take it now: an explicit answer, at once
-    assert ex.answers[3][0] == DROPPED
+    rt.submit(0, [3])  # nothing can take it now: an explicit answer, at once, saying why
+    assert ex.answers[3][0] == FAILED
+    assert ex.answers[3][1].startswith("no live path for model m: node(s) ")
+    assert rt.stats["m"].arrivals == 3 and rt.in_flight() == 0
 
 
 def test_a_retry_that_misses_its_deadline_is_a_drop_not_a_failure():

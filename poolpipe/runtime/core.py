@@ -163,6 +163,7 @@ class ServingRuntime:
         self._over_us: deque[float] = deque(maxlen=WAKE_WINDOW)
         self.overrun_us = 0.0  # p99 of the window, at most OVERRUN_CAP_US
         self._down: set[str] = set()  # failed nodes, until they answer again
+        self._no_path: set[int] = set()  # models with no live path (failed at the door)
         self._paused = False
         self._held: list[tuple[str, float | None, Any, float]] = []
         self._switch: _Switch | None = None
@@ -250,8 +251,11 @@ class ServingRuntime:
         stats = gen.model_stats[model]
         due = now + gen.slo_us[model]
         entry = Entry(rid, model, now, due - self.reply_margin_us, due, payload, stats)
-        self._live[rid] = entry
         stats.arrivals += 1
+        if self._no_path and model in self._no_path:
+            self._end(entry, FAILED, self._no_path_reason(model), now)
+            return
+        self._live[rid] = entry
         if gen.plane.add_request(entry, now):
             self._decide(now)
 
@@ -268,10 +272,23 @@ class ServingRuntime:
         stats = gen.model_stats[model]
         due = arrived + slo
         entry = Entry(rid, model, arrived, due - self.reply_margin_us, due, payload, stats)
-        self._live[rid] = entry
         stats.arrivals += 1
+        if self._no_path and model in self._no_path:
+            self._end(entry, FAILED, self._no_path_reason(model), now)
+            return entry
+        self._live[rid] = entry
         gen.plane.add_request(entry, now)  # the caller decides
         return entry
+
+    def _no_path_reason(self, model: int) -> str:
+        name = self.gen.served.topo.models[model].name
+        return f"no live path for model {name}: node(s) {', '.join(sorted(self._down))} down"
+
+    def _refresh_paths(self) -> None:
+        """Which models have no live path left (their requests fail at once, saying so)."""
+        self._no_path = {
+            m for m in range(len(self.gen.served.topo.models)) if not self.has_live_path(m)
+        }
 
     # ------------------------------------------------------------------ decisions
 
@@ -454,6 +471,7 @@ class ServingRuntime:
         self._down.discard(node)
         for v in self.gen.node_vgpus.get(node, ()):
             self.gen.plane.set_vgpu_down(v, False, now)
+        self._refresh_paths()
         self.recoveries += 1
         self._decide(now)
 
@@ -461,6 +479,7 @@ class ServingRuntime:
         self._down.add(node)
         for v in self.gen.node_vgpus.get(node, ()):
             self.gen.plane.set_vgpu_down(v, True, now)
+        self._refresh_paths()
         self._watch(node, now)
 
     def _watch(self, node: str, now: float) -> None:
@@ -598,6 +617,7 @@ class ServingRuntime:
         for v, node in sw.served.vgpu_node.items():
             if node in self._down:  # still failed: out of the new plan's tables too
                 gen.plane.set_vgpu_down(v, True, now)
+        self._refresh_paths()
         held, self._held = self._held, []
         self._paused = False
         self._switch = None
