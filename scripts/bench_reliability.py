@@ -7,9 +7,13 @@ warehouse (bench_serving, bench "reliability"):
    and the router's arrivals against the sum of serving_stats arrivals afterwards;
 2. shutdowns: `poolpipe serve` started `--shutdowns` times and sent 1 to 3 SIGINT/SIGTERM
    (random kinds, 0-1 s apart) at a random moment of its start-up or its serving:
-   processes of its tree left behind, Triton shared-memory files left, exits that hung.
+   processes of its tree left behind, Triton shared-memory files left, exits that hung;
+3. node killed: the only node of a supervised deployment killed (SIGKILL) under load: how
+   long until it is restarted with its models and back in the router's service, and how
+   the requests meanwhile were answered (failed at once, "no live path", not late).
 
-    ./run bench-reliability [--hold 60] [--shutdowns 20] [--rate 20] [--warehouse FILE]
+    ./run bench-reliability [--parts held,shutdowns,node] [--hold 60] [--shutdowns 20]
+                            [--rate 20] [--warehouse FILE]
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=20.0, help="req/s while it is held")
     ap.add_argument("--shutdowns", type=int, default=20, help="serve starts and stops")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--parts", default="held,shutdowns,node", help="which parts (all three)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     warehouse = Path(args.warehouse) if args.warehouse else default_path()
 
     from flows.onboard import onboard_model
@@ -89,8 +95,12 @@ def main() -> int:
     plan = manual_plan(
         name, 500e3, load_cluster(CLUSTERS, "local"), [(0, 2, "cpu-1t", 1)], 1, profile
     )
-    held_part(args, warehouse, plan, tmp, record)
-    shutdown_part(args, warehouse, plan, tmp, record)
+    if "held" in parts:
+        held_part(args, warehouse, plan, tmp, record)
+    if "shutdowns" in parts:
+        shutdown_part(args, warehouse, plan, tmp, record)
+    if "node" in parts:
+        node_part(args, warehouse, plan, tmp, record)
     with Warehouse.open(warehouse) as wh:
         wh.store_rows("bench_serving", rows)
     console.print(f"stored {len(rows)} rows in {warehouse} (bench_serving, bench reliability)")
@@ -156,8 +166,14 @@ def held_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
         ).fetchone()  # type: ignore[misc]
     windows_with_rows = flushed["windows"]
     t = Table(title=f"warehouse held {args.hold:g} s, statistics every 2 s", title_justify="left")
-    for col in ("requests sent", "router arrivals", "serving_stats arrivals", "windows flushed",
-                "windows stored", "windows lost"):
+    for col in (
+        "requests sent",
+        "router arrivals",
+        "serving_stats arrivals",
+        "windows flushed",
+        "windows stored",
+        "windows lost",
+    ):
         t.add_column(col, justify="right")
     lost = max(0, windows_with_rows - int(stored_rows))
     t.add_row(str(len(shots)), str(arrivals), str(int(stored)), str(windows_with_rows),
@@ -265,6 +281,74 @@ def _one_shutdown(warehouse: Path, plan_file: Path, ws: Path, rng: random.Random
         "left": len(left),
         "shm": len(shm),
     }
+
+
+# ---------------------------------------------------------------------------- 3. node
+
+
+def node_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
+    t = Table(title="the only node killed under load, supervised", title_justify="left")
+    for col in (
+        "try",
+        "restarted after s",
+        "serving again after s",
+        "sent",
+        "ok",
+        "failed",
+        "dropped",
+        "late",
+    ):
+        t.add_column(col, justify="right")  # fmt: skip
+    for k in range(3):
+        with console.status(f"node killed ({k + 1}/3) ..."):
+            r = _one_node_kill(args, warehouse, plan, tmp / f"ws-node-{k}", k + 1)
+        t.add_row(
+            str(k + 1),
+            f"{r['restarted_s']:.1f}",
+            f"{r['serving_again_s']:.1f}",
+            *(str(int(r[c])) for c in ("sent", "ok", "failed", "dropped", "late")),
+        )
+        for metric in ("restarted_s", "serving_again_s", "failed", "late"):
+            record(f"node-{k + 1}", metric, r[metric])
+    console.print(t)
+
+
+def _one_node_kill(args, warehouse: Path, plan: Plan, ws: Path, seed: int) -> dict:
+    from triton_backend.loadgen import drive, poisson_times, summarize
+    from triton_backend.serve import Server
+
+    srv = Server(plan, str(warehouse), ws, stats_interval_s=3600, supervise=True)
+    dep = srv.deployment
+    x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
+    inputs = {dep.ios[0].inputs[0].name: x}
+    duration = 25.0
+    seen = {"restarted_s": float("nan"), "serving_again_s": float("nan")}
+
+    def kill_and_watch() -> None:  # beside the load, which runs on this (main) thread
+        time.sleep(5.0)
+        (victim,) = list(dep.nodes)
+        t0 = time.monotonic()
+        dep.nodes[victim].kill()  # type: ignore[attr-defined]
+        while time.monotonic() - t0 < 60:
+            if seen["restarted_s"] != seen["restarted_s"] and dep.node_restarts.get(victim):
+                seen["restarted_s"] = time.monotonic() - t0
+            if dep.core.recoveries >= 1:
+                seen["serving_again_s"] = time.monotonic() - t0
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_and_watch, daemon=True)
+    try:
+        killer.start()
+        shots = drive(
+            dep.grpc_url, plan.models[0].name, inputs, poisson_times(args.rate, duration, seed)
+        )
+        killer.join(60)
+    finally:
+        srv.close()
+    s = summarize(shots, plan.models[0].slo_us / 1e6, duration)
+    late = s["ok"] - round(s["attainment"] * s["sent"])
+    return {**seen, "late": late, **s}
 
 
 def _alive(pid: int) -> bool:

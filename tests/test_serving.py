@@ -5,6 +5,7 @@ real flow; a two-partition plan so that feature maps cross between nodes as fp16
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -482,3 +483,33 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
         assert dep.core.recoveries == 1 and not dep.core.down_nodes()
         s = dep.core.stats["tiny"]
         assert s.failed == 0 and s.arrivals == len(answers)
+
+
+def test_a_supervised_deployment_restarts_a_node_that_dies(onboarded_tiny):
+    """`poolpipe serve` supervises the nodes it starts: one killed (SIGKILL, as the OOM
+    killer would) is started again with its models, counted, and back in the router's
+    service, with nobody calling restart_node."""
+    import time
+
+    from triton_backend.deploy import Deployment
+
+    wh, tmp = onboarded_tiny
+    with Deployment.up(
+        two_partition_plan(), wh, tmp / "ws-sup", router_instances=2, supervise=True
+    ) as dep:
+        mod, client = _grpc(dep)
+        x = np.zeros((1, 3, 32, 32), np.float32)
+        _infer(mod, client, x)
+        victim = sorted(dep.nodes)[0]
+        dep.nodes[victim].kill()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+            dep.node_restarts.get(victim) and dep.core.recoveries >= 1
+        ):
+            time.sleep(0.2)
+            with contextlib.suppress(Exception):  # failed while it is down: the router says so
+                _infer(mod, client, x, client_timeout=10)
+        assert dep.node_restarts == {victim: 1}, dep.node_restarts
+        assert dep.core.recoveries >= 1 and dep.nodes[victim].alive
+        out = dep.ios[0].outputs[0].name
+        assert _infer(mod, client, x).as_numpy(out).shape == (1, 1000)

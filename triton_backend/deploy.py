@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from poolpipe.sim.scenario import Scenario
 from triton_backend.calibration import calibrate, warm
 from triton_backend.env import signals_held, triton_home
 from triton_backend.frontend import Frontend
-from triton_backend.load import LocalNodes, attach, load_layout
+from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
 from triton_backend.nodes import RepositoryAPI, TritonNode
 from triton_backend.prepare import model_io, prepare
 from triton_backend.router import ModelIO, RouterCore, served_plan
@@ -87,6 +88,8 @@ class Deployment:
     parts: dict = field(default_factory=dict, repr=False)  # partition files by model name
     inventory: Inventory | None = None  # the nodes attached to
     local: LocalNodes | None = field(default=None, repr=False)  # nodes this process runs
+    supervisor: Supervisor | None = field(default=None, repr=False)  # restarts dead ones
+    _restarting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def http_port(self) -> int:
@@ -131,6 +134,7 @@ class Deployment:
         inventory: Inventory | None = None,
         token: str | None = None,
         transport: str = "router",
+        supervise: bool = False,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
@@ -146,7 +150,9 @@ class Deployment:
         derived from it; nodes this process starts are restricted so, and so is the
         router's own Triton); None: nothing restricted.
         `transport`: "router" (each hop sent from the router; feature maps pass through it)
-        or "chain" (feature maps node to node; the router sends inputs, gets outputs)."""
+        or "chain" (feature maps node to node; the router sends inputs, gets outputs).
+        `supervise`: restart the nodes this process runs when they exit on their own
+        (Supervisor; `poolpipe serve` does), instead of leaving it to restart_node."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         ceiling = (
@@ -201,6 +207,8 @@ class Deployment:
                 grpc_port,
                 key,
             ).start()
+            if supervise and local is not None:
+                dep.supervisor = Supervisor(lambda: local.nodes, dep._restart_dead).start()
             return dep
         except BaseException:
             if dep is not None:
@@ -319,9 +327,27 @@ class Deployment:
         node = self.nodes[name]
         if not isinstance(node, TritonNode):
             raise PoolpipeError(f"node {name} runs elsewhere ({node.grpc_url}); restart it there")
-        node.stop()
-        node.start()
-        self._refill(name)
+        self._restart(node, name, only_if_dead=False)
+
+    def _restart_dead(self, name: str) -> None:
+        """The supervisor's restart: only if the node is still down (restart_node may have
+        been quicker)."""
+        node = self.nodes.get(name)
+        if isinstance(node, TritonNode):
+            self._restart(node, name, only_if_dead=True)
+
+    def _restart(self, node: TritonNode, name: str, only_if_dead: bool) -> None:
+        with self._restarting:  # one restart of a node at a time
+            if only_if_dead and node.alive:
+                return
+            node.stop()
+            node.start()
+            self._refill(name)
+
+    @property
+    def node_restarts(self) -> dict[str, int]:
+        """Restarts of nodes that exited on their own, per node (supervised deployments)."""
+        return dict(self.supervisor.restarts) if self.supervisor is not None else {}
 
     def _refill(self, name: str) -> None:
         """Load node `name`'s partition models of the plan being served onto it (uploaded)
@@ -351,6 +377,8 @@ class Deployment:
             self._down()
 
     def _down(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.frontend is not None:
             self.frontend.stop()
             self.frontend = None

@@ -5,6 +5,11 @@ node's model repository API (recorded, so that a failure can be undone)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,6 +19,9 @@ from poolpipe.runtime.placement import Layout
 from triton_backend.nodes import RemoteNode, RepositoryAPI, TritonNode, stop_nodes
 from triton_backend.prepare import device_class
 from triton_backend.repository import partition_files, upload_config
+
+log = logging.getLogger(__name__)
+RESTART_BACKOFF_MAX_S = 30.0  # the longest wait between two tries to restart a node
 
 
 def attach(
@@ -119,10 +127,10 @@ class LocalNodes:
 
     def stop(self, nodes: list[TritonNode] | None = None) -> None:
         nodes = list(self.nodes.values()) if nodes is None else nodes
-        stop_nodes(nodes)
-        for n in nodes:
+        for n in nodes:  # out of the books first: a supervisor must not restart them
             self.nodes.pop(n.name, None)
             self._where.pop(n.name, None)
+        stop_nodes(nodes)
 
     def inventory(self) -> Inventory:
         """Node i of each device type is the layout's GPU i of that type."""
@@ -135,3 +143,65 @@ class LocalNodes:
             ),
             str(self.workspace / "inventory.toml"),
         )
+
+
+class Supervisor:
+    """Restarts the local nodes of a deployment that exit without being stopped (a crash,
+    an OOM kill): checks every `every_s`; a node that was seen running and is gone is
+    restarted through `restart(name)` (start and load its models), and after a failed
+    try waits 1, 2, 4 ... RESTART_BACKOFF_MAX_S before the next. Restarts and failed tries
+    are counted per node and logged."""
+
+    def __init__(
+        self,
+        nodes: Callable[[], dict[str, TritonNode]],
+        restart: Callable[[str], None],
+        every_s: float = 0.5,
+    ):
+        self._nodes = nodes
+        self._restart = restart
+        self.every_s = every_s
+        self.restarts: Counter[str] = Counter()
+        self.failed_tries: Counter[str] = Counter()
+        self._seen: set[str] = set()
+        self._next_try: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="poolpipe-supervisor", daemon=True)
+
+    def start(self) -> Supervisor:
+        self._seen = {name for name, node in self._nodes().items() if node.alive}
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(60)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for name, node in list(self._nodes().items()):
+                if self._stop.is_set():
+                    return
+                if node.alive:
+                    self._seen.add(name)
+                    continue
+                if name not in self._seen or time.monotonic() < self._next_try.get(name, 0.0):
+                    continue  # still starting, or waiting out its backoff
+                self._try(name)
+
+    def _try(self, name: str) -> None:
+        log.warning("node %s exited without being stopped: restarting it", name)
+        try:
+            self._restart(name)
+        except Exception as exc:  # tried again after the backoff
+            delay = self._backoff.get(name, 1.0)
+            self._backoff[name] = min(2 * delay, RESTART_BACKOFF_MAX_S)
+            self._next_try[name] = time.monotonic() + delay
+            self.failed_tries[name] += 1
+            log.warning("node %s did not restart (%s); next try in %.0f s", name, exc, delay)
+            return
+        self._backoff.pop(name, None)
+        self.restarts[name] += 1
+        log.warning("node %s restarted (%d time(s) so far)", name, self.restarts[name])

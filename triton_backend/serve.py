@@ -148,6 +148,7 @@ class Server:
                 "ok": True,
                 "plan_id": self.plan_id,
                 "generation": self.deployment.generation,
+                "node_restarts": self.deployment.node_restarts,
                 "models": {
                     k: {
                         f: getattr(v, f)

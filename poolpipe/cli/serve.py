@@ -85,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             plane=args.plane,
             inventory=inventory,
             token=token,
+            supervise=True,  # nodes it starts itself are restarted when they die
             **router_options(args),
         )
     dep = server.deployment
