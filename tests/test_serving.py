@@ -513,3 +513,37 @@ def test_a_supervised_deployment_restarts_a_node_that_dies(onboarded_tiny):
         assert dep.core.recoveries >= 1 and dep.nodes[victim].alive
         out = dep.ios[0].outputs[0].name
         assert _infer(mod, client, x).as_numpy(out).shape == (1, 1000)
+
+
+def test_a_crashed_nodes_stubs_and_shared_memory_are_cleaned_up(onboarded_tiny):
+    """A tritonserver killed from outside (the OOM killer) leaves its Python-backend stubs
+    running, now children of init, each holding a 4 MiB shared-memory region that nobody
+    removes: stopping the node (as a restart does) reaps them and removes their regions."""
+    import os
+    import signal
+    import time
+
+    from triton_backend.deploy import Deployment
+    from triton_backend.nodes import _shm_regions, descendants
+
+    wh, tmp = onboarded_tiny
+    with Deployment.up(two_partition_plan(), wh, tmp / "ws-crash", router_instances=2) as dep:
+        mod, client = _grpc(dep)
+        _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32))
+        node = dep.nodes[sorted(dep.nodes)[0]]
+        assert node.process is not None
+        stubs = [p for p, _ in descendants(node.process.pid)]
+        regions = _shm_regions(stubs)
+        assert regions and all(Path("/dev/shm", r).exists() for r in regions)
+        os.kill(node.process.pid, signal.SIGKILL)  # not node.kill(): nobody reaps for us
+        node.process.wait()
+        time.sleep(0.5)
+        assert any(Path(f"/proc/{p}").exists() for p in stubs)  # orphaned, still there
+        node.stop()
+        assert not [r for r in regions if Path("/dev/shm", r).exists()]
+        left = []
+        for p in stubs:
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    left.append(p)
+        assert not left

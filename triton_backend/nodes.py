@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,6 +226,9 @@ class TritonNode(RepositoryAPI):
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.process is None or self.process.poll() is not None:
+            # it died on its own (a crash, the OOM killer): its stubs, now children of
+            # init, would keep spinning and holding their shared memory
+            reap(orphan_stubs(self.repo), grace_s=0.0)
             return
         stubs = descendants(self.process.pid)
         self.process.terminate()
@@ -290,14 +294,56 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def orphan_stubs(repo: Path) -> list[tuple[int, str]]:
+    """Python-backend stub processes still running models of `repo` (found by their
+    command lines, which name the model file under it) whose server is gone."""
+    where = str(Path(repo).resolve())
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 1:
+            model = Path(argv[1].decode(errors="replace"))
+            if str(model.resolve()).startswith(where) and (st := _stat(int(d.name))):
+                out.append((int(d.name), st[1]))
+    return out
+
+
+def _shm_regions(pids: list[int]) -> list[str]:
+    """The Python-backend shared-memory regions these stub processes name."""
+    names = []
+    for p in pids:
+        try:
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        names += [a.decode() for a in argv if a.startswith(b"triton_python_backend_shm_region")]
+    return names
+
+
 def reap(procs: list[tuple[int, str]], grace_s: float = 5.0) -> None:
     """Kill what is left of `procs` after `grace_s` (Triton's stubs exit on their own after
-    a clean shutdown; after a crash they do not). A pid taken by another process since is
-    left alone (its start time differs)."""
+    a clean shutdown; after a crash they do not), and remove the shared memory they held
+    that nobody removed (after a crash, Triton does not). A pid taken by another process
+    since is left alone (its start time differs)."""
 
     def alive() -> list[tuple[int, str]]:
         return [(p, t) for p, t in procs if (st := _stat(p)) is not None and st[1] == t]
 
+    regions = _shm_regions([p for p, _ in alive()])
+    try:
+        _reap(alive, grace_s)
+    finally:
+        for name in regions:
+            with contextlib.suppress(OSError):
+                (Path("/dev/shm") / name).unlink()
+
+
+def _reap(alive: Callable[[], list[tuple[int, str]]], grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     while (procs := alive()) and time.monotonic() < deadline:
         time.sleep(0.1)
