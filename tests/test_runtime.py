@@ -151,7 +151,7 @@ def test_without_a_live_path_the_batch_fails_explicitly():
     assert ex.answers[1][0] == FAILED and "no live path" in ex.answers[1][1]
     assert ex.answers[2][0] == FAILED
     assert rt.stats["m"].failed == 2 and rt.in_flight() == 0
-    assert not rt.has_live_path(0)
+    assert not rt.has_live_path(0) and rt.without_path() == {0}  # the router's readiness
     rt.submit(0, [3])  # nothing can take it now: an explicit answer, at once, saying why
     assert ex.answers[3][0] == FAILED
     assert ex.answers[3][1].startswith("no live path for model m: node(s) ")

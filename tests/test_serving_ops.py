@@ -84,6 +84,7 @@ def test_router_metrics_for_prometheus(server):
     assert m and float(m.group(1)) >= 2
     assert "poolpipe_pool_busy_seconds_total" in text and "poolpipe_in_flight" in text
     assert "poolpipe_reply_margin_seconds" in text
+    assert re.search(r'poolpipe_model_ready\{model="tiny"\} 1\.0', text)
 
 
 def test_rollout_flow_goes_through_the_control_model(prefect_api, server, onboarded_tiny):  # noqa: F811

@@ -55,6 +55,19 @@ class RouterCollector:
         yield GaugeMetricFamily(
             "poolpipe_plan_generation", "Rollouts so far", value=self.server.deployment.generation
         )
+        live = GaugeMetricFamily(
+            "poolpipe_model_ready",
+            "1 while some pipeline of the model has a live node in every pool (readiness: "
+            "Triton reports its loaded models ready for good)",
+            labels=["model"],
+        )
+        try:
+            without = core.runtime.without_path()
+        except RuntimeError:  # changed under the scrape: the next one reads it
+            without = set()
+        for i, m in enumerate(core.topo.models):
+            live.add_metric([m.name], 0.0 if i in without else 1.0)
+        yield live
         yield GaugeMetricFamily(
             "poolpipe_reply_margin_seconds",
             "Held back from every deadline for the answer's way out (measured)",

@@ -199,6 +199,10 @@ class ServingRuntime:
     def down_nodes(self) -> set[str]:
         return set(self._down)
 
+    def without_path(self) -> set[int]:
+        """Models (indexes) with no live path now: their requests fail at the door."""
+        return set(self._no_path)
+
     def has_live_path(self, model: int) -> bool:
         """Whether some pipeline of `model` has a vGPU in service in every pool."""
         topo, vn, down = self.gen.served.topo, self.gen.served.vgpu_node, self._down
