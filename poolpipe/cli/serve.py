@@ -41,16 +41,21 @@ def _plan_arg(args: argparse.Namespace):
         return plan, wh.store_plan(plan, label=f"serve:{path.name}")
 
 
-def _wait_for_signal(also=None) -> None:
-    """Until SIGTERM or Ctrl-C (or `also()` says so, checked every second)."""
+def _stop_on_signals() -> threading.Event:
+    """From now on SIGTERM and Ctrl-C set the returned event instead of raising: installed
+    before "Ctrl-C stops" is printed, so that no signal can land between that line and
+    the wait (one that did left the nodes running) or in the teardown after it."""
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(1.0):
-            if also is not None and also():
-                break
-    except KeyboardInterrupt:
-        pass
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _wait_for_signal(stop: threading.Event, also=None) -> None:
+    """Until `stop` is set (a signal) or `also()` says so, checked every second."""
+    while not stop.wait(1.0):
+        if also is not None and also():
+            break
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -88,6 +93,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             supervise=True,  # nodes it starts itself are restarted when they die
             **router_options(args),
         )
+    try:
+        _serve_until_stopped(server, plan, plan_id, token_file)
+    finally:  # whatever ends it, the nodes this started are stopped
+        with console.status("stopping ..."):
+            server.close()
+    return 0
+
+
+def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
+    stop = _stop_on_signals()
     dep = server.deployment
     console.print(
         f"serving plan {plan_id} ({', '.join(m.name for m in plan.models)}) on "
@@ -98,10 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"--token-file {token_file}\n"
         "Ctrl-C stops."
     )
-    _wait_for_signal()
-    with console.status("stopping ..."):
-        server.close()
-    return 0
+    _wait_for_signal(stop)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -134,16 +146,17 @@ def cmd_node(args: argparse.Namespace) -> int:
         address=args.listen,
         key=key,
     )
-    with console.status(f"starting node {name} ..."):
-        node.start()
-    try:
+    try:  # a Ctrl-C while it starts stops what has started
+        with console.status(f"starting node {name} ..."):
+            node.start()
+        stop = _stop_on_signals()
         console.print(
             f"node {name} ({args.device}) serving: gRPC {node.grpc_url}, HTTP {node.http_url}, "
             f"metrics :{node.metrics_port}; models arrive through the model repository API "
             f"(log: {node.log_path}). Ctrl-C stops.",
             highlight=False,
         )
-        _wait_for_signal(also=lambda: not node.alive)
+        _wait_for_signal(stop, also=lambda: not node.alive)
         if not node.alive:
             raise PoolpipeError(f"node {name}: tritonserver exited; see {node.log_path}")
     finally:
