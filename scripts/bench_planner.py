@@ -96,49 +96,32 @@ def main() -> int:
 
     jobs: list[tuple[str, PlanRequest]] = []
     main_strategies = STRATEGIES if "maxmin" in parts else ("ppipe",)
+
+    def group_request(group: list[str], cluster: Cluster, strategy: str, packing: str):
+        """A main configuration: the group at the mix, P = 2, margin 0.4."""
+        return PlanRequest(
+            models=tuple(profiles[n] for n in group),
+            weights=mix,
+            slos_us=tuple(slo_scale * profiles[n].reference_latency_us for n in group),
+            cluster=cluster,
+            strategy=strategy,
+            packing=packing,
+            margin=0.4,
+            max_partitions=2,
+            time_limit_s=args.time_limit,
+        )
+
     for gi, group in enumerate(groups):
         for cname in main_clusters:
             for strategy in main_strategies:
-                jobs.append(
-                    (
-                        f"main:g{gi}:{cname}",
-                        PlanRequest(
-                            models=tuple(profiles[n] for n in group),
-                            weights=mix,
-                            slos_us=tuple(
-                                slo_scale * profiles[n].reference_latency_us for n in group
-                            ),
-                            cluster=clusters[cname],
-                            strategy=strategy,
-                            packing=args.packing,
-                            margin=0.4,
-                            max_partitions=2,
-                            time_limit_s=args.time_limit,
-                        ),
-                    )
-                )
+                req = group_request(group, clusters[cname], strategy, args.packing)
+                jobs.append((f"main:g{gi}:{cname}", req))
     if "types" in parts:
         for gi, group in enumerate(groups):
             for cname, cluster in many_type_clusters(args.quick).items():
                 for packing in PACKINGS:
-                    jobs.append(
-                        (
-                            f"types:g{gi}:{cname}:{packing}",
-                            PlanRequest(
-                                models=tuple(profiles[n] for n in group),
-                                weights=mix,
-                                slos_us=tuple(
-                                    slo_scale * profiles[n].reference_latency_us for n in group
-                                ),
-                                cluster=cluster,
-                                strategy="ppipe",
-                                packing=packing,
-                                margin=0.4,
-                                max_partitions=2,
-                                time_limit_s=args.time_limit,
-                            ),
-                        )
-                    )
+                    req = group_request(group, cluster, "ppipe", packing)
+                    jobs.append((f"types:g{gi}:{cname}:{packing}", req))
     for name in singles if "maxmin" in parts else ():
         jobs.append(
             (

@@ -42,6 +42,7 @@ from rich.table import Table
 from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse, default_path
+from triton_backend.nodes import descendants, is_running
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
@@ -269,7 +270,7 @@ def _one_shutdown(warehouse: Path, plan_file: Path, ws: Path, rng: random.Random
         proc.wait()
     exit_s = time.monotonic() - t0
     time.sleep(0.5)
-    left = [p for p in tree if Path(f"/proc/{p}").exists() and _alive(p)]
+    left = [p for p in tree if is_running(p)]
     for p in left:  # not left to the next round
         os.kill(p, signal.SIGKILL)
     shm = _shm() - shm_before
@@ -351,35 +352,12 @@ def _one_node_kill(args, warehouse: Path, plan: Plan, ws: Path, seed: int) -> di
     return {**seen, "late": late, **s}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _shm() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if "triton" in f}
 
 
 def _descendants(pid: int) -> set[int]:
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for child, ppid in parent.items():
-            if ppid == p and child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+    return {p for p, _ in descendants(pid)}
 
 
 if __name__ == "__main__":

@@ -239,29 +239,6 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
     assert rc == 0
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid`, from /proc (children of children too)."""
-    import os
-
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                parent[int(entry)] = int(fields[1])
-            except OSError:
-                continue
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for child, ppid in parent.items():
-            if ppid == p and child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_path):  # noqa: F811
     """Two SIGINTs 0.5 s apart used to kill `serve` in the middle of its teardown with a
     traceback and leave its tritonservers listening: teardown now finishes whatever
@@ -272,6 +249,8 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
     import sys
     import time
     from pathlib import Path
+
+    from triton_backend.nodes import descendants
 
     wh, _ = onboarded_tiny
     plan_file = tmp_path / "plan.json"
@@ -298,7 +277,7 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
             if "Ctrl-C stops" in line:
                 break
         assert "Ctrl-C stops" in "".join(seen), "".join(seen[-20:])
-        children = _descendants(proc.pid)
+        children = {p for p, _ in descendants(proc.pid)}
         assert len(children) >= 3  # the router's and the nodes' tritonservers, at least
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)

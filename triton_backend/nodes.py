@@ -258,6 +258,11 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
 
 
+def is_running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux /proc)."""
+    return _stat(pid) is not None
+
+
 def descendants(pid: int) -> list[tuple[int, str]]:
     """The processes below `pid` (Linux /proc) with their start times, children first."""
     parent: dict[int, tuple[int, str]] = {}

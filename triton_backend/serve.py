@@ -15,7 +15,7 @@ from typing import Any
 from poolpipe.client.control import authorised
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.store.warehouse import Warehouse, store_rows_durably
+from poolpipe.store.warehouse import Warehouse, store_rows_durably, store_tables_durably
 from triton_backend.deploy import Deployment, RolloutResult
 from triton_backend.env import free_ports, signals_held
 from triton_backend.router import RouterCore
@@ -139,8 +139,9 @@ class Server:
         busy = [{**base, **p} for p in pools]
 
         # another process may hold the warehouse: wait a little, else spool (nothing lost)
-        store_rows_durably(self.warehouse, "serving_stats", rows, wait_s=STATS_WAIT_S)
-        store_rows_durably(self.warehouse, "serving_pool_busy", busy, wait_s=STATS_WAIT_S)
+        store_tables_durably(
+            self.warehouse, {"serving_stats": rows, "serving_pool_busy": busy}, STATS_WAIT_S
+        )
         return len(rows) + len(busy)
 
     # ------------------------------------------------------------------ control

@@ -179,29 +179,40 @@ def spool_dir(path: Path) -> Path:
 def store_rows_durably(
     path: Path | str | None, table: str, rows: list[dict[str, Any]], wait_s: float | None = None
 ) -> bool:
-    """Write rows to the warehouse; if another process keeps it busy past `wait_s`, spool
-    them to a file beside it (written atomically) that the next open writes in. True when
-    written now, False when spooled: either way nothing is lost."""
-    if not rows:
+    """store_tables_durably for one table."""
+    return store_tables_durably(path, {table: rows}, wait_s)
+
+
+def store_tables_durably(
+    path: Path | str | None, tables: dict[str, list[dict[str, Any]]], wait_s: float | None = None
+) -> bool:
+    """Write rows to their tables, opening the warehouse once; if another process keeps it
+    busy past `wait_s`, spool each table's rows to a file beside it (written atomically)
+    that the next open writes in. True when written now, False when spooled: either way
+    nothing is lost."""
+    tables = {t: rows for t, rows in tables.items() if rows}
+    if not tables:
         return True
     p = Path(path) if path is not None else default_path()
     try:
         with Warehouse.open(p, wait_s=wait_s) as wh:
-            wh.store_rows(table, rows)
+            for table, rows in tables.items():
+                wh.store_rows(table, rows)
         return True
     except WarehouseBusyError:
         pass
     folder = spool_dir(p)
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"{time.time_ns():020d}-{os.getpid()}-{table}"
-    tmp = folder / f"{name}.tmp"
-    with tmp.open("w") as f:
-        f.write(json.dumps({"table": table}) + "\n")
-        for row in rows:
-            f.write(json.dumps(row, default=_encode) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(folder / f"{name}.jsonl")
+    for table, rows in tables.items():
+        name = f"{time.time_ns():020d}-{os.getpid()}-{table}"
+        tmp = folder / f"{name}.tmp"
+        with tmp.open("w") as f:
+            f.write(json.dumps({"table": table}) + "\n")
+            for row in rows:
+                f.write(json.dumps(row, default=_encode) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(folder / f"{name}.jsonl")
     return False
 
 
