@@ -20,6 +20,7 @@ stored in the warehouse (bench_serving):
    compared in windows around each event.
 
     ./run bench-serving [--duration 20] [--slo-ms 100] [--burst 500] [--burst-slo-ms 100]
+    ./run bench-serving --only-overhead    # part 1 and the burst
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def main() -> int:
     )
     ap.add_argument(
         "--only-scenario", action="store_true", help="run part 4 only (onboarding first)"
+    )
+    ap.add_argument(
+        "--only-overhead",
+        action="store_true",
+        help="run part 1 only: router overhead and the burst (onboarding first)",
     )
     args = ap.parse_args()
 
@@ -207,6 +213,9 @@ def main() -> int:
 
     # ---------------------------------------------------------------- burst
     burst_check(args, name, tmp, record)
+    if args.only_overhead:
+        store(args, rows)
+        return 0
 
     # ------------------------------------------------------- 2 + 3. rollout, live vs sim
     plan_a = hand_plan(

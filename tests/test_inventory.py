@@ -29,6 +29,7 @@ name = "a"
 server = "s0"
 device = "T4"
 grpc = "10.0.0.2:8001"
+http = "10.0.0.2:8000"
 [[nodes]]
 name = "c"
 server = "s0"
@@ -63,6 +64,7 @@ def test_an_inventory_gives_the_planner_its_cluster(tmp_path):
         assign({"T4-2": ("T4", 2)}, down)
     with pytest.raises(InventoryError, match=r"V100: needs 1, has 0"):
         assign({"V100-0": ("V100", 0)}, inv)
+    assert {n.name: n.http for n in inv.nodes if n.http} == {"a": "10.0.0.2:8000"}
     # written out and read back, it is the same inventory
     f2 = tmp_path / "again.toml"
     f2.write_text(inv.to_toml())
@@ -76,6 +78,14 @@ def test_an_inventory_gives_the_planner_its_cluster(tmp_path):
         (
             lambda t: t.replace('grpc = "10.0.0.3:8001"', 'grpc = "10.0.0.3"'),
             r"node b: grpc = '10.0.0.3' is not HOST:PORT",
+        ),
+        (
+            lambda t: t.replace('http = "10.0.0.2:8000"', 'http = "10.0.0.2:80000"'),
+            r"node a: http = '10.0.0.2:80000' is not HOST:PORT",
+        ),
+        (
+            lambda t: t.replace('http = "10.0.0.2:8000"', "http = 8000"),
+            r"node a: http = 8000 is not a string",
         ),
         (
             lambda t: t.replace('server = "s1"', 'server = "s9"'),

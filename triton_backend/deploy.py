@@ -59,6 +59,11 @@ def _served(
     )
 
 
+def _http_addresses(nodes: dict[str, RepositoryAPI]) -> dict[str, str]:
+    """gRPC address -> KServe v2 HTTP address of the nodes whose HTTP address is known."""
+    return {n.grpc_url: a for n in nodes.values() if (a := n.http_address) is not None}
+
+
 @dataclass(frozen=True)
 class RolloutResult:
     status: str  # "done" or "rolled back"
@@ -192,6 +197,7 @@ class Deployment:
                 transport=transport,
                 key=key,
             ).start()
+            core.executor.http.update(_http_addresses(nodes))
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
@@ -261,6 +267,7 @@ class Deployment:
                 "rolled back", str(exc), label_from, label_to, time.perf_counter() - t0, 0, 0, 0
             )
         prepare_s = time.perf_counter() - t0
+        self.core.executor.http.update(_http_addresses(nodes))
         res = self.core.switch(_served(live, lay, nodes, ios, self.options), flush_timeout_s)
         old, old_nodes = self.layout, self.nodes
         self.plan, self.topo, self.layout, self.parts = plan, topo, lay, parts

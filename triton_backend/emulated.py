@@ -179,7 +179,13 @@ class EmulatedCluster:
 
     def wait_node(self, server: int, timeout_s: float = 90.0) -> RemoteNode:
         s = self.servers[server]
-        remote = RemoteNode(s.node_name, s.device, f"{s.address}:{GRPC_PORT}", f"s{server}")
+        remote = RemoteNode(
+            s.node_name,
+            s.device,
+            f"{s.address}:{GRPC_PORT}",
+            f"s{server}",
+            http=f"{s.address}:{HTTP_PORT}",
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if s.node is not None and s.node.poll() is not None:
@@ -213,7 +219,13 @@ class EmulatedCluster:
         return Inventory(
             tuple(Server(f"s{s.index}", self.bandwidth_gbps) for s in self.servers),
             tuple(
-                InventoryNode(s.node_name, f"s{s.index}", s.device, f"{s.address}:{GRPC_PORT}")
+                InventoryNode(
+                    s.node_name,
+                    f"s{s.index}",
+                    s.device,
+                    f"{s.address}:{GRPC_PORT}",
+                    http=f"{s.address}:{HTTP_PORT}",
+                )
                 for s in self.servers
                 if s.node is not None
             ),

@@ -39,7 +39,9 @@ def attach(
     have = have or {}
     out: dict[str, RepositoryAPI] = {}
     for name, n in picked.items():
-        out[name] = have.get(n.name) or RemoteNode(n.name, n.device, n.grpc, n.server, key)
+        out[name] = have.get(n.name) or RemoteNode(
+            n.name, n.device, n.grpc, n.server, key, n.http
+        )
 
     def answers(node: RepositoryAPI) -> bool:
         return node.live()
@@ -138,7 +140,13 @@ class LocalNodes:
         return Inventory(
             tuple(Server(f"s{s}", self.bandwidth_gbps) for s in servers),
             tuple(
-                InventoryNode(n.name, f"s{self._where[n.name][0]}", n.device, n.grpc_url)
+                InventoryNode(
+                    n.name,
+                    f"s{self._where[n.name][0]}",
+                    n.device,
+                    n.grpc_url,
+                    http=n.http_address,
+                )
                 for n in sorted(self.nodes.values(), key=lambda n: self._where[n.name])
             ),
             str(self.workspace / "inventory.toml"),

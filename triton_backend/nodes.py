@@ -39,6 +39,11 @@ class RepositoryAPI:
         raise NotImplementedError
 
     @property
+    def http_address(self) -> str | None:
+        """Its KServe v2 HTTP host:port where known (the router's stage calls use it)."""
+        return None
+
+    @property
     def _headers(self) -> dict[str, str] | None:
         return node_headers(self.key)
 
@@ -120,10 +125,15 @@ class RemoteNode(RepositoryAPI):
     address: str  # host:port of its gRPC endpoint
     server: str = ""
     key: str | None = field(default=None, repr=False)
+    http: str | None = None  # host:port of its KServe v2 HTTP endpoint, where given
 
     @property
     def grpc_url(self) -> str:
         return self.address
+
+    @property
+    def http_address(self) -> str | None:
+        return self.http
 
     @property
     def alive(self) -> bool:
@@ -153,6 +163,10 @@ class TritonNode(RepositoryAPI):
     @property
     def http_url(self) -> str:
         return f"{self._host}:{self.http_port}"
+
+    @property
+    def http_address(self) -> str | None:
+        return self.http_url
 
     @property
     def grpc_url(self) -> str:

@@ -9,6 +9,8 @@ on them (one Triton endpoint per GPU, reached by address). Read from TOML:
     server = "s0"
     device = "cpu-1t"           # device type as profiled in the warehouse
     grpc = "10.0.0.2:8001"      # where the router and other nodes reach it
+    http = "10.0.0.2:8000"      # optional: its KServe v2 HTTP address (the router's
+                                # stage calls take less CPU over it; gRPC without it)
     shares = [1]                # optional: vGPU shares the planner may use on it
 
 The planner plans for an inventory (`cluster()`: device counts, nodes per server and NIC
@@ -45,6 +47,7 @@ class InventoryNode:
     device: str
     grpc: str  # host:port
     shares: tuple[int, ...] = (1,)
+    http: str | None = None  # host:port of its KServe v2 HTTP endpoint, where given
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,11 @@ class Inventory:
                     f"{where}: node {n.name}: server {n.server!r} is not among [[servers]] "
                     f"({', '.join(names) or 'none'})"
                 )
-            if not _ADDRESS.match(n.grpc) or not 0 < int(n.grpc.rsplit(":", 1)[1]) < 65536:
-                raise InventoryError(f"{where}: node {n.name}: grpc = {n.grpc!r} is not HOST:PORT")
+            for field_, address in (("grpc", n.grpc), ("http", n.http)):
+                if address is not None and not _is_address(address):
+                    raise InventoryError(
+                        f"{where}: node {n.name}: {field_} = {address!r} is not HOST:PORT"
+                    )
             if not n.shares or any(v < 1 for v in n.shares):
                 raise InventoryError(f"{where}: node {n.name}: shares must be integers >= 1")
         addresses = [n.grpc for n in self.nodes]
@@ -133,6 +139,8 @@ class Inventory:
                 f'device = "{n.device}"',
                 f'grpc = "{n.grpc}"',
             ]
+            if n.http is not None:
+                lines.append(f'http = "{n.http}"')
             if n.shares != (1,):
                 lines.append(f"shares = [{', '.join(str(v) for v in n.shares)}]")
             lines.append("")
@@ -180,7 +188,7 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
         what = f"[[nodes]] #{i + 1}"
         name = need(n, "name", what, str)
         what = f"node {name}"
-        known(n, {"name", "server", "device", "grpc", "shares"}, what)
+        known(n, {"name", "server", "device", "grpc", "http", "shares"}, what)
         shares = n.get("shares", [1])
         if not isinstance(shares, list) or not all(isinstance(v, int) for v in shares):
             raise InventoryError(f"{source}: {what}: shares = {shares!r} is not a list of integers")
@@ -191,6 +199,7 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
                 need(n, "device", what, str),
                 need(n, "grpc", what, str),
                 tuple(shares),
+                _optional(n, "http", what, source),
             )
         )
     down = data.get("down", [])
@@ -199,6 +208,17 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
     if not nodes:
         raise InventoryError(f"{source}: no [[nodes]]")
     return Inventory(tuple(servers), tuple(nodes), source, frozenset(down))
+
+
+def _is_address(address: str) -> bool:
+    return bool(_ADDRESS.match(address)) and 0 < int(address.rsplit(":", 1)[1]) < 65536
+
+
+def _optional(table: dict, key: str, what: str, source: str) -> str | None:
+    value = table.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InventoryError(f"{source}: {what}: {key} = {value!r} is not a string")
+    return value
 
 
 def _tables(data: dict, key: str, source: str) -> list[dict]:

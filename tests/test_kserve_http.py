@@ -1,0 +1,157 @@
+"""The router's KServe v2 HTTP stage client (triton_backend/kserve_http.py) on real loopback
+sockets. The round trip against real tritonserver nodes is in test_serving.py (every stage
+call of the router goes this way there); here a small HTTP server in the test process plays
+a node for what a Triton node does only when it fails or idles: an error answer, a kept-
+alive connection it closes, a call it never answers, a port nobody listens on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import numpy as np
+import pytest
+
+from triton_backend.kserve_http import HttpStage, StageCallError
+
+
+class Node:
+    """Answers POST /v2/models/<m>/infer: model "echo" returns its inputs as out_0, out_1,
+    ...; "broken" answers 400 with a KServe error; "silent" never answers. `close_after`:
+    closes each connection after that many answers (a node's keep-alive running out)."""
+
+    def __init__(self, close_after: int | None = None):
+        self.close_after = close_after
+        self.connections = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        answered = 0
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                model = line.split()[1].decode().split("/")[3]
+                headers = {}
+                while (h := await reader.readline()) != b"\r\n":
+                    k, _, v = h.decode().partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                body = await reader.readexactly(int(headers["content-length"]))
+                if model == "silent":
+                    await asyncio.sleep(3600)
+                if model == "broken":
+                    status, head = "400 Bad Request", b""
+                    payload = json.dumps({"error": "in_0: unexpected shape"}).encode()
+                else:
+                    status = "200 OK"
+                    head, blobs = self.echo(body, int(headers["inference-header-content-length"]))
+                    payload = head + blobs
+                writer.write(
+                    f"HTTP/1.1 {status}\r\nContent-Type: application/octet-stream\r\n"
+                    f"Inference-Header-Content-Length: {len(head) or len(payload)}\r\n"
+                    f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                    + payload
+                )
+                await writer.drain()
+                answered += 1
+                if self.close_after is not None and answered >= self.close_after:
+                    return
+        finally:
+            writer.close()
+
+    @staticmethod
+    def echo(body: bytes, size: int) -> tuple[bytes, bytes]:
+        """The answer's JSON header and binary part: each input back as out_k."""
+        meta = json.loads(body[:size])
+        outputs, blobs, offset = [], [], size
+        for k, t in enumerate(meta["inputs"]):
+            n = t["parameters"]["binary_data_size"]
+            blobs.append(body[offset : offset + n])
+            offset += n
+            outputs.append(
+                {
+                    "name": f"out_{k}",
+                    "datatype": t["datatype"],
+                    "shape": t["shape"],
+                    "parameters": {"binary_data_size": n},
+                }
+            )
+        return json.dumps({"model_name": "echo", "outputs": outputs}).encode(), b"".join(blobs)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_tensors_go_and_come_back_whole():
+    async def main():
+        node = Node()
+        stage = HttpStage(asyncio.get_running_loop(), await node.start())
+        x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+        h = np.linspace(0, 1, 10, dtype=np.float16).reshape(1, 10)
+        for _ in range(3):  # one kept-alive connection for every call
+            out = await stage.infer("echo", [("x", x[:, 1:]), ("h", h)], 5)
+        assert out["out_0"].dtype == np.float32 and np.array_equal(out["out_0"], x[:, 1:])
+        assert out["out_1"].dtype == np.float16 and np.array_equal(out["out_1"], h)
+        assert node.connections == 1
+        stage.close()
+
+    run(main())
+
+
+def test_an_error_answer_is_a_stage_error_with_the_nodes_message():
+    async def main():
+        stage = HttpStage(asyncio.get_running_loop(), await Node().start())
+        with pytest.raises(StageCallError, match=r"^in_0: unexpected shape$"):
+            await stage.infer("broken", [("x", np.zeros(2, np.float32))], 5)
+        # and the connection serves the next call
+        out = await stage.infer("echo", [("x", np.ones(2, np.float32))], 5)
+        assert out["out_0"].tolist() == [1.0, 1.0]
+
+    run(main())
+
+
+def test_a_connection_the_node_closed_while_idle_is_replaced():
+    async def main():
+        node = Node(close_after=1)
+        stage = HttpStage(asyncio.get_running_loop(), await node.start())
+        for i in range(3):
+            await asyncio.sleep(0.05)  # the node's close reaches us, or not yet: both work
+            out = await stage.infer("echo", [("x", np.full(3, i, np.int64))], 5)
+            assert out["out_0"].tolist() == [i, i, i]
+        assert node.connections == 3
+
+    run(main())
+
+
+def test_a_call_without_an_answer_fails_after_the_timeout():
+    async def main():
+        stage = HttpStage(asyncio.get_running_loop(), await Node().start())
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(StageCallError, match=r"no answer from 127\.0\.0\.1:\d+ in 0\.3 s"):
+            await stage.infer("silent", [("x", np.zeros(1, np.float32))], 0.3)
+        assert 0.25 < loop.time() - t0 < 2.0
+        out = await stage.infer("echo", [("x", np.ones(1, np.float32))], 5)  # a new connection
+        assert out["out_0"].tolist() == [1.0]
+
+    run(main())
+
+
+def test_a_node_nobody_listens_for_cannot_be_reached():
+    with socket.socket() as s:  # a port that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        stage = HttpStage(asyncio.get_running_loop(), f"127.0.0.1:{port}")
+        with pytest.raises(StageCallError, match=rf"cannot reach 127\.0\.0\.1:{port}"):
+            await stage.infer("echo", [("x", np.zeros(1, np.float32))], 5)
+
+    run(main())
