@@ -6,6 +6,7 @@ real flow; a two-partition plan so that feature maps cross between nodes as fp16
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from pathlib import Path
 
@@ -193,6 +194,119 @@ def test_bad_shapes_and_types_are_refused_at_the_door(served):
 def _status(exc) -> str:
     """The HTTP status or the gRPC code of a tritonclient error."""
     return str(exc.status())
+
+
+def _kserve(inputs, **extra) -> bytes:
+    return json.dumps({"inputs": inputs, **extra}).encode()
+
+
+_ONE = {"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32"}
+_CUT = _kserve([{**_ONE, "parameters": {"binary_data_size": 100}}])  # 100 bytes of 12,288
+# (what, body, extra headers, what the answer names); Triton's own HTTP front end answers
+# these before the router sees them
+_MALFORMED_HTTP = [
+    ("empty body", b"", {}, "byte size mismatch"),
+    ("batch of 0 rows", _kserve([{**_ONE, "shape": [0, 3, 32, 32], "data": []}]), {}, "mismatch"),
+    (
+        "binary data cut short",
+        _CUT + bytes(100),
+        {"Inference-Header-Content-Length": str(len(_CUT))},
+        "byte size mismatch",
+    ),
+    ("unknown input", _kserve([{**_ONE, "name": "nope", "data": [0.0] * 3072}]), {}, "nope"),
+    ("bad datatype", _kserve([{**_ONE, "datatype": "FP99", "data": [0.0] * 3072}]), {}, "datatype"),
+    (
+        "unknown output",
+        _kserve([{**_ONE, "data": [0.0] * 3072}], outputs=[{"name": "nope"}]),
+        {},
+        "nope",
+    ),
+    (
+        "slo_ms a list",
+        _kserve([{**_ONE, "data": [0.0] * 3072}], parameters={"slo_ms": [1]}),
+        {},
+        "slo_ms",
+    ),
+]
+# Triton 2.5x's HTTP front end answers requests whose JSON it cannot parse with 500 (its
+# parser's error class), before any model sees them; the message still names the problem
+_UNPARSABLE_HTTP = [
+    ("not JSON", b"{not json", "parse"),
+    ("no inputs", b"{}", "inputs"),
+    ("too few values", _kserve([{**_ONE, "data": [1.0, 2.0]}]), "shape"),
+    ("strings as data", _kserve([{**_ONE, "data": ["a"] * 3072}]), "non-number"),
+]
+
+
+def _plain_client_error(text: str) -> None:
+    """A short answer a client can act on: no traceback, no path of this installation."""
+    assert "Traceback" not in text and len(text) < 500, text
+    assert str(REPO) not in text and "site-packages" not in text, text
+
+
+def test_malformed_requests_are_client_errors_with_a_short_message(served):
+    """Malformed requests over HTTP and gRPC (empty body, 0 rows, data cut short, unknown
+    inputs, outputs and datatypes, parameters of the wrong type) get 400 /
+    INVALID_ARGUMENT and a one-line message; nothing reaches the runtime's counts, and the
+    router keeps serving. (The issue found 500s with internal tracebacks for these.)"""
+    import http.client
+
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    before = served.core.stats["tiny"].arrivals
+
+    def post(body: bytes, headers: dict) -> tuple[int, str]:
+        c = http.client.HTTPConnection("127.0.0.1", served.http_port, timeout=30)
+        try:
+            c.request("POST", "/v2/models/tiny/infer", body, headers)
+            r = c.getresponse()
+            return r.status, r.read().decode()
+        finally:
+            c.close()
+
+    for what, body, headers, names in _MALFORMED_HTTP:
+        status, text = post(body, headers)
+        assert status == 400 and names in text, (what, status, text)
+        _plain_client_error(text)
+    for what, body, names in _UNPARSABLE_HTTP:
+        status, text = post(body, {})
+        assert status in (400, 500) and names in text, (what, status, text)
+        _plain_client_error(text)
+
+    def request(shape, raw, outputs=(), **params) -> service_pb2.ModelInferRequest:
+        r = service_pb2.ModelInferRequest(model_name="tiny")
+        t = r.inputs.add()
+        t.name, t.datatype = "input", "FP32"
+        t.shape.extend(shape)
+        r.raw_input_contents.append(raw)
+        for o in outputs:
+            r.outputs.add().name = o
+        for k, v in params.items():
+            r.parameters[k].bool_param = v
+        return r
+
+    x = bytes(3 * 32 * 32 * 4)
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for what, req, names in [
+            ("batch of 0 rows", request([0, 3, 32, 32], b""), "byte size mismatch"),
+            ("data cut short", request([1, 3, 32, 32], x[:100]), "byte size mismatch"),
+            ("no inputs", service_pb2.ModelInferRequest(model_name="tiny"), "missing required"),
+            ("no batch dimension", request([3, 32, 32], x), "unexpected shape"),
+            ("unknown output", request([1, 3, 32, 32], x, ["nope"]), "nope"),
+            ("slo_ms a boolean", request([1, 3, 32, 32], x, slo_ms=True), "slo_ms"),
+        ]:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ModelInfer(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err.value)
+            assert names in err.value.details(), (what, err.value.details())
+            _plain_client_error(err.value.details())
+    assert served.core.stats["tiny"].arrivals == before
+    mod, client = _http(served)
+    assert _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32)).as_numpy(
+        served.ios[0].outputs[0].name
+    ).shape == (1, 1000)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

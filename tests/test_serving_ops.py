@@ -106,6 +106,52 @@ def test_rollout_flow_goes_through_the_control_model(prefect_api, server, onboar
     assert {p.start for p in server.deployment.layout.placements} == {0, 1}
 
 
+def test_a_rollout_is_reported_as_it_happened_while_the_warehouse_is_held(
+    prefect_api,
+    server,
+    onboarded_tiny,  # noqa: F811
+    monkeypatch,
+):
+    """The issue: with the warehouse locked, `poolpipe rollout` said "did not happen" while
+    the router had switched, and no row was written. Here another process takes the DuckDB
+    file right after the switch, before the router records it: the flow reports the
+    rollout done, the row waits in the spool beside the warehouse, and the next open after
+    the holder lets go writes it."""
+    from pathlib import Path
+
+    from flows.rollout import rollout_plan
+    from poolpipe.store.warehouse import spool_dir
+    from tests.test_warehouse_lock import hold
+
+    wh, _ = onboarded_tiny
+    with Warehouse.open(wh) as w:
+        plan_id = w.store_plan(two_partition_plan(cut=3), label="test-held")
+    holders = []
+    switch = server.deployment.rollout
+
+    def switch_then_held(*args, **kwargs):
+        result = switch(*args, **kwargs)
+        holders.append(hold(wh, 8))  # a real second process with the file open
+        return result
+
+    monkeypatch.setattr(server.deployment, "rollout", switch_then_held)
+    router = f"127.0.0.1:{server.deployment.grpc_port}"
+    try:
+        result = rollout_plan(str(plan_id), router, warehouse=wh)
+        assert result["ok"] and result["status"] == "done", result
+        assert server.plan_id == plan_id and holders
+        assert list(spool_dir(Path(wh)).glob("*.jsonl"))  # recorded, not yet written
+    finally:
+        for h in holders:
+            h.wait(30)
+    with Warehouse.open(wh) as w:
+        assert w.con.execute(
+            "SELECT status FROM rollouts WHERE plan_id = ?", [plan_id]
+        ).fetchall() == [("done",)]
+    assert not list(spool_dir(Path(wh)).glob("*.jsonl"))
+    _send(server, 2)
+
+
 def test_control_and_management_need_the_token(server):
     """Anonymous clients of the router may infer, but not control it, nor load or unload
     models on its nodes or on its own Triton (Triton's restricted APIs); with the token
