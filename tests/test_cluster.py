@@ -217,6 +217,7 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
 
     from tests.test_serving import hand_plan
     from triton_backend.deploy import Deployment
+    from triton_backend.nodes import descendants, shm_regions
     from triton_backend.router import DROP_MARKER
 
     wh, _ = onboarded_tiny
@@ -251,7 +252,10 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
             t.start()
         try:
             time.sleep(1.0)
+            held = shm_regions(descendants(cluster.servers[1].node.pid))
             cluster.stop_node(1, signal.SIGKILL)
+            # a crash leaves its stubs' shared memory behind: stopping it removes it
+            assert held and not [r for r in held if (Path("/dev/shm") / r).exists()]
             time.sleep(1.5)
             n_during = len(answers)
             down = dep.core.down_nodes()

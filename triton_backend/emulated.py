@@ -25,7 +25,7 @@ from pathlib import Path
 from poolpipe.domain.inventory import Inventory, InventoryNode, Server
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import signals_held
-from triton_backend.nodes import RemoteNode, descendants, reap
+from triton_backend.nodes import RemoteNode, descendants, reap, shm_regions
 
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, one node per server
 
@@ -202,6 +202,7 @@ class EmulatedCluster:
         if s.node is None or s.node.poll() is not None:
             return
         below = descendants(s.node.pid)
+        regions = shm_regions(below)  # a killed group's stubs no longer name them
         with contextlib.suppress(ProcessLookupError):
             if sig == signal.SIGKILL:
                 os.killpg(s.node.pid, signal.SIGKILL)
@@ -213,7 +214,7 @@ class EmulatedCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(s.node.pid, signal.SIGKILL)
             s.node.wait()
-        reap(below, grace_s=0.0 if sig == signal.SIGKILL else 5.0)
+        reap(below, grace_s=0.0 if sig == signal.SIGKILL else 5.0, regions=regions)
 
     def inventory(self) -> Inventory:
         return Inventory(

@@ -344,16 +344,25 @@ def _shm_regions(pids: list[int]) -> list[str]:
     return names
 
 
-def reap(procs: list[tuple[int, str]], grace_s: float = 5.0) -> None:
+def shm_regions(procs: list[tuple[int, str]]) -> list[str]:
+    """The shared-memory regions these (pid, start time) stubs name, while they run."""
+    return _shm_regions([p for p, t in procs if (st := _stat(p)) is not None and st[1] == t])
+
+
+def reap(
+    procs: list[tuple[int, str]], grace_s: float = 5.0, regions: list[str] | None = None
+) -> None:
     """Kill what is left of `procs` after `grace_s` (Triton's stubs exit on their own after
     a clean shutdown; after a crash they do not), and remove the shared memory they held
-    that nobody removed (after a crash, Triton does not). A pid taken by another process
-    since is left alone (its start time differs)."""
+    that nobody removed (after a crash, Triton does not): `regions`, taken with shm_regions
+    before the stubs were killed, or else those the stubs still running name. A pid taken
+    by another process since is left alone (its start time differs)."""
 
     def alive() -> list[tuple[int, str]]:
         return [(p, t) for p, t in procs if (st := _stat(p)) is not None and st[1] == t]
 
-    regions = _shm_regions([p for p, _ in alive()])
+    if regions is None:
+        regions = shm_regions(procs)
     try:
         _reap(alive, grace_s)
     finally:
