@@ -384,6 +384,50 @@ def test_held_batches_wake_earlier_when_the_clocks_timers_fire_late():
     assert rt.wake_late_us == 30.0 and plane.wake_guard_us == 31.0
 
 
+@pytest.mark.parametrize("recalibrate", [False, True])
+def test_the_guard_is_recomputed_every_few_samples_also_once_its_windows_are_full(recalibrate):
+    """The p99s of the last 256 wakes' lateness and of the last 256 batches' overrun are
+    recomputed every 8 samples each: with timers that fire a little later each time (and so
+    batches that end later than reserved), the plane's guard moves once per 8 wakes, or at
+    most once per 8 wakes and once per 8 batches with recalibration on. (It moved on every
+    wake and batch once a window was full, sorting the window each time: the hot path of
+    the simulator and of the live router.)"""
+    fired = []
+
+    class LaterClock(VirtualClock):
+        late = 0.0
+
+        def call_at(self, t_us, fn):
+            self.late += 0.5
+            return super().call_at(t_us + self.late, lambda: (fired.append(t_us), fn()))
+
+    topo = make_topology([([0], [10.0, 12.0, 14.0, 16.0], 0.0)], slo_us=100_000.0, batch=4)
+    clock = LaterClock()
+    ex = HandExecutor()
+    plane = make_data_plane("reservation", topo)
+    moves = []
+    set_lateness = plane.set_wake_lateness
+    plane.set_wake_lateness = lambda us: (moves.append(us), set_lateness(us))  # type: ignore
+    config = RuntimeConfig(recalibrate=recalibrate)
+    rt = ServingRuntime(ServedPlan(topo, plane, vgpu_nodes(topo)), clock, ex, config)
+    t = 0.0
+    for k in range(300):
+        clock.run_until(t)
+        rt.submit(0, [k])
+        jobs = len(ex.jobs)
+        while k not in ex.answers and len(ex.jobs) == jobs:
+            t += 100.0
+            clock.run_until(t)
+        if len(ex.jobs) > jobs:
+            run_job(rt, ex.jobs[-1], t, [10.0])
+        t += 200_000.0
+    assert len(fired) == 300  # a wake per request, nothing else timed
+    if recalibrate:
+        assert 300 // 8 < len(moves) <= 2 * (300 // 8), len(moves)
+    else:
+        assert len(moves) == 300 // 8 and moves == sorted(moves), len(moves)
+
+
 def test_held_batches_go_out_earlier_when_batches_overrun_their_reservations():
     """Stages that run 30 µs over their reservation (a busy host's stage workers, the
     executor's own path) make every lone request, held for batch-mates until its last

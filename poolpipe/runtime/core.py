@@ -158,6 +158,7 @@ class ServingRuntime:
         self._wake_at = math.inf
         # How late the clock's timers fire (its wakes), for the plane's wake guard
         self._late_us: deque[float] = deque(maxlen=WAKE_WINDOW)
+        self._late_n = self._over_n = 0  # samples taken (each window recomputed every few)
         self.wake_late_us = 0.0  # p99 of the window, at most WAKE_LATE_CAP_US
         # How far batches that never queued ended after their reservation
         self._over_us: deque[float] = deque(maxlen=WAKE_WINDOW)
@@ -318,7 +319,8 @@ class ServingRuntime:
         now = self.clock.now()
         self._late_us.append(max(0.0, now - self._wake_at))
         self._wake, self._wake_at = None, math.inf
-        if len(self._late_us) % WAKE_EVERY == 0 or len(self._late_us) == WAKE_WINDOW:
+        self._late_n += 1
+        if self._late_n % WAKE_EVERY == 0:
             # A batch held for more requests until its last moment is dropped when the
             # wake comes later than the plane's guard: wake earlier by what the clock's
             # lateness has been (the simulator's is 0, a busy live host's a few ms).
@@ -336,7 +338,8 @@ class ServingRuntime:
 
     def _overran(self, over_us: float) -> None:
         self._over_us.append(max(0.0, over_us))
-        if len(self._over_us) % WAKE_EVERY == 0 or len(self._over_us) == WAKE_WINDOW:
+        self._over_n += 1
+        if self._over_n % WAKE_EVERY == 0:
             over = min(OVERRUN_CAP_US, p99(self._over_us))
             if over != self.overrun_us:
                 self.overrun_us = over
