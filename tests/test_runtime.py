@@ -116,8 +116,10 @@ def test_a_failure_mid_batch_retries_on_a_live_path_and_the_node_returns_when_it
     rt.hop_done(job, 0, 0.0, 10.0)
     rt.hop_started(job, 1, 10.0)
     clock.run_until(12.0)
+    assert rt.live_throughput() == {"m": 100.0}
     rt.hop_failed(job, 1, "connection refused")  # the node dies under the batch
     assert rt.down_nodes() == {first_node} and rt.stats["m"].retried == 1
+    assert rt.live_throughput() == {"m": 50.0}  # stage 1 has one vGPU of two left
     assert 1 not in ex.answers and len(ex.jobs) == 2  # started over, on the other node
     retry = ex.jobs[1]
     assert retry.served.vgpu_node[retry.dispatch.hops[1].vgpu] != first_node
@@ -152,6 +154,7 @@ def test_without_a_live_path_the_batch_fails_explicitly():
     assert ex.answers[2][0] == FAILED
     assert rt.stats["m"].failed == 2 and rt.in_flight() == 0
     assert not rt.has_live_path(0) and rt.without_path() == {0}  # the router's readiness
+    assert rt.live_throughput() == {"m": 0.0}
     rt.submit(0, [3])  # nothing can take it now: an explicit answer, at once, saying why
     assert ex.answers[3][0] == FAILED
     assert ex.answers[3][1].startswith("no live path for model m: node(s) ")

@@ -579,6 +579,9 @@ class RouterCore:
     def down_nodes(self) -> set[str]:
         return self._call(self.runtime.down_nodes)
 
+    def live_throughput(self) -> dict[str, float]:
+        return self._call(self.runtime.live_throughput)
+
     def in_flight(self) -> int:
         return self.runtime.in_flight()
 

@@ -214,6 +214,24 @@ class ServingRuntime:
             for i in topo.models[model].pipelines
         )
 
+    def live_throughput(self) -> dict[str, float]:
+        """Each served model's planned req/s on the vGPUs in service now: a pool does the
+        share of its work that its vGPUs up can (any of them takes any batch), and a
+        pipeline keeps the share its most-hit pool keeps."""
+        topo, vn, down = self.gen.served.topo, self.gen.served.vgpu_node, self._down
+        out = {}
+        for m in topo.models:
+            total = 0.0
+            for i in m.pipelines:
+                pipe = topo.pipelines[i]
+                kept = min(
+                    sum(vn[v] not in down for v in topo.pools[p].vgpus) / len(topo.pools[p].vgpus)
+                    for p in pipe.pools
+                )
+                total += pipe.throughput * kept
+            out[m.name] = total
+        return out
+
     # ------------------------------------------------------------------ intake
 
     def add(
