@@ -1,9 +1,15 @@
-"""Nightly re-planning: the request mix observed by the router (warehouse) → plan → roll out
-only when the new plan's objective beats the serving plan's, for that mix, by a margin."""
+"""Re-planning, nightly and after GPU loss: the request mix observed by the router
+(warehouse) → plan for the GPUs in service → roll out only when the new plan's objective
+beats the serving plan's, for that mix, by a margin. Nodes the router has taken out of
+service (failed, not back) are left out of the new plan, and the serving plan is judged by
+what it still serves without them: the router can trigger this flow when a node stays down
+(`poolpipe serve --replan-on-failure`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -11,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
+from poolpipe.domain.cluster import Cluster, load_cluster
 from poolpipe.domain.plan import STRATEGIES, Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
@@ -42,20 +49,57 @@ def serving_plan(router: str, token_file: str | None = None) -> tuple[Plan, int 
     return Plan.from_dict(answer["plan"]), answer.get("plan_id")
 
 
+@task(name="router-health", cache_policy=NO_CACHE)
+def router_health(router: str, token_file: str | None = None) -> dict:
+    """The nodes the router has taken out of service and what each model's plan still
+    serves without them (req/s)."""
+    from poolpipe.client import send_control
+    from poolpipe.client.control import token_from
+
+    answer = send_control(router, {"op": "health"}, token=token_from(token_file))
+    if not answer.get("ok"):
+        raise PoolpipeError(f"router {router}: {answer.get('error', answer)}")
+    return answer
+
+
+def surviving_cluster(
+    wh: Warehouse,
+    cluster: str | None,
+    clusters_file: str | None,
+    inventory: str | None,
+    down: list[dict],
+) -> Cluster:
+    """The cluster to plan for: the inventory's nodes less those down, or the named
+    cluster (from `clusters_file`, else the warehouse) less as many GPUs of each type as
+    are down."""
+    if inventory:
+        from poolpipe.domain.inventory import load_inventory
+
+        return load_inventory(inventory).mark_down({d["node"] for d in down}).cluster()
+    if not cluster:
+        raise PoolpipeError("give the cluster (name) or the inventory (file) to plan for")
+    if clusters_file:
+        whole = load_cluster(Path(clusters_file), cluster)
+    else:
+        whole = wh.load_cluster(cluster)
+    return whole.without(dict(Counter(d["device"] for d in down))) if down else whole
+
+
 @task(name="plan", cache_policy=NO_CACHE)
 def new_plan(
     warehouse: str | None,
     current: Plan,
     weights: list[float],
-    cluster: str,
+    cluster: str | None,
     clusters_file: str | None,
+    inventory: str | None = None,
+    down: list[dict] | None = None,
 ) -> Plan:
     with Warehouse.open(warehouse) as wh:
         req = plan_request(
             wh,
             [m.name for m in current.models],
-            cluster,
-            clusters_file=clusters_file,
+            surviving_cluster(wh, cluster, clusters_file, inventory, down or []),
             weights=weights,
             slo_us={m.name: m.slo_us for m in current.models},
             # a plan written by hand is re-planned as PPipe would plan it
@@ -75,7 +119,7 @@ def store(warehouse: str | None, plan: Plan) -> int:
 
 @flow(name="nightly-replan", log_prints=True)
 def nightly_replan(
-    cluster: str,
+    cluster: str | None = None,
     router: str | None = None,
     warehouse: str | None = None,
     clusters_file: str | None = None,
@@ -83,23 +127,36 @@ def nightly_replan(
     hours: float = 24.0,
     margin: float = 0.05,
     token_file: str | None = None,
+    inventory: str | None = None,
+    trigger: str = "nightly",
 ) -> dict:
-    """Re-plan for the mix the router saw in the last HOURS; roll out when better by MARGIN.
-    ROUTER: its gRPC host:port (default $POOLPIPE_ROUTER of the worker); TOKEN_FILE: the
-    router's token (default $POOLPIPE_TOKEN_FILE of the worker)."""
+    """Re-plan for the mix the router saw in the last HOURS, for the GPUs in service (of
+    CLUSTER, or of the INVENTORY file the router serves on); roll out when better by MARGIN
+    than what the serving plan still serves. ROUTER: its gRPC host:port (default
+    $POOLPIPE_ROUTER of the worker); TOKEN_FILE: the router's token (default
+    $POOLPIPE_TOKEN_FILE of the worker). TRIGGER: what started the run (shown)."""
     router, warehouse = worker.router(router), worker.warehouse(warehouse)
     from flows.rollout import switch
 
     current, current_id = serving_plan(router, token_file)
+    health = router_health(router, token_file)
+    down = health.get("down", [])
     names = [m.name for m in current.models]
     weights = observed_weights(observed_mix(warehouse, deployment, hours), names)
+    if weights is None and down:
+        weights = [m.weight for m in current.models]  # GPUs lost: re-plan for the plan's mix
+    decision: dict = {"trigger": trigger, "down": ", ".join(d["node"] for d in down) or "none"}
     if weights is None:
-        decision = {"rolled_out": False, "why": f"no requests in the last {hours:g} h"}
+        decision |= {"rolled_out": False, "why": f"no requests in the last {hours:g} h"}
     else:
-        candidate = new_plan(warehouse, current, weights, cluster, clusters_file)
-        old_obj = objective_under(current, names, weights)
+        candidate = new_plan(warehouse, current, weights, cluster, clusters_file, inventory, down)
+        if down:  # what the serving plan still serves on the nodes in service
+            live = health["live_throughput"]
+            old_obj = min(live[m] / w for m, w in zip(names, weights, strict=True))
+        else:
+            old_obj = objective_under(current, names, weights)
         new_obj = objective_under(candidate, names, weights)
-        decision = {
+        decision |= {
             "weights": dict(zip(names, weights, strict=True)),
             "serving_objective": old_obj,
             "new_objective": new_obj,
@@ -113,8 +170,8 @@ def nightly_replan(
             decision["why"] = f"not better than plan {current_id} by more than {margin:.0%}"
     create_markdown_artifact(
         key=artifact_key("replan", deployment),
-        description="nightly re-planning decision",
-        markdown="# nightly re-planning\n\n"
+        description=f"re-planning decision ({trigger})",
+        markdown=f"# re-planning ({trigger})\n\n"
         + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
     )
     return decision

@@ -280,3 +280,86 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
         assert s.failed == 0 and s.arrivals == len(answers)
     finally:
         dep.down()
+
+
+def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
+    prefect_api,
+    cluster,
+    onboarded_tiny,  # noqa: F811
+    tmp_path,
+):
+    """The serving plan cuts the model across the two servers' nodes. Server 1's node dies
+    (SIGKILL) under load: no path is left, requests fail saying so, and after the grace
+    period the router runs the re-planning flow itself, which plans for the node left,
+    judges the serving plan by what it still serves (nothing) and rolls the new plan out:
+    requests are answered again, on server 0 alone. Its node started again (empty), the
+    router finds it answering, and re-plans once more, for both."""
+    import threading
+    import time
+
+    from triton_backend.serve import Server
+
+    wh, _ = onboarded_tiny
+    inventory = cluster.write_inventory()
+    srv = Server(
+        two_partition_plan(),
+        wh,
+        tmp_path / "router",
+        name="failover",
+        stats_interval_s=3600,
+        inventory=load_inventory(inventory),
+        token=read_token(cluster.token_file),
+        replan_on_failure={"inventory": str(inventory), "token_file": str(cluster.token_file)},
+        replan_grace_s=1.0,
+    )
+    stop = threading.Event()
+    answers: list[object] = []
+    try:
+        dep = srv.deployment
+        assert len({n.name for n in dep.nodes.values()}) == 2  # a partition on each server
+
+        def client_loop() -> None:
+            mod, c = _grpc(dep)
+            x = np.zeros((1, 3, 32, 32), np.float32)
+            while not stop.is_set():
+                try:
+                    answers.append(_infer(mod, c, x).as_numpy(dep.ios[0].outputs[0].name).shape)
+                except Exception as exc:
+                    answers.append(str(exc))
+                time.sleep(0.05)
+
+        client = threading.Thread(target=client_loop, daemon=True)
+        client.start()
+        time.sleep(1.0)
+        cluster.stop_node(1, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while not srv.replans and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert srv.replans, "no re-plan after the node was lost"
+        lost = srv.replans[0]
+        assert lost["rolled_out"] and lost["serving_objective"] == 0.0, lost
+        assert lost["down"] == cluster.servers[1].node_name and "down" in lost["trigger"]
+        on = {dep.nodes[p.node].name for p in dep.layout.placements}
+        assert on == {cluster.servers[0].node_name}  # the new plan uses the node left
+        n = len(answers)
+        time.sleep(1.0)
+        assert all(isinstance(a, tuple) for a in answers[n:]) and len(answers) > n
+        assert any("no live path" in str(a) for a in answers[:n])  # said so meanwhile
+
+        cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # empty, same address
+        deadline = time.monotonic() + 90
+        while len(srv.replans) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(srv.replans) == 2, srv.replans
+        back = srv.replans[1]
+        assert back["trigger"] == "every node back" and back["down"] == "none", back
+        if back["rolled_out"]:
+            on = {dep.nodes[p.node].name for p in dep.layout.placements}
+            assert on == {s.node_name for s in cluster.servers}
+        else:  # the planner found nothing better on two nodes than on one
+            assert back["new_objective"] <= back["serving_objective"] * 1.05, back
+    finally:
+        stop.set()
+        srv.close()
+    errors = [a for a in answers if not isinstance(a, tuple)]
+    assert all("POOLPIPE" in e or "no live path" in e for e in errors), errors[:3]  # explicit

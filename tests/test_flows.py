@@ -345,3 +345,31 @@ def test_worker_settings_name_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setenv(settings.WAREHOUSE_VAR, str(tmp_path / "w.duckdb"))
     assert settings.warehouse(None) == str(tmp_path / "w.duckdb")
     assert settings.warehouse("x.duckdb") == "x.duckdb"
+
+
+def test_replanning_leaves_out_the_nodes_that_are_down(tmp_path):
+    """The re-planning flow plans for the GPUs in service: a named cluster less as many GPUs
+    of each type as the router reports down, or the inventory with those nodes marked."""
+    from flows.replan import surviving_cluster
+    from poolpipe.errors import ClusterError, PoolpipeError
+
+    repo = Path(__file__).resolve().parents[1]
+    clusters = str(repo / "local-clusters.toml")
+    down = [{"node": "n1", "device": "cpu-1t"}, {"node": "n3", "device": "cpu-1t"}]
+    whole = surviving_cluster(None, "local-1t", clusters, None, [])
+    left = surviving_cluster(None, "local-1t", clusters, None, down)
+    assert whole.pool("cpu-1t").count == 4 and left.pool("cpu-1t").count == 2
+    with pytest.raises(ClusterError):  # more down than the cluster has
+        surviving_cluster(None, "local-1t", clusters, None, down * 3)
+    inv = tmp_path / "inv.toml"
+    inv.write_text(
+        '[[servers]]\nname = "s0"\nbandwidth_gbps = 1\n'
+        + "".join(
+            f'[[nodes]]\nname = "n{i}"\nserver = "s0"\ndevice = "cpu-1t"\n'
+            f'grpc = "10.0.0.2:{8001 + i}"\n'
+            for i in range(4)
+        )
+    )
+    assert surviving_cluster(None, None, None, str(inv), down).pool("cpu-1t").count == 2
+    with pytest.raises(PoolpipeError, match="give the cluster"):
+        surviving_cluster(None, None, None, None, down)

@@ -4,3 +4,4 @@ repositories) and the router (poolpipe's serving runtime live, behind its own Tr
 # How a batch travels its path (triton_backend.router.TritonExecutor): through the router
 # between stages, or from node to node.
 TRANSPORTS = ("router", "chain")
+REPLAN_GRACE_S = 10.0  # a node out of service this long has the cluster re-planned (serve)

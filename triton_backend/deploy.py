@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +92,7 @@ class Deployment:
     calibration: dict[tuple, float] = field(default_factory=dict, repr=False)
     parts: dict = field(default_factory=dict, repr=False)  # partition files by model name
     inventory: Inventory | None = None  # the nodes attached to
+    operator_down: frozenset[str] = frozenset()  # nodes its inventory marked down
     local: LocalNodes | None = field(default=None, repr=False)  # nodes this process runs
     supervisor: Supervisor | None = field(default=None, repr=False)  # restarts dead ones
     _restarting: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -113,6 +114,23 @@ class Deployment:
     def grpc_url(self) -> str:
         """host:port of the router's KServe v2 gRPC endpoint."""
         return self.frontend.node.grpc_url if self.frontend else ""
+
+    def down_nodes(self) -> list[RepositoryAPI]:
+        """The attached nodes the router has taken out of service (failed, not back yet)."""
+        down = self.core.down_nodes()
+        seen: dict[str, RepositoryAPI] = {}
+        for n in self.nodes.values():
+            if n.grpc_url in down:
+                seen.setdefault(n.name, n)
+        return list(seen.values())
+
+    def _inventory_now(self) -> Inventory | None:
+        """The inventory with the nodes now out of service marked down (as well as those
+        its operator marked), so that a rollout places nothing on them."""
+        if self.inventory is None or self.local is not None:
+            return self.inventory  # local nodes are started (or restarted) for the layout
+        down = {n.name for n in self.down_nodes()}
+        return replace(self.inventory, down=self.operator_down | down)
 
     @property
     def warmed(self) -> int:
@@ -201,6 +219,7 @@ class Deployment:
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
+            dep.operator_down = inventory.down
             core.executor.on_empty_node = dep._refill_url
             dep.frontend = Frontend(
                 core,
@@ -252,7 +271,7 @@ class Deployment:
             if self.local is not None:
                 started = self.local.ensure(lay)
             nodes, inventory = _attach(
-                lay, self.inventory, self.local, self.workspace, self.options["key"]
+                lay, self._inventory_now(), self.local, self.workspace, self.options["key"]
             )
             load_layout(lay, parts, nodes, self.options["max_batch"], loaded)
             warm(lay, nodes, parts, _top_batch(topo))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
+import time
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +18,7 @@ from poolpipe.client.control import authorised
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import Warehouse, store_rows_durably, store_tables_durably
+from triton_backend import REPLAN_GRACE_S
 from triton_backend.deploy import Deployment, RolloutResult
 from triton_backend.env import free_ports, signals_held
 from triton_backend.router import RouterCore
@@ -23,6 +26,8 @@ from triton_backend.router import RouterCore
 # How long the statistics and rollout writers wait for a warehouse another process holds
 # before they spool their rows beside it (Warehouse.open writes them in later).
 STATS_WAIT_S = 2.0
+
+log = logging.getLogger("poolpipe.serve")
 
 
 class RouterCollector:
@@ -87,11 +92,17 @@ class Server:
         stats_interval_s: float = 60.0,
         metrics_port: int | None = None,
         token: str | None = None,
+        replan_on_failure: dict | None = None,
+        replan_grace_s: float = REPLAN_GRACE_S,
         **options: Any,
     ):
         """`token`: control commands must carry it (poolpipe.client.send_control(token=)),
         and the nodes' and the router's Triton management APIs expect the key derived from
-        it; None: anyone who reaches the router may control it."""
+        it; None: anyone who reaches the router may control it. `replan_on_failure`: the
+        re-planning flow's parameters (flows.replan.nightly_replan: cluster or inventory,
+        token_file, margin, ...) to run it whenever the set of nodes out of service has
+        changed and stayed so for `replan_grace_s` (a node lost, or back); None: only the
+        nightly runs re-plan."""
         self.warehouse = warehouse
         self.token = token
         self.name = name
@@ -105,6 +116,11 @@ class Server:
         self._window_start = datetime.now()
         self._stats_thread = threading.Thread(target=self._stats_loop, daemon=True)
         self._stats_thread.start()
+        self.replans: list[dict] = []  # decisions of the re-plans after failures
+        self.replan_on_failure, self.replan_grace_s = replan_on_failure, replan_grace_s
+        if replan_on_failure is not None:
+            self._failure_thread = threading.Thread(target=self._failure_loop, daemon=True)
+            self._failure_thread.start()
         self.metrics_port = None
         if metrics_port is not None:
             from prometheus_client import start_http_server
@@ -144,6 +160,53 @@ class Server:
         )
         return len(rows) + len(busy)
 
+    # ------------------------------------------------------------------ failures
+
+    def _failure_loop(self) -> None:
+        """Re-plan when the nodes out of service differ from those the serving plan was
+        last planned around and have stayed so for the grace period."""
+        planned_for: frozenset[str] = frozenset()
+        seen, since = planned_for, time.monotonic()
+        while not self._stop.wait(min(1.0, self.replan_grace_s / 4)):
+            try:
+                down = frozenset(n.name for n in self.deployment.down_nodes())
+            except Exception:  # stopping
+                continue
+            now = time.monotonic()
+            if down != seen:
+                seen, since = down, now
+            elif down != planned_for and now - since >= self.replan_grace_s:
+                planned_for = down
+                self.replan_after_failure(down)
+
+    def replan_after_failure(self, down: frozenset[str]) -> dict:
+        """Run the re-planning flow for the nodes in service now (in this process)."""
+        from flows.replan import nightly_replan
+
+        what = f"node(s) {', '.join(sorted(down))} down" if down else "every node back"
+        log.warning("%s: re-planning for the nodes in service", what)
+        try:
+            decision = nightly_replan(
+                **{
+                    "router": self.deployment.grpc_url,
+                    "warehouse": str(self.warehouse) if self.warehouse else None,
+                    "deployment": self.name,
+                    **(self.replan_on_failure or {}),
+                    "trigger": what,
+                }
+            )
+        except Exception as exc:  # the flow's own error, shown; serving goes on
+            decision = {"trigger": what, "rolled_out": False, "why": f"failed: {exc}"}
+        log.warning(
+            "re-planned after %s: %s",
+            what,
+            f"rolled out plan {decision.get('plan_id')}"
+            if decision.get("rolled_out")
+            else decision.get("why") or decision.get("reason") or "not rolled out",
+        )
+        self.replans.append(decision)
+        return decision
+
     # ------------------------------------------------------------------ control
 
     def control(self, cmd: dict) -> dict:
@@ -171,13 +234,25 @@ class Server:
                     for k, v in s.items()
                 },
             }
+        if op == "health":
+            dep = self.deployment
+            return {
+                "ok": True,
+                "plan_id": self.plan_id,
+                "generation": dep.generation,
+                "down": [
+                    {"node": n.name, "device": n.device, "grpc": n.grpc_url}
+                    for n in dep.down_nodes()
+                ],
+                "live_throughput": dep.core.live_throughput(),
+            }
         if op == "plan":
             return {
                 "ok": True,
                 "plan_id": self.plan_id,
                 "plan": json.loads(self.deployment.plan.to_json()),
             }
-        raise PoolpipeError(f"unknown control op {op!r}; use rollout, stats or plan")
+        raise PoolpipeError(f"unknown control op {op!r}; use rollout, stats, health or plan")
 
     def rollout_plan_id(self, plan_id: int) -> dict:
         plan = _load_plan(self.warehouse, plan_id)  # waits out a busy warehouse

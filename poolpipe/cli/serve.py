@@ -18,7 +18,7 @@ from poolpipe.cli.common import add_reply_margin_argument, err_console, warn_slo
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES
-from triton_backend import TRANSPORTS
+from triton_backend import REPLAN_GRACE_S, TRANSPORTS
 
 console = Console()
 
@@ -66,6 +66,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from poolpipe.domain.inventory import load_inventory
 
         inventory = load_inventory(args.nodes)
+    if args.replan_on_failure and not args.nodes:
+        raise PoolpipeError(
+            "--replan-on-failure re-plans for the nodes of an inventory: give --nodes "
+            "INVENTORY (nodes serve started here are restarted when they die instead)"
+        )
     plan, plan_id = _plan_arg(args)
     warn_slo_room(plan, args.reply_margin_ms * 1e3)
     workspace = Path(args.workspace)
@@ -91,6 +96,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             inventory=inventory,
             token=token,
             supervise=True,  # nodes it starts itself are restarted when they die
+            replan_on_failure={
+                "inventory": str(Path(args.nodes).resolve()),
+                "token_file": str(Path(token_file).resolve()),
+                "margin": args.replan_margin,
+            }
+            if args.replan_on_failure
+            else None,
+            replan_grace_s=args.replan_grace,
             **router_options(args),
         )
     try:
@@ -266,6 +279,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--stats-interval", type=float, default=60.0, help="seconds (60)")
     p.add_argument("--metrics-port", type=int, default=0, help="router metrics port (free one)")
+    p.add_argument(
+        "--replan-on-failure",
+        action="store_true",
+        help="when nodes of --nodes stay out of service for --replan-grace seconds (or come "
+        "back), run the re-planning flow for the nodes in service and roll its plan out if "
+        "it serves more than what is left of the serving plan",
+    )
+    p.add_argument(
+        "--replan-grace", type=float, default=REPLAN_GRACE_S, help="seconds (%(default)g)"
+    )
+    p.add_argument(
+        "--replan-margin", type=float, default=0.05, help="roll out when better by (0.05)"
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
