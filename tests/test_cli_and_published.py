@@ -131,6 +131,16 @@ def test_cli_errors_name_the_bad_input(imported, capsys, argv, message):
     assert message in printed.err.replace("\n", " ") and not printed.out  # errors: stderr
 
 
+def test_replanning_on_failure_needs_an_inventory(imported, capsys, tmp_path):
+    """Nodes `serve` starts itself are restarted when they die; re-planning after a loss is
+    for the nodes of an inventory, and asking for it without one is refused before
+    anything starts."""
+    argv = ["--warehouse", str(imported), "serve", "1", "--replan-on-failure"]
+    assert main([*argv, "--workspace", str(tmp_path)]) == 2
+    printed = capsys.readouterr()
+    assert "give --nodes INVENTORY" in printed.err.replace("\n", " ") and not printed.out
+
+
 def test_exclude_plans_without_the_lost_gpus(imported, capsys):
     argv = ["--warehouse", str(imported), "plan", "--cluster", "hc2-large", "--json"]
     argv += ["--models", "repvgg-b3", "--slo-scale", "5"]
