@@ -197,13 +197,18 @@ class Server:
             )
         except Exception as exc:  # the flow's own error, shown; serving goes on
             decision = {"trigger": what, "rolled_out": False, "why": f"failed: {exc}"}
-        log.warning(
-            "re-planned after %s: %s",
-            what,
+        outcome = (
             f"rolled out plan {decision.get('plan_id')}"
             if decision.get("rolled_out")
-            else decision.get("why") or decision.get("reason") or "not rolled out",
+            else decision.get("why") or decision.get("reason") or "not rolled out"
         )
+        if "new_objective" in decision:
+            outcome += (
+                f" (objective of the serving plan on the nodes in service "
+                f"{decision['serving_objective']:.4g}, of a plan for them "
+                f"{decision['new_objective']:.4g})"
+            )
+        log.warning("re-planned after %s: %s", what, outcome)
         self.replans.append(decision)
         return decision
 
