@@ -115,21 +115,24 @@ class Deployment:
         """host:port of the router's KServe v2 gRPC endpoint."""
         return self.frontend.node.grpc_url if self.frontend else ""
 
-    def down_nodes(self) -> list[RepositoryAPI]:
-        """The attached nodes the router has taken out of service (failed, not back yet)."""
+    def down_nodes(self) -> list[dict[str, str]]:
+        """The nodes the router has taken out of service (failed, not back yet: it keeps
+        checking them, also once a rollout has left them out), as {node, device, grpc}."""
         down = self.core.down_nodes()
-        seen: dict[str, RepositoryAPI] = {}
-        for n in self.nodes.values():
-            if n.grpc_url in down:
-                seen.setdefault(n.name, n)
-        return list(seen.values())
+        known = (
+            [(n.name, n.device, n.grpc) for n in self.inventory.nodes]
+            if self.inventory is not None
+            else [(n.name, n.device, n.grpc_url) for n in self.nodes.values()]
+        )
+        out = {a: {"node": name, "device": dev, "grpc": a} for name, dev, a in known if a in down}
+        return list(out.values())
 
     def _inventory_now(self) -> Inventory | None:
         """The inventory with the nodes now out of service marked down (as well as those
         its operator marked), so that a rollout places nothing on them."""
         if self.inventory is None or self.local is not None:
             return self.inventory  # local nodes are started (or restarted) for the layout
-        down = {n.name for n in self.down_nodes()}
+        down = {d["node"] for d in self.down_nodes()}
         return replace(self.inventory, down=self.operator_down | down)
 
     @property

@@ -169,7 +169,7 @@ class Server:
         seen, since = planned_for, time.monotonic()
         while not self._stop.wait(min(1.0, self.replan_grace_s / 4)):
             try:
-                down = frozenset(n.name for n in self.deployment.down_nodes())
+                down = frozenset(d["node"] for d in self.deployment.down_nodes())
             except Exception:  # stopping
                 continue
             now = time.monotonic()
@@ -245,10 +245,7 @@ class Server:
                 "ok": True,
                 "plan_id": self.plan_id,
                 "generation": dep.generation,
-                "down": [
-                    {"node": n.name, "device": n.device, "grpc": n.grpc_url}
-                    for n in dep.down_nodes()
-                ],
+                "down": dep.down_nodes(),
                 "live_throughput": dep.core.live_throughput(),
             }
         if op == "plan":
