@@ -8,8 +8,10 @@ what it still serves without them: the router can trigger this flow when a node 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -175,3 +177,15 @@ def nightly_replan(
         + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
     )
     return decision
+
+
+def on_failure(**params: Any) -> Callable[[str, str], dict]:
+    """What `poolpipe serve --replan-on-failure` calls when its nodes out of service have
+    changed (triton_backend.serve.Server): this flow, run in the serving process, with
+    `params` (inventory or cluster, warehouse, deployment, token_file, margin, ...), the
+    router's address and what happened."""
+
+    def replan(router: str, trigger: str) -> dict:
+        return nightly_replan(router=router, trigger=trigger, **params)
+
+    return replan

@@ -297,6 +297,7 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
     import threading
     import time
 
+    from flows.replan import on_failure
     from triton_backend.serve import Server
 
     wh, _ = onboarded_tiny
@@ -309,7 +310,12 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
         stats_interval_s=3600,
         inventory=load_inventory(inventory),
         token=read_token(cluster.token_file),
-        replan_on_failure={"inventory": str(inventory), "token_file": str(cluster.token_file)},
+        replan_on_failure=on_failure(
+            inventory=str(inventory),
+            warehouse=wh,
+            deployment="failover",
+            token_file=str(cluster.token_file),
+        ),
         replan_grace_s=1.0,
     )
     stop = threading.Event()

@@ -57,7 +57,6 @@ class _Connection(asyncio.Protocol):
         self.head: tuple[int, dict[bytes, bytes]] | None = None
         self.need = 0
         self.fut: asyncio.Future | None = None
-        self.used = False  # has answered a call before
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -99,7 +98,6 @@ class _Connection(asyncio.Protocol):
         del self.buf[: self.need]
         self.head = None
         fut, self.fut = self.fut, None
-        self.used = True
         if headers.get(b"connection", b"").lower() == b"close":
             self._close()
         else:

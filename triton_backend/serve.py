@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -92,17 +93,17 @@ class Server:
         stats_interval_s: float = 60.0,
         metrics_port: int | None = None,
         token: str | None = None,
-        replan_on_failure: dict | None = None,
+        replan_on_failure: Callable[[str, str], dict] | None = None,
         replan_grace_s: float = REPLAN_GRACE_S,
         **options: Any,
     ):
         """`token`: control commands must carry it (poolpipe.client.send_control(token=)),
         and the nodes' and the router's Triton management APIs expect the key derived from
-        it; None: anyone who reaches the router may control it. `replan_on_failure`: the
-        re-planning flow's parameters (flows.replan.nightly_replan: cluster or inventory,
-        token_file, margin, ...) to run it whenever the set of nodes out of service has
-        changed and stayed so for `replan_grace_s` (a node lost, or back); None: only the
-        nightly runs re-plan."""
+        it; None: anyone who reaches the router may control it. `replan_on_failure`:
+        called with the router's gRPC address and what happened whenever the set of nodes
+        out of service has changed and stayed so for `replan_grace_s` (a node lost, or
+        back), to re-plan (flows.replan.on_failure: the re-planning flow); returns its
+        decision. None: only the nightly runs re-plan."""
         self.warehouse = warehouse
         self.token = token
         self.name = name
@@ -180,21 +181,12 @@ class Server:
                 self.replan_after_failure(down)
 
     def replan_after_failure(self, down: frozenset[str]) -> dict:
-        """Run the re-planning flow for the nodes in service now (in this process)."""
-        from flows.replan import nightly_replan
-
+        """Re-plan for the nodes in service now (`replan_on_failure`, in this process)."""
         what = f"node(s) {', '.join(sorted(down))} down" if down else "every node back"
         log.warning("%s: re-planning for the nodes in service", what)
         try:
-            decision = nightly_replan(
-                **{
-                    "router": self.deployment.grpc_url,
-                    "warehouse": str(self.warehouse) if self.warehouse else None,
-                    "deployment": self.name,
-                    **(self.replan_on_failure or {}),
-                    "trigger": what,
-                }
-            )
+            assert self.replan_on_failure is not None
+            decision = self.replan_on_failure(self.deployment.grpc_url, what)
         except Exception as exc:  # the flow's own error, shown; serving goes on
             decision = {"trigger": what, "rolled_out": False, "why": f"failed: {exc}"}
         outcome = (

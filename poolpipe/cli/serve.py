@@ -101,13 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             inventory=inventory,
             token=token,
             supervise=True,  # nodes it starts itself are restarted when they die
-            replan_on_failure={
-                "inventory": str(Path(args.nodes).resolve()),
-                "token_file": str(Path(token_file).resolve()),
-                "margin": args.replan_margin,
-            }
-            if args.replan_on_failure
-            else None,
+            replan_on_failure=_replanner(args, token_file) if args.replan_on_failure else None,
             replan_grace_s=args.replan_grace,
             **router_options(args),
         )
@@ -117,6 +111,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with console.status("stopping ..."):
             server.close()
     return 0
+
+
+def _replanner(args: argparse.Namespace, token_file: str):
+    """The re-planning flow for the nodes of --nodes, as serve calls it after a failure."""
+    from flows.replan import on_failure
+
+    return on_failure(
+        inventory=str(Path(args.nodes).resolve()),
+        warehouse=args.warehouse,
+        deployment=args.name,
+        token_file=str(Path(token_file).resolve()),
+        margin=args.replan_margin,
+    )
 
 
 def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
