@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
@@ -19,12 +18,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
-from poolpipe.domain.cluster import Cluster, load_cluster
+from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import STRATEGIES, Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
 from poolpipe.planner.replan import objective_under, observed_weights, worth_rolling_out
-from poolpipe.store.plan_inputs import plan_request
+from poolpipe.store.plan_inputs import plan_request, resolve_cluster
 from poolpipe.store.warehouse import Warehouse
 
 
@@ -80,10 +79,7 @@ def surviving_cluster(
         return load_inventory(inventory).mark_down({d["node"] for d in down}).cluster()
     if not cluster:
         raise PoolpipeError("give the cluster (name) or the inventory (file) to plan for")
-    if clusters_file:
-        whole = load_cluster(Path(clusters_file), cluster)
-    else:
-        whole = wh.load_cluster(cluster)
+    whole = resolve_cluster(wh, cluster, clusters_file)
     return whole.without(dict(Counter(d["device"] for d in down))) if down else whole
 
 

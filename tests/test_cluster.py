@@ -7,6 +7,7 @@ made."""
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,20 @@ def cluster(tmp_path_factory):
         for k in range(2):
             c.wait_node(k)
         yield c
+
+
+def _keep_asking(dep, answers: list, stop, pause_s: float = 0.0) -> None:
+    """One client asking `dep` for a tiny input's answer until `stop` is set: the output's
+    shape, or the exception, appended to `answers` each time."""
+    mod, c = _grpc(dep)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    while not stop.is_set():
+        try:
+            answers.append(_infer(mod, c, x).as_numpy(dep.ios[0].outputs[0].name).shape)
+        except Exception as exc:
+            answers.append(exc)
+        if pause_s:
+            time.sleep(pause_s)
 
 
 def _key(cluster) -> str:
@@ -232,22 +247,14 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
         router_instances=4,
     )
     try:
-        mod, _ = _grpc(dep)
-        out = dep.ios[0].outputs[0].name
         answers: list[object] = []
         stop = threading.Event()
 
-        def client_loop() -> None:
-            _, c = _grpc(dep)
-            x = np.zeros((1, 3, 32, 32), np.float32)
-            while not stop.is_set():
-                try:
-                    answers.append(_infer(mod, c, x).as_numpy(out).shape)
-                except Exception as exc:
-                    answers.append(exc)
-
         # daemon threads, stopped in any case: a failure must not leave them running
-        threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(3)]
+        threads = [
+            threading.Thread(target=_keep_asking, args=(dep, answers, stop), daemon=True)
+            for _ in range(3)
+        ]
         for t in threads:
             t.start()
         try:
@@ -295,7 +302,6 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
     requests are answered again, on server 0 alone. Its node started again (empty), the
     router finds it answering, and re-plans once more, for both."""
     import threading
-    import time
 
     from flows.replan import on_failure
     from triton_backend.serve import Server
@@ -324,17 +330,9 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
         dep = srv.deployment
         assert len({n.name for n in dep.nodes.values()}) == 2  # a partition on each server
 
-        def client_loop() -> None:
-            mod, c = _grpc(dep)
-            x = np.zeros((1, 3, 32, 32), np.float32)
-            while not stop.is_set():
-                try:
-                    answers.append(_infer(mod, c, x).as_numpy(dep.ios[0].outputs[0].name).shape)
-                except Exception as exc:
-                    answers.append(str(exc))
-                time.sleep(0.05)
-
-        client = threading.Thread(target=client_loop, daemon=True)
+        client = threading.Thread(
+            target=_keep_asking, args=(dep, answers, stop, 0.05), daemon=True
+        )
         client.start()
         time.sleep(1.0)
         cluster.stop_node(1, signal.SIGKILL)
@@ -370,5 +368,5 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
     finally:
         stop.set()
         srv.close()
-    errors = [a for a in answers if not isinstance(a, tuple)]
+    errors = [str(a) for a in answers if not isinstance(a, tuple)]
     assert all("POOLPIPE" in e or "no live path" in e for e in errors), errors[:3]  # explicit

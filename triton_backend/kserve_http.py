@@ -19,22 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from tritonclient.utils import triton_to_np_dtype
 
-_DTYPES = {
-    "BOOL": np.bool_,
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "UINT8": np.uint8,
-    "UINT16": np.uint16,
-    "UINT32": np.uint32,
-    "UINT64": np.uint64,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-}
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+from poolpipe.errors import PoolpipeError
+from triton_backend.repository import kserve_dtype
+
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
 
 
@@ -145,9 +134,10 @@ class HttpStage:
         blobs = []
         for name, x in inputs:
             x = np.ascontiguousarray(x)
-            kind = _NAMES.get(x.dtype)
-            if kind is None:
-                raise StageCallError(f"input {name}: no KServe datatype for {x.dtype}")
+            try:
+                kind = kserve_dtype(x.dtype)
+            except PoolpipeError:
+                raise StageCallError(f"input {name}: no KServe datatype for {x.dtype}") from None
             header["inputs"].append(
                 {
                     "name": name,
@@ -224,7 +214,10 @@ def _outputs(headers: dict[bytes, bytes], body: bytes) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     offset = size
     for o in meta.get("outputs", []):
-        dtype = np.dtype(_DTYPES[o["datatype"]])
+        kind = triton_to_np_dtype(o["datatype"])
+        if kind is None:
+            raise StageCallError(f"output {o['name']}: unknown datatype {o['datatype']!r}")
+        dtype = np.dtype(kind)
         n = o.get("parameters", {}).get("binary_data_size")
         if n is None:  # sent as JSON
             out[o["name"]] = np.asarray(o["data"], dtype).reshape(o["shape"])

@@ -344,9 +344,15 @@ def _shm_regions(pids: list[int]) -> list[str]:
     return names
 
 
+def _still_running(procs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Those of these (pid, start time) processes still running (not a later process that
+    took the pid: its start time differs)."""
+    return [(p, t) for p, t in procs if (st := _stat(p)) is not None and st[1] == t]
+
+
 def shm_regions(procs: list[tuple[int, str]]) -> list[str]:
     """The shared-memory regions these (pid, start time) stubs name, while they run."""
-    return _shm_regions([p for p, t in procs if (st := _stat(p)) is not None and st[1] == t])
+    return _shm_regions([p for p, _ in _still_running(procs)])
 
 
 def reap(
@@ -358,13 +364,10 @@ def reap(
     before the stubs were killed, or else those the stubs still running name. A pid taken
     by another process since is left alone (its start time differs)."""
 
-    def alive() -> list[tuple[int, str]]:
-        return [(p, t) for p, t in procs if (st := _stat(p)) is not None and st[1] == t]
-
     if regions is None:
         regions = shm_regions(procs)
     try:
-        _reap(alive, grace_s)
+        _reap(lambda: _still_running(procs), grace_s)
     finally:
         for name in regions:
             with contextlib.suppress(OSError):

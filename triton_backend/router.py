@@ -691,15 +691,6 @@ class RouterCore:
         return done.result()
 
 
-def _settle(fut: asyncio.Future, result: Any, error: Any) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
-
-
 def _failed_hop(exc: BaseException) -> tuple[int, str]:
     """Which hop of a chain failed ("POOLPIPE_HOP k: why" from the nodes; 0 otherwise:
     the first node did not answer)."""
@@ -743,12 +734,9 @@ def _chain_times(
 def _outputs(result: Any, names: list[str] | None) -> list[np.ndarray]:
     """The response's tensors in order: by name for the model's outputs, else out_0, ...
     (`result`: a tritonclient result, or arrays by name from kserve_http)."""
-    if isinstance(result, dict):
-        if names is None:
-            names = sorted(result, key=lambda s: int(s.split("_")[1]))
-        return [result[n] for n in names]
+    by_name = isinstance(result, dict)
     if names is None:
-        names = sorted(
-            (o.name for o in result.get_response().outputs), key=lambda s: int(s.split("_")[1])
-        )
-    return [result.as_numpy(n) for n in names]
+        found = result if by_name else (o.name for o in result.get_response().outputs)
+        names = sorted(found, key=lambda s: int(s.split("_")[1]))
+    get = result.__getitem__ if by_name else result.as_numpy
+    return [get(n) for n in names]

@@ -204,33 +204,27 @@ class ServingRuntime:
         """Models (indexes) with no live path now: their requests fail at the door."""
         return set(self._no_path)
 
-    def has_live_path(self, model: int) -> bool:
-        """Whether some pipeline of `model` has a vGPU in service in every pool."""
+    def _kept(self, pipeline: int) -> float:
+        """The share of a pipeline's planned throughput its vGPUs in service keep: a pool
+        does the share of its work that its vGPUs up can (any of them takes any batch), and
+        the pipeline keeps the share its most-hit pool keeps (0: no live path through it)."""
         topo, vn, down = self.gen.served.topo, self.gen.served.vgpu_node, self._down
-        return any(
-            all(
-                any(vn[v] not in down for v in topo.pools[p].vgpus) for p in topo.pipelines[i].pools
-            )
-            for i in topo.models[model].pipelines
+        return min(
+            sum(vn[v] not in down for v in topo.pools[p].vgpus) / len(topo.pools[p].vgpus)
+            for p in topo.pipelines[pipeline].pools
         )
 
+    def has_live_path(self, model: int) -> bool:
+        """Whether some pipeline of `model` has a vGPU in service in every pool."""
+        return any(self._kept(i) > 0 for i in self.gen.served.topo.models[model].pipelines)
+
     def live_throughput(self) -> dict[str, float]:
-        """Each served model's planned req/s on the vGPUs in service now: a pool does the
-        share of its work that its vGPUs up can (any of them takes any batch), and a
-        pipeline keeps the share its most-hit pool keeps."""
-        topo, vn, down = self.gen.served.topo, self.gen.served.vgpu_node, self._down
-        out = {}
-        for m in topo.models:
-            total = 0.0
-            for i in m.pipelines:
-                pipe = topo.pipelines[i]
-                kept = min(
-                    sum(vn[v] not in down for v in topo.pools[p].vgpus) / len(topo.pools[p].vgpus)
-                    for p in pipe.pools
-                )
-                total += pipe.throughput * kept
-            out[m.name] = total
-        return out
+        """Each served model's planned req/s on the vGPUs in service now (see _kept)."""
+        topo = self.gen.served.topo
+        return {
+            m.name: sum(topo.pipelines[i].throughput * self._kept(i) for i in m.pipelines)
+            for m in topo.models
+        }
 
     # ------------------------------------------------------------------ intake
 

@@ -51,20 +51,26 @@ def plan_request(
             slos.append(p.slo_us)
         else:
             raise PoolpipeError(f"model {p.name} has no SLO; give an SLO scale or its SLO")
-    if isinstance(cluster, Cluster):  # e.g. from an inventory of nodes
-        inventory = cluster
-    elif clusters_file:
-        inventory = load_cluster(Path(clusters_file), cluster)
-    else:
-        inventory = wh.load_cluster(cluster)
     return PlanRequest(
         models=profiles,
         weights=tuple(weights),
         slos_us=tuple(slos),
-        cluster=inventory,
+        cluster=resolve_cluster(wh, cluster, clusters_file),
         strategy=strategy,
         **options,
     )
+
+
+def resolve_cluster(
+    wh: Warehouse, cluster: str | Cluster, clusters_file: Path | str | None = None
+) -> Cluster:
+    """A cluster as given (e.g. from an inventory of nodes), or by name from `clusters_file`,
+    else from the warehouse."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    if clusters_file:
+        return load_cluster(Path(clusters_file), cluster)
+    return wh.load_cluster(cluster)
 
 
 def check_plan(wh: Warehouse, plan: Plan, where: str = "the plan") -> Plan:
