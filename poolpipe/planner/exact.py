@@ -19,6 +19,7 @@ from poolpipe.planner.candidates import (
 )
 from poolpipe.planner.decompose import decomposable, reach
 from poolpipe.planner.formulation import (
+    Chosen,
     GroupMilp,
     build_group_milp,
     chosen_fits,
@@ -30,6 +31,7 @@ from poolpipe.planner.knapsack import knapsack_bound
 from poolpipe.planner.pruning import CandidateBounds, candidate_bounds, keep_mask
 from poolpipe.planner.request import PlanRequest
 from poolpipe.planner.solvers import MilpResult, relative_gap, solve
+from poolpipe.planner.warm import warm_chosen
 
 ROUND_TOL = 1e-6  # integrality slack when reading vGPU counts back from the solver
 PRUNE_ABOVE = 60  # candidates (all models) above which LP-bound pruning runs first
@@ -38,6 +40,7 @@ INCUMBENT_PER_SIGNATURE = 2  # ... at most this many of each GPU-bucket signatur
 INCUMBENT_TIME_S = 2.0  # time limit of the quick incumbent MILP
 INCUMBENT_GAP = 3e-3  # its gap: the knapsack and the group MILP do the rest
 GROUP_TRY_S = 2.0  # group MILP time before the decomposition or the knapsack tries again
+WARM_CLOSE = 0.01  # a warm start this close to the LP bound replaces the quick incumbent
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Solved:
     group: GroupMilp
     kept: list[list[CandidatePipeline]]  # candidates left after LP-bound pruning
     proof: str = "milp"  # what proved the bound (SolverInfo.proof)
+    warm_objective: float | None = None  # of the warm start fitted to the cluster, if any
 
 
 def model_costs(
@@ -101,15 +105,32 @@ def solve_group(
     Proofs, cheapest first: the knapsacks (knapsack.py) on the quick incumbent, whose own
     solution may close the gap; the group MILP, which stops once it reaches their bound;
     for per-position groups of several models, after GROUP_TRY_S of it, the knapsacks on
-    its better incumbent, then the per-model decomposition (decompose.py).
+    its better incumbent, then the per-model decomposition (decompose.py). A warm start
+    (PlanRequest.warm_start, fitted to the cluster by warm.py) is the first incumbent.
     """
     enums, cands = enumerate_candidates(req, costs, max_partitions, what)
+    names = [m.name for m in req.models]
+    warm = warm_chosen(req.warm_start, names, cands, list(req.weights), req.cluster, req.packing)
+    solved = _solve(req, enums, cands, warm)
+    solved.warm_objective = warm[1] if warm is not None else None
+    return solved
+
+
+def _solve(
+    req: PlanRequest,
+    enums: list[Enumeration],
+    cands: list[list[CandidatePipeline]],
+    warm: tuple[list[Chosen], float] | None,
+) -> Solved:
+    weights = list(req.weights)
     quick: _Quick | None = None
     dropped_bound = -math.inf
     if sum(len(c) for c in cands) > PRUNE_ABOVE:
-        cands, quick, dropped_bound = prune(req, cands)
-    group = build_group_milp(cands, list(req.weights), req.cluster, req.packing)
+        cands, quick, dropped_bound = prune(req, cands, warm)
+    group = build_group_milp(cands, weights, req.cluster, req.packing)
     start, target = None, None
+    if warm is not None and quick is None:
+        start = _start_values(group, cands, *warm)
     known_bound, before = math.inf, quick.seconds if quick is not None else 0.0
     split = len(cands) > 1 and decomposable(req.cluster, req.packing)
     if quick is not None and quick.chosen is not None:
@@ -267,28 +288,44 @@ class _Quick:
 
 
 def prune(
-    req: PlanRequest, cands: list[list[CandidatePipeline]]
+    req: PlanRequest,
+    cands: list[list[CandidatePipeline]],
+    warm: tuple[list[Chosen], float] | None = None,
 ) -> tuple[list[list[CandidatePipeline]], _Quick, float]:
-    """Drop candidates that provably cannot be in a plan better than a quick incumbent.
+    """Drop candidates that provably cannot be in a plan better than a quick incumbent
+    (the quick MILP's, started from `warm` when given, or `warm` itself if better).
 
     Returns the kept candidates, the incumbent, and the best objective any plan using a
     dropped candidate could reach (-inf if none was dropped).
     """
     cb = candidate_bounds(cands, list(req.weights), req.cluster)
-    top = [_incumbent_pool(mc, b) for mc, b in zip(cands, cb.bounds, strict=True)]
-    group = build_group_milp(top, list(req.weights), req.cluster, req.packing)
-    res = solve(
-        group.milp, req.solver, min(req.time_limit_s, INCUMBENT_TIME_S), INCUMBENT_GAP, req.threads
-    )
-    chosen = _read_counts(group, top, res.values) if res.values is not None else None
-    incumbent = res.objective if chosen is not None else 0.0
+    seconds = cb.seconds
+    chosen: list[Chosen] | None
+    if warm is not None and warm[1] * (1 + WARM_CLOSE) >= cb.dual_bound:
+        chosen, incumbent = warm  # close enough to the LP bound: no quick MILP
+    else:
+        top = [_incumbent_pool(mc, b) for mc, b in zip(cands, cb.bounds, strict=True)]
+        start = None
+        if warm is not None:  # the warm plan's pipelines join the pool, and start it
+            for pool, picked in zip(top, warm[0], strict=True):
+                pool.extend(c for c, _ in picked if all(c is not t for t in pool))
+        group = build_group_milp(top, list(req.weights), req.cluster, req.packing)
+        if warm is not None:
+            start = _start_values(group, top, *warm)
+        limit = min(req.time_limit_s, INCUMBENT_TIME_S)
+        res = solve(group.milp, req.solver, limit, INCUMBENT_GAP, req.threads, start)
+        seconds += res.seconds
+        chosen = _read_counts(group, top, res.values) if res.values is not None else None
+        incumbent = res.objective if chosen is not None else 0.0
+        if warm is not None and warm[1] > incumbent:
+            chosen, incumbent = warm
     kept, dropped_bound = [], -math.inf
     for model_cands, b in zip(cands, cb.bounds, strict=True):
         keep = keep_mask(b, incumbent)
         kept.append([c for c, k in zip(model_cands, keep, strict=True) if k])
         if (~keep).any():
             dropped_bound = max(dropped_bound, float(b[~keep].max()))
-    return kept, _Quick(res.seconds + cb.seconds, incumbent, chosen, cb), dropped_bound
+    return kept, _Quick(seconds, incumbent, chosen, cb), dropped_bound
 
 
 def _incumbent_pool(cands: list[CandidatePipeline], bounds: np.ndarray) -> list[CandidatePipeline]:

@@ -214,11 +214,21 @@ def _bucket_terms(
     ]
 
 
-def _overshoot(buckets: dict[tuple, Fraction], cluster: Cluster) -> int:
-    """Whole GPUs the buckets (each rounded up) take beyond the cluster's, over all types."""
+def gpus_used(chosen: list[Chosen], packing: str) -> dict[str, int]:
+    """Whole GPUs of each type the pipelines take (each bucket of the packing rounded up)."""
+    return _used(_buckets(chosen, packing))
+
+
+def _used(buckets: dict[tuple, Fraction]) -> dict[str, int]:
     used: dict[str, int] = defaultdict(int)
     for key, gpus in buckets.items():
         used[key[0]] += math.ceil(gpus)
+    return used
+
+
+def _overshoot(buckets: dict[tuple, Fraction], cluster: Cluster) -> int:
+    """Whole GPUs the buckets (each rounded up) take beyond the cluster's, over all types."""
+    used = _used(buckets)
     count = {p.gpu: p.count for p in cluster.pools}
     return sum(max(0, n - count.get(gpu, 0)) for gpu, n in used.items())
 

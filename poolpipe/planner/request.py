@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from poolpipe.domain.cluster import Cluster
-from poolpipe.domain.plan import PACKINGS, STRATEGIES
+from poolpipe.domain.plan import PACKINGS, STRATEGIES, Plan
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
@@ -38,6 +38,9 @@ class PlanRequest:
     objective: str = "maxmin"
     rates: tuple[float, ...] | None = None
     prices: Mapping[str, float] = field(default_factory=dict)
+    # max-min: an earlier plan (the serving one) fitted to this cluster is the first plan
+    # the search starts from (warm.py); the result is the same, found sooner
+    warm_start: Plan | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.models)
@@ -73,6 +76,8 @@ class PlanRequest:
             )
         if self.objective == "cost":
             self._check_cost_inputs()
+            if self.warm_start is not None:
+                raise PoolpipeError("a warm start applies to max-min planning, not to cost")
         for m in self.models:
             if not any(gpu in m.gpus for gpu in (p.gpu for p in self.cluster.pools)):
                 raise PoolpipeError(

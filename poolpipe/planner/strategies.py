@@ -64,6 +64,9 @@ def make_plan(req: PlanRequest) -> Plan:
         solved = solve_group(req, costs, P, "whole-GPU" if whole else f"{P}-partition")
         pipelines = [[pipeline_plan(c, n) for c, n in picked] for picked in solved.chosen]
         runs = [s for s in (lam_solved, solved) if s is not None]
-        plan = assemble(req, req.strategy, P, pipelines, lam, solver_info(runs, started))
+        meta = {}
+        if solved.warm_objective is not None:
+            meta["warm_start_objective"] = solved.warm_objective
+        plan = assemble(req, req.strategy, P, pipelines, lam, solver_info(runs, started), meta)
     plan.verify({m.name: m for m in req.models})
     return plan
