@@ -7,6 +7,7 @@ what it still serves without them: the router can trigger this flow when a node 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -106,7 +107,8 @@ def new_plan(
             margin=current.margin if current.strategy in STRATEGIES else 0.4,
             max_partitions=current.max_partitions,
         )
-    return make_plan(req)
+    # the serving plan, fitted to the GPUs in service, is where the search starts
+    return make_plan(dataclasses.replace(req, warm_start=current))
 
 
 @task(name="store-plan", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
@@ -158,6 +160,8 @@ def nightly_replan(
             "weights": dict(zip(names, weights, strict=True)),
             "serving_objective": old_obj,
             "new_objective": new_obj,
+            # the serving plan fitted to the GPUs in service, where the search started
+            "warm_start_objective": candidate.meta.get("warm_start_objective"),
             "rolled_out": False,
         }
         if worth_rolling_out(old_obj, new_obj, margin):

@@ -117,6 +117,10 @@ def test_slo_us_and_json_output(imported, capsys):
         (["--models", "repvgg-b3", "--slo-us", "other=5"], "not in --models"),
         (["--models", "repvgg-b3", "--exclude", "T4=5"], "'T4=5' is not TYPE:COUNT"),
         (
+            ["--models", "repvgg-b3", "--warm-start", "serving.json"],
+            "--warm-start 'serving.json' is neither a plan id in",
+        ),
+        (
             ["--models", "repvgg-b3", "--exclude", "T4:76"],
             "cannot exclude 76 T4 GPUs: cluster hc2-large has 75",
         ),
@@ -150,6 +154,17 @@ def test_exclude_plans_without_the_lost_gpus(imported, capsys):
     less = Plan.from_dict(json.loads(capsys.readouterr().out))
     assert {p.gpu: p.count for p in less.cluster.pools} == {"L4": 5, "T4": 70}
     assert less.gpus_used().get("L4", 0) <= 5 and less.objective < full.objective
+    # warm-started from the full plan (stored as plan 1 of this warehouse): the same optimum
+    assert main([*argv, "--exclude", "L4:20,T4:5", "--warm-start", "1"]) == 0
+    warm = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert warm.objective == pytest.approx(less.objective, rel=1e-4)
+    start = warm.meta["warm_start_objective"]
+    assert 0 < start <= warm.objective
+    plain = [a for a in argv if a != "--json"]
+    assert main([*plain, "--exclude", "L4:20,T4:5", "--warm-start", "1"]) == 0
+    assert f"warm start: plan 1 fitted to these GPUs scores {start:,.1f}" in (
+        capsys.readouterr().out
+    )
 
 
 def test_profiles_list_and_show(imported, capsys):

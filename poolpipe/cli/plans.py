@@ -270,6 +270,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # other processes (a router writing statistics) need it meanwhile
     with open_warehouse(args) as wh:
         req = with_objective(args, build_request(args, wh, args.strategy))
+        if args.warm_start:
+            req = dataclasses.replace(req, warm_start=_warm_start(wh, args.warm_start))
     what = "the cheapest " if req.objective == "cost" else ""
     with console.status(f"planning {what}{args.strategy} with {args.solver} ..."):
         plan = make_plan(req)
@@ -282,11 +284,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         warn_slo_room(plan, args.reply_margin_ms * 1e3)
         return 0
     print_plan(plan)
+    if args.warm_start:
+        start = plan.meta.get("warm_start_objective")
+        console.print(
+            f"warm start: plan {args.warm_start} fitted to these GPUs scores {start:,.1f}"
+            if start is not None
+            else f"warm start: nothing of plan {args.warm_start} fits (other models, or "
+            "none of its pipelines within the SLOs now); planned cold"
+        )
     warn_slo_room(plan, args.reply_margin_ms * 1e3)
     console.print(
         f"stored as plan {plan_id} in {wh.path}" + (f"; written to {args.out}" if args.out else "")
     )
     return 0
+
+
+def _warm_start(wh: Warehouse, ref: str) -> Plan:
+    """--warm-start: a plan id in the warehouse or a plan JSON file."""
+    if ref.isdigit():
+        return wh.load_plan(int(ref))
+    path = Path(ref)
+    if not path.is_file():
+        raise PoolpipeError(
+            f"--warm-start {ref!r} is neither a plan id in {wh.path} nor a plan JSON file"
+        )
+    return Plan.load(path)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -395,6 +417,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--prices",
         help="with --objective cost: price per GPU-hour per GPU type, e.g. L4=0.8,T4=0.35 "
         "(default: price_per_hour of the clusters file; these override it)",
+    )
+    plan.add_argument(
+        "--warm-start",
+        metavar="PLAN",
+        help="start from this plan (id or JSON file; the serving one when re-planning after "
+        "a GPU loss): its pipelines fitted to the GPUs left are the first plan the search "
+        "improves on (max-min only)",
     )
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
