@@ -5,7 +5,8 @@ time, and stores one row per (configuration, strategy, model) in the warehouse.
 With the cost part: the cheapest ppipe plan of every main configuration for rates of 50%
 and 90% of its max-min plan's per-model throughput, beside the cheapest np and single-type
 plans for the same rates. With the replan part: the max-min plan again after losing 5% and
-20% of one GPU type (each type in turn), as `poolpipe plan --exclude TYPE:N` does.
+20% of one GPU type (each type in turn), as `poolpipe plan --exclude TYPE:N` does, cold and
+warm-started from the main plan (`--warm-start PLAN`).
 
     ./run bench-planner [--parts maxmin,cost,replan] [--packing per-position] [--quick]
                         [--prices L4=0.56,...] [--warehouse FILE]
@@ -214,7 +215,7 @@ def print_types(results: list[tuple[str, Plan]]) -> None:
         )
     console.print(t)
     secs = [p.solver.seconds for _, p in rows]
-    proven = sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p in rows)
+    proven = sum(_proven(p) for _, p in rows)
     console.print(
         f"[bold]{len(rows)} many-type plans[/]: {proven} proven optimal (gap <= 1e-4); "
         f"median {statistics.median(secs):.2f} s, max {max(secs):.2f} s, "
@@ -290,7 +291,7 @@ def print_cost(cost: list[tuple[str, Plan, float]], packing: str) -> None:
             f"{plan.solver.seconds:.2f}",
         )
     console.print(t)
-    proven = sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p, _ in cost)
+    proven = sum(_proven(p) for _, p, _ in cost)
     console.print(
         f"[bold]{len(cost)} cost plans[/]: {proven} proven optimal; solve median "
         f"{statistics.median(solve):.2f} s, max {max(solve):.2f} s, {sum(s > 10 for s in solve)} "
@@ -307,45 +308,61 @@ def _spread(xs: list[float]) -> str:
 
 
 def replan_part(mains: list[tuple[str, Plan, PlanRequest]]) -> list[tuple[str, Plan, float]]:
-    """Max-min plans after losing LOSSES of each GPU type in turn."""
+    """Max-min plans after losing LOSSES of each GPU type in turn: cold, then warm-started
+    from the main plan (as the replan flow does with the serving plan)."""
     out = []
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("replan", total=len(mains) * len(LOSSES) * 2)
-        for config, _, req in mains:
+        task = progress.add_task("replan", total=len(mains) * len(LOSSES) * 2 * 2)
+        for config, plan, req in mains:
             for pool in req.cluster.pools:
                 for loss in LOSSES:
                     n = max(1, round(loss * pool.count))
                     lost = replace(req, cluster=req.cluster.without({pool.gpu: n}))
                     progress.update(task, description=f"replan {config} less {pool.gpu}:{n}")
-                    name = f"replan:{config.removeprefix('main:')}:{pool.gpu}-{n}"
-                    out.append((name, make_plan(lost), loss))
-                    progress.advance(task)
+                    for how, warm in (("replan", None), ("replan-warm", plan)):
+                        name = f"{how}:{config.removeprefix('main:')}:{pool.gpu}-{n}"
+                        out.append((name, make_plan(replace(lost, warm_start=warm)), loss))
+                        progress.advance(task)
     return out
 
 
 def print_replan(replans: list[tuple[str, Plan, float]], packing: str) -> None:
-    secs = [p.solver.seconds for _, p, _ in replans]
-    proven = sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p, _ in replans)
     t = Table(title=f"re-planning after GPU loss ({packing})", title_justify="left")
-    for col in ("lost", "plans", "proven", "median s", "max s", "slowest"):
-        t.add_column(col, justify="left" if col in ("lost", "slowest") else "right")
+    cols = ("lost", "start", "plans", "proven", "median s", "max s", "slowest", "start optimal")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("lost", "start", "slowest") else "right")
     for loss in LOSSES:
-        rows = [(c, p) for c, p, x in replans if x == loss]
-        s = [p.solver.seconds for _, p in rows]
-        slow = max(rows, key=lambda r: r[1].solver.seconds)
-        t.add_row(
-            f"{loss:.0%} of one type",
-            str(len(rows)),
-            str(sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p in rows)),
-            f"{statistics.median(s):.2f}",
-            f"{max(s):.2f}",
-            slow[0].removeprefix("replan:"),
-        )
+        for how in ("replan", "replan-warm"):
+            rows = [(c, p) for c, p, x in replans if x == loss and c.split(":")[0] == how]
+            s = [p.solver.seconds for _, p in rows]
+            slow = max(rows, key=lambda r: r[1].solver.seconds)
+            # the warm start (the main plan fitted to the GPUs left) already optimal
+            hit = [
+                p.meta.get("warm_start_objective", -1) >= p.objective * (1 - 1e-4)
+                for _, p in rows
+            ]
+            t.add_row(
+                f"{loss:.0%} of one type",
+                "main plan" if how == "replan-warm" else "cold",
+                str(len(rows)),
+                str(sum(_proven(p) for _, p in rows)),
+                f"{statistics.median(s):.2f}",
+                f"{max(s):.2f}",
+                slow[0].split(":", 1)[1],
+                f"{sum(hit)}" if how == "replan-warm" else "-",
+            )
     console.print(t)
-    console.print(
-        f"[bold]{len(replans)} re-plans[/]: {proven} proven optimal; median "
-        f"{statistics.median(secs):.2f} s, max {max(secs):.2f} s"
-    )
+    for how in ("replan", "replan-warm"):
+        plans = [p for c, p, _ in replans if c.split(":")[0] == how]
+        secs = [p.solver.seconds for p in plans]
+        console.print(
+            f"[bold]{len(plans)} {how}s[/]: {sum(map(_proven, plans))} proven optimal; "
+            f"median {statistics.median(secs):.2f} s, max {max(secs):.2f} s"
+        )
+
+
+def _proven(plan: Plan) -> bool:
+    return plan.solver.status == "optimal" and plan.solver.gap <= 1e-4
 
 
 def _cell(plan: Plan) -> str:
@@ -442,7 +459,7 @@ def print_singles(results: list[tuple[str, Plan]]) -> None:
 
 def print_summary(results: list[tuple[str, Plan]]) -> None:
     secs = [p.solver.seconds for _, p in results]
-    proven = sum(p.solver.status == "optimal" and p.solver.gap <= 1e-4 for _, p in results)
+    proven = sum(_proven(p) for _, p in results)
     slowest = max(results, key=lambda r: r[1].solver.seconds)
     console.print(
         f"[bold]{len(results)} plans[/]: {proven} proven optimal (gap <= 1e-4); solve time "
