@@ -342,3 +342,50 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
     assert rc in (0, 130), out
     shm_left = {f for f in set(os.listdir("/dev/shm")) - shm_before if "triton" in f}
     assert not shm_left, shm_left
+
+
+def test_a_node_killed_outright_takes_its_tritonserver_along(tmp_path):
+    """`poolpipe node` SIGKILLed (the OOM killer, `kill -9`) used to leave its tritonserver
+    serving, orphaned: the server now gets SIGTERM when the node's process dies."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from triton_backend.nodes import descendants, is_running
+
+    argv = [sys.executable, "-m", "poolpipe.cli", "node", "--device", "cpu-1t"]
+    proc = subprocess.Popen(
+        [*argv, "--listen", "127.0.0.1", "--workspace", str(tmp_path / "node")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("Ctrl-C stops" in s for s in seen):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+        assert "Ctrl-C stops" in "".join(seen), "".join(seen[-20:])
+        children = {p for p, _ in descendants(proc.pid)}
+        assert children, "no tritonserver under the node"
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while any(is_running(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = {p for p in children if is_running(p)}
+    for p in left:  # do not leave them to the next test
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"the node's tritonserver {sorted(left)} outlived it"

@@ -9,9 +9,12 @@ the nvidia-pytriton wheel) on its own ports, used the same way."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -155,6 +158,9 @@ class TritonNode(RepositoryAPI):
     address: str = "127.0.0.1"  # where its HTTP and gRPC ports listen
     key: str | None = field(default=None, repr=False)  # restricts its management APIs
     process: subprocess.Popen | None = field(default=None, repr=False)
+    # SIGTERM tritonserver when this process dies, even by SIGKILL (`poolpipe node`: its
+    # only child); start() must then run on the main thread (see _die_with_this_process)
+    die_with_parent: bool = False
 
     @property
     def _host(self) -> str:
@@ -200,7 +206,10 @@ class TritonNode(RepositoryAPI):
             *node_restrictions(self.key),
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 (the process keeps it)
-        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        preexec = _die_with_this_process() if self.die_with_parent else None
+        self.process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec
+        )
         log.close()
         self._wait(lambda c: c.is_server_live(), timeout_s, "start")
         # the gRPC endpoint answers too (the HTTP one can be up a moment before it)
@@ -270,6 +279,25 @@ def _stat(pid: int) -> tuple[int, str] | None:
     except (OSError, IndexError):
         return None
     return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
+
+
+def _die_with_this_process() -> Callable[[], None] | None:
+    """A child's preexec_fn: Linux sends the child SIGTERM when the thread that started it
+    ends (PR_SET_PDEATHSIG), so only the main thread may use it, and then the child goes
+    with the process, however it dies. None where prctl is not Linux's."""
+    if threading.current_thread() is not threading.main_thread():
+        raise NodeError("a node tied to its parent must be started from the main thread")
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before that: nobody would tell us
+            os._exit(1)
+
+    return preexec
 
 
 def is_running(pid: int) -> bool:

@@ -170,6 +170,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         address=args.listen,
         key=key,
+        die_with_parent=True,  # a node killed outright does not leave its Triton serving
     )
     try:  # a Ctrl-C while it starts stops what has started
         with console.status(f"starting node {name} ..."):
