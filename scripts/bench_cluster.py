@@ -30,12 +30,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +48,7 @@ from rich.table import Table
 from poolpipe.client.control import new_token_file
 from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import manual_plan
+from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
 
 console = Console(width=None if sys.stdout.isatty() else 170)
@@ -262,21 +262,8 @@ def main() -> int:
     from triton_backend.deploy import Deployment
     from triton_backend.loadgen import drive, live_capacity, poisson_times, summarize
 
-    now = datetime.now(UTC).replace(tzinfo=None)
-    rows: list[dict] = []
-
-    def record(config: str, metric: str, value: float) -> None:
-        rows.append(
-            {
-                "run_at": now,
-                "run_label": args.label,
-                "bench": "cluster",
-                "config": config,
-                "metric": metric,
-                "value": float(value),
-                "host": socket.gethostname(),
-            }
-        )
+    rows = BenchRows(args.label)
+    record = partial(rows.record, "cluster")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     name = "bench-cluster-resnet"

@@ -338,8 +338,7 @@ def print_replan(replans: list[tuple[str, Plan, float]], packing: str) -> None:
             slow = max(rows, key=lambda r: r[1].solver.seconds)
             # the warm start (the main plan fitted to the GPUs left) already optimal
             hit = [
-                p.meta.get("warm_start_objective", -1) >= p.objective * (1 - 1e-4)
-                for _, p in rows
+                p.meta.get("warm_start_objective", -1) >= p.objective * (1 - 1e-4) for _, p in rows
             ]
             t.add_row(
                 f"{loss:.0%} of one type",

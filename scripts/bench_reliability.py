@@ -22,13 +22,12 @@ import argparse
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,19 +40,13 @@ from rich.table import Table
 
 from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
+from poolpipe.store.bench_rows import BenchRows
+from poolpipe.store.testbed import hold_elsewhere
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse, default_path
 from triton_backend.nodes import descendants, is_running
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
-HOLD = (
-    "import duckdb, sys, time\n"
-    "con = duckdb.connect(sys.argv[1])\n"
-    "print('held', flush=True)\n"
-    "time.sleep(float(sys.argv[2]))\n"
-)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
@@ -70,21 +63,8 @@ def main() -> int:
     from flows.onboard import onboard_model
     from poolpipe.offline.zoo import make_model
 
-    now = datetime.now(UTC).replace(tzinfo=None)
-    rows: list[dict] = []
-
-    def record(config: str, metric: str, value: float) -> None:
-        rows.append(
-            {
-                "run_at": now,
-                "run_label": args.label,
-                "bench": "reliability",
-                "config": config,
-                "metric": metric,
-                "value": float(value),
-                "host": socket.gethostname(),
-            }
-        )
+    rows = BenchRows(args.label)
+    record = partial(rows.record, "reliability")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-reliability-"))
     name = "bench-rel"
@@ -147,12 +127,7 @@ def held_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
     try:
         load.start()
         time.sleep(5.0)
-        holder = subprocess.Popen(
-            [sys.executable, "-c", HOLD, str(warehouse), str(args.hold)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        holder = hold_elsewhere(warehouse, args.hold)
         console.print(f"warehouse held by PID {holder.pid} for {args.hold:g} s under load ...")
         holder.wait()
         load.join(duration + 60)

@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +43,7 @@ from rich.table import Table
 
 from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
+from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
 from triton_backend.nodes import cpu_seconds
 
@@ -90,21 +89,8 @@ def main() -> int:
     from triton_backend.loadgen import drive, poisson_times, summarize
     from triton_backend.serve import Server
 
-    now = datetime.now(UTC).replace(tzinfo=None)
-    rows: list[dict] = []
-
-    def record(bench: str, config: str, metric: str, value: float) -> None:
-        rows.append(
-            {
-                "run_at": now,
-                "run_label": args.label,
-                "bench": bench,
-                "config": config,
-                "metric": metric,
-                "value": float(value),
-                "host": socket.gethostname(),
-            }
-        )
+    rows = BenchRows(args.label)
+    record = rows.record
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     name = "bench-resnet"

@@ -4,8 +4,6 @@ its holder. The holder is a real second process with the DuckDB file open."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from datetime import datetime
 
@@ -13,23 +11,8 @@ import pytest
 
 from poolpipe.cli import main
 from poolpipe.errors import WarehouseBusyError
+from poolpipe.store.testbed import hold_elsewhere as hold
 from poolpipe.store.warehouse import Warehouse, spool_dir, store_rows_durably
-
-HOLD = (
-    "import duckdb, sys, time\n"
-    "con = duckdb.connect(sys.argv[1])\n"
-    "print('held', flush=True)\n"
-    "time.sleep(float(sys.argv[2]))\n"
-)
-
-
-def hold(path, seconds: float) -> subprocess.Popen:
-    """Another process with the warehouse open for `seconds`."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(path), str(seconds)], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-    return proc
 
 
 def row(i: int) -> dict:
