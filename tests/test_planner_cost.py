@@ -3,6 +3,7 @@ infeasible rates, and a brute force over every sub-cluster of tiny 3-type cluste
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from poolpipe.errors import InfeasibleError, PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
 from tests.conftest import tiny_cluster, tiny_model
-from tests.test_planner_properties import SETTINGS, brute_force_single
+from tests.test_planner_properties import SETTINGS, brute_force_single, instances
 
 # Fast GPU "A": 4 ms per block; slow GPU "B": 5 ms for block 0, 20 ms for block 1 (batch 1).
 # Whole model: A 8 ms (125 req/s per GPU), B 25 ms (40 req/s). Block 0 on B then block 1
@@ -232,3 +233,71 @@ def test_prices_become_whole_units_for_the_solver():
     assert price_units({"A": 3.0}) == ({"A": 3.0}, 1.0)
     third = {"A": 1 / 3}
     assert price_units(third) == (third, 1.0)
+
+
+# ------------------------------------------------- per-position: the split by models
+
+
+@SETTINGS
+@given(instances(n_models=2), st.floats(0.1, 1.3), st.booleans())
+def test_cost_by_models_equals_the_cost_milp(inst, fraction, one_type):
+    """Per-position plans share only the GPU counts: decompose.cheapest_split prices every
+    split of them among the models. It must find what the cost MILP finds (the MILP is
+    forced by declaring the cluster not decomposable), NIC limits, shares and all."""
+    from poolpipe.planner import cost
+
+    models, cluster, slos = inst
+    if one_type:
+        cluster = tiny_cluster(
+            [(p.gpu, p.count, p.gpus_per_server, p.shares) for p in cluster.pools[:1]],
+            cluster.bandwidth_gbps,
+        )
+    base = PlanRequest(
+        models=tuple(models),
+        weights=(0.4, 0.6),
+        slos_us=tuple(slos),
+        cluster=cluster,
+        packing="per-position",
+        margin=0.0,
+        mip_gap=1e-9,
+        batch_wait=False,
+    )
+    try:
+        most = make_plan(base)
+    except PoolpipeError:
+        return
+    if most.objective <= 0:
+        return  # some model cannot be served at all
+    rates = tuple(fraction * m.throughput for m in most.models)
+    prices = {p.gpu: float(i + 2) for i, p in enumerate(cluster.pools)}
+    req = dataclasses.replace(base, objective="cost", rates=rates, prices=prices)
+
+    def plan_or_none(decomposable):
+        saved = cost.decomposable
+        cost.decomposable = decomposable
+        try:
+            return make_plan(req)
+        except InfeasibleError:
+            return None
+        finally:
+            cost.decomposable = saved
+
+    split = plan_or_none(cost.decomposable)
+    milp = plan_or_none(lambda cluster, packing: False)
+    assert (split is None) == (milp is None)
+    if split is None:
+        return
+    assert split.solver.proof == "decomposition"
+    for key in ("cost_per_hour", "np_cost_per_hour"):
+        assert _same_cost(split.meta[key], milp.meta[key]), key
+    singles = split.meta["single_type_cost_per_hour"], milp.meta["single_type_cost_per_hour"]
+    assert singles[0].keys() == singles[1].keys()
+    assert all(_same_cost(singles[0][g], singles[1][g]) for g in singles[0]), singles
+    for m, r in zip(split.models, rates, strict=True):
+        assert m.throughput >= r * (1 - 1e-9)
+
+
+def _same_cost(a: float | None, b: float | None) -> bool:
+    return (a is None and b is None) or (
+        a is not None and b is not None and a == pytest.approx(b, rel=1e-9)
+    )

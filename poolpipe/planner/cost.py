@@ -19,6 +19,7 @@ from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import InfeasibleError, SolverError
 from poolpipe.planner.candidates import CandidatePipeline, Enumeration
+from poolpipe.planner.decompose import cheapest_split, decomposable
 from poolpipe.planner.exact import (
     Solved,
     _read_counts,
@@ -109,6 +110,20 @@ def cheapest(
         return None  # a comparison where some model has no configuration
     assert req.rates is not None
     group = build_cost_milp(cands, list(req.rates), cluster, req.packing, dict(req.prices))
+    if decomposable(cluster, req.packing):
+        split = cheapest_split(
+            cands, list(req.rates), cluster, dict(req.prices), req.solver, req.time_limit_s,
+            req.threads,
+        )  # fmt: skip
+        if split.status == "infeasible":
+            return None
+        if split.status == "feasible":
+            assert split.chosen is not None
+            cost = sum(req.prices[g] * n for g, n in split.gpus.items())
+            result = MilpResult(req.solver, "optimal", None, cost, cost, 0.0, split.seconds)
+            solved = Solved(split.chosen, result, enums, group, cands, proof="decomposition")
+            return Cheapest(solved, cost, split.gpus)
+        # out of time: the MILP has what is left
     result = solve(group.milp, req.solver, req.time_limit_s, req.mip_gap, req.threads)
     if result.status == "infeasible":
         return None

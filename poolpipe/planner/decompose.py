@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from poolpipe.domain.cluster import Cluster
 from poolpipe.planner.candidates import CandidatePipeline
-from poolpipe.planner.formulation import Chosen, build_group_milp, chosen_objective
+from poolpipe.planner.formulation import Chosen, build_group_milp, chosen_objective, gpus_used
 from poolpipe.planner.solvers import solve
 
 ROUND_TOL = 1e-6
@@ -122,20 +122,49 @@ def reach(
 
 
 def _reach(problems: list[_ModelProblem], cluster: Cluster) -> tuple[str, list[Chosen] | None]:
+    split = _splits(problems, cluster)
+    if split is None:
+        return "infeasible", None
+    fits = [(total, picks) for total, picks in split.best.values() if total <= split.o_count]
+    if not fits:
+        return "infeasible", None
+    return "feasible", split.chosen(min(fits, key=lambda t: t[0])[1])
+
+
+@dataclass
+class _Splits:
+    """Every way to share the cluster's GPUs among the models, each reaching its target:
+    per count of type-e GPUs used in all, the fewest GPUs of the other type o."""
+
+    e: str
+    o: str | None  # None on a one-type cluster
+    o_count: int
+    b: list[dict[int, tuple[int | None, Chosen]]]  # per model: e-GPUs -> (fewest o, plan)
+    best: dict[int, tuple[int, list[int]]]  # e-GPUs in all -> (fewest o in all, e per model)
+
+    def chosen(self, picks: list[int]) -> list[Chosen]:
+        return [self.b[m][a][1] for m, a in enumerate(picks)]
+
+
+def _splits(problems: list[_ModelProblem], cluster: Cluster) -> _Splits | None:
+    """The splits (see _Splits); None when no model split reaches every target."""
     count = {p.gpu: p.count for p in cluster.pools}
     types = list(count)
+    b: list[dict[int, tuple[int | None, Chosen]]]
     if len(types) == 1:
         (gpu,) = types
         mins = [p.fewest(gpu, {}) for p in problems]
         if any(n is None for n, _ in mins) or sum(n or 0 for n, _ in mins) > count[gpu]:
-            return "infeasible", None
-        return "feasible", [ch for _, ch in mins]
+            return None
+        b = [{n or 0: (0, ch)} for n, ch in mins]
+        picks = [n or 0 for n, _ in mins]
+        return _Splits(gpu, None, 0, b, {sum(picks): (0, picks)})
     fewest = {gpu: [p.fewest(gpu, {}) for p in problems] for gpu in types}
     if any(n is None for n, _ in fewest[types[0]]):
-        return "infeasible", None  # some model cannot reach z even on the whole cluster
+        return None  # some model cannot reach its target even on the whole cluster
     slack = {gpu: count[gpu] - sum(n or 0 for n, _ in fewest[gpu]) for gpu in types}
     if min(slack.values()) < 0:
-        return "infeasible", None
+        return None
     e = min(types, key=lambda g: slack[g])  # enumerate the scarcer type
     o = types[1] if e == types[0] else types[0]
     los = [n or 0 for n, _ in fewest[e]]
@@ -143,7 +172,7 @@ def _reach(problems: list[_ModelProblem], cluster: Cluster) -> tuple[str, list[C
     # b[m][a]: fewest o-GPUs for model m with a e-GPUs, a in los[m] .. his[m]
     b = [{hi: p.fewest(o, {e: hi})} for p, hi in zip(problems, his, strict=True)]
     if sum(v[hi][0] or 0 for v, hi in zip(b, his, strict=True)) > count[o]:
-        return "infeasible", None  # even with every model at its most e-GPUs
+        return None  # even with every model at its most e-GPUs
     for p, lo, hi, values in zip(problems, los, his, b, strict=True):
         values[lo] = p.fewest(o, {e: lo})
         _fill(p, values, lo, hi, e, o)
@@ -159,10 +188,58 @@ def _reach(problems: list[_ModelProblem], cluster: Cluster) -> tuple[str, list[C
                 if used + a not in nxt or cand[0] < nxt[used + a][0]:
                     nxt[used + a] = cand
         best = nxt
-    total, picks = min(best.values(), default=(count[o] + 1, []), key=lambda t: t[0])
-    if total > count[o]:
-        return "infeasible", None
-    return "feasible", [b[m][a][1] for m, a in enumerate(picks)]
+    return _Splits(e, o, count[o], b, best)
+
+
+@dataclass
+class Cheapest:
+    """Outcome of `cheapest_split`: the cheapest plan serving the rates, a proof there is
+    none, or unknown (out of time)."""
+
+    status: str  # feasible | infeasible | unknown
+    chosen: list[Chosen] | None = None
+    gpus: dict[str, int] = field(default_factory=dict)  # physical GPUs per type
+    milps: int = 0
+    seconds: float = 0.0
+
+
+def cheapest_split(
+    cands: list[list[CandidatePipeline]],
+    rates: list[float],
+    cluster: Cluster,
+    prices: dict[str, float],
+    solver: str,
+    time_limit_s: float,
+    threads: int | None = None,
+) -> Cheapest:
+    """The cheapest per-position plan over `cands` serving `rates`, exactly: models share
+    nothing but the GPU counts, so each split of the cluster's GPUs among them (_splits,
+    the fewest o-GPUs for every count of e-GPUs) is priced and the cheapest kept; for a
+    given count of e-GPUs the fewest o-GPUs is also the cheapest."""
+    t0 = time.perf_counter()
+    problems = [
+        _ModelProblem(c, 1.0, cluster, r, solver, t0 + time_limit_s, threads)
+        for c, r in zip(cands, rates, strict=True)
+    ]
+    out = Cheapest("infeasible")
+    try:
+        split = _splits(problems, cluster)
+        if split is not None:
+            price = {g: prices[g] for g in (split.e, split.o) if g is not None}
+            fits = [
+                (price[split.e] * used + (price[split.o] * total if split.o else 0.0), picks)
+                for used, (total, picks) in split.best.items()
+                if total <= split.o_count
+            ]
+            if fits:
+                chosen = split.chosen(min(fits, key=lambda t: t[0])[1])
+                gpus = {g: n for g, n in gpus_used(chosen, "per-position").items() if n}
+                out = Cheapest("feasible", chosen, gpus)
+    except _OutOfTime:
+        out = Cheapest("unknown")
+    out.milps = sum(p.milps for p in problems)
+    out.seconds = time.perf_counter() - t0
+    return out
 
 
 def _fill(
