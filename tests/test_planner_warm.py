@@ -77,6 +77,8 @@ def test_a_plan_that_still_fits_is_its_own_warm_start(inst, packing):
         serving = make_plan(req)
     except PoolpipeError:
         return
+    if serving.objective <= 0:
+        return  # a model served nothing: no plan to start from
     again = make_plan(dataclasses.replace(req, warm_start=serving))
     assert again.meta["warm_start_objective"] == pytest.approx(serving.objective, rel=1e-9)
     assert again.objective == pytest.approx(serving.objective, rel=1e-6)
