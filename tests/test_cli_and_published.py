@@ -346,12 +346,18 @@ def test_cost_objective_plans_the_cheapest_gpus_for_given_rates(imported, tmp_pa
     assert np_cost is None or np_cost >= plan.meta["cost_per_hour"] - 1e-9
     with Warehouse.open(imported) as wh:
         plan.verify({n: wh.load_profile(n) for n in GROUP})
+    # --no-compare: the same plan, without the alternatives
+    assert main([*cost, "--no-compare", "--json"]) == 0
+    alone = Plan.from_dict(json.loads(capsys.readouterr().out))
+    assert alone.meta["cost_per_hour"] == pytest.approx(plan.meta["cost_per_hour"])
+    assert "np_cost_per_hour" not in alone.meta and "single_type_cost_per_hour" not in alone.meta
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--objective", "cost", "--prices", "L4=1,T4=1"], "needs the rates to serve: --rates"),
+        (["--no-compare"], "--no-compare applies to --objective cost only"),
         (
             ["--objective", "cost", "--rates", "repvgg-b3=10,other=5", "--prices", "L4=1,T4=1"],
             "not in --models: ['other']",

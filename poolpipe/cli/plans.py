@@ -188,9 +188,11 @@ def with_objective(args: argparse.Namespace, req: PlanRequest) -> PlanRequest:
     """--objective cost: the rates of --rates (one per model) and the prices of the
     cluster's file or warehouse, overridden by --prices."""
     if getattr(args, "objective", "maxmin") != "cost":
-        for flag in ("rates", "prices"):
+        for flag in ("rates", "prices", "no_compare"):
             if getattr(args, flag, None):
-                raise PoolpipeError(f"--{flag} applies to --objective cost only")
+                raise PoolpipeError(
+                    f"--{flag.replace('_', '-')} applies to --objective cost only"
+                )
         return req
     names = [m.name for m in req.models]
     if not args.rates:
@@ -218,7 +220,11 @@ def with_objective(args: argparse.Namespace, req: PlanRequest) -> PlanRequest:
             )
         prices.update(given)
     return dataclasses.replace(
-        req, objective="cost", rates=tuple(rates[n] for n in names), prices=prices
+        req,
+        objective="cost",
+        rates=tuple(rates[n] for n in names),
+        prices=prices,
+        cost_alternatives=not getattr(args, "no_compare", False),
     )
 
 
@@ -417,6 +423,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--prices",
         help="with --objective cost: price per GPU-hour per GPU type, e.g. L4=0.8,T4=0.35 "
         "(default: price_per_hour of the clusters file; these override it)",
+    )
+    plan.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="with --objective cost: skip pricing the cheapest np plan and the cheapest plan "
+        "on each GPU type alone (one solve fewer each)",
     )
     plan.add_argument(
         "--warm-start",

@@ -38,6 +38,9 @@ class PlanRequest:
     objective: str = "maxmin"
     rates: tuple[float, ...] | None = None
     prices: Mapping[str, float] = field(default_factory=dict)
+    # cost: also price the cheapest np plan and the cheapest plan on each GPU type alone
+    # for the same rates (one more MILP each), for the user to compare
+    cost_alternatives: bool = True
     # max-min: an earlier plan (the serving one) fitted to this cluster is the first plan
     # the search starts from (warm.py); the result is the same, found sooner
     warm_start: Plan | None = field(default=None, compare=False)

@@ -53,7 +53,7 @@ def make_plan(req: PlanRequest) -> Plan:
     if req.objective == "cost":
         req = rate_shares(req)
         lam, lam_solved = estimate_arrival_rates(req)
-        return make_cost_plan(req, lam, lam_solved, started)
+        return make_cost_plan(req, lam, lam_solved, started, req.cost_alternatives)
     lam, lam_solved = estimate_arrival_rates(req)
     if req.strategy == "dart-r":
         plan = plan_dart_r(req, lam, lam_solved, started)
