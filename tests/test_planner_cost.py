@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from poolpipe.errors import InfeasibleError, PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner.formulation import served as served_by
 from tests.conftest import tiny_cluster, tiny_model
 from tests.test_planner_properties import SETTINGS, brute_force_single, instances
 
@@ -301,3 +302,57 @@ def _same_cost(a: float | None, b: float | None) -> bool:
     return (a is None and b is None) or (
         a is not None and b is not None and a == pytest.approx(b, rel=1e-9)
     )
+
+
+# ------------------------------------------- per-share: proven by the max-min planner
+
+
+@SETTINGS
+@given(instances(n_models=2), st.floats(0.1, 1.0), st.booleans())
+def test_a_dearer_plan_is_improved_and_the_cheapest_proven_by_gpu_counts(inst, fraction, one_type):
+    """cost._prove_by_counts, handed a plan one GPU dearer than the cheapest (the cost
+    MILP's, proven on these tiny instances), must find the cheapest (or one as cheap) and
+    prove it: no GPU counts that cost less serve the rates (max-min objective below 1)."""
+    from poolpipe.planner import cost
+    from poolpipe.planner.strategies import estimate_arrival_rates
+
+    models, cluster, slos = inst
+    if one_type:
+        cluster = tiny_cluster(
+            [(p.gpu, p.count, p.gpus_per_server, p.shares) for p in cluster.pools[:1]],
+            cluster.bandwidth_gbps,
+        )
+    base = PlanRequest(
+        models=tuple(models),
+        weights=(0.4, 0.6),
+        slos_us=tuple(slos),
+        cluster=cluster,
+        margin=0.0,
+        mip_gap=1e-9,
+        batch_wait=False,
+    )
+    try:
+        most = make_plan(base)
+    except PoolpipeError:
+        return
+    if most.objective <= 0:
+        return
+    prices = {p.gpu: float(3 * i + 2) for i, p in enumerate(cluster.pools)}
+    req = cost.rate_shares(
+        dataclasses.replace(
+            base,
+            objective="cost",
+            rates=tuple(fraction * m.throughput for m in most.models),
+            prices=prices,
+        )
+    )
+    lam, _ = estimate_arrival_rates(req)
+    P = req.max_partitions
+    best = cost.cheapest(req, lam, P, False, cluster)
+    assert best is not None and best.solved.result.status == "optimal"
+    dearer = dataclasses.replace(best, cost_per_hour=best.cost_per_hour + max(prices.values()))
+    proven = cost._prove_by_counts(req, lam, P, False, cluster, dearer, float("inf"))
+    assert proven is not None and proven.solved.result.status == "optimal"
+    assert proven.cost_per_hour == pytest.approx(best.cost_per_hour, rel=1e-9)
+    served = [sum(served_by(c, n) for c, n in picked) for picked in proven.solved.chosen]
+    assert all(s >= r * (1 - 1e-6) for s, r in zip(served, req.rates, strict=True))

@@ -75,6 +75,10 @@ class Cluster:
             tuple(replace(p, count=p.count - lost.get(p.gpu, 0)) for p in self.pools),
         )
 
+    def with_counts(self, counts: dict[str, int]) -> Cluster:
+        """This cluster with `counts` GPUs of the types named (at most what it has)."""
+        return self.without({g: self.pool(g).count - n for g, n in counts.items()})
+
     @property
     def total_gpus(self) -> int:
         return sum(p.count for p in self.pools)

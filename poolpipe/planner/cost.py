@@ -13,7 +13,10 @@ rates gives the largest fraction of every rate that can be served together.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import Plan
@@ -27,10 +30,17 @@ from poolpipe.planner.exact import (
     model_costs,
     solve_group,
 )
-from poolpipe.planner.formulation import GroupMilp, build_cost_milp, price_units
+from poolpipe.planner.formulation import GroupMilp, build_cost_milp, gpus_used, price_units
+from poolpipe.planner.knapsack import knapsack_reaches
+from poolpipe.planner.pruning import candidate_bounds
 from poolpipe.planner.readback import assemble, pipeline_plan, solver_info
 from poolpipe.planner.request import PlanRequest
 from poolpipe.planner.solvers import MilpResult, solve
+
+COST_TRY_S = 3.0  # cost MILP time before the proof by GPU counts (one or two types)
+COST_RTOL = 1e-9  # a plan cheaper by less than this is not cheaper
+REACH_RTOL = 1e-9  # max-min objective within this of 1 serves the rates (VERIFY_RTOL is 1e-6)
+MAX_IMPROVEMENTS = 20  # cheaper plans found by the counts before giving up
 
 
 @dataclass
@@ -124,7 +134,14 @@ def cheapest(
             solved = Solved(split.chosen, result, enums, group, cands, proof="decomposition")
             return Cheapest(solved, cost, split.gpus)
         # out of time: the MILP has what is left
-    result = solve(group.milp, req.solver, req.time_limit_s, req.mip_gap, req.threads)
+    t0 = time.perf_counter()
+    by_counts = len(cluster.pools) <= 2
+    first = min(req.time_limit_s, COST_TRY_S) if by_counts else req.time_limit_s
+    result = solve(group.milp, req.solver, first, req.mip_gap, req.threads)
+    if result.values is None and first < req.time_limit_s and result.status != "infeasible":
+        by_counts = False  # no plan yet to prove: the MILP has all the time
+        left = req.time_limit_s - (time.perf_counter() - t0)
+        result = solve(group.milp, req.solver, left, req.mip_gap, req.threads)
     if result.status == "infeasible":
         return None
     if not result.has_solution or result.values is None:
@@ -133,11 +150,141 @@ def cheapest(
             f"{[m.name for m in req.models]} on {cluster.name} within {req.time_limit_s:g} s; "
             "raise --time-limit"
         )
-    chosen = _read_counts(group, cands, result.values)
-    solved = _solved(chosen, result, enums, group, cands, price_units(dict(req.prices))[1])
-    gpus = {gpu: round(_used(group, gpu, result)) for gpu in group.gpu_rows}
-    cost = sum(req.prices[g] * n for g, n in gpus.items())
-    return Cheapest(solved, cost, {g: n for g, n in gpus.items() if n})
+    values = result.values
+
+    def read(result: MilpResult) -> Cheapest:
+        assert result.values is not None
+        chosen = _read_counts(group, cands, result.values)
+        solved = _solved(chosen, result, enums, group, cands, price_units(dict(req.prices))[1])
+        gpus = {gpu: round(_used(group, gpu, result)) for gpu in group.gpu_rows}
+        return Cheapest(solved, sum(req.prices[g] * n for g, n in gpus.items()), _nonzero(gpus))
+
+    best = read(result)
+    if result.status == "optimal" or not by_counts:
+        return best
+    deadline = t0 + req.time_limit_s
+    proven = _prove_by_counts(req, lam, P, whole, cluster, best, deadline)
+    if proven is not None:
+        proven.solved.result.seconds = time.perf_counter() - t0
+        return proven
+    # not proven that way: the MILP goes on from its plan with the time left
+    left = max(0.0, deadline - time.perf_counter())
+    start = {i: float(v) for i, v in enumerate(values)}
+    result = solve(group.milp, req.solver, left, req.mip_gap, req.threads, start)
+    if result.values is None:
+        return best
+    best = read(result)
+    best.solved.result.seconds = time.perf_counter() - t0
+    return best
+
+
+def _nonzero(gpus: dict[str, int]) -> dict[str, int]:
+    return {g: n for g, n in gpus.items() if n}
+
+
+def _prove_by_counts(
+    req: PlanRequest,
+    lam: list[float | None],
+    P: int,
+    whole: bool,
+    cluster: Cluster,
+    best: Cheapest,
+    deadline: float,
+) -> Cheapest | None:
+    """Prove `best` cheapest (or find a cheaper plan and prove that one) on one or two GPU
+    types, by the max-min planner: serving the rates on some GPUs is monotone in their
+    counts, so no plan is cheaper iff none of the largest GPU counts that cost less (for
+    each count of one type, the most of the other) serves the rates, i.e. reaches max-min
+    objective 1 with the rates as weights. Each such count is dismissed by the LP bound or
+    by the max-min solve's proven bound (knapsacks, decomposition). None when a question
+    stays open (its bound not below 1 without a plan reaching it) or time runs out."""
+    assert req.rates is not None
+    rates = tuple(req.rates)
+    for _ in range(MAX_IMPROVEMENTS):
+        for counts in _cheaper_counts(cluster, req.prices, best.cost_per_hour):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return None
+            found = _serves(req, lam, P, whole, cluster.with_counts(counts), rates, left)
+            if found is None:
+                return None  # open
+            if isinstance(found, Solved):
+                gpus = _nonzero(gpus_used(found.chosen, req.packing))
+                cost = sum(req.prices[g] * n for g, n in gpus.items())
+                if cost < best.cost_per_hour * (1 - COST_RTOL):
+                    result = replace(best.solved.result, objective=cost, bound=cost)
+                    best = Cheapest(
+                        replace(best.solved, chosen=found.chosen, result=result), cost, gpus
+                    )
+                    break  # ask again below the new plan's cost
+                return None  # reached, yet no cheaper: should not happen; leave it open
+        else:
+            result = best.solved.result
+            result.status, result.bound, result.gap = "optimal", best.cost_per_hour, 0.0
+            best.solved.proof = "max-min by counts"
+            return best
+    return None
+
+
+def _serves(
+    req: PlanRequest,
+    lam: list[float | None],
+    P: int,
+    whole: bool,
+    cluster: Cluster,
+    rates: tuple[float, ...],
+    left: float,
+) -> Solved | Literal[False] | None:
+    """Do `cluster`'s GPUs serve `rates` (max-min objective >= 1 with the rates as weights,
+    the cost problem's λ̂)? Its plan if so, False if provably not, None if left open."""
+    sub = replace(
+        req, cluster=cluster, weights=rates, objective="maxmin", rates=None, prices={},
+        time_limit_s=left,
+    )  # fmt: skip
+    costs = model_costs(sub, lam, whole_gpus_only=whole)
+    what = "whole-GPU" if whole else f"{P}-partition"
+    try:
+        _, cands = enumerate_candidates(sub, costs, P, what)
+    except InfeasibleError:
+        return False  # a model has no configuration on these GPUs
+    cb = candidate_bounds(cands, list(rates), cluster)
+    if cb.dual_bound < 1 - REACH_RTOL:
+        return False  # not even the LP relaxation reaches the rates
+    if knapsack_reaches(cands, list(rates), cb, cluster, 1 - REACH_RTOL) is False:
+        return False  # nor the knapsacks (knapsack.py)
+    try:
+        solved = solve_group(sub, costs, P, what)
+    except SolverError:
+        return None
+    if solved.result.objective >= 1 - REACH_RTOL:
+        return solved
+    if solved.result.bound < 1 - REACH_RTOL:
+        return False
+    return None
+
+
+def _cheaper_counts(cluster: Cluster, prices, cost: float) -> list[dict[str, int]]:
+    """The largest GPU counts (at most the cluster's) that cost less than `cost`: for each
+    count of the first type, the most of the second; dearest first."""
+    pools = cluster.pools
+    below = cost * (1 - COST_RTOL)
+    first = pools[0]
+    out = []
+    for a in range(first.count, -1, -1):
+        rest = below - prices[first.gpu] * a
+        if rest < 0:
+            continue
+        if len(pools) == 1:
+            out.append({first.gpu: a})
+            break  # the largest affordable count covers the smaller ones
+        second = pools[1]
+        b = min(second.count, math.floor(rest / prices[second.gpu] - COST_RTOL))
+        if b < 0:
+            continue
+        if out and out[-1][second.gpu] == b:
+            continue  # (a, b) <= the previous (a + 1, b)
+        out.append({first.gpu: a, second.gpu: b})
+    return sorted(out, key=lambda c: -sum(prices[g] * n for g, n in c.items()))
 
 
 def _solved(

@@ -75,27 +75,10 @@ def knapsack_bound(
     `candidate_bounds` over these candidates or a superset of them).
     """
     t0 = time.perf_counter()
-    if not 1 <= len(cluster.pools) <= 2:
+    prepared = _prepare(candidates, cb, cluster, incumbent, max_work)
+    if prepared is None:
         return None
-    tix = {p.gpu: i for i, p in enumerate(cluster.pools)}
-    counts = np.array([p.count for p in cluster.pools], dtype=float)
-    unit = np.ones(len(counts), dtype=int)  # grid step per type: 1 / lcm of its shares
-    for cands in candidates:
-        for c in cands:
-            for p in c.partitions:
-                unit[tix[p.gpu]] = math.lcm(int(unit[tix[p.gpu]]), p.share)
-    cap = (counts * unit).astype(int)
-    cells = int(np.prod(cap + 1))
-    if cells > MAX_CELLS:
-        return None
-    max_pen = cb.dual_bound - incumbent + PEN_RTOL * max(1.0, abs(cb.dual_bound))
-    options = []
-    for m, cands in enumerate(candidates):
-        mu = float(cb.model_prices[m])
-        x, g, picks = _model_options(cands, tix, counts, cb.gpu_prices, mu, max_pen)
-        options.append((x, np.rint(g * unit).astype(int), picks))
-        if sum(len(o[0]) for o in options) * cells > max_work:
-            return None
+    options, cap, cells = prepared
     n_options = sum(len(o[0]) for o in options)
     trace = n_options * cells <= MAX_TRACE_BITS
     solved = [_knapsack(x, need, cap, trace) for x, need, _ in options]
@@ -263,3 +246,55 @@ def _combine(
 def _second(cap: np.ndarray) -> int:
     """Grid units of the second GPU type (0 on a one-type cluster)."""
     return int(cap[1]) if len(cap) > 1 else 0
+
+
+def knapsack_reaches(
+    candidates: list[list[CandidatePipeline]],
+    weights: list[float],
+    cb: CandidateBounds,
+    cluster: Cluster,
+    z: float,
+    max_work: float = MAX_WORK,
+) -> bool | None:
+    """Can the knapsacks reach objective z? False proves that no plan scores z or more
+    (a plan that does uses only options with pen <= D - z, and relaxes to the knapsacks);
+    None when they would be too large to solve quickly."""
+    prepared = _prepare(candidates, cb, cluster, z, max_work)
+    if prepared is None:
+        return None
+    options, cap, _ = prepared
+    tables = [_knapsack(x, need, cap, False)[0] for x, need, _ in options]
+    return _reachable(tables, weights, cap, z)
+
+
+def _prepare(
+    candidates: list[list[CandidatePipeline]],
+    cb: CandidateBounds,
+    cluster: Cluster,
+    incumbent: float,
+    max_work: float,
+) -> tuple[list, np.ndarray, int] | None:
+    """Every model's options with pen below D - incumbent, in grid units (x, GPUs, picks),
+    the grid's capacity per type and its cells; None if too large (see knapsack_bound)."""
+    if not 1 <= len(cluster.pools) <= 2:
+        return None
+    tix = {p.gpu: i for i, p in enumerate(cluster.pools)}
+    counts = np.array([p.count for p in cluster.pools], dtype=float)
+    unit = np.ones(len(counts), dtype=int)  # grid step per type: 1 / lcm of its shares
+    for cands in candidates:
+        for c in cands:
+            for p in c.partitions:
+                unit[tix[p.gpu]] = math.lcm(int(unit[tix[p.gpu]]), p.share)
+    cap = (counts * unit).astype(int)
+    cells = int(np.prod(cap + 1))
+    if cells > MAX_CELLS:
+        return None
+    max_pen = cb.dual_bound - incumbent + PEN_RTOL * max(1.0, abs(cb.dual_bound))
+    options = []
+    for m, cands in enumerate(candidates):
+        mu = float(cb.model_prices[m])
+        x, g, picks = _model_options(cands, tix, counts, cb.gpu_prices, mu, max_pen)
+        options.append((x, np.rint(g * unit).astype(int), picks))
+        if sum(len(o[0]) for o in options) * cells > max_work:
+            return None
+    return options, cap, cells
