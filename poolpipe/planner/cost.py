@@ -37,7 +37,7 @@ from poolpipe.planner.readback import assemble, pipeline_plan, solver_info
 from poolpipe.planner.request import PlanRequest
 from poolpipe.planner.solvers import MilpResult, solve
 
-COST_TRY_S = 3.0  # cost MILP time before the proof by GPU counts (one or two types)
+COST_TRY_S = 1.0  # cost MILP time before the proof by GPU counts (one or two types)
 COST_RTOL = 1e-9  # a plan cheaper by less than this is not cheaper
 REACH_RTOL = 1e-9  # max-min objective within this of 1 serves the rates (VERIFY_RTOL is 1e-6)
 MAX_IMPROVEMENTS = 20  # cheaper plans found by the counts before giving up
@@ -200,15 +200,20 @@ def _prove_by_counts(
     stays open (its bound not below 1 without a plan reaching it) or time runs out."""
     assert req.rates is not None
     rates = tuple(req.rates)
+    refuted: list[dict[str, int]] = []  # counts that do not serve, nor any below them
     for _ in range(MAX_IMPROVEMENTS):
         for counts in _cheaper_counts(cluster, req.prices, best.cost_per_hour):
+            if any(all(counts[g] <= r[g] for g in counts) for r in refuted):
+                continue
             left = deadline - time.perf_counter()
             if left <= 0:
                 return None
             found = _serves(req, lam, P, whole, cluster.with_counts(counts), rates, left)
             if found is None:
                 return None  # open
-            if isinstance(found, Solved):
+            if found is False:
+                refuted.append(counts)
+            else:
                 gpus = _nonzero(gpus_used(found.chosen, req.packing))
                 cost = sum(req.prices[g] * n for g, n in gpus.items())
                 if cost < best.cost_per_hour * (1 - COST_RTOL):
@@ -253,7 +258,7 @@ def _serves(
     if knapsack_reaches(cands, list(rates), cb, cluster, 1 - REACH_RTOL) is False:
         return False  # nor the knapsacks (knapsack.py)
     try:
-        solved = solve_group(sub, costs, P, what)
+        solved = solve_group(sub, costs, P, what, enough=1 - REACH_RTOL)
     except SolverError:
         return None
     if solved.result.objective >= 1 - REACH_RTOL:
@@ -265,7 +270,8 @@ def _serves(
 
 def _cheaper_counts(cluster: Cluster, prices, cost: float) -> list[dict[str, int]]:
     """The largest GPU counts (at most the cluster's) that cost less than `cost`: for each
-    count of the first type, the most of the second; dearest first."""
+    count of the first type, the most of the second; cheapest first (mostly refuted at
+    once by the LP bound; the first that serves the rates gives a plan near the cheapest)."""
     pools = cluster.pools
     below = cost * (1 - COST_RTOL)
     first = pools[0]
@@ -284,7 +290,7 @@ def _cheaper_counts(cluster: Cluster, prices, cost: float) -> list[dict[str, int
         if out and out[-1][second.gpu] == b:
             continue  # (a, b) <= the previous (a + 1, b)
         out.append({first.gpu: a, second.gpu: b})
-    return sorted(out, key=lambda c: -sum(prices[g] * n for g, n in c.items()))
+    return sorted(out, key=lambda c: sum(prices[g] * n for g, n in c.items()))
 
 
 def _solved(

@@ -98,7 +98,11 @@ def enumerate_candidates(
 
 
 def solve_group(
-    req: PlanRequest, costs: list[ModelCosts], max_partitions: int, what: str
+    req: PlanRequest,
+    costs: list[ModelCosts],
+    max_partitions: int,
+    what: str,
+    enough: float | None = None,
 ) -> Solved:
     """Solve one group MILP and prove its plan optimal (within the gap) as fast as we can.
 
@@ -107,11 +111,12 @@ def solve_group(
     for per-position groups of several models, after GROUP_TRY_S of it, the knapsacks on
     its better incumbent, then the per-model decomposition (decompose.py). A warm start
     (PlanRequest.warm_start, fitted to the cluster by warm.py) is the first incumbent.
+    `enough`: stop at the first plan scoring at least this (proof "target", unproven).
     """
     enums, cands = enumerate_candidates(req, costs, max_partitions, what)
     names = [m.name for m in req.models]
     warm = warm_chosen(req.warm_start, names, cands, list(req.weights), req.cluster, req.packing)
-    solved = _solve(req, enums, cands, warm)
+    solved = _solve(req, enums, cands, warm, enough)
     solved.warm_objective = warm[1] if warm is not None else None
     return solved
 
@@ -121,12 +126,13 @@ def _solve(
     enums: list[Enumeration],
     cands: list[list[CandidatePipeline]],
     warm: tuple[list[Chosen], float] | None,
+    enough: float | None = None,
 ) -> Solved:
     weights = list(req.weights)
     quick: _Quick | None = None
     dropped_bound = -math.inf
     if sum(len(c) for c in cands) > PRUNE_ABOVE:
-        cands, quick, dropped_bound = prune(req, cands, warm)
+        cands, quick, dropped_bound = prune(req, cands, warm, enough)
     group = build_group_milp(cands, weights, req.cluster, req.packing)
     start, target = None, None
     if warm is not None and quick is None:
@@ -135,6 +141,9 @@ def _solve(
     split = len(cands) > 1 and decomposable(req.cluster, req.packing)
     if quick is not None and quick.chosen is not None:
         known = _quick_result(req, quick, dropped_bound)
+        if enough is not None and quick.objective >= enough:
+            known.status = "target"
+            return Solved(quick.chosen, known, enums, group, cands, proof="target")
         chosen = _knapsack_proof(req, cands, quick, known) or quick.chosen
         if known.gap <= req.mip_gap:
             return Solved(chosen, known, enums, group, cands, proof="knapsack")
@@ -142,6 +151,8 @@ def _solve(
         known_bound, before = known.bound, known.seconds
         # The MILP may stop at any plan within the gap of the bound known so far.
         target = known_bound / (1 + req.mip_gap)
+    if enough is not None:
+        target = enough if target is None else min(target, enough)
     limit = min(req.time_limit_s, GROUP_TRY_S) if split else req.time_limit_s
     result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, start, target)
     if not result.has_solution or result.values is None:
@@ -155,6 +166,9 @@ def _solve(
         result.gap = max(result.gap, relative_gap(result.objective, result.bound))
     solved = Solved(_read_counts(group, cands, result.values), result, enums, group, cands)
     result.seconds += before
+    if enough is not None and result.objective >= enough:
+        result.status, solved.proof = "target", "target"
+        return solved
     if known_bound < result.bound:
         result.bound = known_bound
         result.gap = relative_gap(result.objective, result.bound)
@@ -291,9 +305,11 @@ def prune(
     req: PlanRequest,
     cands: list[list[CandidatePipeline]],
     warm: tuple[list[Chosen], float] | None = None,
+    enough: float | None = None,
 ) -> tuple[list[list[CandidatePipeline]], _Quick, float]:
     """Drop candidates that provably cannot be in a plan better than a quick incumbent
-    (the quick MILP's, started from `warm` when given, or `warm` itself if better).
+    (the quick MILP's, started from `warm` when given, or `warm` itself if better; the
+    quick MILP stops at `enough` when given).
 
     Returns the kept candidates, the incumbent, and the best objective any plan using a
     dropped candidate could reach (-inf if none was dropped).
@@ -313,7 +329,7 @@ def prune(
         if warm is not None:
             start = _start_values(group, top, *warm)
         limit = min(req.time_limit_s, INCUMBENT_TIME_S)
-        res = solve(group.milp, req.solver, limit, INCUMBENT_GAP, req.threads, start)
+        res = solve(group.milp, req.solver, limit, INCUMBENT_GAP, req.threads, start, enough)
         seconds += res.seconds
         chosen = _read_counts(group, top, res.values) if res.values is not None else None
         incumbent = res.objective if chosen is not None else 0.0
