@@ -145,7 +145,7 @@ def _solve(
             known.status = "target"
             return Solved(quick.chosen, known, enums, group, cands, proof="target")
         chosen = _knapsack_proof(req, cands, quick, known) or quick.chosen
-        if known.gap <= req.mip_gap:
+        if known.gap <= req.mip_gap or (enough is not None and known.bound < enough):
             return Solved(chosen, known, enums, group, cands, proof="knapsack")
         start = _start_values(group, cands, chosen, known.objective)
         known_bound, before = known.bound, known.seconds
