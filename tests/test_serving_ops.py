@@ -291,8 +291,6 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
     arrives meanwhile."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
     from pathlib import Path
 
@@ -302,27 +300,12 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
     plan_file = tmp_path / "plan.json"
     two_partition_plan().save(plan_file)
     shm_before = set(os.listdir("/dev/shm"))
-    argv = [sys.executable, "-m", "poolpipe.cli", "--warehouse", wh, "serve", str(plan_file)]
-    proc = subprocess.Popen(
-        [*argv, "--workspace", str(tmp_path / "ws")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "COLUMNS": "300"},
+    proc = _serving(
+        ["--warehouse", wh, "serve", str(plan_file), "--workspace", str(tmp_path / "ws")], 180
     )
     assert proc.stdout is not None
-    seen: list[str] = []
     children: set[int] = set()
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if "Ctrl-C stops" in line:
-                break
-        assert "Ctrl-C stops" in "".join(seen), "".join(seen[-20:])
         children = {p for p, _ in descendants(proc.pid)}
         assert len(children) >= 3  # the router's and the nodes' tritonservers, at least
         proc.send_signal(signal.SIGINT)
@@ -349,31 +332,14 @@ def test_a_node_killed_outright_takes_its_tritonserver_along(tmp_path):
     serving, orphaned: the server now gets SIGTERM when the node's process dies."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
 
     from triton_backend.nodes import descendants, is_running
 
-    argv = [sys.executable, "-m", "poolpipe.cli", "node", "--device", "cpu-1t"]
-    proc = subprocess.Popen(
-        [*argv, "--listen", "127.0.0.1", "--workspace", str(tmp_path / "node")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "COLUMNS": "300"},
-    )
-    assert proc.stdout is not None
-    seen: list[str] = []
+    argv = ["node", "--device", "cpu-1t", "--listen", "127.0.0.1"]
+    proc = _serving([*argv, "--workspace", str(tmp_path / "node")], 120)
     children: set[int] = set()
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any("Ctrl-C stops" in s for s in seen):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-        assert "Ctrl-C stops" in "".join(seen), "".join(seen[-20:])
         children = {p for p, _ in descendants(proc.pid)}
         assert children, "no tritonserver under the node"
         proc.kill()
@@ -389,3 +355,33 @@ def test_a_node_killed_outright_takes_its_tritonserver_along(tmp_path):
     for p in left:  # do not leave them to the next test
         os.kill(p, signal.SIGKILL)
     assert not left, f"the node's tritonserver {sorted(left)} outlived it"
+
+
+def _serving(args: list[str], timeout_s: float):
+    """`poolpipe ARGS` in its own process, once it says it serves ("Ctrl-C stops"); killed
+    (and the test failed with its last lines) if it does not within `timeout_s`."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poolpipe.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not any("Ctrl-C stops" in line for line in seen):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+    if not any("Ctrl-C stops" in line for line in seen):
+        proc.kill()
+        proc.wait()
+        raise AssertionError("".join(seen[-20:]) or f"poolpipe {args} said nothing")
+    return proc
