@@ -247,31 +247,11 @@ def test_cost_by_models_equals_the_cost_milp(inst, fraction, one_type):
     forced by declaring the cluster not decomposable), NIC limits, shares and all."""
     from poolpipe.planner import cost
 
-    models, cluster, slos = inst
-    if one_type:
-        cluster = tiny_cluster(
-            [(p.gpu, p.count, p.gpus_per_server, p.shares) for p in cluster.pools[:1]],
-            cluster.bandwidth_gbps,
-        )
-    base = PlanRequest(
-        models=tuple(models),
-        weights=(0.4, 0.6),
-        slos_us=tuple(slos),
-        cluster=cluster,
-        packing="per-position",
-        margin=0.0,
-        mip_gap=1e-9,
-        batch_wait=False,
-    )
-    try:
-        most = make_plan(base)
-    except PoolpipeError:
+    req = _cost_request(inst, one_type, fraction, step=1.0, packing="per-position")
+    if req is None:
         return
-    if most.objective <= 0:
-        return  # some model cannot be served at all
-    rates = tuple(fraction * m.throughput for m in most.models)
-    prices = {p.gpu: float(i + 2) for i, p in enumerate(cluster.pools)}
-    req = dataclasses.replace(base, objective="cost", rates=rates, prices=prices)
+    rates = req.rates
+    assert rates is not None
 
     def plan_or_none(decomposable):
         saved = cost.decomposable
@@ -298,6 +278,40 @@ def test_cost_by_models_equals_the_cost_milp(inst, fraction, one_type):
         assert m.throughput >= r * (1 - 1e-9)
 
 
+def _cost_request(inst, one_type: bool, fraction: float, step: float, **options):
+    """The cost request of a two-model instance (on its first GPU type only with
+    `one_type`): rates `fraction` of what its max-min plan serves each model, prices
+    step·i + 2 per GPU type i; None when the max-min plan leaves a model unserved."""
+    models, cluster, slos = inst
+    if one_type:
+        cluster = tiny_cluster(
+            [(p.gpu, p.count, p.gpus_per_server, p.shares) for p in cluster.pools[:1]],
+            cluster.bandwidth_gbps,
+        )
+    base = PlanRequest(
+        models=tuple(models),
+        weights=(0.4, 0.6),
+        slos_us=tuple(slos),
+        cluster=cluster,
+        margin=0.0,
+        mip_gap=1e-9,
+        batch_wait=False,
+        **options,
+    )
+    try:
+        most = make_plan(base)
+    except PoolpipeError:
+        return None
+    if most.objective <= 0:
+        return None  # some model cannot be served at all
+    return dataclasses.replace(
+        base,
+        objective="cost",
+        rates=tuple(fraction * m.throughput for m in most.models),
+        prices={p.gpu: step * i + 2 for i, p in enumerate(cluster.pools)},
+    )
+
+
 def _same_cost(a: float | None, b: float | None) -> bool:
     return (a is None and b is None) or (
         a is not None and b is not None and a == pytest.approx(b, rel=1e-9)
@@ -316,36 +330,10 @@ def test_a_dearer_plan_is_improved_and_the_cheapest_proven_by_gpu_counts(inst, f
     from poolpipe.planner import cost
     from poolpipe.planner.strategies import estimate_arrival_rates
 
-    models, cluster, slos = inst
-    if one_type:
-        cluster = tiny_cluster(
-            [(p.gpu, p.count, p.gpus_per_server, p.shares) for p in cluster.pools[:1]],
-            cluster.bandwidth_gbps,
-        )
-    base = PlanRequest(
-        models=tuple(models),
-        weights=(0.4, 0.6),
-        slos_us=tuple(slos),
-        cluster=cluster,
-        margin=0.0,
-        mip_gap=1e-9,
-        batch_wait=False,
-    )
-    try:
-        most = make_plan(base)
-    except PoolpipeError:
+    made = _cost_request(inst, one_type, fraction, step=3.0)
+    if made is None:
         return
-    if most.objective <= 0:
-        return
-    prices = {p.gpu: float(3 * i + 2) for i, p in enumerate(cluster.pools)}
-    req = cost.rate_shares(
-        dataclasses.replace(
-            base,
-            objective="cost",
-            rates=tuple(fraction * m.throughput for m in most.models),
-            prices=prices,
-        )
-    )
+    req, cluster, prices = cost.rate_shares(made), made.cluster, made.prices
     lam, _ = estimate_arrival_rates(req)
     P = req.max_partitions
     best = cost.cheapest(req, lam, P, False, cluster)
