@@ -26,7 +26,7 @@ from poolpipe.runtime import (
 )
 from poolpipe.runtime.placement import vgpu_nodes
 from poolpipe.scheduler import make_data_plane
-from poolpipe.scheduler.messages import DROP_STAGE_OVERRAN
+from poolpipe.scheduler.messages import DROP_OVERDUE, DROP_STAGE_OVERRAN
 from poolpipe.sim.engine import VirtualClock
 from tests.factories import make_topology
 
@@ -77,7 +77,10 @@ def run_job(rt: ServingRuntime, job: Job, at: float, durations: list[float]) -> 
 
 
 def test_deadlines_hold_back_the_reply_margin_and_count_against_the_full_slo():
-    rt, _, ex = runtime([([0], [10.0], 0.0)], slo_us=50.0, reply_margin_us=5.0)
+    # (without the overdue watch, a batch that runs past an SLO is answered late)
+    rt, _, ex = runtime(
+        [([0], [10.0], 0.0)], slo_us=50.0, reply_margin_us=5.0, drop_overdue=False
+    )
     (a,) = rt.submit(0, [1])
     assert a is not None and (a.arrival_us, a.deadline_us, a.due_us) == (0.0, 45.0, 50.0)
     (b,) = rt.submit(0, [2], slo_us=30.0)  # a per-request SLO
@@ -92,6 +95,61 @@ def test_deadlines_hold_back_the_reply_margin_and_count_against_the_full_slo():
     assert (models[0]["arrivals"], models[0]["on_time"], models[0]["late"]) == (2, 1, 1)
     assert pools[0]["busy_ms"] == pytest.approx(58e-3)
     assert rt.take_window()[0][0]["arrivals"] == 0  # a window counts once
+
+
+def test_a_batch_still_running_at_its_slo_is_answered_then_dropped_not_late():
+    # Two requests in one batch of 2 on two stages of 10 µs, SLOs 25 and 60 µs. Stage 0
+    # runs until 40 (a host whose cores a burst took): request 1 is answered at 26, dropped,
+    # while the stage still runs; request 2 is answered with the batch, on time.
+    rt, clock, ex = runtime(
+        [([0], [10.0, 10.0], 0.0), ([1], [10.0, 10.0], 0.0)], slo_us=60.0, batch=2
+    )
+    rt.add(0, 1, slo_us=25.0)
+    rt.add(0, 2)
+    rt.decide()
+    (job,) = ex.jobs
+    rt.hop_started(job, 0, 0.0)
+    clock.run_until(25.0)
+    assert not ex.answers  # its SLO has not run out yet
+    clock.run_until(26.0)
+    assert ex.answers == {1: (DROPPED, DROP_OVERDUE)}
+    rt.hop_done(job, 0, 0.0, 40.0)
+    clock.run_until(40.0)
+    assert rt.hop_late(job, 1) is True  # request 2 can still make it: the hop runs
+    rt.hop_started(job, 1, 40.0)
+    clock.run_until(50.0)
+    rt.hop_done(job, 1, 40.0, 50.0)
+    assert ex.answers[2] == (ON_TIME, "")
+    s = rt.stats["m"]
+    assert (s.on_time, s.late, s.dropped) == (1, 0, 1)
+    assert rt.drop_reasons == {DROP_OVERDUE: 1}
+    clock.run_until(1_000.0)  # the watch of the ended batch answers nothing more
+    assert len(ex.answers) == 2 and rt.in_flight() == 0
+
+
+def test_a_batch_that_ends_past_the_slo_before_the_watch_fires_is_a_drop_too():
+    # the live loop may take a stage's answer in after the SLO, before the watch's timer
+    rt, _, ex = runtime([([0], [10.0], 0.0)], slo_us=30.0)
+    rt.submit(0, [1])
+    (job,) = ex.jobs
+    rt.hop_started(job, 0, 0.0)
+    rt.hop_done(job, 0, 0.0, 30.5)  # the clock still stands at 0
+    assert ex.answers == {1: (DROPPED, DROP_OVERDUE)}
+    assert rt.stats["m"].late == 0
+
+
+def test_a_batch_whose_requests_all_ran_out_does_not_run_its_later_hops():
+    rt, clock, ex = runtime([([0], [10.0], 0.0), ([1], [10.0], 0.0)], slo_us=30.0)
+    rt.submit(0, [1])
+    (job,) = ex.jobs
+    rt.hop_started(job, 0, 0.0)
+    clock.run_until(31.0)
+    assert ex.answers == {1: (DROPPED, DROP_OVERDUE)}
+    rt.hop_done(job, 0, 0.0, 35.0)
+    clock.run_until(35.0)
+    assert rt.hop_late(job, 1) is False  # nothing left to answer: the hop must not run
+    rt.submit(0, [2])  # the path it held is free: the next request is served from now
+    assert ex.jobs[-1].dispatch.hops[0].start_us == pytest.approx(35.0)
 
 
 def test_a_request_that_cannot_make_its_deadline_is_dropped_explicitly():
@@ -411,7 +469,8 @@ def test_the_guard_is_recomputed_every_few_samples_also_once_its_windows_are_ful
     moves = []
     set_lateness = plane.set_wake_lateness
     plane.set_wake_lateness = lambda us: (moves.append(us), set_lateness(us))  # type: ignore
-    config = RuntimeConfig(recalibrate=recalibrate)
+    # (the overdue watch, a timer of its own, is left out: only the wakes are counted)
+    config = RuntimeConfig(recalibrate=recalibrate, drop_overdue=False)
     rt = ServingRuntime(ServedPlan(topo, plane, vgpu_nodes(topo)), clock, ex, config)
     t = 0.0
     for k in range(300):
@@ -434,7 +493,7 @@ def test_the_guard_is_recomputed_every_few_samples_also_once_its_windows_are_ful
 def test_held_batches_go_out_earlier_when_batches_overrun_their_reservations():
     """Stages that run 30 µs over their reservation (a busy host's stage workers, the
     executor's own path) make every lone request, held for batch-mates until its last
-    moment, late. After 8 such batches (stages that found their vGPU idle) the runtime
+    moment, miss its SLO (answered then, dropped: the overdue watch). After 8 such batches (stages that found their vGPU idle) the runtime
     has measured the overrun and the plane's wake guard holds its p99 back: lone requests
     go out that much earlier and are on time again."""
     topo = make_topology([([0], [10.0, 12.0, 14.0, 16.0], 0.0)], slo_us=1000.0, batch=4)
@@ -454,6 +513,6 @@ def test_held_batches_go_out_earlier_when_batches_overrun_their_reservations():
         run_job(rt, ex.jobs[-1], t, [40.0])  # reserved 10 µs
         outcomes.append(ex.answers[k][0])
         t += 5000.0
-    assert outcomes[:8] == [LATE] * 8
+    assert outcomes[:8] == [DROPPED] * 8
     assert outcomes[8:] == [ON_TIME] * 4
     assert rt.overrun_us == 30.0 and plane.wake_guard_us == 31.0

@@ -365,12 +365,13 @@ def test_a_deadline_no_plan_can_meet_is_refused_at_once(served, protocol):
 
 
 def test_a_burst_gets_on_time_answers_and_explicit_drops_not_late_ones(served):
-    """100 requests at once (each on its own connection, bodies built beforehand, so that
-    the client's own cost stays out of the figures) with slo_ms 100: more than the two
-    cpu-1t stages can serve in time. Every request is answered: a result or an explicit
-    drop (503), counted alike by the router and the client. The router answers late only
-    what its last stage ran over its reservation for (no one can foresee that; at most two
-    batches of 4 or 15% here, where the burst's work at the door takes the stages' CPU).
+    """100 requests at once (each on its own connection, bodies built beforehand, timed by
+    the kernel's receive stamps, so that the client's own cost stays out of the figures)
+    with slo_ms 100: more than the two cpu-1t stages can serve in time. Every request is
+    answered: a result or an explicit drop (503), counted alike by the router and the
+    client. The router answers nothing late: a batch whose stage still runs when a
+    request's SLO runs out (here the burst's work at the door takes the stages' CPU) has
+    that request answered then, dropped.
     At the client, late answers are tolerated within limits stated
     for this shared 2-core machine, where the client, Triton's front end, the door and both
     stages compete for the CPU and a burst waits in Triton's front end where no one sees
@@ -389,7 +390,7 @@ def test_a_burst_gets_on_time_answers_and_explicit_drops_not_late_ones(served):
         assert len(ok) + len(dropped) == N_BURST, {s.outcome for s in shots}
         assert ok, "nothing served"
         assert win["arrivals"] == N_BURST and win["dropped"] == len(dropped), win
-        assert win["late"] <= max(8, 0.15 * len(ok)), win  # two batches: see above
+        assert win["late"] == 0, win
         late = [s.latency_s for s in ok if s.latency_s > 0.105]
         assert len(late) <= len(ok) / 3, (len(late), len(ok))
         assert max(s.latency_s for s in ok) <= 0.150, sorted(s.latency_s for s in ok)[-5:]

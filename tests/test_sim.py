@@ -93,18 +93,20 @@ def test_same_seed_same_result_other_seed_other_result(plans):
     assert a.models != c.models
 
 
-def test_late_completions_count_as_misses():
+@pytest.mark.parametrize("drop_overdue", [True, False])
+def test_late_completions_count_as_misses(drop_overdue):
     # One vGPU, 10 µs per request, SLO 15 µs, and the executor runs 3x slower than profiled:
-    # the scheduler dispatches (the profile says 10 fits), the request completes late.
+    # the scheduler dispatches (the profile says 10 fits), the request runs past its SLO:
+    # answered at 15 µs, dropped, as the router does; or, without the overdue watch, late.
     topo = make_topology([([0], [10.0], 0.0)], slo_us=15.0)
     dp = make_data_plane("eager", topo)
-    sim = Simulator(
-        topo, dp, np.array([0.0]), np.array([0]), SimConfig(duration_s=1e-3, seed=1, jitter=0.0)
-    )
+    config = SimConfig(duration_s=1e-3, seed=1, jitter=0.0, drop_overdue=drop_overdue)
+    sim = Simulator(topo, dp, np.array([0.0]), np.array([0]), config)
     topo_slow = make_topology([([0], [30.0], 0.0)], slo_us=15.0)
     sim.topo = topo_slow  # the executor's truth differs from the scheduler's profile
     res = sim.run()
-    assert (res.models[0].on_time, res.models[0].late) == (0, 1)
+    m = res.models[0]
+    assert (m.on_time, m.late, m.dropped) == ((0, 0, 1) if drop_overdue else (0, 1, 0))
     assert res.attainment == 0.0
 
 
@@ -113,12 +115,12 @@ def test_measured_stage_factors_stretch_each_pools_computes():
     # late (the last stage's overrun cannot be foreseen); the same factor on stage 0 only:
     # stage 1 would start 10 µs after its reserved start, the batch could no longer end by
     # 25, and the request is dropped explicitly instead of answered late; factors of 1.0
-    # change nothing.
+    # change nothing. (Without the overdue watch, which would answer both at 25, dropped.)
     topo = make_topology([([0], [10.0], 0.0), ([1], [10.0], 0.0)], slo_us=25.0)
 
     def run(factors):
         dp = make_data_plane("eager", topo)
-        cfg = SimConfig(duration_s=1e-3, seed=1, stage_factors=factors)
+        cfg = SimConfig(duration_s=1e-3, seed=1, stage_factors=factors, drop_overdue=False)
         return Simulator(topo, dp, np.array([0.0]), np.array([0]), cfg).run()
 
     assert run(((1.0,), (1.0,))).attainment == 1.0

@@ -15,6 +15,7 @@ The simulator and the live router are its two drivers; neither restates a policy
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections import Counter, deque
@@ -39,7 +40,7 @@ from poolpipe.runtime.ports import (
 )
 from poolpipe.runtime.stats import ModelStats, Windows
 from poolpipe.scheduler import DataPlane, Dispatch, StageReport
-from poolpipe.scheduler.messages import DROP_STAGE_OVERRAN
+from poolpipe.scheduler.messages import DROP_OVERDUE, DROP_STAGE_OVERRAN
 from poolpipe.scheduler.topology import Topology, with_latencies
 
 # Live recalibration: after this many stage calls of a pool that found their vGPU idle, the
@@ -57,6 +58,9 @@ NODE_CHECK_EVERY_US = 500_000.0
 # by at most OVERRUN_CAP_US. Batches held for more requests then go out that much earlier.
 WAKE_WINDOW, WAKE_EVERY, WAKE_LATE_CAP_US = 256, 8, 20_000.0
 OVERRUN_CAP_US = 20_000.0
+# A request whose batch is still running this long after its SLO ran out is answered then,
+# dropped (RuntimeConfig.drop_overdue): later than the SLO, never by a few µs of round-off.
+OVERDUE_AFTER_US = 1.0
 SWITCHED_AWAY = "the plan was switched before this request could finish"
 
 
@@ -76,6 +80,10 @@ class RuntimeConfig:
     node_check_every_us: float = NODE_CHECK_EVERY_US
     keep_latencies: bool = True  # each answer's latency, for the windows' percentiles
     max_slo_ms: float = MAX_SLO_MS  # the longest per-request SLO a request may ask for
+    # answer a request whose batch is still running when its SLO runs out, dropped, then
+    # (a stage that ran far over its time, e.g. on cores a burst took): an explicit drop
+    # instead of a late answer; the batch runs on, its vGPU stays busy until it ends
+    drop_overdue: bool = True
 
     def __post_init__(self) -> None:
         if not (self.reply_margin_us >= 0 and math.isfinite(self.reply_margin_us)):
@@ -152,6 +160,11 @@ class ServingRuntime:
         self.generations = [self.gen]
         self._observing = self.config.recalibrate or self.config.record_stage_factors
         self._keep_latencies = self.config.keep_latencies
+        self._drop_overdue = self.config.drop_overdue
+        self._watched: list[tuple[float, int, Job]] = []  # running jobs by earliest SLO end
+        self._watch_seq = 0
+        self._watch_timer: Timer | None = None
+        self._watch_at = math.inf
         self._live: dict[int, Entry] = {}
         self._next_id = 0
         self._wake: Timer | None = None
@@ -369,8 +382,58 @@ class ServingRuntime:
         if d.hops[0].pool == gen.first_pool[d.pipeline]:
             self.batches += 1
             entries[0].stats.batch_sizes[n] += 1
-        slack = min(e.due_us for e in entries) - d.hops[-1].end_us
-        self.executor.run(Job(d, entries, gen, slack))
+        due = min(e.due_us for e in entries)
+        job = Job(d, entries, gen, due - d.hops[-1].end_us)
+        if self._drop_overdue:
+            self._watch_seq += 1
+            heapq.heappush(self._watched, (due, self._watch_seq, job))
+            if due < self._watch_at:
+                self._arm_watch(due)
+        self.executor.run(job)
+
+    # ------------------------------------------------------------------ overdue batches
+
+    def _arm_watch(self, due: float) -> None:
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+        self._watch_at = due
+        self._watch_timer = self.clock.call_at(due + OVERDUE_AFTER_US, self._on_watch)
+
+    def _on_watch(self) -> None:
+        """The earliest SLO among the running jobs has run out: requests of jobs still
+        running past their SLO are answered now, dropped (RuntimeConfig.drop_overdue). One
+        timer for all running jobs: a heap of (earliest SLO end, job), ended jobs skipped."""
+        self._watch_timer, self._watch_at = None, math.inf
+        now = self.clock.now()
+        watched = self._watched
+        while watched and (watched[0][2].ended or watched[0][0] < now):
+            _, _, job = heapq.heappop(watched)
+            if job.ended:
+                continue
+            first = self._overdue(job, now)
+            if first < math.inf:
+                self._watch_seq += 1
+                heapq.heappush(watched, (first, self._watch_seq, job))
+        if watched:
+            self._arm_watch(watched[0][0])
+
+    def _overdue(self, job: Job, now: float) -> float:
+        """Answer, dropped, the requests of running `job` whose SLO has run out; the
+        earliest SLO end among those left (inf: none left, and the job's later hops will
+        not run: the executor asks hop_late, which lets them go)."""
+        live = self._live
+        first = math.inf
+        for entry in job.entries:
+            if entry.outcome != PENDING:
+                continue
+            if entry.due_us < now:
+                if live.pop(entry.id, None) is not None:
+                    self._end(entry, DROPPED, DROP_OVERDUE, now)
+            elif entry.due_us < first:
+                first = entry.due_us
+        if first == math.inf:
+            job.slack_us = -math.inf
+        return first
 
     # ------------------------------------------------------------------ reports
 
@@ -403,14 +466,23 @@ class ServingRuntime:
                 reserved = max(1.0, hop.end_us - hop.start_us)
                 self._observe(gen, hop.pool, (end_us - start_us) / reserved)
         again = gen.plane.on_stage_done(StageReport(d.id, h, start_us, end_us), end_us)
-        if h == len(d.hops) - 1 and self._observing and all(job.idle) and gen is self.gen:
+        last = h == len(d.hops) - 1
+        if last:
+            job.ended = True
+        if last and self._observing and all(job.idle) and gen is self.gen:
             self._overran(end_us - hop.end_us)
-        if h == len(d.hops) - 1 and d.final:
+        if last and d.final:
             live = self._live
             for entry in job.entries:
-                if entry.outcome == PENDING:
-                    del live[entry.id]
-                    self._end(entry, ON_TIME if end_us <= entry.due_us else LATE, "", end_us)
+                if entry.outcome != PENDING:
+                    continue
+                del live[entry.id]
+                if end_us <= entry.due_us:
+                    self._end(entry, ON_TIME, "", end_us)
+                elif self._drop_overdue:  # past its SLO before the watch could answer it
+                    self._end(entry, DROPPED, DROP_OVERDUE, end_us)
+                else:
+                    self._end(entry, LATE, "", end_us)
         if again and gen is self.gen:
             self._decide(self.clock.now())
 
@@ -438,6 +510,7 @@ class ServingRuntime:
         if first < math.inf:
             job.slack_us = first - d.hops[-1].end_us
             return True
+        job.ended = True
         gen.plane.on_dispatch_failed(d.id, h, now)
         if gen is self.gen:
             self._decide(now)
@@ -454,6 +527,7 @@ class ServingRuntime:
         now = self.clock.now()
         if job.started > h and self._observing:
             gen.running[hop.vgpu] -= 1
+        job.ended = True
         gen.plane.on_dispatch_failed(d.id, h, now)
         node = gen.served.vgpu_node[hop.vgpu]
         current = gen is self.gen

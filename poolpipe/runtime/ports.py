@@ -65,7 +65,7 @@ class Entry(Request):
 class Job:
     """A dispatched batch as the executor runs it: its hops in order, on its plan."""
 
-    __slots__ = ("dispatch", "entries", "generation", "idle", "slack_us", "started")
+    __slots__ = ("dispatch", "entries", "generation", "idle", "slack_us", "started", "ended")
 
     def __init__(
         self, dispatch: Dispatch, entries: list[Entry], generation: Any, slack_us: float = 0.0
@@ -78,6 +78,7 @@ class Job:
         # How much later than reserved a hop may start with every request still on time
         # (the earliest SLO end, arrival + SLO, less the reserved end of the last hop).
         self.slack_us = slack_us
+        self.ended = False  # the runtime's: its last hop reported (done, failed or let go)
 
     @property
     def served(self) -> ServedPlan:

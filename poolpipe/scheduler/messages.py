@@ -16,6 +16,8 @@ DROP_CANNOT_MEET = "deadline cannot be met"
 DROP_OVERLOAD = "queue full"
 # (the runtime's) a stage before the batch's ran over its reservation: it would be late
 DROP_STAGE_OVERRAN = "deadline cannot be met: a stage ran over its reserved time"
+# (the runtime's) its batch was still running when its SLO ran out: answered then, not late
+DROP_OVERDUE = "deadline passed while its batch ran"
 
 
 @dataclass(slots=True)

@@ -58,6 +58,9 @@ class SimConfig:
     reply_margin_us: float = 0.0
     # Recalibrate pools whose stages run off their reservations, as the live router does.
     recalibrate: bool = False
+    # Answer a request whose batch still runs when its SLO runs out then, dropped, as the
+    # live router does (RuntimeConfig.drop_overdue); False: it is answered late.
+    drop_overdue: bool = True
 
 
 # ---------------------------------------------------------------------------- the clock
@@ -491,6 +494,7 @@ class Simulator:
                 reply_margin_us=self.config.reply_margin_us,
                 recalibrate=self.config.recalibrate,
                 keep_latencies=False,
+                drop_overdue=self.config.drop_overdue,
             ),
         )
         self.cluster.add_generation(rt.gen, self.topo)
