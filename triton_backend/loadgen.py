@@ -4,6 +4,10 @@ asyncio gRPC client, each answer timed and classified (ok, dropped, failed, erro
 from __future__ import annotations
 
 import asyncio
+import selectors
+import socket
+import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -95,18 +99,21 @@ def summarize(shots: list[Shot], slo_s: float, duration_s: float) -> dict[str, f
 
 
 def burst(
-    url: str, model: str, inputs: dict[str, np.ndarray], n: int, slo_ms: float | None = None
+    url: str,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    n: int,
+    slo_ms: float | None = None,
+    timeout_s: float = 30.0,
 ) -> list[Shot]:
-    """n requests sent at once over KServe v2 HTTP, each on its own connection (opened
-    first), with request bodies built beforehand: the client's own cost stays out of the
-    latencies (each is timed from the moment its bytes are written), as it would with n
-    clients on other hosts. Answers: 200 ok, 503 dropped, anything else an error."""
-    return asyncio.run(_burst(url, model, inputs, n, slo_ms))
-
-
-async def _burst(
-    url: str, model: str, inputs: dict[str, np.ndarray], n: int, slo_ms: float | None
-) -> list[Shot]:
+    """n requests sent at once over KServe v2 HTTP, each on its own connection (all opened
+    first), with request bodies built beforehand, as n clients on other hosts would send
+    them. Each is timed from just before its bytes go to the kernel (a blocking send: the
+    server takes them as fast as it reads) to when the kernel received its answer's last
+    bytes (SO_TIMESTAMPNS), so the client's own work reading n answers on cores it shares
+    with the server stays out of the latencies (where the kernel gives no timestamp, from
+    when the answer was read). Answers: 200 ok, 503 dropped, anything else an error; none
+    within `timeout_s`: an error timed at `timeout_s`."""
     import tritonclient.http as th
 
     from triton_backend.repository import kserve_dtype
@@ -119,36 +126,90 @@ async def _burst(
     params = None if slo_ms is None else {"slo_ms": slo_ms}
     body, json_size = th.InferenceServerClient.generate_request_body(prepared, parameters=params)
     host, port = url.rsplit(":", 1)
-    head = (
+    request = (
         f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {url}\r\n"
         "Content-Type: application/octet-stream\r\n"
         f"Inference-Header-Content-Length: {json_size}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    request = head + body
-    conns = [await asyncio.open_connection(host, int(port)) for _ in range(n)]
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-
-    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Shot:
-        sent = loop.time()
-        writer.write(request)
-        status = (await reader.readline()).split()
-        length = 0
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        text = await reader.readexactly(length)
-        took = loop.time() - sent
-        writer.close()
-        code = status[1] if len(status) > 1 else b""
-        outcome = "ok" if code == b"200" else "dropped" if code == b"503" else "error"
+    ).encode() + body
+    stamp_opt = getattr(socket, "SO_TIMESTAMPNS", 35)  # 35: Linux's, where Python lacks it
+    socks = []
+    stamped = True
+    for _ in range(n):
+        s = socket.create_connection((host.strip("[]"), int(port)))
+        try:
+            s.setsockopt(socket.SOL_SOCKET, stamp_opt, 1)
+        except OSError:
+            stamped = False
+        socks.append(s)
+    sent = []
+    try:
+        for s in socks:
+            sent.append(time.time_ns())
+            s.sendall(request)
+        answers = _read_answers(socks, stamp_opt if stamped else None, timeout_s)
+    finally:
+        for s in socks:
+            s.close()
+    t0 = sent[0]
+    shots = []
+    for k, (t_ns, code, text) in enumerate(answers):
+        if t_ns is None:
+            shots.append(Shot((sent[k] - t0) / 1e9, timeout_s, "error"))
+            continue
+        outcome = "ok" if code == 200 else "dropped" if code == 503 else "error"
         if outcome == "error" and FAIL_MARKER.encode() in text:
             outcome = "failed"
-        return Shot(sent - t0, took, outcome)
+        shots.append(Shot((sent[k] - t0) / 1e9, max(0.0, (t_ns - sent[k]) / 1e9), outcome))
+    return shots
 
-    shots = await asyncio.gather(*(one(r, w) for r, w in conns))
-    return sorted(shots, key=lambda s: s.sent_s)
+
+def _read_answers(
+    socks: list, stamp_opt: int | None, timeout_s: float
+) -> list[tuple[int | None, int, bytes]]:
+    """Each connection's answer: (when its last bytes came, ns of CLOCK_REALTIME, or None
+    if it did not come; HTTP status; body)."""
+    sel = selectors.DefaultSelector()
+    bufs = [bytearray() for _ in socks]
+    out: list[tuple[int | None, int, bytes]] = [(None, 0, b"")] * len(socks)
+    for k, s in enumerate(socks):
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, k)
+    left = len(socks)
+    deadline = time.monotonic() + timeout_s
+    anc = socket.CMSG_SPACE(16)
+    while left and time.monotonic() < deadline:
+        for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
+            k, s = key.data, socks[key.data]
+            try:
+                data, cmsgs, _, _ = s.recvmsg(1 << 16, anc)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data, cmsgs = b"", []
+            t_ns = time.time_ns()
+            for level, kind, raw in cmsgs:
+                if stamp_opt is not None and level == socket.SOL_SOCKET and kind == stamp_opt:
+                    sec, nsec = struct.unpack("qq", raw[:16])
+                    t_ns = sec * 1_000_000_000 + nsec
+            buf = bufs[k]
+            buf += data
+            end = buf.find(b"\r\n\r\n")
+            if end < 0 and data:
+                continue
+            length = 0
+            for line in bytes(buf[:end]).split(b"\r\n")[1:]:
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            if data and len(buf) < end + 4 + length:
+                continue
+            status = bytes(buf[: buf.find(b"\r\n")]).split()
+            code = int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
+            out[k] = (t_ns if end >= 0 else None, code, bytes(buf[end + 4 :]))
+            sel.unregister(s)
+            left -= 1
+    sel.close()
+    return out
 
 
 CAPACITY_STEPS = 16  # live capacity is found to 1/16 of the top rate
