@@ -11,7 +11,11 @@ parameter `poolpipe_next`: JSON list of the hops after this one, each {"url", "m
 of the chain and answers, once the chain's answer comes back, the whole model's outputs
 (`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
 nanoseconds of each hop's own monotonic clock, this hop first. Its instance is free for the
-next batch while the rest of the chain runs. With a `poolpipe_key` parameter in the config,
+next batch while the rest of the chain runs. `poolpipe_budget_us` (optional): the time
+left until the chain must be done, from when this hop's request was sent; the next hop
+gets what is left of it as its request's timeout (its node refuses the request when it
+waited longer in the queue) and its own budget, and a hop with nothing left does not
+forward ("POOLPIPE_HOP 1: POOLPIPE_DEADLINE ..."). With a `poolpipe_key` parameter in the config,
 a chain is followed only when `poolpipe_sig` (HMAC-SHA256 of the chain with the key) is
 right: nobody without it can make the node send data elsewhere. An error down the chain is
 answered as "POOLPIPE_HOP k: ..." with k the failing hop, counted from this one.
@@ -79,7 +83,7 @@ class TritonPythonModel:
                 chain = params.get("poolpipe_next")
                 if chain is not None:
                     self._check(chain, params.get("poolpipe_sig", ""))
-                start = time.monotonic_ns()
+                start = time.monotonic_ns()  # (its wait in this node's queue is not known)
                 outs = self.session.run(self.outputs, feeds)
                 end = time.monotonic_ns()
                 if chain is None:
@@ -130,6 +134,14 @@ class TritonPythonModel:
         if self.key is not None:
             forward["poolpipe_sig"] = chain_signature(self.key, rest)
         sent = time.monotonic_ns()
+        timeout = None
+        if params.get("poolpipe_budget_us") is not None:
+            left = int(float(params["poolpipe_budget_us"]) - (sent - start) / 1e3)
+            if left <= 0:
+                self._fail(sender, "POOLPIPE_HOP 1: POOLPIPE_DEADLINE: no time left to forward")
+                return
+            forward["poolpipe_budget_us"] = str(left)
+            timeout = left
 
         def done(result, error):
             try:
@@ -156,6 +168,7 @@ class TritonPythonModel:
             done,
             outputs=wanted,
             parameters=forward,
+            timeout=timeout,
             client_timeout=FORWARD_TIMEOUT_S,
         )
 

@@ -6,7 +6,9 @@ made."""
 
 from __future__ import annotations
 
+import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -204,6 +206,7 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
                         [i],
                         parameters={"poolpipe_next": chain, "poolpipe_sig": "0" * 64},
                     )
+                _chains_keep_to_their_time(dep, c, i, first, token)
                 c.close()
         finally:
             dep.down()
@@ -215,6 +218,42 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
     assert chain[0] < 1.2 * payload, (seen, payload)
     # and the feature maps went from server 0 to server 1 directly
     assert chain[1] >= n * fmap_bytes and chain[2] >= n * fmap_bytes, seen
+
+
+def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:
+    """A chain with no time left is not forwarded, and a hop that waited in its node's
+    queue longer than its request's timeout is refused there: work that can no longer be
+    on time does not pile up in the nodes' queues out of the router's sight."""
+    from poolpipe.client.control import chain_signature
+
+    second = next(p for p in dep.layout.placements if p.start > 0)
+    path = json.dumps([{"url": dep.nodes[second.node].grpc_url, "model": second.partition}])
+    out = dep.ios[0].outputs[0].name
+    params = {
+        "poolpipe_next": path,
+        "poolpipe_outputs": json.dumps([out]),
+        "poolpipe_sig": chain_signature(node_key(token), path),
+    }
+    # a budget that the first hop's own compute uses up: not forwarded
+    with pytest.raises(Exception, match="POOLPIPE_HOP 1: POOLPIPE_DEADLINE"):
+        c.infer(first.partition, [inp], parameters={**params, "poolpipe_budget_us": "1"})
+    # time enough: served through the chain
+    r = c.infer(first.partition, [inp], parameters={**params, "poolpipe_budget_us": "30000000"})
+    assert r.as_numpy(out).shape[0] == inp.shape()[0]
+    # calls sent at once with a 1 µs timeout: one runs, those that waited behind it are
+    # refused by the node's queue
+    errors: list[str] = []
+    done = threading.Semaphore(0)
+
+    def back(result, error) -> None:
+        errors.append("" if error is None else str(error))
+        done.release()
+
+    for _ in range(4):
+        c.async_infer(first.partition, [inp], back, timeout=1)
+    for _ in range(4):
+        assert done.acquire(timeout=30)
+    assert any("timeout expired" in e.lower() for e in errors), errors
 
 
 def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(

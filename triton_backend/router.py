@@ -424,6 +424,10 @@ class TritonExecutor:
             return  # dropped: the rest of its path is released
         self.loop.call_later(max(0.0, (hop0.end_us - hop0.start_us) / 1e6), gate.release)
         rt.hop_started(job, 0, start)
+        # the chain's time: until the last SLO of its requests runs out; a node refuses a
+        # hop that waited longer in its queue, and nobody forwards with none left
+        budget = int(max(e.due_us for e in entries) - start)
+        params["poolpipe_budget_us"] = str(budget)
         try:
             result = await self._infer(
                 served.vgpu_node[hop0.vgpu],
@@ -431,13 +435,17 @@ class TritonExecutor:
                 inputs,
                 outputs=wanted,
                 parameters=params,
+                timeout=max(1, budget),
             )
         except Exception as exc:
             failed, why = _failed_hop(exc)
             times = _reserved_times(d.hops, start)
             for h in range(1, failed + 1):
                 rt.hop_done(job, h - 1, *times[h - 1])
-                rt.hop_started(job, h, times[h][0])
+                if h < failed or not _out_of_time(why):
+                    rt.hop_started(job, h, times[h][0])
+            if _out_of_time(why) and not rt.hop_late(job, failed):
+                return  # its requests' SLOs ran out on the way: dropped, the path let go
             rt.hop_failed(job, failed, f"{plan.pool_partition[d.hops[failed].pool]}: {why}")
             return
         back = rt.clock.now()
@@ -701,6 +709,12 @@ def _failed_hop(exc: BaseException) -> tuple[int, str]:
         if k.strip().isdigit():
             return int(k), why.strip()
     return 0, text
+
+
+def _out_of_time(why: str) -> bool:
+    """A chain's hop refused for want of time (its node's queue held it past the request's
+    timeout, or the hop before it had none left to forward), not for a node's failure."""
+    return "POOLPIPE_DEADLINE" in why or "timeout expired" in why.lower()
 
 
 def _reserved_times(hops: Sequence[Any], start: float) -> list[tuple[float, float]]:

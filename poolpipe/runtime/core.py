@@ -492,7 +492,9 @@ class ServingRuntime:
         rest of the path as reserved, shifted by the delay, ends after their SLO: late even
         with no time for the reply, whose margin was held back for this) are dropped now,
         explicitly, rather than answered late; True while any request of the batch remains,
-        else the rest of the path is released and the hop must not run."""
+        else the rest of the path is released and the hop must not run. (A driver also asks
+        it of a started hop that was refused for want of time: a chain's node whose queue
+        held it past its requests' SLOs.)"""
         gen = job.generation
         d = job.dispatch
         now = self.clock.now()
@@ -511,6 +513,8 @@ class ServingRuntime:
             job.slack_us = first - d.hops[-1].end_us
             return True
         job.ended = True
+        if job.started > h and self._observing:  # a hop given up on after it started
+            gen.running[d.hops[h].vgpu] -= 1
         gen.plane.on_dispatch_failed(d.id, h, now)
         if gen is self.gen:
             self._decide(now)
