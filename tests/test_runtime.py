@@ -18,6 +18,7 @@ from poolpipe.runtime import (
     LATE,
     ON_TIME,
     RECALIBRATE_EVERY,
+    RECALIBRATE_MAX,
     Entry,
     Job,
     RuntimeConfig,
@@ -265,6 +266,27 @@ def test_recalibration_triggers_outside_the_band_and_not_inside():
     assert rt.recalibrations == 1
 
 
+def test_recalibration_stays_within_its_limits_and_the_door_judges_by_the_plan():
+    """Stages measured 10x slower than reserved (an overload that took the host's cores)
+    scale the pool's latencies by RECALIBRATE_MAX at most, from the latencies it was
+    served with: a request still fits its SLO and is served, so stages keep running and
+    measured, and the latencies come back when the stages do; the door's check of what
+    the plan can ever serve uses the served latencies, not the scaled ones."""
+    rt, clock, ex = runtime([([0], [10.0, 18.0], 0.0)], slo_us=40.0, batch=2, plane="eager")
+    t = 0.0
+    for rounds, took in ((3, 100.0), (1, 10.0)):
+        for _ in range(rounds * RECALIBRATE_EVERY):
+            rt.submit(0, [len(ex.answers) + 1000])
+            assert ex.jobs[-1].dispatch.hops[0].start_us == pytest.approx(t)  # served
+            t = run_job(rt, ex.jobs[-1], t, [took]) + 1
+            clock.run_until(t)
+        if took > 10.0:
+            top = RECALIBRATE_MAX
+            assert rt.topo.pools[0].latency_us[1:] == (10.0 * top, 18.0 * top)
+            assert rt.check("m", 2, None) == (0, None)  # 2 rows fit 40 µs as served (18)
+    assert rt.topo.pools[0].latency_us[1:] == (10.0, 18.0)  # back as the stages came back
+
+
 def test_recalibration_can_be_turned_off_and_stage_factors_are_kept_when_asked():
     rt, clock, ex = runtime([([0], [10.0], 0.0)], recalibrate=False, record_stage_factors=True)
     t = 0.0
@@ -493,9 +515,10 @@ def test_the_guard_is_recomputed_every_few_samples_also_once_its_windows_are_ful
 def test_held_batches_go_out_earlier_when_batches_overrun_their_reservations():
     """Stages that run 30 µs over their reservation (a busy host's stage workers, the
     executor's own path) make every lone request, held for batch-mates until its last
-    moment, miss its SLO (answered then, dropped: the overdue watch). After 8 such batches (stages that found their vGPU idle) the runtime
-    has measured the overrun and the plane's wake guard holds its p99 back: lone requests
-    go out that much earlier and are on time again."""
+    moment, miss its SLO (answered then, dropped: the overdue watch). After 8 such batches
+    (stages that found their vGPU idle) the runtime has measured the overrun and the
+    plane's wake guard holds its p99 back: lone requests go out that much earlier and are
+    on time again."""
     topo = make_topology([([0], [10.0, 12.0, 14.0, 16.0], 0.0)], slo_us=1000.0, batch=4)
     clock = VirtualClock()
     ex = HandExecutor()

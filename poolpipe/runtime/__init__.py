@@ -9,6 +9,7 @@ Triton stage workers) are its two drivers.
 from poolpipe.runtime.core import (
     RECALIBRATE_BAND,
     RECALIBRATE_EVERY,
+    RECALIBRATE_MAX,
     RuntimeConfig,
     ServingRuntime,
     SwitchResult,
@@ -51,6 +52,7 @@ __all__ = [
     "PENDING",
     "RECALIBRATE_BAND",
     "RECALIBRATE_EVERY",
+    "RECALIBRATE_MAX",
     "BadRequest",
     "Clock",
     "Entry",

@@ -49,6 +49,10 @@ from poolpipe.scheduler.topology import Topology, with_latencies
 # call at a time; under load, stage workers that share a host's cores run slower.
 RECALIBRATE_EVERY = 20
 RECALIBRATE_BAND = 0.1
+# ... by at most this factor either way from the latencies the plan was served with: stages
+# measured far slower (a host's cores taken by an overload) would otherwise leave no batch
+# fitting any SLO, and with nothing run, nothing measured to bring them back.
+RECALIBRATE_MAX = 2.0
 # A failed node is asked whether it serves again this often (µs).
 NODE_CHECK_EVERY_US = 500_000.0
 # The plane's wake guard grows by the p99 of how late the last WAKE_WINDOW wakes fired
@@ -126,6 +130,8 @@ class Generation:
             self.node_vgpus.setdefault(node, []).append(v)
         self.first_pool = [pipe.pools[0] for pipe in topo.pipelines]
         self.slo_us = [m.slo_us for m in topo.models]
+        self.base_topo = topo  # as served (recalibration scales from it, within limits)
+        self.scale = [1.0] * P  # each pool's latencies / its served ones
         self.model_stats = [stats.setdefault(m.name, ModelStats()) for m in topo.models]
 
     @property
@@ -257,7 +263,7 @@ class ServingRuntime:
         """A request at the door, before it is queued: (model index, SLO in µs or None for
         the model's), or a BadRequest naming what is wrong (see intake.check_request)."""
         return check_request(
-            self.gen.served.topo, model, rows, slo_ms, self.reply_margin_us, self.config.max_slo_ms
+            self.gen.base_topo, model, rows, slo_ms, self.reply_margin_us, self.config.max_slo_ms
         )
 
     def submit(
@@ -628,8 +634,12 @@ class ServingRuntime:
         recent.clear()
         if abs(f - 1.0) <= self.config.recalibrate_band:
             return
-        topo = gen.served.topo
-        new = with_latencies(topo, {pool: tuple(x * f for x in topo.pools[pool].latency_us)})
+        scale = min(RECALIBRATE_MAX, max(1.0 / RECALIBRATE_MAX, gen.scale[pool] * f))
+        if scale == gen.scale[pool]:
+            return
+        gen.scale[pool] = scale
+        base = gen.base_topo.pools[pool].latency_us
+        new = with_latencies(gen.served.topo, {pool: tuple(x * scale for x in base)})
         gen.plane.set_latencies(new)
         gen.served = replace(gen.served, topo=new)
         self.recalibrations += 1

@@ -65,7 +65,7 @@ class Entry(Request):
 class Job:
     """A dispatched batch as the executor runs it: its hops in order, on its plan."""
 
-    __slots__ = ("dispatch", "entries", "generation", "idle", "slack_us", "started", "ended")
+    __slots__ = ("dispatch", "ended", "entries", "generation", "idle", "slack_us", "started")
 
     def __init__(
         self, dispatch: Dispatch, entries: list[Entry], generation: Any, slack_us: float = 0.0
