@@ -11,6 +11,7 @@ from poolpipe.domain.inventory import (
     load_inventory,
     parse_inventory,
 )
+from poolpipe.errors import PoolpipeError
 
 GOOD = """
 [[servers]]
@@ -152,3 +153,18 @@ def test_plan_for_an_inventory(tmp_path, capsys, ppipe_dir):
     assert all(n <= {"L4": 1, "T4": 2}[g] for g, n in plan.gpus_used().items())
     assert main([*args, "--cluster", "hc2-large"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_the_transport_follows_where_the_nodes_are():
+    """auto: through the router when every node is on its host (loopback), else node to
+    node; an explicit choice stays; a wrong one is named with the choices."""
+    from triton_backend.deploy import resolve_transport
+
+    local = ["127.0.0.1:8001", "[::1]:8001", "localhost:9000"]
+    assert resolve_transport("auto", local) == "router"
+    assert resolve_transport("auto", [*local, "10.77.0.2:8001"]) == "chain"
+    assert resolve_transport("auto", ["gpu-node-3:8001"]) == "chain"  # a host name
+    assert resolve_transport("chain", local) == "chain"
+    assert resolve_transport("router", ["10.77.0.2:8001"]) == "router"
+    with pytest.raises(PoolpipeError, match="unknown transport 'nccl'; choose auto, router"):
+        resolve_transport("nccl", local)

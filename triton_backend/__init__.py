@@ -4,4 +4,7 @@ repositories) and the router (poolpipe's serving runtime live, behind its own Tr
 # How a batch travels its path (triton_backend.router.TritonExecutor): through the router
 # between stages, or from node to node.
 TRANSPORTS = ("router", "chain")
+# what a deployment may be asked for: "auto" is "router" when every node is on the router's
+# host (loopback addresses), "chain" otherwise (feature maps then never cross the router's NIC)
+TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 REPLAN_GRACE_S = 10.0  # a node out of service this long has the cluster re-planned (serve)

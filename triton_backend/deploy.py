@@ -11,10 +11,11 @@ door)."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_latencies
 from poolpipe.sim.metrics import SimResult
 from poolpipe.sim.scenario import Scenario
+from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
 from triton_backend.calibration import calibrate, warm
 from triton_backend.env import signals_held, triton_home
 from triton_backend.frontend import Frontend
@@ -175,8 +177,9 @@ class Deployment:
         `token`: the secret shared with the nodes (their management APIs expect the key
         derived from it; nodes this process starts are restricted so, and so is the
         router's own Triton); None: nothing restricted.
-        `transport`: "router" (each hop sent from the router; feature maps pass through it)
-        or "chain" (feature maps node to node; the router sends inputs, gets outputs).
+        `transport`: "router" (each hop sent from the router; feature maps pass through it),
+        "chain" (feature maps node to node; the router sends inputs, gets outputs), or
+        "auto": "router" when every node has a loopback address, else "chain".
         `supervise`: restart the nodes this process runs when they exit on their own
         (Supervisor; `poolpipe serve` does), instead of leaving it to restart_node."""
         workspace = Path(workspace)
@@ -207,6 +210,8 @@ class Deployment:
         try:
             topo, lay, parts = prepare(plan, warehouse, workspace, "g0")
             nodes, inventory = _attach(lay, inventory, local, workspace, key)
+            urls = [n.grpc_url for n in nodes.values()]
+            transport = options["transport"] = resolve_transport(transport, urls)
             load_layout(lay, parts, nodes, max_batch, loaded=[])
             warm(lay, nodes, parts, _top_batch(topo))
             ios = model_io(topo, lay, parts)
@@ -442,6 +447,28 @@ def _attach(
         return attach(lay, inventory, dict(local.nodes), key), inventory
     assert inventory is not None
     return attach(lay, inventory, key=key), inventory
+
+
+def resolve_transport(transport: str, urls: Iterable[str]) -> str:
+    """The transport for nodes at these gRPC addresses ("host:port"): "auto" is "router"
+    when all of them are on loopback (the router's own host: feature maps cross no NIC
+    either way, and a hop from the router is the cheaper path), else "chain"."""
+    if transport != "auto":
+        if transport not in TRANSPORTS:
+            choices = ", ".join(TRANSPORT_CHOICES)
+            raise PoolpipeError(f"unknown transport {transport!r}; choose {choices}")
+        return transport
+    return "router" if all(_loopback(u) for u in urls) else "chain"
+
+
+def _loopback(url: str) -> bool:
+    host = url.rpartition(":")[0].strip("[]") or url
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: another host as far as anyone here can tell
+        return False
 
 
 def _top_batch(topo: Topology) -> int:

@@ -123,6 +123,8 @@ class Server:
             self._failure_thread = threading.Thread(target=self._failure_loop, daemon=True)
             self._failure_thread.start()
         self.metrics_port = None
+        # the router's Prometheus metrics, on the address its clients reach it at
+        self.metrics_address = str(options.get("listen", "127.0.0.1"))
         if metrics_port is not None:
             from prometheus_client import start_http_server
             from prometheus_client.registry import CollectorRegistry
@@ -130,7 +132,7 @@ class Server:
             registry = CollectorRegistry()
             registry.register(RouterCollector(self))
             self.metrics_port = metrics_port or free_ports(1)[0]
-            start_http_server(self.metrics_port, addr="127.0.0.1", registry=registry)
+            start_http_server(self.metrics_port, addr=self.metrics_address, registry=registry)
 
     # ------------------------------------------------------------------ statistics
 

@@ -18,7 +18,7 @@ from poolpipe.cli.common import add_reply_margin_argument, err_console, warn_slo
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES
-from triton_backend import REPLAN_GRACE_S, TRANSPORTS
+from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
 
 console = Console()
 
@@ -131,14 +131,21 @@ def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
     dep = server.deployment
     console.print(
         f"serving plan {plan_id} ({', '.join(m.name for m in plan.models)}) on "
-        f"{len(dep.nodes)} node(s): KServe v2 HTTP {dep.http_url}, "
+        f"{len(dep.nodes)} node(s) (feature maps "
+        f"{'node to node' if dep.options['transport'] == 'chain' else 'through the router'}): "
+        f"KServe v2 HTTP {dep.http_url}, "
         f"gRPC {dep.grpc_url}, router metrics "
-        f"http://127.0.0.1:{server.metrics_port}/metrics\n"
+        f"http://{_host(server.metrics_address)}:{server.metrics_port}/metrics\n"
         f"roll out another plan: poolpipe rollout PLAN --router {dep.grpc_url} "
         f"--token-file {token_file}\n"
         "Ctrl-C stops."
     )
     _wait_for_signal(stop)
+
+
+def _host(address: str) -> str:
+    """An address as a URL's host (IPv6 in brackets)."""
+    return f"[{address}]" if ":" in address else address
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -242,10 +249,11 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=0, help="the router's HTTP port (a free one)")
     p.add_argument(
         "--transport",
-        choices=TRANSPORTS,
+        choices=TRANSPORT_CHOICES,
         default="router",
         help="router: every stage called from the router (feature maps pass through it); "
-        "chain: the first node sends its feature map straight to the next (router)",
+        "chain: the first node sends its feature map straight to the next; auto: router "
+        "when every node is on this host (loopback addresses), else chain (router)",
     )
     p.add_argument("--grpc-port", type=int, default=0, help="the router's gRPC port (a free one)")
 
