@@ -12,11 +12,11 @@ of the chain and answers, once the chain's answer comes back, the whole model's 
 (`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
 nanoseconds of each hop's own monotonic clock, this hop first. Its instance is free for the
 next batch while the rest of the chain runs. `poolpipe_budget_us` (optional): the time
-left until the chain must be done, from when this hop's request was sent; the next hop
-gets what is left of it as its request's timeout (its node refuses the request when it
-waited longer in the queue) and its own budget, and a hop with nothing left does not
-forward ("POOLPIPE_HOP 1: POOLPIPE_DEADLINE ..."). With a `poolpipe_key` parameter in the config,
-a chain is followed only when `poolpipe_sig` (HMAC-SHA256 of the chain with the key) is
+left until the chain must be done; the next hop gets what is left of it after this hop's
+compute, and a hop with nothing left does not forward ("POOLPIPE_HOP 1: POOLPIPE_DEADLINE
+..."). (A queue policy refusing hops that waited past a timeout was tried: this Triton's
+dynamic batcher then stalled calls for 0.5 s now and then.) With a `poolpipe_key`
+parameter in the config, a chain is followed only when `poolpipe_sig` (HMAC-SHA256 of the chain with the key) is
 right: nobody without it can make the node send data elsewhere. An error down the chain is
 answered as "POOLPIPE_HOP k: ..." with k the failing hop, counted from this one.
 """
@@ -134,14 +134,12 @@ class TritonPythonModel:
         if self.key is not None:
             forward["poolpipe_sig"] = chain_signature(self.key, rest)
         sent = time.monotonic_ns()
-        timeout = None
         if params.get("poolpipe_budget_us") is not None:
             left = int(float(params["poolpipe_budget_us"]) - (sent - start) / 1e3)
             if left <= 0:
                 self._fail(sender, "POOLPIPE_HOP 1: POOLPIPE_DEADLINE: no time left to forward")
                 return
             forward["poolpipe_budget_us"] = str(left)
-            timeout = left
 
         def done(result, error):
             try:
@@ -168,7 +166,6 @@ class TritonPythonModel:
             done,
             outputs=wanted,
             parameters=forward,
-            timeout=timeout,
             client_timeout=FORWARD_TIMEOUT_S,
         )
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -221,9 +220,8 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
 
 
 def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:
-    """A chain with no time left is not forwarded, and a hop that waited in its node's
-    queue longer than its request's timeout is refused there: work that can no longer be
-    on time does not pile up in the nodes' queues out of the router's sight."""
+    """A chain with no time left is not forwarded: work that can no longer be on time is
+    not sent on to queue at the next node, out of the router's sight."""
     from poolpipe.client.control import chain_signature
 
     second = next(p for p in dep.layout.placements if p.start > 0)
@@ -240,20 +238,6 @@ def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:
     # time enough: served through the chain
     r = c.infer(first.partition, [inp], parameters={**params, "poolpipe_budget_us": "30000000"})
     assert r.as_numpy(out).shape[0] == inp.shape()[0]
-    # calls sent at once with a 1 µs timeout: one runs, those that waited behind it are
-    # refused by the node's queue
-    errors: list[str] = []
-    done = threading.Semaphore(0)
-
-    def back(result, error) -> None:
-        errors.append("" if error is None else str(error))
-        done.release()
-
-    for _ in range(4):
-        c.async_infer(first.partition, [inp], back, timeout=1)
-    for _ in range(4):
-        assert done.acquire(timeout=30)
-    assert any("timeout expired" in e.lower() for e in errors), errors
 
 
 def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
