@@ -367,10 +367,12 @@ def client_run(kind, url, model, in_name, x, n, slo_ms=None):
         [sys.executable, "-c", CLIENT, spec],
         capture_output=True,
         text=True,
-        check=True,
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
+    if out.returncode:
+        why = (out.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"the {kind} client against {url} failed: {why}")
     result = json.loads(out.stdout)
     return np.asarray(result) if kind == "closed" else result
 
