@@ -437,12 +437,13 @@ class TritonExecutor:
             )
         except Exception as exc:
             failed, why = _failed_hop(exc)
+            out_of_time = _out_of_time(why)
             times = _reserved_times(d.hops, start)
             for h in range(1, failed + 1):
                 rt.hop_done(job, h - 1, *times[h - 1])
-                if h < failed or not _out_of_time(why):
+                if h < failed or not out_of_time:
                     rt.hop_started(job, h, times[h][0])
-            if _out_of_time(why) and not rt.hop_late(job, failed):
+            if out_of_time and not rt.hop_late(job, failed):
                 return  # its requests' SLOs ran out on the way: dropped, the path let go
             rt.hop_failed(job, failed, f"{plan.pool_partition[d.hops[failed].pool]}: {why}")
             return

@@ -427,18 +427,24 @@ class ServingRuntime:
         """Answer, dropped, the requests of running `job` whose SLO has run out; the
         earliest SLO end among those left (inf: none left, and the job's later hops will
         not run: the executor asks hop_late, which lets them go)."""
+        first = self._drop_due_before(job, now, DROP_OVERDUE, now)
+        if first == math.inf:
+            job.slack_us = -math.inf
+        return first
+
+    def _drop_due_before(self, job: Job, limit: float, reason: str, now: float) -> float:
+        """Answer, dropped for `reason`, the requests of `job` still waiting whose SLO ends
+        before `limit`; the earliest SLO end among those left (inf: none left)."""
         live = self._live
         first = math.inf
         for entry in job.entries:
             if entry.outcome != PENDING:
                 continue
-            if entry.due_us < now:
+            if entry.due_us < limit:
                 if live.pop(entry.id, None) is not None:
-                    self._end(entry, DROPPED, DROP_OVERDUE, now)
+                    self._end(entry, DROPPED, reason, now)
             elif entry.due_us < first:
                 first = entry.due_us
-        if first == math.inf:
-            job.slack_us = -math.inf
         return first
 
     # ------------------------------------------------------------------ reports
@@ -499,22 +505,13 @@ class ServingRuntime:
         with no time for the reply, whose margin was held back for this) are dropped now,
         explicitly, rather than answered late; True while any request of the batch remains,
         else the rest of the path is released and the hop must not run. (A driver also asks
-        it of a started hop that was refused for want of time: a chain's node whose queue
-        held it past its requests' SLOs.)"""
+        it of a hop that was not run for want of time: a chain's hop whose node had no
+        time left to forward the feature map to.)"""
         gen = job.generation
         d = job.dispatch
         now = self.clock.now()
         end = d.hops[-1].end_us + (now - d.hops[h].start_us)
-        live = self._live
-        first = math.inf
-        for entry in job.entries:
-            if entry.outcome != PENDING:
-                continue
-            if entry.due_us < end:
-                if live.pop(entry.id, None) is not None:
-                    self._end(entry, DROPPED, DROP_STAGE_OVERRAN, now)
-            else:
-                first = min(first, entry.due_us)
+        first = self._drop_due_before(job, end, DROP_STAGE_OVERRAN, now)
         if first < math.inf:
             job.slack_us = first - d.hops[-1].end_us
             return True
