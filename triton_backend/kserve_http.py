@@ -66,12 +66,7 @@ class _Connection(asyncio.Protocol):
                     self._fail(StageCallError("the node's answer has no end of headers"))
                 return
             try:
-                lines = bytes(self.buf[:end]).split(b"\r\n")
-                status = int(lines[0].split(None, 2)[1])
-                headers = {}
-                for line in lines[1:]:
-                    k, _, v = line.partition(b":")
-                    headers[k.strip().lower()] = v.strip()
+                status, headers = parse_head(bytes(self.buf[:end]))
                 if headers.get(b"transfer-encoding", b"identity").lower() != b"identity":
                     raise ValueError("chunked answers are not read here")
                 self.need = int(headers.get(b"content-length", b"0"))
@@ -199,6 +194,18 @@ class HttpStage:
         for conn in self._idle:
             conn._close()
         self._idle.clear()
+
+
+def parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:
+    """The status and the headers (names in lower case) of an HTTP/1.1 answer's head, up to
+    its blank line; ValueError or IndexError when it is not one."""
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split(None, 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(b":")
+        headers[k.strip().lower()] = v.strip()
+    return status, headers
 
 
 def _error_text(status: int, body: bytes) -> str:

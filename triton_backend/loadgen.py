@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from triton_backend.kserve_http import parse_head
 from triton_backend.router import DROP_MARKER, FAIL_MARKER
 
 
@@ -195,17 +196,19 @@ def _read_answers(
             buf = bufs[k]
             buf += data
             end = buf.find(b"\r\n\r\n")
-            if end < 0 and data:
-                continue
-            length = 0
-            for line in bytes(buf[:end]).split(b"\r\n")[1:]:
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
-            if data and len(buf) < end + 4 + length:
-                continue
-            status = bytes(buf[: buf.find(b"\r\n")]).split()
-            code = int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
-            out[k] = (t_ns if end >= 0 else None, code, bytes(buf[end + 4 :]))
+            if end < 0:
+                if data:
+                    continue
+                out[k] = (None, 0, b"")  # closed before a whole answer came
+            else:
+                try:
+                    code, headers = parse_head(bytes(buf[:end]))
+                    length = int(headers.get(b"content-length", b"0"))
+                except (ValueError, IndexError):
+                    code, length = 0, 0
+                if data and len(buf) < end + 4 + length:
+                    continue
+                out[k] = (t_ns, code, bytes(buf[end + 4 :]))
             sel.unregister(s)
             left -= 1
     sel.close()
