@@ -77,6 +77,19 @@ def run_job(rt: ServingRuntime, job: Job, at: float, durations: list[float]) -> 
     return t
 
 
+def two_in_one_batch(**config):
+    """Two stages of 10 µs; two requests, SLOs 25 and 60 µs, in one batch of 2 (eager):
+    reserved stage 0 at [0, 10], stage 1 at [10, 20]."""
+    rt, clock, ex = runtime(
+        [([0], [10.0, 10.0], 0.0), ([1], [10.0, 10.0], 0.0)], slo_us=60.0, batch=2, **config
+    )
+    rt.add(0, 1, slo_us=25.0)
+    rt.add(0, 2)
+    rt.decide()
+    (job,) = ex.jobs
+    return rt, clock, ex, job
+
+
 def test_deadlines_hold_back_the_reply_margin_and_count_against_the_full_slo():
     # (without the overdue watch, a batch that runs past an SLO is answered late)
     rt, _, ex = runtime(
@@ -99,16 +112,10 @@ def test_deadlines_hold_back_the_reply_margin_and_count_against_the_full_slo():
 
 
 def test_a_batch_still_running_at_its_slo_is_answered_then_dropped_not_late():
-    # Two requests in one batch of 2 on two stages of 10 µs, SLOs 25 and 60 µs. Stage 0
-    # runs until 40 (a host whose cores a burst took): request 1 is answered at 26, dropped,
-    # while the stage still runs; request 2 is answered with the batch, on time.
-    rt, clock, ex = runtime(
-        [([0], [10.0, 10.0], 0.0), ([1], [10.0, 10.0], 0.0)], slo_us=60.0, batch=2
-    )
-    rt.add(0, 1, slo_us=25.0)
-    rt.add(0, 2)
-    rt.decide()
-    (job,) = ex.jobs
+    # Stage 0 runs until 40 (a host whose cores a burst took): request 1 (SLO 25) is
+    # answered at 26, dropped, while the stage still runs; request 2 (SLO 60) is answered
+    # with the batch, on time.
+    rt, clock, ex, job = two_in_one_batch()
     rt.hop_started(job, 0, 0.0)
     clock.run_until(25.0)
     assert not ex.answers  # its SLO has not run out yet
@@ -137,20 +144,6 @@ def test_a_batch_that_ends_past_the_slo_before_the_watch_fires_is_a_drop_too():
     rt.hop_done(job, 0, 0.0, 30.5)  # the clock still stands at 0
     assert ex.answers == {1: (DROPPED, DROP_OVERDUE)}
     assert rt.stats["m"].late == 0
-
-
-def test_a_batch_whose_requests_all_ran_out_does_not_run_its_later_hops():
-    rt, clock, ex = runtime([([0], [10.0], 0.0), ([1], [10.0], 0.0)], slo_us=30.0)
-    rt.submit(0, [1])
-    (job,) = ex.jobs
-    rt.hop_started(job, 0, 0.0)
-    clock.run_until(31.0)
-    assert ex.answers == {1: (DROPPED, DROP_OVERDUE)}
-    rt.hop_done(job, 0, 0.0, 35.0)
-    clock.run_until(35.0)
-    assert rt.hop_late(job, 1) is False  # nothing left to answer: the hop must not run
-    rt.submit(0, [2])  # the path it held is free: the next request is served from now
-    assert ex.jobs[-1].dispatch.hops[0].start_us == pytest.approx(35.0)
 
 
 def test_a_request_that_cannot_make_its_deadline_is_dropped_explicitly():
@@ -373,15 +366,8 @@ def test_config_is_checked():
 
 
 def test_a_hop_that_gets_its_vgpu_too_late_drops_what_would_be_late():
-    # Two stages of 10 µs; two requests, SLOs 25 and 60 µs, in one batch of 2 (eager).
-    # Reserved: stage 0 at [0, 10], stage 1 at [10, 20]; slack = 25 - 20 = 5 µs.
-    rt, clock, ex = runtime(
-        [([0], [10.0, 10.0], 0.0), ([1], [10.0, 10.0], 0.0)], slo_us=60.0, batch=2
-    )
-    rt.add(0, 1, slo_us=25.0)
-    rt.add(0, 2)
-    rt.decide()
-    (job,) = ex.jobs
+    # slack = 25 - 20 = 5 µs
+    rt, clock, ex, job = two_in_one_batch()
     assert job.slack_us == pytest.approx(5.0)
     clock.run_until(0.0)
     rt.hop_started(job, 0, 0.0)
@@ -399,15 +385,22 @@ def test_a_hop_that_gets_its_vgpu_too_late_drops_what_would_be_late():
     assert (s.on_time, s.late, s.dropped) == (1, 0, 1)
 
 
-def test_a_batch_with_nothing_left_on_time_does_not_run_and_frees_its_path():
-    rt, clock, ex = runtime([([0], [10.0], 0.0), ([1], [10.0], 0.0)], slo_us=25.0)
+@pytest.mark.parametrize(
+    ("drop_overdue", "reason"), [(True, DROP_OVERDUE), (False, DROP_STAGE_OVERRAN)]
+)
+def test_a_batch_with_nothing_left_on_time_does_not_run_and_frees_its_path(drop_overdue, reason):
+    # stage 0 runs until 30, past the SLO (25): the overdue watch answers the request at 26;
+    # without it, hop_late drops it when stage 1 could start
+    rt, clock, ex = runtime(
+        [([0], [10.0], 0.0), ([1], [10.0], 0.0)], slo_us=25.0, drop_overdue=drop_overdue
+    )
     rt.submit(0, [1])
     (job,) = ex.jobs
     rt.hop_started(job, 0, 0.0)
     clock.run_until(30.0)
     rt.hop_done(job, 0, 0.0, 30.0)
     assert rt.hop_late(job, 1) is False  # the hop must not run
-    assert ex.answers[1][0] == DROPPED and rt.in_flight() == 0
+    assert ex.answers[1] == (DROPPED, reason) and rt.in_flight() == 0
     rt.submit(0, [2])  # the path it held is free: the next request is served from now
     nxt = ex.jobs[-1]
     assert nxt.dispatch.hops[0].start_us == pytest.approx(30.0)
