@@ -68,6 +68,12 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.key = params.get("poolpipe_key") or None
+        # Imported here, not on a chain's first forward: the import (and gRPC's set-up) took
+        # ~100 ms there, so a new generation's first chains missed short SLOs.
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import np_to_triton_dtype
+
+        self.grpc, self.np_to_triton_dtype = grpcclient, np_to_triton_dtype
         self.clients = {}
         self.lock = threading.Lock()
 
@@ -109,19 +115,15 @@ class TritonPythonModel:
             raise ValueError("refused: the chain is not signed with this cluster's key")
 
     def _client(self, url):
-        import tritonclient.grpc as grpcclient
-
         with self.lock:
             c = self.clients.get(url)
             if c is None:
-                c = self.clients[url] = grpcclient.InferenceServerClient(url)
+                c = self.clients[url] = self.grpc.InferenceServerClient(url)
             return c
 
     def _forward(self, sender, outs, hops, params, start, end):
         """Send the feature map to the next hop; answer when the chain's answer is back."""
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import np_to_triton_dtype
-
+        grpcclient, np_to_triton_dtype = self.grpc, self.np_to_triton_dtype
         nxt, rest = hops[0], json.dumps(hops[1:])
         names = json.loads(params.get("poolpipe_outputs", "[]"))
         inputs = []
