@@ -9,12 +9,13 @@ and a 2-partition plan (each partition on half the nodes) are served with both t
 At each load: what crossed the router's interface against the requests' own inputs and
 outputs (target <= 1.1x with `chain`), what went server to server, attainment measured
 by the client beside the simulator's prediction on the router's calibrated topology (with
-stage times drawn from a calibration run), p50 / p99, and a chain's overhead (the time
+stage times drawn from a calibration run of its own at the same load: on the shared cores
+of one host they grow with the load), p50 / p99, and a chain's overhead (the time
 from sending to the answer that the nodes' measured computes and the reserved transfers do
 not explain: forwarding, queues, the answer's way back). With each transport, the live
 capacity at >= 99% on time (bisected up to --capacity-top) beside the simulator's on the
-same traces (with --capacity: one run with it stopped answering in the chain phase and
-was killed after 25 minutes; cause not found yet). Then, with `chain`, under the
+same traces (with --capacity; it runs first, and the loads are then 1/3, 2/3 and all of
+each transport's live capacity unless --rates names them). Then, with `chain`, under the
 middle load: a rollout (the cut moves one block; requests unanswered, failed, the switch's
 downtime against SLO + 100 ms) and a node killed (SIGKILL) and restarted empty at its
 address (no request may hang; the router must upload its models and put it back in
@@ -23,6 +24,7 @@ the same nodes. Stored in the warehouse (bench_serving, bench "cluster"). Needs 
 namespaces).
 
     ./run bench-cluster [--servers 4] [--bandwidth-gbps 1] [--duration 15] [--rates 5,10,15]
+                        [--capacity [--capacity-top 320]]
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def iface_bytes(name: str) -> int:
 def unanswered(shots: list, sent: int, timeout_s: float = TIMEOUT_S) -> int:
     """Requests with no answer: never back, or back only when the client gave up."""
     return sent - len(shots) + sum(1 for x in shots if x.latency_s >= 0.99 * timeout_s)
+
+
+def capacity_loads(live: float) -> list[float]:
+    """Three loads up to a live capacity: 1/3, 2/3 and all of it (the least step if 0)."""
+    top = live if live > 0 else 1.0
+    return [round(top * f, 1) for f in (1 / 3, 2 / 3, 1.0)]
 
 
 def rollout_phase(dep, plan, args, inputs: dict, rate: float) -> dict:
@@ -234,14 +242,19 @@ def main() -> int:
     ap.add_argument("--servers", type=int, default=4, help="emulated servers, one node each (4)")
     ap.add_argument("--bandwidth-gbps", type=float, default=1.0, help="each server's NIC (1)")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds per load (15)")
-    ap.add_argument("--rates", default="5,10,15", help="req/s, comma-separated (5,10,15)")
+    ap.add_argument(
+        "--rates",
+        default=None,
+        help="req/s, comma-separated; default: with --capacity 1/3, 2/3 and 1 x each "
+        "transport's live capacity, else 5,10,15",
+    )
     ap.add_argument("--slo-ms", type=float, default=400.0, help="SLO (400)")
     ap.add_argument("--cut", type=int, default=1, help="blocks on the first partition (1 of 4)")
     ap.add_argument(
         "--capacity",
         action="store_true",
-        help="also search each plan's live capacity (see the module's text: with `chain` the "
-        "search once stopped answering; off by default until that is understood)",
+        help="first search each plan's live capacity (about 5 minutes per plan); the loads "
+        "then follow from it unless --rates is given",
     )
     ap.add_argument(
         "--capacity-top", type=float, default=120.0, help="capacity searched up to (120 req/s)"
@@ -282,7 +295,9 @@ def main() -> int:
         4,
         profile,
     )
-    rates = [float(r) for r in args.rates.split(",")]
+    fixed_rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+    if fixed_rates is None and not args.capacity:
+        fixed_rates = [5.0, 10.0, 15.0]
     results: dict[str, list[tuple[float, dict]]] = {}
     events: dict[str, dict] = {}
     capacity: dict[str, dict] = {}
@@ -323,11 +338,19 @@ def main() -> int:
                 )
                 url = dep.grpc_url
                 drive(url, name, {in_name: x}, poisson_times(5, 2, 0))  # warm-up
-                dep.core.take_stage_factors()
-                drive(url, name, {in_name: x}, poisson_times(rates[0], args.duration, 100))
-                factors = dep.core.take_stage_factors()
+                if args.capacity:
+                    with console.status(f"{transport}: capacity ..."):
+                        capacity[f"{half}+{half} nodes, {transport}"] = found = search(
+                            dep, {in_name: x}
+                        )
+                rates = fixed_rates or capacity_loads(found["live"])
                 results[transport] = []
                 for k, rate in enumerate(rates):
+                    # stage times at this load (on two shared cores they grow with it), from
+                    # a run of its own: the simulator predicts the measured run with them
+                    dep.core.take_stage_factors()
+                    drive(url, name, {in_name: x}, poisson_times(rate, args.duration, 100 + k))
+                    factors = dep.core.take_stage_factors()
                     times = poisson_times(rate, args.duration, k + 1)
                     before = (
                         iface_bytes(em.bridge),
@@ -369,9 +392,6 @@ def main() -> int:
                         "overhead_p99_ms",
                     ):
                         record(config, metric, s[metric])
-                if args.capacity:
-                    with console.status(f"{transport}: capacity ..."):
-                        capacity[f"{half}+{half} nodes, {transport}"] = search(dep, {in_name: x})
                 if transport == "chain":
                     rate = rates[len(rates) // 2]
                     second = manual_plan(
