@@ -24,7 +24,7 @@ the same nodes. Stored in the warehouse (bench_serving, bench "cluster"). Needs 
 namespaces).
 
     ./run bench-cluster [--servers 4] [--bandwidth-gbps 1] [--duration 15] [--rates 5,10,15]
-                        [--capacity [--capacity-top 320]]
+                        [--capacity [--capacity-top 400]]
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def unanswered(shots: list, sent: int, timeout_s: float = TIMEOUT_S) -> int:
 
 
 def capacity_loads(live: float) -> list[float]:
-    """Three loads up to a live capacity: 1/3, 2/3 and all of it (the least step if 0)."""
+    """Three loads up to a live capacity: 1/3, 2/3 and all of it (of 1 req/s when no rate
+    passed)."""
     top = live if live > 0 else 1.0
     return [round(top * f, 1) for f in (1 / 3, 2 / 3, 1.0)]
 
