@@ -16,9 +16,10 @@ left until the chain must be done; the next hop gets what is left of it after th
 compute, and a hop with nothing left does not forward ("POOLPIPE_HOP 1: POOLPIPE_DEADLINE
 ..."). (A queue policy refusing hops that waited past a timeout was tried: this Triton's
 dynamic batcher then stalled calls for 0.5 s now and then.) With a `poolpipe_key`
-parameter in the config, a chain is followed only when `poolpipe_sig` (HMAC-SHA256 of the chain with the key) is
-right: nobody without it can make the node send data elsewhere. An error down the chain is
-answered as "POOLPIPE_HOP k: ..." with k the failing hop, counted from this one.
+parameter in the config, a chain is followed only when `poolpipe_sig` (HMAC-SHA256 of the
+chain with the key) is right: nobody without it can make the node send data elsewhere. An
+error down the chain is answered as "POOLPIPE_HOP k: ..." with k the failing hop, counted
+from this one.
 """
 
 import hashlib
@@ -31,6 +32,11 @@ import time
 import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
+
+# Imported with the model, not on a chain's first forward: there the import (and gRPC's
+# set-up) took ~100 ms, so a new generation's first chains missed short SLOs.
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 HOPS = "POOLPIPE_HOPS"
@@ -68,12 +74,6 @@ class TritonPythonModel:
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.key = params.get("poolpipe_key") or None
-        # Imported here, not on a chain's first forward: the import (and gRPC's set-up) took
-        # ~100 ms there, so a new generation's first chains missed short SLOs.
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import np_to_triton_dtype
-
-        self.grpc, self.np_to_triton_dtype = grpcclient, np_to_triton_dtype
         self.clients = {}
         self.lock = threading.Lock()
 
@@ -118,12 +118,11 @@ class TritonPythonModel:
         with self.lock:
             c = self.clients.get(url)
             if c is None:
-                c = self.clients[url] = self.grpc.InferenceServerClient(url)
+                c = self.clients[url] = grpcclient.InferenceServerClient(url)
             return c
 
     def _forward(self, sender, outs, hops, params, start, end):
         """Send the feature map to the next hop; answer when the chain's answer is back."""
-        grpcclient, np_to_triton_dtype = self.grpc, self.np_to_triton_dtype
         nxt, rest = hops[0], json.dumps(hops[1:])
         names = json.loads(params.get("poolpipe_outputs", "[]"))
         inputs = []
