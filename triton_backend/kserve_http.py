@@ -25,6 +25,7 @@ from poolpipe.errors import PoolpipeError
 from triton_backend.repository import kserve_dtype
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
+_MAX_KEPT = 256  # request heads / answer layouts kept per node (by shapes), then forgotten
 
 
 class StageCallError(Exception):
@@ -119,40 +120,56 @@ class HttpStage:
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self._idle: list[_Connection] = []
+        self._heads: dict[tuple, bytes] = {}
 
     async def infer(
         self, model: str, inputs: Sequence[tuple[str, np.ndarray]], timeout_s: float
     ) -> dict[str, np.ndarray]:
         """The model's outputs by name for these (name, array) inputs; StageCallError when
         the node answers with an error, closes the connection, or takes over `timeout_s`."""
-        header: dict[str, Any] = {"inputs": [], "parameters": {"binary_data_output": True}}
-        blobs = []
-        for name, x in inputs:
-            x = np.ascontiguousarray(x)
-            try:
-                kind = kserve_dtype(x.dtype)
-            except PoolpipeError:
-                raise StageCallError(f"input {name}: no KServe datatype for {x.dtype}") from None
-            header["inputs"].append(
-                {
-                    "name": name,
-                    "shape": list(x.shape),
-                    "datatype": kind,
-                    "parameters": {"binary_data_size": x.nbytes},
-                }
-            )
-            blobs.append(x.data.cast("B"))
-        text = json.dumps(header, separators=(",", ":")).encode()
-        head = (
-            f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {self.address}\r\n"
-            "Content-Type: application/octet-stream\r\n"
-            f"Inference-Header-Content-Length: {len(text)}\r\n"
-            f"Content-Length: {len(text) + sum(b.nbytes for b in blobs)}\r\n\r\n"
-        ).encode()
-        status, headers, body = await self._send([head, text, *blobs], timeout_s)
+        xs = [np.ascontiguousarray(x) for _, x in inputs]
+        key = (
+            model,
+            tuple((name, x.shape, x.dtype) for (name, _), x in zip(inputs, xs, strict=True)),
+        )
+        head = self._heads.get(key)
+        if head is None:  # the same shapes come again and again: their head is kept
+            head = self._heads[key] = self._head(model, key[1])
+        blobs = [x.data.cast("B") for x in xs]
+        status, headers, body = await self._send([head, *blobs], timeout_s)
         if status != 200:
             raise StageCallError(_error_text(status, body))
         return _outputs(headers, body)
+
+    def _head(self, model: str, inputs: tuple[tuple[str, tuple, np.dtype], ...]) -> bytes:
+        """The request's HTTP head and JSON inference header for inputs of these (name,
+        shape, dtype); StageCallError for a dtype KServe v2 has no name for."""
+        if len(self._heads) >= _MAX_KEPT:
+            self._heads.clear()
+        header: dict[str, Any] = {"inputs": [], "parameters": {"binary_data_output": True}}
+        size = 0
+        for name, shape, dtype in inputs:
+            try:
+                kind = kserve_dtype(dtype)
+            except PoolpipeError:
+                raise StageCallError(f"input {name}: no KServe datatype for {dtype}") from None
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            header["inputs"].append(
+                {
+                    "name": name,
+                    "shape": list(shape),
+                    "datatype": kind,
+                    "parameters": {"binary_data_size": nbytes},
+                }
+            )
+            size += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        return (
+            f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {self.address}\r\n"
+            "Content-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {len(text)}\r\n"
+            f"Content-Length: {len(text) + size}\r\n\r\n"
+        ).encode() + text
 
     async def _send(self, parts: list, timeout_s: float) -> tuple[int, dict[bytes, bytes], bytes]:
         while self._idle:
@@ -215,22 +232,38 @@ def _error_text(status: int, body: bytes) -> str:
         return f"HTTP {status}: {body[:200].decode(errors='replace')}"
 
 
+_LAYOUTS: dict[bytes, list[tuple[str, np.dtype, list[int], int | None, Any]]] = {}
+
+
 def _outputs(headers: dict[bytes, bytes], body: bytes) -> dict[str, np.ndarray]:
     size = int(headers.get(b"inference-header-content-length", len(body)))
-    meta = json.loads(body[:size])
+    text = body[:size]
+    layout = _LAYOUTS.get(text)
+    if layout is None:  # answers of one shape repeat their JSON header: parsed once
+        layout = _layout(text)
+        if len(_LAYOUTS) >= _MAX_KEPT:
+            _LAYOUTS.clear()
+        if all(n is not None for _, _, _, n, _ in layout):
+            _LAYOUTS[text] = layout
     out: dict[str, np.ndarray] = {}
     offset = size
-    for o in meta.get("outputs", []):
+    for name, dtype, shape, n, data in layout:
+        if n is None:  # sent as JSON
+            out[name] = np.asarray(data, dtype).reshape(shape)
+            continue
+        out[name] = np.frombuffer(body, dtype, n // dtype.itemsize, offset).reshape(shape)
+        offset += n
+    return out
+
+
+def _layout(text: bytes) -> list[tuple[str, np.dtype, list[int], int | None, Any]]:
+    """Per output of an answer's JSON header: name, dtype, shape, binary size (None: the
+    data is in the JSON, given last)."""
+    layout = []
+    for o in json.loads(text).get("outputs", []):
         kind = triton_to_np_dtype(o["datatype"])
         if kind is None:
             raise StageCallError(f"output {o['name']}: unknown datatype {o['datatype']!r}")
-        dtype = np.dtype(kind)
         n = o.get("parameters", {}).get("binary_data_size")
-        if n is None:  # sent as JSON
-            out[o["name"]] = np.asarray(o["data"], dtype).reshape(o["shape"])
-            continue
-        out[o["name"]] = np.frombuffer(body, dtype, n // dtype.itemsize, offset).reshape(
-            o["shape"]
-        )
-        offset += n
-    return out
+        layout.append((o["name"], np.dtype(kind), o["shape"], n, o.get("data")))
+    return layout

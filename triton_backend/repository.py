@@ -26,13 +26,20 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
 BACKENDS = ("python", "onnxruntime", "tensorrt")
 
 
+_KSERVE_DTYPES: dict[np.dtype, str] = {}
+
+
 def kserve_dtype(dtype: np.dtype) -> str:
     """KServe v2 data type name of a numpy dtype ("FP16", ...), as requests carry it."""
-    from tritonclient.utils import np_to_triton_dtype
+    name = _KSERVE_DTYPES.get(dtype)  # type: ignore[call-overload]
+    if name is not None:
+        return name
+    from tritonclient.utils import np_to_triton_dtype  # a chain of comparisons: cached
 
     name = np_to_triton_dtype(np.dtype(dtype))
     if name is None:
         raise PoolpipeError(f"no Triton data type for {dtype}")
+    _KSERVE_DTYPES[np.dtype(dtype)] = name
     return name
 
 
