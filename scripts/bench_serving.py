@@ -549,7 +549,10 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
     from triton_backend.serve import Server
 
     plan = hand_plan(name, [(0, 4, "cpu-1t", 2)], 4, args.slo_ms, args.warehouse)
-    duration, rate = max(25.0, args.duration), args.scenario_rate
+    # long enough that the windows after each event hold several seconds of requests (a
+    # 1 s window of 30 requests moves 3.3 points per request), whatever the restart and the
+    # rollout's preparation take here (5 s and 9 s at times)
+    duration, rate = max(45.0, args.duration), args.scenario_rate
     with console.status("4. scenario: one partition on two cpu-1t nodes ..."):
         srv = Server(
             plan,
@@ -582,14 +585,14 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
 
         def events() -> None:
             at = lambda s: time.sleep(max(0.0, t_start + s - time.monotonic()))  # noqa: E731
-            at(duration * 0.2)
+            at(duration * 0.12)
             marks["down"] = time.monotonic() - t_start
             dep.nodes[victim].kill()
-            at(duration * 0.4)
+            at(duration * 0.24)
             marks["restart"] = time.monotonic() - t_start
             dep.restart_node(victim)  # serving again when this returns
             marks["up"] = time.monotonic() - t_start
-            at(duration * 0.6)
+            at(max(duration * 0.4, marks["up"] + 5.0))  # a window with the node back
             marks["prepare"] = time.monotonic() - t_start
             marks["rollout_result"] = srv.rollout(plan)  # type: ignore[assignment]
             marks["switch"] = marks["prepare"] + marks["rollout_result"].prepare_s  # type: ignore[attr-defined]
