@@ -4,6 +4,7 @@ workers)."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import numpy as np
@@ -108,3 +109,28 @@ def test_fp16_partitions_are_anchored_after_their_cast_in_the_stage_repository(s
         strict=True,
     ):
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_nodes_file_is_made_where_the_partition_is_cut(split, tmp_path):
+    """write_node_onnx (run in a rollout's cutting process) leaves beside each partition
+    the file a CPU node runs, so that loading reads bytes instead of anchoring under the
+    router's GIL: anchored where anchors are needed, the partition itself (a link)
+    otherwise; a node file older than its partition is not used."""
+    from triton_backend.repository import node_onnx, node_onnx_path, write_node_onnx
+
+    layers = [(b.layer_start, b.layer_end) for b in split.blocks]
+    k = split.blocks.index(_mid_residual(split))
+    mid = make_partition(split.whole_path, "r", layers, k, k + 1, tmp_path / "parts")
+    first = make_partition(split.whole_path, "r", layers, 0, 1, tmp_path / "parts")
+    for part in (mid, first):
+        want = node_onnx(part)  # made here: no node file yet
+        assert not node_onnx_path(part).exists()
+        write_node_onnx(part)
+        assert node_onnx_path(part).read_bytes() == want == node_onnx(part)
+    assert node_onnx(mid) != mid.path.read_bytes()  # anchored
+    assert node_onnx_path(first).samefile(first.path)  # needs none: the partition itself
+    stale = node_onnx_path(mid)
+    stale.write_bytes(b"not onnx")
+    os.utime(stale, ns=(1, 1))
+    made = node_onnx(mid)  # made anew from the partition, as before the file was written
+    assert made != b"not onnx" and onnx.load_from_string(made).graph.node

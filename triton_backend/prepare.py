@@ -7,6 +7,7 @@ import multiprocessing
 import re
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
@@ -15,6 +16,7 @@ from poolpipe.runtime.placement import Layout, layout
 from poolpipe.scheduler import build_topology
 from poolpipe.scheduler.topology import Topology
 from poolpipe.store.warehouse import Warehouse
+from triton_backend.repository import write_node_onnx
 from triton_backend.router import ModelIO
 
 _CPU = re.compile(r"^cpu-(\d+)t$")
@@ -63,8 +65,15 @@ def prepare(
     if not isolated:
         return topo, lay, {name: make_partition(*args) for name, args in jobs.items()}
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {name: pool.submit(make_partition, *args) for name, args in jobs.items()}
+        futures = {name: pool.submit(_cut, *args) for name, args in jobs.items()}
         return topo, lay, {name: f.result() for name, f in futures.items()}
+
+
+def _cut(*args: Any) -> PartitionFile:
+    """make_partition, and beside it the file a CPU node runs (write_node_onnx)."""
+    part = make_partition(*args)
+    write_node_onnx(part)
+    return part
 
 
 def model_io(topo: Topology, lay: Layout, parts: dict[str, PartitionFile]) -> list[ModelIO]:
