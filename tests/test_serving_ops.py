@@ -12,6 +12,7 @@ import pytest
 
 from poolpipe.store.warehouse import Warehouse
 from tests.test_serving import REPO, _grpc, _infer, onboarded_tiny, two_partition_plan  # noqa: F401
+from triton_backend.repository import node_onnx_path
 
 pytestmark = pytest.mark.integration
 
@@ -94,9 +95,16 @@ def test_rollout_flow_goes_through_the_control_model(prefect_api, server, onboar
     with Warehouse.open(wh) as w:
         plan_id = w.store_plan(two_partition_plan(cut=1), label="test-b")
     router = f"127.0.0.1:{server.deployment.grpc_port}"
+    old_cuts = [p.path for p in server.deployment.parts.values()]
+    assert old_cuts and all(path.exists() for path in old_cuts)
     result = rollout_plan(str(plan_id), router, warehouse=wh)
     assert result["ok"] and result["status"] == "done" and result["failed"] == 0
     assert server.plan_id == plan_id
+    # the old generation's partition files leave the workspace with its models; the new
+    # generation's are there, each with the file its node runs made beside it
+    assert not any(path.exists() for path in old_cuts)
+    for part in server.deployment.parts.values():
+        assert part.path.exists() and node_onnx_path(part).exists()
     with Warehouse.open(wh) as w:
         status, downtime = w.con.execute(
             "SELECT status, downtime_ms FROM rollouts WHERE plan_id = ?", [plan_id]

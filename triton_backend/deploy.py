@@ -43,6 +43,7 @@ from triton_backend.frontend import Frontend
 from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
 from triton_backend.nodes import RepositoryAPI, TritonNode
 from triton_backend.prepare import model_io, prepare
+from triton_backend.repository import node_onnx_path
 from triton_backend.router import ModelIO, RouterCore, served_plan
 
 log = logging.getLogger(__name__)
@@ -296,13 +297,16 @@ class Deployment:
         prepare_s = time.perf_counter() - t0
         self.core.executor.http.update(_http_addresses(nodes))
         res = self.core.switch(_served(live, lay, nodes, ios, self.options), flush_timeout_s)
-        old, old_nodes = self.layout, self.nodes
+        old, old_nodes, old_parts = self.layout, self.nodes, self.parts
         self.plan, self.topo, self.layout, self.parts = plan, topo, lay, parts
         self.nodes, self.inventory = nodes, inventory
         self.generation += 1
         for p in old.placements:  # the node removes an unloaded model's files
             with contextlib.suppress(Exception):
                 old_nodes[p.node].unload(p.partition)
+        for part in old_parts.values():  # and this workspace the old generation's cuts
+            for path in (part.path, node_onnx_path(part)):
+                path.unlink(missing_ok=True)
         if self.local is not None:  # nodes the new plan does not use
             self.local.stop([n for name, n in self.local.nodes.items() if name not in self.nodes])
         return RolloutResult(
