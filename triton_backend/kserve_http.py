@@ -257,8 +257,8 @@ def _outputs(headers: dict[bytes, bytes], body: bytes) -> dict[str, np.ndarray]:
 
 
 def _layout(text: bytes) -> list[tuple[str, np.dtype, list[int], int | None, Any]]:
-    """Per output of an answer's JSON header: name, dtype, shape, binary size (None: the
-    data is in the JSON, given last)."""
+    """Per output of an answer's JSON header: name, dtype, shape, binary size, and the data
+    itself when it came in the JSON (binary size None)."""
     layout = []
     for o in json.loads(text).get("outputs", []):
         kind = triton_to_np_dtype(o["datatype"])
