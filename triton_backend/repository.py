@@ -33,7 +33,7 @@ _KSERVE_DTYPES: dict[np.dtype, str] = {}
 
 def kserve_dtype(dtype: np.dtype) -> str:
     """KServe v2 data type name of a numpy dtype ("FP16", ...), as requests carry it."""
-    name = _KSERVE_DTYPES.get(dtype)  # type: ignore[call-overload]
+    name = _KSERVE_DTYPES.get(dtype)
     if name is not None:
         return name
     from tritonclient.utils import np_to_triton_dtype  # a chain of comparisons: cached
