@@ -26,6 +26,8 @@ from triton_backend.repository import kserve_dtype
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
 _MAX_KEPT = 256  # request heads / answer layouts kept per node (by shapes), then forgotten
+# Per output of an answer: name, dtype, shape, binary size, JSON data (see _layout)
+AnswerLayout = list[tuple[str, np.dtype, list[int], int | None, Any]]
 
 
 class StageCallError(Exception):
@@ -120,7 +122,8 @@ class HttpStage:
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self._idle: list[_Connection] = []
-        self._heads: dict[tuple, bytes] = {}
+        self._heads: dict[tuple, bytes] = {}  # request heads by (model, input shapes)
+        self._layouts: dict[bytes, AnswerLayout] = {}  # answer layouts by their JSON header
 
     async def infer(
         self, model: str, inputs: Sequence[tuple[str, np.ndarray]], timeout_s: float
@@ -139,7 +142,7 @@ class HttpStage:
         status, headers, body = await self._send([head, *blobs], timeout_s)
         if status != 200:
             raise StageCallError(_error_text(status, body))
-        return _outputs(headers, body)
+        return _outputs(headers, body, self._layouts)
 
     def _head(self, model: str, inputs: tuple[tuple[str, tuple, np.dtype], ...]) -> bytes:
         """The request's HTTP head and JSON inference header for inputs of these (name,
@@ -232,19 +235,19 @@ def _error_text(status: int, body: bytes) -> str:
         return f"HTTP {status}: {body[:200].decode(errors='replace')}"
 
 
-_LAYOUTS: dict[bytes, list[tuple[str, np.dtype, list[int], int | None, Any]]] = {}
-
-
-def _outputs(headers: dict[bytes, bytes], body: bytes) -> dict[str, np.ndarray]:
+def _outputs(
+    headers: dict[bytes, bytes], body: bytes, kept: dict[bytes, AnswerLayout]
+) -> dict[str, np.ndarray]:
+    """The answer's tensors by name; `kept`: layouts already parsed, by JSON header."""
     size = int(headers.get(b"inference-header-content-length", len(body)))
     text = body[:size]
-    layout = _LAYOUTS.get(text)
+    layout = kept.get(text)
     if layout is None:  # answers of one shape repeat their JSON header: parsed once
         layout = _layout(text)
-        if len(_LAYOUTS) >= _MAX_KEPT:
-            _LAYOUTS.clear()
+        if len(kept) >= _MAX_KEPT:
+            kept.clear()
         if all(n is not None for _, _, _, n, _ in layout):
-            _LAYOUTS[text] = layout
+            kept[text] = layout
     out: dict[str, np.ndarray] = {}
     offset = size
     for name, dtype, shape, n, data in layout:
@@ -256,7 +259,7 @@ def _outputs(headers: dict[bytes, bytes], body: bytes) -> dict[str, np.ndarray]:
     return out
 
 
-def _layout(text: bytes) -> list[tuple[str, np.dtype, list[int], int | None, Any]]:
+def _layout(text: bytes) -> AnswerLayout:
     """Per output of an answer's JSON header: name, dtype, shape, binary size, and the data
     itself when it came in the JSON (binary size None)."""
     layout = []
