@@ -453,6 +453,38 @@ def test_a_rollout_that_cannot_happen_keeps_the_old_plan(served, onboarded_tiny)
     assert _infer(mod, client, x).as_numpy(served.ios[0].outputs[0].name).shape == (1, 1000)
 
 
+def test_a_rollout_rolled_back_after_cutting_leaves_no_files(served, onboarded_tiny, monkeypatch):
+    """The new generation's partitions are cut (a real cutting process), then its
+    calibration fails: injected here, as a node that stops answering would make it fail.
+    The old plan serves on, and the new generation's files are gone from the workspace."""
+    import triton_backend.deploy as deploy
+
+    wh, _ = onboarded_tiny
+    cut: list[str] = []
+    real_prepare = deploy.prepare
+
+    def prepare(*args, **kw):
+        out = real_prepare(*args, **kw)
+        cut.extend(str(p.path) for p in out[2].values())
+        return out
+
+    def calibrate(*args, **kw):
+        raise PoolpipeError("calibration: node cpu-1t-0 did not answer")
+
+    monkeypatch.setattr(deploy, "prepare", prepare)
+    monkeypatch.setattr(deploy, "calibrate", calibrate)
+    before = sorted(m for n in served.nodes.values() for m in n.models())
+    kept = sorted(f.name for f in (served.workspace / "partitions").iterdir())
+    r = served.rollout(two_partition_plan(cut=3), wh)
+    assert r.status == "rolled back" and "did not answer" in r.reason
+    assert len(cut) == 2 and not any(Path(p).exists() for p in cut)
+    assert sorted(f.name for f in (served.workspace / "partitions").iterdir()) == kept
+    assert sorted(m for n in served.nodes.values() for m in n.models()) == before
+    mod, client = _grpc(served)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    assert _infer(mod, client, x).as_numpy(served.ios[0].outputs[0].name).shape == (1, 1000)
+
+
 def test_rendered_configs_are_triton_model_configs(onboarded_tiny, tmp_path):
     from triton_backend.repository import parse_config, render_config, render_partition
 
@@ -657,3 +689,23 @@ def test_a_crashed_nodes_stubs_and_shared_memory_are_cleaned_up(onboarded_tiny):
         node.stop()
         assert not [r for r in regions if Path("/dev/shm", r).exists()]
         assert not [p for p in stubs if is_running(p)]
+
+
+def test_a_cut_that_fails_leaves_none_of_its_generation(onboarded_tiny, tmp_path):
+    """cut_isolated (a rollout's cutting process): the first partition is cut, the second
+    cannot be (its whole model's file is gone); the error comes out and the partition
+    already cut is deleted."""
+    from triton_backend.prepare import cut_isolated, partition_jobs
+
+    wh, _ = onboarded_tiny
+    plan = two_partition_plan()
+    with Warehouse.open(wh) as w:
+        topo = build_topology(plan, {"tiny": w.load_profile("tiny")})
+        jobs = partition_jobs(w, layout(topo, "g7"), tmp_path / "partitions")
+    first, second = jobs
+    broken = (tmp_path / "gone.onnx", *jobs[second][1:])
+    with pytest.raises(Exception, match=r"gone\.onnx"):
+        cut_isolated({first: jobs[first], second: broken})
+    assert not list((tmp_path / "partitions").glob("*")), "a cut file was left behind"
+    assert len(cut_isolated({first: jobs[first]})) == 1  # the same job alone is cut
+    assert len(list((tmp_path / "partitions").glob("*"))) == 2  # its file and its node file

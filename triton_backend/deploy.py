@@ -25,6 +25,7 @@ from poolpipe.client.control import node_key
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
+from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime import (
     DEFAULT_MARGIN_CEILING_US,
     DEFAULT_MARGIN_FLOOR_US,
@@ -42,8 +43,7 @@ from triton_backend.env import signals_held, triton_home
 from triton_backend.frontend import Frontend
 from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
 from triton_backend.nodes import RepositoryAPI, TritonNode
-from triton_backend.prepare import model_io, prepare
-from triton_backend.repository import node_onnx_path
+from triton_backend.prepare import model_io, prepare, remove_files
 from triton_backend.router import ModelIO, RouterCore, served_plan
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,7 @@ class Deployment:
         label_to = f"{plan.strategy}:{names(plan)}@gen{self.generation + 1}"
         loaded: list[tuple[RepositoryAPI, str]] = []
         started: list[TritonNode] = []
+        parts: dict[str, PartitionFile] = {}
         t0 = time.perf_counter()
         try:
             topo, lay, parts = prepare(plan, warehouse, self.workspace, tag, isolated=True)
@@ -291,6 +292,7 @@ class Deployment:
                     node.unload(partition)
             if self.local is not None:
                 self.local.stop(started)
+            remove_files(parts.values())  # the new generation's cuts
             return RolloutResult(
                 "rolled back", str(exc), label_from, label_to, time.perf_counter() - t0, 0, 0, 0
             )
@@ -304,9 +306,7 @@ class Deployment:
         for p in old.placements:  # the node removes an unloaded model's files
             with contextlib.suppress(Exception):
                 old_nodes[p.node].unload(p.partition)
-        for part in old_parts.values():  # and this workspace the old generation's cuts
-            for path in (part.path, node_onnx_path(part)):
-                path.unlink(missing_ok=True)
+        remove_files(old_parts.values())  # and this workspace the old generation's cuts
         if self.local is not None:  # nodes the new plan does not use
             self.local.stop([n for name, n in self.local.nodes.items() if name not in self.nodes])
         return RolloutResult(

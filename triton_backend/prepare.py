@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import re
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from poolpipe.runtime.placement import Layout, layout
 from poolpipe.scheduler import build_topology
 from poolpipe.scheduler.topology import Topology
 from poolpipe.store.warehouse import Warehouse
-from triton_backend.repository import write_node_onnx
+from triton_backend.repository import node_onnx_path, write_node_onnx
 from triton_backend.router import ModelIO
 
 _CPU = re.compile(r"^cpu-(\d+)t$")
@@ -64,9 +65,33 @@ def prepare(
         jobs = partition_jobs(wh, lay, workspace / "partitions")
     if not isolated:
         return topo, lay, {name: make_partition(*args) for name, args in jobs.items()}
+    return topo, lay, cut_isolated(jobs)
+
+
+def cut_isolated(jobs: dict[str, PartitionJob]) -> dict[str, PartitionFile]:
+    """Each job's partition cut in a process of its own (spawned: the caller may be a
+    serving router with threads). When one fails, the error comes out and the partitions
+    already cut are deleted: a failed rollout leaves no files of its generation."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(_cut, *args) for name, args in jobs.items()}
-        return topo, lay, {name: f.result() for name, f in futures.items()}
+        try:
+            return {name: f.result() for name, f in futures.items()}
+        except BaseException:
+            for f in futures.values():
+                f.cancel()
+            # the cuts that ended (the one running is waited for) leave no files behind
+            remove_files(
+                f.result() for f in futures.values() if not f.cancelled() and not f.exception()
+            )
+            raise
+
+
+def remove_files(parts: Iterable[PartitionFile]) -> None:
+    """Delete partitions' files from the workspace: each one's ONNX file and the file its
+    CPU nodes run (write_node_onnx), where they exist."""
+    for part in parts:
+        for path in (part.path, node_onnx_path(part)):
+            path.unlink(missing_ok=True)
 
 
 def _cut(*args: Any) -> PartitionFile:
