@@ -309,6 +309,43 @@ def test_group_plan_is_proven_by_the_knapsack_after_a_swap(ppipe_profiles):
     plan.verify(ppipe_profiles)
 
 
+def test_four_type_plan_is_proven_by_the_surrogate_knapsack(ppipe_profiles):
+    """Group 0 on the benchmark's 4t-few-new cluster (5 L4, 5 V100, 40 T4, 50 P4) per-share:
+    the LP prices three types, so the knapsack folds two into a surrogate capacity
+    (knapsack._grid) and proves the plan; HiGHS's branch and bound, solved here on its own
+    over every candidate, finds nothing better beyond the plan's gap tolerance (it took
+    19 s to prove it before the surrogate)."""
+    import tomllib
+
+    from poolpipe.domain.cluster import Cluster, GpuPool
+    from poolpipe.planner.exact import enumerate_candidates, model_costs
+    from poolpipe.planner.formulation import build_group_milp
+    from poolpipe.planner.solvers import solve
+    from poolpipe.planner.strategies import estimate_arrival_rates
+
+    counts = {"L4": (5, 4), "V100": (5, 4), "T4": (40, 2), "P4": (50, 1)}
+    cluster = Cluster(
+        "4t-few-new",
+        10.0,
+        tuple(
+            GpuPool(g, n, h, (1,) if g == "P4" else (1, 2, 3, 4)) for g, (n, h) in counts.items()
+        ),
+    )
+    group = tomllib.loads((PPIPE_DIR / "workloads.toml").read_text())["groups"][0]
+    req = dataclasses.replace(
+        _group_request(ppipe_profiles, "ppipe", group, packing="per-share"), cluster=cluster
+    )
+    plan = make_plan(req)
+    assert (plan.solver.status, plan.solver.proof) == ("optimal", "knapsack")
+    plan.verify(ppipe_profiles)
+    lam, _ = estimate_arrival_rates(req)
+    _, cands = enumerate_candidates(req, model_costs(req, lam, False), 2)
+    milp = build_group_milp(cands, list(req.weights), cluster, req.packing).milp
+    exact = solve(milp, "highs", 120, req.mip_gap)
+    assert exact.status == "optimal"
+    assert exact.objective <= plan.objective * (1 + req.mip_gap)
+
+
 def test_cost_objective_plans_the_cheapest_gpus_for_given_rates(imported, tmp_path, capsys):
     # Rates at half of what the max-min plan serves; prices from the clusters file (L4)
     # and --prices (T4). The plan serves every rate, costs what its GPUs cost, and is

@@ -22,8 +22,17 @@ that passes (bisected) bounds every plan above z0.
 The knapsacks relax only the rounding of GPU buckets (Σ n / v per bucket rounds up) and the
 use of one option per pipeline. The MILP's own LP bound is weak where the knapsacks are
 not, because it treats vGPU counts as fractions: on the single-model P=3 ablation the bound
-proves in about a second what HiGHS's branch and bound takes 30 s to close. Clusters of one
-or two GPU types.
+proves in about a second what HiGHS's branch and bound takes 30 s to close.
+
+On three or more GPU types a grid per type would be too large (four types at 1/12 GPU:
+301³ × 26 cells per model), so the grid keeps two dimensions. Types the LP leaves unpriced
+(π_k = 0) are dropped: a relaxation. Of the priced ones, the one with the most dual value
+π_k N_k stays exact; the others are folded into one *surrogate* capacity, their GPUs
+weighted by their duals: any plan has Σ_k π_k g_k <= Σ_k π_k N_k over them, so on a grid of
+SURROGATE_CELLS steps an option costs the floor of its weighted GPUs (a sum of floors is
+at most the floor of the sum) and the capacity is the floor of the total. Still an upper
+bound on every plan; it proves the clusters whose other types are not saturated, and stops
+short where every type is (the plan may trade one folded type for another).
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ MAX_TRACE_BITS = 5e8  # 62 MB
 # Relative slack in favour of keeping an option (float round-off in duals and penalties).
 PEN_RTOL = 1e-7
 BISECT_RTOL = 1e-7  # precision of the multi-model bound
+# Steps of the surrogate capacity (three or more GPU types); 6,000 gave the same bounds on
+# the benchmark's four-type clusters.
+SURROGATE_CELLS = 1500
+FLOOR_TOL = 1e-9  # round-off kept in favour of the relaxation when flooring grid costs
 
 
 @dataclass
@@ -274,10 +287,10 @@ def _prepare(
     incumbent: float,
     max_work: float,
 ) -> tuple[list, np.ndarray, int] | None:
-    """Every model's options with pen below D - incumbent, in grid units (x, GPUs, picks),
-    the grid's capacity per type and its cells; None if too large (see knapsack_bound)."""
-    if not 1 <= len(cluster.pools) <= 2:
-        return None
+    """Every model's options with pen below D - incumbent, in grid units (x, cost per grid
+    dimension, picks), the grid's capacity per dimension and its cells; None if too large
+    (see knapsack_bound). One dimension per GPU type on one or two types; otherwise the
+    surrogate grid of the module docstring."""
     tix = {p.gpu: i for i, p in enumerate(cluster.pools)}
     counts = np.array([p.count for p in cluster.pools], dtype=float)
     unit = np.ones(len(counts), dtype=int)  # grid step per type: 1 / lcm of its shares
@@ -285,7 +298,9 @@ def _prepare(
         for c in cands:
             for p in c.partitions:
                 unit[tix[p.gpu]] = math.lcm(int(unit[tix[p.gpu]]), p.share)
-    cap = (counts * unit).astype(int)
+    type_cap = (counts * unit).astype(int)
+    grid = _grid(cb.gpu_prices, counts, unit, type_cap)
+    cap = grid.cap
     cells = int(np.prod(cap + 1))
     if cells > MAX_CELLS:
         return None
@@ -294,7 +309,44 @@ def _prepare(
     for m, cands in enumerate(candidates):
         mu = float(cb.model_prices[m])
         x, g, picks = _model_options(cands, tix, counts, cb.gpu_prices, mu, max_pen)
-        options.append((x, np.rint(g * unit).astype(int), picks))
+        options.append((x, grid.costs(np.rint(g * unit).astype(int)), picks))
         if sum(len(o[0]) for o in options) * cells > max_work:
             return None
     return options, cap, cells
+
+
+@dataclass
+class _Grid:
+    """The knapsacks' grid: exact GPU types (grid units), then at most one surrogate."""
+
+    exact: list[int]  # type indices kept as their own dimension
+    cap: np.ndarray  # capacity per dimension
+    folded: list[int]  # type indices folded into the surrogate dimension (may be empty)
+    weights: np.ndarray | None = None  # surrogate weight per grid unit of each folded type
+    step: float = 1.0  # weighted GPUs per surrogate cell
+
+    def costs(self, units: np.ndarray) -> np.ndarray:
+        """Options' costs per dimension from their grid units per type [O, K]."""
+        cols = [units[:, k] for k in self.exact]
+        if self.folded:
+            assert self.weights is not None
+            weighted = units[:, self.folded] @ self.weights / self.step
+            cols.append(np.maximum(np.floor(weighted - FLOOR_TOL), 0).astype(int))
+        return np.stack(cols, axis=1) if cols else np.zeros((len(units), 0), dtype=int)
+
+
+def _grid(pis: np.ndarray, counts: np.ndarray, unit: np.ndarray, type_cap: np.ndarray) -> _Grid:
+    """Exact on one or two types; otherwise see the module docstring."""
+    k_all = list(range(len(counts)))
+    if len(k_all) <= 2:
+        return _Grid(k_all, type_cap, [])
+    priced = sorted((k for k in k_all if pis[k] > 0), key=lambda k: -pis[k] * counts[k])
+    if len(priced) <= 2:  # the unpriced types relax
+        exact = sorted(priced) or [0]
+        return _Grid(exact, type_cap[exact], [])
+    first, folded = priced[0], sorted(priced[1:])
+    weights = pis[folded] / unit[folded]  # dual value of one grid unit
+    total = float(weights @ type_cap[folded])
+    step = total / SURROGATE_CELLS
+    cap = np.array([type_cap[first], math.floor(total / step + FLOOR_TOL)])
+    return _Grid([first], cap, folded, weights, step)
