@@ -115,17 +115,7 @@ def brute_force_single(model, cluster, budget, max_partitions=2, packing="per-sh
 @given(instances(), st.sampled_from(["per-share", "per-position"]))
 def test_ppipe_matches_brute_force(inst, packing):
     (model,), cluster, (slo,) = inst
-    req = PlanRequest(
-        models=(model,),
-        weights=(1.0,),
-        slos_us=(slo,),
-        cluster=cluster,
-        margin=0.0,
-        batch_wait=False,
-        mip_gap=1e-9,
-        max_partitions=2,
-        packing=packing,
-    )
+    req = single_request(model, cluster, slo, packing, mip_gap=1e-9, max_partitions=2)
     expected = brute_force_single(model, cluster, slo, packing=packing)
     if expected is None:
         with pytest.raises(InfeasibleError, match="m0"):
@@ -186,6 +176,14 @@ def check_invariants(plan, models, slos):
             used[g] = used.get(g, 0) + math.ceil(x - 1e-9)
     for g, n in used.items():
         assert n <= pools[g].count
+
+
+def single_request(model, cluster, slo: float, packing: str, **options) -> PlanRequest:
+    """One model alone, planned without margin or batch wait (what the brute force scores)."""
+    return PlanRequest(
+        models=(model,), weights=(1.0,), slos_us=(slo,), cluster=cluster, margin=0.0,
+        batch_wait=False, packing=packing, **options,
+    )  # fmt: skip
 
 
 def pair_request(inst, **options) -> PlanRequest:
@@ -269,19 +267,7 @@ def test_knapsack_bound_is_valid_and_tight_on_whole_gpus(inst_shares, packing):
     the optimum, max(z0, bound) is at least the optimum and the bound at most the LP's. On
     whole GPUs only (no bucket rounding to relax) it is the optimum itself."""
     ((model,), cluster, (slo,)), shares = inst_shares
-    req = PlanRequest(
-        models=(model,),
-        weights=(1.0,),
-        slos_us=(slo,),
-        cluster=cluster,
-        margin=0.0,
-        batch_wait=False,
-        packing=packing,
-    )
-    best = brute_force_single(model, cluster, slo, packing=packing)
-    if best is None:
-        return
-    _check_knapsack(req, best, shares)
+    _check_single_knapsack(model, cluster, slo, packing, shares)
 
 
 @SETTINGS
@@ -325,19 +311,7 @@ def test_knapsack_bound_on_three_types_is_valid(inst, packing):
     a surrogate capacity when all three are (knapsack._grid). A relaxation either way: for
     any incumbent below the optimum, max(z0, bound) is at least the brute force's optimum."""
     model, cluster, slo = inst
-    req = PlanRequest(
-        models=(model,),
-        weights=(1.0,),
-        slos_us=(slo,),
-        cluster=cluster,
-        margin=0.0,
-        batch_wait=False,
-        packing=packing,
-    )
-    best = brute_force_single(model, cluster, slo, packing=packing)
-    if best is None:
-        return
-    _check_knapsack(req, best, (1, 2), tight=False)
+    _check_single_knapsack(model, cluster, slo, packing, (1, 2))  # A at shares 1 and 2
 
 
 def test_knapsack_folds_priced_types_into_a_surrogate_capacity():
@@ -362,9 +336,16 @@ def test_knapsack_folds_priced_types_into_a_surrogate_capacity():
         assert math.floor(exact) - 1 <= cost <= math.floor(exact)
 
 
-def _check_knapsack(
-    req: PlanRequest, best: float, shares: tuple[int, ...], tight: bool = True
-) -> None:
+def _check_single_knapsack(model, cluster, slo: float, packing: str, shares) -> None:
+    """_check_knapsack for one model, against the brute force."""
+    req = single_request(model, cluster, slo, packing)
+    best = brute_force_single(model, cluster, slo, packing=packing)
+    if best is None:
+        return
+    _check_knapsack(req, best, shares)
+
+
+def _check_knapsack(req: PlanRequest, best: float, shares: tuple[int, ...]) -> None:
     costs = [
         ModelCosts(m, req.cluster, slo, 0.0, None)
         for m, slo in zip(req.models, req.slos_us, strict=True)
@@ -387,7 +368,7 @@ def _check_knapsack(
                 z = chosen_objective(fixed, weights)
                 assert chosen_objective(kb.chosen, weights) * (1 - 1e-9) - 1e-9 <= z
                 assert z <= best * (1 + 1e-9) + 1e-9
-        if z0 == 0.0 and shares == (1,) and tight:
+        if z0 == 0.0 and shares == (1,):
             assert kb.bound == pytest.approx(best, rel=1e-6, abs=1e-6)
             # nothing to relax: the knapsacks' own solution is an optimal plan
             assert kb.chosen is not None and chosen_fits(kb.chosen, req.cluster, req.packing)

@@ -332,7 +332,7 @@ class _Grid:
             assert self.weights is not None
             weighted = units[:, self.folded] @ self.weights / self.step
             cols.append(np.maximum(np.floor(weighted - FLOOR_TOL), 0).astype(int))
-        return np.stack(cols, axis=1) if cols else np.zeros((len(units), 0), dtype=int)
+        return np.stack(cols, axis=1)
 
 
 def _grid(pis: np.ndarray, counts: np.ndarray, unit: np.ndarray, type_cap: np.ndarray) -> _Grid:
