@@ -8,13 +8,14 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from poolpipe.cli import main
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.scheduler import build_topology
-from poolpipe.sim import ArrivalSpec, SimConfig, run_once
+from poolpipe.scheduler import build_topology, make_data_plane
+from poolpipe.sim import ArrivalSpec, SimConfig, Simulator, run_once
 from poolpipe.sim.scenario import GpuChange, Rollout, Scenario, load_scenario
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +99,37 @@ def test_a_rollout_goes_through_the_flush_migration(published, ppipe_profiles):
     assert 0 < roll["downtime_ms"] <= slo_ms  # the flush waits for the batches in flight
     assert roll["held"] > 0 and roll["failed"] == 0
     assert res.attainment > 0.97
+
+
+def test_an_event_after_the_last_arrival_still_happens(published):
+    # Two requests in the first millisecond; the GPUs fail at 1.5 s and a rollout follows
+    # at 1.8 s, long after the runtime went idle: both are played and reported.
+    _, topo = published
+    scenario = Scenario(
+        (GpuChange("gpu_down", 1.5, "T4", 2, (0, 1)), Rollout(1.8, topo, "same plan"))
+    )
+    sim = Simulator(
+        topo,
+        make_data_plane("reservation", topo),
+        np.array([0.0, 1_000.0]),
+        np.array([0, 1]),
+        SimConfig(duration_s=2.0),
+        scenario,
+    )
+    res = sim.run()
+    conserved(res)
+    assert [e["kind"] for e in res.events] == ["gpu_down", "rollout"]
+    assert res.events[0]["nodes"] == ["T4-0", "T4-1"] and len(res.rollouts) == 1
+
+
+def test_an_event_past_the_end_of_the_run_is_refused(published):
+    _, topo = published
+    late = Scenario((GpuChange("gpu_down", 1.0, "T4"), GpuChange("gpu_up", 40.0, "T4")))
+    with pytest.raises(PoolpipeError, match=r"gpu_up at 40 s is past the end of the run \(30 s\)"):
+        run_once(topo, ArrivalSpec.parse("poisson"), 0.1, SimConfig(30.0), scenario=late)
+    at_end = Scenario((GpuChange("gpu_down", 1.0, "L4", 1, (0,)),))
+    res = run_once(topo, ArrivalSpec.parse("poisson"), 0.01, SimConfig(1.0), scenario=at_end)
+    assert [e["at_s"] for e in res.events] == [1.0]  # at the very end: played
 
 
 def test_scenario_files_are_checked(tmp_path, published, ppipe_profiles):

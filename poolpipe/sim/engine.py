@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import (
     LATE,
     PENDING,
@@ -455,6 +456,15 @@ class Simulator:
         self.arrival_model = [int(m) for m in arrival_model]
         self.config = config
         self.scenario = scenario or Scenario(())
+        late = [e for e in self.scenario.events if e.at_s > config.duration_s]
+        if late:
+            e = late[0]
+            raise PoolpipeError(
+                f"scenario event {e.kind} at {e.at_s:g} s is past the end of the run "
+                f"({config.duration_s:g} s): it would never happen; move it before the end or "
+                "simulate longer (--duration)"
+            )
+        self._events_left = len(self.scenario.events)
         self._make_plane = make_plane or (lambda t: make_data_plane(data_plane.name, t))
         self.clock = VirtualClock()
         self.cluster = SimulatedCluster(self.clock, config, len(self.arrival_us))
@@ -512,7 +522,7 @@ class Simulator:
                 arrive(model_map[models[i]], i)
                 i += 1
                 continue
-            if i == n and rt.idle():
+            if i == n and rt.idle() and not self._events_left:
                 break  # only node watches are left: they would run for ever
             t, _, _, fn, arg = pop(ev)
             clock.t = t
@@ -524,6 +534,7 @@ class Simulator:
     def _apply(self, event: ScenarioEvent) -> None:
         rt = self.runtime
         assert rt is not None
+        self._events_left -= 1
         at_s = self.clock.t / 1e6
         if isinstance(event, GpuChange):
             nodes = self._pick_nodes(event)
