@@ -335,6 +335,22 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
     assert not shm_left, shm_left
 
 
+def test_a_node_beyond_loopback_does_not_start_without_a_token(tmp_path, monkeypatch, capsys):
+    """A node's model-repository API answers whoever reaches it unless a token restricts
+    it: beyond loopback, `poolpipe node` refuses to start without one (before any Triton
+    starts), naming the fix."""
+    from poolpipe.cli import main
+    from poolpipe.client.control import TOKEN_FILE_VAR
+
+    monkeypatch.delenv(TOKEN_FILE_VAR, raising=False)
+    for address in ("0.0.0.0", "10.213.250.9", "::", "node-7.example"):
+        argv = ["node", "--device", "cpu-1t", "--listen", address]
+        assert main([*argv, "--workspace", str(tmp_path / "n")]) == 2
+        err = capsys.readouterr().err
+        assert f"--listen {address} without a token" in err and "--token-file" in err, err
+    assert not (tmp_path / "n").exists()  # nothing started, nothing written
+
+
 def test_a_node_killed_outright_takes_its_tritonserver_along(tmp_path):
     """`poolpipe node` SIGKILLed (the OOM killer, `kill -9`) used to leave its tritonserver
     serving, orphaned: the server now gets SIGTERM when the node's process dies."""

@@ -11,7 +11,6 @@ door)."""
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import threading
 import time
@@ -39,7 +38,7 @@ from poolpipe.sim.metrics import SimResult
 from poolpipe.sim.scenario import Scenario
 from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
 from triton_backend.calibration import calibrate, warm
-from triton_backend.env import signals_held, triton_home
+from triton_backend.env import is_loopback, signals_held, triton_home
 from triton_backend.frontend import Frontend
 from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
 from triton_backend.nodes import RepositoryAPI, TritonNode
@@ -462,17 +461,7 @@ def resolve_transport(transport: str, urls: Iterable[str]) -> str:
             choices = ", ".join(TRANSPORT_CHOICES)
             raise PoolpipeError(f"unknown transport {transport!r}; choose {choices}")
         return transport
-    return "router" if all(_loopback(u) for u in urls) else "chain"
-
-
-def _loopback(url: str) -> bool:
-    host = url.rpartition(":")[0].strip("[]") or url
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: another host as far as anyone here can tell
-        return False
+    return "router" if all(is_loopback(u.rpartition(":")[0] or u) for u in urls) else "chain"
 
 
 def _top_batch(topo: Topology) -> int:

@@ -9,6 +9,7 @@ LIBDIR goes first in LD_LIBRARY_PATH, and the stub sees this environment's site-
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -80,6 +81,19 @@ def libs_path() -> Path:
 # together once got the same port: one Triton found it taken and crashed while loading).
 _HANDED_OUT: set[int] = set()
 _HANDED_OUT_LOCK = threading.Lock()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name, IPv6 with or without brackets) is this host's
+    loopback: `localhost` or an address in 127.0.0.0/8 or ::1. A name other than
+    localhost is taken for another host; 0.0.0.0 and :: listen on every interface."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def free_ports(n: int) -> list[int]:

@@ -19,6 +19,7 @@ from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, re
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES
 from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
+from triton_backend.env import is_loopback
 
 console = Console()
 
@@ -159,11 +160,12 @@ def cmd_node(args: argparse.Namespace) -> int:
         )
     token_file = args.token_file or os.environ.get(TOKEN_FILE_VAR)
     key = node_key(read_token(token_file)) if token_file else None
-    if key is None and args.listen not in ("127.0.0.1", "localhost", "::1"):
-        err_console.print(
-            f"[yellow]warning:[/] no --token-file: anyone who reaches {args.listen} may load "
-            "and unload models on this node",
-            highlight=False,
+    if key is None and not is_loopback(args.listen):
+        raise PoolpipeError(
+            f"poolpipe node --listen {args.listen} without a token would let anyone who "
+            "reaches that address load, unload and replace the models it serves (Triton's "
+            "model-repository API); pass --token-file FILE with the router's token (poolpipe "
+            f"serve prints where it is; ${TOKEN_FILE_VAR} works too), or listen on 127.0.0.1"
         )
     name = args.name or f"{args.device}@{args.listen}:{args.grpc_port or 'auto'}"
     workspace = Path(args.workspace or f"out/node-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}")
