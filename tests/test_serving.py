@@ -1,7 +1,8 @@
 """Online serving for real: tritonserver stage-worker nodes (the nvidia-pytriton wheel's
-binary, Python-backend models running ONNX Runtime) on free loopback ports, the PyTriton
-router in front, and tritonclient over HTTP and gRPC. A small ResNet onboarded through the
-real flow; a two-partition plan so that feature maps cross between nodes as fp16."""
+binary, Python-backend models running ONNX Runtime) on free loopback ports, the router in
+front (its own tritonserver, whose door models hand each request to the router process), and
+tritonclient over HTTP and gRPC. A small ResNet onboarded through the real flow; a
+two-partition plan so that feature maps cross between nodes as fp16."""
 
 from __future__ import annotations
 
