@@ -224,8 +224,8 @@ def main() -> int:
             dep.core.take_window()
             shots = drive(url, name, {in_name: x}, times)
             s = summarize(shots, args.slo_ms / 1e3, args.duration)
-            win = dep.core.take_window()[0][0]  # the router's own view of the same requests
-            s["router_attainment"] = win["on_time"] / max(1, win["arrivals"])
+            win = dep.core.take_window().models[0]  # the router's own view of the same requests
+            s["router_attainment"] = win.on_time / max(1, win.arrivals)
             sim = dep.simulate(times, args.duration, factors)
             live_rows.append((rate, s, sim.attainment))
             record("live-vs-sim", f"{rate:g}req/s", "live_attainment", s["attainment"])
@@ -371,7 +371,7 @@ def overhead_runs(dep, name: str, n: int):
     door_cpu = (cpu_seconds([door]) - door0) / n * 1e6
     # the router's own time per request (the door's stamp to its answer); the rest of
     # the path is the door's (Triton front end, Python stub, the socket both ways)
-    inside50 = float(dep.core.take_window()[0][0]["p50_ms"])
+    inside50 = float(dep.core.take_window().models[0].p50_ms)
     d2 = client_run("closed", node.grpc_url, part, in_name, x, n)
     return np.concatenate([d, d2]), r, router_cpu, door_cpu, inside50
 
@@ -469,7 +469,7 @@ def burst_check(args, name: str, tmp: Path, record) -> None:
                 shots = client_run(
                     "burst", dep.http_url, name, in_name, x, args.burst, args.burst_slo_ms
                 )
-                win = dep.core.take_window()[0][0]
+                win = dep.core.take_window().models[0]
                 slo = args.burst_slo_ms / 1e3
                 ok = [lat for lat, o in shots if o == "ok"]
                 rows.append(
@@ -480,9 +480,9 @@ def burst_check(args, name: str, tmp: Path, record) -> None:
                         "client_dropped": sum(o == "dropped" for _, o in shots),
                         "client_other": sum(o not in ("ok", "dropped") for _, o in shots),
                         "client_max_ms": max(ok) * 1e3 if ok else float("nan"),
-                        "router_on_time": win["on_time"],
-                        "router_late": win["late"],
-                        "router_dropped": win["dropped"],
+                        "router_on_time": win.on_time,
+                        "router_late": win.late,
+                        "router_dropped": win.dropped,
                         **dep.core.margin_figures(),
                     }
                 )

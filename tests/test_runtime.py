@@ -21,6 +21,7 @@ from poolpipe.runtime import (
     RECALIBRATE_MAX,
     Entry,
     Job,
+    PlanUsage,
     RuntimeConfig,
     ServedPlan,
     ServingRuntime,
@@ -40,6 +41,7 @@ class HandExecutor:
         self.answers: dict[int, tuple[int, str]] = {}  # payload -> (outcome, reason)
         self.checks: list[tuple[float, str]] = []
         self.node_ok: dict[str, bool] = {}
+        self.retired: list[PlanUsage] = []
         self.rt: ServingRuntime
 
     def bind(self, runtime: ServingRuntime) -> None:
@@ -55,6 +57,9 @@ class HandExecutor:
     def check_node(self, node: str, served: ServedPlan) -> None:
         self.checks.append((self.rt.clock.now(), node))
         self.rt.node_checked(node, self.node_ok.get(node, False))
+
+    def retire(self, usage: PlanUsage) -> None:
+        self.retired.append(usage)
 
 
 def runtime(stages, *, slo_us=100.0, batch=1, plane="eager", **config):
@@ -92,9 +97,7 @@ def two_in_one_batch(**config):
 
 def test_deadlines_hold_back_the_reply_margin_and_count_against_the_full_slo():
     # (without the overdue watch, a batch that runs past an SLO is answered late)
-    rt, _, ex = runtime(
-        [([0], [10.0], 0.0)], slo_us=50.0, reply_margin_us=5.0, drop_overdue=False
-    )
+    rt, _, ex = runtime([([0], [10.0], 0.0)], slo_us=50.0, reply_margin_us=5.0, drop_overdue=False)
     (a,) = rt.submit(0, [1])
     assert a is not None and (a.arrival_us, a.deadline_us, a.due_us) == (0.0, 45.0, 50.0)
     (b,) = rt.submit(0, [2], slo_us=30.0)  # a per-request SLO
@@ -105,10 +108,11 @@ def test_deadlines_hold_back_the_reply_margin_and_count_against_the_full_slo():
     assert ex.answers == {1: (ON_TIME, ""), 2: (LATE, "")}
     s = rt.stats["m"]
     assert (s.arrivals, s.on_time, s.late, s.latency_us) == (2, 1, 1, [48.0, 58.0])
-    models, pools = rt.take_window()
-    assert (models[0]["arrivals"], models[0]["on_time"], models[0]["late"]) == (2, 1, 1)
-    assert pools[0]["busy_ms"] == pytest.approx(58e-3)
-    assert rt.take_window()[0][0]["arrivals"] == 0  # a window counts once
+    window = rt.take_window()
+    (m,) = window.models
+    assert (m.model, m.arrivals, m.on_time, m.late) == ("m", 2, 1, 1)
+    assert window.pools[0].busy_ms == pytest.approx(58e-3)
+    assert rt.take_window().model("m").arrivals == 0  # a window counts once
 
 
 def test_a_batch_still_running_at_its_slo_is_answered_then_dropped_not_late():
@@ -347,6 +351,33 @@ def test_a_flush_that_cannot_finish_fails_what_is_left_at_its_timeout():
     assert results[0].failed == 1 and rt.served is new
     rt.hop_done(stuck, 0, 0.0, 600.0)  # the old batch ends after all: nothing more
     assert len(ex.answers) == 1 and rt.stats["m"].failed == 1
+
+
+def test_plans_switched_away_from_are_retired_with_their_last_job():
+    # A router that rolls out every night must not keep every plan it ever served (each
+    # with its data plane's tables): an old plan is forgotten, and its executor told, as
+    # soon as no job runs on it; one whose batch outlives the flush waits for that batch.
+    rt, clock, ex = runtime([([0], [10.0], 0.0)], slo_us=1000.0)
+    rt.submit(0, [1])
+    stuck = ex.jobs[0]
+    rt.hop_started(stuck, 0, 0.0)
+    for k in range(1, 6):  # five switches; the first one's flush gives up on `stuck`
+        new = ServedPlan(rt.topo, make_data_plane("eager", rt.topo), vgpu_nodes(rt.topo))
+        rt.switch(new, 100.0, lambda r: None)
+        clock.run_until(clock.now() + 100.0)
+        assert rt.generation == k and rt.served is new
+    assert [u.generation for u in ex.retired] == [1, 2, 3, 4]  # none of them ran a job
+    assert [u.generation for u in rt.usage()] == [0, 5]  # gen 0: its batch still runs
+    rt.hop_done(stuck, 0, 0.0, 700.0)  # the old batch ends after all: gen 0 goes
+    assert [u.generation for u in ex.retired] == [1, 2, 3, 4, 0]
+    assert [u.generation for u in rt.usage()] == [5]
+    gone = ex.retired[-1]
+    assert gone.vgpu_busy_us == (700.0,) and gone.pool_batches == (1,)
+    rt.submit(0, [2])
+    (job,) = [j for j in ex.jobs if j is not stuck]
+    assert job.generation == 5
+    run_job(rt, job, clock.now(), [10.0])
+    assert ex.answers[2] == (ON_TIME, "") and len(ex.retired) == 5  # the current one stays
 
 
 def test_a_switch_refuses_a_plan_without_the_served_models():

@@ -385,13 +385,13 @@ def test_a_burst_gets_on_time_answers_and_explicit_drops_not_late_ones(served):
     for _ in range(2):
         served.core.take_window()
         shots = burst(served.http_url, io.name, {io.inputs[0].name: x}, N_BURST, 100.0)
-        win = served.core.take_window()[0][0]
+        win = served.core.take_window().models[0]
         ok = [s for s in shots if s.outcome == "ok"]
         dropped = [s for s in shots if s.outcome == "dropped"]
         assert len(ok) + len(dropped) == N_BURST, {s.outcome for s in shots}
         assert ok, "nothing served"
-        assert win["arrivals"] == N_BURST and win["dropped"] == len(dropped), win
-        assert win["late"] == 0, win
+        assert win.arrivals == N_BURST and win.dropped == len(dropped), win
+        assert win.late == 0, win
         late = [s.latency_s for s in ok if s.latency_s > 0.105]
         assert len(late) <= len(ok) / 3, (len(late), len(ok))
         assert max(s.latency_s for s in ok) <= 0.150, sorted(s.latency_s for s in ok)[-5:]

@@ -223,7 +223,7 @@ class Deployment:
                 transport=transport,
                 key=key,
             ).start()
-            core.executor.http.update(_http_addresses(nodes))
+            core.use_http(_http_addresses(nodes))
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
@@ -296,7 +296,7 @@ class Deployment:
                 "rolled back", str(exc), label_from, label_to, time.perf_counter() - t0, 0, 0, 0
             )
         prepare_s = time.perf_counter() - t0
-        self.core.executor.http.update(_http_addresses(nodes))
+        self.core.use_http(_http_addresses(nodes))
         res = self.core.switch(_served(live, lay, nodes, ios, self.options), flush_timeout_s)
         old, old_nodes, old_parts = self.layout, self.nodes, self.parts
         self.plan, self.topo, self.layout, self.parts = plan, topo, lay, parts

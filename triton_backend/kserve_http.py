@@ -1,4 +1,6 @@
-"""Stage calls over KServe v2 HTTP with binary tensors, on the router's event loop.
+"""Stage calls over KServe v2 HTTP with binary tensors, on the router's event loop: one
+node's endpoint (`HttpStage`), the StageClient over them (`HttpStages`), and the one the
+router uses (`HttpFirstStages`: HTTP where a node's HTTP address is known, gRPC otherwise).
 
 Why not gRPC for the plain stage calls: measured on the 2-core test machine, one call of a
 49 KB input to a stage node cost the calling process 1,300-1,550 µs of CPU through
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,18 +25,20 @@ from tritonclient.utils import triton_to_np_dtype
 
 from poolpipe.errors import PoolpipeError
 from triton_backend.repository import kserve_dtype
+from triton_backend.stages import (
+    CHECK_TIMEOUT_S,
+    GrpcStages,
+    Inputs,
+    Outputs,
+    StageCallError,
+    StageTimeout,
+    StageUnreachable,
+)
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
 _MAX_KEPT = 256  # request heads / answer layouts kept per node (by shapes), then forgotten
 # Per output of an answer: name, dtype, shape, binary size, JSON data (see _layout)
 AnswerLayout = list[tuple[str, np.dtype, list[int], int | None, Any]]
-
-
-class StageCallError(Exception):
-    """A stage call that failed: the node's error message, or what went wrong on the way."""
-
-    def message(self) -> str:
-        return str(self)
 
 
 class _Lost(StageCallError):
@@ -126,30 +130,49 @@ class HttpStage:
         self._layouts: dict[bytes, AnswerLayout] = {}  # answer layouts by their JSON header
 
     async def infer(
-        self, model: str, inputs: Sequence[tuple[str, np.ndarray]], timeout_s: float
+        self,
+        model: str,
+        inputs: Inputs,
+        timeout_s: float,
+        parameters: Mapping[str, str] | None = None,
+        outputs: Sequence[str] | None = None,
     ) -> dict[str, np.ndarray]:
-        """The model's outputs by name for these (name, array) inputs; StageCallError when
-        the node answers with an error, closes the connection, or takes over `timeout_s`."""
+        """The model's outputs by name for these (name, array) inputs (only those named in
+        `outputs`, when given), the request carrying `parameters`; StageCallError when the
+        node answers with an error or closes the connection, StageUnreachable when it cannot
+        be reached, StageTimeout when it takes over `timeout_s`."""
         xs = [np.ascontiguousarray(x) for _, x in inputs]
-        key = (
-            model,
-            tuple((name, x.shape, x.dtype) for (name, _), x in zip(inputs, xs, strict=True)),
-        )
-        head = self._heads.get(key)
-        if head is None:  # the same shapes come again and again: their head is kept
-            head = self._heads[key] = self._head(model, key[1])
+        shapes = tuple((name, x.shape, x.dtype) for (name, _), x in zip(inputs, xs, strict=True))
+        if parameters is None and outputs is None:
+            key = (model, shapes)
+            head = self._heads.get(key)
+            if head is None:  # the same shapes come again and again: their head is kept
+                head = self._heads[key] = self._head(model, shapes)
+        else:  # a chain's call: its parameters differ every time
+            head = self._head(model, shapes, parameters, outputs)
         blobs = [x.data.cast("B") for x in xs]
         status, headers, body = await self._send([head, *blobs], timeout_s)
         if status != 200:
             raise StageCallError(_error_text(status, body))
         return _outputs(headers, body, self._layouts)
 
-    def _head(self, model: str, inputs: tuple[tuple[str, tuple, np.dtype], ...]) -> bytes:
+    def _head(
+        self,
+        model: str,
+        inputs: tuple[tuple[str, tuple, np.dtype], ...],
+        parameters: Mapping[str, str] | None = None,
+        outputs: Sequence[str] | None = None,
+    ) -> bytes:
         """The request's HTTP head and JSON inference header for inputs of these (name,
         shape, dtype); StageCallError for a dtype KServe v2 has no name for."""
         if len(self._heads) >= _MAX_KEPT:
             self._heads.clear()
-        header: dict[str, Any] = {"inputs": [], "parameters": {"binary_data_output": True}}
+        header: dict[str, Any] = {
+            "inputs": [],
+            "parameters": {**(parameters or {}), "binary_data_output": True},
+        }
+        if outputs is not None:
+            header["outputs"] = [{"name": n, "parameters": {"binary_data": True}} for n in outputs]
         size = 0
         for name, shape, dtype in inputs:
             try:
@@ -174,6 +197,12 @@ class HttpStage:
             f"Content-Length: {len(text) + size}\r\n\r\n"
         ).encode() + text
 
+    async def get(self, path: str, timeout_s: float) -> int:
+        """The status of a GET of `path` (health and readiness: /v2/health/live, ...)."""
+        head = f"GET {path} HTTP/1.1\r\nHost: {self.address}\r\n\r\n".encode()
+        status, _, _ = await self._send([head], timeout_s)
+        return status
+
     async def _send(self, parts: list, timeout_s: float) -> tuple[int, dict[bytes, bytes], bytes]:
         while self._idle:
             conn = self._idle.pop()
@@ -188,7 +217,7 @@ class HttpStage:
     async def _call(
         self, conn: _Connection, parts: list, timeout_s: float
     ) -> tuple[int, dict[bytes, bytes], bytes]:
-        late = StageCallError(f"no answer from {self.address} in {timeout_s:g} s")
+        late = StageTimeout(f"no answer from {self.address} in {timeout_s:g} s")
         timer = self.loop.call_later(timeout_s, conn._fail, late)
         try:
             return await conn.call(parts)
@@ -205,15 +234,97 @@ class HttpStage:
                 timeout_s,
             )
         except TimeoutError:
-            raise StageCallError(f"cannot reach {self.address} in {timeout_s:g} s") from None
+            raise StageUnreachable(f"cannot reach {self.address} in {timeout_s:g} s") from None
         except OSError as exc:
-            raise StageCallError(f"cannot reach {self.address}: {exc.strerror or exc}") from None
+            why = exc.strerror or exc
+            raise StageUnreachable(f"cannot reach {self.address}: {why}") from None
         return conn
 
     def close(self) -> None:
         for conn in self._idle:
             conn._close()
         self._idle.clear()
+
+
+class HttpStages:
+    """The StageClient over KServe v2 HTTP: a node (its gRPC address, as plans name it) is
+    called at its HTTP address in `addresses` (a KeyError for one missing)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, addresses: Mapping[str, str] | None = None):
+        self.loop = loop
+        self.addresses: dict[str, str] = dict(addresses or {})
+        self._stages: dict[str, HttpStage] = {}
+
+    def stage(self, node: str) -> HttpStage:
+        address = self.addresses[node]
+        stage = self._stages.get(address)
+        if stage is None:
+            stage = self._stages[address] = HttpStage(self.loop, address)
+        return stage
+
+    def infer(
+        self,
+        node: str,
+        model: str,
+        inputs: Inputs,
+        timeout_s: float,
+        parameters: Mapping[str, str] | None = None,
+        outputs: Sequence[str] | None = None,
+    ) -> Coroutine[Any, Any, Outputs]:
+        return self.stage(node).infer(model, inputs, timeout_s, parameters, outputs)
+
+    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool, bool]:
+        stage = self.stage(node)
+        try:
+            live = await stage.get("/v2/health/live", CHECK_TIMEOUT_S) == 200
+            ready = live
+            for m in models:
+                ready = ready and await stage.get(f"/v2/models/{m}/ready", CHECK_TIMEOUT_S) == 200
+        except StageCallError:
+            return False, False
+        return live, ready
+
+    def forget(self, node: str) -> None:
+        stage = self._stages.pop(self.addresses.get(node, ""), None)
+        if stage is not None:
+            stage.close()
+
+    async def close(self) -> None:
+        for stage in self._stages.values():
+            stage.close()
+        self._stages.clear()
+
+
+class HttpFirstStages:
+    """The router's StageClient: KServe v2 HTTP to the nodes whose HTTP address is known
+    (`http.addresses`), gRPC to the others; node checks over gRPC (a fresh channel each)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.http = HttpStages(loop)
+        self.grpc = GrpcStages(loop)
+
+    def infer(
+        self,
+        node: str,
+        model: str,
+        inputs: Inputs,
+        timeout_s: float,
+        parameters: Mapping[str, str] | None = None,
+        outputs: Sequence[str] | None = None,
+    ) -> Coroutine[Any, Any, Outputs]:
+        via = self.http if node in self.http.addresses else self.grpc
+        return via.infer(node, model, inputs, timeout_s, parameters, outputs)
+
+    def ready(self, node: str, models: Sequence[str]) -> Coroutine[Any, Any, tuple[bool, bool]]:
+        return self.grpc.ready(node, models)
+
+    def forget(self, node: str) -> None:
+        self.http.forget(node)
+        self.grpc.forget(node)
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.grpc.close()
 
 
 def parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:

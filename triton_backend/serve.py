@@ -145,7 +145,7 @@ class Server:
         """Write the window since the last flush to the warehouse; returns rows written."""
         core: RouterCore = self.deployment.core
         start, now = self._window_start, datetime.now()
-        models, pools = core.take_window()
+        window = core.take_window()
         self._window_start = now
         seconds = (now - start).total_seconds()
         base = {
@@ -154,8 +154,8 @@ class Server:
             "deployment": self.name,
             "plan_id": self.plan_id,
         }
-        rows = [{**base, **m} for m in models]
-        busy = [{**base, **p} for p in pools]
+        rows = [{**base, **asdict(m)} for m in window.models]
+        busy = [{**base, **asdict(p)} for p in window.pools]
 
         # another process may hold the warehouse: wait a little, else spool (nothing lost)
         store_tables_durably(

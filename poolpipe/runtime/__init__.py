@@ -3,17 +3,12 @@ wake-ups, outcomes and statistics, stage failures, node return, recalibration, f
 migration), driven through a clock and an executor, and where a plan's vGPUs live (nodes).
 
 The simulator (virtual clock, simulated cluster) and the live router (event-loop clock,
-Triton stage workers) are its two drivers.
+Triton stage workers) are its two drivers. core.py composes the policies, each a part of
+its own: overdue.py, guard.py, health.py, recalibration.py, migration.py; ports.py holds
+the ports and the records a driver sees.
 """
 
-from poolpipe.runtime.core import (
-    RECALIBRATE_BAND,
-    RECALIBRATE_EVERY,
-    RECALIBRATE_MAX,
-    RuntimeConfig,
-    ServingRuntime,
-    SwitchResult,
-)
+from poolpipe.runtime.core import RuntimeConfig, ServingRuntime
 from poolpipe.runtime.intake import (
     DEFAULT_MARGIN_CEILING_US,
     DEFAULT_MARGIN_FLOOR_US,
@@ -23,6 +18,7 @@ from poolpipe.runtime.intake import (
     MarginMeter,
     slo_room_warnings,
 )
+from poolpipe.runtime.migration import SwitchResult, default_flush_timeout_us
 from poolpipe.runtime.ports import (
     DROPPED,
     FAILED,
@@ -34,10 +30,13 @@ from poolpipe.runtime.ports import (
     Entry,
     Executor,
     Job,
+    Outcome,
+    PlanUsage,
     ServedPlan,
     Timer,
 )
-from poolpipe.runtime.stats import ModelStats
+from poolpipe.runtime.recalibration import RECALIBRATE_BAND, RECALIBRATE_EVERY, RECALIBRATE_MAX
+from poolpipe.runtime.stats import ModelStats, ModelWindow, PoolWindow, Window
 
 __all__ = [
     "DEFAULT_MARGIN_CEILING_US",
@@ -60,10 +59,16 @@ __all__ = [
     "Job",
     "MarginMeter",
     "ModelStats",
+    "ModelWindow",
+    "Outcome",
+    "PlanUsage",
+    "PoolWindow",
     "RuntimeConfig",
     "ServedPlan",
     "ServingRuntime",
     "SwitchResult",
     "Timer",
+    "Window",
+    "default_flush_timeout_us",
     "slo_room_warnings",
 ]

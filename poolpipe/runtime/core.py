@@ -3,28 +3,41 @@ and an executor (ports.py) and blind to which ones it has.
 
 It takes requests (deadline = arrival + SLO - reply margin; a per-request SLO), asks the
 data plane for decisions and wakes it when it asked to be woken, hands dispatched batches
-to the executor and books what each hop really did, answers every request exactly once
-(on time, late, dropped, failed), counts outcomes, handles a failed stage (the node's vGPUs
-leave the reservation tables, the batch's requests start over once on a live path, else
-fail explicitly), watches failed nodes until they answer again, recalibrates a pool whose
-stages run slower or faster than reserved, and migrates to a new plan by pipeline flush
-(pause intake, drain, let in-flight batches finish, switch, resume the held requests).
+to the executor and books what each hop really did, and answers every request exactly once
+(on time, late, dropped, failed). Its policies are parts of their own, each with its
+module: the overdue watch (overdue.py), the wake guard (guard.py), node health and the
+node watch (health.py), recalibration (recalibration.py), and pipeline-flush migration
+(migration.py). This module composes them.
 
-The simulator and the live router are its two drivers; neither restates a policy.
+The driver interface, the same for the simulator and the live router:
+- intake: `check` (a request at the door), `add` / `arrive` / `submit`, then `decide`;
+- reports from the executor: `hop_started`, `hop_done`, `hop_late`, `hop_failed`,
+  `node_checked`;
+- a migration: `switch`;
+- reading: `served`, `topo`, `generation`, `stats`, `take_window`, `take_stage_factors`,
+  `usage`, `pool_busy_us`, `down_nodes`, `live_throughput`, `without_path`, `in_flight`,
+  `idle`, and the counters `batches`, `recalibrations`, `recoveries`, `drop_reasons`.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-import statistics
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime.intake import MAX_SLO_MS, check_request, p99
+from poolpipe.runtime.guard import WakeGuard
+from poolpipe.runtime.health import NODE_CHECK_EVERY_US, NodeHealth
+from poolpipe.runtime.intake import MAX_SLO_MS, check_request
+from poolpipe.runtime.migration import (
+    SWITCHED_AWAY,
+    FlushMigration,
+    HeldRequest,
+    SwitchResult,
+)
+from poolpipe.runtime.overdue import OverdueWatch
 from poolpipe.runtime.ports import (
     DROPPED,
     FAILED,
@@ -35,43 +48,16 @@ from poolpipe.runtime.ports import (
     Entry,
     Executor,
     Job,
+    Outcome,
+    PlanUsage,
     ServedPlan,
     Timer,
 )
-from poolpipe.runtime.stats import ModelStats, Windows
+from poolpipe.runtime.recalibration import RECALIBRATE_BAND, RECALIBRATE_EVERY, Recalibrator
+from poolpipe.runtime.stats import ModelStats, Window, Windows
 from poolpipe.scheduler import DataPlane, Dispatch, StageReport
 from poolpipe.scheduler.messages import DROP_OVERDUE, DROP_STAGE_OVERRAN
-from poolpipe.scheduler.topology import Topology, with_latencies
-
-# Live recalibration: after this many stage calls of a pool that found their vGPU idle, the
-# median of measured / reserved time, when outside 1 +- RECALIBRATE_BAND, scales the pool's
-# latencies (every batch size) for all later reservations. Start-up calibration times one
-# call at a time; under load, stage workers that share a host's cores run slower.
-RECALIBRATE_EVERY = 20
-RECALIBRATE_BAND = 0.1
-# ... by at most this factor either way from the latencies the plan was served with: stages
-# measured far slower (a host's cores taken by an overload) would otherwise leave no batch
-# fitting any SLO, and with nothing run, nothing measured to bring them back.
-RECALIBRATE_MAX = 2.0
-# A failed node is asked whether it serves again this often (µs).
-NODE_CHECK_EVERY_US = 500_000.0
-# The plane's wake guard grows by the p99 of how late the last WAKE_WINDOW wakes fired
-# (recomputed every WAKE_EVERY wakes), by at most WAKE_LATE_CAP_US; and by the p99 of how
-# far the last WAKE_WINDOW batches whose stages all found their vGPU idle ended after
-# their reserved end (stages slower than reserved, transfers, the executor's own path),
-# by at most OVERRUN_CAP_US. Batches held for more requests then go out that much earlier.
-WAKE_WINDOW, WAKE_EVERY, WAKE_LATE_CAP_US = 256, 8, 20_000.0
-OVERRUN_CAP_US = 20_000.0
-# A request whose batch is still running this long after its SLO ran out is answered then,
-# dropped (RuntimeConfig.drop_overdue): later than the SLO, never by a few µs of round-off.
-OVERDUE_AFTER_US = 1.0
-SWITCHED_AWAY = "the plan was switched before this request could finish"
-
-
-def default_flush_timeout_us(old: Topology, new: Topology) -> float:
-    """How long a flush may wait for the old plan's requests: two of the longest SLO of
-    either plan, and a second for the switch itself."""
-    return 2 * max(m.slo_us for m in (*old.models, *new.models)) + 1e6
+from poolpipe.scheduler.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -103,18 +89,35 @@ class RuntimeConfig:
             raise PoolpipeError(f"node checks need a period > 0 µs, got {self.node_check_every_us}")
 
 
-@dataclass(frozen=True)
-class SwitchResult:
-    downtime_us: float  # intake paused
-    held: int  # requests that arrived meanwhile (served after the switch)
-    failed: int  # requests the flush could not finish in time (answered with an error)
-
-
-class Generation:
+class _Plan:
     """The runtime's bookkeeping of one served plan (a migration starts a new one; jobs
-    dispatched on the old one finish on it)."""
+    dispatched on the old one finish on it, and it is retired after the last)."""
 
-    def __init__(self, served: ServedPlan, stats: dict[str, ModelStats]):
+    __slots__ = (
+        "first_pool",
+        "generation",
+        "jobs",
+        "model_stats",
+        "node_vgpus",
+        "plane",
+        "pool_batches",
+        "pool_requests",
+        "recal",
+        "running",
+        "served",
+        "slo_us",
+        "stage_factors",
+        "vgpu_busy_us",
+    )
+
+    def __init__(
+        self,
+        generation: int,
+        served: ServedPlan,
+        stats: dict[str, ModelStats],
+        config: RuntimeConfig,
+    ):
+        self.generation = generation
         self.served = served
         self.plane = served.plane
         topo = served.topo
@@ -124,29 +127,27 @@ class Generation:
         self.pool_batches = [0] * P  # batches run and requests in them, per pool
         self.pool_requests = [0] * P
         self.stage_factors: list[list[float]] = [[] for _ in range(P)]
-        self.recent: list[list[float]] = [[] for _ in range(P)]
         self.node_vgpus: dict[str, list[int]] = {}
         for v, node in served.vgpu_node.items():
             self.node_vgpus.setdefault(node, []).append(v)
         self.first_pool = [pipe.pools[0] for pipe in topo.pipelines]
         self.slo_us = [m.slo_us for m in topo.models]
-        self.base_topo = topo  # as served (recalibration scales from it, within limits)
-        self.scale = [1.0] * P  # each pool's latencies / its served ones
+        self.recal = Recalibrator(topo, config.recalibrate_every, config.recalibrate_band)
         self.model_stats = [stats.setdefault(m.name, ModelStats()) for m in topo.models]
+        self.jobs = 0  # dispatched and not ended
 
     @property
     def pool_busy_us(self) -> list[float]:
-        topo = self.served.topo
-        return [sum(self.vgpu_busy_us[v] for v in p.vgpus) for p in topo.pools]
+        return [sum(self.vgpu_busy_us[v] for v in p.vgpus) for p in self.served.topo.pools]
 
-
-@dataclass
-class _Switch:
-    served: ServedPlan
-    t0: float
-    on_done: Callable[[SwitchResult], None]
-    timer: Timer | None = None
-    done: bool = False
+    def usage(self) -> PlanUsage:
+        return PlanUsage(
+            self.generation,
+            self.served,
+            tuple(self.vgpu_busy_us),
+            tuple(self.pool_batches),
+            tuple(self.pool_requests),
+        )
 
 
 class ServingRuntime:
@@ -162,51 +163,43 @@ class ServingRuntime:
         self.config = config or RuntimeConfig()
         self.reply_margin_us = self.config.reply_margin_us
         self.stats: dict[str, ModelStats] = {}
-        self.gen = Generation(served, self.stats)
-        self.generations = [self.gen]
+        self._plan = _Plan(0, served, self.stats, self.config)
+        self._old: list[_Plan] = []  # switched away from, with jobs still running
         self._observing = self.config.recalibrate or self.config.record_stage_factors
         self._keep_latencies = self.config.keep_latencies
-        self._drop_overdue = self.config.drop_overdue
-        self._watched: list[tuple[float, int, Job]] = []  # running jobs by earliest SLO end
-        self._watch_seq = 0
-        self._watch_timer: Timer | None = None
-        self._watch_at = math.inf
+        self._watch = OverdueWatch(clock, self._overdue) if self.config.drop_overdue else None
         self._live: dict[int, Entry] = {}
         self._next_id = 0
         self._wake: Timer | None = None
         self._wake_at = math.inf
-        # How late the clock's timers fire (its wakes), for the plane's wake guard
-        self._late_us: deque[float] = deque(maxlen=WAKE_WINDOW)
-        self._late_n = self._over_n = 0  # samples taken (each window recomputed every few)
-        self.wake_late_us = 0.0  # p99 of the window, at most WAKE_LATE_CAP_US
-        # How far batches that never queued ended after their reservation
-        self._over_us: deque[float] = deque(maxlen=WAKE_WINDOW)
-        self.overrun_us = 0.0  # p99 of the window, at most OVERRUN_CAP_US
-        self._down: set[str] = set()  # failed nodes, until they answer again
-        self._no_path: set[int] = set()  # models with no live path (failed at the door)
-        self._paused = False
-        self._held: list[tuple[str, float | None, Any, float]] = []
-        self._switch: _Switch | None = None
+        self._guard = WakeGuard()
+        self._health = NodeHealth(clock, self._check_node, self.config.node_check_every_us)
+        self._migration = FlushMigration()
         self.drop_reasons: Counter[str] = Counter()
         self.batches = 0  # batches sent down a pipeline (its first pool)
         self.recalibrations = 0
         self.recoveries = 0  # failed nodes back in service
-        self.windows = Windows()
+        self._windows = Windows()
         executor.bind(self)
 
     # ------------------------------------------------------------------ what is served
 
     @property
     def served(self) -> ServedPlan:
-        return self.gen.served
+        return self._plan.served
 
     @property
     def topo(self) -> Topology:
-        return self.gen.served.topo
+        return self._plan.served.topo
 
     @property
     def plane(self) -> DataPlane:
-        return self.gen.plane
+        return self._plan.plane
+
+    @property
+    def generation(self) -> int:
+        """Plans served before this one (0: the first; each migration adds one)."""
+        return self._plan.generation
 
     def in_flight(self) -> int:
         """Requests taken and not yet answered (held ones excluded)."""
@@ -214,36 +207,43 @@ class ServingRuntime:
 
     def idle(self) -> bool:
         """Nothing taken, held or switching: what is left on the clock is only watching."""
-        return not self._live and not self._held and self._switch is None
+        m = self._migration
+        return not self._live and not m.held and m.switch is None
 
     def down_nodes(self) -> set[str]:
-        return set(self._down)
+        return set(self._health.down)
 
     def without_path(self) -> set[int]:
         """Models (indexes) with no live path now: their requests fail at the door."""
-        return set(self._no_path)
-
-    def _kept(self, pipeline: int) -> float:
-        """The share of a pipeline's planned throughput its vGPUs in service keep: a pool
-        does the share of its work that its vGPUs up can (any of them takes any batch), and
-        the pipeline keeps the share its most-hit pool keeps (0: no live path through it)."""
-        topo, vn, down = self.gen.served.topo, self.gen.served.vgpu_node, self._down
-        return min(
-            sum(vn[v] not in down for v in topo.pools[p].vgpus) / len(topo.pools[p].vgpus)
-            for p in topo.pipelines[pipeline].pools
-        )
+        return set(self._health.no_path)
 
     def has_live_path(self, model: int) -> bool:
         """Whether some pipeline of `model` has a vGPU in service in every pool."""
-        return any(self._kept(i) > 0 for i in self.gen.served.topo.models[model].pipelines)
+        return self._health.has_live_path(self._plan.served, model)
 
     def live_throughput(self) -> dict[str, float]:
-        """Each served model's planned req/s on the vGPUs in service now (see _kept)."""
-        topo = self.gen.served.topo
-        return {
-            m.name: sum(topo.pipelines[i].throughput * self._kept(i) for i in m.pipelines)
-            for m in topo.models
-        }
+        """Each served model's planned req/s on the vGPUs in service now."""
+        return self._health.live_throughput(self._plan.served)
+
+    def pool_busy_us(self) -> list[float]:
+        """Stage time per pool of the plan served now, since it began (or reset_stats)."""
+        return self._plan.pool_busy_us
+
+    def usage(self) -> list[PlanUsage]:
+        """What the plans not yet retired did: the one served now, and those switched away
+        from whose last jobs are still running (the executor hears of the others through
+        retire), oldest first."""
+        return [p.usage() for p in (*self._old, self._plan)]
+
+    @property
+    def wake_late_us(self) -> float:
+        """The p99 of how late the clock's wake-ups fired (part of the plane's guard)."""
+        return self._guard.late_us
+
+    @property
+    def overrun_us(self) -> float:
+        """The p99 of how far batches ended after their reservation (part of the guard)."""
+        return self._guard.overrun_us
 
     # ------------------------------------------------------------------ intake
 
@@ -254,8 +254,9 @@ class ServingRuntime:
         `decide()`. While a switch holds intake, the request waits for it (None)."""
         now = self.clock.now()
         arrived = now if arrived_us is None else arrived_us
-        if self._paused:
-            self._held.append((self.gen.served.topo.models[model].name, slo_us, payload, arrived))
+        if self._migration.paused:
+            name = self._plan.served.topo.models[model].name
+            self._migration.hold(HeldRequest(name, slo_us, payload, arrived))
             return None
         return self._admit(model, payload, slo_us, arrived, now)
 
@@ -263,7 +264,12 @@ class ServingRuntime:
         """A request at the door, before it is queued: (model index, SLO in µs or None for
         the model's), or a BadRequest naming what is wrong (see intake.check_request)."""
         return check_request(
-            self.gen.base_topo, model, rows, slo_ms, self.reply_margin_us, self.config.max_slo_ms
+            self._plan.recal.base,
+            model,
+            rows,
+            slo_ms,
+            self.reply_margin_us,
+            self.config.max_slo_ms,
         )
 
     def submit(
@@ -278,21 +284,23 @@ class ServingRuntime:
         """One request at the model's SLO, arriving now, and a decision if the data plane
         has one to make (the simulator's arrivals; the hot path, so `_admit` is inlined)."""
         now = self.clock.now()
-        gen = self.gen
-        if self._paused:
-            self._held.append((gen.served.topo.models[model].name, None, payload, now))
+        plan = self._plan
+        if self._migration.paused:
+            name = plan.served.topo.models[model].name
+            self._migration.hold(HeldRequest(name, None, payload, now))
             return
         rid = self._next_id
         self._next_id = rid + 1
-        stats = gen.model_stats[model]
-        due = now + gen.slo_us[model]
+        stats = plan.model_stats[model]
+        due = now + plan.slo_us[model]
         entry = Entry(rid, model, now, due - self.reply_margin_us, due, payload, stats)
         stats.arrivals += 1
-        if self._no_path and model in self._no_path:
-            self._end(entry, FAILED, self._no_path_reason(model), now)
+        no_path = self._health.no_path
+        if no_path and model in no_path:
+            self._end(entry, FAILED, self._health.no_path_reason(plan.served, model), now)
             return
         self._live[rid] = entry
-        if gen.plane.add_request(entry, now):
+        if plan.plane.add_request(entry, now):
             self._decide(now)
 
     def decide(self) -> None:
@@ -301,36 +309,27 @@ class ServingRuntime:
     def _admit(
         self, model: int, payload: Any, slo_us: float | None, arrived: float, now: float
     ) -> Entry:
-        gen = self.gen
-        slo = gen.slo_us[model] if slo_us is None else slo_us
+        plan = self._plan
+        slo = plan.slo_us[model] if slo_us is None else slo_us
         rid = self._next_id
         self._next_id = rid + 1
-        stats = gen.model_stats[model]
+        stats = plan.model_stats[model]
         due = arrived + slo
         entry = Entry(rid, model, arrived, due - self.reply_margin_us, due, payload, stats)
         stats.arrivals += 1
-        if self._no_path and model in self._no_path:
-            self._end(entry, FAILED, self._no_path_reason(model), now)
+        no_path = self._health.no_path
+        if no_path and model in no_path:
+            self._end(entry, FAILED, self._health.no_path_reason(plan.served, model), now)
             return entry
         self._live[rid] = entry
-        gen.plane.add_request(entry, now)  # the caller decides
+        plan.plane.add_request(entry, now)  # the caller decides
         return entry
-
-    def _no_path_reason(self, model: int) -> str:
-        name = self.gen.served.topo.models[model].name
-        return f"no live path for model {name}: node(s) {', '.join(sorted(self._down))} down"
-
-    def _refresh_paths(self) -> None:
-        """Which models have no live path left (their requests fail at once, saying so)."""
-        self._no_path = {
-            m for m in range(len(self.gen.served.topo.models)) if not self.has_live_path(m)
-        }
 
     # ------------------------------------------------------------------ decisions
 
     def _decide(self, now: float) -> None:
-        gen = self.gen
-        dec = gen.plane.decide(now)
+        plan = self._plan
+        dec = plan.plane.decide(now)
         if dec.drops:
             live = self._live
             for drop in dec.drops:
@@ -338,7 +337,7 @@ class ServingRuntime:
                 if entry is not None:
                     self._end(entry, DROPPED, drop.reason, now)
         for d in dec.dispatches:
-            self._start(gen, d, now)
+            self._start(plan, d)
         w = dec.wake_at_us
         if w is not None and w != self._wake_at:
             if self._wake is not None:
@@ -348,80 +347,53 @@ class ServingRuntime:
 
     def _on_wake(self) -> None:
         now = self.clock.now()
-        self._late_us.append(max(0.0, now - self._wake_at))
+        late = now - self._wake_at
         self._wake, self._wake_at = None, math.inf
-        self._late_n += 1
-        if self._late_n % WAKE_EVERY == 0:
-            # A batch held for more requests until its last moment is dropped when the
-            # wake comes later than the plane's guard: wake earlier by what the clock's
-            # lateness has been (the simulator's is 0, a busy live host's a few ms).
-            late = min(WAKE_LATE_CAP_US, p99(self._late_us))
-            if late != self.wake_late_us:
-                self.wake_late_us = late
-                self.gen.plane.set_wake_lateness(self.guard_extra_us)
+        # A batch held for more requests until its last moment is dropped when the wake
+        # comes later than the plane's guard: wake earlier by what the clock's lateness
+        # has been (the simulator's is 0, a busy live host's a few ms).
+        if self._guard.wake_seen(late):
+            self._plan.plane.set_wake_lateness(self._guard.extra_us)
         self._decide(now)
 
     @property
     def guard_extra_us(self) -> float:
-        """What the plane's wake guard holds back beyond its floor: the timer's lateness
-        and the batches' overrun (p99 of each)."""
-        return self.wake_late_us + self.overrun_us
+        """What the plane's wake guard holds back beyond its floor (guard.py)."""
+        return self._guard.extra_us
 
-    def _overran(self, over_us: float) -> None:
-        self._over_us.append(max(0.0, over_us))
-        self._over_n += 1
-        if self._over_n % WAKE_EVERY == 0:
-            over = min(OVERRUN_CAP_US, p99(self._over_us))
-            if over != self.overrun_us:
-                self.overrun_us = over
-                self.gen.plane.set_wake_lateness(self.guard_extra_us)
-
-    def _start(self, gen: Generation, d: Dispatch, now: float) -> None:
+    def _start(self, plan: _Plan, d: Dispatch) -> None:
         # The plane's requests are the runtime's entries, all still waiting: a request is
         # answered by the plane's drop (never dispatched then), by its batch's end, or by
         # a failure (its job ends there). Answers skip any entry that has one already.
         entries: list[Entry] = d.requests  # type: ignore[assignment]
         n = len(entries)
         for hop in d.hops:
-            gen.pool_batches[hop.pool] += 1
-            gen.pool_requests[hop.pool] += n
-        if d.hops[0].pool == gen.first_pool[d.pipeline]:
+            plan.pool_batches[hop.pool] += 1
+            plan.pool_requests[hop.pool] += n
+        if d.hops[0].pool == plan.first_pool[d.pipeline]:
             self.batches += 1
             entries[0].stats.batch_sizes[n] += 1
         due = min(e.due_us for e in entries)
-        job = Job(d, entries, gen, due - d.hops[-1].end_us)
-        if self._drop_overdue:
-            self._watch_seq += 1
-            heapq.heappush(self._watched, (due, self._watch_seq, job))
-            if due < self._watch_at:
-                self._arm_watch(due)
+        job = Job(d, entries, plan, due - d.hops[-1].end_us)
+        plan.jobs += 1
+        if self._watch is not None:
+            self._watch.add(job, due)
         self.executor.run(job)
 
+    def _ended(self, job: Job) -> None:
+        """`job` reported its last hop (done, failed or let go). A plan switched away from
+        is retired with its last job: the executor forgets it, and so does the runtime."""
+        job.ended = True
+        plan: _Plan = job._plan
+        plan.jobs -= 1
+        if plan.jobs == 0 and plan is not self._plan:
+            self._retire(plan)
+
+    def _retire(self, plan: _Plan) -> None:
+        self._old.remove(plan)
+        self.executor.retire(plan.usage())
+
     # ------------------------------------------------------------------ overdue batches
-
-    def _arm_watch(self, due: float) -> None:
-        if self._watch_timer is not None:
-            self._watch_timer.cancel()
-        self._watch_at = due
-        self._watch_timer = self.clock.call_at(due + OVERDUE_AFTER_US, self._on_watch)
-
-    def _on_watch(self) -> None:
-        """The earliest SLO among the running jobs has run out: requests of jobs still
-        running past their SLO are answered now, dropped (RuntimeConfig.drop_overdue). One
-        timer for all running jobs: a heap of (earliest SLO end, job), ended jobs skipped."""
-        self._watch_timer, self._watch_at = None, math.inf
-        now = self.clock.now()
-        watched = self._watched
-        while watched and (watched[0][2].ended or watched[0][0] < now):
-            _, _, job = heapq.heappop(watched)
-            if job.ended:
-                continue
-            first = self._overdue(job, now)
-            if first < math.inf:
-                self._watch_seq += 1
-                heapq.heappush(watched, (first, self._watch_seq, job))
-        if watched:
-            self._arm_watch(watched[0][0])
 
     def _overdue(self, job: Job, now: float) -> float:
         """Answer, dropped, the requests of running `job` whose SLO has run out; the
@@ -438,7 +410,7 @@ class ServingRuntime:
         live = self._live
         first = math.inf
         for entry in job.entries:
-            if entry.outcome != PENDING:
+            if entry.outcome is not PENDING:
                 continue
             if entry.due_us < limit:
                 if live.pop(entry.id, None) is not None:
@@ -453,49 +425,55 @@ class ServingRuntime:
         self, job: Job, h: int, start_us: float, transfer: tuple[float, float] | None = None
     ) -> None:
         """Hop `h` of `job` started computing at `start_us` (after its transfer, if any)."""
-        gen = job.generation
+        plan: _Plan = job._plan
         d = job.dispatch
         job.started = h + 1
         if self._observing:
             v = d.hops[h].vgpu
-            job.idle.append(gen.running[v] == 0)
-            gen.running[v] += 1
+            job.idle.append(plan.running[v] == 0)
+            plan.running[v] += 1
         if transfer is None:
             report = StageReport(d.id, h, start_us, None)
         else:
             report = StageReport(d.id, h, start_us, None, transfer[0], transfer[1])
-        gen.plane.on_stage_started(report, start_us)
+        plan.plane.on_stage_started(report, start_us)
 
     def hop_done(self, job: Job, h: int, start_us: float, end_us: float) -> None:
         """Hop `h` of `job` computed from `start_us` to `end_us`; the last hop answers."""
-        gen = job.generation
+        plan: _Plan = job._plan
         d = job.dispatch
         hop = d.hops[h]
-        gen.vgpu_busy_us[hop.vgpu] += end_us - start_us
+        plan.vgpu_busy_us[hop.vgpu] += end_us - start_us
+        current = plan is self._plan
         if self._observing:
-            gen.running[hop.vgpu] -= 1
-            if job.idle[h] and gen is self.gen:
+            plan.running[hop.vgpu] -= 1
+            if job.idle[h] and current:
                 reserved = max(1.0, hop.end_us - hop.start_us)
-                self._observe(gen, hop.pool, (end_us - start_us) / reserved)
-        again = gen.plane.on_stage_done(StageReport(d.id, h, start_us, end_us), end_us)
+                self._observe(plan, hop.pool, (end_us - start_us) / reserved)
+        again = plan.plane.on_stage_done(StageReport(d.id, h, start_us, end_us), end_us)
         last = h == len(d.hops) - 1
         if last:
-            job.ended = True
-        if last and self._observing and all(job.idle) and gen is self.gen:
-            self._overran(end_us - hop.end_us)
-        if last and d.final:
-            live = self._live
-            for entry in job.entries:
-                if entry.outcome != PENDING:
-                    continue
-                del live[entry.id]
-                if end_us <= entry.due_us:
-                    self._end(entry, ON_TIME, "", end_us)
-                elif self._drop_overdue:  # past its SLO before the watch could answer it
-                    self._end(entry, DROPPED, DROP_OVERDUE, end_us)
-                else:
-                    self._end(entry, LATE, "", end_us)
-        if again and gen is self.gen:
+            if (
+                self._observing
+                and all(job.idle)
+                and current
+                and self._guard.overrun_seen(end_us - hop.end_us)
+            ):
+                self._plan.plane.set_wake_lateness(self._guard.extra_us)
+            if d.final:
+                live = self._live
+                for entry in job.entries:
+                    if entry.outcome is not PENDING:
+                        continue
+                    del live[entry.id]
+                    if end_us <= entry.due_us:
+                        self._end(entry, ON_TIME, "", end_us)
+                    elif self._watch is not None:  # past its SLO before the watch answered
+                        self._end(entry, DROPPED, DROP_OVERDUE, end_us)
+                    else:
+                        self._end(entry, LATE, "", end_us)
+            self._ended(job)
+        if again and current:
             self._decide(self.clock.now())
 
     def hop_late(self, job: Job, h: int) -> bool:
@@ -507,7 +485,7 @@ class ServingRuntime:
         else the rest of the path is released and the hop must not run. (A driver also asks
         it of a hop that was not run for want of time: a chain's hop whose node had no
         time left to forward the feature map to.)"""
-        gen = job.generation
+        plan: _Plan = job._plan
         d = job.dispatch
         now = self.clock.now()
         end = d.hops[-1].end_us + (now - d.hops[h].start_us)
@@ -515,34 +493,37 @@ class ServingRuntime:
         if first < math.inf:
             job.slack_us = first - d.hops[-1].end_us
             return True
-        job.ended = True
         if job.started > h and self._observing:  # a hop given up on after it started
-            gen.running[d.hops[h].vgpu] -= 1
-        gen.plane.on_dispatch_failed(d.id, h, now)
-        if gen is self.gen:
+            plan.running[d.hops[h].vgpu] -= 1
+        plan.plane.on_dispatch_failed(d.id, h, now)
+        current = plan is self._plan
+        self._ended(job)
+        if current:
             self._decide(now)
         return False
 
-    def hop_failed(self, job: Job, h: int, why: str) -> None:
-        """Hop `h` of `job` failed (its node did not answer): the node's vGPUs leave
-        service and are watched until they answer; the job's requests start over once on
-        a live path (one whose deadline passed meanwhile is dropped by the data plane, a
-        miss like any), else they fail explicitly."""
-        gen = job.generation
+    def hop_failed(self, job: Job, h: int, why: str, node_failed: bool = True) -> None:
+        """Hop `h` of `job` failed. `node_failed`: its node did not serve it (unreachable,
+        or answered with an error): the node's vGPUs leave service and are watched until
+        it answers. Otherwise (the call timed out: a node too busy to answer in time is
+        not a dead one) the node stays in service. Either way the job's requests start
+        over once on a live path (one whose deadline passed meanwhile is dropped by the
+        data plane, a miss like any), else they fail explicitly."""
+        plan: _Plan = job._plan
         d = job.dispatch
         hop = d.hops[h]
         now = self.clock.now()
         if job.started > h and self._observing:
-            gen.running[hop.vgpu] -= 1
-        job.ended = True
-        gen.plane.on_dispatch_failed(d.id, h, now)
-        node = gen.served.vgpu_node[hop.vgpu]
-        current = gen is self.gen
-        if current and node not in self._down:
+            plan.running[hop.vgpu] -= 1
+        plan.plane.on_dispatch_failed(d.id, h, now)
+        node = plan.served.vgpu_node[hop.vgpu]
+        current = plan is self._plan
+        self._ended(job)
+        if current and node_failed and node not in self._health.down:
             self._node_down(node, now)
         retry = []
         for entry in job.entries:
-            if entry.outcome != PENDING:
+            if entry.outcome is not PENDING:
                 continue
             if current and entry.attempts < 2:
                 entry.attempts += 1
@@ -554,7 +535,7 @@ class ServingRuntime:
             return
         if self.has_live_path(retry[0].model):
             for entry in retry:
-                gen.plane.add_request(entry, now)
+                plan.plane.add_request(entry, now)
         else:
             for entry in retry:
                 self._fail(entry, f"no live path for this model: {why} (node {node})", now)
@@ -562,52 +543,47 @@ class ServingRuntime:
 
     def node_checked(self, node: str, ok: bool) -> None:
         """The executor's answer to check_node: a node that serves again returns."""
-        if node not in self._down:
+        health = self._health
+        if node not in health.down:
             return
         now = self.clock.now()
         if not ok:
-            self._watch(node, now)
+            health.watch(node, now)
             return
-        self._down.discard(node)
-        for v in self.gen.node_vgpus.get(node, ()):
-            self.gen.plane.set_vgpu_down(v, False, now)
-        self._refresh_paths()
+        plan = self._plan
+        for v in plan.node_vgpus.get(node, ()):
+            plan.plane.set_vgpu_down(v, False, now)
+        health.back(node, plan.served)
         self.recoveries += 1
         self._decide(now)
 
     def _node_down(self, node: str, now: float) -> None:
-        self._down.add(node)
-        for v in self.gen.node_vgpus.get(node, ()):
-            self.gen.plane.set_vgpu_down(v, True, now)
-        self._refresh_paths()
-        self._watch(node, now)
+        plan = self._plan
+        for v in plan.node_vgpus.get(node, ()):
+            plan.plane.set_vgpu_down(v, True, now)
+        self._health.failed(node, plan.served, now)
 
-    def _watch(self, node: str, now: float) -> None:
-        def check() -> None:
-            if node in self._down:
-                self.executor.check_node(node, self.gen.served)
-
-        self.clock.call_at(now + self.config.node_check_every_us, check)
+    def _check_node(self, node: str) -> None:
+        self.executor.check_node(node, self._plan.served)
 
     # ------------------------------------------------------------------ answers
 
-    def _end(self, entry: Entry, outcome: int, reason: str, t: float) -> None:
+    def _end(self, entry: Entry, outcome: Outcome, reason: str, t: float) -> None:
         entry.outcome = outcome
         stats = entry.stats
-        if outcome == ON_TIME:
+        if outcome is ON_TIME:
             stats.on_time += 1
-        elif outcome == LATE:
+        elif outcome is LATE:
             stats.late += 1
-        elif outcome == DROPPED:
+        elif outcome is DROPPED:
             stats.dropped += 1
             self.drop_reasons[reason] += 1
         else:
             stats.failed += 1
-        if outcome <= LATE and self._keep_latencies:
+        if self._keep_latencies and (outcome is ON_TIME or outcome is LATE):
             stats.latency_us.append(t - entry.arrival_us)
         self.executor.answer(entry, outcome, reason)
-        sw = self._switch
-        if sw is not None and not self._live and not sw.done:
+        if not self._live and self._migration.finishing:
             self.clock.call_at(t, self._complete_switch)
 
     def _fail(self, entry: Entry, why: str, now: float) -> None:
@@ -616,49 +592,38 @@ class ServingRuntime:
 
     # ------------------------------------------------------------------ recalibration
 
-    def _observe(self, gen: Generation, pool: int, factor: float) -> None:
+    def _observe(self, plan: _Plan, pool: int, factor: float) -> None:
         """A stage's measured / reserved time: kept for the simulator, and when the pool's
-        recent median leaves the band, its latencies are scaled by it."""
+        recent median leaves the band, its latencies are scaled by it (recalibration.py)."""
         if self.config.record_stage_factors:
-            gen.stage_factors[pool].append(factor)
+            plan.stage_factors[pool].append(factor)
         if not self.config.recalibrate:
             return
-        recent = gen.recent[pool]
-        recent.append(factor)
-        if len(recent) < self.config.recalibrate_every:
+        new = plan.recal.observe(pool, factor)
+        if new is None:
             return
-        f = statistics.median(recent)
-        recent.clear()
-        if abs(f - 1.0) <= self.config.recalibrate_band:
-            return
-        scale = min(RECALIBRATE_MAX, max(1.0 / RECALIBRATE_MAX, gen.scale[pool] * f))
-        if scale == gen.scale[pool]:
-            return
-        gen.scale[pool] = scale
-        base = gen.base_topo.pools[pool].latency_us
-        new = with_latencies(gen.served.topo, {pool: tuple(x * scale for x in base)})
-        gen.plane.set_latencies(new)
-        gen.served = replace(gen.served, topo=new)
+        plan.plane.set_latencies(new)
+        plan.served = replace(plan.served, topo=new)
         self.recalibrations += 1
 
     def take_stage_factors(self) -> tuple[tuple[float, ...], ...]:
         """Per pool of the serving plan, measured / reserved compute time of the stages that
         found their vGPU idle, since the last call (RuntimeConfig.record_stage_factors): what
         the simulator draws execution times from to predict this runtime's driver."""
-        gen = self.gen
-        out = tuple(tuple(f) for f in gen.stage_factors)
-        for f in gen.stage_factors:
+        plan = self._plan
+        out = tuple(tuple(f) for f in plan.stage_factors)
+        for f in plan.stage_factors:
             f.clear()
         return out
 
     # ------------------------------------------------------------------ statistics
 
-    def take_window(self) -> tuple[list[dict], list[dict]]:
+    def take_window(self) -> Window:
         """What happened since the last call: one row per model (arrivals, on time, late,
         dropped, failed, latency p50/p99 ms, mean batch) and one per pool (busy ms)."""
-        return (
-            self.windows.model_rows(self.stats),
-            self.windows.pool_rows(self.gen.served.topo, self.gen.pool_busy_us),
+        return Window(
+            self._windows.model_rows(self.stats),
+            self._windows.pool_rows(self._plan.served.topo, self._plan.pool_busy_us),
         )
 
     def reset_stats(self) -> None:
@@ -666,12 +631,12 @@ class ServingRuntime:
         has learnt stays."""
         for s in self.stats.values():
             s.clear()
-        gen = self.gen
-        gen.vgpu_busy_us[:] = [0.0] * len(gen.vgpu_busy_us)
-        for f in gen.stage_factors:
+        plan = self._plan
+        plan.vgpu_busy_us[:] = [0.0] * len(plan.vgpu_busy_us)
+        for f in plan.stage_factors:
             f.clear()
         self.drop_reasons.clear()
-        self.windows = Windows()
+        self._windows = Windows()
 
     # ------------------------------------------------------------------ migration
 
@@ -684,16 +649,14 @@ class ServingRuntime:
         """Pipeline-flush migration to `served`: pause intake (new requests are held, none
         is dropped), send every queued request out at once, let the in-flight batches
         finish (at most `flush_timeout_us`; what is left then fails explicitly), switch,
-        resume with the held requests; `on_done` gets the downtime."""
-        if self._switch is not None:
-            raise PoolpipeError("a plan switch is already under way; wait for it to finish")
+        resume with the held requests; `on_done` gets the downtime. A plan that does not
+        serve every model served now is refused before anything changes."""
         missing = {m.name for m in self.topo.models} - {m.name for m in served.topo.models}
         if missing:
             raise PoolpipeError(f"the new plan does not serve {sorted(missing)}")
         now = self.clock.now()
-        self._paused = True
-        sw = self._switch = _Switch(served, now, on_done)
-        self.gen.plane.drain()
+        sw = self._migration.begin(served, now, on_done)
+        self._plan.plane.drain()
         self._decide(now)
         if not self._live:
             self._complete_switch()
@@ -701,12 +664,9 @@ class ServingRuntime:
             sw.timer = self.clock.call_at(now + flush_timeout_us, self._complete_switch)
 
     def _complete_switch(self) -> None:
-        sw = self._switch
-        if sw is None or sw.done:
+        sw = self._migration.finish()
+        if sw is None:
             return
-        sw.done = True
-        if sw.timer is not None:
-            sw.timer.cancel()
         now = self.clock.now()
         left = list(self._live.values())
         for entry in left:
@@ -714,19 +674,22 @@ class ServingRuntime:
         if self._wake is not None:
             self._wake.cancel()
         self._wake, self._wake_at = None, math.inf
-        self.gen = gen = Generation(sw.served, self.stats)
-        self.generations.append(gen)
-        gen.plane.set_wake_lateness(self.guard_extra_us)
-        self.windows.restart_pools()
+        old = self._plan
+        self._plan = plan = _Plan(old.generation + 1, sw.served, self.stats, self.config)
+        if old.jobs:
+            self._old.append(old)
+        else:
+            self.executor.retire(old.usage())
+        plan.plane.set_wake_lateness(self._guard.extra_us)
+        self._windows.restart_pools()
+        down = self._health.down
         for v, node in sw.served.vgpu_node.items():
-            if node in self._down:  # still failed: out of the new plan's tables too
-                gen.plane.set_vgpu_down(v, True, now)
-        self._refresh_paths()
-        held, self._held = self._held, []
-        self._paused = False
-        self._switch = None
-        topo = gen.served.topo
-        for name, slo, payload, arrived in held:
-            self._admit(topo.model_index(name), payload, slo, arrived, now)
+            if node in down:  # still failed: out of the new plan's tables too
+                plan.plane.set_vgpu_down(v, True, now)
+        self._health.refresh(plan.served)
+        held = self._migration.resume()
+        topo = plan.served.topo
+        for r in held:
+            self._admit(topo.model_index(r.model), r.payload, r.slo_us, r.arrived_us, now)
         self._decide(now)
         sw.on_done(SwitchResult(now - sw.t0, len(held), len(left)))

@@ -3,20 +3,49 @@
 A `Clock` tells the time and calls back later; an `Executor` runs dispatched batches and
 delivers answers. The simulator plugs in a virtual clock and a simulated cluster; the live
 router the event loop's clock and Triton stage workers. The runtime cannot tell them apart
-(SimPy's one environment, two clocks).
+(SimPy's one environment, two clocks). Everything a driver may read of the runtime's work
+is here: the requests it took (`Entry`), the batches it dispatched (`Job`), what a plan
+used once it is gone (`PlanUsage`), and how a request ended (`Outcome`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any, Protocol
 
 from poolpipe.scheduler import DataPlane, Dispatch, Request, Topology
 
-# What became of a request. A late completion is a miss; a failure is a stage that failed
-# with no live path or no attempt left; a drop is an explicit "deadline cannot be met".
-ON_TIME, LATE, DROPPED, PENDING, FAILED = 0, 1, 2, 3, 4
+
+class Outcome(IntEnum):
+    """What became of a request. A late completion is a miss; a drop is an explicit
+    "deadline cannot be met"; a failure is a stage that failed with no live path or no
+    attempt left. Only ON_TIME and LATE carry a result."""
+
+    ON_TIME = 0
+    LATE = 1
+    DROPPED = 2
+    PENDING = 3  # taken, not answered yet
+    FAILED = 4
+
+    @property
+    def is_finished(self) -> bool:
+        return self is not Outcome.PENDING
+
+    @property
+    def has_result(self) -> bool:
+        """Answered with the model's outputs (on time or late)."""
+        return self is Outcome.ON_TIME or self is Outcome.LATE
+
+
+ON_TIME, LATE, DROPPED, PENDING, FAILED = (
+    Outcome.ON_TIME,
+    Outcome.LATE,
+    Outcome.DROPPED,
+    Outcome.PENDING,
+    Outcome.FAILED,
+)
 OUTCOME_NAMES = {ON_TIME: "on time", LATE: "late", DROPPED: "dropped", FAILED: "failed"}
 
 
@@ -59,20 +88,31 @@ class Entry(Request):
     stats: Any  # the model's counters (runtime.stats.ModelStats)
     attempts: int = 1
     result: Any = None  # set by the executor before it reports the last hop done
-    outcome: int = PENDING
+    outcome: Outcome = PENDING
 
 
 class Job:
-    """A dispatched batch as the executor runs it: its hops in order, on its plan."""
+    """A dispatched batch as the executor runs it: its hops in order, on its plan.
 
-    __slots__ = ("dispatch", "ended", "entries", "generation", "idle", "slack_us", "started")
+    `generation` counts the plans this runtime has served (0 for the first; each
+    migration adds one): what an executor keys its per-plan state by, until `retire`."""
 
-    def __init__(
-        self, dispatch: Dispatch, entries: list[Entry], generation: Any, slack_us: float = 0.0
-    ):
+    __slots__ = (
+        "_plan",
+        "dispatch",
+        "ended",
+        "entries",
+        "generation",
+        "idle",
+        "slack_us",
+        "started",
+    )
+
+    def __init__(self, dispatch: Dispatch, entries: list[Entry], plan: Any, slack_us: float = 0.0):
         self.dispatch = dispatch
         self.entries = entries  # the requests in it that are still waiting for an answer
-        self.generation = generation  # the runtime's bookkeeping of the plan it runs on
+        self._plan = plan  # the runtime's own bookkeeping of the plan it runs on
+        self.generation: int = plan.generation
         self.started = 0  # hops reported started so far
         self.idle: list[bool] = []  # per started hop: its vGPU had nothing else running
         # How much later than reserved a hop may start with every request still on time
@@ -82,7 +122,20 @@ class Job:
 
     @property
     def served(self) -> ServedPlan:
-        return self.generation.served
+        """The plan it runs on (its latencies as recalibrated so far)."""
+        return self._plan.served
+
+
+@dataclass(frozen=True)
+class PlanUsage:
+    """What a served plan did while it served: busy time per vGPU, and batches and the
+    requests in them per pool (every hop counts at its pool)."""
+
+    generation: int
+    served: ServedPlan
+    vgpu_busy_us: tuple[float, ...]
+    pool_batches: tuple[int, ...]
+    pool_requests: tuple[int, ...]
 
 
 class Executor(Protocol):
@@ -91,8 +144,8 @@ class Executor(Protocol):
 
     `run(job)` runs the job's hops in order and reports each through the runtime:
     `hop_started(job, h, start_us, transfer)`, `hop_done(job, h, start_us, end_us)`, or
-    `hop_failed(job, h, why)` (no later hop of the job is then reported). Before it reports
-    the last hop done, it leaves each entry's result in `entry.result`.
+    `hop_failed(job, h, why, node_failed)` (no later hop of the job is then reported).
+    Before it reports the last hop done, it leaves each entry's result in `entry.result`.
 
     A vGPU runs one hop at a time, in the order of their reserved starts. When hop `h`
     gets its vGPU more than `job.slack_us` after its reserved start (a stage before it ran
@@ -104,10 +157,15 @@ class Executor(Protocol):
 
     def run(self, job: Job) -> None: ...
 
-    def answer(self, entry: Entry, outcome: int, reason: str) -> None:
+    def answer(self, entry: Entry, outcome: Outcome, reason: str) -> None:
         """Deliver a request's end: its result (on time or late), or an explicit error."""
         ...
 
     def check_node(self, node: str, served: ServedPlan) -> None:
         """Find out whether a failed node serves again; report runtime.node_checked(...)."""
+        ...
+
+    def retire(self, usage: PlanUsage) -> None:
+        """A plan the runtime served before is done: it was switched away from and its
+        last job has ended. Nothing will run on it again; forget what was kept for it."""
         ...

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -36,6 +35,45 @@ class ModelStats:
         return {k: getattr(self, k) for k in COUNTS}
 
 
+@dataclass(frozen=True)
+class ModelWindow:
+    """One served model's figures over a window (a row of the warehouse's serving_stats)."""
+
+    model: str
+    arrivals: int
+    on_time: int
+    late: int
+    dropped: int
+    failed: int
+    p50_ms: float | None  # latency of the requests answered with a result (None: none)
+    p99_ms: float | None
+    mean_batch: float | None  # requests per batch sent (None: no batch)
+
+
+@dataclass(frozen=True)
+class PoolWindow:
+    """One pool of the serving plan over a window (a row of serving_pool_busy)."""
+
+    model: str
+    pool: int
+    gpu_type: str
+    block_start: int
+    block_end: int
+    vgpus: int
+    busy_ms: float  # stage time summed over the pool's vGPUs
+
+
+@dataclass(frozen=True)
+class Window:
+    """What happened since the last look: a row per model and one per pool."""
+
+    models: list[ModelWindow]
+    pools: list[PoolWindow]
+
+    def model(self, name: str) -> ModelWindow:
+        return next(m for m in self.models if m.model == name)
+
+
 @dataclass
 class _Mark:
     counts: dict[str, int]
@@ -50,7 +88,7 @@ class Windows:
         self._models: dict[str, _Mark] = {}
         self._busy: dict[int, float] = {}
 
-    def model_rows(self, stats: dict[str, ModelStats]) -> list[dict[str, Any]]:
+    def model_rows(self, stats: dict[str, ModelStats]) -> list[ModelWindow]:
         """Per model since the last call: counts, latency p50/p99 (ms), mean batch."""
         rows = []
         for name, s in stats.items():
@@ -60,35 +98,35 @@ class Windows:
             n_batches = sum(batches.values())
             counts = s.counts()
             rows.append(
-                {
-                    "model": name,
+                ModelWindow(
+                    model=name,
                     **{k: counts[k] - last.counts[k] for k in COUNTS},
-                    "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
-                    "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
-                    "mean_batch": (
+                    p50_ms=float(np.percentile(lat, 50)) if lat.size else None,
+                    p99_ms=float(np.percentile(lat, 99)) if lat.size else None,
+                    mean_batch=(
                         sum(b * n for b, n in batches.items()) / n_batches if n_batches else None
                     ),
-                }
+                )
             )
             self._models[name] = _Mark(counts, len(s.latency_us), Counter(s.batch_sizes))
         return rows
 
-    def pool_rows(self, topo: Topology, busy_us: list[float]) -> list[dict[str, Any]]:
+    def pool_rows(self, topo: Topology, busy_us: list[float]) -> list[PoolWindow]:
         """Per pool of the serving plan since the last call: busy time (ms)."""
         rows = []
         for p in topo.pools:
             busy = busy_us[p.id] - self._busy.get(p.id, 0.0)
             self._busy[p.id] = busy_us[p.id]
             rows.append(
-                {
-                    "model": topo.models[p.model].name,
-                    "pool": p.id,
-                    "gpu_type": p.gpu,
-                    "block_start": p.start,
-                    "block_end": p.end,
-                    "vgpus": len(p.vgpus),
-                    "busy_ms": busy / 1e3,
-                }
+                PoolWindow(
+                    model=topo.models[p.model].name,
+                    pool=p.id,
+                    gpu_type=p.gpu,
+                    block_start=p.start,
+                    block_end=p.end,
+                    vgpus=len(p.vgpus),
+                    busy_ms=busy / 1e3,
+                )
             )
         return rows
 

@@ -16,7 +16,7 @@ import heapq
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,15 +25,18 @@ import numpy as np
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import (
     LATE,
+    ON_TIME,
     PENDING,
     Entry,
     Job,
+    Outcome,
+    PlanUsage,
     RuntimeConfig,
     ServedPlan,
     ServingRuntime,
     SwitchResult,
+    default_flush_timeout_us,
 )
-from poolpipe.runtime.core import Generation, default_flush_timeout_us
 from poolpipe.runtime.placement import vgpu_nodes
 from poolpipe.scheduler import DataPlane, Decisions, Topology, make_data_plane
 from poolpipe.sim.metrics import SimResult, summarize
@@ -84,11 +87,12 @@ def _fire(timer: _Timer) -> None:
 
 
 class VirtualClock:
-    """Simulated time (µs) and its event queue of (time, priority, sequence, fn, arg)."""
+    """Simulated time (µs) and its event queue. Entries are (time, priority, sequence, fn,
+    arg), so that ties break the same way on every run; `run` fires them in order."""
 
     def __init__(self) -> None:
         self.t = 0.0
-        self.events: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
+        self._events: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
         self._seq = 0
 
     def now(self) -> float:
@@ -96,21 +100,49 @@ class VirtualClock:
 
     def call_at(self, t_us: float, fn: Callable[[], None]) -> _Timer:
         timer = _Timer(fn)
-        self.push(t_us, _TIMER, _fire, timer)
+        self.schedule(t_us, _TIMER, _fire, timer)
         return timer
 
-    def push(self, t: float, prio: int, fn: Callable[[Any], None], arg: Any) -> None:
+    def schedule(self, t: float, priority: int, fn: Callable[[Any], None], arg: Any) -> None:
+        """Call `fn(arg)` at `t`; at equal times, lower priorities first, then in the order
+        scheduled."""
         self._seq += 1
-        heapq.heappush(self.events, (t, prio, self._seq, fn, arg))
+        heapq.heappush(self._events, (t, priority, self._seq, fn, arg))
+
+    def pending(self, fn: Callable[[Any], None]) -> list[Any]:
+        """The arguments of the events still to come that call `fn`, in no order."""
+        return [e[4] for e in self._events if e[3] == fn]
 
     def run_until(self, t_us: float) -> None:
         """Fire every event due by `t_us` in order, then stand at `t_us`."""
-        ev = self.events
+        ev = self._events
         while ev and ev[0][0] <= t_us:
             t, _, _, fn, arg = heapq.heappop(ev)
             self.t = t
             fn(arg)
         self.t = max(self.t, t_us)
+
+    def run(
+        self, times: Sequence[float], arrival: Callable[[int], None], done: Callable[[], bool]
+    ) -> None:
+        """Fire the events and the arrivals (arrival k at `times[k]` calls `arrival(k)`;
+        `times` ascending) in time order, events first at equal times, until none is left
+        or, every arrival in, `done()` says that what is left would run for ever (timers
+        that only watch)."""
+        ev = self._events
+        pop = heapq.heappop
+        i, n = 0, len(times)
+        while i < n or ev:
+            if i < n and (not ev or times[i] < ev[0][0]):
+                self.t = times[i]
+                arrival(i)
+                i += 1
+                continue
+            if i == n and done():
+                return
+            t, _, _, fn, arg = pop(ev)
+            self.t = t
+            fn(arg)
 
 
 # ---------------------------------------------------------------------------- the cluster
@@ -182,12 +214,13 @@ class SimulatedCluster:
         self.finish_us = [math.nan] * n_requests
         self.transfer_wait_us = 0.0
         self.transfers = 0
+        self.retired: list[PlanUsage] = []  # what the plans served before did
         self.rt: ServingRuntime
 
     def bind(self, runtime: ServingRuntime) -> None:
         self.rt = runtime
 
-    def add_generation(self, gen: Generation, truth: Topology) -> None:
+    def add_generation(self, generation: int, served: ServedPlan, truth: Topology) -> None:
         """Resources for a served plan (its vGPUs and its servers' NICs); `truth` holds the
         latencies its work really takes (a plan rolled out runs as it was laid out)."""
         base = len(self._busy)
@@ -196,7 +229,7 @@ class SimulatedCluster:
         self._queue.extend([] for _ in range(n))
         self._busy.extend([False] * n)
         node_res: dict[str, list[int]] = {}
-        for v, node in gen.served.vgpu_node.items():
+        for v, node in served.vgpu_node.items():
             node_res.setdefault(node, []).append(base + v)
         lay = _Layout(
             truth,
@@ -205,7 +238,7 @@ class SimulatedCluster:
             [base + V + S + v.server for v in truth.vgpus],
             node_res,
         )
-        self._layouts[id(gen)] = lay
+        self._layouts[generation] = lay
         for node in self.dead_nodes:
             self._dead_res.update(node_res.get(node, ()))
 
@@ -213,11 +246,11 @@ class SimulatedCluster:
 
     def run(self, job: Job) -> None:
         d = job.dispatch
-        lay = self._layouts.get(id(job.generation))
+        lay = self._layouts.get(job.generation)
         if lay is None:  # a plan rolled out: its first batch
-            gen = job.generation
-            self.add_generation(gen, gen.served.topo)
-            lay = self._layouts[id(gen)]
+            served = job.served
+            self.add_generation(job.generation, served, served.topo)
+            lay = self._layouts[job.generation]
         pools = lay.topo.pools
         base, up, down = lay.base, lay.up, lay.down
         now = self.clock.t
@@ -259,14 +292,18 @@ class SimulatedCluster:
         first.ready_at = now
         self._try_start(first, now)
 
-    def answer(self, entry: Entry, outcome: int, reason: str) -> None:
+    def answer(self, entry: Entry, outcome: Outcome, reason: str) -> None:
         i = entry.payload
         self.outcome[i] = outcome
-        if outcome <= LATE:
+        if outcome is ON_TIME or outcome is LATE:
             self.finish_us[i] = self.clock.t
 
     def check_node(self, node: str, served: ServedPlan) -> None:
         self.rt.node_checked(node, node not in self.dead_nodes)
+
+    def retire(self, usage: PlanUsage) -> None:
+        self._layouts.pop(usage.generation, None)
+        self.retired.append(usage)
 
     # ------------------------------------------------------------------ execution
 
@@ -294,9 +331,7 @@ class SimulatedCluster:
             heapq.heappop(queue[r])
             busy[r] = True
         work.t0 = now
-        clock = self.clock  # clock.push(now + work.dur, _END, self._end, work), inlined
-        clock._seq += 1
-        heapq.heappush(clock.events, (now + work.dur, _END, clock._seq, self._end, work))
+        self.clock.schedule(now + work.dur, _END, self._end, work)
         if work.compute:
             self.rt.hop_started(work.job, work.hop, now, work.tr)
         else:
@@ -362,12 +397,9 @@ class SimulatedCluster:
         # computes running there (found among the pending ends: failures are rare, and a
         # per-resource record of the running work cost the hot path 3%)
         dying = [
-            e[4]
-            for e in self.clock.events
-            if e[3] == self._end
-            and e[4].compute
-            and e[4].res[0] in self._dead_res
-            and not e[4].dead
+            w
+            for w in self.clock.pending(self._end)
+            if w.compute and w.res[0] in self._dead_res and not w.dead
         ]
         for work in sorted(dying, key=lambda w: w.res[0]):
             work.dead = True
@@ -477,7 +509,7 @@ class Simulator:
         self._rng = random.Random(config.seed * 104729 + 3)
 
     @property
-    def outcome(self) -> list[int]:
+    def outcome(self) -> list[Outcome]:
         return self.cluster.outcome
 
     @property
@@ -507,26 +539,18 @@ class Simulator:
                 drop_overdue=self.config.drop_overdue,
             ),
         )
-        self.cluster.add_generation(rt.gen, self.topo)
+        self.cluster.add_generation(rt.generation, rt.served, self.topo)
         for event in self.scenario.events:
-            self.clock.push(event.at_s * 1e6, _EVENT, self._apply, event)
-        clock = self.clock
-        ev = clock.events
-        times, models = self.arrival_us, self.arrival_model
-        model_map = self._model_map
-        arrive, pop = rt.arrive, heapq.heappop
-        i, n = 0, len(times)
-        while i < n or ev:
-            if i < n and (not ev or times[i] < ev[0][0]):
-                clock.t = times[i]
-                arrive(model_map[models[i]], i)
-                i += 1
-                continue
-            if i == n and rt.idle() and not self._events_left:
-                break  # only node watches are left: they would run for ever
-            t, _, _, fn, arg = pop(ev)
-            clock.t = t
-            fn(arg)
+            self.clock.schedule(event.at_s * 1e6, _EVENT, self._apply, event)
+        models, model_map, arrive = self.arrival_model, self._model_map, rt.arrive
+
+        def arrival(i: int) -> None:
+            arrive(model_map[models[i]], i)
+
+        def done() -> bool:  # only node watches are left: they would run for ever
+            return rt.idle() and not self._events_left
+
+        self.clock.run(self.arrival_us, arrival, done)
         return summarize(self, rt, time.perf_counter() - wall0)
 
     # ------------------------------------------------------------------ scenario

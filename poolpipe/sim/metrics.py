@@ -122,17 +122,19 @@ def summarize(sim: Simulator, rt: ServingRuntime, wall_s: float) -> SimResult:
         per_second[name] = {k: v.tolist() for k, v in series.items()}
     busy: dict[str, float] = defaultdict(float)
     mean_batch = {}
-    for gen in rt.generations:
-        topo = gen.served.topo
+    # every plan served, in order: those retired, and those the runtime still keeps
+    usages = sorted([*sim.cluster.retired, *rt.usage()], key=lambda u: u.generation)
+    for use in usages:
+        topo = use.served.topo
         for v in topo.vgpus:
-            busy[v.gpu] += gen.vgpu_busy_us[v.id] / v.share
+            busy[v.gpu] += use.vgpu_busy_us[v.id] / v.share
         for pool in topo.pools:
-            total = gen.pool_batches[pool.id]
+            total = use.pool_batches[pool.id]
             if total:
                 label = (
                     f"{topo.models[pool.model].name}/p{pool.pipeline}/{pool.position}:{pool.gpu}"
                 )
-                mean_batch[label] = gen.pool_requests[pool.id] / total
+                mean_batch[label] = use.pool_requests[pool.id] / total
     utilization = {
         gpu: busy.get(gpu, 0.0) / (makespan_us * count) if count else 0.0
         for gpu, count in sim.topo.gpu_counts.items()

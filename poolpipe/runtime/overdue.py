@@ -1,0 +1,61 @@
+"""The overdue watch: a request whose batch is still running when its SLO runs out is
+answered then, dropped, instead of late (RuntimeConfig.drop_overdue). One timer for all
+running batches: a heap of (earliest SLO end among the batch's waiting requests, batch)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+
+from poolpipe.runtime.ports import Clock, Job, Timer
+
+# A batch is looked at this long after its earliest SLO end: later than the SLO, never by
+# a few µs of round-off.
+OVERDUE_AFTER_US = 1.0
+
+
+class OverdueWatch:
+    """Running jobs by their earliest SLO end. When that time has passed for a job still
+    running, `overdue(job, now)` answers what has run out and returns the job's next SLO
+    end (inf: nothing left to watch). Jobs that ended meanwhile are skipped."""
+
+    __slots__ = ("_at", "_clock", "_heap", "_overdue", "_seq", "_timer")
+
+    def __init__(self, clock: Clock, overdue: Callable[[Job, float], float]):
+        self._clock = clock
+        self._overdue = overdue
+        self._heap: list[tuple[float, int, Job]] = []
+        self._seq = 0
+        self._timer: Timer | None = None
+        self._at = math.inf  # the due time the timer is set for
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, job: Job, due_us: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (due_us, self._seq, job))
+        if due_us < self._at:
+            self._arm(due_us)
+
+    def _arm(self, due_us: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._at = due_us
+        self._timer = self._clock.call_at(due_us + OVERDUE_AFTER_US, self._fire)
+
+    def _fire(self) -> None:
+        self._timer, self._at = None, math.inf
+        now = self._clock.now()
+        heap = self._heap
+        while heap and (heap[0][2].ended or heap[0][0] < now):
+            _, _, job = heapq.heappop(heap)
+            if job.ended:
+                continue
+            nxt = self._overdue(job, now)
+            if nxt < math.inf:
+                self._seq += 1
+                heapq.heappush(heap, (nxt, self._seq, job))
+        if heap:
+            self._arm(heap[0][0])

@@ -1,0 +1,175 @@
+"""The router's executor without Triton: the runtime on the real clock in RouterCore, its
+hop transports (relay, chain) over a fake stage client (testbed/fake_stages.py) whose nodes
+run partitions as numpy functions on the event loop. What is checked here is the router's
+own bookkeeping: answers, one stage call at a time per vGPU, hop reports and chain times,
+failures that take a node out and timeouts that do not, retries on another node, and the
+per-plan state dropped when a plan is retired. SLOs are generous: nothing here is timed."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from poolpipe.offline.partitions import TensorSpec
+from poolpipe.runtime import MarginMeter
+from poolpipe.scheduler import make_data_plane
+from testbed.fake_stages import FakePartition, FakeStages
+from tests.factories import make_topology
+from triton_backend.router import RouterCore
+from triton_backend.served import DROP_MARKER, FAIL_MARKER, ModelIO, served_plan
+
+F32 = np.dtype(np.float32)
+IO = ModelIO("m", (TensorSpec("x", F32, (2,)),), (TensorSpec("y", F32, (2,)),))
+PARTITIONS = {
+    "p0": FakePartition(lambda xs: [xs[0] + 1], ("out_0",), lambda n: 0.002),
+    "p1": FakePartition(lambda xs: [xs[0] * 2], ("y",), lambda n: 0.003),
+}
+
+
+def two_stages(second: list[int]):
+    """Stage 0 on one vGPU (node n0), stage 1 on one vGPU per server in `second`."""
+    return make_topology([([0], [2_000.0], 0.0), (second, [3_000.0], 0.0)], slo_us=2e6)
+
+
+def router(topo, transport="router", timeout_s=5.0, **fake):
+    nodes = {v.id: f"n{v.server}:8001" for v in topo.vgpus}
+    plan = served_plan(topo, make_data_plane("eager", topo), {0: "p0", 1: "p1"}, nodes, [IO])
+    made: list[FakeStages] = []
+
+    def stages(loop):
+        made.append(FakeStages(loop, PARTITIONS, **fake))
+        return made[0]
+
+    core = RouterCore(
+        plan,
+        stage_timeout_s=timeout_s,
+        margin=MarginMeter(0.0, 0.0),
+        recalibrate=False,
+        transport=transport,
+        stages=stages,
+    ).start()
+    return core, made[0]
+
+
+def ask(core: RouterCore, x: np.ndarray) -> cf.Future:
+    """One request of x's rows; the future holds (outputs, code, message)."""
+    fut: cf.Future = cf.Future()
+
+    def take() -> None:
+        core.take("m", [x], None, time.monotonic_ns(), lambda *a: fut.set_result(a))
+
+    core.loop.call_soon_threadsafe(take)
+    return fut
+
+
+def answers(core: RouterCore, n: int) -> list[tuple]:
+    futs = [ask(core, np.full((1, 2), i, np.float32)) for i in range(n)]
+    return [f.result(10) for f in futs]
+
+
+def never_queued(stages: FakeStages) -> None:
+    """No call reached a node before the node's last call had ended: the vGPU gates send
+    one call at a time per vGPU, so none waits in a node's queue out of the runtime's
+    sight."""
+    by_node: dict[str, list] = {}
+    for c in stages.calls:
+        by_node.setdefault(c.node, []).append(c)
+    for calls in by_node.values():
+        for a, b in itertools.pairwise(calls):
+            assert b.sent_s >= a.end_s, (a, b)
+
+
+@pytest.mark.parametrize("transport", ["router", "chain"])
+def test_every_request_is_answered_through_both_stages(transport):
+    core, stages = router(two_stages([1]), transport)
+    try:
+        got = answers(core, 8)
+        for i, (outs, code, msg) in enumerate(got):
+            assert code is None, msg
+            assert outs[0].tolist() == [[(i + 1) * 2.0] * 2]
+        assert [c.model for c in stages.calls].count("p1") == 8
+        if transport == "router":  # (a chain's later hops queue at their nodes)
+            never_queued(stages)
+        # the busy time the runtime booked is what the nodes took (from the router, the
+        # call's way there and back too: at most a few ms each on a loaded host)
+        for pool, model in enumerate(("p0", "p1")):
+            took = sum(c.end_s - c.start_s for c in stages.calls if c.model == model) * 1e6
+            assert took - 100 <= core.pool_busy_us[pool] <= took + 8 * 20_000
+        overheads = core.take_chain_overheads()
+        assert len(overheads) == (8 if transport == "chain" else 0)
+        assert core.stats["m"].on_time == 8 and core.in_flight() == 0
+    finally:
+        core.stop()
+
+
+@pytest.mark.parametrize("transport", ["router", "chain"])
+def test_a_node_that_cannot_be_reached_is_taken_out_and_its_requests_retried(transport):
+    core, stages = router(two_stages([1, 2]), transport, down={"n1:8001"})
+    try:
+        got = answers(core, 6)
+        assert all(code is None for _, code, _ in got), got
+        assert core.down_nodes() == {"n1:8001"}
+        assert core.stats["m"].retried >= 1 and core.stats["m"].on_time == 6
+        assert {c.node for c in stages.calls if c.model == "p1"} == {"n2:8001"}
+        stages.down.clear()  # back: the watch finds it
+        deadline = time.monotonic() + 5
+        while core.down_nodes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.down_nodes() == set() and core.recoveries == 1
+    finally:
+        core.stop()
+
+
+def test_without_a_live_path_requests_fail_explicitly():
+    core, _ = router(two_stages([1]), "chain", down={"n1:8001"})
+    try:
+        (outs, code, msg), *_ = answers(core, 3)
+        assert outs is None and code == "INTERNAL" and msg.startswith(FAIL_MARKER), msg
+        assert core.down_nodes() == {"n1:8001"}
+    finally:
+        core.stop()
+
+
+@pytest.mark.parametrize("transport", ["router", "chain"])
+def test_a_stage_call_that_times_out_leaves_its_node_in_service(transport):
+    # An overloaded node that does not answer in time is not a dead one: its requests are
+    # answered (their retry comes too late and is dropped), the node stays in service, and
+    # it serves the next request once it is quick again.
+    core, stages = router(two_stages([1]), transport, timeout_s=0.3, slow={"n1:8001": 1.0})
+    try:
+        outs, code, msg = ask(core, np.zeros((1, 2), np.float32)).result(10)
+        assert outs is None and (msg.startswith(DROP_MARKER) or msg.startswith(FAIL_MARKER))
+        assert core.down_nodes() == set()
+        stages.slow.clear()
+        time.sleep(1.0)  # the slow call ends on the node
+        ((outs, code, msg),) = answers(core, 1)
+        assert code is None, msg
+    finally:
+        core.stop()
+
+
+def test_a_plan_switched_away_from_leaves_no_gates_behind():
+    topo = two_stages([1])
+    core, _ = router(topo)
+    try:
+        for k in range(1, 4):
+            assert all(code is None for _, code, _ in answers(core, 3))
+            new = served_plan(
+                topo,
+                make_data_plane("eager", topo),
+                {0: "p0", 1: "p1"},
+                dict(core.served.vgpu_node),
+                [IO],
+            )
+            core.switch(new, flush_timeout_s=5.0)
+            assert core.runtime.generation == k
+            assert core.executor.generations_kept in ([], [k])  # nothing of older plans
+            assert [u.generation for u in core.runtime.usage()] == [k]
+        assert all(code is None for _, code, _ in answers(core, 3))
+        assert core.executor.generations_kept == [3]
+    finally:
+        core.stop()

@@ -1,0 +1,271 @@
+"""How a dispatched batch's hops travel to the stage-worker nodes (the `HopTransport`s):
+
+- `RelayTransport` ("router"): every hop is sent from the router; a stage's outputs come
+  back to the router and go out again to the next stage's node.
+- `ChainTransport` ("chain"): the batch goes to its first node with the rest of its path;
+  each node sends its feature map straight to the next (python_onnx_model.py), and the
+  model's outputs come back once, with each hop's measured times. The router's NIC
+  carries inputs and outputs only.
+
+A transport reserves its vGPU turns when the executor hands it a job (`start`, in the
+runtime's dispatch order) and returns the coroutine that runs the job; it calls the nodes
+through the executor's StageClient and reports every hop to the runtime. Neither knows
+HTTP from gRPC, nor which stage client it has (a fake one in the tests)."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from poolpipe.client.control import chain_signature
+from poolpipe.runtime import Job
+from triton_backend.repository import HOPS_OUTPUT
+from triton_backend.served import RouterPlan
+from triton_backend.stages import Outputs, StageClient, StageTimeout
+
+if TYPE_CHECKING:
+    from triton_backend.executor import Gate, NodeExecutor
+
+# Chain overheads kept for take_chain_overheads (the latest this many).
+KEPT_OVERHEADS = 4096
+
+
+class HopTransport(Protocol):
+    name: str  # as `--transport` names it
+
+    def start(self, job: Job, ex: NodeExecutor) -> Coroutine[Any, Any, None]:
+        """Take the job's turns on its vGPUs now (the order of these calls is the order of
+        the turns' reserved starts at each vGPU); the coroutine runs the job."""
+        ...
+
+
+def _node_failed(exc: BaseException) -> bool:
+    """A stage call that timed out leaves its node in service (too busy is not dead)."""
+    return not isinstance(exc, StageTimeout)
+
+
+class RelayTransport:
+    """Each hop from the router, on its vGPU when its turn comes there (one stage call at a
+    time per vGPU, in the order of reserved starts, as the simulator runs them): a call
+    sent to a busy node would wait in its queue, out of the runtime's sight, while the
+    runtime took the vGPU for free."""
+
+    name = "router"
+
+    def start(self, job: Job, ex: NodeExecutor) -> Coroutine[Any, Any, None]:
+        gen = job.generation
+        turns = []
+        for hop in job.dispatch.hops:
+            gate = ex.gate(gen, hop.vgpu)
+            turns.append((gate, gate.add(hop.start_us)))
+        return self._run(job, ex, turns)
+
+    async def _run(
+        self, job: Job, ex: NodeExecutor, turns: list[tuple[Gate, tuple[float, int]]]
+    ) -> None:
+        rt, served, d = ex.rt, job.served, job.dispatch
+        clock, stages, timeout_s = rt.clock, ex.stages, ex.stage_timeout_s
+        plan: RouterPlan = served.adapter
+        topo = served.topo
+        io = plan.io[topo.models[d.model].name]
+        entries = job.entries
+        end_block = topo.pools[topo.pipelines[d.pipeline].pools[-1]].end
+        taken = 0  # turns taken so far
+        try:
+            for h, hop in enumerate(d.hops):
+                pool = topo.pools[hop.pool]
+                partition = plan.pool_partition[hop.pool]
+                first, last = pool.start == 0, pool.end == end_block
+                rows = [e.payload.inputs if first else e.payload.tensors for e in entries]
+                inputs = [
+                    (
+                        io.inputs[k].name if first else f"in_{k}",
+                        np.concatenate([r[k] for r in rows]) if len(rows) > 1 else rows[0][k],
+                    )
+                    for k in range(len(rows[0]))
+                ]
+                gate, token = turns[h]
+                await gate.turn(token)
+                taken = h + 1
+                try:
+                    start = clock.now()
+                    if start - hop.start_us > job.slack_us and not rt.hop_late(job, h):
+                        return  # dropped: the rest of its path is released
+                    rt.hop_started(job, h, start)
+                    try:
+                        result = await stages.infer(
+                            served.vgpu_node[hop.vgpu], partition, inputs, timeout_s
+                        )
+                    except Exception as exc:
+                        rt.hop_failed(job, h, f"{partition}: {exc}", _node_failed(exc))
+                        return
+                    end = clock.now()
+                finally:
+                    gate.release()
+                outs = _outputs(result, [t.name for t in io.outputs] if last else None)
+                for i, e in enumerate(entries):
+                    e.payload.tensors = [o[i : i + 1] for o in outs]
+                    if last:
+                        e.result = {
+                            t.name: v for t, v in zip(io.outputs, e.payload.tensors, strict=True)
+                        }
+                rt.hop_done(job, h, start, end)
+        finally:
+            for gate, token in turns[taken:]:  # turns it will not take
+                gate.forget(token)
+
+
+class ChainTransport:
+    """The job's path as a chain of nodes: its batch to the first node when its turn comes
+    there, with the rest of the path (signed with `key` when given: the nodes' key); the
+    first vGPU's turn ends when its hop's reserved time is up (the nodes after it take
+    hops as feature maps arrive, in Triton's queue). When the answer is back, every hop is
+    reported with the times the nodes measured (durations exact; the gaps between hosts,
+    whose clocks differ, taken as reserved), or the hop that failed. A one-hop job goes by
+    `relay`. `stages`: the client for the chain's first call (default: the executor's).
+    `on_overhead(us)`: each chain's overhead (see chain_times), as it is measured."""
+
+    name = "chain"
+
+    def __init__(
+        self,
+        key: str | None = None,
+        stages: StageClient | None = None,
+        on_overhead: Callable[[float], None] = lambda us: None,
+    ):
+        self.key = key
+        self.stages = stages
+        self.on_overhead = on_overhead
+        self.relay = RelayTransport()
+        self.overheads_us: deque[float] = deque(maxlen=KEPT_OVERHEADS)
+
+    def start(self, job: Job, ex: NodeExecutor) -> Coroutine[Any, Any, None]:
+        hops = job.dispatch.hops
+        if len(hops) == 1:
+            return self.relay.start(job, ex)
+        gate = ex.gate(job.generation, hops[0].vgpu)
+        return self._run(job, ex, gate, gate.add(hops[0].start_us))
+
+    async def _run(self, job: Job, ex: NodeExecutor, gate: Gate, token: tuple[float, int]) -> None:
+        rt, served, d = ex.rt, job.served, job.dispatch
+        plan: RouterPlan = served.adapter
+        io = plan.io[served.topo.models[d.model].name]
+        entries = job.entries
+        inputs = [
+            (spec.name, np.concatenate([e.payload.inputs[k] for e in entries]))
+            for k, spec in enumerate(io.inputs)
+        ]
+        path = json.dumps(
+            [
+                {"url": served.vgpu_node[h.vgpu], "model": plan.pool_partition[h.pool]}
+                for h in d.hops[1:]
+            ]
+        )
+        names = [t.name for t in io.outputs]
+        params = {"poolpipe_next": path, "poolpipe_outputs": json.dumps(names)}
+        if self.key is not None:
+            params["poolpipe_sig"] = chain_signature(self.key, path)
+        hop0 = d.hops[0]
+        await gate.turn(token)
+        start = rt.clock.now()
+        if start - hop0.start_us > job.slack_us and not rt.hop_late(job, 0):
+            gate.release()
+            return  # dropped: the rest of its path is released
+        ex.loop.call_later(max(0.0, (hop0.end_us - hop0.start_us) / 1e6), gate.release)
+        rt.hop_started(job, 0, start)
+        # the chain's time: until the last SLO of its requests runs out; nobody forwards
+        # a feature map with none left
+        params["poolpipe_budget_us"] = str(int(max(e.due_us for e in entries) - start))
+        stages = self.stages or ex.stages
+        try:
+            result = await stages.infer(
+                served.vgpu_node[hop0.vgpu],
+                plan.pool_partition[hop0.pool],
+                inputs,
+                ex.stage_timeout_s,
+                parameters=params,
+                outputs=[*names, HOPS_OUTPUT],
+            )
+        except Exception as exc:
+            failed, why = failed_hop(exc)
+            out_of_time = _out_of_time(why)
+            times = reserved_times(d.hops, start)
+            for h in range(1, failed + 1):
+                rt.hop_done(job, h - 1, *times[h - 1])
+                if h < failed or not out_of_time:
+                    rt.hop_started(job, h, times[h][0])
+            if out_of_time and not rt.hop_late(job, failed):
+                return  # its requests' SLOs ran out on the way: dropped, the path let go
+            partition = plan.pool_partition[d.hops[failed].pool]
+            rt.hop_failed(job, failed, f"{partition}: {why}", _node_failed(exc))
+            return
+        back = rt.clock.now()
+        outs = _outputs(result, names)
+        times, overhead = chain_times(d.hops, result[HOPS_OUTPUT][0], start, back)
+        self.overheads_us.append(overhead)
+        self.on_overhead(overhead)
+        for i, e in enumerate(entries):
+            e.payload.tensors = [o[i : i + 1] for o in outs]
+            e.result = {t.name: v for t, v in zip(io.outputs, e.payload.tensors, strict=True)}
+        for h, (s_us, e_us) in enumerate(times):
+            if h:
+                rt.hop_started(job, h, s_us)
+            rt.hop_done(job, h, s_us, e_us)
+
+
+def failed_hop(exc: BaseException) -> tuple[int, str]:
+    """Which hop of a chain failed ("POOLPIPE_HOP k: why" from the nodes; 0 otherwise:
+    the first node did not answer)."""
+    text = exc.message() if callable(getattr(exc, "message", None)) else str(exc)  # type: ignore[attr-defined]
+    text = str(text)
+    if text.startswith("POOLPIPE_HOP "):
+        k, _, why = text[len("POOLPIPE_HOP ") :].partition(":")
+        if k.strip().isdigit():
+            return int(k), why.strip()
+    return 0, text
+
+
+def _out_of_time(why: str) -> bool:
+    """A chain's hop not run for want of time (the hop before it had none left to forward
+    its feature map), not for a node's failure."""
+    return "POOLPIPE_DEADLINE" in why
+
+
+def reserved_times(hops: Sequence[Any], start: float) -> list[tuple[float, float]]:
+    """Each hop's (start, end) as reserved, shifted to begin at `start`."""
+    shift = start - hops[0].start_us
+    return [(h.start_us + shift, h.end_us + shift) for h in hops]
+
+
+def chain_times(
+    hops: Sequence[Any], measured: np.ndarray, sent: float, back: float
+) -> tuple[list[tuple[float, float]], float]:
+    """Each hop's (start, end) on the router's clock from what the nodes measured (start,
+    end, sent ns per hop, each on its own host's clock), and the chain's overhead: the
+    time from sending to the answer that neither the measured computes nor the reserved
+    transfers explain (the nodes' forwarding, their queues, the answer's way back: the
+    reply margin holds its p99 back, see MarginMeter). Placed back from when the answer
+    came, never before the batch was sent."""
+    n = len(hops)
+    took = [max(0.0, float(measured[3 * h + 1] - measured[3 * h]) / 1e3) for h in range(n)]
+    gaps = [h.transfer_end_us - h.transfer_start_us for h in hops[1:]]
+    overhead = (back - sent) - sum(took) - sum(gaps)
+    times: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    end = back
+    for h in range(n - 1, -1, -1):
+        begin = max(sent, end - took[h])
+        times[h] = (begin, max(begin, end))
+        end = max(sent, begin - (gaps[h - 1] if h else 0.0))
+    return times, overhead
+
+
+def _outputs(result: Outputs, names: list[str] | None) -> list[np.ndarray]:
+    """The answer's tensors in order: by name for the model's outputs, else out_0, out_1,
+    ... (a partition's feature maps)."""
+    if names is None:
+        names = sorted(result, key=lambda s: int(s.split("_")[1]))
+    return [result[n] for n in names]
