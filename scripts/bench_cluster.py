@@ -52,6 +52,7 @@ from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
+from testbed.predict import predict
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 TIMEOUT_S = 30.0  # a client gives up on a request after this long: it hung
@@ -76,7 +77,7 @@ def capacity_loads(live: float) -> list[float]:
 
 def rollout_phase(dep, plan, args, inputs: dict, rate: float) -> dict:
     """Steady load for 3 x --duration; the rollout to `plan` starts after 1/4 of it."""
-    from triton_backend.loadgen import drive, poisson_times, summarize
+    from testbed.loadgen import client_figures, drive, poisson_times
 
     duration = 3 * args.duration
     times = poisson_times(rate, duration, 77)
@@ -91,7 +92,7 @@ def rollout_phase(dep, plan, args, inputs: dict, rate: float) -> dict:
     shots = drive(dep.grpc_url, dep.ios[0].name, inputs, times, timeout_s=TIMEOUT_S)
     t.join()
     r = done["r"]
-    s = summarize(shots, args.slo_ms / 1e3, duration)
+    s = client_figures(shots, args.slo_ms / 1e3, duration)
     return {
         "status": r.status,
         "reason": r.reason,
@@ -110,7 +111,7 @@ def node_loss_phase(dep, em, token_file: Path, args, inputs: dict, rate: float) 
     """Steady load for 3 x --duration: after one third a node of a two-node pool is killed
     (SIGKILL, its Triton with it), after two thirds started again, empty, at its address;
     the router must find it, upload its models and put it back in service."""
-    from triton_backend.loadgen import drive, poisson_times, summarize
+    from testbed.loadgen import client_figures, drive, poisson_times
 
     part = next(
         p.partition
@@ -149,7 +150,7 @@ def node_loss_phase(dep, em, token_file: Path, args, inputs: dict, rate: float) 
         "down": [x for x in shots if kill <= x.sent_s < restart],
         "after": [x for x in shots if x.sent_s >= restart],
     }
-    s = summarize(shots, slo, duration)
+    s = client_figures(shots, slo, duration)
     back = dep.core.recoveries > recovered
     return {
         "node": victim.node_name,
@@ -158,7 +159,7 @@ def node_loss_phase(dep, em, token_file: Path, args, inputs: dict, rate: float) 
         "failed": s["failed"],
         "dropped": s["dropped"],
         "attainment": s["attainment"],
-        **{f"attainment_{k}": summarize(v, slo, 1)["attainment"] for k, v in phase.items()},
+        **{f"attainment_{k}": client_figures(v, slo, 1)["attainment"] for k, v in phase.items()},
         "returned": int(back),
         "return_s": marks["back"] - marks["restart"] if back else float("nan"),
     }
@@ -206,7 +207,7 @@ def events_table(events: dict[str, dict], args) -> None:
 
 
 def capacity_table(capacity: dict[str, dict], args) -> None:
-    from triton_backend.loadgen import CAPACITY_STEPS, CAPACITY_TARGET
+    from testbed.loadgen import CAPACITY_STEPS, CAPACITY_TARGET
 
     if not capacity:
         return
@@ -265,7 +266,7 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    from triton_backend.emulated import EmulatedCluster, unavailable
+    from testbed.netns import EmulatedCluster, unavailable
 
     why = unavailable()
     if why:
@@ -273,8 +274,8 @@ def main() -> int:
         return 2
     from flows.onboard import onboard_model
     from poolpipe.offline.zoo import make_model
+    from testbed.loadgen import client_figures, drive, live_capacity, poisson_times
     from triton_backend.deploy import Deployment
-    from triton_backend.loadgen import drive, live_capacity, poisson_times, summarize
 
     rows = BenchRows(args.label)
     record = partial(rows.record, "cluster")
@@ -362,10 +363,10 @@ def main() -> int:
                     overheads = dep.core.take_chain_overheads()
                     router_bytes = iface_bytes(em.bridge) - before[0]
                     servers_out = sum(em.link_bytes(s)[1] for s in range(args.servers)) - before[1]
-                    s = summarize(shots, args.slo_ms / 1e3, args.duration)
+                    s = client_figures(shots, args.slo_ms / 1e3, args.duration)
                     answered = s["ok"]
                     payload = len(shots) * x.nbytes + answered * out_bytes
-                    sim = dep.simulate(times, args.duration, factors)
+                    sim = predict(dep, times, args.duration, factors)
                     s |= {
                         "router_bytes": router_bytes,
                         "payload_bytes": payload,

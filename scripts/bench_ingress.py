@@ -37,8 +37,8 @@ from rich.console import Console
 from rich.table import Table
 
 from poolpipe.store.warehouse import Warehouse
+from testbed.cpu import cpu_seconds
 from triton_backend.env import fix_this_process, free_ports
-from triton_backend.nodes import cpu_seconds
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 

@@ -41,12 +41,14 @@ from rich.table import Table
 from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.store.bench_rows import BenchRows
-from poolpipe.store.testbed import hold_elsewhere
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse, default_path
+from testbed.holder import hold_elsewhere
 from triton_backend.nodes import descendants, is_running
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
@@ -92,7 +94,7 @@ def main() -> int:
 
 
 def held_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
-    from triton_backend.loadgen import drive, poisson_times
+    from testbed.loadgen import drive, poisson_times
     from triton_backend.serve import Server
 
     with Warehouse.open(warehouse) as wh:
@@ -290,7 +292,7 @@ def node_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
 
 
 def _one_node_kill(args, warehouse: Path, plan: Plan, ws: Path, seed: int) -> dict:
-    from triton_backend.loadgen import drive, poisson_times, summarize
+    from testbed.loadgen import client_figures, drive, poisson_times
     from triton_backend.serve import Server
 
     srv = Server(plan, str(warehouse), ws, stats_interval_s=3600, supervise=True)
@@ -322,7 +324,7 @@ def _one_node_kill(args, warehouse: Path, plan: Plan, ws: Path, seed: int) -> di
         killer.join(60)
     finally:
         srv.close()
-    s = summarize(shots, plan.models[0].slo_us / 1e6, duration)
+    s = client_figures(shots, plan.models[0].slo_us / 1e6, duration)
     late = s["ok"] - round(s["attainment"] * s["sent"])
     return {**seen, "late": late, **s}
 

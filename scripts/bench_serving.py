@@ -45,7 +45,8 @@ from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
-from triton_backend.nodes import cpu_seconds
+from testbed.cpu import cpu_seconds
+from testbed.predict import predict
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
@@ -86,7 +87,7 @@ def main() -> int:
     from flows.onboard import onboard_model
     from flows.profile import profile_model
     from poolpipe.offline.zoo import make_model
-    from triton_backend.loadgen import drive, poisson_times, summarize
+    from testbed.loadgen import client_figures, drive, poisson_times
     from triton_backend.serve import Server
 
     rows = BenchRows(args.label)
@@ -132,7 +133,7 @@ def main() -> int:
                 {in_name: x},
                 poisson_times(rate, args.duration / 2, 7),
             )
-            s = summarize(shots, args.slo_ms / 1e3, args.duration / 2)
+            s = client_figures(shots, args.slo_ms / 1e3, args.duration / 2)
             if s["attainment"] < 0.99:
                 break
             sustained = rate
@@ -223,10 +224,10 @@ def main() -> int:
             times = poisson_times(rate, args.duration, k + 1)
             dep.core.take_window()
             shots = drive(url, name, {in_name: x}, times)
-            s = summarize(shots, args.slo_ms / 1e3, args.duration)
+            s = client_figures(shots, args.slo_ms / 1e3, args.duration)
             win = dep.core.take_window().models[0]  # the router's own view of the same requests
             s["router_attainment"] = win.on_time / max(1, win.arrivals)
-            sim = dep.simulate(times, args.duration, factors)
+            sim = predict(dep, times, args.duration, factors)
             live_rows.append((rate, s, sim.attainment))
             record("live-vs-sim", f"{rate:g}req/s", "live_attainment", s["attainment"])
             record("live-vs-sim", f"{rate:g}req/s", "router_attainment", s["router_attainment"])
@@ -244,7 +245,7 @@ def main() -> int:
         th.start()
         shots = drive(url, name, {in_name: x}, times)
         th.join()
-        s = summarize(shots, args.slo_ms / 1e3, args.duration)
+        s = client_figures(shots, args.slo_ms / 1e3, args.duration)
         ro = result["r"]
     finally:
         srv.close()
@@ -322,7 +323,7 @@ def main() -> int:
 CLIENT = """
 import json, sys, time
 import numpy as np
-from triton_backend.loadgen import burst
+from testbed.loadgen import burst
 kind, url, model, in_name, shape, n, slo_ms = json.loads(sys.argv[1])
 x = np.zeros(shape, np.float32)
 if kind == "closed":
@@ -545,7 +546,7 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
     restart it, roll the same plan out again; then the simulator on the same trace with the
     same events at the times they happened here."""
     from poolpipe.sim.scenario import GpuChange, Rollout, Scenario
-    from triton_backend.loadgen import drive, poisson_times
+    from testbed.loadgen import drive, poisson_times
     from triton_backend.serve import Server
 
     plan = hand_plan(name, [(0, 4, "cpu-1t", 2)], 4, args.slo_ms, args.warehouse)
@@ -611,7 +612,7 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
                 Rollout(marks["switch"], new_topo, "the same plan again"),
             )
         )
-        sim = dep.simulate(times, duration, factors, scenario=scenario, topo=topo0)
+        sim = predict(dep, times, duration, factors, scenario=scenario, topo=topo0)
     finally:
         srv.close()
     seconds = int(np.ceil(duration))

@@ -17,8 +17,8 @@ import pytest
 
 from poolpipe.client.control import new_token_file, node_key, read_token
 from poolpipe.domain.inventory import Inventory, InventoryError, InventoryNode, load_inventory
+from testbed.netns import EmulatedCluster, unavailable
 from tests.test_serving import _grpc, _infer, onboarded_tiny, two_partition_plan, whole_model  # noqa: F401
-from triton_backend.emulated import EmulatedCluster, unavailable
 from triton_backend.nodes import NodeError, RemoteNode
 
 pytestmark = [
@@ -353,9 +353,7 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
         dep = srv.deployment
         assert len({n.name for n in dep.nodes.values()}) == 2  # a partition on each server
 
-        client = threading.Thread(
-            target=_keep_asking, args=(dep, answers, stop, 0.05), daemon=True
-        )
+        client = threading.Thread(target=_keep_asking, args=(dep, answers, stop, 0.05), daemon=True)
         client.start()
         time.sleep(1.0)
         cluster.stop_node(1, signal.SIGKILL)

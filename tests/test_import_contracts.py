@@ -1,7 +1,8 @@
 """The architecture's import rules ([tool.importlinter] in pyproject.toml), checked by
 import-linter on the real tree: the algorithm packages import no framework, database or
-serving client, serving policy reads no clock, flows and Triton adapters stay apart. Each
-rule is shown to catch a planted violation in a copy of the tree."""
+serving client, serving policy reads no clock, flows and Triton adapters stay apart, and
+what serves imports neither the simulator nor the test bed. Each rule is shown to catch a
+planted violation in a copy of the tree."""
 
 from __future__ import annotations
 
@@ -32,13 +33,13 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_tree_keeps_every_contract():
     r = _lint(REPO)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "3 kept, 0 broken" in r.stdout
+    assert "4 kept, 0 broken" in r.stdout
 
 
 @pytest.fixture(scope="module")
 def tree_copy(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tree")
-    for pkg in ("poolpipe", "flows", "triton_backend"):
+    for pkg in ("poolpipe", "flows", "triton_backend", "testbed"):
         shutil.copytree(REPO / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     return root
@@ -54,6 +55,10 @@ def tree_copy(tmp_path_factory) -> Path:
         ("poolpipe/runtime/_planted.py", "import asyncio", "reads no clock"),
         ("flows/_planted.py", "import triton_backend.nodes", "do not import each other"),
         ("triton_backend/_planted.py", "import flows.plan", "do not import each other"),
+        ("triton_backend/_planted.py", "import poolpipe.sim.engine", "neither the simulator"),
+        ("flows/_planted.py", "from testbed import loadgen", "neither the simulator"),
+        ("poolpipe/store/_planted.py", "import testbed.holder", "neither the simulator"),
+        ("poolpipe/planner/_planted.py", "import testbed.predict", "import no framework"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(tree_copy, module, line, contract):

@@ -176,7 +176,9 @@ def test_the_router_measures_stage_times_for_the_simulator(served):
     assert all(len(f) == 4 and min(f) > 0 for f in factors), factors
     assert served.core.take_stage_factors() == ((), ())  # taken once
     # the simulator's prediction on what is served, with those stage times
-    sim = served.simulate(np.array([0.0, 0.05, 0.1]), 0.2, factors)
+    from testbed.predict import predict
+
+    sim = predict(served, np.array([0.0, 0.05, 0.1]), 0.2, factors)
     assert sum(m.on_time + m.late + m.dropped for m in sim.models) == 3
 
 
@@ -378,7 +380,7 @@ def test_a_burst_gets_on_time_answers_and_explicit_drops_not_late_ones(served):
     stages compete for the CPU and a burst waits in Triton's front end where no one sees
     it: at most a third of the answers, none more than 50 ms past the SLO (before the
     door: 500 of 500 answered late, the last after 1.7 s, none dropped)."""
-    from triton_backend.loadgen import burst
+    from testbed.loadgen import burst
 
     x = np.zeros((1, 3, 32, 32), np.float32)
     io = served.ios[0]

@@ -128,8 +128,8 @@ def test_a_rollout_is_reported_as_it_happened_while_the_warehouse_is_held(
     from pathlib import Path
 
     from flows.rollout import rollout_plan
-    from poolpipe.store.testbed import hold_elsewhere as hold
     from poolpipe.store.warehouse import spool_dir
+    from testbed.holder import hold_elsewhere as hold
 
     wh, _ = onboarded_tiny
     with Warehouse.open(wh) as w:

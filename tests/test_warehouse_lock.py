@@ -11,8 +11,8 @@ import pytest
 
 from poolpipe.cli import main
 from poolpipe.errors import WarehouseBusyError
-from poolpipe.store.testbed import hold_elsewhere as hold
 from poolpipe.store.warehouse import Warehouse, spool_dir, store_rows_durably
+from testbed.holder import hold_elsewhere as hold
 
 
 def row(i: int) -> dict:

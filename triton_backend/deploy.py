@@ -14,11 +14,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import numpy as np
 
 from poolpipe.client.control import node_key
 from poolpipe.domain.inventory import Inventory
@@ -34,8 +32,6 @@ from poolpipe.runtime import (
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_latencies
-from poolpipe.sim.metrics import SimResult
-from poolpipe.sim.scenario import Scenario
 from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
 from triton_backend.calibration import calibrate, warm
 from triton_backend.env import is_loopback, signals_held, triton_home
@@ -319,43 +315,10 @@ class Deployment:
             res.failed,
         )
 
-    def simulate(
-        self,
-        arrivals_s: np.ndarray,
-        duration_s: float,
-        stage_factors: Sequence[Sequence[float]] = (),
-        models: np.ndarray | None = None,
-        scenario: Scenario | None = None,
-        topo: Topology | None = None,
-    ) -> SimResult:
-        """The simulator's prediction for these arrivals (seconds; model indexes, default all
-        the first) on what this deployment serves: the router's calibrated topology (or
-        `topo`, one taken from it earlier), the same data plane, wake guard and reply margin,
-        stage times drawn from `stage_factors` (per pool, measured / reserved, from
-        `core.take_stage_factors()` of earlier runs), and the node failures, returns and
-        rollouts of `scenario` (node names as this deployment's: `cpu-1t-0` is GPU 0 of type
-        cpu-1t)."""
-        from poolpipe.sim.engine import SimConfig, Simulator
-
-        topo = topo or self.core.topo
-        arrivals = np.asarray(arrivals_s, dtype=float)
-        kind, guard = self.options["plane"], self.options["wake_guard_us"]
-        return Simulator(
-            topo,
-            make_data_plane(kind, topo, wake_guard_us=guard),
-            arrivals * 1e6,
-            np.zeros(len(arrivals), dtype=int) if models is None else models,
-            SimConfig(
-                duration_s=duration_s,
-                stage_factors=tuple(tuple(f) for f in stage_factors),
-                reply_margin_us=self.core.runtime.reply_margin_us,
-                # as the router's runtime: stage times drawn off reservation recalibrate
-                # pools and feed the overrun held back from held batches
-                recalibrate=self.core.runtime.config.recalibrate,
-            ),
-            scenario,
-            lambda t: make_data_plane(kind, t, wake_guard_us=guard),
-        ).run()
+    def take_stage_factors(self) -> tuple[tuple[float, ...], ...]:
+        """Per pool of the plan served, measured / reserved time of the stage calls since
+        the last call that found their vGPU idle (RouterCore.take_stage_factors)."""
+        return self.core.take_stage_factors()
 
     def restart_node(self, name: str) -> None:
         """Start a stopped or crashed local node again on its ports and load its partition

@@ -165,7 +165,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _drive_loads(server, name: str, args: argparse.Namespace):
-    from triton_backend.loadgen import drive, poisson_times, summarize
+    from testbed.loadgen import client_figures, drive, poisson_times
+    from testbed.predict import predict
 
     dep = server.deployment
     topo = dep.core.topo
@@ -191,10 +192,10 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
         sampler.start()
         shots = drive(url, name, inputs, times)
         timeline.append((load, sampler.stop()))
-        s = summarize(shots, args.slo_ms / 1e3, args.duration)
+        s = client_figures(shots, args.slo_ms / 1e3, args.duration)
         # the simulator on the same (calibrated) topology, the same trace, the same plane,
         # with the stage times measured so far (before this run: a prediction)
-        sim = dep.simulate(times, args.duration, factors)
+        sim = predict(dep, times, args.duration, factors)
         for pool, f in enumerate(dep.core.take_stage_factors()):
             factors[pool].extend(f)
         rows.append({"load": load, "rate": rate, **s, "sim_attainment": sim.attainment})
@@ -204,7 +205,7 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
 def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Namespace):
     """Steady load; the rollout starts at 1/4 of the run. Attainment before it, while the
     new models load and are calibrated (the old plan serving), and after the switch."""
-    from triton_backend.loadgen import drive, poisson_times, summarize
+    from testbed.loadgen import client_figures, drive, poisson_times
 
     dep = server.deployment
     rate = 0.5 * min(sum(m.throughput for m in dep.core.topo.models), args.max_rate)
@@ -224,7 +225,7 @@ def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Na
     shots = drive(dep.grpc_url, name, inputs, times)
     t.join()
     r = result["r"]
-    s = summarize(shots, args.slo_ms / 1e3, duration)
+    s = client_figures(shots, args.slo_ms / 1e3, duration)
     switch = start + r.prepare_s
     phases = {
         "before": [x for x in shots if x.sent_s < start],
@@ -242,7 +243,7 @@ def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Na
         "sent": len(times),
         "unanswered": len(times) - len(shots),
         "attainment": {
-            k: summarize(v, args.slo_ms / 1e3, 1.0)["attainment"] if v else float("nan")
+            k: client_figures(v, args.slo_ms / 1e3, 1.0)["attainment"] if v else float("nan")
             for k, v in phases.items()
         },
     }
@@ -253,7 +254,7 @@ def _nodes(stack: contextlib.ExitStack, cluster, out: Path, token_file: Path, ar
     network namespace with its own address and a NIC of the cluster's bandwidth, limited by
     tc) where namespaces are permitted, else on loopback. Returns the deployment's options:
     the inventory to attach to, or none (the deployment starts local nodes)."""
-    from triton_backend.emulated import EmulatedCluster, unavailable
+    from testbed.netns import EmulatedCluster, unavailable
 
     why = "--loopback given" if args.loopback else unavailable()
     if why:
@@ -278,7 +279,7 @@ def _nodes(stack: contextlib.ExitStack, cluster, out: Path, token_file: Path, ar
 def _capacity(server, label: str, top: float, name: str, args: argparse.Namespace) -> dict:
     """Live capacity of the plan being served beside the simulator's (loadgen.live_capacity):
     bisected on Poisson traces of --duration seconds up to `top` req/s."""
-    from triton_backend.loadgen import CAPACITY_TARGET, live_capacity
+    from testbed.loadgen import CAPACITY_TARGET, live_capacity
 
     dep = server.deployment
     x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
@@ -331,7 +332,7 @@ def _store_capacity(runs: list[dict], warehouse, where: str) -> None:
 
 
 def _capacity_table(runs: list[dict], args: argparse.Namespace) -> None:
-    from triton_backend.loadgen import CAPACITY_STEPS
+    from testbed.loadgen import CAPACITY_STEPS
 
     t = Table(
         title=f"capacity on the same nodes (>= 99% on time, SLO {args.slo_ms:g} ms)",

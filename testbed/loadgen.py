@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from testbed.predict import predict
 from triton_backend.kserve_http import parse_head
-from triton_backend.router import DROP_MARKER, FAIL_MARKER
+from triton_backend.served import DROP_MARKER, FAIL_MARKER
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ def drive(
     return asyncio.run(_drive(url, model, inputs, times_s, timeout_s))
 
 
-def summarize(shots: list[Shot], slo_s: float, duration_s: float) -> dict[str, float]:
+def client_figures(shots: list[Shot], slo_s: float, duration_s: float) -> dict[str, float]:
+    """What the client saw of a run: sent, on time (within `slo_s`), answered, dropped,
+    failed, latency p50/p99 of the answers (ms), goodput (on time per second)."""
     n = len(shots)
     ok = [s for s in shots if s.outcome == "ok"]
     lat = np.asarray([s.latency_s for s in ok]) * 1e3
@@ -250,9 +253,9 @@ def live_capacity(
     each live run."""
     model, url = dep.ios[0].name, dep.grpc_url
     drive(url, model, inputs, poisson_times(0.3 * top, 2.0, seed=0))  # warm-up
-    dep.core.take_stage_factors()
+    dep.take_stage_factors()
     drive(url, model, inputs, poisson_times(0.5 * top, 3.0, seed=100))
-    factors = [list(f) for f in dep.core.take_stage_factors()]
+    factors = [list(f) for f in dep.take_stage_factors()]
     live: dict[float, float] = {}
     sim: dict[float, float] = {}
 
@@ -266,10 +269,10 @@ def live_capacity(
         return True
 
     def simulated(rate: float, times: np.ndarray) -> float:
-        return dep.simulate(times, duration_s, factors).attainment
+        return predict(dep, times, duration_s, factors).attainment
 
     def measured(rate: float, times: np.ndarray) -> float:
-        got = summarize(drive(url, model, inputs, times), slo_s, duration_s)["attainment"]
+        got = client_figures(drive(url, model, inputs, times), slo_s, duration_s)["attainment"]
         on_point(rate, got)
         return got
 
@@ -282,7 +285,7 @@ def live_capacity(
     sim_i = bisect_grid(sim_passes, CAPACITY_STEPS)
     live_i = bisect_grid(live_passes, CAPACITY_STEPS)
     return {
-        "planned": sum(m.throughput for m in dep.core.topo.models),
+        "planned": sum(m.throughput for m in dep.topo.models),
         "top": top,
         "sim": sim_i * top / CAPACITY_STEPS,
         "live": live_i * top / CAPACITY_STEPS,

@@ -1,0 +1,27 @@
+"""CPU accounting of processes and everything below them (Linux /proc): what a benchmark
+reads to say how much CPU a router, its Triton or a node spent per request."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and all their descendants (Linux
+    /proc; processes gone meanwhile count nothing)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, seen, todo = 0.0, set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        todo += [int(k) for k in kids]
+    return total

@@ -1,0 +1,53 @@
+"""The simulator's prediction for what a live deployment serves: the router's calibrated
+topology, its data plane, wake guard and reply margin, stage times drawn from what the
+router measured, and the same node failures, returns and rollouts (a scenario). The demo
+and the benchmarks put it beside what the clients measured."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from poolpipe.scheduler import make_data_plane
+from poolpipe.scheduler.topology import Topology
+from poolpipe.sim.engine import SimConfig, Simulator
+from poolpipe.sim.metrics import SimResult
+from poolpipe.sim.scenario import Scenario
+from triton_backend.deploy import Deployment
+
+
+def predict(
+    dep: Deployment,
+    arrivals_s: np.ndarray,
+    duration_s: float,
+    stage_factors: Sequence[Sequence[float]] = (),
+    models: np.ndarray | None = None,
+    scenario: Scenario | None = None,
+    topo: Topology | None = None,
+) -> SimResult:
+    """The simulator's result for these arrivals (seconds; model indexes, default all the
+    first) on what `dep` serves: the router's calibrated topology (or `topo`, one taken
+    from it earlier), the same data plane, wake guard and reply margin, stage times drawn
+    from `stage_factors` (per pool, measured / reserved, from `dep.take_stage_factors()`
+    of earlier runs), and the node failures, returns and rollouts of `scenario` (node
+    names as the deployment's: `cpu-1t-0` is GPU 0 of type cpu-1t)."""
+    topo = topo or dep.core.topo
+    arrivals = np.asarray(arrivals_s, dtype=float)
+    kind, guard = dep.options["plane"], dep.options["wake_guard_us"]
+    return Simulator(
+        topo,
+        make_data_plane(kind, topo, wake_guard_us=guard),
+        arrivals * 1e6,
+        np.zeros(len(arrivals), dtype=int) if models is None else models,
+        SimConfig(
+            duration_s=duration_s,
+            stage_factors=tuple(tuple(f) for f in stage_factors),
+            reply_margin_us=dep.core.reply_margin_us,
+            # as the router's runtime: stage times drawn off reservation recalibrate pools
+            # and feed the overrun held back from held batches
+            recalibrate=dep.core.recalibrate,
+        ),
+        scenario,
+        lambda t: make_data_plane(kind, t, wake_guard_us=guard),
+    ).run()
