@@ -34,7 +34,7 @@ def predict(
     names as the deployment's: `cpu-1t-0` is GPU 0 of type cpu-1t)."""
     topo = topo or dep.core.topo
     arrivals = np.asarray(arrivals_s, dtype=float)
-    kind, guard = dep.options["plane"], dep.options["wake_guard_us"]
+    kind, guard = dep.options.plane, dep.options.wake_guard_us
     return Simulator(
         topo,
         make_data_plane(kind, topo, wake_guard_us=guard),

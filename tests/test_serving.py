@@ -488,6 +488,49 @@ def test_a_rollout_rolled_back_after_cutting_leaves_no_files(served, onboarded_t
     assert _infer(mod, client, x).as_numpy(served.ios[0].outputs[0].name).shape == (1, 1000)
 
 
+def test_a_rollout_that_drops_a_served_model_is_refused_before_anything_loads(
+    served, onboarded_tiny, monkeypatch
+):
+    """A plan without a model the router serves cannot replace its plan: refused with the
+    model named, before a partition is cut or loaded (it used to load, warm and calibrate
+    all of them, then fail at the switch and leave them loaded)."""
+    import triton_backend.deploy as deploy
+
+    def prepare(*args, **kw):
+        raise AssertionError("nothing may be cut for a plan that cannot replace the served one")
+
+    wh, _ = onboarded_tiny
+    monkeypatch.setattr(deploy, "prepare", prepare)
+    before = sorted(m for n in served.nodes.values() for m in n.models())
+    cluster = load_cluster(REPO / "local-clusters.toml", "local-1t")
+    other = manual_plan("other", SLO_MS * 1e3, cluster, [(0, 4, "cpu-1t", 1)], 4)
+    r = served.rollout(other, wh)
+    assert r.status == "refused" and "does not serve tiny" in r.reason, r
+    assert r.prepare_s == 0 and served.generation == served.core.runtime.generation
+    assert sorted(m for n in served.nodes.values() for m in n.models()) == before
+
+
+def test_a_switch_that_fails_unloads_what_the_rollout_loaded(served, onboarded_tiny, monkeypatch):
+    """Whatever fails before the switch is done, the switch itself included, rolls back:
+    the new partitions are unloaded, their files removed, the old plan serves on."""
+    wh, _ = onboarded_tiny
+
+    def switch(*args, **kw):
+        raise PoolpipeError("a plan switch is already under way; wait for it to finish")
+
+    monkeypatch.setattr(served.core, "switch", switch)
+    before = sorted(m for n in served.nodes.values() for m in n.models())
+    kept = sorted(f.name for f in (served.workspace / "partitions").iterdir())
+    r = served.rollout(two_partition_plan(cut=3), wh)
+    assert r.status == "rolled back" and "already under way" in r.reason, r
+    assert sorted(m for n in served.nodes.values() for m in n.models()) == before
+    assert sorted(f.name for f in (served.workspace / "partitions").iterdir()) == kept
+    monkeypatch.undo()
+    mod, client = _grpc(served)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    assert _infer(mod, client, x).as_numpy(served.ios[0].outputs[0].name).shape == (1, 1000)
+
+
 def test_rendered_configs_are_triton_model_configs(onboarded_tiny, tmp_path):
     from triton_backend.repository import parse_config, render_config, render_partition
 

@@ -44,13 +44,30 @@ from triton_backend.router import ModelIO, RouterCore, served_plan
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """How a deployment serves (Deployment.up's keywords, as resolved)."""
+
+    plane: str  # the data plane (scheduler.DATA_PLANES)
+    max_batch: int  # the largest batch a partition model takes
+    wake_guard_us: float  # the data plane's wake guard floor
+    reply_margin_us: float  # the reply margin's floor ...
+    reply_margin_max_us: float  # ... and its ceiling
+    key: str | None  # the nodes' key (derived from the token); None: nothing restricted
+    transport: str  # "router" or "chain" ("auto" resolved)
+
+
 def _served(
-    live: Topology, lay: Layout, nodes: dict[str, RepositoryAPI], ios: list[ModelIO], options: dict
+    live: Topology,
+    lay: Layout,
+    nodes: dict[str, RepositoryAPI],
+    ios: list[ModelIO],
+    options: ServeOptions,
 ) -> ServedPlan:
     """What the router needs to serve a calibrated topology on these nodes."""
     return served_plan(
         live,
-        make_data_plane(options["plane"], live, wake_guard_us=options["wake_guard_us"]),
+        make_data_plane(options.plane, live, wake_guard_us=options.wake_guard_us),
         lay.pool_partition,
         {v: nodes[n].grpc_url for v, n in lay.vgpu_node.items()},
         ios,
@@ -64,7 +81,7 @@ def _http_addresses(nodes: dict[str, RepositoryAPI]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class RolloutResult:
-    status: str  # "done" or "rolled back"
+    status: str  # "done", "rolled back" (what was loaded is unloaded) or "refused" (nothing was)
     reason: str
     plan_from: str
     plan_to: str
@@ -83,7 +100,7 @@ class Deployment:
     core: RouterCore
     workspace: Path
     ios: list[ModelIO]
-    options: dict
+    options: ServeOptions
     generation: int = 0
     frontend: Frontend | None = field(default=None, repr=False)
     control: Callable[[dict], dict] | None = field(default=None, repr=False)
@@ -187,15 +204,6 @@ class Deployment:
         )
         margin = MarginMeter(reply_margin_us, ceiling)  # checks floor <= ceiling first
         key = None if token is None else node_key(token)
-        options: dict = {
-            "plane": plane,
-            "max_batch": max_batch,
-            "wake_guard_us": wake_guard_us,
-            "reply_margin_us": reply_margin_us,
-            "reply_margin_max_us": ceiling,
-            "key": key,
-            "transport": transport,
-        }
         local = (
             None
             if inventory is not None
@@ -207,7 +215,15 @@ class Deployment:
             topo, lay, parts = prepare(plan, warehouse, workspace, "g0")
             nodes, inventory = _attach(lay, inventory, local, workspace, key)
             urls = [n.grpc_url for n in nodes.values()]
-            transport = options["transport"] = resolve_transport(transport, urls)
+            options = ServeOptions(
+                plane,
+                max_batch,
+                wake_guard_us,
+                reply_margin_us,
+                ceiling,
+                key,
+                resolve_transport(transport, urls),
+            )
             load_layout(lay, parts, nodes, max_batch, loaded=[])
             warm(lay, nodes, parts, _top_batch(topo))
             ios = model_io(topo, lay, parts)
@@ -216,7 +232,7 @@ class Deployment:
             core = RouterCore(
                 _served(live, lay, nodes, ios, options),
                 margin=margin,
-                transport=transport,
+                transport=options.transport,
                 key=key,
             ).start()
             core.use_http(_http_addresses(nodes))
@@ -257,30 +273,32 @@ class Deployment:
         names = lambda p: ",".join(m.name for m in p.models)  # noqa: E731
         label_from = f"{self.plan.strategy}:{names(self.plan)}@gen{self.generation}"
         label_to = f"{plan.strategy}:{names(plan)}@gen{self.generation + 1}"
+        t0 = time.perf_counter()
+        why = _cannot_replace(self.plan, plan)
+        if why:  # before anything is cut or loaded
+            return RolloutResult("refused", why, label_from, label_to, 0.0, 0, 0, 0)
         loaded: list[tuple[RepositoryAPI, str]] = []
         started: list[TritonNode] = []
         parts: dict[str, PartitionFile] = {}
-        t0 = time.perf_counter()
+        opt = self.options
         try:
             topo, lay, parts = prepare(plan, warehouse, self.workspace, tag, isolated=True)
             served = {io.name: io for io in self.ios}
             ios = model_io(topo, lay, parts)
             for io in ios:
-                if io.name not in served:
-                    raise PoolpipeError(
-                        f"the new plan serves {io.name}, which this router does not; "
-                        "start a new router for new models (poolpipe serve)"
-                    )
                 if io != served[io.name]:
                     raise PoolpipeError(f"{io.name}: the new plan's tensors differ")
             if self.local is not None:
                 started = self.local.ensure(lay)
             nodes, inventory = _attach(
-                lay, self._inventory_now(), self.local, self.workspace, self.options["key"]
+                lay, self._inventory_now(), self.local, self.workspace, opt.key
             )
-            load_layout(lay, parts, nodes, self.options["max_batch"], loaded)
+            load_layout(lay, parts, nodes, opt.max_batch, loaded)
             warm(lay, nodes, parts, _top_batch(topo))
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=self.calibration))
+            prepare_s = time.perf_counter() - t0
+            self.core.use_http(_http_addresses(nodes))
+            res = self.core.switch(_served(live, lay, nodes, ios, opt), flush_timeout_s)
         except Exception as exc:
             for node, partition in loaded:
                 with contextlib.suppress(Exception):
@@ -291,9 +309,6 @@ class Deployment:
             return RolloutResult(
                 "rolled back", str(exc), label_from, label_to, time.perf_counter() - t0, 0, 0, 0
             )
-        prepare_s = time.perf_counter() - t0
-        self.core.use_http(_http_addresses(nodes))
-        res = self.core.switch(_served(live, lay, nodes, ios, self.options), flush_timeout_s)
         old, old_nodes, old_parts = self.layout, self.nodes, self.parts
         self.plan, self.topo, self.layout, self.parts = plan, topo, lay, parts
         self.nodes, self.inventory = nodes, inventory
@@ -358,7 +373,7 @@ class Deployment:
             self.layout.vgpu_node,
             self.layout.pool_partition,
         )
-        load_layout(only, self.parts, self.nodes, self.options["max_batch"], loaded=[])
+        load_layout(only, self.parts, self.nodes, self.options.max_batch, loaded=[])
         warm(self.layout, self.nodes, self.parts, _top_batch(self.topo), only=name)
 
     def _refill_url(self, url: str) -> None:
@@ -395,6 +410,24 @@ class Deployment:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def _cannot_replace(served: Plan, new: Plan) -> str:
+    """Why `new` cannot replace `served` on a running router ('' if it can): it must serve
+    every model served now, and no other."""
+    now, then = {m.name for m in served.models}, {m.name for m in new.models}
+    if now - then:
+        return (
+            f"the new plan does not serve {', '.join(sorted(now - then))}, which this router "
+            "serves: a rollout keeps every served model (plan them all, or start a router "
+            "for the models that stay)"
+        )
+    if then - now:
+        return (
+            f"the new plan serves {', '.join(sorted(then - now))}, which this router does "
+            "not: start a new router for new models (poolpipe serve)"
+        )
+    return ""
 
 
 def _attach(

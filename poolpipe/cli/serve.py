@@ -133,7 +133,7 @@ def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
     console.print(
         f"serving plan {plan_id} ({', '.join(m.name for m in plan.models)}) on "
         f"{len(dep.nodes)} node(s) (feature maps "
-        f"{'node to node' if dep.options['transport'] == 'chain' else 'through the router'}): "
+        f"{'node to node' if dep.options.transport == 'chain' else 'through the router'}): "
         f"KServe v2 HTTP {dep.http_url}, "
         f"gRPC {dep.grpc_url}, router metrics "
         f"http://{_host(server.metrics_address)}:{server.metrics_port}/metrics\n"
