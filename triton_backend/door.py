@@ -2,7 +2,10 @@
 router's Triton): a Unix socket served on the router's event loop. Each frame from a door
 instance is one client request; it goes to RouterCore.take on the spot, and the answer goes
 back down the same connection when the runtime gives it. Requests to `poolpipe_control`
-run their command on a worker thread (a rollout blocks until it is done)."""
+run their command on a worker thread (a rollout blocks until it is done).
+
+The frames are door_model.py's, named the same here (the stub imports nothing of ours, so
+each side names the plain tuples that travel)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,7 +30,31 @@ _LEN = struct.Struct("<I")
 log = logging.getLogger(__name__)
 
 
-def _frame(obj: object) -> bytes:  # door_model.py's framing (the stub imports nothing of ours)
+class HelloFrame(NamedTuple):  # door_model.py's, from the stub once per connection
+    kind: str
+    model: str
+    instance: str
+
+
+class RequestFrame(NamedTuple):  # door_model.py's, per client request
+    kind: str
+    rid: int
+    arrived_ns: int  # CLOCK_MONOTONIC
+    parameters: str | bytes | None  # the request's parameters, a JSON object
+    arrays: list
+    egress_ns: list[int]  # of the stub's answers since its last request
+
+
+class AnswerFrame(NamedTuple):  # door_model.py's, to the stub per request
+    kind: str
+    rid: int
+    sent_ns: int
+    arrays: list | None
+    code: str | None
+    message: str
+
+
+def _frame(obj: tuple) -> bytes:  # door_model.py's framing
     data = pickle.dumps(obj, protocol=5)
     return _LEN.pack(len(data)) + data
 
@@ -83,7 +110,8 @@ class _Connection(asyncio.Protocol):
     def answer(self, rid: int, outs: list[np.ndarray] | None, code: str | None, msg: str) -> None:
         if self.transport is not None:
             packed = None if outs is None else _pack(outs)
-            self.transport.write(_frame(("ans", rid, time.monotonic_ns(), packed, code, msg)))
+            frame = AnswerFrame("ans", rid, time.monotonic_ns(), packed, code, msg)
+            self.transport.write(_frame(tuple(frame)))
 
 
 class Door:
@@ -122,24 +150,24 @@ class Door:
     # ------------------------------------------------------------------ requests
 
     def handle(self, conn: _Connection, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "hello":
-            conn.model = msg[1]
+        if msg[0] == "hello":
+            conn.model = HelloFrame._make(msg).model
             return
-        _, rid, arrived_ns, params, packed, egress = msg
-        arrays = _unpack(packed)
+        req = RequestFrame._make(msg)
+        rid = req.rid
+        arrays = _unpack(req.arrays)
         if conn.model == CONTROL_MODEL:
             self._control(conn, rid, arrays)
             return
         core = self.core
-        core.observe_door(time.monotonic_ns() - arrived_ns, egress)
+        core.observe_door(time.monotonic_ns() - req.arrived_ns, req.egress_ns)
         try:
-            slo_ms = _parameters(params).get("slo_ms")
+            slo_ms = _parameters(req.parameters).get("slo_ms")
             core.take(
                 conn.model,
                 arrays,
                 slo_ms,
-                arrived_ns,
+                req.arrived_ns,
                 lambda outs, code, text: conn.answer(rid, outs, code, text),
             )
         except BadRequest as exc:

@@ -13,13 +13,11 @@ batcher hands `execute` every request queued at that moment (nothing waits for a
 
 Self-contained (stdlib, numpy and Triton's `triton_python_backend_utils`): the stub
 process imports nothing of poolpipe. Frames both ways: a 4-byte little-endian length, then
-a pickle (the socket lives in a folder only this user can enter):
-    stub -> router: ("hello", model, instance)
-                    ("req", rid, arrived_ns, parameters_json, [array], [egress_ns, ...])
-    router -> stub: ("ans", rid, sent_ns, [array] | None, code | None, message)
-where each array is (dtype str, shape, bytes).
-`egress_ns` are the times from the router's `sent_ns` until the answer left the stub,
-carried back with the next request: what the router learns its reply margin from.
+a pickle of a plain tuple (the socket lives in a folder only this user can enter), named
+here and in door.py alike: HelloFrame and RequestFrame from the stub, AnswerFrame from the
+router; each array is (dtype str, shape, bytes). A request's `egress_ns` are the times from
+the router's `sent_ns` until earlier answers left the stub, carried back with the next
+request: what the router learns its reply margin from.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -45,7 +43,31 @@ _HANDOVER_NS = 100_000  # per request: more than Triton takes to copy one into t
 _BACKLOG = 3  # requests in one back-to-back batch that show a backlog
 
 
-def _frame(obj: object) -> bytes:
+class HelloFrame(NamedTuple):  # stub -> router, once per connection
+    kind: str  # "hello"
+    model: str  # the served model this door instance takes requests of
+    instance: str
+
+
+class RequestFrame(NamedTuple):  # stub -> router, per client request
+    kind: str  # "req"
+    rid: int  # this stub's request id, echoed by the answer
+    arrived_ns: int  # when Triton received it, as early as it may have been (monotonic)
+    parameters: str  # the request's parameters, a JSON object
+    arrays: list  # its input tensors, packed
+    egress_ns: list  # egress of the answers sent since the last request
+
+
+class AnswerFrame(NamedTuple):  # router -> stub, per request
+    kind: str  # "ans"
+    rid: int
+    sent_ns: int  # when the router sent it (monotonic)
+    arrays: list | None  # the outputs, packed; None for an error
+    code: str | None  # None, or the error's code (INVALID_ARG, UNAVAILABLE, INTERNAL)
+    message: str
+
+
+def _frame(obj: tuple) -> bytes:
     data = pickle.dumps(obj, protocol=5)
     return _LEN.pack(len(data)) + data
 
@@ -77,7 +99,8 @@ class TritonPythonModel:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        self.sock.sendall(_frame(("hello", config["name"], args.get("model_instance_name", ""))))
+        hello = HelloFrame("hello", config["name"], args.get("model_instance_name", ""))
+        self.sock.sendall(_frame(tuple(hello)))
         self.pending: dict[int, Any] = {}  # request id -> its response sender
         self.ids = itertools.count()
         self.egress: list[int] = []
@@ -124,10 +147,10 @@ class TritonPythonModel:
             self.pending[rid] = sender
             arrays = [pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs]
             egress, self.egress = self.egress, []
-            frames.append(("req", rid, arrived, r.parameters(), _pack(arrays), egress))
+            frames.append(RequestFrame("req", rid, arrived, r.parameters(), _pack(arrays), egress))
         if frames:
             try:  # the only writer after initialize (one execute at a time per instance)
-                self.sock.sendall(b"".join(_frame(f) for f in frames))
+                self.sock.sendall(b"".join(_frame(tuple(f)) for f in frames))
             except OSError:
                 self._fail_all("the router is not running")
         self.last_end = time.monotonic_ns()
@@ -147,7 +170,8 @@ class TritonPythonModel:
                     (n,) = _LEN.unpack_from(buf, at)
                     if len(buf) - at - _LEN.size < n:
                         break
-                    msgs.append(pickle.loads(memoryview(buf)[at + _LEN.size : at + _LEN.size + n]))
+                    raw = pickle.loads(memoryview(buf)[at + _LEN.size : at + _LEN.size + n])
+                    msgs.append(AnswerFrame._make(raw))
                     at += _LEN.size + n
                 del buf[:at]
                 if len(msgs) == 1 and not any(self.busy) and self.outbox.empty():
@@ -159,7 +183,7 @@ class TritonPythonModel:
                 for msg in msgs:
                     # outputs before errors: a drop told a little later is still a drop,
                     # an answer told later may be late
-                    self.outbox.put((msg[4] is not None, next(self.order), msg))
+                    self.outbox.put((msg.code is not None, next(self.order), msg))
         except (ConnectionError, OSError, EOFError, struct.error, pickle.UnpicklingError):
             self._fail_all("the router closed the door")
 
@@ -173,20 +197,19 @@ class TritonPythonModel:
                 self._answer(msg)
             self.busy[k] = False
 
-    def _answer(self, msg: tuple) -> None:
+    def _answer(self, msg: AnswerFrame) -> None:
         """Send one answer. Each send waits for Triton to take the response (about 0.4 ms
         on an idle 2-core host), so a few threads send side by side."""
-        _, rid, sent_ns, outs, code, message = msg
-        sender = self.pending.pop(rid, None)
+        sender = self.pending.pop(msg.rid, None)
         if sender is None:
             return
-        if code is None:
-            pairs = zip(self.outputs, _unpack(outs), strict=True)
+        if msg.code is None:
+            pairs = zip(self.outputs, _unpack(msg.arrays or []), strict=True)
             tensors = [pb_utils.Tensor(k, v) for k, v in pairs]
             sender.send(pb_utils.InferenceResponse(tensors), FINAL)
         else:
-            sender.send(_error(message, code), FINAL)
-        self.egress.append(time.monotonic_ns() - sent_ns)
+            sender.send(_error(msg.message, msg.code), FINAL)
+        self.egress.append(time.monotonic_ns() - msg.sent_ns)
 
     def _fail_all(self, why: str) -> None:
         self.closed = True
