@@ -25,9 +25,9 @@ from poolpipe.planner.candidates import CandidatePipeline, Enumeration
 from poolpipe.planner.decompose import cheapest_split, decomposable
 from poolpipe.planner.exact import (
     Solved,
-    _read_counts,
     enumerate_candidates,
     model_costs,
+    read_counts,
     solve_group,
 )
 from poolpipe.planner.formulation import GroupMilp, build_cost_milp, gpus_used, price_units
@@ -154,7 +154,7 @@ def cheapest(
 
     def read(result: MilpResult) -> Cheapest:
         assert result.values is not None
-        chosen = _read_counts(group, cands, result.values)
+        chosen = read_counts(group, cands, result.values)
         solved = _solved(chosen, result, enums, group, cands, price_units(dict(req.prices))[1])
         gpus = {gpu: round(_used(group, gpu, result)) for gpu in group.gpu_rows}
         return Cheapest(solved, sum(req.prices[g] * n for g, n in gpus.items()), _nonzero(gpus))

@@ -192,7 +192,7 @@ def _splits(problems: list[_ModelProblem], cluster: Cluster) -> _Splits | None:
 
 
 @dataclass
-class Cheapest:
+class CheapestSplit:
     """Outcome of `cheapest_split`: the cheapest plan serving the rates, a proof there is
     none, or unknown (out of time)."""
 
@@ -211,7 +211,7 @@ def cheapest_split(
     solver: str,
     time_limit_s: float,
     threads: int | None = None,
-) -> Cheapest:
+) -> CheapestSplit:
     """The cheapest per-position plan over `cands` serving `rates`, exactly: models share
     nothing but the GPU counts, so each split of the cluster's GPUs among them (_splits,
     the fewest o-GPUs for every count of e-GPUs) is priced and the cheapest kept; for a
@@ -221,7 +221,7 @@ def cheapest_split(
         _ModelProblem(c, 1.0, cluster, r, solver, t0 + time_limit_s, threads)
         for c, r in zip(cands, rates, strict=True)
     ]
-    out = Cheapest("infeasible")
+    out = CheapestSplit("infeasible")
     try:
         split = _splits(problems, cluster)
         if split is not None:
@@ -234,9 +234,9 @@ def cheapest_split(
             if fits:
                 chosen = split.chosen(min(fits, key=lambda t: t[0])[1])
                 gpus = {g: n for g, n in gpus_used(chosen, "per-position").items() if n}
-                out = Cheapest("feasible", chosen, gpus)
+                out = CheapestSplit("feasible", chosen, gpus)
     except _OutOfTime:
-        out = Cheapest("unknown")
+        out = CheapestSplit("unknown")
     out.milps = sum(p.milps for p in problems)
     out.seconds = time.perf_counter() - t0
     return out

@@ -1,11 +1,28 @@
-"""The exact solve of one group MILP: candidate enumeration, LP-bound pruning with a quick
-incumbent, the knapsack bound, the group MILP, and the per-model decomposition, cheapest
-proof first (README, "How the planner is exact and fast")."""
+"""The exact solve of one group MILP, as an ordered list of proof steps over one solve
+state (README, docs/planning.md, "How the planner is exact and fast"):
+
+1. `prune`: candidates enumerated; when there are many, a quick incumbent and LP-bound
+   elimination (pruning.py): the incumbent is the first plan, the LP bound (covering the
+   candidates dropped) the first bound;
+2. `knapsacks`: the knapsack bound on that incumbent (knapsack.py), and the knapsacks' own
+   plan when it fits the cluster;
+3. `group_milp`: HiGHS on the group MILP from the best plan so far, stopping once it
+   reaches the bound known so far; its plan and bound are taken;
+4. `knapsacks_again`: when the MILP found a better incumbent, the knapsacks again (a better
+   incumbent leaves them fewer options);
+5. `decomposition`: per-model MILPs and a small DP (decompose.py) asking whether a plan
+   half a gap better exists, until none does or time runs out.
+
+Each step may raise the objective (`SolveState.found`) and lower the bound
+(`SolveState.bounded`, naming the proof), and says whether the solve is finished: proven
+within the gap, at a `target` (`enough`), or with nothing left to try.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,12 +59,14 @@ INCUMBENT_GAP = 3e-3  # its gap: the knapsack and the group MILP do the rest
 GROUP_TRY_S = 2.0  # group MILP time before the decomposition or the knapsack tries again
 WARM_CLOSE = 0.01  # a warm start this close to the LP bound replaces the quick incumbent
 
+Choice = list[Chosen]  # per model: its pipelines and their vGPU counts
+
 
 @dataclass
 class Solved:
     """A solved group MILP, read back as pipelines with integer vGPU counts."""
 
-    chosen: list[list[tuple[CandidatePipeline, list[int]]]]
+    chosen: Choice
     result: MilpResult
     enumerations: list[Enumeration]
     group: GroupMilp
@@ -104,165 +123,265 @@ def solve_group(
     what: str,
     enough: float | None = None,
 ) -> Solved:
-    """Solve one group MILP and prove its plan optimal (within the gap) as fast as we can.
-
-    Proofs, cheapest first: the knapsacks (knapsack.py) on the quick incumbent, whose own
-    solution may close the gap; the group MILP, which stops once it reaches their bound;
-    for per-position groups of several models, after GROUP_TRY_S of it, the knapsacks on
-    its better incumbent, then the per-model decomposition (decompose.py). A warm start
+    """Solve one group MILP and prove its plan optimal (within the gap) as fast as we can,
+    by the proof steps of this module, cheapest first. A warm start
     (PlanRequest.warm_start, fitted to the cluster by warm.py) is the first incumbent.
-    `enough`: stop at the first plan scoring at least this (proof "target", unproven).
-    """
+    `enough`: stop at the first plan scoring at least this (proof "target", unproven)."""
     enums, cands = enumerate_candidates(req, costs, max_partitions, what)
     names = [m.name for m in req.models]
     warm = warm_chosen(req.warm_start, names, cands, list(req.weights), req.cluster, req.packing)
-    solved = _solve(req, enums, cands, warm, enough)
+    state = SolveState(req, enums, cands, warm, enough)
+    for step in STEPS:
+        if step(state):
+            break
+    solved = state.solved()
     solved.warm_objective = warm[1] if warm is not None else None
     return solved
 
 
-def _solve(
-    req: PlanRequest,
-    enums: list[Enumeration],
-    cands: list[list[CandidatePipeline]],
-    warm: tuple[list[Chosen], float] | None,
-    enough: float | None = None,
-) -> Solved:
-    weights = list(req.weights)
+# ---------------------------------------------------------------------------- the state
+
+
+@dataclass
+class _Quick:
+    seconds: float
+    objective: float
+    chosen: Choice | None
+    bounds: CandidateBounds  # the LP duals and per-candidate bounds pruning used
+
+
+@dataclass
+class SolveState:
+    """One group MILP's solve as it goes: the best plan found (`chosen`, `objective`), the
+    bound no plan exceeds (`bound`) and what proved it (`proof`), the gap between them, the
+    last solver status and the seconds spent; and what earlier steps leave the later ones
+    (the candidates kept, the quick incumbent, the MILP and its start)."""
+
+    req: PlanRequest
+    enums: list[Enumeration]
+    cands: list[list[CandidatePipeline]]
+    warm: tuple[list[Chosen], float] | None
+    enough: float | None
+    chosen: Choice | None = None
+    objective: float = -math.inf
+    bound: float = math.inf
+    gap: float = math.inf
+    proof: str = "milp"
+    status: str = "time_limit"  # the last solver's (the solve's: see solved())
+    reached_target: bool = False  # stopped at a plan scoring `enough`, unproven
+    seconds: float = 0.0
+    values: np.ndarray | None = None  # the group MILP's solution, once it ran
+    nodes: int = 0
+    group: GroupMilp | None = None
     quick: _Quick | None = None
-    dropped_bound = -math.inf
-    if sum(len(c) for c in cands) > PRUNE_ABOVE:
-        cands, quick, dropped_bound = prune(req, cands, warm, enough)
-    group = build_group_milp(cands, weights, req.cluster, req.packing)
-    start, target = None, None
-    if warm is not None and quick is None:
-        start = _start_values(group, cands, *warm)
-    known_bound, before = math.inf, quick.seconds if quick is not None else 0.0
-    split = len(cands) > 1 and decomposable(req.cluster, req.packing)
-    if quick is not None and quick.chosen is not None:
-        known = _quick_result(req, quick, dropped_bound)
-        if enough is not None and quick.objective >= enough:
-            known.status = "target"
-            return Solved(quick.chosen, known, enums, group, cands, proof="target")
-        chosen = _knapsack_proof(req, cands, quick, known) or quick.chosen
-        if known.gap <= req.mip_gap or (enough is not None and known.bound < enough):
-            return Solved(chosen, known, enums, group, cands, proof="knapsack")
-        start = _start_values(group, cands, chosen, known.objective)
-        known_bound, before = known.bound, known.seconds
-        # The MILP may stop at any plan within the gap of the bound known so far.
-        target = known_bound / (1 + req.mip_gap)
-    if enough is not None:
-        target = enough if target is None else min(target, enough)
-    limit = min(req.time_limit_s, GROUP_TRY_S) if split else req.time_limit_s
-    result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, start, target)
+    dropped_bound: float = -math.inf  # the most a plan using a dropped candidate scores
+    start: dict[int, float] | None = None  # the group MILP's MIP start
+    known_bound: float = math.inf  # the bound the MILP is asked to reach
+    split: bool = False  # the per-model decomposition applies
+    weights: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.weights = list(self.req.weights)
+
+    @property
+    def proven(self) -> bool:
+        return self.gap <= self.req.mip_gap
+
+    @property
+    def at_target(self) -> bool:
+        return self.enough is not None and self.objective >= self.enough
+
+    def found(self, chosen: Choice, objective: float) -> None:
+        """A plan better than the best so far (the bound stays at least its objective)."""
+        self.chosen, self.objective = chosen, objective
+        self.bound = max(self.bound, objective)
+        self.gap = relative_gap(self.objective, self.bound)
+
+    def bounded(self, bound: float, proof: str) -> None:
+        """No plan scores more than `bound` (by `proof`): the bound only ever falls."""
+        if bound < self.bound:
+            self.bound, self.proof = bound, proof
+        self.gap = relative_gap(self.objective, self.bound)
+
+    def solved(self) -> Solved:
+        assert self.chosen is not None and self.group is not None  # every path sets them
+        status = self.status
+        if self.reached_target:
+            status = "target"
+        elif self.proven:
+            status = "optimal"
+        result = MilpResult(
+            self.req.solver,
+            status,
+            self.values,
+            self.objective,
+            self.bound,
+            self.gap,
+            self.seconds,
+            self.nodes,
+        )
+        return Solved(self.chosen, result, self.enums, self.group, self.cands, proof=self.proof)
+
+
+Step = Callable[[SolveState], bool]
+
+
+# ---------------------------------------------------------------------------- the steps
+
+
+def prune_step(s: SolveState) -> bool:
+    """1. With many candidates: a quick incumbent and LP-bound elimination. Objective: the
+    incumbent's; bound: the LP bound, covering every candidate dropped (a plan using one
+    scores at most the best of their bounds). Finished at a target."""
+    req = s.req
+    if sum(len(c) for c in s.cands) > PRUNE_ABOVE:
+        s.cands, s.quick, s.dropped_bound = prune(req, s.cands, s.warm, s.enough)
+    s.group = build_group_milp(s.cands, s.weights, req.cluster, req.packing)
+    if s.warm is not None and s.quick is None:
+        s.start = _start_values(s.group, s.cands, *s.warm)
+    s.split = len(s.cands) > 1 and decomposable(req.cluster, req.packing)
+    q = s.quick
+    if q is not None:
+        s.seconds = q.seconds
+    if q is None or q.chosen is None:
+        return False
+    s.chosen, s.objective = q.chosen, q.objective
+    s.bound = max(q.bounds.dual_bound, s.dropped_bound, q.objective)
+    s.gap = relative_gap(s.objective, s.bound)
+    if s.at_target:
+        s.reached_target, s.proof = True, "target"
+        return True
+    return False
+
+
+def knapsack_step(s: SolveState) -> bool:
+    """2. The knapsacks on the quick incumbent: their bound, and their plan when it fits
+    and beats the incumbent. Finished when that proves the incumbent, or shows that no
+    plan reaches the target; otherwise the MILP starts from the best plan and may stop at
+    the bound known now."""
+    q = s.quick
+    if q is None or q.chosen is None:
+        return False
+    _knapsacks(s, q)
+    if s.proven or (s.enough is not None and s.bound < s.enough):
+        s.proof = "knapsack"
+        return True
+    assert s.group is not None and s.chosen is not None
+    s.start = _start_values(s.group, s.cands, s.chosen, s.objective)
+    s.known_bound = s.bound
+    return False
+
+
+def milp_step(s: SolveState) -> bool:
+    """3. The group MILP (all the time there is; GROUP_TRY_S where the decomposition may
+    follow), stopping at any plan within the gap of the bound known so far, or at the
+    target. Its plan and its bound replace the incumbent and the bound, but its bound never
+    below what dropped candidates could reach, and the bound known before (the LP's or the
+    knapsacks') when that is lower."""
+    req, group = s.req, s.group
+    assert group is not None
+    target = None if math.isinf(s.known_bound) else s.known_bound / (1 + req.mip_gap)
+    if s.enough is not None:
+        target = s.enough if target is None else min(target, s.enough)
+    limit = min(req.time_limit_s, GROUP_TRY_S) if s.split else req.time_limit_s
+    result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, s.start, target)
     if not result.has_solution or result.values is None:
         raise SolverError(
             f"{req.solver} found no plan ({result.status}) for {[m.name for m in req.models]} "
             f"on {req.cluster.name} within {req.time_limit_s:g} s; raise --time-limit"
         )
-    # The bound covers dropped candidates too: a plan using one scores <= dropped_bound.
-    result.bound = max(result.bound, dropped_bound)
-    if dropped_bound > result.objective:
-        result.gap = max(result.gap, relative_gap(result.objective, result.bound))
-    solved = Solved(_read_counts(group, cands, result.values), result, enums, group, cands)
-    result.seconds += before
-    if enough is not None and result.objective >= enough:
-        result.status, solved.proof = "target", "target"
-        return solved
-    if known_bound < result.bound:
-        result.bound = known_bound
-        result.gap = relative_gap(result.objective, result.bound)
-        if result.gap <= req.mip_gap:
-            assert quick is not None  # known_bound is finite only after the knapsacks ran
-            solved.proof = "knapsack" if known_bound < quick.bounds.dual_bound else "lp"
-    if result.gap <= req.mip_gap:
-        result.status = "optimal"
-        return solved
-    if not split:
-        return solved  # the MILP had all the time
-    if quick is not None and quick.chosen is not None and result.objective > quick.objective:
-        # A better incumbent filters the knapsacks' options harder: they may prove it now.
-        solved.chosen = _knapsack_proof(req, cands, quick, result) or solved.chosen
-        if result.gap <= req.mip_gap:
-            solved.proof = "knapsack"
-            return solved
-    solved.chosen = _close_gap(req, cands, result, solved.chosen)
-    solved.proof = "decomposition"
-    return solved
+    s.chosen = read_counts(group, s.cands, result.values)
+    s.objective, s.values, s.nodes, s.status = (
+        result.objective,
+        result.values,
+        result.nodes,
+        result.status,
+    )
+    s.seconds += result.seconds
+    s.bound, s.gap, s.proof = max(result.bound, s.dropped_bound), result.gap, "milp"
+    if s.dropped_bound > s.objective:
+        s.gap = max(s.gap, relative_gap(s.objective, s.bound))
+    if s.at_target:
+        s.reached_target, s.proof = True, "target"
+        return True
+    if s.known_bound < s.bound:
+        s.bound = s.known_bound
+        s.gap = relative_gap(s.objective, s.bound)
+        if s.proven:
+            assert s.quick is not None  # the bound is known only after the knapsacks ran
+            s.proof = "knapsack" if s.known_bound < s.quick.bounds.dual_bound else "lp"
+    return s.proven or not s.split  # without the decomposition, the MILP had all the time
 
 
-def _quick_result(req: PlanRequest, quick: _Quick, dropped_bound: float) -> MilpResult:
-    """The quick incumbent as a result, with the LP bound (covering dropped candidates)."""
-    bound = max(quick.bounds.dual_bound, dropped_bound, quick.objective)
-    gap = relative_gap(quick.objective, bound)
-    return MilpResult(req.solver, "time_limit", None, quick.objective, bound, gap, quick.seconds)
+def knapsack_again_step(s: SolveState) -> bool:
+    """4. A better incumbent than the quick one filters the knapsacks' options harder:
+    they may prove it now."""
+    q = s.quick
+    if q is None or q.chosen is None or s.objective <= q.objective:
+        return False
+    _knapsacks(s, q)
+    if s.proven:
+        s.proof = "knapsack"
+        return True
+    return False
 
 
-def _knapsack_proof(
-    req: PlanRequest, cands: list[list[CandidatePipeline]], quick: _Quick, result: MilpResult
-) -> list[list[tuple[CandidatePipeline, list[int]]]] | None:
-    """Tighten `result` by the knapsacks (knapsack.py): their bound, and their own solution
-    when it fits the cluster and beats result's plan (returned; None otherwise). Its status
-    becomes optimal when that closes the gap.
-
-    The knapsacks bound plans over the kept candidates; plans using a dropped one score
-    below the quick incumbent (that is how they were dropped), so below result.objective.
-    """
-    weights = list(req.weights)
-    kb = knapsack_bound(cands, weights, quick.bounds, req.cluster, result.objective)
-    if kb is None:
-        return None
-    result.seconds += kb.seconds
-    result.bound = min(result.bound, max(kb.bound, result.objective))
-    found, chosen = None, kb.chosen
-    if chosen is not None and not chosen_fits(chosen, req.cluster, req.packing):
-        chosen = fit_by_swaps(chosen, cands, req.cluster, req.packing)
-    if chosen is not None:
-        objective = chosen_objective(chosen, weights)
-        if objective > result.objective:
-            found, result.objective = chosen, objective
-            result.bound = max(result.bound, objective)
-    result.gap = relative_gap(result.objective, result.bound)
-    if result.gap <= req.mip_gap:
-        result.status = "optimal"
-    return found
-
-
-def _close_gap(
-    req: PlanRequest,
-    cands: list[list[CandidatePipeline]],
-    result: MilpResult,
-    chosen: list[list[tuple[CandidatePipeline, list[int]]]],
-) -> list[list[tuple[CandidatePipeline, list[int]]]]:
-    """Prove (or improve) the incumbent by the per-model decomposition (decompose.py).
-
-    Asks for a plan at z = incumbent · (1 + gap/2): none means the incumbent is within half
-    the gap tolerance of the optimum; one becomes the new incumbent and the question is
-    asked again. `result` is updated in place (objective, bound, gap, status, seconds).
-    """
-    left = req.time_limit_s - result.seconds
-    while result.objective > 0 and left > 0 and result.gap > req.mip_gap:
-        target = result.objective * (1 + req.mip_gap / 2)
-        r = reach(cands, list(req.weights), req.cluster, target, req.solver, left, req.threads)
-        result.seconds += r.seconds
+def decomposition_step(s: SolveState) -> bool:
+    """5. The per-model decomposition (decompose.py) asks for a plan at objective × (1 +
+    gap/2): none lowers the bound to that (candidates dropped by LP-bound pruning score
+    below the first incumbent, so below it too); one becomes the incumbent and the
+    question is asked again, until the gap closes or time runs out."""
+    req = s.req
+    s.proof = "decomposition"
+    left = req.time_limit_s - s.seconds
+    while s.objective > 0 and left > 0 and not s.proven:
+        target = s.objective * (1 + req.mip_gap / 2)
+        r = reach(s.cands, s.weights, req.cluster, target, req.solver, left, req.threads)
+        s.seconds += r.seconds
         left -= r.seconds
         if r.status == "unknown":
             break
         if r.status == "infeasible":
-            # Candidates dropped by LP-bound pruning score below the first incumbent (that
-            # is how they were dropped), so below target: the bound covers them too.
-            result.bound = min(result.bound, target)
+            s.bound = min(s.bound, target)
         else:
             assert r.chosen is not None
-            chosen, result.objective = r.chosen, r.objective
-        result.gap = relative_gap(result.objective, result.bound)
-    result.status = "optimal" if result.gap <= req.mip_gap else result.status
-    return chosen
+            s.chosen, s.objective = r.chosen, r.objective
+        s.gap = relative_gap(s.objective, s.bound)
+    return True
 
 
-def _read_counts(
-    group: GroupMilp, cands: list[list[CandidatePipeline]], vals: np.ndarray
-) -> list[list[tuple[CandidatePipeline, list[int]]]]:
+STEPS: tuple[Step, ...] = (
+    prune_step,
+    knapsack_step,
+    milp_step,
+    knapsack_again_step,
+    decomposition_step,
+)
+
+
+def _knapsacks(s: SolveState, q: _Quick) -> None:
+    """The knapsack bound on the best plan so far (it bounds plans over the kept candidates;
+    plans using a dropped one score below the quick incumbent, so below the objective), and
+    the knapsacks' own plan, fitted to the cluster, when it is better."""
+    req = s.req
+    kb = knapsack_bound(s.cands, s.weights, q.bounds, req.cluster, s.objective)
+    if kb is None:
+        return
+    s.seconds += kb.seconds
+    s.bounded(max(kb.bound, s.objective), "knapsack")
+    chosen = kb.chosen
+    if chosen is not None and not chosen_fits(chosen, req.cluster, req.packing):
+        chosen = fit_by_swaps(chosen, s.cands, req.cluster, req.packing)
+    if chosen is not None:
+        objective = chosen_objective(chosen, s.weights)
+        if objective > s.objective:
+            s.found(chosen, objective)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def read_counts(group: GroupMilp, cands: list[list[CandidatePipeline]], vals: np.ndarray) -> Choice:
     """Pipelines with at least one vGPU in every partition, with their vGPU counts."""
     chosen = []
     for m, model_cands in enumerate(cands):
@@ -278,7 +397,7 @@ def _read_counts(
 def _start_values(
     group: GroupMilp,
     cands: list[list[CandidatePipeline]],
-    chosen: list[list[tuple[CandidatePipeline, list[int]]]],
+    chosen: Choice,
     objective: float,
 ) -> dict[int, float]:
     """A MIP start from an earlier plan; GPU bucket variables are left to the solver."""
@@ -291,14 +410,6 @@ def _start_values(
             for var, n in zip(group.n[m][c], counts, strict=True):
                 start[var] = float(n)
     return start
-
-
-@dataclass
-class _Quick:
-    seconds: float
-    objective: float
-    chosen: list[list[tuple[CandidatePipeline, list[int]]]] | None
-    bounds: CandidateBounds  # the LP duals and per-candidate bounds pruning used
 
 
 def prune(
@@ -316,7 +427,7 @@ def prune(
     """
     cb = candidate_bounds(cands, list(req.weights), req.cluster)
     seconds = cb.seconds
-    chosen: list[Chosen] | None
+    chosen: Choice | None
     if warm is not None and warm[1] * (1 + WARM_CLOSE) >= cb.dual_bound:
         chosen, incumbent = warm  # close enough to the LP bound: no quick MILP
     else:
@@ -331,7 +442,7 @@ def prune(
         limit = min(req.time_limit_s, INCUMBENT_TIME_S)
         res = solve(group.milp, req.solver, limit, INCUMBENT_GAP, req.threads, start, enough)
         seconds += res.seconds
-        chosen = _read_counts(group, top, res.values) if res.values is not None else None
+        chosen = read_counts(group, top, res.values) if res.values is not None else None
         incumbent = res.objective if chosen is not None else 0.0
         if warm is not None and warm[1] > incumbent:
             chosen, incumbent = warm
