@@ -181,7 +181,7 @@ def nightly_replan(
 
 def on_failure(**params: Any) -> Callable[[str, str], dict]:
     """What `poolpipe serve --replan-on-failure` calls when its nodes out of service have
-    changed (triton_backend.serve.Server): this flow, run in the serving process, with
+    changed (triton_backend.serve.ServingProcess): this flow, run in the serving process, with
     `params` (inventory or cluster, warehouse, deployment, token_file, margin, ...), the
     router's address and what happened."""
 

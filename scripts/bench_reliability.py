@@ -95,13 +95,13 @@ def main() -> int:
 
 def held_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
     from testbed.loadgen import drive, poisson_times
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     with Warehouse.open(warehouse) as wh:
         plan_id = wh.store_plan(plan, label="bench-reliability")
     deployment = f"reliability-{os.getpid()}"
     with console.status("warehouse held: starting a deployment ..."):
-        srv = Server(
+        srv = ServingProcess(
             plan, str(warehouse), tmp / "ws-held", name=deployment, plan_id=plan_id,
             stats_interval_s=2.0,
         )  # fmt: skip
@@ -293,9 +293,9 @@ def node_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
 
 def _one_node_kill(args, warehouse: Path, plan: Plan, ws: Path, seed: int) -> dict:
     from testbed.loadgen import client_figures, drive, poisson_times
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
-    srv = Server(plan, str(warehouse), ws, stats_interval_s=3600, supervise=True)
+    srv = ServingProcess(plan, str(warehouse), ws, stats_interval_s=3600, supervise=True)
     dep = srv.deployment
     x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
     inputs = {dep.ios[0].inputs[0].name: x}

@@ -88,7 +88,7 @@ def main() -> int:
     from flows.profile import profile_model
     from poolpipe.offline.zoo import make_model
     from testbed.loadgen import client_figures, drive, poisson_times
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     rows = BenchRows(args.label)
     record = rows.record
@@ -110,7 +110,7 @@ def main() -> int:
     # ---------------------------------------------------------------- 1. router overhead
     plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 1, args.slo_ms, args.warehouse)
     with console.status("router overhead: starting a 1-partition deployment ..."):
-        srv = Server(
+        srv = ServingProcess(
             plan,
             args.warehouse,
             tmp / "ws1",
@@ -197,7 +197,7 @@ def main() -> int:
     )
     plan_b = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.slo_ms, args.warehouse)
     with console.status("two-partition deployment (cpu-2t -> cpu-1t) ..."):
-        srv = Server(
+        srv = ServingProcess(
             plan_a,
             args.warehouse,
             tmp / "ws2",
@@ -385,7 +385,7 @@ def trivial_stage_check(args, tmp: Path, record) -> None:
     from flows.onboard import onboard_model
     from flows.profile import profile_model
     from poolpipe.offline.zoo import make_model
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     name = "bench-trivial"
     path = make_model("resnet50", tmp / "trivial.onnx", width=1 / 16, image=16)
@@ -393,7 +393,9 @@ def trivial_stage_check(args, tmp: Path, record) -> None:
         onboard_model(str(path), name, warehouse=args.warehouse, blocks=2, batches=[1, 2], reps=3)
         profile_model(name, warehouse=args.warehouse, batches=[1, 2], threads=1, reps=3)
         plan = hand_plan(name, [(0, 2, "cpu-1t", 1)], 1, args.slo_ms, args.warehouse)
-        srv = Server(plan, args.warehouse, tmp / "ws-trivial", stats_interval_s=3600, plane="eager")
+        srv = ServingProcess(
+            plan, args.warehouse, tmp / "ws-trivial", stats_interval_s=3600, plane="eager"
+        )
     try:
         d, r, router_cpu, door_cpu, _ = overhead_runs(srv.deployment, name, 3 * args.requests)
     finally:
@@ -454,11 +456,11 @@ def burst_check(args, name: str, tmp: Path, record) -> None:
     """`--burst` requests at once, `--burst-slo-ms`, twice, on a 1-partition plan (batch 4,
     reservation plane): counted at the client (HTTP, its own process, loadgen.burst) and by
     the router, with the reply margin before and after."""
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.slo_ms, args.warehouse)
     with console.status(f"burst: {args.burst} requests at once, twice ..."):
-        srv = Server(plan, args.warehouse, tmp / "ws-burst", stats_interval_s=3600)
+        srv = ServingProcess(plan, args.warehouse, tmp / "ws-burst", stats_interval_s=3600)
         dep = srv.deployment
         rows = []
         try:
@@ -547,7 +549,7 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
     same events at the times they happened here."""
     from poolpipe.sim.scenario import GpuChange, Rollout, Scenario
     from testbed.loadgen import drive, poisson_times
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     plan = hand_plan(name, [(0, 4, "cpu-1t", 2)], 4, args.slo_ms, args.warehouse)
     # long enough that the windows after each event hold several seconds of requests (a
@@ -555,7 +557,7 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
     # rollout's preparation take here (5 s and 9 s at times)
     duration, rate = max(45.0, args.duration), args.scenario_rate
     with console.status("4. scenario: one partition on two cpu-1t nodes ..."):
-        srv = Server(
+        srv = ServingProcess(
             plan,
             args.warehouse,
             tmp / "ws4",

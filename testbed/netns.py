@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from poolpipe.domain.inventory import Inventory, InventoryNode, Server
+from poolpipe.domain.inventory import Inventory, InventoryNode, InventoryServer
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import signals_held
 from triton_backend.nodes import RemoteNode, descendants, reap, shm_regions
@@ -218,7 +218,7 @@ class EmulatedCluster:
 
     def inventory(self) -> Inventory:
         return Inventory(
-            tuple(Server(f"s{s.index}", self.bandwidth_gbps) for s in self.servers),
+            tuple(InventoryServer(f"s{s.index}", self.bandwidth_gbps) for s in self.servers),
             tuple(
                 InventoryNode(
                     s.node_name,

@@ -327,11 +327,11 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
     import threading
 
     from flows.replan import on_failure
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     wh, _ = onboarded_tiny
     inventory = cluster.write_inventory()
-    srv = Server(
+    srv = ServingProcess(
         two_partition_plan(),
         wh,
         tmp_path / "router",

@@ -24,7 +24,7 @@ def server(onboarded_tiny):  # noqa: F811
     import os
 
     from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, read_token
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     wh, tmp = onboarded_tiny
     token_file = tmp / "ops.token"
@@ -34,7 +34,7 @@ def server(onboarded_tiny):  # noqa: F811
     plan = two_partition_plan()
     with Warehouse.open(wh) as w:
         plan_id = w.store_plan(plan, label="test")
-    srv = Server(
+    srv = ServingProcess(
         plan,
         wh,
         tmp / "ws-ops",

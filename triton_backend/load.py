@@ -13,7 +13,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from poolpipe.domain.inventory import Inventory, InventoryError, InventoryNode, Server, assign
+from poolpipe.domain.inventory import (
+    Inventory,
+    InventoryError,
+    InventoryNode,
+    InventoryServer,
+    assign,
+)
 from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
 from triton_backend.nodes import RemoteNode, RepositoryAPI, TritonNode, stop_nodes
@@ -39,9 +45,7 @@ def attach(
     have = have or {}
     out: dict[str, RepositoryAPI] = {}
     for name, n in picked.items():
-        out[name] = have.get(n.name) or RemoteNode(
-            n.name, n.device, n.grpc, n.server, key, n.http
-        )
+        out[name] = have.get(n.name) or RemoteNode(n.name, n.device, n.grpc, n.server, key, n.http)
 
     def answers(node: RepositoryAPI) -> bool:
         return node.live()
@@ -138,7 +142,7 @@ class LocalNodes:
         """Node i of each device type is the layout's GPU i of that type."""
         servers = sorted({s for s, _ in self._where.values()})
         return Inventory(
-            tuple(Server(f"s{s}", self.bandwidth_gbps) for s in servers),
+            tuple(InventoryServer(f"s{s}", self.bandwidth_gbps) for s in servers),
             tuple(
                 InventoryNode(
                     n.name,

@@ -34,7 +34,7 @@ log = logging.getLogger("poolpipe.serve")
 class RouterCollector:
     """Prometheus collector reading the router's counters at scrape time (no hot-path cost)."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: ServingProcess):
         self.server = server
 
     def collect(self):
@@ -81,7 +81,7 @@ class RouterCollector:
         )
 
 
-class Server:
+class ServingProcess:
     def __init__(
         self,
         plan: Plan,
@@ -278,7 +278,7 @@ class Server:
                 self.flush_stats()
             self.deployment.down()
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> ServingProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

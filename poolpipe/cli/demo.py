@@ -44,7 +44,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from poolpipe.planner import make_plan
     from poolpipe.store.plan_inputs import plan_request
     from poolpipe.store.warehouse import Warehouse
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         options = _nodes(stack, req.cluster, out, token_file, args)
         _step("starting the router (its own tritonserver) attached to the nodes")
-        server = Server(
+        server = ServingProcess(
             first[0],
             args.warehouse,
             out / "serve",

@@ -60,7 +60,7 @@ def _wait_for_signal(stop: threading.Event, also=None) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from triton_backend.serve import Server
+    from triton_backend.serve import ServingProcess
 
     inventory = None
     if args.nodes:
@@ -90,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"attaching to the nodes of {args.nodes}" if args.nodes else "starting stage-worker nodes"
     )
     with console.status(f"{what} and starting the router ..."):
-        server = Server(
+        server = ServingProcess(
             plan,
             args.warehouse,
             workspace,

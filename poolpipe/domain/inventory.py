@@ -35,7 +35,7 @@ class InventoryError(ClusterError):
 
 
 @dataclass(frozen=True)
-class Server:
+class InventoryServer:
     name: str
     bandwidth_gbps: float
 
@@ -52,7 +52,7 @@ class InventoryNode:
 
 @dataclass(frozen=True)
 class Inventory:
-    servers: tuple[Server, ...]
+    servers: tuple[InventoryServer, ...]
     nodes: tuple[InventoryNode, ...]
     source: str = "inventory"  # the file it came from (for messages)
     down: frozenset[str] = field(default_factory=frozenset)  # node names marked down
@@ -183,7 +183,9 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
     for i, s in enumerate(_tables(data, "servers", source)):
         what = f"[[servers]] #{i + 1}"
         known(s, {"name", "bandwidth_gbps"}, what)
-        servers.append(Server(need(s, "name", what, str), need(s, "bandwidth_gbps", what, float)))
+        servers.append(
+            InventoryServer(need(s, "name", what, str), need(s, "bandwidth_gbps", what, float))
+        )
     for i, n in enumerate(_tables(data, "nodes", source)):
         what = f"[[nodes]] #{i + 1}"
         name = need(n, "name", what, str)
