@@ -19,46 +19,59 @@ WAKE_LATE_CAP_US = 20_000.0  # the most the timers' lateness adds to the guard
 OVERRUN_CAP_US = 20_000.0  # the most the batches' overrun adds
 
 
+class _Recent:
+    """The p99 of the last WAKE_WINDOW samples, recomputed every WAKE_EVERY, at most `cap`."""
+
+    __slots__ = ("cap", "n", "p99_us", "samples")
+
+    def __init__(self, cap_us: float):
+        self.cap = cap_us
+        self.samples: deque[float] = deque(maxlen=WAKE_WINDOW)
+        self.n = 0  # samples taken (the window is recomputed every few)
+        self.p99_us = 0.0
+
+    def add(self, us: float) -> bool:
+        """Take a sample (below 0 counts as 0); True when the p99 changed."""
+        self.samples.append(max(0.0, us))
+        self.n += 1
+        if self.n % WAKE_EVERY:
+            return False
+        new = min(self.cap, p99(self.samples))
+        if new == self.p99_us:
+            return False
+        self.p99_us = new
+        return True
+
+
 class WakeGuard:
     """What the plane's wake guard holds back beyond its floor (`extra_us`): the p99 of the
     timers' lateness (`late_us`) plus the p99 of the overrun of batches whose stages all
     found their vGPU idle (`overrun_us`). Each `*_seen` call returns True when `extra_us`
     changed, and the plane must then be told (DataPlane.set_wake_lateness)."""
 
-    __slots__ = ("_late", "_late_n", "_over", "_over_n", "late_us", "overrun_us")
+    __slots__ = ("_late", "_over")
 
     def __init__(self) -> None:
-        self._late: deque[float] = deque(maxlen=WAKE_WINDOW)
-        self._over: deque[float] = deque(maxlen=WAKE_WINDOW)
-        self._late_n = self._over_n = 0  # samples taken (each window recomputed every few)
-        self.late_us = 0.0
-        self.overrun_us = 0.0
+        self._late = _Recent(WAKE_LATE_CAP_US)
+        self._over = _Recent(OVERRUN_CAP_US)
+
+    @property
+    def late_us(self) -> float:
+        return self._late.p99_us
+
+    @property
+    def overrun_us(self) -> float:
+        return self._over.p99_us
 
     @property
     def extra_us(self) -> float:
-        return self.late_us + self.overrun_us
+        return self._late.p99_us + self._over.p99_us
 
     def wake_seen(self, late_us: float) -> bool:
         """A wake-up fired `late_us` after it was asked for."""
-        self._late.append(max(0.0, late_us))
-        self._late_n += 1
-        if self._late_n % WAKE_EVERY:
-            return False
-        late = min(WAKE_LATE_CAP_US, p99(self._late))
-        if late == self.late_us:
-            return False
-        self.late_us = late
-        return True
+        return self._late.add(late_us)
 
     def overrun_seen(self, over_us: float) -> bool:
         """A batch whose stages all found their vGPU idle ended `over_us` after its
         reserved end (stages slower than reserved, transfers, the executor's own path)."""
-        self._over.append(max(0.0, over_us))
-        self._over_n += 1
-        if self._over_n % WAKE_EVERY:
-            return False
-        over = min(OVERRUN_CAP_US, p99(self._over))
-        if over == self.overrun_us:
-            return False
-        self.overrun_us = over
-        return True
+        return self._over.add(over_us)
