@@ -22,8 +22,8 @@ import numpy as np
 
 from triton_backend.repository import HOPS_OUTPUT
 from triton_backend.stages import (
-    Inputs,
     Outputs,
+    StageCall,
     StageCallError,
     StageTimeout,
     StageUnreachable,
@@ -65,26 +65,18 @@ class FakeStages:
     calls: list[Call] = field(default_factory=list)  # every partition run, in order
     _busy: dict[str, asyncio.Lock] = field(default_factory=dict)  # a node runs one at a time
 
-    async def infer(
-        self,
-        node: str,
-        model: str,
-        inputs: Inputs,
-        timeout_s: float,
-        parameters: Mapping[str, str] | None = None,
-        outputs: Sequence[str] | None = None,
-    ) -> Outputs:
-        chain = (parameters or {}).get("poolpipe_next")
-        work = (
-            self._run(node, model, [x for _, x in inputs])
-            if chain is None
-            else self._chain(node, model, [x for _, x in inputs], dict(parameters or {}))
-        )
+    async def infer(self, node: str, call: StageCall) -> Outputs:
+        params = dict(call.parameters or {})
+        xs = [x for _, x in call.inputs]
+        if "poolpipe_next" in params:
+            work = self._chain(node, call.model, xs, params)
+        else:
+            work = self._run(node, call.model, xs)
         try:
-            result = await asyncio.wait_for(work, timeout_s)
+            result = await asyncio.wait_for(work, call.timeout_s)
         except TimeoutError:
-            raise StageTimeout(f"no answer from {node} in {timeout_s:g} s") from None
-        return {n: result[n] for n in outputs} if outputs is not None else result
+            raise StageTimeout(f"no answer from {node} in {call.timeout_s:g} s") from None
+        return {n: result[n] for n in call.outputs} if call.outputs is not None else result
 
     async def _run(self, node: str, model: str, xs: list[np.ndarray]) -> dict[str, np.ndarray]:
         return (await self._timed(node, model, xs))[0]

@@ -13,7 +13,8 @@ import socket
 import numpy as np
 import pytest
 
-from triton_backend.kserve_http import HttpStage, StageCallError
+from triton_backend.kserve_http import HttpStage, HttpStages
+from triton_backend.stages import StageCall, StageCallError, StageTimeout, StageUnreachable
 
 
 class Node:
@@ -37,11 +38,18 @@ class Node:
                 line = await reader.readline()
                 if not line:
                     return
-                model = line.split()[1].decode().split("/")[3]
+                method, path = line.split()[:2]
                 headers = {}
                 while (h := await reader.readline()) != b"\r\n":
                     k, _, v = h.decode().partition(":")
                     headers[k.strip().lower()] = v.strip()
+                if method == b"GET":  # live; of the models, "echo" alone is ready
+                    ok = path in (b"/v2/health/live", b"/v2/models/echo/ready")
+                    status = "200 OK" if ok else "400 Bad Request"
+                    writer.write(f"HTTP/1.1 {status}\r\nContent-Length: 0\r\n\r\n".encode())
+                    await writer.drain()
+                    continue
+                model = path.decode().split("/")[3]
                 body = await reader.readexactly(int(headers["content-length"]))
                 if model == "silent":
                     await asyncio.sleep(3600)
@@ -67,22 +75,26 @@ class Node:
 
     @staticmethod
     def echo(body: bytes, size: int) -> tuple[bytes, bytes]:
-        """The answer's JSON header and binary part: each input back as out_k."""
+        """The answer's JSON header and binary part: each input back as out_k, and the
+        request's parameters (less binary_data_output) as `params`, a UINT8 tensor of their
+        JSON; only the outputs the request names, when it names some."""
         meta = json.loads(body[:size])
-        outputs, blobs, offset = [], [], size
+        answer, offset = [], size
         for k, t in enumerate(meta["inputs"]):
             n = t["parameters"]["binary_data_size"]
-            blobs.append(body[offset : offset + n])
+            answer.append((f"out_{k}", t["datatype"], t["shape"], body[offset : offset + n]))
             offset += n
-            outputs.append(
-                {
-                    "name": f"out_{k}",
-                    "datatype": t["datatype"],
-                    "shape": t["shape"],
-                    "parameters": {"binary_data_size": n},
-                }
-            )
-        return json.dumps({"model_name": "echo", "outputs": outputs}).encode(), b"".join(blobs)
+        params = {k: v for k, v in meta["parameters"].items() if k != "binary_data_output"}
+        text = json.dumps(params).encode()
+        answer.append(("params", "UINT8", [len(text)], text))
+        wanted = [o["name"] for o in meta.get("outputs", [])] or [a[0] for a in answer]
+        outputs = [
+            {"name": n, "datatype": d, "shape": sh, "parameters": {"binary_data_size": len(b)}}
+            for n, d, sh, b in answer
+            if n in wanted
+        ]
+        blobs = b"".join(b for n, _, _, b in answer if n in wanted)
+        return json.dumps({"model_name": "echo", "outputs": outputs}).encode(), blobs
 
 
 def run(coro):
@@ -98,7 +110,7 @@ def test_tensors_go_and_come_back_whole():
         # one kept-alive connection for every call; shapes that come again reuse their
         # request head and answer layout, other values and shapes still come back whole
         for i, xi in enumerate([x[:, 1:], x[:, 1:] + 1, x, x[:1] * 2, x[:, 1:] - 3]):
-            out = await stage.infer("echo", [("x", xi), ("h", h * i)], 5)
+            out = await stage.infer(StageCall("echo", [("x", xi), ("h", h * i)], 5))
             assert out["out_0"].dtype == np.float32 and np.array_equal(out["out_0"], xi)
             assert out["out_1"].dtype == np.float16 and np.array_equal(out["out_1"], h * i)
         assert node.connections == 1
@@ -107,13 +119,45 @@ def test_tensors_go_and_come_back_whole():
     run(main())
 
 
+def test_a_call_carries_its_parameters_and_gets_the_outputs_it_names():
+    # (a chain's first call: its path and budget as parameters, two outputs named)
+    async def main():
+        stage = HttpStage(asyncio.get_running_loop(), await Node().start())
+        x = np.arange(4, dtype=np.float32)
+        params = {"poolpipe_next": "[]", "poolpipe_budget_us": "900"}
+        out = await stage.infer(StageCall("echo", [("x", x)], 5, params, ["params", "out_0"]))
+        assert sorted(out) == ["out_0", "params"] and out["out_0"].tolist() == x.tolist()
+        assert json.loads(out["params"].tobytes()) == params
+        assert (await stage.infer(StageCall("echo", [("x", x)], 5))).keys() >= {"out_0"}
+
+    run(main())
+
+
+def test_node_checks_ask_for_liveness_and_each_models_readiness():
+    with socket.socket() as s:  # a port that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        stages = HttpStages(loop, {"n": await Node().start(), "gone": nobody})
+        assert await stages.ready("n", ["echo"]) == (True, True)
+        assert await stages.ready("n", ["echo", "other"]) == (True, False)  # live, not ready
+        assert await stages.ready("gone", ["echo"]) == (False, False)
+        out = await stages.infer("n", StageCall("echo", [("x", np.ones(2, np.float32))], 5))
+        assert out["out_0"].tolist() == [1.0, 1.0]
+        await stages.close()
+
+    run(main())
+
+
 def test_an_error_answer_is_a_stage_error_with_the_nodes_message():
     async def main():
         stage = HttpStage(asyncio.get_running_loop(), await Node().start())
         with pytest.raises(StageCallError, match=r"^in_0: unexpected shape$"):
-            await stage.infer("broken", [("x", np.zeros(2, np.float32))], 5)
+            await stage.infer(StageCall("broken", [("x", np.zeros(2, np.float32))], 5))
         # and the connection serves the next call
-        out = await stage.infer("echo", [("x", np.ones(2, np.float32))], 5)
+        out = await stage.infer(StageCall("echo", [("x", np.ones(2, np.float32))], 5))
         assert out["out_0"].tolist() == [1.0, 1.0]
 
     run(main())
@@ -125,7 +169,7 @@ def test_a_connection_the_node_closed_while_idle_is_replaced():
         stage = HttpStage(asyncio.get_running_loop(), await node.start())
         for i in range(3):
             await asyncio.sleep(0.05)  # the node's close reaches us, or not yet: both work
-            out = await stage.infer("echo", [("x", np.full(3, i, np.int64))], 5)
+            out = await stage.infer(StageCall("echo", [("x", np.full(3, i, np.int64))], 5))
             assert out["out_0"].tolist() == [i, i, i]
         assert node.connections == 3
 
@@ -137,10 +181,12 @@ def test_a_call_without_an_answer_fails_after_the_timeout():
         stage = HttpStage(asyncio.get_running_loop(), await Node().start())
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        with pytest.raises(StageCallError, match=r"no answer from 127\.0\.0\.1:\d+ in 0\.3 s"):
-            await stage.infer("silent", [("x", np.zeros(1, np.float32))], 0.3)
+        with pytest.raises(StageTimeout, match=r"no answer from 127\.0\.0\.1:\d+ in 0\.3 s"):
+            await stage.infer(StageCall("silent", [("x", np.zeros(1, np.float32))], 0.3))
         assert 0.25 < loop.time() - t0 < 2.0
-        out = await stage.infer("echo", [("x", np.ones(1, np.float32))], 5)  # a new connection
+        out = await stage.infer(
+            StageCall("echo", [("x", np.ones(1, np.float32))], 5)
+        )  # a new connection
         assert out["out_0"].tolist() == [1.0]
 
     run(main())
@@ -153,7 +199,7 @@ def test_a_node_nobody_listens_for_cannot_be_reached():
 
     async def main():
         stage = HttpStage(asyncio.get_running_loop(), f"127.0.0.1:{port}")
-        with pytest.raises(StageCallError, match=rf"cannot reach 127\.0\.0\.1:{port}"):
-            await stage.infer("echo", [("x", np.zeros(1, np.float32))], 5)
+        with pytest.raises(StageUnreachable, match=rf"cannot reach 127\.0\.0\.1:{port}"):
+            await stage.infer(StageCall("echo", [("x", np.zeros(1, np.float32))], 5))
 
     run(main())

@@ -28,8 +28,8 @@ from triton_backend.repository import kserve_dtype
 from triton_backend.stages import (
     CHECK_TIMEOUT_S,
     GrpcStages,
-    Inputs,
     Outputs,
+    StageCall,
     StageCallError,
     StageTimeout,
     StageUnreachable,
@@ -129,29 +129,22 @@ class HttpStage:
         self._heads: dict[tuple, bytes] = {}  # request heads by (model, input shapes)
         self._layouts: dict[bytes, AnswerLayout] = {}  # answer layouts by their JSON header
 
-    async def infer(
-        self,
-        model: str,
-        inputs: Inputs,
-        timeout_s: float,
-        parameters: Mapping[str, str] | None = None,
-        outputs: Sequence[str] | None = None,
-    ) -> dict[str, np.ndarray]:
-        """The model's outputs by name for these (name, array) inputs (only those named in
-        `outputs`, when given), the request carrying `parameters`; StageCallError when the
-        node answers with an error or closes the connection, StageUnreachable when it cannot
-        be reached, StageTimeout when it takes over `timeout_s`."""
+    async def infer(self, call: StageCall) -> dict[str, np.ndarray]:
+        """The call's outputs by name; StageCallError when the node answers with an error
+        or closes the connection, StageUnreachable when it cannot be reached, StageTimeout
+        when it takes over the call's timeout."""
+        inputs = call.inputs
         xs = [np.ascontiguousarray(x) for _, x in inputs]
         shapes = tuple((name, x.shape, x.dtype) for (name, _), x in zip(inputs, xs, strict=True))
-        if parameters is None and outputs is None:
-            key = (model, shapes)
+        if call.parameters is None and call.outputs is None:
+            key = (call.model, shapes)
             head = self._heads.get(key)
             if head is None:  # the same shapes come again and again: their head is kept
-                head = self._heads[key] = self._head(model, shapes)
+                head = self._heads[key] = self._head(call.model, shapes)
         else:  # a chain's call: its parameters differ every time
-            head = self._head(model, shapes, parameters, outputs)
+            head = self._head(call.model, shapes, call.parameters, call.outputs)
         blobs = [x.data.cast("B") for x in xs]
-        status, headers, body = await self._send([head, *blobs], timeout_s)
+        status, headers, body = await self._send([head, *blobs], call.timeout_s)
         if status != 200:
             raise StageCallError(_error_text(status, body))
         return _outputs(headers, body, self._layouts)
@@ -262,16 +255,8 @@ class HttpStages:
             stage = self._stages[address] = HttpStage(self.loop, address)
         return stage
 
-    def infer(
-        self,
-        node: str,
-        model: str,
-        inputs: Inputs,
-        timeout_s: float,
-        parameters: Mapping[str, str] | None = None,
-        outputs: Sequence[str] | None = None,
-    ) -> Coroutine[Any, Any, Outputs]:
-        return self.stage(node).infer(model, inputs, timeout_s, parameters, outputs)
+    def infer(self, node: str, call: StageCall) -> Coroutine[Any, Any, Outputs]:
+        return self.stage(node).infer(call)
 
     async def ready(self, node: str, models: Sequence[str]) -> tuple[bool, bool]:
         stage = self.stage(node)
@@ -303,17 +288,9 @@ class HttpFirstStages:
         self.http = HttpStages(loop)
         self.grpc = GrpcStages(loop)
 
-    def infer(
-        self,
-        node: str,
-        model: str,
-        inputs: Inputs,
-        timeout_s: float,
-        parameters: Mapping[str, str] | None = None,
-        outputs: Sequence[str] | None = None,
-    ) -> Coroutine[Any, Any, Outputs]:
+    def infer(self, node: str, call: StageCall) -> Coroutine[Any, Any, Outputs]:
         via = self.http if node in self.http.addresses else self.grpc
-        return via.infer(node, model, inputs, timeout_s, parameters, outputs)
+        return via.infer(node, call)
 
     def ready(self, node: str, models: Sequence[str]) -> Coroutine[Any, Any, tuple[bool, bool]]:
         return self.grpc.ready(node, models)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
@@ -47,22 +48,24 @@ Inputs = Sequence[tuple[str, np.ndarray]]
 Outputs = Mapping[str, np.ndarray]
 
 
+@dataclass(frozen=True, slots=True)
+class StageCall:
+    """One inference call of a partition model."""
+
+    model: str  # the partition model's name on the node
+    inputs: Inputs
+    timeout_s: float  # no answer by then: StageTimeout
+    parameters: Mapping[str, str] | None = None  # the request's (a chain's path, budget, ...)
+    outputs: Sequence[str] | None = None  # only these outputs (default: all of them)
+
+
 class StageClient(Protocol):
     """Calls stage-worker nodes (KServe v2 inference). Every coroutine runs on the loop the
     client was made for."""
 
-    async def infer(
-        self,
-        node: str,
-        model: str,
-        inputs: Inputs,
-        timeout_s: float,
-        parameters: Mapping[str, str] | None = None,
-        outputs: Sequence[str] | None = None,
-    ) -> Outputs:
-        """`model`'s outputs on `node` (only those named in `outputs`, when given), the
-        request carrying `parameters`; a StageCallError (StageTimeout, StageUnreachable)
-        when it fails."""
+    async def infer(self, node: str, call: StageCall) -> Outputs:
+        """The outputs of `call` on `node`; a StageCallError (StageTimeout,
+        StageUnreachable) when it fails."""
         ...
 
     async def ready(self, node: str, models: Sequence[str]) -> tuple[bool, bool]:
@@ -112,35 +115,27 @@ class GrpcStages:
             c = self._clients[node] = grpcclient.InferenceServerClient(node)
         return c
 
-    async def infer(
-        self,
-        node: str,
-        model: str,
-        inputs: Inputs,
-        timeout_s: float,
-        parameters: Mapping[str, str] | None = None,
-        outputs: Sequence[str] | None = None,
-    ) -> Outputs:
+    async def infer(self, node: str, call: StageCall) -> Outputs:
         import tritonclient.grpc as grpcclient
 
         wire = []
-        for name, x in inputs:
+        for name, x in call.inputs:
             t = grpcclient.InferInput(name, list(x.shape), kserve_dtype(x.dtype))
             t.set_data_from_numpy(x)
             wire.append(t)
-        kw: dict[str, Any] = {"client_timeout": timeout_s}
-        if parameters is not None:
-            kw["parameters"] = dict(parameters)
-        if outputs is not None:
-            kw["outputs"] = [grpcclient.InferRequestedOutput(n) for n in outputs]
+        kw: dict[str, Any] = {"client_timeout": call.timeout_s}
+        if call.parameters is not None:
+            kw["parameters"] = dict(call.parameters)
+        if call.outputs is not None:
+            kw["outputs"] = [grpcclient.InferRequestedOutput(n) for n in call.outputs]
         client = self._client(node)
         try:
             result = await self.loop.run_in_executor(
-                self._callers, partial(client.infer, model, wire, **kw)
+                self._callers, partial(client.infer, call.model, wire, **kw)
             )
         except Exception as exc:
             raise grpc_error(exc) from None
-        names = outputs or [o.name for o in result.get_response().outputs]
+        names = call.outputs or [o.name for o in result.get_response().outputs]
         return {n: result.as_numpy(n) for n in names}
 
     async def ready(self, node: str, models: Sequence[str]) -> tuple[bool, bool]:

@@ -25,7 +25,7 @@ from poolpipe.client.control import chain_signature
 from poolpipe.runtime import Job
 from triton_backend.repository import HOPS_OUTPUT
 from triton_backend.served import RouterPlan
-from triton_backend.stages import Outputs, StageClient, StageTimeout
+from triton_backend.stages import Outputs, StageCall, StageClient, StageTimeout
 
 if TYPE_CHECKING:
     from triton_backend.executor import Gate, NodeExecutor
@@ -97,9 +97,8 @@ class RelayTransport:
                         return  # dropped: the rest of its path is released
                     rt.hop_started(job, h, start)
                     try:
-                        result = await stages.infer(
-                            served.vgpu_node[hop.vgpu], partition, inputs, timeout_s
-                        )
+                        call = StageCall(partition, inputs, timeout_s)
+                        result = await stages.infer(served.vgpu_node[hop.vgpu], call)
                     except Exception as exc:
                         rt.hop_failed(job, h, f"{partition}: {exc}", _node_failed(exc))
                         return
@@ -182,14 +181,14 @@ class ChainTransport:
         params["poolpipe_budget_us"] = str(int(max(e.due_us for e in entries) - start))
         stages = self.stages or ex.stages
         try:
-            result = await stages.infer(
-                served.vgpu_node[hop0.vgpu],
+            call = StageCall(
                 plan.pool_partition[hop0.pool],
                 inputs,
                 ex.stage_timeout_s,
                 parameters=params,
                 outputs=[*names, HOPS_OUTPUT],
             )
+            result = await stages.infer(served.vgpu_node[hop0.vgpu], call)
         except Exception as exc:
             failed, why = failed_hop(exc)
             out_of_time = _out_of_time(why)
