@@ -21,7 +21,8 @@ from rich.table import Table
 from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
-from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner import make_plan
+from poolpipe.planner.request import group_request
 from poolpipe.scheduler import DATA_PLANES, build_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.store.warehouse import Warehouse
@@ -66,18 +67,7 @@ def main() -> int:
         table.add_column(col, justify="left" if col == "group" else "right")
     rows = []
     for gi, group in enumerate(groups):
-        plan = make_plan(
-            PlanRequest(
-                models=tuple(profiles[n] for n in group),
-                weights=tuple(workloads["mixes"]["maf19"]),
-                slos_us=tuple(5 * profiles[n].reference_latency_us for n in group),
-                cluster=cluster,
-                strategy="ppipe",
-                packing="per-position",
-                margin=0.4,
-                max_partitions=2,
-            )
-        )
+        plan = make_plan(group_request(profiles, group, workloads["mixes"]["maf19"], cluster))
         topo = build_topology(plan, profiles, larger_batches=True)
         for lf in lfs:
             res = run_once(

@@ -4,7 +4,7 @@ solver options."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from poolpipe.domain.cluster import Cluster
@@ -117,3 +117,38 @@ class PlanRequest:
 
 def _positive(x: object) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def group_request(
+    profiles: Mapping[str, ModelProfile],
+    group: Sequence[str],
+    weights: Sequence[float],
+    cluster: Cluster,
+    strategy: str = "ppipe",
+    packing: str = "per-position",
+    *,
+    slo_scale: float = 5.0,
+    margin: float = 0.4,
+    max_partitions: int = 2,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> PlanRequest:
+    """A configuration as the paper's main results plan it: the models of `group` at the
+    mix `weights`, each with an SLO of `slo_scale` times its reference latency, planned
+    with `margin` held back and pipelines of at most `max_partitions` partitions."""
+    slos = []
+    for n in group:
+        ref = profiles[n].reference_latency_us
+        if ref is None:
+            raise PoolpipeError(f"model {n} has no reference latency to scale an SLO from")
+        slos.append(slo_scale * ref)
+    return PlanRequest(
+        models=tuple(profiles[n] for n in group),
+        weights=tuple(weights),
+        slos_us=tuple(slos),
+        cluster=cluster,
+        strategy=strategy,
+        packing=packing,
+        margin=margin,
+        max_partitions=max_partitions,
+        time_limit_s=time_limit_s,
+    )
