@@ -1,0 +1,108 @@
+"""The documentation's commands are the code's: every `poolpipe` command in the README, in
+docs/ and in the systemd units of deploy/ parses with the command's own parser (a flag
+renamed in the code fails here, not in an operator's rollout), every `./run` command is
+one the script knows, and every relative link points at a file that exists."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from poolpipe.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+UNITS = sorted((REPO / "deploy" / "systemd").glob("*.service"))
+# what a unit's variables stand for (their env files hold the real values)
+UNIT_VALUES = {
+    "${DEVICE}": "T4",
+    "${LISTEN}": "10.0.0.21",
+    "${GRPC_PORT}": "8001",
+    "${HTTP_PORT}": "8000",
+    "${METRICS_PORT}": "8002",
+    "${PLAN}": "42",
+    "%i": "0",
+    "%H": "host",
+}
+
+
+def _code_lines(page: Path) -> list[str]:
+    """The command lines of a page's fenced shell blocks (continuations joined, comments
+    dropped)."""
+    out: list[str] = []
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", page.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def _poolpipe_args(line: str) -> list[str] | None:
+    """The arguments of a `poolpipe` command line (after any VAR=value and ./run), or None
+    for another command."""
+    words = shlex.split(line)
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words = words[1:]
+    if words[:2] == ["./run", "poolpipe"]:
+        return words[2:]
+    if words and words[0].endswith("poolpipe") and words[0] != "/opt/poolpipe":
+        return words[1:]
+    return None
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for page in PAGES:
+        for line in _code_lines(page):
+            args = _poolpipe_args(line)
+            if args is not None:
+                found.append((f"{page.name}: {line}", args))
+    for unit in UNITS:
+        for line in unit.read_text().splitlines():
+            if line.startswith("ExecStart=") and "poolpipe " in line:
+                for k, v in UNIT_VALUES.items():
+                    line = line.replace(k, v)
+                args = _poolpipe_args(line.removeprefix("ExecStart="))
+                assert args is not None, line
+                found.append((f"{unit.name}: {line}", args))
+    return found
+
+
+COMMANDS = _commands()
+
+
+def test_the_pages_and_units_have_commands_to_check():
+    where = {what.split(":", 1)[0] for what, _ in COMMANDS}
+    assert {"README.md", "deployment.md", "poolpipe-node@.service"} <= where, where
+    assert len(COMMANDS) >= 20
+
+
+@pytest.mark.parametrize(("what", "args"), COMMANDS, ids=[w[:60] for w, _ in COMMANDS])
+def test_every_poolpipe_command_parses(what, args, capsys):
+    try:
+        build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{what}\n{capsys.readouterr().err}")
+
+
+def test_every_run_command_is_one_the_script_knows():
+    known = set(re.findall(r"^    ([a-z-]+)\)", (REPO / "run").read_text(), re.M))
+    used = {
+        line.split()[1]
+        for page in PAGES
+        for line in _code_lines(page)
+        if line.startswith("./run ") and len(line.split()) > 1
+    }
+    assert used and used <= known, used - known
+
+
+def test_relative_links_point_at_files_that_exist():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), f"{page.name}: {target}"
