@@ -381,6 +381,138 @@ def test_a_node_killed_outright_takes_its_tritonserver_along(tmp_path):
     assert not left, f"the node's tritonserver {sorted(left)} outlived it"
 
 
+def test_a_router_killed_outright_leaves_no_triton_behind(onboarded_tiny, tmp_path):  # noqa: F811
+    """`kill -9` of `poolpipe serve` used to leave its tritonserver serving 503s, healthy to
+    any probe, on the router's ports: every tritonserver it started (its own and its local
+    nodes') now goes with it, and a new router gets the same ports."""
+    import os
+    import signal
+    import time
+
+    from triton_backend.env import free_ports
+    from triton_backend.nodes import descendants, is_running
+
+    wh, _ = onboarded_tiny
+    plan_file = tmp_path / "plan.json"
+    two_partition_plan().save(plan_file)
+    http, grpc = free_ports(2)
+    argv = ["--warehouse", wh, "serve", str(plan_file), "--http-port", str(http)]
+    argv += ["--grpc-port", str(grpc), "--workspace", str(tmp_path / "ws")]
+    proc = _serving(argv, 180)
+    children: set[int] = set()
+    try:
+        children = {p for p, _ in descendants(proc.pid)}
+        assert len(children) >= 3  # the router's and the nodes' tritonservers, at least
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while any(is_running(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = {p for p in children if is_running(p)}
+    for p in left:  # do not leave them to the next test
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"processes {sorted(left)} outlived the router"
+    again = _serving(argv, 180)  # the same ports: nothing left holds them
+    again.send_signal(signal.SIGTERM)
+    assert again.wait(60) == 0
+
+
+def test_a_port_another_process_holds_is_named_not_reused(onboarded_tiny, tmp_path, capsys):  # noqa: F811
+    """A leftover Triton on the router's port used to answer for the new router (which
+    printed "serving" while its own Triton had failed to bind): a taken port is refused
+    before anything starts, with whoever holds it; a node's likewise."""
+    import os
+    import socket
+
+    from poolpipe.cli import main as cli_main
+    from triton_backend.nodes import NodeError, TritonNode
+
+    wh, _ = onboarded_tiny
+    plan_file = tmp_path / "plan.json"
+    two_partition_plan().save(plan_file)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        argv = ["--warehouse", wh, "serve", str(plan_file), "--grpc-port", str(port)]
+        assert cli_main([*argv, "--workspace", str(tmp_path / "ws")]) == 2
+        err = capsys.readouterr().err
+        assert f"gRPC port {port} on 127.0.0.1 is taken by" in err and f"pid {os.getpid()}" in err
+        started = [f.name for f in (tmp_path / "ws").iterdir()]
+        assert set(started) <= {"control.token"}, started  # refused before anything started
+        node = TritonNode("n", "cpu-1t", tmp_path / "repo", tmp_path, http_port=port)
+        with pytest.raises(NodeError, match=rf"http port {port} .* taken by .*pid {os.getpid()}"):
+            node.start()
+        assert node.process is None
+
+
+def _two_nodes(tmp_path, keys):
+    """Two tritonserver nodes on loopback (management APIs restricted by `keys`, one each)
+    and the inventory that lists them, as an operator's would."""
+    from poolpipe.domain.inventory import Inventory, InventoryNode, InventoryServer
+    from triton_backend.nodes import TritonNode
+
+    nodes = [
+        TritonNode(f"n{k}", "cpu-1t", tmp_path / f"repo{k}", tmp_path, key=key).start()
+        for k, key in enumerate(keys)
+    ]
+    inv = Inventory(
+        (InventoryServer("s0", 1.0),),
+        tuple(InventoryNode(n.name, "s0", "cpu-1t", n.grpc_url, http=n.http_url) for n in nodes),
+        str(tmp_path / "inventory.toml"),
+    )
+    return nodes, inv
+
+
+def test_a_router_unloads_what_an_earlier_router_left_on_its_nodes(onboarded_tiny, tmp_path):  # noqa: F811
+    """A router killed after a rollout left its generation's partitions loaded on its
+    nodes, and no later router took them off: the next router of those models unloads
+    them at start-up and says which."""
+    from triton_backend.deploy import Deployment
+    from triton_backend.nodes import stop_nodes
+
+    wh, _ = onboarded_tiny
+    nodes, inv = _two_nodes(tmp_path, [None, None])
+    try:
+        dead = Deployment.up(two_partition_plan(), wh, tmp_path / "a", inventory=inv)
+        assert dead.rollout(two_partition_plan(cut=1), wh).status == "done"
+        dead.frontend.stop()  # it dies: nothing taken off its nodes
+        dead.core.stop()
+        left = sorted(m for n in nodes for m in n.models())
+        assert left == ["tiny__b00-01__g1", "tiny__b01-04__g1"]
+        with Deployment.up(two_partition_plan(), wh, tmp_path / "b", inventory=inv) as dep:
+            assert sorted(c.split(": ")[1] for c in dep.cleaned) == left
+            assert sorted(m for n in nodes for m in n.models()) == sorted(
+                p.partition for p in dep.layout.placements
+            )
+        assert not [m for n in nodes for m in n.models()]  # and it takes its own off
+    finally:
+        stop_nodes(nodes)
+
+
+def test_a_node_with_another_token_is_named_and_nothing_is_loaded(onboarded_tiny, tmp_path):  # noqa: F811
+    """One node started with another token than the router's: serving used to fail on
+    Triton's "expecting header ..." after the other node had loaded its partition, which
+    stayed. It now fails saying the keys differ, before loading anything anywhere."""
+    from poolpipe.client.control import node_key
+    from triton_backend.deploy import Deployment
+    from triton_backend.nodes import NodeError, stop_nodes
+
+    wh, _ = onboarded_tiny
+    mine, other = "m" * 32, "o" * 32
+    nodes, inv = _two_nodes(tmp_path, [node_key(mine), node_key(other)])
+    try:
+        with pytest.raises(NodeError, match=r"node n1 .*key does not match this router's token"):
+            Deployment.up(two_partition_plan(), wh, tmp_path / "ws", inventory=inv, token=mine)
+        assert not nodes[0].models()  # (asked with its own key)
+    finally:
+        stop_nodes(nodes)
+
+
 def _serving(args: list[str], timeout_s: float):
     """`poolpipe ARGS` in its own process, once it says it serves ("Ctrl-C stops"); killed
     (and the test failed with its last lines) if it does not within `timeout_s`."""

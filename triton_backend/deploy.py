@@ -37,7 +37,7 @@ from triton_backend.calibration import calibrate, warm
 from triton_backend.env import is_loopback, signals_held, triton_home
 from triton_backend.frontend import Frontend
 from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
-from triton_backend.nodes import RepositoryAPI, TritonNode
+from triton_backend.nodes import RepositoryAPI, TritonNode, port_holder
 from triton_backend.prepare import model_io, prepare, remove_files
 from triton_backend.router import ModelIO, RouterCore, served_plan
 
@@ -110,6 +110,9 @@ class Deployment:
     operator_down: frozenset[str] = frozenset()  # nodes its inventory marked down
     local: LocalNodes | None = field(default=None, repr=False)  # nodes this process runs
     supervisor: Supervisor | None = field(default=None, repr=False)  # restarts dead ones
+    # "NODE: MODEL" of the partitions an earlier router of these models had left on the
+    # attached nodes, unloaded at start-up
+    cleaned: list[str] = field(default_factory=list)
     _restarting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -209,7 +212,16 @@ class Deployment:
             if inventory is not None
             else LocalNodes(workspace, plan.cluster.bandwidth_gbps, key)
         )
+        for what, port in (("HTTP", http_port), ("gRPC", grpc_port)):
+            holder = port_holder(listen, port) if port else None
+            if holder is not None:  # before anything starts: a leftover is named, not reused
+                raise PoolpipeError(
+                    f"the router's {what} port {port} on {listen} is taken by {holder}; stop "
+                    "it (a Triton left by a router that died?) or choose another port"
+                )
         dep: Deployment | None = None
+        loaded: list[tuple[RepositoryAPI, str]] = []
+        cleaned: list[str] = []
         triton_home(workspace)  # once, before the nodes start side by side
         try:
             topo, lay, parts = prepare(plan, warehouse, workspace, "g0")
@@ -224,7 +236,9 @@ class Deployment:
                 key,
                 resolve_transport(transport, urls),
             )
-            load_layout(lay, parts, nodes, max_batch, loaded=[])
+            if local is None:  # attached nodes: what an earlier router of these models left
+                cleaned = _unload_left_behind(nodes, [m.name for m in plan.models])
+            load_layout(lay, parts, nodes, max_batch, loaded)
             warm(lay, nodes, parts, _top_batch(topo))
             ios = model_io(topo, lay, parts)
             known: dict[tuple, float] = {}
@@ -239,6 +253,7 @@ class Deployment:
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
+            dep.cleaned = cleaned
             dep.operator_down = inventory.down
             core.executor.on_empty_node = dep._refill_url
             dep.frontend = Frontend(
@@ -260,6 +275,10 @@ class Deployment:
                 dep.down()
             elif local is not None:
                 local.stop()
+            else:  # attached nodes run on: take off them what was loaded
+                for node, partition in loaded:
+                    with contextlib.suppress(Exception):
+                        node.unload(partition)
             raise
 
     def rollout(
@@ -410,6 +429,23 @@ class Deployment:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def _unload_left_behind(nodes: dict[str, RepositoryAPI], models: list[str]) -> list[str]:
+    """Unload the partitions of `models` that the nodes already have (an earlier router of
+    these models died or was killed without taking them off): "NODE: MODEL" of each, also
+    logged. Listing a node's models needs its key: a token that does not match fails here,
+    before anything is loaded."""
+    prefixes = tuple(f"{m}__b" for m in models)
+    out = []
+    for node in nodes.values():
+        for model in node.models():
+            if model.startswith(prefixes):
+                node.unload(model)
+                out.append(f"{node.name}: {model}")
+    if out:
+        log.warning("unloaded what an earlier router left on the nodes: %s", ", ".join(out))
+    return out
 
 
 def _cannot_replace(served: Plan, new: Plan) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from poolpipe.client.control import node_headers, node_restrictions
 from poolpipe.errors import PoolpipeError
@@ -96,9 +99,7 @@ class RepositoryAPI:
                 if not c.is_model_ready(model):
                     raise NodeError(f"{model} is not ready after loading")
         except Exception as exc:
-            raise NodeError(
-                f"node {self.name} ({self.grpc_url}): loading {model} failed ({_short(exc)})"
-            ) from None
+            raise self._error(f"loading {model}", exc) from None
 
     def unload(self, model: str) -> None:
         with contextlib.closing(self.grpc_client()) as c:
@@ -106,11 +107,27 @@ class RepositoryAPI:
 
     def models(self) -> list[str]:
         """The models loaded now (uploaded models are in no repository index: the
-        statistics endpoint lists every loaded model)."""
-        with contextlib.closing(self.grpc_client()) as c:
-            stats = c.get_inference_statistics(headers=self._headers, as_json=True)
-            stats = stats.get("model_stats", [])
-            return sorted({m["name"] for m in stats})
+        statistics endpoint lists every loaded model). A node whose management APIs expect
+        another key than this process's is a NodeError saying so."""
+        try:
+            with contextlib.closing(self.grpc_client()) as c:
+                stats = c.get_inference_statistics(headers=self._headers, as_json=True)
+        except Exception as exc:
+            raise self._error("listing its models", exc) from None
+        return sorted({m["name"] for m in stats.get("model_stats", [])})
+
+    def _error(self, what: str, exc: BaseException) -> NodeError:
+        """What went wrong, naming a token that does not match as such."""
+        text = _short(exc)
+        where = f"node {self.name} ({self.grpc_url})"
+        if "expecting header" in text and "poolpipe-key" in text:
+            mine = "no token" if self.key is None else "this router's token"
+            return NodeError(
+                f"{where}: {what} was refused: the node's key does not match {mine} (it was "
+                "started with another --token-file); give the node and the router the same "
+                "token file"
+            )
+        return NodeError(f"{where}: {what} failed ({text})")
 
 
 def _short(exc: BaseException) -> str:
@@ -158,9 +175,9 @@ class TritonNode(RepositoryAPI):
     address: str = "127.0.0.1"  # where its HTTP and gRPC ports listen
     key: str | None = field(default=None, repr=False)  # restricts its management APIs
     process: subprocess.Popen | None = field(default=None, repr=False)
-    # SIGTERM tritonserver when this process dies, even by SIGKILL (`poolpipe node`: its
-    # only child); start() must then run on the main thread (see _die_with_this_process)
-    die_with_parent: bool = False
+    # SIGTERM tritonserver when this process dies, however it dies (even SIGKILL): a
+    # router's Triton and its local nodes, a `poolpipe node`'s server (see spawn_tied)
+    die_with_parent: bool = True
 
     @property
     def _host(self) -> str:
@@ -205,16 +222,30 @@ class TritonNode(RepositoryAPI):
             "--strict-readiness=true",
             *node_restrictions(self.key),
         ]
+        self._check_ports()
         log = open(self.log_path, "ab")  # noqa: SIM115 (the process keeps it)
-        preexec = _die_with_this_process() if self.die_with_parent else None
-        self.process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec
-        )
+        if self.die_with_parent:
+            self.process = spawn_tied(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        else:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self._wait(lambda c: c.is_server_live(), timeout_s, "start")
         # the gRPC endpoint answers too (the HTTP one can be up a moment before it)
         self._wait(lambda _: self.live(1.0), timeout_s, "start (gRPC)")
         return self
+
+    def _check_ports(self) -> None:
+        """Refuse ports another process holds (a leftover Triton of a router or node that
+        died would answer for ours: it is named, not reused)."""
+        for what in ("http_port", "grpc_port", "metrics_port"):
+            port = getattr(self, what)
+            holder = port_holder(self.address, port)
+            if holder is not None:
+                raise NodeError(
+                    f"node {self.name}: {what.replace('_', ' ')} {port} on {self.address} is "
+                    f"taken by {holder}; stop it (a Triton left by an earlier router or node "
+                    "that died?) or choose other ports"
+                )
 
     def client(self):
         import tritonclient.http as th
@@ -281,12 +312,10 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return None if fields[0] in "ZX" else (int(fields[1]), fields[19])
 
 
-def _die_with_this_process() -> Callable[[], None] | None:
+def _tie_to_parent() -> Callable[[], None] | None:
     """A child's preexec_fn: Linux sends the child SIGTERM when the thread that started it
-    ends (PR_SET_PDEATHSIG), so only the main thread may use it, and then the child goes
-    with the process, however it dies. None where prctl is not Linux's."""
-    if threading.current_thread() is not threading.main_thread():
-        raise NodeError("a node tied to its parent must be started from the main thread")
+    ends (PR_SET_PDEATHSIG); spawn_tied starts children from a thread that ends only with
+    the process. None where prctl is not Linux's."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
@@ -298,6 +327,111 @@ def _die_with_this_process() -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+class _Spawner:
+    """One thread, alive as long as the process, that starts the children tied to it: the
+    kernel's parent-death signal follows the thread that forked, and threads of a pool end
+    when idle (a node started from one would get SIGTERM then)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._pid = 0
+
+    def run(self, cmd: list[str], kw: dict) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid():  # (a fork has none)
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(
+                    target=self._loop, name="poolpipe-spawner", daemon=True
+                )
+                self._thread.start()
+                self._pid = os.getpid()
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs.put((cmd, kw, done))
+        ok, out = done.get()
+        if not ok:
+            raise out
+        return out
+
+    def _loop(self) -> None:
+        while True:
+            cmd, kw, done = self._jobs.get()
+            try:
+                done.put((True, subprocess.Popen(cmd, preexec_fn=_tie_to_parent(), **kw)))
+            except BaseException as exc:
+                done.put((False, exc))
+
+
+_SPAWNER = _Spawner()
+
+
+def spawn_tied(cmd: list[str], **kw: Any) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, **kw)`, the child sent SIGTERM when this process dies, however
+    it dies (SIGKILL, the OOM killer), from whichever thread it is started."""
+    return _SPAWNER.run(cmd, kw)
+
+
+def port_holder(address: str, port: int) -> str | None:
+    """Who listens on TCP `port` (at `address`, or at every address), if anyone: "PROGRAM
+    (pid N)" where /proc tells, else "another process"; None when nobody listens there.
+    Connections a killed server left closing do not count: a new server binds over them."""
+    listening = _listening(port)
+    if listening is None:  # no /proc/net: ask the kernel by binding
+        host = address or "0.0.0.0"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host.strip("[]"), port))
+                return None
+            except OSError:
+                return "another process"
+    if not listening:
+        return None
+    pid = _socket_pid(listening)
+    if pid is None:
+        return "another process"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        program = Path(argv[0].decode(errors="replace")).name
+    except (OSError, IndexError):
+        program = "a process"
+    return f"{program} (pid {pid})"
+
+
+def _listening(port: int) -> set[str] | None:
+    """The inodes of the TCP sockets listening on `port` (Linux /proc/net, this network
+    namespace's); None where /proc/net cannot be read."""
+    found: set[str] = set()
+    read = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found.add(f"socket:[{f[9]}]")
+    return found if read else None
+
+
+def _socket_pid(inodes: set[str]) -> int | None:
+    """A process holding one of these sockets (Linux /proc), if found."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for fd in (d / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    return int(d.name)
+        except OSError:
+            continue
+    return None
 
 
 def is_running(pid: int) -> bool:

@@ -130,6 +130,12 @@ def _replanner(args: argparse.Namespace, token_file: str):
 def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
     stop = _stop_on_signals()
     dep = server.deployment
+    if dep.cleaned:
+        console.print(
+            f"unloaded {len(dep.cleaned)} partition model(s) an earlier router of these "
+            f"models had left on the nodes: {', '.join(dep.cleaned)}",
+            highlight=False,
+        )
     console.print(
         f"serving plan {plan_id} ({', '.join(m.name for m in plan.models)}) on "
         f"{len(dep.nodes)} node(s) (feature maps "
@@ -179,7 +185,6 @@ def cmd_node(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         address=args.listen,
         key=key,
-        die_with_parent=True,  # a node killed outright does not leave its Triton serving
     )
     try:  # a Ctrl-C while it starts stops what has started
         with console.status(f"starting node {name} ..."):
