@@ -106,3 +106,27 @@ def test_relative_links_point_at_files_that_exist():
             if "://" in target:
                 continue
             assert (page.parent / target).exists(), f"{page.name}: {target}"
+
+
+def test_the_reply_margin_defaults_are_stated_once_from_the_code():
+    """`serve --reply-margin-ms` is the floor the router measures on top of (the same as a
+    deployment's), `plan --reply-margin-ms` the margin a router measures idle; the pages say
+    the code's numbers (serve's used to be plan's 3 ms while the pages said 1 ms)."""
+    import inspect
+
+    from poolpipe.runtime import (
+        DEFAULT_MARGIN_CEILING_US,
+        DEFAULT_MARGIN_FLOOR_US,
+        DEFAULT_REPLY_MARGIN_US,
+    )
+    from triton_backend.deploy import Deployment
+
+    serve = build_parser().parse_args(["serve", "plan.json"])
+    plan = build_parser().parse_args(["plan", "--models", "m", "--cluster", "c"])
+    up = inspect.signature(Deployment.up).parameters["reply_margin_us"].default
+    assert serve.reply_margin_ms * 1e3 == DEFAULT_MARGIN_FLOOR_US == up
+    assert plan.reply_margin_ms * 1e3 == DEFAULT_REPLY_MARGIN_US
+    text = " ".join((REPO / "docs" / "serving.md").read_text().split())
+    assert f"`--reply-margin-ms`, {DEFAULT_MARGIN_FLOOR_US / 1e3:g} ms by default" in text
+    assert f"`--reply-margin-max-ms` ({DEFAULT_MARGIN_CEILING_US / 1e3:g} ms)" in text
+    assert f"{DEFAULT_REPLY_MARGIN_US / 1e3:g} ms by default, what the router measures" in text

@@ -46,14 +46,16 @@ def parse_floats(text: str, what: str) -> list[float]:
     return out
 
 
-def add_reply_margin_argument(p: argparse.ArgumentParser, help_text: str) -> None:
-    from poolpipe.runtime import DEFAULT_REPLY_MARGIN_US
-
+def add_reply_margin_argument(
+    p: argparse.ArgumentParser, help_text: str, default_us: float
+) -> None:
+    """--reply-margin-ms, its default from the code's constants (`plan`: the margin a router
+    measures with its nodes idle; `serve`: the floor it measures on top of)."""
     p.add_argument(
         "--reply-margin-ms",
         type=float,
-        default=DEFAULT_REPLY_MARGIN_US / 1e3,
-        help=f"{help_text} ({DEFAULT_REPLY_MARGIN_US / 1e3:g})",
+        default=default_us / 1e3,
+        help=f"{help_text} ({default_us / 1e3:g})",
     )
 
 

@@ -25,6 +25,7 @@ from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.request import OBJECTIVES
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
+from poolpipe.runtime import DEFAULT_REPLY_MARGIN_US
 from poolpipe.store.plan_inputs import plan_request
 from poolpipe.store.warehouse import Warehouse
 
@@ -190,9 +191,7 @@ def with_objective(args: argparse.Namespace, req: PlanRequest) -> PlanRequest:
     if getattr(args, "objective", "maxmin") != "cost":
         for flag in ("rates", "prices", "no_compare"):
             if getattr(args, flag, None):
-                raise PoolpipeError(
-                    f"--{flag.replace('_', '-')} applies to --objective cost only"
-                )
+                raise PoolpipeError(f"--{flag.replace('_', '-')} applies to --objective cost only")
         return req
     names = [m.name for m in req.models]
     if not args.rates:
@@ -441,8 +440,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
     add_reply_margin_argument(
         plan,
-        "the reply margin of the router that will serve the plan: SLOs it leaves no room "
-        "in are warned of",
+        "the reply margin to expect of the router that will serve the plan (what one "
+        "measures with its nodes idle): SLOs it leaves no room in are warned of",
+        DEFAULT_REPLY_MARGIN_US,
     )
     plan.set_defaults(func=cmd_plan)
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from poolpipe.cli.common import add_reply_margin_argument, err_console, warn_slo_room
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.errors import PoolpipeError
+from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US
 from poolpipe.scheduler import DATA_PLANES
 from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
 from triton_backend.env import is_loopback
@@ -240,15 +241,16 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_reply_margin_argument(
         p,
-        "the least held back from each deadline for the way in and out; the router measures "
-        "its own (ingress + egress p99) and holds back more when it needs to",
+        "the least held back from each deadline for the way out: the router adds the p99 of "
+        "what it measures (its door's egress, chains' overhead) to it",
+        DEFAULT_MARGIN_FLOOR_US,
     )
     p.add_argument(
         "--reply-margin-max-ms",
         type=float,
         default=None,
-        help="the most the measured reply margin may hold back (the larger of 25 and "
-        "--reply-margin-ms)",
+        help="the most the measured reply margin may hold back (the larger of "
+        f"{DEFAULT_MARGIN_CEILING_US / 1e3:g} and --reply-margin-ms)",
     )
     p.add_argument(
         "--listen", default="127.0.0.1", help="the router's address for clients (127.0.0.1)"
