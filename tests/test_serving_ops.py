@@ -354,43 +354,19 @@ def test_a_node_beyond_loopback_does_not_start_without_a_token(tmp_path, monkeyp
 def test_a_node_killed_outright_takes_its_tritonserver_along(tmp_path):
     """`poolpipe node` SIGKILLed (the OOM killer, `kill -9`) used to leave its tritonserver
     serving, orphaned: the server now gets SIGTERM when the node's process dies."""
-    import os
-    import signal
-    import time
-
-    from triton_backend.nodes import descendants, is_running
-
     argv = ["node", "--device", "cpu-1t", "--listen", "127.0.0.1"]
     proc = _serving([*argv, "--workspace", str(tmp_path / "node")], 120)
-    children: set[int] = set()
-    try:
-        children = {p for p, _ in descendants(proc.pid)}
-        assert children, "no tritonserver under the node"
-        proc.kill()
-        proc.wait(10)
-        deadline = time.monotonic() + 20
-        while any(is_running(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    left = {p for p in children if is_running(p)}
-    for p in left:  # do not leave them to the next test
-        os.kill(p, signal.SIGKILL)
-    assert not left, f"the node's tritonserver {sorted(left)} outlived it"
+    left = _killed_outright(proc, at_least=1, within_s=20)
+    assert not left, f"the node's tritonserver {left} outlived it"
 
 
 def test_a_router_killed_outright_leaves_no_triton_behind(onboarded_tiny, tmp_path):  # noqa: F811
     """`kill -9` of `poolpipe serve` used to leave its tritonserver serving 503s, healthy to
     any probe, on the router's ports: every tritonserver it started (its own and its local
     nodes') now goes with it, and a new router gets the same ports."""
-    import os
     import signal
-    import time
 
     from triton_backend.env import free_ports
-    from triton_backend.nodes import descendants, is_running
 
     wh, _ = onboarded_tiny
     plan_file = tmp_path / "plan.json"
@@ -399,23 +375,9 @@ def test_a_router_killed_outright_leaves_no_triton_behind(onboarded_tiny, tmp_pa
     argv = ["--warehouse", wh, "serve", str(plan_file), "--http-port", str(http)]
     argv += ["--grpc-port", str(grpc), "--workspace", str(tmp_path / "ws")]
     proc = _serving(argv, 180)
-    children: set[int] = set()
-    try:
-        children = {p for p, _ in descendants(proc.pid)}
-        assert len(children) >= 3  # the router's and the nodes' tritonservers, at least
-        proc.kill()
-        proc.wait(10)
-        deadline = time.monotonic() + 30
-        while any(is_running(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    left = {p for p in children if is_running(p)}
-    for p in left:  # do not leave them to the next test
-        os.kill(p, signal.SIGKILL)
-    assert not left, f"processes {sorted(left)} outlived the router"
+    # the router's and its nodes' tritonservers, at least
+    left = _killed_outright(proc, at_least=3, within_s=30)
+    assert not left, f"processes {left} outlived the router"
     again = _serving(argv, 180)  # the same ports: nothing left holds them
     again.send_signal(signal.SIGTERM)
     assert again.wait(60) == 0
@@ -511,6 +473,34 @@ def test_a_node_with_another_token_is_named_and_nothing_is_loaded(onboarded_tiny
         assert not nodes[0].models()  # (asked with its own key)
     finally:
         stop_nodes(nodes)
+
+
+def _killed_outright(proc, at_least: int, within_s: float) -> list[int]:
+    """SIGKILL `proc` (with `at_least` processes below it) and wait up to `within_s` for
+    them to go; the ones that did not (killed now, not left to the next test)."""
+    import os
+    import signal
+    import time
+
+    from triton_backend.nodes import descendants, is_running
+
+    children: set[int] = set()
+    try:
+        children = {p for p, _ in descendants(proc.pid)}
+        assert len(children) >= at_least, children
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + within_s
+        while any(is_running(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = sorted(p for p in children if is_running(p))
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
 
 
 def _serving(args: list[str], timeout_s: float):
