@@ -468,7 +468,10 @@ def test_a_node_with_another_token_is_named_and_nothing_is_loaded(onboarded_tiny
     mine, other = "m" * 32, "o" * 32
     nodes, inv = _two_nodes(tmp_path, [node_key(mine), node_key(other)])
     try:
-        with pytest.raises(NodeError, match=r"node n1 .*key does not match this router's token"):
+        with pytest.raises(
+            NodeError,
+            match=r"node n1 .*restricted to a key that does not match this router's token",
+        ):
             Deployment.up(two_partition_plan(), wh, tmp_path / "ws", inventory=inv, token=mine)
         assert not nodes[0].models()  # (asked with its own key)
     finally:

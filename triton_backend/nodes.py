@@ -121,11 +121,16 @@ class RepositoryAPI:
         text = _short(exc)
         where = f"node {self.name} ({self.grpc_url})"
         if "expecting header" in text and "poolpipe-key" in text:
-            mine = "no token" if self.key is None else "this router's token"
+            if self.key is None:
+                return NodeError(
+                    f"{where}: {what} was refused: the node's management API is restricted to "
+                    "a key, and this process has no token; give it the node's token file "
+                    "(--token-file)"
+                )
             return NodeError(
-                f"{where}: {what} was refused: the node's key does not match {mine} (it was "
-                "started with another --token-file); give the node and the router the same "
-                "token file"
+                f"{where}: {what} was refused: the node's management API is restricted to a "
+                "key that does not match this router's token (the node was started with "
+                "another --token-file); give the node and the router the same token file"
             )
         return NodeError(f"{where}: {what} failed ({text})")
 
