@@ -37,7 +37,7 @@ from triton_backend.calibration import calibrate, warm
 from triton_backend.env import is_loopback, signals_held, triton_home
 from triton_backend.frontend import Frontend
 from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
-from triton_backend.nodes import RepositoryAPI, TritonNode, port_holder
+from triton_backend.nodes import RepositoryAPI, TritonNode, refuse_taken_ports
 from triton_backend.prepare import model_io, prepare, remove_files
 from triton_backend.router import ModelIO, RouterCore, served_plan
 
@@ -212,13 +212,8 @@ class Deployment:
             if inventory is not None
             else LocalNodes(workspace, plan.cluster.bandwidth_gbps, key)
         )
-        for what, port in (("HTTP", http_port), ("gRPC", grpc_port)):
-            holder = port_holder(listen, port) if port else None
-            if holder is not None:  # before anything starts: a leftover is named, not reused
-                raise PoolpipeError(
-                    f"the router's {what} port {port} on {listen} is taken by {holder}; stop "
-                    "it (a Triton left by a router that died?) or choose another port"
-                )
+        # before anything starts: a leftover on the router's ports is named, not reused
+        refuse_taken_ports("the router", listen, {"HTTP port": http_port, "gRPC port": grpc_port})
         dep: Deployment | None = None
         loaded: list[tuple[RepositoryAPI, str]] = []
         cleaned: list[str] = []

@@ -242,15 +242,15 @@ class TritonNode(RepositoryAPI):
     def _check_ports(self) -> None:
         """Refuse ports another process holds (a leftover Triton of a router or node that
         died would answer for ours: it is named, not reused)."""
-        for what in ("http_port", "grpc_port", "metrics_port"):
-            port = getattr(self, what)
-            holder = port_holder(self.address, port)
-            if holder is not None:
-                raise NodeError(
-                    f"node {self.name}: {what.replace('_', ' ')} {port} on {self.address} is "
-                    f"taken by {holder}; stop it (a Triton left by an earlier router or node "
-                    "that died?) or choose other ports"
-                )
+        refuse_taken_ports(
+            f"node {self.name}",
+            self.address,
+            {
+                "http port": self.http_port,
+                "grpc port": self.grpc_port,
+                "metrics port": self.metrics_port,
+            },
+        )
 
     def client(self):
         import tritonclient.http as th
@@ -377,6 +377,19 @@ def spawn_tied(cmd: list[str], **kw: Any) -> subprocess.Popen:
     """`subprocess.Popen(cmd, **kw)`, the child sent SIGTERM when this process dies, however
     it dies (SIGKILL, the OOM killer), from whichever thread it is started."""
     return _SPAWNER.run(cmd, kw)
+
+
+def refuse_taken_ports(whose: str, address: str, ports: dict[str, int]) -> None:
+    """NodeError naming the first of `ports` (label -> port; 0: chosen later, free) that
+    another process listens on at `address`, and that process: a leftover Triton of a router
+    or node that died would otherwise answer for the new one."""
+    for label, port in ports.items():
+        holder = port_holder(address, port) if port else None
+        if holder is not None:
+            raise NodeError(
+                f"{whose}: {label} {port} on {address} is taken by {holder}; stop it (a Triton "
+                "left by an earlier router or node that died?) or choose another port"
+            )
 
 
 def port_holder(address: str, port: int) -> str | None:
