@@ -356,11 +356,6 @@ class ServingRuntime:
             self._plan.plane.set_wake_lateness(self._guard.extra_us)
         self._decide(now)
 
-    @property
-    def guard_extra_us(self) -> float:
-        """What the plane's wake guard holds back beyond its floor (guard.py)."""
-        return self._guard.extra_us
-
     def _start(self, plan: _Plan, d: Dispatch) -> None:
         # The plane's requests are the runtime's entries, all still waiting: a request is
         # answered by the plane's drop (never dispatched then), by its batch's end, or by
