@@ -563,3 +563,74 @@ def test_held_batches_go_out_earlier_when_batches_overrun_their_reservations():
     assert outcomes[:8] == [DROPPED] * 8
     assert outcomes[8:] == [ON_TIME] * 4
     assert rt.overrun_us == 30.0 and plane.wake_guard_us == 31.0
+
+
+def _stage1_nodes(rt) -> list[str]:
+    topo, vn = rt.served.topo, rt.served.vgpu_node
+    return [vn[v] for v in topo.pools[1].vgpus]
+
+
+def test_a_drained_node_gets_no_new_batch_its_batches_end_and_undrain_checks_it():
+    rt, clock, ex = two_stages()
+    changes: list[tuple[str, str]] = []
+    rt.on_node_change(lambda node, state, why, t: changes.append((node, state)))
+    a, b = _stage1_nodes(rt)
+    rt.submit(0, [1])
+    (job,) = ex.jobs
+    on = job.served.vgpu_node[job.dispatch.hops[1].vgpu]
+    assert rt.node_jobs(on) == 1
+    assert rt.drain(on) == 1  # its batch is still on it
+    assert rt.drained_nodes() == {on} and rt.down_nodes() == set()
+    assert rt.live_throughput() == {"m": 50.0}
+    run_job(rt, job, 0.0, [10.0, 10.0])  # the batch on it runs to its end
+    assert ex.answers[1] == (ON_TIME, "") and rt.node_jobs(on) == 0
+    for k in range(4):  # every new batch goes to the other node
+        clock.run_until(1000.0 * (k + 1))
+        rt.submit(0, [10 + k])
+        assert ex.jobs[-1].served.vgpu_node[ex.jobs[-1].dispatch.hops[1].vgpu] != on
+        run_job(rt, ex.jobs[-1], clock.now(), [10.0, 10.0])
+    assert ex.checks == []  # a drained node is not watched
+    with pytest.raises(PoolpipeError, match="serves nothing of the plan"):
+        rt.drain("no-such-node")
+    ex.node_ok[on] = False  # stopped while drained: undrain finds out at once
+    rt.undrain(on)
+    assert rt.drained_nodes() == set() and rt.down_nodes() == {on}
+    assert changes == [(on, "drained"), (on, "undrained"), (on, "down")]
+    assert {a, b} >= {on}
+
+
+def test_a_node_whose_watch_broke_leaves_at_once_and_returns_only_once_watched_again():
+    rt, clock, ex = two_stages(node_check_every_us=1000.0)
+    a, _ = _stage1_nodes(rt)
+    ex.node_ok[a] = True  # its Triton, shutting down, still answers checks
+    rt.node_lost(a, "its process ended (watch connection closed)")
+    assert rt.down_nodes() == {a}
+    clock.run_until(3500.0)
+    assert len(ex.checks) == 3 and rt.down_nodes() == {a}  # answers, but no watch yet
+    rt.node_watched(a)  # a new process: the watch connects again
+    clock.run_until(4500.0)
+    assert rt.down_nodes() == set() and rt.recoveries == 1
+    rt.node_lost("not-a-node-of-the-plan", "gone")  # nothing of the plan: nothing changes
+    assert rt.down_nodes() == set()
+
+
+def test_the_sweep_takes_a_node_that_is_not_ready_out_and_leaves_a_busy_one_in():
+    rt, clock, ex = two_stages(node_sweep_every_us=1000.0, node_check_every_us=500.0)
+    a, b = _stage1_nodes(rt)
+    for n in {a, b} | set(rt.served.vgpu_node.values()):
+        ex.node_ok[n] = True
+    clock.run_until(1000.0)
+    assert {n for _, n in ex.checks} == set(rt.served.vgpu_node.values())  # each, traffic or not
+    assert rt.down_nodes() == set()
+    ex.node_ok[a] = False  # restarted empty, or shutting down
+    clock.run_until(2000.0)
+    assert rt.down_nodes() == {a}
+    ex.node_ok[a] = True  # the driver refilled it
+    clock.run_until(2500.0)
+    assert rt.down_nodes() == set() and rt.recoveries == 1
+    rt.node_checked(b, None)  # no answer in time: busy is not dead
+    assert rt.down_nodes() == set()
+    rt.stop_sweep()
+    n = len(ex.checks)
+    clock.run_until(10_000.0)
+    assert len(ex.checks) == n

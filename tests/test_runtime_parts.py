@@ -92,7 +92,7 @@ def test_node_health_knows_paths_and_watches_a_failed_node_until_it_is_back():
     clock.run_until(50.0)
     assert sorted(checks) == [(50.0, n0), (50.0, n1)]
     health.watch(n0, 50.0)  # not back yet: asked again
-    health.back(n1, served)
+    health.back(n1, served, 0.0)
     clock.run_until(200.0)
     assert checks[2:] == [(100.0, n0)] and health.no_path == set()  # n1 is no longer asked
 

@@ -12,11 +12,14 @@ node watch (health.py), recalibration (recalibration.py), and pipeline-flush mig
 The driver interface, the same for the simulator and the live router:
 - intake: `check` (a request at the door), `add` / `arrive` / `submit`, then `decide`;
 - reports from the executor: `hop_started`, `hop_done`, `hop_late`, `hop_failed`,
-  `node_checked`;
+  `node_checked`; and from the driver: `node_lost` / `node_watched` (a node's watch
+  connection broke / is open again);
+- operators: `drain` / `undrain` a node, `node_jobs` (its batches not yet ended);
 - a migration: `switch`;
 - reading: `served`, `topo`, `generation`, `stats`, `take_window`, `take_stage_factors`,
-  `usage`, `pool_busy_us`, `down_nodes`, `live_throughput`, `without_path`, `in_flight`,
-  `idle`, and the counters `batches`, `recalibrations`, `recoveries`, `drop_reasons`.
+  `usage`, `pool_busy_us`, `down_nodes`, `drained_nodes`, `node_since`, `live_throughput`,
+  `without_path`, `in_flight`, `idle`, and the counters `batches`, `recalibrations`,
+  `recoveries`, `drop_reasons`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ class RuntimeConfig:
     recalibrate_band: float = RECALIBRATE_BAND
     record_stage_factors: bool = False  # keep measured / reserved per pool (take_stage_factors)
     node_check_every_us: float = NODE_CHECK_EVERY_US
+    # every node in service is checked this often too (0: only when a call to it fails):
+    # one that is not ready (restarted empty, shutting down) leaves service at once and
+    # is refilled by the driver, traffic or not
+    node_sweep_every_us: float = 0.0
     keep_latencies: bool = True  # each answer's latency, for the windows' percentiles
     max_slo_ms: float = MAX_SLO_MS  # the longest per-request SLO a request may ask for
     # answer a request whose batch is still running when its SLO runs out, dropped, then
@@ -87,6 +94,10 @@ class RuntimeConfig:
             raise PoolpipeError(f"the longest SLO must be a finite ms > 0, got {self.max_slo_ms}")
         if not self.node_check_every_us > 0:
             raise PoolpipeError(f"node checks need a period > 0 µs, got {self.node_check_every_us}")
+        if not self.node_sweep_every_us >= 0:
+            raise PoolpipeError(
+                f"the node sweep needs a period >= 0 µs (0: off), got {self.node_sweep_every_us}"
+            )
 
 
 class _Plan:
@@ -108,6 +119,7 @@ class _Plan:
         "slo_us",
         "stage_factors",
         "vgpu_busy_us",
+        "vgpu_jobs",
     )
 
     def __init__(
@@ -124,6 +136,7 @@ class _Plan:
         V, P = len(topo.vgpus), len(topo.pools)
         self.vgpu_busy_us = [0.0] * V
         self.running = [0] * V  # hops started and not yet done, per vGPU (when observing)
+        self.vgpu_jobs = [0] * V  # jobs with a hop on the vGPU, not yet ended
         self.pool_batches = [0] * P  # batches run and requests in them, per pool
         self.pool_requests = [0] * P
         self.stage_factors: list[list[float]] = [[] for _ in range(P)]
@@ -174,6 +187,9 @@ class ServingRuntime:
         self._wake_at = math.inf
         self._guard = WakeGuard()
         self._health = NodeHealth(clock, self._check_node, self.config.node_check_every_us)
+        self._sweep: Timer | None = None
+        if self.config.node_sweep_every_us > 0:
+            self._sweep = clock.call_at(clock.now() + self.config.node_sweep_every_us, self._swept)
         self._migration = FlushMigration()
         self.drop_reasons: Counter[str] = Counter()
         self.batches = 0  # batches sent down a pipeline (its first pool)
@@ -211,7 +227,21 @@ class ServingRuntime:
         return not self._live and not m.held and m.switch is None
 
     def down_nodes(self) -> set[str]:
+        """Nodes out of service because they failed (watched until they answer)."""
         return set(self._health.down)
+
+    def drained_nodes(self) -> set[str]:
+        """Nodes their operator took out of service (drain), until undrained."""
+        return set(self._health.drained)
+
+    def node_since(self) -> dict[str, float]:
+        """When each node's state last changed (clock µs; nodes never changed absent)."""
+        return dict(self._health.since)
+
+    def on_node_change(self, fn: Callable[[str, str, str, float], None] | None) -> None:
+        """`fn(node, state, why, t_us)` on every change of a node's state (down, back,
+        drained, undrained): the driver logs and counts them."""
+        self._health.on_change = fn
 
     def without_path(self) -> set[int]:
         """Models (indexes) with no live path now: their requests fail at the door."""
@@ -371,6 +401,9 @@ class ServingRuntime:
         due = min(e.due_us for e in entries)
         job = Job(d, entries, plan, due - d.hops[-1].end_us)
         plan.jobs += 1
+        vgpu_jobs = plan.vgpu_jobs
+        for hop in d.hops:
+            vgpu_jobs[hop.vgpu] += 1
         if self._watch is not None:
             self._watch.add(job, due)
         self.executor.run(job)
@@ -381,6 +414,9 @@ class ServingRuntime:
         job.ended = True
         plan: _Plan = job._plan
         plan.jobs -= 1
+        vgpu_jobs = plan.vgpu_jobs
+        for hop in job.dispatch.hops:
+            vgpu_jobs[hop.vgpu] -= 1
         if plan.jobs == 0 and plan is not self._plan:
             self._retire(plan)
 
@@ -515,7 +551,7 @@ class ServingRuntime:
         current = plan is self._plan
         self._ended(job)
         if current and node_failed and node not in self._health.down:
-            self._node_down(node, now)
+            self._node_down(node, now, why)
         retry = []
         for entry in job.entries:
             if entry.outcome is not PENDING:
@@ -536,30 +572,108 @@ class ServingRuntime:
                 self._fail(entry, f"no live path for this model: {why} (node {node})", now)
         self._decide(now)
 
-    def node_checked(self, node: str, ok: bool) -> None:
-        """The executor's answer to check_node: a node that serves again returns."""
+    def node_checked(self, node: str, ok: bool | None, why: str = "") -> bool:
+        """The executor's answer to check_node (ok None: no answer in time). A down node
+        that serves again returns (True); a node in service that does not serve (the
+        sweep's check) leaves service at once; one that was only slow to answer stays (a
+        busy node is not a dead one)."""
         health = self._health
-        if node not in health.down:
-            return
         now = self.clock.now()
-        if not ok:
+        if node not in health.down:
+            if ok is False and node in self._plan.node_vgpus and node not in health.drained:
+                self._node_down(node, now, why or "not ready")
+                self._decide(now)
+            return False
+        if not ok or node in health.unwatched:
             health.watch(node, now)
-            return
+            return False
         plan = self._plan
-        for v in plan.node_vgpus.get(node, ()):
-            plan.plane.set_vgpu_down(v, False, now)
-        health.back(node, plan.served)
+        if node not in health.drained:
+            for v in plan.node_vgpus.get(node, ()):
+                plan.plane.set_vgpu_down(v, False, now)
+        health.back(node, plan.served, now)
         self.recoveries += 1
         self._decide(now)
+        return True
 
-    def _node_down(self, node: str, now: float) -> None:
+    def node_lost(self, node: str, why: str) -> None:
+        """`node` is gone (its watch connection broke: its process died or is stopping):
+        out of service at once, before any call to it fails; watched until it answers."""
+        self._health.unwatched.add(node)
+        if node in self._health.down or node not in self._plan.node_vgpus:
+            return
+        now = self.clock.now()
+        self._node_down(node, now, why)
+        self._decide(now)
+
+    def node_watched(self, node: str) -> None:
+        """`node`'s watch connection is open again (its process runs): its checks may put
+        it back in service (until then a node that lost its watch stays out, even while
+        its Triton, shutting down, still answers them)."""
+        self._health.unwatched.discard(node)
+
+    def drain(self, node: str) -> int:
+        """Take `node` out of new batches (its operator's drain); the batches on it run to
+        their end (`node_jobs`). Returns that number now."""
+        plan = self._plan
+        if node not in plan.node_vgpus:
+            raise PoolpipeError(
+                f"node {node!r} serves nothing of the plan served; it has "
+                f"{', '.join(sorted(plan.node_vgpus))}"
+            )
+        health = self._health
+        if node not in health.drained:
+            now = self.clock.now()
+            for v in plan.node_vgpus[node]:
+                plan.plane.set_vgpu_down(v, True, now)
+            health.drain(node, plan.served, now)
+            self._decide(now)
+        return self.node_jobs(node)
+
+    def undrain(self, node: str) -> None:
+        """Put a drained node back in service (checked at once: one that does not serve
+        goes down and is watched)."""
+        health = self._health
+        if node not in health.drained:
+            return
+        plan = self._plan
+        now = self.clock.now()
+        if node not in health.down:
+            for v in plan.node_vgpus.get(node, ()):
+                plan.plane.set_vgpu_down(v, False, now)
+        health.undrain(node, plan.served, now)
+        if node not in health.down and node in plan.node_vgpus:
+            self._check_node(node)
+        self._decide(now)
+
+    def node_jobs(self, node: str) -> int:
+        """Batches with a hop on `node` that have not ended, over every plan not retired."""
+        plans = (*self._old, self._plan)
+        return sum(sum(p.vgpu_jobs[v] for v in p.node_vgpus.get(node, ())) for p in plans)
+
+    def _node_down(self, node: str, now: float, why: str = "") -> None:
         plan = self._plan
         for v in plan.node_vgpus.get(node, ()):
             plan.plane.set_vgpu_down(v, True, now)
-        self._health.failed(node, plan.served, now)
+        self._health.failed(node, plan.served, now, why)
 
     def _check_node(self, node: str) -> None:
         self.executor.check_node(node, self._plan.served)
+
+    def _swept(self) -> None:
+        """Check every node of the plan served that is in service (see node_sweep_every_us)."""
+        health = self._health
+        for node in self._plan.node_vgpus:
+            if node not in health.out:
+                self._check_node(node)
+        self._sweep = self.clock.call_at(
+            self.clock.now() + self.config.node_sweep_every_us, self._swept
+        )
+
+    def stop_sweep(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
 
     # ------------------------------------------------------------------ answers
 
@@ -677,9 +791,9 @@ class ServingRuntime:
             self.executor.retire(old.usage())
         plan.plane.set_wake_lateness(self._guard.extra_us)
         self._windows.restart_pools()
-        down = self._health.down
+        out = self._health.out
         for v, node in sw.served.vgpu_node.items():
-            if node in down:  # still failed: out of the new plan's tables too
+            if node in out:  # still failed or drained: out of the new plan's tables too
                 plan.plane.set_vgpu_down(v, True, now)
         self._health.refresh(plan.served)
         held = self._migration.resume()
