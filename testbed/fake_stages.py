@@ -122,7 +122,7 @@ class FakeStages:
             HOPS_OUTPUT: np.tile(np.array(times, np.int64), (rows, 1)),
         }
 
-    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool, bool]:
+    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool | None, bool]:
         live = node not in self.down
         return live, live and all(m in self.partitions for m in models)
 

@@ -25,9 +25,10 @@ from pathlib import Path
 from poolpipe.domain.inventory import Inventory, InventoryNode, InventoryServer
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import signals_held
-from triton_backend.nodes import RemoteNode, descendants, reap, shm_regions
+from triton_backend.nodes import RemoteNode, descendants, reap, shm_regions, still_running
 
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, one node per server
+WATCH_PORT = 8003  # the node process's watch port (triton_backend.watch)
 
 
 class EmulationError(PoolpipeError):
@@ -167,7 +168,7 @@ class EmulatedCluster:
             sys.executable, "-m", "poolpipe.cli", "node",
             "--device", device, "--name", s.node_name, "--listen", s.address,
             "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
-            "--metrics-port", str(METRICS_PORT),
+            "--metrics-port", str(METRICS_PORT), "--watch-port", str(WATCH_PORT),
             "--workspace", str(self.workspace / s.node_name),
             *(["--token-file", str(token_file)] if token_file else []),
         ]  # fmt: skip
@@ -216,6 +217,23 @@ class EmulatedCluster:
             s.node.wait()
         reap(below, grace_s=0.0 if sig == signal.SIGKILL else 5.0, regions=regions)
 
+    def kill_node_process(self, server: int, wait_s: float = 30.0) -> None:
+        """SIGKILL server `server`'s `poolpipe node` process alone (as the OOM killer would):
+        its tritonserver, told by its parent-death signal, shuts down on its own; wait (at
+        most `wait_s`) for it and its stubs to be gone, then remove whatever is left."""
+        s = self.servers[server]
+        if s.node is None or s.node.poll() is not None:
+            return
+        below = descendants(s.node.pid)
+        regions = shm_regions(below)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(s.node.pid, signal.SIGKILL)
+        s.node.wait()
+        deadline = time.monotonic() + wait_s
+        while still_running(below) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reap(below, grace_s=0.0, regions=regions)
+
     def inventory(self) -> Inventory:
         return Inventory(
             tuple(InventoryServer(f"s{s.index}", self.bandwidth_gbps) for s in self.servers),
@@ -226,6 +244,7 @@ class EmulatedCluster:
                     s.device,
                     f"{s.address}:{GRPC_PORT}",
                     http=f"{s.address}:{HTTP_PORT}",
+                    watch=f"{s.address}:{WATCH_PORT}",
                 )
                 for s in self.servers
                 if s.node is not None

@@ -6,6 +6,7 @@ made."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -391,3 +392,117 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
         srv.close()
     errors = [str(a) for a in answers if not isinstance(a, tuple)]
     assert all("POOLPIPE" in e or "no live path" in e for e in errors), errors[:3]  # explicit
+
+
+def _wait(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(condition())
+
+
+def test_a_node_process_killed_alone_leaves_service_at_once_and_returns_loaded_untouched(
+    cluster,
+    onboarded_tiny,  # noqa: F811
+    tmp_path,
+):
+    """`kill -9` of one node's `poolpipe node` process alone (as the OOM killer would), with
+    no traffic: the router takes the node out of service at once, by its watch connection
+    (there used to be no sign of it until a call failed, and its Triton, shutting down,
+    still answered checks). The node started again, empty, with still no traffic: the
+    router loads its partition and puts it back (it used to stay empty until a request
+    came)."""
+    from tests.test_serving import hand_plan
+    from triton_backend.deploy import Deployment
+
+    wh, _ = onboarded_tiny
+    dep = Deployment.up(
+        hand_plan([(0, 4, 2)]),
+        wh,
+        tmp_path / "router",
+        inventory=cluster.inventory(),
+        token=read_token(cluster.token_file),
+    )
+    try:
+        victim = cluster.servers[1]
+        address = f"{victim.address}:8001"
+        assert _wait(lambda: dep.core.runtime._health.unwatched == set(), 5)
+        cluster.kill_node_process(1)
+        assert _wait(lambda: address in dep.core.down_nodes(), 10), "still in service"
+        (event,) = [e for e in dep.core.node_events if e[1] == address]
+        assert event[2] == "down" and "watch connection" in event[3]
+        time.sleep(1.5)  # its checks keep it out: no watch connection, no return
+        assert dep.core.down_nodes() == {address} and dep.core.recoveries == 0
+
+        cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # empty, no traffic
+        assert _wait(lambda: dep.core.recoveries == 1, 60), "not refilled without traffic"
+        assert not dep.core.down_nodes()
+        assert _loaded(cluster.inventory(), _key(cluster)) == ["tiny__b00-04__g0"] * 2
+        states = [e[2] for e in dep.core.node_events if e[1] == address]
+        assert states == ["down", "back"]
+        mod, c = _grpc(dep)
+        assert _infer(mod, c, np.zeros((1, 3, 32, 32), np.float32)).as_numpy(
+            dep.ios[0].outputs[0].name
+        ).shape == (1, 1000)
+    finally:
+        dep.down()
+
+
+def test_a_node_drained_under_load_drops_nothing_and_takes_batches_again_once_undrained(
+    cluster,
+    onboarded_tiny,  # noqa: F811
+    tmp_path,
+):
+    """Under load, one of two nodes of a pool is drained: the drain waits for its batches,
+    no request is dropped or failed, the node gets no inference while drained (its Triton's
+    own counts), and again once undrained. (There was no drain.)"""
+    import threading
+
+    from tests.test_serving import hand_plan
+    from triton_backend.deploy import Deployment
+
+    wh, _ = onboarded_tiny
+    dep = Deployment.up(
+        hand_plan([(0, 4, 2)]),
+        wh,
+        tmp_path / "router",
+        inventory=cluster.inventory(),
+        token=read_token(cluster.token_file),
+        router_instances=4,
+    )
+    victim = cluster.servers[1]
+    node = RemoteNode(victim.node_name, "cpu-1t", f"{victim.address}:8001", key=_key(cluster))
+
+    def served() -> int:
+        with contextlib.closing(node.grpc_client()) as c:
+            stats = c.get_inference_statistics(headers=node._headers, as_json=True)
+        return sum(int(m.get("inference_count", 0)) for m in stats.get("model_stats", []))
+
+    answers: list[object] = []
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=_keep_asking, args=(dep, answers, stop), daemon=True)
+        for _ in range(3)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        before = served()
+        out = dep.drain(victim.node_name, timeout_s=30)
+        assert out["batches_left"] == 0 and before > 0
+        drained_at = served()
+        n = len(answers)
+        time.sleep(1.5)
+        assert served() == drained_at and len(answers) > n  # served on the other node
+        dep.undrain(victim.node_name)
+        assert _wait(lambda: served() > drained_at, 10), "no batch after undrain"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        dep.down()
+    errors = [str(a)[-300:] for a in answers if not isinstance(a, tuple)]
+    assert not errors, errors[:3]
+    s = dep.core.stats["tiny"]
+    assert s.dropped == 0 and s.failed == 0 and s.arrivals == len(answers)

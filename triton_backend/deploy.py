@@ -74,6 +74,12 @@ def _served(
     )
 
 
+def _watch(core: RouterCore, nodes: dict[str, RepositoryAPI]) -> None:
+    """The router names the nodes in its log and watches those with a watch address."""
+    core.node_names.update({n.grpc_url: n.name for n in nodes.values()})
+    core.watch({n.grpc_url: a for n in nodes.values() if (a := n.watch_address) is not None})
+
+
 def _http_addresses(nodes: dict[str, RepositoryAPI]) -> dict[str, str]:
     """gRPC address -> KServe v2 HTTP address of the nodes whose HTTP address is known."""
     return {n.grpc_url: a for n in nodes.values() if (a := n.http_address) is not None}
@@ -145,13 +151,45 @@ class Deployment:
         out = {a: {"node": name, "device": dev, "grpc": a} for name, dev, a in known if a in down}
         return list(out.values())
 
+    def node_address(self, name: str) -> str:
+        """The address the router knows node `name` by (its gRPC host:port); a name not
+        among the plan's nodes is a PoolpipeError listing them."""
+        for n in self.nodes.values():
+            if name in (n.name, n.grpc_url):
+                return n.grpc_url
+        known = ", ".join(sorted({n.name for n in self.nodes.values()}))
+        raise PoolpipeError(f"no node {name!r} serves the plan here; its nodes: {known}")
+
+    def drain(self, name: str, timeout_s: float | None = None) -> dict[str, object]:
+        """Take node `name` out of new batches and wait for those on it to end (RouterCore
+        .drain); it stays out (also across rollouts) until undrain."""
+        address = self.node_address(name)
+        out = self.core.drain(address) if timeout_s is None else self.core.drain(address, timeout_s)
+        log.warning("node %s drained: %s batch(es) left on it", name, out["batches_left"])
+        return {**out, "node": name}
+
+    def undrain(self, name: str) -> None:
+        self.core.undrain(self.node_address(name))
+        log.warning("node %s undrained", name)
+
     def _inventory_now(self) -> Inventory | None:
         """The inventory with the nodes now out of service marked down (as well as those
         its operator marked), so that a rollout places nothing on them."""
         if self.inventory is None or self.local is not None:
             return self.inventory  # local nodes are started (or restarted) for the layout
         down = {d["node"] for d in self.down_nodes()}
+        drained = self.core.drained_nodes()
+        down |= {n.name for n in self.inventory.nodes if n.grpc in drained}
         return replace(self.inventory, down=self.operator_down | down)
+
+    @property
+    def triton_metrics_url(self) -> str | None:
+        """host:port of the router's Triton's own Prometheus metrics."""
+        if self.frontend is None:
+            return None
+        node = self.frontend.node
+        host = node.address if ":" not in node.address else f"[{node.address}]"
+        return f"{host}:{node.metrics_port}"
 
     @property
     def warmed(self) -> int:
@@ -175,6 +213,7 @@ class Deployment:
         listen: str = "127.0.0.1",
         http_port: int = 0,
         grpc_port: int = 0,
+        triton_metrics_port: int = 0,
         inventory: Inventory | None = None,
         token: str | None = None,
         transport: str = "router",
@@ -187,7 +226,8 @@ class Deployment:
         `reply_margin_us` / `reply_margin_max_us`: the floor and the ceiling of the reply
         margin, which the router measures (its ingress + egress p99) and holds back from
         every request's deadline; the ceiling defaults to the larger of the floor and 25 ms.
-        `listen`, `http_port`, `grpc_port`: where clients reach the router (0: a free port).
+        `listen`, `http_port`, `grpc_port`: where clients reach the router (0: a free port);
+        `triton_metrics_port`: its Triton's own metrics (0: a free port).
         `inventory`: the running nodes to serve on; without one, this process starts a node
         per GPU of the plan on loopback and writes their inventory to the workspace.
         `token`: the secret shared with the nodes (their management APIs expect the key
@@ -213,7 +253,11 @@ class Deployment:
             else LocalNodes(workspace, plan.cluster.bandwidth_gbps, key)
         )
         # before anything starts: a leftover on the router's ports is named, not reused
-        refuse_taken_ports("the router", listen, {"HTTP port": http_port, "gRPC port": grpc_port})
+        refuse_taken_ports(
+            "the router",
+            listen,
+            {"HTTP port": http_port, "gRPC port": grpc_port, "metrics port": triton_metrics_port},
+        )
         dep: Deployment | None = None
         loaded: list[tuple[RepositoryAPI, str]] = []
         cleaned: list[str] = []
@@ -245,6 +289,7 @@ class Deployment:
                 key=key,
             ).start()
             core.use_http(_http_addresses(nodes))
+            _watch(core, nodes)
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
@@ -261,6 +306,7 @@ class Deployment:
                 http_port,
                 grpc_port,
                 key,
+                triton_metrics_port,
             ).start()
             if supervise and local is not None:
                 dep.supervisor = Supervisor(lambda: local.nodes, dep._restart_dead).start()
@@ -312,6 +358,7 @@ class Deployment:
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=self.calibration))
             prepare_s = time.perf_counter() - t0
             self.core.use_http(_http_addresses(nodes))
+            _watch(self.core, nodes)
             res = self.core.switch(_served(live, lay, nodes, ios, opt), flush_timeout_s)
         except Exception as exc:
             for node, partition in loaded:

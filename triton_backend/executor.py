@@ -89,6 +89,7 @@ class NodeExecutor:
         self.on_empty_node: Callable[[str], None] | None = None
         self._refilling: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._checks: set[asyncio.Task] = set()  # node checks in flight
         self._gates: dict[int, dict[int, Gate]] = {}  # generation -> vGPU -> its turns
         self.rt: ServingRuntime
 
@@ -116,6 +117,9 @@ class NodeExecutor:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
+        for task in list(self._checks):  # a node check in flight ends here, not mid-close
+            task.cancel()
+        await asyncio.gather(*self._checks, return_exceptions=True)
         await self.stages.close()
 
     # ------------------------------------------------------------------ the port
@@ -134,7 +138,9 @@ class NodeExecutor:
             for v, url in served.vgpu_node.items()
             if url == node
         }
-        self._spawn(self._check(node, models))
+        task = self.loop.create_task(self._check(node, models))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     def retire(self, usage: PlanUsage) -> None:
         self._gates.pop(usage.generation, None)
@@ -142,12 +148,13 @@ class NodeExecutor:
     # ------------------------------------------------------------------ node checks
 
     async def _check(self, node: str, models: set[str]) -> None:
-        """Is the node live with its models ready? One live without them is refilled."""
+        """Is the node live with its models ready? One live without them is refilled; one
+        that gave no answer in time is reported as such (None: busy is not dead)."""
         live, ready = await self.stages.ready(node, sorted(models))
         if live and not ready and self.on_empty_node and node not in self._refilling:
             self._refilling.add(node)
             refill = self.loop.run_in_executor(None, self.on_empty_node, node)
             refill.add_done_callback(lambda f: self._refilling.discard(node))
-        if ready:
+        why = "no answer" if not live else "its models are not loaded" if not ready else ""
+        if self.rt.node_checked(node, None if live is None else ready, why):
             self.stages.forget(node)  # its old connections went with its failure
-        self.rt.node_checked(node, ready)

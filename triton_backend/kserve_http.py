@@ -258,13 +258,16 @@ class HttpStages:
     def infer(self, node: str, call: StageCall) -> Coroutine[Any, Any, Outputs]:
         return self.stage(node).infer(call)
 
-    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool, bool]:
+    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool | None, bool]:
         stage = self.stage(node)
+        live: bool | None = False
         try:
             live = await stage.get("/v2/health/live", CHECK_TIMEOUT_S) == 200
             ready = live
             for m in models:
                 ready = ready and await stage.get(f"/v2/models/{m}/ready", CHECK_TIMEOUT_S) == 200
+        except StageTimeout:
+            return None, False
         except StageCallError:
             return False, False
         return live, ready
@@ -292,7 +295,9 @@ class HttpFirstStages:
         via = self.http if node in self.http.addresses else self.grpc
         return via.infer(node, call)
 
-    def ready(self, node: str, models: Sequence[str]) -> Coroutine[Any, Any, tuple[bool, bool]]:
+    def ready(
+        self, node: str, models: Sequence[str]
+    ) -> Coroutine[Any, Any, tuple[bool | None, bool]]:
         return self.grpc.ready(node, models)
 
     def forget(self, node: str) -> None:

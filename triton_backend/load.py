@@ -45,7 +45,9 @@ def attach(
     have = have or {}
     out: dict[str, RepositoryAPI] = {}
     for name, n in picked.items():
-        out[name] = have.get(n.name) or RemoteNode(n.name, n.device, n.grpc, n.server, key, n.http)
+        out[name] = have.get(n.name) or RemoteNode(
+            n.name, n.device, n.grpc, n.server, key, n.http, n.watch
+        )
 
     def answers(node: RepositoryAPI) -> bool:
         return node.live()

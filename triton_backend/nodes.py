@@ -50,6 +50,12 @@ class RepositoryAPI:
         return None
 
     @property
+    def watch_address(self) -> str | None:
+        """Its process's watch port where known: a connection there breaks the moment the
+        process ends (NodeWatch)."""
+        return None
+
+    @property
     def _headers(self) -> dict[str, str] | None:
         return node_headers(self.key)
 
@@ -151,10 +157,15 @@ class RemoteNode(RepositoryAPI):
     server: str = ""
     key: str | None = field(default=None, repr=False)
     http: str | None = None  # host:port of its KServe v2 HTTP endpoint, where given
+    watch: str | None = None  # host:port of its process's watch port (NodeWatch), where given
 
     @property
     def grpc_url(self) -> str:
         return self.address
+
+    @property
+    def watch_address(self) -> str | None:
+        return self.watch
 
     @property
     def http_address(self) -> str | None:
@@ -504,7 +515,7 @@ def _shm_regions(pids: list[int]) -> list[str]:
     return names
 
 
-def _still_running(procs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+def still_running(procs: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """Those of these (pid, start time) processes still running (not a later process that
     took the pid: its start time differs)."""
     return [(p, t) for p, t in procs if (st := _stat(p)) is not None and st[1] == t]
@@ -512,7 +523,7 @@ def _still_running(procs: list[tuple[int, str]]) -> list[tuple[int, str]]:
 
 def shm_regions(procs: list[tuple[int, str]]) -> list[str]:
     """The shared-memory regions these (pid, start time) stubs name, while they run."""
-    return _shm_regions([p for p, _ in _still_running(procs)])
+    return _shm_regions([p for p, _ in still_running(procs)])
 
 
 def reap(
@@ -527,7 +538,7 @@ def reap(
     if regions is None:
         regions = shm_regions(procs)
     try:
-        _reap(lambda: _still_running(procs), grace_s)
+        _reap(lambda: still_running(procs), grace_s)
     finally:
         for name in regions:
             with contextlib.suppress(OSError):

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import logging
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -53,6 +57,7 @@ from triton_backend.served import (
 )
 from triton_backend.stages import StageClient
 from triton_backend.transport import ChainTransport, HopTransport, RelayTransport
+from triton_backend.watch import watch_node
 
 __all__ = [
     "BAD_REQUEST_MARKER",
@@ -66,6 +71,14 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+log = logging.getLogger("poolpipe.router")
+
+# Every node in service is checked this often (s): one restarted empty is refilled, one
+# not ready leaves service, traffic or not (RuntimeConfig.node_sweep_every_us).
+NODE_SWEEP_S = 1.0
+# What a drain waits for its node's batches to end, at most (s).
+DRAIN_TIMEOUT_S = 60.0
 
 
 class LoopClock:
@@ -99,13 +112,15 @@ class RouterCore:
         transport: str = "router",
         key: str | None = None,
         stages: Callable[[asyncio.AbstractEventLoop], StageClient] | None = None,
+        node_sweep_s: float = NODE_SWEEP_S,
     ):
         """`margin`: what the reply margin is learnt with (its floor until it has samples;
         the floor and ceiling equal for a fixed margin). `transport`: how a batch's hops
         travel ("router": each from here; "chain": node to node, signed with `key`).
         `stages`: makes the stage client on the router's loop (default: KServe v2 HTTP
         where a node's HTTP address is known (use_http), gRPC otherwise; chains over
-        gRPC)."""
+        gRPC). `node_sweep_s`: every node in service is checked this often (0: only after
+        a call to it failed)."""
         if transport not in TRANSPORTS:
             raise PoolpipeError(f"unknown transport {transport!r}; choose {', '.join(TRANSPORTS)}")
         self._loop = asyncio.new_event_loop()
@@ -128,8 +143,16 @@ class RouterCore:
                 reply_margin_us=self.margin.margin_us,
                 recalibrate=recalibrate,
                 record_stage_factors=True,
+                node_sweep_every_us=node_sweep_s * 1e6,
             ),
         )
+        # every change of a node's state, newest last: (wall time, node, state, why)
+        self.node_events: deque[tuple[datetime, str, str, str]] = deque(maxlen=500)
+        self.node_changes: Counter[str] = Counter()  # by state (down, back, drained, ...)
+        self.node_names: dict[str, str] = {}  # node address -> its name, for the log
+        self.runtime.on_node_change(self._node_changed)
+        self._watches: dict[str, asyncio.Task] = {}
+        self._closing = asyncio.Event()
         self._thread = threading.Thread(target=self._run_loop, name="poolpipe-router", daemon=True)
 
     @property
@@ -153,6 +176,7 @@ class RouterCore:
 
     def stop(self) -> None:
         if self._thread.is_alive():
+            self._call(self._stop_watching)
             asyncio.run_coroutine_threadsafe(self.executor.close(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
@@ -215,11 +239,92 @@ class RouterCore:
     def down_nodes(self) -> set[str]:
         return self._call(self.runtime.down_nodes)
 
+    def drained_nodes(self) -> set[str]:
+        return self._call(self.runtime.drained_nodes)
+
     def live_throughput(self) -> dict[str, float]:
         return self._call(self.runtime.live_throughput)
 
     def in_flight(self) -> int:
         return self.runtime.in_flight()
+
+    # ------------------------------------------------------------------ nodes
+
+    def _node_changed(self, node: str, state: str, why: str, t_us: float) -> None:
+        """A node's state changed (on the router's loop): logged with the time, counted."""
+        when = datetime.now()
+        self.node_events.append((when, node, state, why))
+        self.node_changes[state] += 1
+        name = self.node_names.get(node, node)
+        where = f"node {name}" + (f" ({node})" if name != node else "")
+        log.warning("%s %s%s", where, state, f": {why}" if why else "")
+
+    def watch(self, addresses: Mapping[str, str]) -> None:
+        """Hold a watch connection to each node (address -> its watch address, see
+        watch.py): the moment one breaks, its node leaves service."""
+
+        def start() -> None:
+            rt = self.runtime
+            for node, address in addresses.items():
+                if node in self._watches or self._closing.is_set():
+                    continue
+                self._watches[node] = self._loop.create_task(
+                    watch_node(
+                        address,
+                        partial(rt.node_lost, node),
+                        partial(rt.node_watched, node),
+                        self._closing,
+                    )
+                )
+
+        self._call(start)
+
+    def _stop_watching(self) -> None:
+        self._closing.set()
+        self.runtime.stop_sweep()
+
+    def node_states(self) -> list[dict[str, object]]:
+        """Every node of the plan served (and any still out of service): its state (in
+        service, down, drained), since when (ISO time; None: since the router started),
+        the batches on it now."""
+
+        def read() -> list[dict[str, object]]:
+            rt = self.runtime
+            out: list[dict[str, object]] = []
+            down, drained, since = rt.down_nodes(), rt.drained_nodes(), rt.node_since()
+            now_us, now = self.clock.now(), time.time()
+            for node in sorted(set(rt.served.vgpu_node.values()) | down | drained):
+                t = since.get(node)
+                state = "down" if node in down else "drained" if node in drained else "in service"
+                out.append(
+                    {
+                        "node": self.node_names.get(node, node),
+                        "address": node,
+                        "state": state,
+                        "since": None
+                        if t is None
+                        else datetime.fromtimestamp(now - (now_us - t) / 1e6).isoformat(
+                            timespec="seconds"
+                        ),
+                        "batches": rt.node_jobs(node),
+                    }
+                )
+            return out
+
+        return self._call(read)
+
+    def drain(self, node: str, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str, object]:
+        """Take `node` (its address) out of new batches and wait (at most `timeout_s`) for
+        those on it to end. Returns {node, batches_left, waited_s}."""
+        t0 = time.monotonic()
+        left = self._call(lambda: self.runtime.drain(node))
+        while left and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.02)
+            left = self._call(lambda: self.runtime.node_jobs(node))
+        return {"node": node, "batches_left": left, "waited_s": round(time.monotonic() - t0, 3)}
+
+    def undrain(self, node: str) -> None:
+        self._call(lambda: self.runtime.undrain(node))
 
     # ------------------------------------------------------------------ intake
 

@@ -68,8 +68,9 @@ class StageClient(Protocol):
         StageUnreachable) when it fails."""
         ...
 
-    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool, bool]:
-        """(live, ready): whether `node` answers at all, and whether every one of
+    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool | None, bool]:
+        """(live, ready): whether `node` answers at all (None: it took the check but gave
+        no answer in time: busy, or hung; not known to be dead), and whether every one of
         `models` is loaded and ready there."""
         ...
 
@@ -138,20 +139,23 @@ class GrpcStages:
         names = call.outputs or [o.name for o in result.get_response().outputs]
         return {n: result.as_numpy(n) for n in names}
 
-    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool, bool]:
+    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool | None, bool]:
         import tritonclient.grpc.aio as grpcaio
 
         probe = grpcaio.InferenceServerClient(node)
-        live = ready = False
+        live: bool | None = False
+        ready = False
         try:
-            live = ready = await probe.is_server_live(client_timeout=CHECK_TIMEOUT_S)
+            live = ready = bool(await probe.is_server_live(client_timeout=CHECK_TIMEOUT_S))
             for m in models:
                 ready = ready and await probe.is_model_ready(m, client_timeout=CHECK_TIMEOUT_S)
-        except Exception:
+        except Exception as exc:
             ready = False
+            if isinstance(grpc_error(exc), StageTimeout):
+                live = None
         finally:
             await probe.close()
-        return bool(live), bool(ready)
+        return live, bool(ready)
 
     def forget(self, node: str) -> None:
         old = self._clients.pop(node, None)

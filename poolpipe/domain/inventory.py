@@ -11,6 +11,9 @@ on them (one Triton endpoint per GPU, reached by address). Read from TOML:
     grpc = "10.0.0.2:8001"      # where the router and other nodes reach it
     http = "10.0.0.2:8000"      # optional: its KServe v2 HTTP address (the router's
                                 # stage calls take less CPU over it; gRPC without it)
+    watch = "10.0.0.2:8003"     # optional: its `poolpipe node` process's watch port: the
+                                # router holds a connection there and takes the node out
+                                # of service the moment it breaks (the process died)
     shares = [1]                # optional: vGPU shares the planner may use on it
 
 The planner plans for an inventory (`cluster()`: device counts, nodes per server and NIC
@@ -48,6 +51,7 @@ class InventoryNode:
     grpc: str  # host:port
     shares: tuple[int, ...] = (1,)
     http: str | None = None  # host:port of its KServe v2 HTTP endpoint, where given
+    watch: str | None = None  # host:port of its process's watch port, where given
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class Inventory:
                     f"{where}: node {n.name}: server {n.server!r} is not among [[servers]] "
                     f"({', '.join(names) or 'none'})"
                 )
-            for field_, address in (("grpc", n.grpc), ("http", n.http)):
+            for field_, address in (("grpc", n.grpc), ("http", n.http), ("watch", n.watch)):
                 if address is not None and not _is_address(address):
                     raise InventoryError(
                         f"{where}: node {n.name}: {field_} = {address!r} is not HOST:PORT"
@@ -141,6 +145,8 @@ class Inventory:
             ]
             if n.http is not None:
                 lines.append(f'http = "{n.http}"')
+            if n.watch is not None:
+                lines.append(f'watch = "{n.watch}"')
             if n.shares != (1,):
                 lines.append(f"shares = [{', '.join(str(v) for v in n.shares)}]")
             lines.append("")
@@ -190,7 +196,7 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
         what = f"[[nodes]] #{i + 1}"
         name = need(n, "name", what, str)
         what = f"node {name}"
-        known(n, {"name", "server", "device", "grpc", "http", "shares"}, what)
+        known(n, {"name", "server", "device", "grpc", "http", "watch", "shares"}, what)
         shares = n.get("shares", [1])
         if not isinstance(shares, list) or not all(isinstance(v, int) for v in shares):
             raise InventoryError(f"{source}: {what}: shares = {shares!r} is not a list of integers")
@@ -202,6 +208,7 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
                 need(n, "grpc", what, str),
                 tuple(shares),
                 _optional(n, "http", what, source),
+                _optional(n, "watch", what, source),
             )
         )
     down = data.get("down", [])
