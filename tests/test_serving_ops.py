@@ -534,3 +534,60 @@ def _serving(args: list[str], timeout_s: float):
         proc.wait()
         raise AssertionError("".join(seen[-20:]) or f"poolpipe {args} said nothing")
     return proc
+
+
+def test_an_operator_sees_status_drains_a_node_and_reads_the_statistics(
+    server,
+    onboarded_tiny,  # noqa: F811
+    capsys,
+):
+    """`poolpipe status`, `drain`, `undrain` and `stats` against a running router: its plan,
+    nodes with their states, figures and ports; a drained node takes no new batch while
+    the other pipelines' requests are answered; node states and rollouts as metrics; the
+    statistics as a table and as JSON. (There were no such commands nor metrics.)"""
+    import json
+    import os
+
+    from poolpipe.cli import main as cli_main
+    from poolpipe.client.control import TOKEN_FILE_VAR
+
+    wh, _ = onboarded_tiny
+    dep = server.deployment
+    router = ["--router", dep.grpc_url, "--token-file", os.environ[TOKEN_FILE_VAR]]
+    _send(server, 3)
+    server.flush_stats()
+    capsys.readouterr()
+    assert cli_main(["status", *router, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["plan_id"] == server.plan_id and s["generation"] == dep.generation
+    assert {n["state"] for n in s["nodes"]} == {"in service"}
+    assert len(s["nodes"]) == len(dep.nodes)
+    assert s["models"]["tiny"]["arrivals"] >= 3 and s["windows"][-1]["models"]["tiny"]["arrivals"]
+    assert s["ports"]["grpc"] == dep.grpc_url and s["ports"]["triton_metrics"]
+    assert cli_main(["status", *router]) == 0
+    table = capsys.readouterr().out
+    assert "in service" in table and "reply margin" in table and dep.grpc_url in table
+
+    first = next(p for p in dep.layout.placements if p.start == 0)
+    name = dep.nodes[first.node].name  # the only node of the first partition
+    assert cli_main(["drain", name, *router, "--timeout", "30"]) == 0
+    assert f"node {name} drained" in capsys.readouterr().out
+    s = server.status()
+    assert [n["state"] for n in s["nodes"] if n["node"] == name] == ["drained"]
+    mod, client = _grpc(dep)
+    with pytest.raises(Exception, match=r"no live path for model tiny.*drained"):
+        _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32))
+    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
+    state = rf'poolpipe_node_state\{{address="[^"]+",node="{name}",state="drained"\}} 1\.0'
+    assert re.search(state, text)
+    assert re.search(r'poolpipe_node_changes_total\{state="drained"\} 1\.0', text)
+    assert cli_main(["undrain", name, *router]) == 0
+    _send(server, 2)  # served again
+    assert cli_main(["drain", "nope", *router]) == 2
+    assert "no node 'nope' serves the plan here" in capsys.readouterr().err
+
+    assert cli_main(["--warehouse", wh, "stats", "--json", "--last", "50"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and {"minute", "model", "arrivals", "on_time"} <= set(rows[-1])
+    assert cli_main(["--warehouse", wh, "stats"]) == 0
+    assert "serving statistics" in capsys.readouterr().out

@@ -92,9 +92,10 @@ class Frontend:
         http_port: int = 0,
         grpc_port: int = 0,
         key: str | None = None,
+        metrics_port: int = 0,
     ):
         """`key`: restricts this Triton's management APIs (model repository, ...), as the
-        nodes' are."""
+        nodes' are. `metrics_port`: its own Prometheus metrics (0: a free one)."""
         self.core = core
         self.ios = list(ios)
         self.workspace = Path(workspace)
@@ -107,6 +108,7 @@ class Frontend:
             self.workspace,
             http_port=http_port,
             grpc_port=grpc_port,
+            metrics_port=metrics_port,
             address=address,
             key=key,
         )

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime
@@ -79,6 +80,31 @@ class RouterCollector:
             "Held back from every deadline for the answer's way out (measured)",
             value=core.runtime.reply_margin_us / 1e6,
         )
+        state = GaugeMetricFamily(
+            "poolpipe_node_state",
+            "1 for each node's state now (in service, down, drained)",
+            labels=["node", "address", "state"],
+        )
+        for n in core.node_states():
+            for st in ("in service", "down", "drained"):
+                state.add_metric([str(n["node"]), str(n["address"]), st], float(n["state"] == st))
+        yield state
+        changes = CounterMetricFamily(
+            "poolpipe_node_changes",
+            "Changes of nodes' states, by the state entered",
+            labels=["state"],
+        )
+        for st, k in sorted(core.node_changes.items()):
+            changes.add_metric([st], k)
+        yield changes
+        rollouts = CounterMetricFamily(
+            "poolpipe_rollouts",
+            "Rollouts by result (done, rolled back, refused)",
+            labels=["result"],
+        )
+        for st, k in sorted(self.server.rollouts.items()):
+            rollouts.add_metric([st], k)
+        yield rollouts
 
 
 class ServingProcess:
@@ -115,6 +141,10 @@ class ServingProcess:
         )
         self._stop = threading.Event()
         self._window_start = datetime.now()
+        self.started = datetime.now()
+        self.rollouts: Counter[str] = Counter()  # by result: done, rolled back, refused
+        # the last windows flushed: (start, seconds, {model: its row}), newest last
+        self.recent: deque[tuple[datetime, float, dict[str, dict]]] = deque(maxlen=5)
         self._stats_thread = threading.Thread(target=self._stats_loop, daemon=True)
         self._stats_thread.start()
         self.replans: list[dict] = []  # decisions of the re-plans after failures
@@ -156,6 +186,7 @@ class ServingProcess:
         }
         rows = [{**base, **asdict(m)} for m in window.models]
         busy = [{**base, **asdict(p)} for p in window.pools]
+        self.recent.append((start, seconds, {m.model: asdict(m) for m in window.models}))
 
         # another process may hold the warehouse: wait a little, else spool (nothing lost)
         store_tables_durably(
@@ -248,7 +279,72 @@ class ServingProcess:
                 "plan_id": self.plan_id,
                 "plan": json.loads(self.deployment.plan.to_json()),
             }
-        raise PoolpipeError(f"unknown control op {op!r}; use rollout, stats, health or plan")
+        if op == "status":
+            return {"ok": True, **self.status()}
+        if op == "drain":
+            timeout = cmd.get("timeout_s")
+            return {"ok": True, **self.deployment.drain(str(cmd.get("node")), timeout)}
+        if op == "undrain":
+            self.deployment.undrain(str(cmd.get("node")))
+            return {"ok": True, "node": cmd.get("node")}
+        raise PoolpipeError(
+            f"unknown control op {op!r}; use rollout, stats, health, plan, status, drain or undrain"
+        )
+
+    def status(self) -> dict[str, Any]:
+        """What an operator looks at: the plan and its generation, every node's state and
+        since when, per model the req/s and attainment of the last windows and since the
+        start, the reply margin, the ports."""
+        dep, core = self.deployment, self.deployment.core
+        windows = [
+            {
+                "start": start.isoformat(timespec="seconds"),
+                "seconds": round(seconds, 1),
+                "models": {
+                    name: {
+                        "req_s": round(r["arrivals"] / seconds, 2) if seconds > 0 else 0.0,
+                        "arrivals": r["arrivals"],
+                        "attainment": round(r["on_time"] / r["arrivals"], 4)
+                        if r["arrivals"]
+                        else None,
+                        "dropped": r["dropped"],
+                        "failed": r["failed"],
+                        "p99_ms": r["p99_ms"],
+                    }
+                    for name, r in rows.items()
+                },
+            }
+            for start, seconds, rows in self.recent
+        ]
+        since_start = (datetime.now() - self.started).total_seconds()
+        return {
+            "deployment": self.name,
+            "plan_id": self.plan_id,
+            "generation": dep.generation,
+            "started": self.started.isoformat(timespec="seconds"),
+            "nodes": core.node_states(),
+            "node_changes": dict(core.node_changes),
+            "live_throughput": core.live_throughput(),
+            "models": {
+                name: {
+                    **st.counts(),
+                    "req_s": round(st.arrivals / since_start, 2) if since_start > 0 else 0.0,
+                    "attainment": round(st.on_time / st.arrivals, 4) if st.arrivals else None,
+                }
+                for name, st in core.stats.items()
+            },
+            "windows": windows,
+            "reply_margin_ms": round(core.reply_margin_us / 1e3, 3),
+            "rollouts": dict(self.rollouts),
+            "ports": {
+                "http": dep.http_url,
+                "grpc": dep.grpc_url,
+                "metrics": f"{self.metrics_address}:{self.metrics_port}"
+                if self.metrics_port
+                else None,
+                "triton_metrics": dep.triton_metrics_url,
+            },
+        }
 
     def rollout_plan_id(self, plan_id: int) -> dict:
         plan = _load_plan(self.warehouse, plan_id)  # waits out a busy warehouse
@@ -259,6 +355,13 @@ class ServingProcess:
         with self._lock:
             self.flush_stats()  # the old plan's figures end here
             result = self.deployment.rollout(plan, self.warehouse)
+            self.rollouts[result.status] += 1
+            log.warning(
+                "rollout of plan %s: %s%s",
+                plan_id if plan_id is not None else "(unstored)",
+                result.status,
+                f": {result.reason}" if result.reason else f" in {result.downtime_ms:.1f} ms",
+            )
             if result.status == "done":
                 self.plan_id = plan_id
             row = {

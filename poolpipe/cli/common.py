@@ -66,3 +66,20 @@ def warn_slo_room(plan, reply_margin_us: float) -> None:
 
     for w in slo_room_warnings(plan, reply_margin_us):
         err_console.print(f"[yellow]warning:[/] {w}", highlight=False, markup=True)
+
+
+def log_events() -> None:
+    """Serving's events (nodes down and back, drains, rollouts, re-plans) to stderr, each
+    line with its time: what an operator greps for in a journal."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    )
+    for name in ("poolpipe", "triton_backend"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

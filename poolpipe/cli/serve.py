@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from poolpipe.cli.common import add_reply_margin_argument, err_console, warn_slo_room
+from poolpipe.cli.common import add_reply_margin_argument, err_console, log_events, warn_slo_room
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US
@@ -63,6 +63,7 @@ def _wait_for_signal(stop: threading.Event, also=None) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from triton_backend.serve import ServingProcess
 
+    log_events()
     inventory = None
     if args.nodes:
         from poolpipe.domain.inventory import load_inventory
@@ -143,7 +144,9 @@ def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
         f"{'node to node' if dep.options.transport == 'chain' else 'through the router'}): "
         f"KServe v2 HTTP {dep.http_url}, "
         f"gRPC {dep.grpc_url}, router metrics "
-        f"http://{_host(server.metrics_address)}:{server.metrics_port}/metrics\n"
+        f"http://{_host(server.metrics_address)}:{server.metrics_port}/metrics, its Triton's "
+        f"metrics http://{dep.triton_metrics_url}/metrics\n"
+        f"look at it: poolpipe status --router {dep.grpc_url} --token-file {token_file}\n"
         f"roll out another plan: poolpipe rollout PLAN --router {dep.grpc_url} "
         f"--token-file {token_file}\n"
         "Ctrl-C stops."
@@ -157,7 +160,8 @@ def _host(address: str) -> str:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from triton_backend.nodes import TritonNode
+    from triton_backend.nodes import TritonNode, refuse_taken_ports
+    from triton_backend.watch import NodeWatch
 
     if not re.fullmatch(r"cpu-\d+t", args.device) and not Path("/dev/nvidiactl").exists():
         err_console.print(
@@ -187,20 +191,27 @@ def cmd_node(args: argparse.Namespace) -> int:
         address=args.listen,
         key=key,
     )
+    watch = None
     try:  # a Ctrl-C while it starts stops what has started
+        refuse_taken_ports(f"node {name}", args.listen, {"watch port": args.watch_port})
         with console.status(f"starting node {name} ..."):
             node.start()
+        watch = NodeWatch(args.listen, args.watch_port)  # once it serves: routers may watch
         stop = _stop_on_signals()
         console.print(
             f"node {name} ({args.device}) serving: gRPC {node.grpc_url}, HTTP {node.http_url}, "
-            f"metrics :{node.metrics_port}; models arrive through the model repository API "
-            f"(log: {node.log_path}). Ctrl-C stops.",
+            f"metrics {_host(args.listen)}:{node.metrics_port}, watch {watch.url}; models "
+            f"arrive through the model repository API (log: {node.log_path}). Its inventory "
+            f'entry: grpc = "{node.grpc_url}", http = "{node.http_url}", watch = '
+            f'"{watch.url}". Ctrl-C stops.',
             highlight=False,
         )
         _wait_for_signal(stop, also=lambda: not node.alive)
         if not node.alive:
             raise PoolpipeError(f"node {name}: tritonserver exited; see {node.log_path}")
     finally:
+        if watch is not None:  # first: routers stop sending here while it stops
+            watch.close()
         with console.status("stopping ..."):
             node.stop()
     return 0
@@ -265,6 +276,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "when every node is on this host (loopback addresses), else chain (router)",
     )
     p.add_argument("--grpc-port", type=int, default=0, help="the router's gRPC port (a free one)")
+    p.add_argument(
+        "--triton-metrics-port",
+        type=int,
+        default=0,
+        help="the router's Triton's own metrics port (a free one)",
+    )
 
 
 def router_options(args: argparse.Namespace) -> dict:
@@ -281,6 +298,7 @@ def router_options(args: argparse.Namespace) -> dict:
         "transport": args.transport,
         "http_port": args.http_port,
         "grpc_port": args.grpc_port,
+        "triton_metrics_port": args.triton_metrics_port,
     }
 
 
@@ -337,6 +355,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (a free one)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP port (a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="metrics port (a free one)")
+    p.add_argument(
+        "--watch-port",
+        type=int,
+        default=0,
+        help="watch port (a free one): routers hold a connection here and take the node out "
+        "of service the moment this process ends; give it as `watch` in the inventory",
+    )
     p.add_argument("--workspace", help="working folder (out/node-NAME)")
     _token_argument(p, "the router's token: only it may load and unload models here")
     p.set_defaults(func=cmd_node)

@@ -1,0 +1,212 @@
+"""An operator's commands on a running router: `status` (what it serves, its nodes, its
+figures), `drain` / `undrain` (a node out of new batches, and back), and `stats` (the
+warehouse's per-window serving statistics)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from rich.table import Table
+
+from poolpipe.cli.common import console, open_warehouse
+from poolpipe.client.control import TOKEN_FILE_VAR, read_token
+from poolpipe.errors import PoolpipeError
+
+
+def _send(args: argparse.Namespace, command: dict, timeout_s: float = 30.0) -> dict:
+    """`command` to the router at --router with the token of --token-file (or
+    $POOLPIPE_TOKEN_FILE); its answer, or a PoolpipeError saying what went wrong."""
+    from poolpipe.client import send_control
+
+    token_file = args.token_file or os.environ.get(TOKEN_FILE_VAR)
+    token = read_token(token_file) if token_file else None
+    try:
+        answer = send_control(args.router, command, timeout_s=timeout_s, token=token)
+    except Exception as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PoolpipeError(
+            f"no answer from the router at {args.router} ({text}); is `poolpipe serve` "
+            "running there, and is that its gRPC address?"
+        ) from None
+    if not answer.get("ok"):
+        raise PoolpipeError(f"the router at {args.router} refused: {answer.get('error')}")
+    return answer
+
+
+def _pct(x: object) -> str:
+    return "-" if x is None else f"{100 * float(x):.1f}%"  # type: ignore[arg-type]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    s = _send(args, {"op": "status"})
+    if args.json:
+        console.print_json(json.dumps(s))
+        return 0
+    ports = s["ports"]
+    console.print(
+        f"deployment {s['deployment']}: plan {s['plan_id']} (generation {s['generation']}), "
+        f"serving since {s['started']}; reply margin {s['reply_margin_ms']:.2f} ms\n"
+        f"ports: HTTP {ports['http']}, gRPC {ports['grpc']}, metrics {ports['metrics']}, "
+        f"its Triton's metrics {ports['triton_metrics']}",
+        highlight=False,
+    )
+    nodes = Table(title="nodes")
+    for col in ("node", "address", "state", "since", "batches on it"):
+        nodes.add_column(col)
+    for n in s["nodes"]:
+        style = {"down": "red", "drained": "yellow"}.get(n["state"], "")
+        nodes.add_row(
+            n["node"], n["address"], n["state"], n["since"] or "start", str(n["batches"]),
+            style=style,
+        )  # fmt: skip
+    console.print(nodes)
+    models = Table(title="models (since the start; then the last windows written)")
+    for col in ("model", "when", "req/s", "arrivals", "on time", "dropped", "failed", "p99 ms"):
+        models.add_column(col, justify="left" if col in ("model", "when") else "right")
+    for name, m in s["models"].items():
+        plan_rps = s["live_throughput"].get(name)
+        models.add_row(
+            name, "since start", f"{m['req_s']:.1f}", str(m["arrivals"]),
+            _pct(m["attainment"]), str(m["dropped"]), str(m["failed"]), "-",
+        )  # fmt: skip
+        for w in s["windows"][-3:]:
+            r = w["models"].get(name)
+            if r is None:
+                continue
+            models.add_row(
+                "", f"{w['start']} ({w['seconds']:g} s)", f"{r['req_s']:.1f}",
+                str(r["arrivals"]), _pct(r["attainment"]), str(r["dropped"]), str(r["failed"]),
+                "-" if r["p99_ms"] is None else f"{r['p99_ms']:.1f}",
+            )  # fmt: skip
+        if plan_rps is not None:
+            models.add_row("", "planned on the nodes in service", f"{plan_rps:.1f}", *[""] * 5)
+    console.print(models)
+    if s["node_changes"] or s["rollouts"]:
+        console.print(
+            "node changes: "
+            + (", ".join(f"{k} {v}" for k, v in s["node_changes"].items()) or "none")
+            + "; rollouts: "
+            + (", ".join(f"{k} {v}" for k, v in s["rollouts"].items()) or "none"),
+            highlight=False,
+        )
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    with console.status(f"draining {args.node} (waiting for its batches) ..."):
+        r = _send(
+            args, {"op": "drain", "node": args.node, "timeout_s": args.timeout},
+            timeout_s=args.timeout + 30,
+        )  # fmt: skip
+    left = r["batches_left"]
+    console.print(
+        f"node {r['node']} drained in {r['waited_s']:.2f} s: no new batch goes to it"
+        + (f"; {left} batch(es) still on it after {args.timeout:g} s" if left else "")
+        + f". Put it back: poolpipe undrain {args.node} --router {args.router}",
+        highlight=False,
+    )
+    return 0 if not left else 1
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    _send(args, {"op": "undrain", "node": args.node})
+    console.print(f"node {args.node} is back in service (checked now)", highlight=False)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with open_warehouse(args) as wh:
+        where, params = "", []
+        if args.deployment:
+            where, params = "WHERE deployment = ?", [args.deployment]
+        rows = wh.con.execute(
+            "SELECT minute, seconds, deployment, plan_id, model, arrivals, on_time, late, "
+            f"dropped, failed, p50_ms, p99_ms, mean_batch FROM serving_stats {where} "
+            "ORDER BY minute DESC, deployment, model LIMIT ?",
+            [*params, args.last],
+        ).fetchall()
+    cols = (
+        "minute", "seconds", "deployment", "plan_id", "model", "arrivals", "on_time", "late",
+        "dropped", "failed", "p50_ms", "p99_ms", "mean_batch",
+    )  # fmt: skip
+    records = [dict(zip(cols, r, strict=True)) for r in reversed(rows)]
+    if args.json:
+        for r in records:
+            r["minute"] = r["minute"].isoformat()
+        console.print_json(json.dumps(records))
+        return 0
+    if not records:
+        console.print(
+            "no serving statistics yet"
+            + (f" for deployment {args.deployment!r}" if args.deployment else "")
+            + " (a router writes a window every --stats-interval seconds)"
+        )
+        return 0
+    t = Table(title=f"serving statistics, the last {len(records)} row(s)")
+    for c in ("window", "deployment", "plan", "model", "req/s", "arrivals", "on time",
+              "late", "dropped", "failed", "p50 ms", "p99 ms", "batch"):  # fmt: skip
+        t.add_column(c, justify="left" if c in ("window", "deployment", "model") else "right")
+
+    def num(x: object, f: str = ".1f") -> str:
+        return "-" if x is None else format(x, f)
+
+    for r in records:
+        n = r["arrivals"]
+        t.add_row(
+            f"{r['minute']:%Y-%m-%d %H:%M:%S} ({r['seconds']:.0f} s)", r["deployment"],
+            num(r["plan_id"], "d"), r["model"], num(n / r["seconds"] if r["seconds"] else None),
+            str(n), _pct(r["on_time"] / n if n else None), str(r["late"]), str(r["dropped"]),
+            str(r["failed"]), num(r["p50_ms"]), num(r["p99_ms"]), num(r["mean_batch"], ".2f"),
+        )  # fmt: skip
+    console.print(t)
+    return 0
+
+
+def _router(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", required=True, help="the router's gRPC host:port")
+    p.add_argument("--token-file", help=f"the router's token file (default: ${TOKEN_FILE_VAR})")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status",
+        help="a running router: plan, nodes in and out of service, live figures, ports",
+        description="Ask a running router (poolpipe serve) what it serves: the plan and its "
+        "generation, every node's state (in service, down, drained) and since when, per "
+        "model the req/s and attainment since the start and over the last windows, the "
+        "reply margin, the ports.",
+    )
+    _router(p)
+    p.add_argument("--json", action="store_true", help="the router's answer as JSON")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "drain",
+        help="take a node out of new batches and wait for those on it to end",
+        description="The router sends no new batch to NODE (also after rollouts) and waits "
+        "for the batches on it to end; then the node may be stopped or upgraded without a "
+        "dropped request. `poolpipe undrain` puts it back.",
+    )
+    p.add_argument("node", help="the node's name in the inventory (or its gRPC host:port)")
+    _router(p)
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for its batches (60)"
+    )
+    p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("undrain", help="put a drained node back in service")
+    p.add_argument("node", help="the node's name in the inventory (or its gRPC host:port)")
+    _router(p)
+    p.set_defaults(func=cmd_undrain)
+
+    p = sub.add_parser(
+        "stats",
+        help="the serving statistics routers wrote to the warehouse, as a table or JSON",
+        description="The per-window rows of serving_stats (one per model and window), newest last.",
+    )
+    p.add_argument("--deployment", help="only this deployment's rows (serve --name)")
+    p.add_argument("--last", type=int, default=20, help="rows (20)")
+    p.add_argument("--json", action="store_true", help="as JSON")
+    p.set_defaults(func=cmd_stats)
