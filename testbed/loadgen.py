@@ -16,14 +16,14 @@ import numpy as np
 
 from testbed.predict import predict
 from triton_backend.kserve_http import parse_head
-from triton_backend.served import DROP_MARKER, FAIL_MARKER
+from triton_backend.served import DROP_MARKER, FAIL_MARKER, REFUSED_MARKER
 
 
 @dataclass(frozen=True)
 class Shot:
     sent_s: float  # when it was sent, from the start of the run
     latency_s: float
-    outcome: str  # ok | dropped | failed | error
+    outcome: str  # ok | dropped | refused | failed | error
 
 
 def poisson_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
@@ -61,7 +61,13 @@ async def _drive(
         except Exception as exc:
             text = str(exc)
             outcome = (
-                "dropped" if DROP_MARKER in text else "failed" if FAIL_MARKER in text else "error"
+                "dropped"
+                if DROP_MARKER in text
+                else "refused"
+                if REFUSED_MARKER in text
+                else "failed"
+                if FAIL_MARKER in text
+                else "error"
             )
         shots.append(Shot(sent - t0, loop.time() - sent, outcome))
 
@@ -96,6 +102,7 @@ def client_figures(shots: list[Shot], slo_s: float, duration_s: float) -> dict[s
         "ok": len(ok),
         "dropped": sum(1 for s in shots if s.outcome == "dropped"),
         "failed": sum(1 for s in shots if s.outcome in ("failed", "error")),
+        "refused": sum(1 for s in shots if s.outcome == "refused"),
         "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
         "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan"),
         "goodput": on_time / duration_s if duration_s > 0 else 0.0,

@@ -106,3 +106,29 @@ def test_the_reply_margin_follows_egress_within_floor_and_ceiling():
     assert m.figures()["chain_overhead_p99_ms"] == pytest.approx(3.0)
     with pytest.raises(PoolpipeError, match="floor <= ceiling"):
         MarginMeter(floor_us=5_000.0, ceiling_us=1_000.0)
+
+
+def test_a_plan_that_cannot_serve_one_row_is_the_servers_condition_not_the_clients():
+    """Stages of 6 + 4 µs, SLO 8 µs: not even one row at the model's SLO. That request is
+    Unservable (the server's condition: answered 503, counted as refused); one asking for
+    a shorter SLO than the model's is still the client's BadRequest."""
+    from poolpipe.runtime import Unservable
+
+    topo = make_topology([([0], [6.0], 0.0), ([1], [4.0], 0.0)], slo_us=8.0)
+    with pytest.raises(Unservable, match="cannot serve a request within 0.008 ms"):
+        check_request(topo, "m", 1, None, 0.0)
+    with pytest.raises(Unservable):  # a longer SLO that still does not fit
+        check_request(topo, "m", 1, 0.009, 0.0)
+    with pytest.raises(BadRequest, match="1 rows cannot be served"):
+        check_request(topo, "m", 1, 0.005, 0.0)
+    assert check_request(topo, "m", 1, 0.02, 0.0) == (0, 20.0)
+
+
+def test_a_rollout_refusal_gives_both_numbers():
+    from poolpipe.runtime.intake import RoomWarning
+
+    w = RoomWarning("m", slo_ms=10.0, margin_ms=3.0, fastest_ms=8.0)
+    assert w.refusal() == (
+        "m: its SLO 10 ms less the router's measured reply margin 3.00 ms leaves 7.00 ms, "
+        "less than its fastest pipeline's planned latency 8 ms"
+    )

@@ -591,3 +591,74 @@ def test_an_operator_sees_status_drains_a_node_and_reads_the_statistics(
     assert rows and {"minute", "model", "arrivals", "on_time"} <= set(rows[-1])
     assert cli_main(["--warehouse", wh, "stats"]) == 0
     assert "serving statistics" in capsys.readouterr().out
+
+
+def test_a_plan_that_cannot_be_served_is_refused_and_forced_its_requests_are_refused_503(
+    prefect_api,
+    server,
+    onboarded_tiny,  # noqa: F811
+):
+    """A plan whose SLO, less the router's measured reply margin, is shorter than its
+    fastest pipeline used to be rolled out ("ok": true) and then have every request refused
+    as the client's fault (HTTP 400), counted nowhere. Now the rollout is refused with both
+    numbers before anything is loaded; with force it goes out (logged), and its requests
+    are refused as the server's condition (UNAVAILABLE / 503) and counted as refused, in
+    the runtime, the metrics and the warehouse's window."""
+    from flows.rollout import rollout_plan
+    from poolpipe.domain.cluster import load_cluster
+    from poolpipe.domain.plan import manual_plan
+    from poolpipe.errors import PoolpipeError
+    from triton_backend.router import REFUSED_MARKER
+
+    wh, _ = onboarded_tiny
+    dep = server.deployment
+    cluster = load_cluster(REPO / "local-clusters.toml", "local-1t")
+    tight = manual_plan("tiny", 500.0, cluster, [(0, 4, "cpu-1t", 1)], 4)  # 0.5 ms
+    with Warehouse.open(wh) as w:
+        plan_id = w.store_plan(tight, label="too tight")
+    gen, loaded = dep.generation, sorted(p.partition for p in dep.layout.placements)
+    with pytest.raises(PoolpipeError, match="refused") as e:
+        rollout_plan(str(plan_id), dep.grpc_url, warehouse=wh)
+    said = str(e.value)
+    assert "SLO 0.5 ms less the router's measured reply margin" in said
+    assert "no time to serve a request in" in said and "--force" in said
+    assert dep.generation == gen and sorted(p.partition for p in dep.layout.placements) == loaded
+    assert server.rollouts["refused"] >= 1
+
+    before = dep.core.stats["tiny"].counts()
+    result = rollout_plan(str(plan_id), dep.grpc_url, warehouse=wh, force=True)
+    assert result["status"] == "done" and dep.generation == gen + 1
+    server.flush_stats()
+    mod, client = _grpc(dep)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    for _ in range(3):
+        with pytest.raises(Exception) as refused:
+            _infer(mod, client, x)
+        assert REFUSED_MARKER in str(refused.value) and "UNAVAILABLE" in str(refused.value)
+    body = {"inputs": [{"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32",
+                        "data": [0.0] * 3072}]}  # fmt: skip
+    r = httpx.post(f"http://{dep.http_url}/v2/models/tiny/infer", json=body, timeout=30)
+    assert r.status_code == 503 and REFUSED_MARKER in r.text, (r.status_code, r.text)
+    after = dep.core.stats["tiny"].counts()
+    assert after["refused"] - before["refused"] == 4
+    assert after["arrivals"] - before["arrivals"] == 4
+    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
+    m = re.search(r'poolpipe_requests_total\{model="tiny",outcome="refused"\} (\S+)', text)
+    assert m and float(m.group(1)) >= 4
+    assert re.search(r'poolpipe_rollouts_total\{result="refused"\} [1-9]', text)
+    server.flush_stats()
+    with Warehouse.open(wh) as w:
+        arrivals, refused_rows = w.con.execute(
+            "SELECT arrivals, refused FROM serving_stats ORDER BY minute DESC LIMIT 1"
+        ).fetchone()
+    assert refused_rows == 4 and arrivals == 4
+
+    # a plan that fits again (the rest of the module serves on it)
+    back = rollout_plan(str(server_plan_id(wh)), dep.grpc_url, warehouse=wh)
+    assert back["status"] == "done"
+    _send(server, 1)
+
+
+def server_plan_id(wh: str) -> int:
+    with Warehouse.open(wh) as w:
+        return w.stored_plan_id(two_partition_plan(), label="test")

@@ -28,6 +28,7 @@ from poolpipe.runtime import (
     DEFAULT_MARGIN_FLOOR_US,
     MarginMeter,
     ServedPlan,
+    slo_room_warnings,
 )
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
@@ -323,18 +324,32 @@ class Deployment:
             raise
 
     def rollout(
-        self, plan: Plan, warehouse: str | Path | None, flush_timeout_s: float | None = None
+        self,
+        plan: Plan,
+        warehouse: str | Path | None,
+        flush_timeout_s: float | None = None,
+        force: bool = False,
     ) -> RolloutResult:
         """Move to `plan` with pipeline-flush migration: load the new partition models on
         every node while the old ones serve, pause intake, flush, switch, resume, unload the
         old models. A failure before the switch unloads what was loaded and keeps the old
-        plan serving; the result says why."""
+        plan serving; the result says why. A plan whose SLO, less the reply margin the
+        router measures now, is shorter than its fastest pipeline is refused before
+        anything is loaded (every request would be dropped or refused); `force` rolls it
+        out anyway (logged)."""
         tag = f"g{self.generation + 1}"
         names = lambda p: ",".join(m.name for m in p.models)  # noqa: E731
         label_from = f"{self.plan.strategy}:{names(self.plan)}@gen{self.generation}"
         label_to = f"{plan.strategy}:{names(plan)}@gen{self.generation + 1}"
         t0 = time.perf_counter()
         why = _cannot_replace(self.plan, plan)
+        no_room = slo_room_warnings(plan, self.core.reply_margin_us)
+        if no_room and force:
+            log.warning("rolled out by force although %s", "; ".join(map(str, no_room)))
+        elif no_room:
+            why = why or (
+                "; ".join(w.refusal() for w in no_room) + " (--force rolls it out anyway)"
+            )
         if why:  # before anything is cut or loaded
             return RolloutResult("refused", why, label_from, label_to, 0.0, 0, 0, 0)
         loaded: list[tuple[RepositoryAPI, str]] = []

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
-from poolpipe.runtime import BadRequest
-from triton_backend.router import BAD_REQUEST_MARKER, RouterCore
+from poolpipe.runtime import BadRequest, Unservable
+from triton_backend.router import BAD_REQUEST_MARKER, REFUSED_MARKER, RouterCore
 
 _LEN = struct.Struct("<I")
 log = logging.getLogger(__name__)
@@ -172,6 +172,8 @@ class Door:
             )
         except BadRequest as exc:
             conn.answer(rid, None, "INVALID_ARG", f"{BAD_REQUEST_MARKER}: {exc}")
+        except Unservable as exc:  # the server's condition: 503, counted as refused
+            conn.answer(rid, None, "UNAVAILABLE", f"{REFUSED_MARKER}: {exc}")
 
     def _control(self, conn: _Connection, rid: int, arrays: list[np.ndarray]) -> None:
         handle = self.control

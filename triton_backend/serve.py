@@ -46,7 +46,7 @@ class RouterCollector:
             "poolpipe_requests", "Requests by model and outcome", labels=["model", "outcome"]
         )
         for name, s in core.stats.items():
-            for outcome in ("arrivals", "on_time", "late", "dropped", "failed"):
+            for outcome in ("arrivals", "on_time", "late", "dropped", "failed", "refused"):
                 req.add_metric([name, outcome], getattr(s, outcome))
         yield req
         yield GaugeMetricFamily(
@@ -248,7 +248,7 @@ class ServingProcess:
             }
         op = cmd.get("op")
         if op == "rollout":
-            return self.rollout_plan_id(int(cmd["plan_id"]))
+            return self.rollout_plan_id(int(cmd["plan_id"]), force=bool(cmd.get("force")))
         if op == "stats":
             s = self.deployment.core.stats
             return {
@@ -259,7 +259,7 @@ class ServingProcess:
                 "models": {
                     k: {
                         f: getattr(v, f)
-                        for f in ("arrivals", "on_time", "late", "dropped", "failed")
+                        for f in ("arrivals", "on_time", "late", "dropped", "failed", "refused")
                     }
                     for k, v in s.items()
                 },
@@ -346,15 +346,15 @@ class ServingProcess:
             },
         }
 
-    def rollout_plan_id(self, plan_id: int) -> dict:
+    def rollout_plan_id(self, plan_id: int, force: bool = False) -> dict:
         plan = _load_plan(self.warehouse, plan_id)  # waits out a busy warehouse
-        result = self.rollout(plan, plan_id)
+        result = self.rollout(plan, plan_id, force=force)
         return {"ok": result.status == "done", **asdict(result)}
 
-    def rollout(self, plan: Plan, plan_id: int | None = None) -> RolloutResult:
+    def rollout(self, plan: Plan, plan_id: int | None = None, force: bool = False) -> RolloutResult:
         with self._lock:
             self.flush_stats()  # the old plan's figures end here
-            result = self.deployment.rollout(plan, self.warehouse)
+            result = self.deployment.rollout(plan, self.warehouse, force=force)
             self.rollouts[result.status] += 1
             log.warning(
                 "rollout of plan %s: %s%s",

@@ -18,6 +18,7 @@ from poolpipe.scheduler import DataPlane, Topology
 DROP_MARKER = "POOLPIPE_DROPPED"
 BAD_REQUEST_MARKER = "POOLPIPE_BAD_REQUEST"
 FAIL_MARKER = "POOLPIPE_STAGE_FAILED"
+REFUSED_MARKER = "POOLPIPE_REFUSED"  # the plan served cannot serve it (the server's condition)
 
 
 @dataclass(frozen=True)

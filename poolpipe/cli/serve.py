@@ -40,7 +40,7 @@ def _plan_arg(args: argparse.Namespace):
     plan = Plan.load(path)
     with Warehouse.open(args.warehouse) as wh:  # stored only once it passes
         check_plan(wh, plan, str(path))
-        return plan, wh.store_plan(plan, label=f"serve:{path.name}")
+        return plan, wh.stored_plan_id(plan, label=f"serve:{path.name}")
 
 
 def _stop_on_signals() -> threading.Event:
@@ -228,7 +228,11 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         read_token(token_file)  # a bad file is refused here, before the flow runs
     with console.status(f"rolling plan {args.plan} out to {args.router} ..."):
         result = rollout_plan(
-            args.plan, args.router, warehouse=args.warehouse, token_file=token_file
+            args.plan,
+            args.router,
+            warehouse=args.warehouse,
+            token_file=token_file,
+            force=args.force,
         )
     console.print(json.dumps(result, indent=2))
     return 0
@@ -375,5 +379,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan", help="a plan id in the warehouse or a plan JSON file")
     p.add_argument("--router", required=True, help="the router's gRPC host:port")
     _token_argument(p, "the router's token (serve prints where it is)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="roll out even a plan whose SLO, less the router's measured reply margin, is "
+        "shorter than its fastest pipeline (refused otherwise: its requests would be dropped)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show Prefect's logs")
     p.set_defaults(func=cmd_rollout)

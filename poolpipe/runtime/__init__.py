@@ -16,6 +16,7 @@ from poolpipe.runtime.intake import (
     MAX_SLO_MS,
     BadRequest,
     MarginMeter,
+    Unservable,
     slo_room_warnings,
 )
 from poolpipe.runtime.migration import SwitchResult, default_flush_timeout_us
@@ -68,6 +69,7 @@ __all__ = [
     "ServingRuntime",
     "SwitchResult",
     "Timer",
+    "Unservable",
     "Window",
     "default_flush_timeout_us",
     "slo_room_warnings",

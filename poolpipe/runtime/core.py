@@ -33,7 +33,7 @@ from typing import Any
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.guard import WakeGuard
 from poolpipe.runtime.health import NODE_CHECK_EVERY_US, NodeHealth
-from poolpipe.runtime.intake import MAX_SLO_MS, check_request
+from poolpipe.runtime.intake import MAX_SLO_MS, Unservable, check_request
 from poolpipe.runtime.migration import (
     SWITCHED_AWAY,
     FlushMigration,
@@ -292,15 +292,22 @@ class ServingRuntime:
 
     def check(self, model: str, rows: int, slo_ms: object) -> tuple[int, float | None]:
         """A request at the door, before it is queued: (model index, SLO in µs or None for
-        the model's), or a BadRequest naming what is wrong (see intake.check_request)."""
-        return check_request(
-            self._plan.recal.base,
-            model,
-            rows,
-            slo_ms,
-            self.reply_margin_us,
-            self.config.max_slo_ms,
-        )
+        the model's), or a BadRequest naming what is wrong, or Unservable where the plan
+        cannot serve it (counted: arrivals and refused; see intake.check_request)."""
+        try:
+            return check_request(
+                self._plan.recal.base,
+                model,
+                rows,
+                slo_ms,
+                self.reply_margin_us,
+                self.config.max_slo_ms,
+            )
+        except Unservable:
+            stats = self.stats[model]
+            stats.arrivals += rows
+            stats.refused += rows
+            raise
 
     def submit(
         self, model: int, payloads: Sequence[Any], slo_us: float | None = None

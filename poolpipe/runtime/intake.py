@@ -119,6 +119,12 @@ class BadRequest(PoolpipeError):
     """A request the runtime refuses at the door (the client's input is wrong)."""
 
 
+class Unservable(PoolpipeError):
+    """A request the runtime refuses at the door because the plan served cannot serve it:
+    not even one row within the model's own SLO (less the reply margin). The server's
+    condition, not the client's fault: counted as refused, answered UNAVAILABLE."""
+
+
 def request_slo_us(raw: object, max_slo_ms: float = MAX_SLO_MS) -> float | None:
     """A request's `slo_ms` parameter in µs (None when it gives none). Numbers and numeric
     strings are taken; anything else, and values that are not finite, not above 0 or above
@@ -176,7 +182,8 @@ def check_request(
 ) -> tuple[int, float | None]:
     """(model index, SLO in µs or None for the model's) of a request, or a BadRequest:
     unknown model, no rows, a bad `slo_ms`, or more rows than the plan could ever serve
-    within the SLO (less the reply margin)."""
+    within the SLO (less the reply margin); or Unservable where the plan cannot serve even
+    one row within the model's own SLO (or a longer one the request asks for)."""
     try:
         index = topo.model_index(model)
     except UnknownNameError:
@@ -185,8 +192,16 @@ def check_request(
     if rows < 1:
         raise BadRequest(f"{model}: a request needs at least one row, got {rows}")
     slo_us = request_slo_us(slo_raw, max_slo_ms)
-    slo = topo.models[index].slo_us if slo_us is None else slo_us
+    own = topo.models[index].slo_us
+    slo = own if slo_us is None else slo_us
     most = most_rows_on_time(topo, index, slo - reply_margin_us)
+    if most < 1 and slo >= own:
+        raise Unservable(
+            f"{model}: this plan cannot serve a request within {slo / 1e3:g} ms: its SLO less "
+            f"the {reply_margin_us / 1e3:.2f} ms held back for the reply leaves less than its "
+            "fastest pipeline; the operator must roll out a plan that fits (or a request may "
+            "ask for a longer slo_ms)"
+        )
     if rows > most:
         raise BadRequest(
             f"{model}: {rows} rows cannot be served within {slo / 1e3:g} ms by this plan "
@@ -214,6 +229,19 @@ class RoomWarning:
             f"{self.margin_ms:g} ms leaves less than its fastest pipeline's planned latency "
             f"{self.fastest_ms:.1f} ms: {what}. Lower the reply margin (--reply-margin-ms) "
             "or give the model a longer SLO."
+        )
+
+    def refusal(self) -> str:
+        """Why a rollout of this plan is refused, with both numbers."""
+        room = self.slo_ms - self.margin_ms
+        return (
+            f"{self.model}: its SLO {self.slo_ms:g} ms less the router's measured reply margin "
+            f"{self.margin_ms:.2f} ms leaves {room:.2f} ms"
+            + (
+                f", less than its fastest pipeline's planned latency {self.fastest_ms:.3g} ms"
+                if room > 0
+                else ": no time to serve a request in"
+            )
         )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from poolpipe.scheduler import Topology
 
-COUNTS = ("arrivals", "on_time", "late", "dropped", "failed")
+COUNTS = ("arrivals", "on_time", "late", "dropped", "failed", "refused")
 
 
 @dataclass
@@ -20,6 +20,7 @@ class ModelStats:
     late: int = 0
     dropped: int = 0
     failed: int = 0
+    refused: int = 0  # at the door: the plan served cannot serve them (intake.Unservable)
     retried: int = 0
     latency_us: list[float] = field(default_factory=list)  # of answered requests
     batch_sizes: Counter[int] = field(default_factory=Counter)  # requests per batch sent
@@ -27,6 +28,7 @@ class ModelStats:
     def clear(self) -> None:
         """From zero, in place (entries in flight keep counting here)."""
         self.arrivals = self.on_time = self.late = self.dropped = self.failed = 0
+        self.refused = 0
         self.retried = 0
         self.latency_us.clear()
         self.batch_sizes.clear()
@@ -45,6 +47,7 @@ class ModelWindow:
     late: int
     dropped: int
     failed: int
+    refused: int  # at the door: the plan served cannot serve them
     p50_ms: float | None  # latency of the requests answered with a result (None: none)
     p99_ms: float | None
     mean_batch: float | None  # requests per batch sent (None: no batch)

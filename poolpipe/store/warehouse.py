@@ -679,6 +679,19 @@ class Warehouse:
 
     # ------------------------------------------------------------------ plans
 
+    def plan_id_of(self, plan: Plan) -> int | None:
+        """The id of a stored plan identical to `plan` (the same JSON), if any: a plan file
+        served or rolled out again is the plan stored the first time, not a new one."""
+        row = self.con.execute(
+            "SELECT min(plan_id) FROM plans WHERE plan_json = ?", [plan.to_json()]
+        ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def stored_plan_id(self, plan: Plan, label: str | None = None) -> int:
+        """`plan`'s id: the one it was stored under before (plan_id_of), else a new one."""
+        known = self.plan_id_of(plan)
+        return known if known is not None else self.store_plan(plan, label)
+
     def store_plan(self, plan: Plan, label: str | None = None) -> int:
         """Store a plan as rows (models, pipelines, partitions) plus its JSON; returns its id."""
         s = plan.solver
