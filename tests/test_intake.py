@@ -115,7 +115,7 @@ def test_a_plan_that_cannot_serve_one_row_is_the_servers_condition_not_the_clien
     from poolpipe.runtime import Unservable
 
     topo = make_topology([([0], [6.0], 0.0), ([1], [4.0], 0.0)], slo_us=8.0)
-    with pytest.raises(Unservable, match="cannot serve a request within 0.008 ms"):
+    with pytest.raises(Unservable, match=r"cannot serve a request within 0\.008 ms"):
         check_request(topo, "m", 1, None, 0.0)
     with pytest.raises(Unservable):  # a longer SLO that still does not fit
         check_request(topo, "m", 1, 0.009, 0.0)
