@@ -11,7 +11,9 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
+from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import Plan
+from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S
 from poolpipe.store.plan_inputs import plan_request
@@ -22,7 +24,7 @@ from poolpipe.store.warehouse import Warehouse
 def load_request(
     warehouse: str | None,
     models: list[str],
-    cluster: str,
+    cluster: str | Cluster,
     clusters_file: str | None,
     weights: list[float] | None,
     slo_ms: dict[str, float] | None,
@@ -56,7 +58,7 @@ def store_plan(warehouse: str | None, plan: Plan, label: str | None) -> int:
 @flow(name="plan", log_prints=True)
 def plan_models(
     models: list[str],
-    cluster: str,
+    cluster: str | None = None,
     warehouse: str | None = None,
     clusters_file: str | None = None,
     weights: list[float] | None = None,
@@ -71,9 +73,12 @@ def plan_models(
     mip_gap: float = DEFAULT_MIP_GAP,
     label: str | None = None,
     out: str | None = None,
+    inventory: str | None = None,
 ) -> int:
-    """Plan MODELS on CLUSTER from the warehouse's profiles; store the plan (and write it to
-    OUT as JSON when given). Returns the plan id. The options are `poolpipe plan`'s:
+    """Plan MODELS on CLUSTER (a name, from CLUSTERS_FILE or the warehouse), or on the live
+    nodes of INVENTORY (an inventory TOML file on the worker), from the warehouse's
+    profiles; store the plan (and write it to OUT as JSON when given). Returns the plan id.
+    The options are `poolpipe plan`'s:
     STRATEGY (ppipe, np, dart-r), PACKING (per-share, per-position), MARGIN (fraction of
     the SLO held back), MAX_PARTITIONS, SOLVER (highs, gurobi), TIME_LIMIT_S per MILP,
     MIP_GAP (relative)."""
@@ -87,8 +92,17 @@ def plan_models(
         "time_limit_s": time_limit_s,
         "mip_gap": mip_gap,
     }
+    if (cluster is None) == (inventory is None):
+        raise PoolpipeError("give cluster (a name) or inventory (a file), one of them")
+    if inventory is not None:
+        from poolpipe.domain.inventory import load_inventory
+
+        target: str | Cluster = load_inventory(inventory).cluster()
+    else:
+        assert cluster is not None
+        target = cluster
     request = load_request(
-        warehouse, models, cluster, clusters_file, weights, slo_ms, slo_scale, options
+        warehouse, models, target, clusters_file, weights, slo_ms, slo_scale, options
     )
     plan = solve(request)
     plan_id = store_plan(warehouse, plan, label)
@@ -102,9 +116,10 @@ def plan_models(
             )
             rows.append([m.name if i == 0 else "", f"{p.throughput:,.1f}", p.batch, parts])
     create_markdown_artifact(
-        key=artifact_key("plan", cluster, strategy),
-        description=f"plan {plan_id}: {strategy} on {cluster}",
-        markdown=f"# plan {plan_id}: {strategy} on {cluster}, objective {plan.objective:,.2f}\n\n"
+        key=artifact_key("plan", plan.cluster.name, strategy),
+        description=f"plan {plan_id}: {strategy} on {plan.cluster.name}",
+        markdown=f"# plan {plan_id}: {strategy} on {plan.cluster.name}, "
+        f"objective {plan.objective:,.2f}\n\n"
         + markdown_table(["model", "req/s", "batch", "partitions"], rows),
     )
     return plan_id

@@ -8,6 +8,7 @@ what it still serves without them: the router can trigger this flow when a node 
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -20,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
 from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import STRATEGIES, Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
@@ -64,20 +66,34 @@ def router_health(router: str, token_file: str | None = None) -> dict:
     return answer
 
 
+@task(name="router-inventory", cache_policy=NO_CACHE)
+def router_inventory(router: str, token_file: str | None = None) -> dict:
+    """What the router serves on: its deployment name and its inventory (TOML: every node
+    it attached to, or started), as it answers its control command."""
+    from poolpipe.client import send_control
+    from poolpipe.client.control import token_from
+
+    answer = send_control(router, {"op": "inventory"}, token=token_from(token_file))
+    if not answer.get("ok"):
+        raise PoolpipeError(f"router {router}: {answer.get('error', answer)}")
+    return answer
+
+
 def surviving_cluster(
     wh: Warehouse,
     cluster: str | None,
     clusters_file: str | None,
-    inventory: str | None,
+    inventory: str | Inventory | None,
     down: list[dict],
 ) -> Cluster:
-    """The cluster to plan for: the inventory's nodes less those down, or the named
-    cluster (from `clusters_file`, else the warehouse) less as many GPUs of each type as
-    are down."""
+    """The cluster to plan for: the inventory's nodes (a file, or the router's own) less
+    those down, or the named cluster (from `clusters_file`, else the warehouse) less as
+    many GPUs of each type as are down."""
     if inventory:
         from poolpipe.domain.inventory import load_inventory
 
-        return load_inventory(inventory).mark_down({d["node"] for d in down}).cluster()
+        inv = load_inventory(inventory) if isinstance(inventory, str) else inventory
+        return inv.mark_down({d["node"] for d in down}).cluster()
     if not cluster:
         raise PoolpipeError("give the cluster (name) or the inventory (file) to plan for")
     whole = resolve_cluster(wh, cluster, clusters_file)
@@ -91,7 +107,7 @@ def new_plan(
     weights: list[float],
     cluster: str | None,
     clusters_file: str | None,
-    inventory: str | None = None,
+    inventory: str | Inventory | None = None,
     down: list[dict] | None = None,
 ) -> Plan:
     with Warehouse.open(warehouse) as wh:
@@ -123,21 +139,35 @@ def nightly_replan(
     router: str | None = None,
     warehouse: str | None = None,
     clusters_file: str | None = None,
-    deployment: str = "local",
+    deployment: str | None = None,
     hours: float = 24.0,
     margin: float = 0.05,
     token_file: str | None = None,
     inventory: str | None = None,
     trigger: str = "nightly",
 ) -> dict:
-    """Re-plan for the mix the router saw in the last HOURS, for the GPUs in service (of
-    CLUSTER, or of the INVENTORY file the router serves on); roll out when better by MARGIN
-    than what the serving plan still serves. ROUTER: its gRPC host:port (default
-    $POOLPIPE_ROUTER of the worker); TOKEN_FILE: the router's token (default
-    $POOLPIPE_TOKEN_FILE of the worker). TRIGGER: what started the run (shown)."""
+    """Re-plan for the mix the router saw in the last HOURS, for the GPUs in service of the
+    nodes the router serves on (its own inventory; or of the INVENTORY file, or of the
+    named CLUSTER, where given); roll out when better by MARGIN than what the serving plan
+    still serves. ROUTER: its gRPC host:port (default $POOLPIPE_ROUTER of the worker);
+    TOKEN_FILE: the router's token (default $POOLPIPE_TOKEN_FILE of the worker);
+    DEPLOYMENT: whose traffic counts (default: the router's own name, serve --name).
+    TRIGGER: what started the run (shown). A rollout that does not happen (rolled back,
+    refused) fails the run, with the reason."""
     router, warehouse = worker.router(router), worker.warehouse(warehouse)
     from flows.rollout import switch
 
+    target: str | Inventory | None = inventory
+    if deployment is None or (cluster is None and inventory is None):
+        served = router_inventory(router, token_file)
+        deployment = deployment or served["deployment"]
+        if cluster is None and inventory is None:
+            from poolpipe.domain.inventory import parse_inventory
+
+            target = parse_inventory(
+                tomllib.loads(served["inventory"]), f"the inventory of router {router}"
+            )
+    assert deployment is not None
     current, current_id = serving_plan(router, token_file)
     health = router_health(router, token_file)
     down = health.get("down", [])
@@ -146,10 +176,11 @@ def nightly_replan(
     if weights is None and down:
         weights = [m.weight for m in current.models]  # GPUs lost: re-plan for the plan's mix
     decision: dict = {"trigger": trigger, "down": ", ".join(d["node"] for d in down) or "none"}
+    failed = ""
     if weights is None:
         decision |= {"rolled_out": False, "why": f"no requests in the last {hours:g} h"}
     else:
-        candidate = new_plan(warehouse, current, weights, cluster, clusters_file, inventory, down)
+        candidate = new_plan(warehouse, current, weights, cluster, clusters_file, target, down)
         if down:  # what the serving plan still serves on the nodes in service
             live = health["live_throughput"]
             old_obj = min(live[m] / w for m, w in zip(names, weights, strict=True))
@@ -168,6 +199,11 @@ def nightly_replan(
             plan_id = store(warehouse, candidate)
             result = switch(router, plan_id, token_file)
             decision |= {"rolled_out": bool(result.get("ok")), "plan_id": plan_id, **result}
+            if not result.get("ok"):
+                failed = (
+                    f"plan {plan_id} was not rolled out ({result.get('status') or 'error'}): "
+                    f"{result.get('reason') or result.get('error')}"
+                )
         else:
             decision["why"] = f"not better than plan {current_id} by more than {margin:.0%}"
     create_markdown_artifact(
@@ -176,6 +212,8 @@ def nightly_replan(
         markdown=f"# re-planning ({trigger})\n\n"
         + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
     )
+    if failed:  # the run ends Failed in Prefect, saying why
+        raise PoolpipeError(failed)
     return decision
 
 

@@ -506,3 +506,55 @@ def test_a_node_drained_under_load_drops_nothing_and_takes_batches_again_once_un
     assert not errors, errors[:3]
     s = dep.core.stats["tiny"]
     assert s.dropped == 0 and s.failed == 0 and s.arrivals == len(answers)
+
+
+def test_the_nightly_replan_plans_for_the_routers_own_nodes_and_fails_when_rolled_back(
+    prefect_api,
+    cluster,
+    onboarded_tiny,  # noqa: F811
+    tmp_path,
+):
+    """The shipped nightly re-plan used to plan for the `local` cluster of
+    local-clusters.toml and count the traffic of deployment `local`, whatever the router
+    served; its rollout was rolled back ("needs 2 cpu-1t, has 1") and the run Completed.
+    Now, given no cluster, it plans for the router's own inventory and counts the router's
+    own deployment; a plan the router cannot take (here: for a named cluster of four
+    nodes, the router having two) fails the run, with the reason."""
+    from flows.replan import nightly_replan
+    from poolpipe.errors import PoolpipeError
+    from tests.test_serving import REPO, hand_plan
+    from triton_backend.serve import ServingProcess
+
+    wh, _ = onboarded_tiny
+    srv = ServingProcess(
+        hand_plan([(0, 4, 1)]),
+        wh,
+        tmp_path / "router",
+        name="on-two-hosts",
+        stats_interval_s=3600,
+        inventory=cluster.inventory(),
+        token=read_token(cluster.token_file),
+    )
+    try:
+        dep = srv.deployment
+        mod, c = _grpc(dep)
+        for _ in range(3):
+            _infer(mod, c, np.zeros((1, 3, 32, 32), np.float32))
+        srv.flush_stats()
+        router, tf = dep.grpc_url, str(cluster.token_file)
+        done = nightly_replan(router=router, warehouse=wh, token_file=tf, margin=-0.99)
+        assert done["rolled_out"] is True, done
+        assert done["weights"] == {"tiny": 1.0}  # the traffic of "on-two-hosts" was found
+        assert {p.gpu: p.count for p in dep.plan.cluster.pools} == {"cpu-1t": 2}
+        with pytest.raises(PoolpipeError, match=r"not rolled out \(rolled back\)"):
+            nightly_replan(
+                router=router,
+                warehouse=wh,
+                token_file=tf,
+                margin=-0.99,
+                cluster="local-1t",
+                clusters_file=str(REPO / "local-clusters.toml"),
+            )
+        assert {p.gpu: p.count for p in dep.plan.cluster.pools} == {"cpu-1t": 2}
+    finally:
+        srv.close()

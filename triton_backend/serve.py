@@ -279,6 +279,13 @@ class ServingProcess:
                 "plan_id": self.plan_id,
                 "plan": json.loads(self.deployment.plan.to_json()),
             }
+        if op == "inventory":
+            inv = self.deployment.inventory
+            return {
+                "ok": True,
+                "deployment": self.name,
+                "inventory": None if inv is None else inv.to_toml(),
+            }
         if op == "status":
             return {"ok": True, **self.status()}
         if op == "drain":

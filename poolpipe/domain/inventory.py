@@ -128,6 +128,9 @@ class Inventory:
 
     def to_toml(self) -> str:
         lines = []
+        if self.down:
+            names = ", ".join(f'"{d}"' for d in sorted(self.down))
+            lines += [f"down = [{names}]", ""]
         for s in self.servers:
             lines += [
                 "[[servers]]",
