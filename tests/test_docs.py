@@ -23,6 +23,7 @@ UNIT_VALUES = {
     "${GRPC_PORT}": "8001",
     "${HTTP_PORT}": "8000",
     "${METRICS_PORT}": "8002",
+    "${WATCH_PORT}": "8003",
     "${PLAN}": "42",
     "%i": "0",
     "%H": "host",
