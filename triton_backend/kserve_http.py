@@ -298,7 +298,8 @@ class HttpFirstStages:
     def ready(
         self, node: str, models: Sequence[str]
     ) -> Coroutine[Any, Any, tuple[bool | None, bool]]:
-        return self.grpc.ready(node, models)
+        via = self.http if node in self.http.addresses else self.grpc
+        return via.ready(node, models)
 
     def forget(self, node: str) -> None:
         self.http.forget(node)

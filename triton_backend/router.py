@@ -83,6 +83,16 @@ NODE_SWEEP_S = 1.0
 DRAIN_TIMEOUT_S = 60.0
 
 
+def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The router loop's unhandled exceptions. gRPC's asyncio poller reports a closed
+    channel's descriptor (EBADF) when a node check's channel closes as its node dies: no
+    fault, not shown. Anything else is logged on one line, not as a traceback."""
+    exc = context.get("exception")
+    if isinstance(exc, OSError) and exc.errno == 9:
+        return
+    log.error("router loop: %s%s", context.get("message"), f" ({exc!r})" if exc else "")
+
+
 class LoopClock:
     """The event loop's clock, in µs since the router started."""
 
@@ -174,6 +184,7 @@ class RouterCore:
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
+        self._loop.set_exception_handler(_loop_exception)
         self._loop.run_forever()
 
     def stop(self) -> None:
