@@ -147,7 +147,7 @@ def router_part(args, em, plan_file: Path, token_file: Path, inputs: dict, model
         with console.status(f"router crash {k + 1}/{args.runs}: serve again, same ports ..."):
             answered: list[float] = []  # a client asking all along, from the restart on
             asker = threading.Thread(
-                target=lambda: answered.append(_first_answer(url, model, inputs, 240))
+                target=lambda got=answered: got.append(_first_answer(url, model, inputs, 240))
             )
             t_spawn = time.monotonic()
             asker.start()
