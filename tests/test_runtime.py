@@ -634,3 +634,25 @@ def test_the_sweep_takes_a_node_that_is_not_ready_out_and_leaves_a_busy_one_in()
     n = len(ex.checks)
     clock.run_until(10_000.0)
     assert len(ex.checks) == n
+
+
+def test_a_window_counts_the_outcomes_of_its_own_arrivals_never_more():
+    """A request in flight when its window closes used to be counted as arrived in that
+    window and answered in the next (a row with more on time than arrivals). Its window is
+    now given out once all its requests are answered, arrivals and outcomes together."""
+    rt, clock, ex = runtime([([0], [10.0], 0.0)], slo_us=100.0)
+    rt.submit(0, [1])
+    run_job(rt, ex.jobs[0], 0.0, [10.0])
+    w = rt.take_window().model("m")  # all answered: given out now
+    assert (w.arrivals, w.on_time) == (1, 1) and rt.windows_pending == 0
+    rt.submit(0, [2])  # arrives at 10, still running when its window closes
+    w = rt.take_window().model("m")
+    assert (w.arrivals, w.on_time) == (0, 0) and rt.windows_pending == 1
+    clock.run_until(30.0)
+    rt.submit(0, [3])  # the next window's
+    run_job(rt, ex.jobs[1], 10.0, [10.0])
+    run_job(rt, ex.jobs[2], 30.0, [10.0])
+    w = rt.take_window().model("m")  # both windows, each with its own outcomes
+    assert (w.arrivals, w.on_time) == (2, 2) and rt.windows_pending == 0
+    assert rt.stats["m"].arrivals == 3 and rt.stats["m"].on_time == 3  # cumulative as ever
+    assert rt.take_window().model("m").arrivals == 0

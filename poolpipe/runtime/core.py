@@ -126,7 +126,7 @@ class _Plan:
         self,
         generation: int,
         served: ServedPlan,
-        stats: dict[str, ModelStats],
+        windows: Windows,
         config: RuntimeConfig,
     ):
         self.generation = generation
@@ -146,7 +146,8 @@ class _Plan:
         self.first_pool = [pipe.pools[0] for pipe in topo.pipelines]
         self.slo_us = [m.slo_us for m in topo.models]
         self.recal = Recalibrator(topo, config.recalibrate_every, config.recalibrate_band)
-        self.model_stats = [stats.setdefault(m.name, ModelStats()) for m in topo.models]
+        # the counters of the requests taken now (the open window's; see Windows)
+        self.model_stats = [windows.epoch(m.name) for m in topo.models]
         self.jobs = 0  # dispatched and not ended
 
     @property
@@ -175,8 +176,9 @@ class ServingRuntime:
         self.executor = executor
         self.config = config or RuntimeConfig()
         self.reply_margin_us = self.config.reply_margin_us
-        self.stats: dict[str, ModelStats] = {}
-        self._plan = _Plan(0, served, self.stats, self.config)
+        self.stats: dict[str, ModelStats] = {}  # cumulative, per model
+        self._windows = Windows(self.stats)
+        self._plan = _Plan(0, served, self._windows, self.config)
         self._old: list[_Plan] = []  # switched away from, with jobs still running
         self._observing = self.config.recalibrate or self.config.record_stage_factors
         self._keep_latencies = self.config.keep_latencies
@@ -195,7 +197,6 @@ class ServingRuntime:
         self.batches = 0  # batches sent down a pipeline (its first pool)
         self.recalibrations = 0
         self.recoveries = 0  # failed nodes back in service
-        self._windows = Windows()
         executor.bind(self)
 
     # ------------------------------------------------------------------ what is served
@@ -304,9 +305,11 @@ class ServingRuntime:
                 self.config.max_slo_ms,
             )
         except Unservable:
-            stats = self.stats[model]
+            stats = self._windows.epoch(model)
             stats.arrivals += rows
             stats.refused += rows
+            stats.total.arrivals += rows
+            stats.total.refused += rows
             raise
 
     def submit(
@@ -332,6 +335,7 @@ class ServingRuntime:
         due = now + plan.slo_us[model]
         entry = Entry(rid, model, now, due - self.reply_margin_us, due, payload, stats)
         stats.arrivals += 1
+        stats.total.arrivals += 1
         no_path = self._health.no_path
         if no_path and model in no_path:
             self._end(entry, FAILED, self._health.no_path_reason(plan.served, model), now)
@@ -354,6 +358,7 @@ class ServingRuntime:
         due = arrived + slo
         entry = Entry(rid, model, arrived, due - self.reply_margin_us, due, payload, stats)
         stats.arrivals += 1
+        stats.total.arrivals += 1
         no_path = self._health.no_path
         if no_path and model in no_path:
             self._end(entry, FAILED, self._health.no_path_reason(plan.served, model), now)
@@ -404,7 +409,9 @@ class ServingRuntime:
             plan.pool_requests[hop.pool] += n
         if d.hops[0].pool == plan.first_pool[d.pipeline]:
             self.batches += 1
-            entries[0].stats.batch_sizes[n] += 1
+            stats = entries[0].stats
+            stats.batch_sizes[n] += 1
+            stats.total.batch_sizes[n] += 1
         due = min(e.due_us for e in entries)
         job = Job(d, entries, plan, due - d.hops[-1].end_us)
         plan.jobs += 1
@@ -566,6 +573,7 @@ class ServingRuntime:
             if current and entry.attempts < 2:
                 entry.attempts += 1
                 entry.stats.retried += 1
+                entry.stats.total.retried += 1
                 retry.append(entry)
             else:
                 self._fail(entry, f"{why} (node {node}; no attempt left to retry)", now)
@@ -686,18 +694,25 @@ class ServingRuntime:
 
     def _end(self, entry: Entry, outcome: Outcome, reason: str, t: float) -> None:
         entry.outcome = outcome
-        stats = entry.stats
+        stats = entry.stats  # its window's; and the model's cumulative counters
+        total = stats.total
         if outcome is ON_TIME:
             stats.on_time += 1
+            total.on_time += 1
         elif outcome is LATE:
             stats.late += 1
+            total.late += 1
         elif outcome is DROPPED:
             stats.dropped += 1
+            total.dropped += 1
             self.drop_reasons[reason] += 1
         else:
             stats.failed += 1
+            total.failed += 1
         if self._keep_latencies and (outcome is ON_TIME or outcome is LATE):
-            stats.latency_us.append(t - entry.arrival_us)
+            latency = t - entry.arrival_us
+            stats.latency_us.append(latency)
+            total.latency_us.append(latency)
         self.executor.answer(entry, outcome, reason)
         if not self._live and self._migration.finishing:
             self.clock.call_at(t, self._complete_switch)
@@ -736,11 +751,21 @@ class ServingRuntime:
 
     def take_window(self) -> Window:
         """What happened since the last call: one row per model (arrivals, on time, late,
-        dropped, failed, latency p50/p99 ms, mean batch) and one per pool (busy ms)."""
-        return Window(
-            self._windows.model_rows(self.stats),
-            self._windows.pool_rows(self._plan.served.topo, self._plan.pool_busy_us),
+        dropped, failed, refused, latency p50/p99 ms, mean batch) of the requests that
+        arrived in windows now all answered (Windows: never more outcomes than arrivals),
+        and one per pool (busy ms since the last call)."""
+        plan = self._plan
+        window = Window(
+            self._windows.model_rows(),
+            self._windows.pool_rows(plan.served.topo, plan.pool_busy_us),
         )
+        plan.model_stats = [self._windows.epoch(m.name) for m in plan.served.topo.models]
+        return window
+
+    @property
+    def windows_pending(self) -> int:
+        """Closed windows with requests still in flight (given out by a later look)."""
+        return self._windows.pending
 
     def reset_stats(self) -> None:
         """Counters, windows, busy times and stage factors from zero; what recalibration
@@ -752,7 +777,8 @@ class ServingRuntime:
         for f in plan.stage_factors:
             f.clear()
         self.drop_reasons.clear()
-        self._windows = Windows()
+        self._windows = Windows(self.stats)
+        plan.model_stats = [self._windows.epoch(m.name) for m in plan.served.topo.models]
 
     # ------------------------------------------------------------------ migration
 
@@ -791,7 +817,7 @@ class ServingRuntime:
             self._wake.cancel()
         self._wake, self._wake_at = None, math.inf
         old = self._plan
-        self._plan = plan = _Plan(old.generation + 1, sw.served, self.stats, self.config)
+        self._plan = plan = _Plan(old.generation + 1, sw.served, self._windows, self.config)
         if old.jobs:
             self._old.append(old)
         else:

@@ -37,6 +37,18 @@ class ModelStats:
         return {k: getattr(self, k) for k in COUNTS}
 
 
+@dataclass
+class EpochStats(ModelStats):
+    """A model's counters for the requests of one window (Windows.epoch); the runtime counts
+    each event here and in `total`, the model's cumulative counters."""
+
+    total: ModelStats = field(default_factory=ModelStats, repr=False, compare=False)
+
+
+def _settled(s: ModelStats) -> bool:
+    return s.on_time + s.late + s.dropped + s.failed + s.refused >= s.arrivals
+
+
 @dataclass(frozen=True)
 class ModelWindow:
     """One served model's figures over a window (a row of the warehouse's serving_stats)."""
@@ -77,33 +89,62 @@ class Window:
         return next(m for m in self.models if m.model == name)
 
 
-@dataclass
-class _Mark:
-    counts: dict[str, int]
-    latencies: int
-    batch_sizes: Counter[int]
+# A window whose requests are not all answered after this many looks is given out as it is.
+MAX_PENDING_LOOKS = 10
 
 
 class Windows:
-    """Remembers where the last window ended, per model and per pool."""
+    """Windows by arrival: each look closes the requests taken since the last one into an
+    epoch (every model's counters for them: EpochStats, whose `total` is the model's
+    cumulative counters, which the runtime counts into as well), and gives out the epochs
+    whose requests are all answered — so that a row's outcomes are those of its own
+    arrivals, never more. A request still in flight when its window closes is given out,
+    with its window, at a later look (one of at most MAX_PENDING_LOOKS). Pool busy time
+    is per look."""
 
-    def __init__(self) -> None:
-        self._models: dict[str, _Mark] = {}
+    def __init__(self, totals: dict[str, ModelStats]) -> None:
+        self._totals = totals
+        self.current: dict[str, EpochStats] = {}
+        self._pending: list[tuple[int, dict[str, EpochStats]]] = []  # (looks, epoch)
         self._busy: dict[int, float] = {}
 
-    def model_rows(self, stats: dict[str, ModelStats]) -> list[ModelWindow]:
-        """Per model since the last call: counts, latency p50/p99 (ms), mean batch."""
+    def epoch(self, name: str) -> EpochStats:
+        """Model `name`'s counters for the requests taken now."""
+        s = self.current.get(name)
+        if s is None:
+            total = self._totals.setdefault(name, ModelStats())
+            s = self.current[name] = EpochStats(total=total)
+        return s
+
+    @property
+    def pending(self) -> int:
+        """Closed windows not given out yet (requests of theirs still in flight)."""
+        return len(self._pending)
+
+    def model_rows(self) -> list[ModelWindow]:
+        """Close the window and give out, per model, the epochs now answered: counts,
+        latency p50/p99 (ms), mean batch."""
+        closed, self.current = self.current, {}
+        out: list[dict[str, EpochStats]] = []
+        keep = []
+        for looks, ep in [*self._pending, (0, closed)]:
+            if looks + 1 >= MAX_PENDING_LOOKS or all(_settled(s) for s in ep.values()):
+                out.append(ep)
+            else:
+                keep.append((looks + 1, ep))
+        self._pending = keep
         rows = []
-        for name, s in stats.items():
-            last = self._models.get(name) or _Mark(dict.fromkeys(COUNTS, 0), 0, Counter())
-            lat = np.asarray(s.latency_us[last.latencies :]) / 1e3
-            batches = s.batch_sizes - last.batch_sizes
+        for name in self._totals:
+            parts = [ep[name] for ep in out if name in ep]
+            lat = np.asarray([x for p in parts for x in p.latency_us]) / 1e3
+            batches: Counter[int] = Counter()
+            for p in parts:
+                batches.update(p.batch_sizes)
             n_batches = sum(batches.values())
-            counts = s.counts()
             rows.append(
                 ModelWindow(
                     model=name,
-                    **{k: counts[k] - last.counts[k] for k in COUNTS},
+                    **{k: sum(getattr(p, k) for p in parts) for k in COUNTS},
                     p50_ms=float(np.percentile(lat, 50)) if lat.size else None,
                     p99_ms=float(np.percentile(lat, 99)) if lat.size else None,
                     mean_batch=(
@@ -111,7 +152,6 @@ class Windows:
                     ),
                 )
             )
-            self._models[name] = _Mark(counts, len(s.latency_us), Counter(s.batch_sizes))
         return rows
 
     def pool_rows(self, topo: Topology, busy_us: list[float]) -> list[PoolWindow]:
