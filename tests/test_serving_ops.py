@@ -283,7 +283,10 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         capsys.readouterr()
         assert cli_main(rollout) == 2
         assert "refused: control commands need" in capsys.readouterr().err
-        assert cli_main([*rollout, "--token-file", str(token)]) == 0
+        # its SLO leaves no room after a 300 ms margin: refused, unless forced
+        assert cli_main([*rollout, "--token-file", str(token)]) == 2
+        assert "no time to serve a request in" in " ".join(capsys.readouterr().err.split())
+        assert cli_main([*rollout, "--token-file", str(token), "--force"]) == 0
         assert client.infer("tiny", [i], parameters={"slo_ms": 1000}).as_numpy(
             client.get_model_metadata("tiny").outputs[0].name
         ).shape == (1, 1000)
@@ -568,20 +571,23 @@ def test_an_operator_sees_status_drains_a_node_and_reads_the_statistics(
     table = capsys.readouterr().out
     assert "in service" in table and "reply margin" in table and dep.grpc_url in table
 
-    first = next(p for p in dep.layout.placements if p.start == 0)
-    name = dep.nodes[first.node].name  # the only node of the first partition
-    assert cli_main(["drain", name, *router, "--timeout", "30"]) == 0
-    assert f"node {name} drained" in capsys.readouterr().out
-    s = server.status()
-    assert [n["state"] for n in s["nodes"] if n["node"] == name] == ["drained"]
-    mod, client = _grpc(dep)
-    with pytest.raises(Exception, match=r"no live path for model tiny.*drained"):
-        _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32))
-    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
-    state = rf'poolpipe_node_state\{{address="[^"]+",node="{name}",state="drained"\}} 1\.0'
-    assert re.search(state, text)
-    assert re.search(r'poolpipe_node_changes_total\{state="drained"\} 1\.0', text)
-    assert cli_main(["undrain", name, *router]) == 0
+    names = sorted({n.name for n in dep.nodes.values()})
+    try:
+        for name in names:  # every node of the plan: no path is left
+            assert cli_main(["drain", name, *router, "--timeout", "30"]) == 0
+            assert f"node {name} drained" in capsys.readouterr().out
+        s = server.status()
+        assert {n["node"]: n["state"] for n in s["nodes"]} == dict.fromkeys(names, "drained")
+        mod, client = _grpc(dep)
+        with pytest.raises(Exception, match=r"no live path for model tiny.*drained"):
+            _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32))
+        text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
+        state = rf'poolpipe_node_state\{{address="[^"]+",node="{names[0]}",state="drained"\}} 1\.0'
+        assert re.search(state, text)
+        assert re.search(r'poolpipe_node_changes_total\{state="drained"\} [1-9]', text)
+    finally:
+        for name in names:
+            assert cli_main(["undrain", name, *router]) == 0
     _send(server, 2)  # served again
     assert cli_main(["drain", "nope", *router]) == 2
     assert "no node 'nope' serves the plan here" in capsys.readouterr().err
