@@ -75,18 +75,13 @@ def _first_answer(url: str, model: str, inputs: dict, deadline_s: float) -> floa
     """Ask until the first answer; its time (monotonic), or nan."""
     import tritonclient.grpc as tg
 
-    from triton_backend.repository import kserve_dtype
+    from testbed.loadgen import grpc_inputs
 
+    prepared = grpc_inputs(inputs)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         try:
-            c = tg.InferenceServerClient(url)
-            prepared = []
-            for name, x in inputs.items():
-                i = tg.InferInput(name, list(x.shape), kserve_dtype(x.dtype))
-                i.set_data_from_numpy(x)
-                prepared.append(i)
-            c.infer(model, prepared, client_timeout=5)
+            tg.InferenceServerClient(url).infer(model, prepared, client_timeout=5)
             return time.monotonic()
         except Exception:
             time.sleep(0.02)

@@ -32,20 +32,27 @@ def poisson_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
     return np.sort(rng.uniform(0.0, duration_s, n))
 
 
-async def _drive(
-    url: str, model: str, inputs: dict[str, np.ndarray], times_s: np.ndarray, timeout_s: float
-) -> list[Shot]:
+def grpc_inputs(inputs: dict[str, np.ndarray]) -> list:
+    """tritonclient gRPC inputs holding these arrays (by input name)."""
     import tritonclient.grpc as tg
-    import tritonclient.grpc.aio as tga
 
     from triton_backend.repository import kserve_dtype
 
-    client = tga.InferenceServerClient(url)
     prepared = []
     for name, x in inputs.items():
         i = tg.InferInput(name, list(x.shape), kserve_dtype(x.dtype))
         i.set_data_from_numpy(x)
         prepared.append(i)
+    return prepared
+
+
+async def _drive(
+    url: str, model: str, inputs: dict[str, np.ndarray], times_s: np.ndarray, timeout_s: float
+) -> list[Shot]:
+    import tritonclient.grpc.aio as tga
+
+    client = tga.InferenceServerClient(url)
+    prepared = grpc_inputs(inputs)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     shots: list[Shot] = []

@@ -394,6 +394,22 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
     assert all("POOLPIPE" in e or "no live path" in e for e in errors), errors[:3]  # explicit
 
 
+def _whole_model_on_both(cluster, onboarded, tmp_path, **options):
+    """A router serving the tiny model whole on both servers' nodes (one pool of two)."""
+    from tests.test_serving import hand_plan
+    from triton_backend.deploy import Deployment
+
+    wh, _ = onboarded
+    return Deployment.up(
+        hand_plan([(0, 4, 2)]),
+        wh,
+        tmp_path / "router",
+        inventory=cluster.inventory(),
+        token=read_token(cluster.token_file),
+        **options,
+    )
+
+
 def _wait(condition, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:
@@ -412,17 +428,7 @@ def test_a_node_process_killed_alone_leaves_service_at_once_and_returns_loaded_u
     still answered checks). The node started again, empty, with still no traffic: the
     router loads its partition and puts it back (it used to stay empty until a request
     came)."""
-    from tests.test_serving import hand_plan
-    from triton_backend.deploy import Deployment
-
-    wh, _ = onboarded_tiny
-    dep = Deployment.up(
-        hand_plan([(0, 4, 2)]),
-        wh,
-        tmp_path / "router",
-        inventory=cluster.inventory(),
-        token=read_token(cluster.token_file),
-    )
+    dep = _whole_model_on_both(cluster, onboarded_tiny, tmp_path)
     try:
         victim = cluster.servers[1]
         address = f"{victim.address}:8001"
@@ -458,18 +464,7 @@ def test_a_node_drained_under_load_drops_nothing_and_takes_batches_again_once_un
     own counts), and again once undrained. (There was no drain.)"""
     import threading
 
-    from tests.test_serving import hand_plan
-    from triton_backend.deploy import Deployment
-
-    wh, _ = onboarded_tiny
-    dep = Deployment.up(
-        hand_plan([(0, 4, 2)]),
-        wh,
-        tmp_path / "router",
-        inventory=cluster.inventory(),
-        token=read_token(cluster.token_file),
-        router_instances=4,
-    )
+    dep = _whole_model_on_both(cluster, onboarded_tiny, tmp_path, router_instances=4)
     victim = cluster.servers[1]
     node = RemoteNode(victim.node_name, "cpu-1t", f"{victim.address}:8001", key=_key(cluster))
 
