@@ -164,6 +164,7 @@ class RouterCore:
         self.node_names: dict[str, str] = {}  # node address -> its name, for the log
         self.runtime.on_node_change(self._node_changed)
         self._watches: dict[str, asyncio.Task] = {}
+        self.watching: set[str] = set()  # nodes whose watch connection is open now
         self._closing = asyncio.Event()
         self._thread = threading.Thread(target=self._run_loop, name="poolpipe-router", daemon=True)
 
@@ -277,20 +278,27 @@ class RouterCore:
         watch.py): the moment one breaks, its node leaves service."""
 
         def start() -> None:
-            rt = self.runtime
             for node, address in addresses.items():
                 if node in self._watches or self._closing.is_set():
                     continue
                 self._watches[node] = self._loop.create_task(
                     watch_node(
                         address,
-                        partial(rt.node_lost, node),
-                        partial(rt.node_watched, node),
+                        partial(self._watch_lost, node),
+                        partial(self._watch_open, node),
                         self._closing,
                     )
                 )
 
         self._call(start)
+
+    def _watch_open(self, node: str) -> None:
+        self.watching.add(node)
+        self.runtime.node_watched(node)
+
+    def _watch_lost(self, node: str, why: str) -> None:
+        self.watching.discard(node)
+        self.runtime.node_lost(node, why)
 
     def _stop_watching(self) -> None:
         self._closing.set()
