@@ -20,6 +20,15 @@ parameter in the config, a chain is followed only when `poolpipe_sig` (HMAC-SHA2
 chain with the key) is right: nobody without it can make the node send data elsewhere. An
 error down the chain is answered as "POOLPIPE_HOP k: ..." with k the failing hop, counted
 from this one.
+
+On a node that emulates a GPU device type (`poolpipe node --emulate`: its Triton has
+POOLPIPE_EMULATE_TIME_SCALE = D), the partition runs its ONNX file on the CPU (a shadow
+model's trivial compute) and completes each batch at its start + the profiled latency of
+its block range at that batch size (1/emulation.json, which the router uploads with it) x
+D: never earlier, waiting without holding a CPU. A batch larger than the profiled sizes is
+refused. Each emulated stage is counted in poolpipe_emulated_stages_total{model, late}: late
+when it ended more than max(0.3 ms, 2%) after its due time (the host, not the emulated GPU,
+was the bottleneck).
 """
 
 import hashlib
@@ -39,6 +48,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import np_to_triton_dtype
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+EMULATE = os.environ.get("POOLPIPE_EMULATE_TIME_SCALE")  # D, on nodes that emulate a GPU
+LATE_FLOOR_NS, LATE_SHARE = 300_000, 0.02  # an emulated stage later than this is counted
 HOPS = "POOLPIPE_HOPS"
 FORWARD_TIMEOUT_S = 60.0
 
@@ -58,7 +69,16 @@ class TritonPythonModel:
         # as profiled (poolpipe.offline.engines.OrtEngine): idle threads must not spin
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         path = os.path.join(args["model_repository"], args["model_version"], "model.onnx")
-        wanted = params.get("providers", "CPUExecutionProvider").split(",")
+        self.name = config.get("name", "partition")
+        self.table_ns = None
+        if EMULATE:
+            self._emulate(args, float(EMULATE))
+            so.intra_op_num_threads = 1
+        wanted = (
+            ["CPUExecutionProvider"]
+            if EMULATE
+            else params.get("providers", "CPUExecutionProvider").split(",")
+        )
         have = ort.get_available_providers()
         providers = [p for p in wanted if p in have]
         if not providers:
@@ -90,8 +110,9 @@ class TritonPythonModel:
                 if chain is not None:
                     self._check(chain, params.get("poolpipe_sig", ""))
                 start = time.monotonic_ns()  # (its wait in this node's queue is not known)
+                due = None if self.table_ns is None else self._due(start, feeds)
                 outs = self.session.run(self.outputs, feeds)
-                end = time.monotonic_ns()
+                end = time.monotonic_ns() if due is None else self._until(due)
                 if chain is None:
                     self._send(sender, dict(zip(self.outputs, outs)))
                     continue
@@ -105,6 +126,49 @@ class TritonPythonModel:
             except Exception as exc:  # answer this request with the error, keep serving
                 self._fail(sender, f"POOLPIPE_HOP 0: {exc}")
         return None
+
+    # ------------------------------------------------------------------ emulation
+
+    def _emulate(self, args, scale):
+        path = os.path.join(args["model_repository"], args["model_version"], "emulation.json")
+        if not os.path.exists(path):
+            raise RuntimeError(
+                f"{self.name}: this node emulates a GPU (--emulate) but the partition came "
+                "without its profiled latencies (1/emulation.json): is the node's device in "
+                "the inventory a GPU type?"
+            )
+        with open(path) as f:
+            table = json.load(f)["latency_us"]
+        if not table or not all(x > 0 for x in table):
+            raise RuntimeError(f"{self.name}: emulation.json has no positive latencies")
+        self.table_ns = [int(x * scale * 1e3) for x in table]
+        self.family = family = pb_utils.MetricFamily(  # kept: its metrics need it
+            name="poolpipe_emulated_stages_total",
+            description="Emulated stages (late: ended beyond max(0.3 ms, 2%) after due)",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self.on_time = family.Metric(labels={"model": self.name, "late": "false"})
+        self.late = family.Metric(labels={"model": self.name, "late": "true"})
+
+    def _due(self, start, feeds):
+        rows = len(next(iter(feeds.values())))
+        if not 1 <= rows <= len(self.table_ns):
+            raise ValueError(
+                f"a batch of {rows} is beyond the profiled batch sizes 1..{len(self.table_ns)} "
+                f"of {self.name}"
+            )
+        return start, self.table_ns[rows - 1]
+
+    def _until(self, due):
+        """Wait (asleep) until the emulated stage is due; count it, late or not."""
+        start, took = due
+        left = start + took - time.monotonic_ns()
+        if left > 0:
+            time.sleep(left / 1e9)
+        end = time.monotonic_ns()
+        over = end - start - took
+        (self.late if over > max(LATE_FLOOR_NS, LATE_SHARE * took) else self.on_time).increment(1)
+        return end
 
     # ------------------------------------------------------------------ chains
 

@@ -155,6 +155,8 @@ class EmulatedCluster:
         name: str | None = None,
         wait: bool = True,
         token_file: Path | None = None,
+        emulate: bool = False,
+        time_scale: float = 1.0,
     ) -> RemoteNode | None:
         """Start `poolpipe node` inside server `server`'s namespace on its address (its
         management APIs restricted by `token_file`'s token when given), and (with `wait`)
@@ -171,6 +173,7 @@ class EmulatedCluster:
             "--metrics-port", str(METRICS_PORT), "--watch-port", str(WATCH_PORT),
             "--workspace", str(self.workspace / s.node_name),
             *(["--token-file", str(token_file)] if token_file else []),
+            *(["--emulate", "--time-scale", repr(time_scale)] if emulate else []),
         ]  # fmt: skip
         with open(log, "ab") as out:
             s.node = subprocess.Popen(

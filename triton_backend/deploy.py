@@ -448,6 +448,7 @@ class Deployment:
             self.layout.placements,
             self.layout.vgpu_node,
             self.layout.pool_partition,
+            self.layout.partition_latency_us,
         )
         load_layout(only, self.parts, self.nodes, self.options.max_batch, loaded=[])
         warm(self.layout, self.nodes, self.parts, _top_batch(self.topo), only=name)

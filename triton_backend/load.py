@@ -93,6 +93,8 @@ def load_layout(
                     max_batch=max_batch,
                     final_outputs=parts[last[p.model]].outputs,
                     key=node.key,
+                    latency_us=() if cpu else lay.partition_latency_us.get((p.partition, gpu), ()),
+                    device=gpu,
                 )
                 node.load(p.partition, upload_config(text, p.partition), files)
                 loaded.append((node, p.partition))

@@ -194,6 +194,9 @@ class TritonNode(RepositoryAPI):
     # SIGTERM tritonserver when this process dies, however it dies (even SIGKILL): a
     # router's Triton and its local nodes, a `poolpipe node`'s server (see spawn_tied)
     die_with_parent: bool = True
+    # more environment for tritonserver and its models (POOLPIPE_EMULATE_TIME_SCALE: the
+    # node emulates its GPU device type, see model_repo_templates/python_onnx_model.py)
+    environment: dict[str, str] = field(default_factory=dict)
 
     @property
     def _host(self) -> str:
@@ -223,6 +226,7 @@ class TritonNode(RepositoryAPI):
         self.repo.mkdir(parents=True, exist_ok=True)
         env = libpython_first()
         env["LD_LIBRARY_PATH"] += f":{libs_path()}"
+        env.update(self.environment)
         cmd = [
             str(home / "bin" / "tritonserver"),
             f"--model-repository={self.repo}",

@@ -25,7 +25,7 @@ _CPU = re.compile(r"^cpu-(\d+)t$")
 
 def device_class(device: str) -> tuple[bool, int]:
     """(CPU class?, intra-op threads) of a device type: `cpu-<n>t` runs on n CPU threads;
-    any other name is a GPU type (one ONNX Runtime session on the node's GPU, KIND_GPU)."""
+    any other name is a GPU type (one ONNX Runtime session on the node's GPU; KIND_MODEL)."""
     m = _CPU.match(device)
     return (True, int(m.group(1))) if m else (False, 1)
 

@@ -10,6 +10,7 @@ and not inside a server.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,9 +142,13 @@ def partition_files(
     cpu: bool = True,
     final_outputs: Sequence[TensorSpec] = (),
     key: str | None = None,
+    latency_us: Sequence[float] = (),
+    device: str = "",
 ) -> tuple[str, dict[str, bytes]]:
     """One partition model as a node loads it: its config (config.pbtxt text) and its
-    files by path inside the model's folder ("1/model.onnx", ...)."""
+    files by path inside the model's folder ("1/model.onnx", ...). `latency_us`: its
+    profiled latency on `device` at batch 1, 2, ... (GPU device types): shipped as
+    1/emulation.json, what a node that emulates the device completes batches by."""
     text = render_config(
         part,
         backend=backend,
@@ -163,6 +168,10 @@ def partition_files(
     files = {"1/model.onnx": node_onnx(part) if backend == "python" else part.path.read_bytes()}
     if backend == "python":
         files["1/model.py"] = (TEMPLATES / "python_onnx_model.py").read_bytes()
+    if len(latency_us):
+        files["1/emulation.json"] = json.dumps(
+            {"device": device, "latency_us": [float(x) for x in latency_us]}
+        ).encode()
     return text, files
 
 

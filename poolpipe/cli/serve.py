@@ -159,11 +159,34 @@ def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
 
+def _emulation(args: argparse.Namespace, cpu_class: bool) -> dict[str, str]:
+    """The environment that makes the node's partitions emulate its GPU device type."""
+    import math
+
+    if not args.emulate:
+        if args.time_scale != 1.0:
+            raise PoolpipeError("--time-scale applies to emulated nodes only: add --emulate")
+        return {}
+    if cpu_class:
+        raise PoolpipeError(
+            f"--emulate is for GPU device types (as profiled: T4, L4, V100, ...); "
+            f"{args.device} is a CPU class, which a node runs for real"
+        )
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):
+        raise PoolpipeError(
+            f"--time-scale must be a finite number above 0 (the emulated GPU runs that many "
+            f"times slower than profiled), got {args.time_scale:g}"
+        )
+    return {"POOLPIPE_EMULATE_TIME_SCALE": repr(float(args.time_scale))}
+
+
 def cmd_node(args: argparse.Namespace) -> int:
     from triton_backend.nodes import TritonNode, refuse_taken_ports
     from triton_backend.watch import NodeWatch
 
-    if not re.fullmatch(r"cpu-\d+t", args.device) and not Path("/dev/nvidiactl").exists():
+    cpu_class = re.fullmatch(r"cpu-\d+t", args.device) is not None
+    environment = _emulation(args, cpu_class)
+    if not cpu_class and not args.emulate and not Path("/dev/nvidiactl").exists():
         err_console.print(
             f"[yellow]warning:[/] device {args.device!r} is not a CPU class (cpu-<n>t) and this "
             "host shows no NVIDIA GPU; partitions for it will not load here",
@@ -190,6 +213,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         address=args.listen,
         key=key,
+        environment=environment,
     )
     watch = None
     try:  # a Ctrl-C while it starts stops what has started
@@ -198,8 +222,13 @@ def cmd_node(args: argparse.Namespace) -> int:
             node.start()
         watch = NodeWatch(args.listen, args.watch_port)  # once it serves: routers may watch
         stop = _stop_on_signals()
+        what = (
+            f"{args.device}, EMULATED from its profiles, time scale {args.time_scale:g}"
+            if args.emulate
+            else args.device
+        )
         console.print(
-            f"node {name} ({args.device}) serving: gRPC {node.grpc_url}, HTTP {node.http_url}, "
+            f"node {name} ({what}) serving: gRPC {node.grpc_url}, HTTP {node.http_url}, "
             f"metrics {_host(args.listen)}:{node.metrics_port}, watch {watch.url}; models "
             f"arrive through the model repository API (log: {node.log_path}). Its inventory "
             f'entry: grpc = "{node.grpc_url}", http = "{node.http_url}", watch = '
@@ -367,6 +396,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "of service the moment this process ends; give it as `watch` in the inventory",
     )
     p.add_argument("--workspace", help="working folder (out/node-NAME)")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="emulate the GPU device type on this CPU host: each batch completes at its "
+        "start + the profiled latency of its partition (which the router sends with it) x "
+        "--time-scale; for tests and demos of clusters you do not have",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="with --emulate: run the emulated GPU this many times slower than profiled (1)",
+    )
     _token_argument(p, "the router's token: only it may load and unload models here")
     p.set_defaults(func=cmd_node)
 

@@ -7,7 +7,7 @@ Pure data from a `Topology`; the Triton adapter renders and starts what this des
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from poolpipe.offline.partitions import partition_name
 from poolpipe.scheduler.topology import Topology
@@ -41,6 +41,9 @@ class Layout:
     placements: tuple[Placement, ...]
     vgpu_node: dict[int, str]  # vGPU id -> node name
     pool_partition: dict[int, str]  # pool id -> partition model name
+    # (partition, device type) -> its profiled latency (µs) at batch 1, 2, ...: what an
+    # emulated GPU node completes its batches by (it travels with the partition)
+    partition_latency_us: dict[tuple[str, str], tuple[float, ...]] = field(default_factory=dict)
 
 
 def node_name(gpu: str, physical: int) -> str:
@@ -70,6 +73,15 @@ def layout(topo: Topology, tag: str = "") -> Layout:
     pool_partition = {
         p.id: partition_name(topo.models[p.model].name, p.start, p.end, tag) for p in topo.pools
     }
+    latency = {}
+    for p in topo.pools:
+        key = (pool_partition[p.id], p.gpu)
+        if key not in latency:
+            latency[key] = tuple(float(x) for x in p.latency_us[1:])
     return Layout(
-        tuple(sorted(nodes.values(), key=lambda n: n.name)), placements, vgpu_node, pool_partition
+        tuple(sorted(nodes.values(), key=lambda n: n.name)),
+        placements,
+        vgpu_node,
+        pool_partition,
+        latency,
     )
