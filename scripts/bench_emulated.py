@@ -1,0 +1,199 @@
+"""Emulated GPU nodes (../shared/docs/emulation.md), part 1 of the benchmark the emulation
+issue asks for: how exactly an emulated node keeps its profiled stage times.
+
+One node (`tritonserver` with POOLPIPE_EMULATE_TIME_SCALE, as `poolpipe node --emulate`
+starts it) serves a partition of a small generated ResNet-50 (its CPU compute about a
+millisecond) whose latency table is that of real T4 blocks: GoogLeNet-v3's blocks 0-5 from
+the PPipe profiles (../shared/profiles/ppipe-gpu), at batch 1, 2, 4 and 8. Each stage's own
+start and end come back with the answer (a chain's last hop): over = end - start - due
+(due: profiled latency x time scale). Idle: `--calls` calls one at a time per batch size.
+Under load: `--callers` clients at once on a node with as many instances (the vGPUs of
+one GPU run at once), batch 4. Reported: p50 / p99 / max of over, and the share of stages
+late beyond the target tolerance max(0.3 ms, 2% of due), beside the node's own count
+(poolpipe_emulated_stages_total). EMULATED: these are not GPU measurements.
+
+Stored in the warehouse (bench_serving, bench "emulated").
+
+    ./run bench-emulated [--calls 200] [--callers 4] [--time-scale 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import threading
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe.store.bench_rows import BenchRows
+from poolpipe.store.warehouse import Warehouse
+
+console = Console(width=None if sys.stdout.isatty() else 170)
+PPIPE = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "ppipe-gpu"
+SOURCE = "googlenet-v3-pytorch", "T4", 1, 6  # model, GPU, share, blocks 0..5
+BATCHES = (1, 2, 4, 8)
+
+
+def t4_table() -> tuple[list[float], str]:
+    """Latency (µs) at batch 1..8 of the source blocks on the source GPU; where from."""
+    model, gpu, share, blocks = SOURCE
+    path = PPIPE / "block-latency" / f"{model}-{gpu}-{share}.csv"
+    if not path.is_file():
+        raise SystemExit(
+            f"{path} is missing: this benchmark takes its table from the PPipe profiles"
+        )
+    rows = [[float(x) for x in line.split(",")] for line in path.read_text().split()]
+    return [sum(r[b] for r in rows[:blocks]) for b in range(len(rows[0]))], str(path)
+
+
+def stage_over(client, model: str, x: np.ndarray, out: str, due_ns: float) -> float:
+    import tritonclient.grpc as tg
+
+    i = tg.InferInput("input", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    r = client.infer(
+        model,
+        [i],
+        parameters={"poolpipe_next": "[]", "poolpipe_outputs": json.dumps([out])},
+        outputs=[tg.InferRequestedOutput(out), tg.InferRequestedOutput("POOLPIPE_HOPS")],
+    )
+    start, end = r.as_numpy("POOLPIPE_HOPS")[0][:2]
+    return float(end - start) - due_ns
+
+
+def figures(over_ns: list[float], due_ns: float) -> dict[str, float]:
+    o = np.asarray(over_ns) / 1e3  # µs
+    tol = max(300.0, 0.02 * due_ns / 1e3)
+    return {
+        "due_ms": due_ns / 1e6,
+        "calls": len(o),
+        "over_p50_us": float(np.percentile(o, 50)),
+        "over_p99_us": float(np.percentile(o, 99)),
+        "over_max_us": float(o.max()),
+        "early": int((o < 0).sum()),
+        "tolerance_us": tol,
+        "late_pct": 100.0 * float((o > tol).mean()),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--warehouse", default=None)
+    ap.add_argument("--label", default="bench")
+    ap.add_argument("--calls", type=int, default=200, help="stage calls per batch size (200)")
+    ap.add_argument("--callers", type=int, default=4, help="clients at once under load (4)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="D (1)")
+    args = ap.parse_args()
+
+    import httpx
+    import tritonclient.grpc as tg
+
+    from flows.onboard import onboard_model
+    from poolpipe.offline.partitions import make_partition
+    from poolpipe.offline.zoo import make_model
+    from triton_backend.nodes import TritonNode
+    from triton_backend.repository import part_name, partition_files, upload_config
+
+    table, source = t4_table()
+    rows = BenchRows(args.label)
+    record = partial(rows.record, "emulated")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-emulated-"))
+    name = "bench-emu"
+    path = make_model("resnet50", tmp / "m.onnx", width=0.125, image=32)
+    with console.status("onboarding a small model (its CPU compute stands in) ..."):
+        onboard_model(str(path), name, warehouse=args.warehouse, blocks=2, batches=[1, 2], reps=3)
+    with Warehouse.open(args.warehouse) as wh:
+        whole, layers = wh.whole_model_file(name), wh.block_layers(name)
+        warehouse = wh.path
+    part = make_partition(whole, name, layers, 0, 2, tmp)
+    out = part.outputs[0].name
+    env = {"POOLPIPE_EMULATE_TIME_SCALE": repr(args.time_scale)}
+    node = TritonNode("emulated-t4", "T4", tmp / "repo", tmp, environment=env)
+    results: dict[str, dict] = {}
+    try:
+        with console.status("an emulated T4 node ..."):
+            node.start()
+            for instances in (1, args.callers):
+                model = f"emu{instances}"
+                text, files = partition_files(
+                    part, cpu=False, instances=instances, latency_us=table, device="T4"
+                )
+                text = text.replace(f'"{part_name(part)}"', f'"{model}"')
+                node.load(model, upload_config(text, model), files)
+        client = tg.InferenceServerClient(node.grpc_url)
+        for b in BATCHES:
+            x = np.zeros((b, 3, 32, 32), np.float32)
+            due = table[b - 1] * args.time_scale * 1e3
+            with console.status(f"idle, batch {b}: {args.calls} calls ..."):
+                for _ in range(5):
+                    stage_over(client, "emu1", x, out, due)
+                over = [stage_over(client, "emu1", x, out, due) for _ in range(args.calls)]
+            results[f"idle, batch {b}"] = figures(over, due)
+        b = 4
+        x = np.zeros((b, 3, 32, 32), np.float32)
+        due = table[b - 1] * args.time_scale * 1e3
+        loaded: list[float] = []
+        lock = threading.Lock()
+
+        def caller() -> None:
+            c = tg.InferenceServerClient(node.grpc_url)
+            mine = [stage_over(c, f"emu{args.callers}", x, out, due) for _ in range(args.calls)]
+            with lock:
+                loaded.extend(mine)
+
+        with console.status(f"{args.callers} callers at once, batch {b} ..."):
+            threads = [threading.Thread(target=caller) for _ in range(args.callers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        results[f"{args.callers} at once, batch {b}"] = figures(loaded, due)
+        text = httpx.get(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10).text
+        counted = {
+            (m.group(1), m.group(2)): float(m.group(3))
+            for m in re.finditer(
+                r'poolpipe_emulated_stages_total\{late="(\w+)",model="(\w+)"\} (\S+)', text
+            )
+        }
+    finally:
+        node.stop()
+    t = Table(
+        title=f"EMULATED T4 (time scale {args.time_scale:g}): stage end - start - due, from "
+        f"{SOURCE[0]} blocks 0-{SOURCE[3] - 1} ({source})",
+        title_justify="left",
+    )
+    cols = ("due_ms", "calls", "over_p50_us", "over_p99_us", "over_max_us", "early",
+            "tolerance_us", "late_pct")  # fmt: skip
+    t.add_column("run")
+    for c in cols:
+        t.add_column(c.replace("_", " "), justify="right")
+    for run, f in results.items():
+        t.add_row(run, *(f"{f[c]:.2f}" if isinstance(f[c], float) else str(f[c]) for c in cols))
+        for metric, value in f.items():
+            record(run, metric, value)
+    console.print(t)
+    console.print(
+        "the node's own count (poolpipe_emulated_stages_total): "
+        + ", ".join(f"{m} late={late}: {n:.0f}" for (late, m), n in sorted(counted.items())),
+        highlight=False,
+    )
+    with Warehouse.open(warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+    console.print(f"stored {len(rows)} rows in {warehouse} (bench_serving, bench emulated)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
