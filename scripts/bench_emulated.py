@@ -20,7 +20,6 @@ Stored in the warehouse (bench_serving, bench "emulated").
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -59,18 +58,9 @@ def t4_table() -> tuple[list[float], str]:
 
 
 def stage_over(client, model: str, x: np.ndarray, out: str, due_ns: float) -> float:
-    import tritonclient.grpc as tg
+    from testbed.loadgen import stage_time_ns
 
-    i = tg.InferInput("input", list(x.shape), "FP32")
-    i.set_data_from_numpy(x)
-    r = client.infer(
-        model,
-        [i],
-        parameters={"poolpipe_next": "[]", "poolpipe_outputs": json.dumps([out])},
-        outputs=[tg.InferRequestedOutput(out), tg.InferRequestedOutput("POOLPIPE_HOPS")],
-    )
-    start, end = r.as_numpy("POOLPIPE_HOPS")[0][:2]
-    return float(end - start) - due_ns
+    return stage_time_ns(client, model, {"input": x}, out) - due_ns
 
 
 def figures(over_ns: list[float], due_ns: float) -> dict[str, float]:

@@ -46,6 +46,23 @@ def grpc_inputs(inputs: dict[str, np.ndarray]) -> list:
     return prepared
 
 
+def stage_time_ns(client, model: str, inputs: dict[str, np.ndarray], output: str) -> int:
+    """A node's own time for one call of partition `model` (tritonclient gRPC `client`):
+    called as a chain's last hop, it answers its start and end (POOLPIPE_HOPS)."""
+    import json
+
+    import tritonclient.grpc as tg
+
+    r = client.infer(
+        model,
+        grpc_inputs(inputs),
+        parameters={"poolpipe_next": "[]", "poolpipe_outputs": json.dumps([output])},
+        outputs=[tg.InferRequestedOutput(output), tg.InferRequestedOutput("POOLPIPE_HOPS")],
+    )
+    start, end = r.as_numpy("POOLPIPE_HOPS")[0][:2]
+    return int(end - start)
+
+
 async def _drive(
     url: str, model: str, inputs: dict[str, np.ndarray], times_s: np.ndarray, timeout_s: float
 ) -> list[Shot]:

@@ -9,7 +9,6 @@ latencies far above its real CPU compute, so that the emulated time is what is m
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -87,19 +86,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _hop_ns(client, model: str, x: np.ndarray, out: str) -> int:
-    """The node's own time for one stage call (a chain's last hop reports start and end)."""
-    import tritonclient.grpc as tg
+    from testbed.loadgen import stage_time_ns
 
-    i = tg.InferInput("input", list(x.shape), "FP32")
-    i.set_data_from_numpy(x)
-    r = client.infer(
-        model,
-        [i],
-        parameters={"poolpipe_next": "[]", "poolpipe_outputs": json.dumps([out])},
-        outputs=[tg.InferRequestedOutput(out), tg.InferRequestedOutput("POOLPIPE_HOPS")],
-    )
-    start, end = r.as_numpy("POOLPIPE_HOPS")[0][:2]
-    return int(end - start)
+    return stage_time_ns(client, model, {"input": x}, out)
 
 
 def test_bad_emulation_options_are_refused_before_anything_starts(tmp_path):

@@ -656,3 +656,23 @@ def test_a_window_counts_the_outcomes_of_its_own_arrivals_never_more():
     assert (w.arrivals, w.on_time) == (2, 2) and rt.windows_pending == 0
     assert rt.stats["m"].arrivals == 3 and rt.stats["m"].on_time == 3  # cumulative as ever
     assert rt.take_window().model("m").arrivals == 0
+
+
+def test_requests_queued_when_their_last_path_leaves_fail_saying_so_not_dropped():
+    """A node found gone (its watch, or the sweep) while a request waits in the queue for
+    a fuller batch: with no path left, the plane cannot place it; it is answered failed,
+    naming the node, as one arriving then would be (it used to be dropped: "deadline cannot
+    be met", as if it were only late)."""
+    rt, clock, ex = runtime(
+        [([0], [10.0, 10.0, 10.0, 10.0], 0.0), ([1], [10.0, 10.0, 10.0, 10.0], 0.0)],
+        slo_us=1000.0,
+        batch=4,
+        plane="reservation",
+    )
+    rt.submit(0, [1])  # waits for a fuller batch
+    assert not ex.jobs and rt.in_flight() == 1
+    (node,) = {rt.served.vgpu_node[v] for v in rt.served.topo.pools[1].vgpus}
+    rt.node_lost(node, "its process ended")
+    clock.run_until(2000.0)
+    outcome, reason = ex.answers[1]
+    assert outcome == FAILED and "no live path for model m" in reason and node in reason

@@ -374,9 +374,15 @@ class ServingRuntime:
         dec = plan.plane.decide(now)
         if dec.drops:
             live = self._live
+            no_path = self._health.no_path
             for drop in dec.drops:
                 entry = live.pop(drop.request.id, None)
-                if entry is not None:
+                if entry is None:
+                    continue
+                if no_path and entry.model in no_path:  # its path went with a node: failed
+                    reason = self._health.no_path_reason(plan.served, entry.model)
+                    self._end(entry, FAILED, reason, now)
+                else:
                     self._end(entry, DROPPED, drop.reason, now)
         for d in dec.dispatches:
             self._start(plan, d)
