@@ -53,10 +53,12 @@ def server(onboarded_tiny):  # noqa: F811
 
 
 def _send(server, n: int) -> None:
+    """`n` requests answered (with a long SLO: these tests check what is served and
+    counted, not how fast, and the host is shared with the whole suite)."""
     mod, client = _grpc(server.deployment)
     x = np.zeros((1, 3, 32, 32), np.float32)
     for _ in range(n):
-        _infer(mod, client, x)
+        _infer(mod, client, x, parameters={"slo_ms": 10_000})
 
 
 def test_statistics_land_in_the_warehouse(server, onboarded_tiny):  # noqa: F811

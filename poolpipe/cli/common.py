@@ -73,7 +73,19 @@ def log_events() -> None:
     line with its time: what an operator greps for in a journal."""
     import logging
 
-    handler = logging.StreamHandler(sys.stderr)
+    class Stderr(logging.StreamHandler):
+        """Whatever sys.stderr is when a line is written (not the stream of the moment it
+        was made, which a test's capture may have closed since)."""
+
+        @property
+        def stream(self):
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, _value) -> None:
+            pass
+
+    handler = Stderr()
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
     )
