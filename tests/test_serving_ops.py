@@ -53,12 +53,22 @@ def server(onboarded_tiny):  # noqa: F811
 
 
 def _send(server, n: int) -> None:
-    """`n` requests answered (with a long SLO: these tests check what is served and
-    counted, not how fast, and the host is shared with the whole suite)."""
+    """`n` requests answered. One that the router drops (its batch, held for company until
+    its last moment, then ran past the SLO on this host shared with the whole suite: an
+    explicit drop, as designed) is asked again, once: these tests check what is served,
+    not how fast. (A longer SLO would not do: the batcher holds a lone request that much
+    longer.)"""
+    from triton_backend.router import DROP_MARKER
+
     mod, client = _grpc(server.deployment)
     x = np.zeros((1, 3, 32, 32), np.float32)
     for _ in range(n):
-        _infer(mod, client, x, parameters={"slo_ms": 10_000})
+        try:
+            _infer(mod, client, x)
+        except Exception as exc:
+            if DROP_MARKER not in str(exc):
+                raise
+            _infer(mod, client, x)
 
 
 def test_statistics_land_in_the_warehouse(server, onboarded_tiny):  # noqa: F811
