@@ -40,7 +40,7 @@ from triton_backend.frontend import Frontend
 from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
 from triton_backend.nodes import RepositoryAPI, TritonNode, refuse_taken_ports
 from triton_backend.prepare import model_io, prepare, remove_files
-from triton_backend.router import ModelIO, RouterCore, served_plan
+from triton_backend.router import DRAIN_TIMEOUT_S, ModelIO, RouterCore, served_plan
 
 log = logging.getLogger(__name__)
 
@@ -165,13 +165,12 @@ class Deployment:
         """Take node `name` out of new batches and wait for those on it to end (RouterCore
         .drain); it stays out (also across rollouts) until undrain."""
         address = self.node_address(name)
-        out = self.core.drain(address) if timeout_s is None else self.core.drain(address, timeout_s)
+        out = self.core.drain(address, DRAIN_TIMEOUT_S if timeout_s is None else timeout_s)
         log.warning("node %s drained: %s batch(es) left on it", name, out["batches_left"])
         return {**out, "node": name}
 
     def undrain(self, name: str) -> None:
-        self.core.undrain(self.node_address(name))
-        log.warning("node %s undrained", name)
+        self.core.undrain(self.node_address(name))  # the router logs the change
 
     def _inventory_now(self) -> Inventory | None:
         """The inventory with the nodes now out of service marked down (as well as those

@@ -46,8 +46,8 @@ class RouterCollector:
             "poolpipe_requests", "Requests by model and outcome", labels=["model", "outcome"]
         )
         for name, s in core.stats.items():
-            for outcome in ("arrivals", "on_time", "late", "dropped", "failed", "refused"):
-                req.add_metric([name, outcome], getattr(s, outcome))
+            for outcome, n in s.counts().items():
+                req.add_metric([name, outcome], n)
         yield req
         yield GaugeMetricFamily(
             "poolpipe_in_flight", "Requests queued or running", value=core.in_flight()
@@ -85,9 +85,10 @@ class RouterCollector:
             "1 for each node's state now (in service, down, drained)",
             labels=["node", "address", "state"],
         )
-        for n in core.node_states():
+        for node in core.node_states():
             for st in ("in service", "down", "drained"):
-                state.add_metric([str(n["node"]), str(n["address"]), st], float(n["state"] == st))
+                labels = [str(node["node"]), str(node["address"]), st]
+                state.add_metric(labels, float(node["state"] == st))
         yield state
         changes = CounterMetricFamily(
             "poolpipe_node_changes",
@@ -256,13 +257,7 @@ class ServingProcess:
                 "plan_id": self.plan_id,
                 "generation": self.deployment.generation,
                 "node_restarts": self.deployment.node_restarts,
-                "models": {
-                    k: {
-                        f: getattr(v, f)
-                        for f in ("arrivals", "on_time", "late", "dropped", "failed", "refused")
-                    }
-                    for k, v in s.items()
-                },
+                "models": {k: v.counts() for k, v in s.items()},
             }
         if op == "health":
             dep = self.deployment

@@ -162,7 +162,9 @@ class Executor(Protocol):
         ...
 
     def check_node(self, node: str, served: ServedPlan) -> None:
-        """Find out whether a failed node serves again; report runtime.node_checked(...)."""
+        """Find out whether a node serves (a failed one, or one in service when the runtime
+        sweeps); report runtime.node_checked(node, ok, why): ok None when it gave no answer
+        in time."""
         ...
 
     def retire(self, usage: PlanUsage) -> None:
