@@ -54,6 +54,7 @@ def split_task(
     method: str,
     max_cut_tensors: int,
     threads: int,
+    cuts: list[int] | None = None,
 ) -> SplitResult:
     return split_model(
         Path(model_path),
@@ -64,6 +65,7 @@ def split_task(
         method=method,
         threads=threads,
         progress=report,
+        cuts=cuts,
     )
 
 
@@ -177,9 +179,11 @@ def onboard_model(
     warmup: int = 2,
     reps: int = 15,
     slo_ms: float | None = None,
+    cuts: list[int] | None = None,
 ) -> OnboardResult:
-    """Split MODEL into blocks, build them on this machine's engine, check that they
-    reproduce the model, profile them at every batch size and store everything."""
+    """Split MODEL into blocks (at the layer positions `cuts` where given), build them on
+    this machine's engine, check that they reproduce the model, profile them at every batch
+    size and store everything."""
     warehouse = worker.warehouse(warehouse)
     if not NAME_RE.match(name):
         raise ModelError(
@@ -193,7 +197,9 @@ def onboard_model(
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     try:
-        split = split_task(model_path, name, staging, blocks, method, max_cut_tensors, threads)
+        split = split_task(
+            model_path, name, staging, blocks, method, max_cut_tensors, threads, cuts
+        )
         seconds["split"] = time.perf_counter() - t0
         t = time.perf_counter()
         files = [b.path for b in split.blocks] + [split.whole_path]

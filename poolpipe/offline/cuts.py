@@ -123,6 +123,26 @@ def prepartition(
     return best
 
 
+def given_cuts(table: CutTable, cuts: Sequence[int]) -> Partitioning:
+    """The blocks between the given cut positions (ascending, 0 and N included), each cut
+    crossed by at least one tensor; for models built with their blocks known (shadows)."""
+    n = len(table.layers)
+    cuts = tuple(int(c) for c in cuts)
+    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != n or any(
+        b <= a for a, b in itertools.pairwise(cuts)
+    ):
+        raise ModelError(
+            f"{table.model}: cuts {list(cuts)} must rise from 0 to the model's {n} layers"
+        )
+    empty = [c for c in cuts[1:-1] if not table.crossing[c]]
+    if empty:
+        raise ModelError(f"{table.model}: no tensor crosses cut position {empty[0]}")
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(table.latency_us, dtype=float))])
+    widest = max((len(table.crossing[c]) for c in cuts[1:-1]), default=1)
+    block_us = tuple(float(prefix[b] - prefix[a]) for a, b in itertools.pairwise(cuts))
+    return Partitioning(table.model, "given", cuts, block_us, CutPolicy(widest))
+
+
 def _partition(
     table: CutTable,
     prefix: np.ndarray,

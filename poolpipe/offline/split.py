@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from poolpipe.errors import ModelError
-from poolpipe.offline.cuts import CutPolicy, Partitioning, prepartition
+from poolpipe.offline.cuts import CutPolicy, Partitioning, given_cuts, prepartition
 from poolpipe.offline.onnxgraph import (
     cut_table,
     extract_block,
@@ -93,8 +93,10 @@ def split_model(
     layer_runs: int = 3,
     threads: int = 1,
     progress: Progress | None = None,
+    cuts: Sequence[int] | None = None,
 ) -> SplitResult:
-    """Cut the model at `path` into `n_blocks` block files written to `folder`."""
+    """Cut the model at `path` into `n_blocks` block files written to `folder` (at the
+    layer positions `cuts`, 0 and N included, where given: then `n_blocks` is unused)."""
     path = Path(path)
     model = load_model(path, name)
     if len(model.graph.node) < 2:
@@ -108,7 +110,11 @@ def split_model(
     if progress:
         progress("split: layer profile", 1, 1)
     table = cut_table(model, name, layers)
-    part = prepartition(table, n_blocks, policy=policy, method=method)
+    part = (
+        given_cuts(table, cuts)
+        if cuts is not None
+        else prepartition(table, n_blocks, policy=policy, method=method)
+    )
     folder.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(folder / WHOLE_FILE))
     blocks = []

@@ -25,7 +25,7 @@ import numpy as np
 from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import DEFAULT_SLO_SCALE, LatencyTable, ModelProfile
-from poolpipe.errors import UnknownNameError, WarehouseBusyError, WarehouseError
+from poolpipe.errors import ProfileError, UnknownNameError, WarehouseBusyError, WarehouseError
 
 if TYPE_CHECKING:  # the ONNX side is imported only where it is used
     from poolpipe.offline.engines import EngineInfo
@@ -112,6 +112,42 @@ def _insert_measurements(
             "measured_at": [now] * len(rows),
         }
         _insert_columns(con, table, cols)
+
+
+def _latency_columns(
+    profiles: Sequence[ModelProfile], prov: str, now: datetime
+) -> dict[str, list]:
+    """The block_latency rows of every table of `profiles`, as columns."""
+    lat: dict[str, list] = {
+        k: []
+        for k in (
+            "model",
+            "block_index",
+            "gpu_type",
+            "share",
+            "batch",
+            "latency_us",
+            "source",
+            "provenance",
+            "measured_at",
+        )
+    }
+    for p in profiles:
+        for (gpu, share), t in sorted(p.tables.items()):
+            blocks, batches = np.meshgrid(
+                np.arange(p.num_blocks), np.arange(1, t.max_batch + 1), indexing="ij"
+            )
+            n = blocks.size
+            lat["model"] += [p.name] * n
+            lat["block_index"] += blocks.ravel().tolist()
+            lat["gpu_type"] += [gpu] * n
+            lat["share"] += [share] * n
+            lat["batch"] += batches.ravel().tolist()
+            lat["latency_us"] += t.latency_us.ravel().tolist()
+            lat["source"] += [t.source] * n
+            lat["provenance"] += [prov] * n
+            lat["measured_at"] += [now] * n
+    return lat
 
 
 def _insert_columns(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str, list]) -> None:
@@ -375,36 +411,9 @@ class Warehouse:
         prov = json.dumps(provenance or {"host": socket.gethostname()})
         names = [p.name for p in profiles]
         gpus = sorted({g for p in profiles for g in p.gpus})
-        lat: dict[str, list] = {
-            k: []
-            for k in (
-                "model",
-                "block_index",
-                "gpu_type",
-                "share",
-                "batch",
-                "latency_us",
-                "source",
-                "provenance",
-                "measured_at",
-            )
-        }
+        lat = _latency_columns(profiles, prov, now)
         bnd: dict[str, list] = {"model": [], "block_index": [], "bytes": []}
         for p in profiles:
-            for (gpu, share), t in sorted(p.tables.items()):
-                blocks, batches = np.meshgrid(
-                    np.arange(p.num_blocks), np.arange(1, t.max_batch + 1), indexing="ij"
-                )
-                n = blocks.size
-                lat["model"] += [p.name] * n
-                lat["block_index"] += blocks.ravel().tolist()
-                lat["gpu_type"] += [gpu] * n
-                lat["share"] += [share] * n
-                lat["batch"] += batches.ravel().tolist()
-                lat["latency_us"] += t.latency_us.ravel().tolist()
-                lat["source"] += [t.source] * n
-                lat["provenance"] += [prov] * n
-                lat["measured_at"] += [now] * n
             for i, b in enumerate(p.boundary_bytes):
                 bnd["model"].append(p.name)
                 bnd["block_index"].append(i)
@@ -533,6 +542,47 @@ class Warehouse:
                     [model, info.device, share],
                 )
             _insert_measurements(con, model, info, measurements, share, settings, _now())
+
+    def store_device_tables(self, profile: ModelProfile, provenance: dict[str, Any]) -> None:
+        """Give an onboarded model (a shadow: poolpipe.offline.shadow) the device tables,
+        boundary sizes, reference latency and SLO of an imported profile of the same blocks,
+        replacing its tables for those devices (one transaction)."""
+        blocks = self.onboarded_blocks(profile.name)
+        if len(blocks) != profile.num_blocks:
+            raise ProfileError(
+                f"model {profile.name}: onboarded with {len(blocks)} blocks, but its profile "
+                f"has {profile.num_blocks}; onboard its shadow (same blocks) first"
+            )
+        now = _now()
+        lat = _latency_columns([profile], json.dumps(provenance), now)
+        with self.transaction() as con:
+            for gpu, share in profile.tables:
+                con.execute("INSERT OR IGNORE INTO gpu_types (name) VALUES (?)", [gpu])
+                con.execute(
+                    "DELETE FROM block_latency WHERE model = ? AND gpu_type = ? AND share = ?",
+                    [profile.name, gpu, share],
+                )
+            _insert_columns(con, "block_latency", lat)
+            con.execute("DELETE FROM block_boundaries WHERE model = ?", [profile.name])
+            _insert_columns(
+                con,
+                "block_boundaries",
+                {
+                    "model": [profile.name] * len(profile.boundary_bytes),
+                    "block_index": list(range(len(profile.boundary_bytes))),
+                    "bytes": list(profile.boundary_bytes),
+                },
+            )
+            con.execute(
+                "UPDATE models SET reference_latency_us = ?, slo_us = ?, source = ? "
+                "WHERE name = ?",
+                [
+                    profile.reference_latency_us,
+                    profile.slo_us,
+                    f"shadow of {profile.meta.get('source', 'profile')}",
+                    profile.name,
+                ],
+            )
 
     def onboarded_blocks(self, model: str) -> list[Path]:
         """The block files of an onboarded model, in order."""
