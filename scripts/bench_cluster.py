@@ -119,8 +119,8 @@ def node_loss_phase(dep, em, token_file: Path, args, inputs: dict, rate: float) 
         if sum(q.partition == p.partition for q in dep.layout.placements) > 1
     )
     node = next(p.node for p in dep.layout.placements if p.partition == part)
-    k = next(i for i, s in enumerate(em.servers) if s.node_name == dep.nodes[node].name)
-    victim = em.servers[k]
+    k = next(i for i, s in enumerate(em.nodes) if s.node_name == dep.nodes[node].name)
+    victim = em.nodes[k]
     duration = 3 * args.duration
     times = poisson_times(rate, duration, 78)
     marks: dict[str, float] = {}

@@ -180,8 +180,8 @@ def node_part(args, em, dep, token_file: Path, inputs: dict, model: str) -> list
 
     rows = []
     for k in range(args.runs):
-        victim = 1 + k % (len(em.servers) - 1)
-        s = em.servers[victim]
+        victim = 1 + k % (len(em.nodes) - 1)
+        s = em.nodes[victim]
         address = f"{s.address}:8001"
         marks: dict[str, float] = {}
         recovered = dep.core.recoveries
@@ -237,7 +237,7 @@ def drain_part(args, em, dep, token_file: Path, inputs: dict, model: str) -> lis
     key = node_key(read_token(token_file))
     rows = []
     for k in range(args.runs):
-        s = em.servers[1 + k % (len(em.servers) - 1)]
+        s = em.nodes[1 + k % (len(em.nodes) - 1)]
         node = RemoteNode(s.node_name, "cpu-1t", f"{s.address}:8001", key=key)
 
         def count(node: RemoteNode = node) -> int:

@@ -2,8 +2,11 @@
 network namespace per server, each with its own address on a private bridge and a NIC
 limited by `tc` in both directions (the namespace end limits the server's uplink, the
 bridge end its downlink: the NIC model of the planner and the scheduler made physical),
-a stage-worker node (`poolpipe node`) started inside each, and the inventory that lists
-them. The router runs in the root namespace and reaches the nodes by address only.
+stage-worker nodes (`poolpipe node`, one per GPU: several per server on their own ports)
+started inside each, and the inventory that lists them. The router runs in the root
+namespace and reaches the nodes by address only. `from_cluster` builds a clusters-file
+preset (servers of `gpus_per_server` GPUs each), optionally time-dilated: NICs at the
+preset's bandwidth / D.
 
 Needs root (CAP_NET_ADMIN) and the `ip` and `tc` tools; `unavailable()` says why not where
 they are missing. Everything made is torn down on exit, also after a failure."""
@@ -19,16 +22,18 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.inventory import Inventory, InventoryNode, InventoryServer
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import signals_held
 from triton_backend.nodes import RemoteNode, descendants, reap, shm_regions, still_running
 
-GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, one node per server
+GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, a server's first node
 WATCH_PORT = 8003  # the node process's watch port (triton_backend.watch)
+SLOT_PORTS = 10  # a server's node k uses the ports above + 10 k
 
 
 class EmulationError(PoolpipeError):
@@ -72,8 +77,12 @@ def free_subnet() -> ipaddress.IPv4Network:
 
 
 @dataclass
-class EmulatedServer:
+class EmulatedNode:
+    """One node slot: the `slot`-th node of server `server` (its namespace, address, NIC)."""
+
     index: int
+    server: int
+    slot: int
     namespace: str
     address: str
     veth: str  # bridge end, in the root namespace (its tx is the server's downlink)
@@ -82,22 +91,59 @@ class EmulatedServer:
     node_name: str = ""
     device: str = ""
 
+    def port(self, base: int) -> int:
+        return base + SLOT_PORTS * self.slot
+
 
 class EmulatedCluster:
-    """`servers` namespaces with `bandwidth_gbps` NICs; use as a context manager."""
+    """Namespaces with `bandwidth_gbps` NICs, as many as `servers` (a count: one node slot
+    each; a list: the node slots of each server); use as a context manager. Node slots are
+    numbered across the servers in order (`nodes`)."""
 
-    def __init__(self, servers: int, workspace: Path, bandwidth_gbps: float = 1.0):
-        if servers < 1:
-            raise EmulationError(f"an emulated cluster needs at least one server, got {servers}")
+    def __init__(self, servers: int | list[int], workspace: Path, bandwidth_gbps: float = 1.0):
+        slots = [1] * servers if isinstance(servers, int) else list(servers)
+        if not slots or min(slots) < 1:
+            raise EmulationError(
+                f"an emulated cluster needs at least one server of at least one node, got {servers}"
+            )
         self.bandwidth_gbps = bandwidth_gbps
         self.workspace = Path(workspace)
         self.tag = f"pp{uuid.uuid4().hex[:5]}"  # interface names stay within 15 characters
         self.bridge = f"{self.tag}br"
         self.subnet: ipaddress.IPv4Network | None = None
         self.router_address = ""
-        self.servers: list[EmulatedServer] = []
-        self._n = servers
+        self.nodes: list[EmulatedNode] = []
+        self.devices: list[str] = []  # from_cluster: each node slot's device type
+        self._slots = slots
         self._made: list[tuple[str, ...]] = []  # teardown commands, last first
+
+    @classmethod
+    def from_cluster(
+        cls, cluster: Cluster, workspace: Path, time_scale: float = 1.0
+    ) -> EmulatedCluster:
+        """A server per `gpus_per_server` GPUs of each pool of `cluster` (a clusters-file
+        preset), a node slot per GPU (`devices` says its type), NICs at the cluster's
+        bandwidth / `time_scale` (time-dilated emulation: ../shared/docs/emulation.md)."""
+        if time_scale <= 0:
+            raise EmulationError(f"the time scale must be > 0, got {time_scale:g}")
+        slots: list[int] = []
+        devices: list[str] = []
+        for pool in cluster.pools:
+            left = pool.count
+            while left > 0:
+                n = min(left, pool.gpus_per_server)
+                slots.append(n)
+                devices += [pool.gpu] * n
+                left -= n
+        if not slots:
+            raise EmulationError(f"cluster {cluster.name} has no GPUs")
+        em = cls(slots, workspace, cluster.bandwidth_gbps / time_scale)
+        em.devices = devices
+        return em
+
+    @property
+    def servers(self) -> int:
+        return len(self._slots)
 
     # ------------------------------------------------------------------ set-up
 
@@ -125,10 +171,11 @@ class EmulatedCluster:
         _run("ip", "addr", "add", f"{self.router_address}/{prefix}", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
         rate = f"{self.bandwidth_gbps * 1000:g}mbit"
-        for k in range(self._n):
-            s = EmulatedServer(
-                k, f"{self.tag}-s{k}", str(hosts[9 + k]), f"{self.tag}v{k}", f"{self.tag}p{k}"
-            )
+        for k, slots in enumerate(self._slots):
+            s = EmulatedNode(
+                len(self.nodes), k, 0, f"{self.tag}-s{k}", str(hosts[9 + k]),
+                f"{self.tag}v{k}", f"{self.tag}p{k}",
+            )  # fmt: skip
             _run("ip", "netns", "add", s.namespace)
             self._made.append(("ip", "netns", "del", s.namespace))
             _run("ip", "link", "add", s.veth, "type", "veth", "peer", "name", s.peer)
@@ -144,13 +191,13 @@ class EmulatedCluster:
                 dev = s.veth if len(cmd) == 1 else s.peer
                 _run(*cmd, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                      "burst", "256kb", "latency", "100ms")  # fmt: skip
-            self.servers.append(s)
+            self.nodes += [replace(s, index=len(self.nodes) + j, slot=j) for j in range(slots)]
 
     # ------------------------------------------------------------------ nodes
 
     def start_node(
         self,
-        server: int,
+        node: int,
         device: str,
         name: str | None = None,
         wait: bool = True,
@@ -158,19 +205,21 @@ class EmulatedCluster:
         emulate: bool = False,
         time_scale: float = 1.0,
     ) -> RemoteNode | None:
-        """Start `poolpipe node` inside server `server`'s namespace on its address (its
-        management APIs restricted by `token_file`'s token when given), and (with `wait`)
-        wait until the router's namespace reaches its gRPC port."""
-        s = self.servers[server]
-        s.device, s.node_name = device, name or f"s{server}-n0"
+        """Start `poolpipe node` for node slot `node` inside its server's namespace on the
+        server's address and the slot's ports (its management APIs restricted by
+        `token_file`'s token when given), and (with `wait`) wait until the router's
+        namespace reaches its gRPC port."""
+        s = self.nodes[node]
+        s.device, s.node_name = device, name or f"s{s.server}-n{s.slot}"
         log = self.workspace / f"{s.node_name}.out"
         self.workspace.mkdir(parents=True, exist_ok=True)
         cmd = [
             "ip", "netns", "exec", s.namespace,
             sys.executable, "-m", "poolpipe.cli", "node",
             "--device", device, "--name", s.node_name, "--listen", s.address,
-            "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
-            "--metrics-port", str(METRICS_PORT), "--watch-port", str(WATCH_PORT),
+            "--grpc-port", str(s.port(GRPC_PORT)), "--http-port", str(s.port(HTTP_PORT)),
+            "--metrics-port", str(s.port(METRICS_PORT)),
+            "--watch-port", str(s.port(WATCH_PORT)),
             "--workspace", str(self.workspace / s.node_name),
             *(["--token-file", str(token_file)] if token_file else []),
             *(["--emulate", "--time-scale", repr(time_scale)] if emulate else []),
@@ -179,16 +228,16 @@ class EmulatedCluster:
             s.node = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        return self.wait_node(server) if wait else None
+        return self.wait_node(node) if wait else None
 
-    def wait_node(self, server: int, timeout_s: float = 90.0) -> RemoteNode:
-        s = self.servers[server]
+    def wait_node(self, node: int, timeout_s: float = 90.0) -> RemoteNode:
+        s = self.nodes[node]
         remote = RemoteNode(
             s.node_name,
             s.device,
-            f"{s.address}:{GRPC_PORT}",
-            f"s{server}",
-            http=f"{s.address}:{HTTP_PORT}",
+            f"{s.address}:{s.port(GRPC_PORT)}",
+            f"s{s.server}",
+            http=f"{s.address}:{s.port(HTTP_PORT)}",
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -200,9 +249,9 @@ class EmulatedCluster:
             time.sleep(0.2)
         raise EmulationError(f"node {s.node_name} did not answer within {timeout_s:.0f} s")
 
-    def stop_node(self, server: int, sig: int = signal.SIGTERM) -> None:
-        """Stop server `server`'s node (SIGKILL: as a crash, its Triton killed with it)."""
-        s = self.servers[server]
+    def stop_node(self, node: int, sig: int = signal.SIGTERM) -> None:
+        """Stop node slot `node`'s node (SIGKILL: as a crash, its Triton killed with it)."""
+        s = self.nodes[node]
         if s.node is None or s.node.poll() is not None:
             return
         below = descendants(s.node.pid)
@@ -220,11 +269,11 @@ class EmulatedCluster:
             s.node.wait()
         reap(below, grace_s=0.0 if sig == signal.SIGKILL else 5.0, regions=regions)
 
-    def kill_node_process(self, server: int, wait_s: float = 30.0) -> None:
-        """SIGKILL server `server`'s `poolpipe node` process alone (as the OOM killer would):
-        its tritonserver, told by its parent-death signal, shuts down on its own; wait (at
-        most `wait_s`) for it and its stubs to be gone, then remove whatever is left."""
-        s = self.servers[server]
+    def kill_node_process(self, node: int, wait_s: float = 30.0) -> None:
+        """SIGKILL node slot `node`'s `poolpipe node` process alone (as the OOM killer
+        would): its tritonserver, told by its parent-death signal, shuts down on its own;
+        wait (at most `wait_s`) for it and its stubs to be gone, then remove what is left."""
+        s = self.nodes[node]
         if s.node is None or s.node.poll() is not None:
             return
         below = descendants(s.node.pid)
@@ -239,17 +288,17 @@ class EmulatedCluster:
 
     def inventory(self) -> Inventory:
         return Inventory(
-            tuple(InventoryServer(f"s{s.index}", self.bandwidth_gbps) for s in self.servers),
+            tuple(InventoryServer(f"s{k}", self.bandwidth_gbps) for k in range(self.servers)),
             tuple(
                 InventoryNode(
                     s.node_name,
-                    f"s{s.index}",
+                    f"s{s.server}",
                     s.device,
-                    f"{s.address}:{GRPC_PORT}",
-                    http=f"{s.address}:{HTTP_PORT}",
-                    watch=f"{s.address}:{WATCH_PORT}",
+                    f"{s.address}:{s.port(GRPC_PORT)}",
+                    http=f"{s.address}:{s.port(HTTP_PORT)}",
+                    watch=f"{s.address}:{s.port(WATCH_PORT)}",
                 )
-                for s in self.servers
+                for s in self.nodes
                 if s.node is not None
             ),
             str(self.workspace / "inventory.toml"),
@@ -260,9 +309,13 @@ class EmulatedCluster:
         path.write_text(self.inventory().to_toml())
         return path
 
+    def server_node(self, server: int) -> int:
+        """The first node slot of server `server`."""
+        return next(s.index for s in self.nodes if s.server == server)
+
     def link_bytes(self, server: int) -> tuple[int, int]:
-        """(bytes to the server, bytes from it) through its NIC so far."""
-        stats = Path("/sys/class/net") / self.servers[server].veth / "statistics"
+        """(bytes to server `server`, bytes from it) through its NIC so far."""
+        stats = Path("/sys/class/net") / self.nodes[self.server_node(server)].veth / "statistics"
         return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
     # ------------------------------------------------------------------ teardown
@@ -272,9 +325,9 @@ class EmulatedCluster:
             self._close()
 
     def _close(self) -> None:
-        for k in range(len(self.servers)):
+        for k in range(len(self.nodes)):
             with contextlib.suppress(Exception):
                 self.stop_node(k)
         while self._made:
             _run(*self._made.pop(), check=False)
-        self.servers = []
+        self.nodes = []

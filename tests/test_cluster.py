@@ -82,7 +82,7 @@ def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path
         # each server's NIC carried its partition model (uploaded, not read from a disk)
         for k, (down, _) in enumerate(before):
             assert cluster.link_bytes(k)[0] - down > 20_000
-        for s in cluster.servers:  # the nodes' repositories stay empty
+        for s in cluster.nodes:  # the nodes' repositories stay empty
             assert not any((cluster.workspace / s.node_name / "repo").iterdir())
         mod, client = _grpc(dep)
         x = np.random.default_rng(3).standard_normal((2, 3, 32, 32)).astype(np.float32)
@@ -134,7 +134,7 @@ def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny,
 
 def test_a_node_stops_cleanly_on_sigterm(cluster):
     cluster.stop_node(1, signal.SIGTERM)
-    assert cluster.servers[1].node.returncode == 0
+    assert cluster.nodes[1].node.returncode == 0
     cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # back for what runs next
 
 
@@ -179,7 +179,7 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
             )
             s0 = next(
                 k
-                for k, s in enumerate(cluster.servers)
+                for k, s in enumerate(cluster.nodes)
                 if s.node_name == dep.nodes[first.node].name
             )
             s1 = 1 - s0
@@ -283,7 +283,7 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
             t.start()
         try:
             time.sleep(1.0)
-            held = shm_regions(descendants(cluster.servers[1].node.pid))
+            held = shm_regions(descendants(cluster.nodes[1].node.pid))
             cluster.stop_node(1, signal.SIGKILL)
             # a crash leaves its stubs' shared memory behind: stopping it removes it
             assert held and not [r for r in held if (Path("/dev/shm") / r).exists()]
@@ -364,15 +364,15 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
         assert srv.replans, "no re-plan after the node was lost"
         lost = srv.replans[0]
         assert lost["rolled_out"] and lost["serving_objective"] == 0.0, lost
-        assert lost["down"] == cluster.servers[1].node_name and "down" in lost["trigger"]
+        assert lost["down"] == cluster.nodes[1].node_name and "down" in lost["trigger"]
         on = {dep.nodes[p.node].name for p in dep.layout.placements}
-        assert on == {cluster.servers[0].node_name}  # the new plan uses the node left
+        assert on == {cluster.nodes[0].node_name}  # the new plan uses the node left
         n = len(answers)
         time.sleep(2.5)  # longer than the grace: the node, still down, stays left out
         assert all(isinstance(a, tuple) for a in answers[n:]) and len(answers) > n
         assert any("no live path" in str(a) for a in answers[:n])  # said so meanwhile
         assert len(srv.replans) == 1 and [d["node"] for d in dep.down_nodes()] == [
-            cluster.servers[1].node_name
+            cluster.nodes[1].node_name
         ]
 
         cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # empty, same address
@@ -384,7 +384,7 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
         assert back["trigger"] == "every node back" and back["down"] == "none", back
         if back["rolled_out"]:
             on = {dep.nodes[p.node].name for p in dep.layout.placements}
-            assert on == {s.node_name for s in cluster.servers}
+            assert on == {s.node_name for s in cluster.nodes}
         else:  # the planner found nothing better on two nodes than on one
             assert back["new_objective"] <= back["serving_objective"] * 1.05, back
     finally:
@@ -430,7 +430,7 @@ def test_a_node_process_killed_alone_leaves_service_at_once_and_returns_loaded_u
     came)."""
     dep = _whole_model_on_both(cluster, onboarded_tiny, tmp_path)
     try:
-        victim = cluster.servers[1]
+        victim = cluster.nodes[1]
         address = f"{victim.address}:8001"
         assert _wait(lambda: address in dep.core.watching, 10), "no watch connection"
         cluster.kill_node_process(1)
@@ -465,7 +465,7 @@ def test_a_node_drained_under_load_drops_nothing_and_takes_batches_again_once_un
     import threading
 
     dep = _whole_model_on_both(cluster, onboarded_tiny, tmp_path, router_instances=4)
-    victim = cluster.servers[1]
+    victim = cluster.nodes[1]
     node = RemoteNode(victim.node_name, "cpu-1t", f"{victim.address}:8001", key=_key(cluster))
 
     def served() -> int:

@@ -187,8 +187,9 @@ def test_the_layout_carries_each_partitions_profiled_latency_per_device(t4_wareh
 def test_a_two_node_emulated_pipeline_serves_through_the_router_across_hosts(
     t4_warehouse, tmp_path
 ):
-    """Two emulated T4 nodes, each in a namespace of its own (the emulated cluster), blocks
-    0-2 on one and 2-4 on the other, feature maps node to node: the router attaches, uploads
+    """Two emulated T4 nodes of one server (the emulated cluster built from a preset: one
+    namespace, an address, a port range per node), blocks 0-2 on one and 2-4 on the
+    other, feature maps node to node: the router attaches, uploads
     the partitions with their latency tables, calibrates them (each at least its profiled
     time x the time scale) and answers requests, as on any node."""
     from poolpipe.client.control import new_token_file
@@ -202,15 +203,18 @@ def test_a_two_node_emulated_pipeline_serves_through_the_router_across_hosts(
         pytest.skip(f"no network namespaces: {unavailable()}")
     with Warehouse.open(t4_warehouse) as w:
         profile = w.load_profile("tiny")
-    cluster = Cluster("t4s", 1.0, (GpuPool("T4", 2, 1, (1,)),))
+    cluster = Cluster("t4s", 1.0, (GpuPool("T4", 2, 2, (1,)),))
     plan = manual_plan("tiny", 400e3, cluster, [(0, 2, "T4", 1), (2, 4, "T4", 1)], 4, profile)
-    with EmulatedCluster(2, tmp_path / "cluster") as em:
+    with EmulatedCluster.from_cluster(cluster, tmp_path / "cluster") as em:
         token = new_token_file(tmp_path / "token")
         for k in range(2):
-            em.start_node(k, "T4", wait=False, token_file=tmp_path / "token", emulate=True,
-                          time_scale=SCALE)  # fmt: skip
+            em.start_node(k, em.devices[k], wait=False, token_file=tmp_path / "token",
+                          emulate=True, time_scale=SCALE)  # fmt: skip
         for k in range(2):
             em.wait_node(k)
+        inv = em.inventory()
+        assert len({n.grpc.rpartition(":")[0] for n in inv.nodes}) == 1  # one server
+        assert len({n.grpc for n in inv.nodes}) == 2 and {n.server for n in inv.nodes} == {"s0"}
         dep = Deployment.up(
             plan, t4_warehouse, tmp_path / "router", inventory=em.inventory(), token=token,
             transport="chain",

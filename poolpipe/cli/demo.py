@@ -270,8 +270,8 @@ def _nodes(stack: contextlib.ExitStack, cluster, out: Path, token_file: Path, ar
         em.start_node(k, gpu, name=f"{gpu}-{i}", wait=False, token_file=token_file)
     for k in range(len(gpus)):
         em.wait_node(k)
-    for s in em.servers:
-        console.print(f"  {s.node_name} ({s.device}) on server s{s.index} at {s.address}")
+    for s in em.nodes:
+        console.print(f"  {s.node_name} ({s.device}) on server s{s.server} at {s.address}")
     console.print(f"  inventory: {em.write_inventory()}")
     return {"inventory": em.inventory()}
 

@@ -11,7 +11,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -470,4 +470,48 @@ def manual_plan(
         models=(ModelPlan(model, 1.0, slo_us, throughput, (pipe,)),),
         objective=throughput,
         solver=SolverInfo("manual", "given", 0.0, 0.0),
+    )
+
+
+def dilated(plan: Plan, d: float) -> Plan:
+    """`plan` on a cluster `d` times slower (time-warped emulation, ../shared/docs/
+    emulation.md): latencies and SLOs x d, throughputs and the NIC bandwidth / d. What a
+    router serving emulated GPU nodes at time scale d plans its deadlines and links by;
+    `meta["time_scale"]` records d (figures are reported back x d)."""
+    if not (math.isfinite(d) and d > 0):
+        raise PoolpipeError(f"a time scale must be a number > 0, got {d!r}")
+
+    def part(q: PartitionPlan) -> PartitionPlan:
+        return replace(
+            q,
+            latency_us=q.latency_us * d,
+            transfer_us=q.transfer_us * d,
+            vgpu_throughput=q.vgpu_throughput / d,
+        )
+
+    models = tuple(
+        replace(
+            m,
+            slo_us=m.slo_us * d,
+            throughput=m.throughput / d,
+            est_throughput=None if m.est_throughput is None else m.est_throughput / d,
+            pipelines=tuple(
+                replace(
+                    p,
+                    latency_us=p.latency_us * d,
+                    throughput=p.throughput / d,
+                    partitions=tuple(part(q) for q in p.partitions),
+                )
+                for p in m.pipelines
+            ),
+        )
+        for m in plan.models
+    )
+    scale = float(plan.meta.get("time_scale", 1.0)) * d
+    return replace(
+        plan,
+        cluster=replace(plan.cluster, bandwidth_gbps=plan.cluster.bandwidth_gbps / d),
+        models=models,
+        objective=plan.objective / d,
+        meta={**plan.meta, "time_scale": scale},
     )

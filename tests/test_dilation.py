@@ -1,0 +1,77 @@
+"""Time-dilated emulation (../shared/docs/emulation.md): a plan dilated by D (latencies and
+SLOs x D, throughputs and NICs / D), and an emulated cluster built from a clusters-file
+preset (servers of gpus_per_server GPUs, a node slot per GPU, NICs / D)."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolpipe.domain.cluster import load_cluster
+from poolpipe.domain.plan import dilated
+from poolpipe.domain.profiles import load_ppipe_dir
+from poolpipe.errors import PoolpipeError
+from poolpipe.scheduler.topology import build_topology
+from poolpipe.store.warehouse import REPO_ROOT, Warehouse
+from testbed.netns import EmulatedCluster, EmulationError
+
+GROUP2 = REPO_ROOT / "data" / "ppipe-gpu-group2"
+
+
+@pytest.fixture(scope="module")
+def group2_plan(tmp_path_factory):
+    from poolpipe.planner import make_plan
+    from poolpipe.store.plan_inputs import plan_request
+
+    profiles = load_ppipe_dir(GROUP2)
+    path = tmp_path_factory.mktemp("dilation") / "wh.duckdb"
+    with Warehouse.open(path) as wh:
+        wh.store_profiles(profiles)
+        req = plan_request(
+            wh,
+            [p.name for p in profiles],
+            "hc2-small",
+            clusters_file=GROUP2 / "clusters.toml",
+            weights=[0.30, 0.33, 0.37],
+            slo_scale=5.0,
+        )
+        return make_plan(req), {p.name: p for p in profiles}
+
+
+def test_a_dilated_plan_is_the_same_plan_d_times_slower(group2_plan):
+    plan, profiles = group2_plan
+    slow = dilated(plan, 20.0)
+    assert slow.meta["time_scale"] == 20.0
+    assert slow.cluster.bandwidth_gbps == pytest.approx(plan.cluster.bandwidth_gbps / 20)
+    assert slow.objective == pytest.approx(plan.objective / 20)
+    for m, s in zip(plan.models, slow.models, strict=True):
+        assert s.slo_us == pytest.approx(m.slo_us * 20)
+        assert s.throughput == pytest.approx(m.throughput / 20)
+        for p, q in zip(m.pipelines, s.pipelines, strict=True):
+            assert q.latency_us == pytest.approx(p.latency_us * 20)
+            assert [(a.start, a.end, a.gpu, a.vgpus) for a in q.partitions] == [
+                (a.start, a.end, a.gpu, a.vgpus) for a in p.partitions
+            ]
+    # the router builds its topology from it: the same pools, deadlines and links x D
+    topo, slow_topo = build_topology(plan, profiles), build_topology(slow, profiles)
+    assert [(p.start, p.end, p.gpu) for p in topo.pools] == [
+        (p.start, p.end, p.gpu) for p in slow_topo.pools
+    ]
+    for p, q in zip(topo.pools, slow_topo.pools, strict=True):
+        assert q.transfer_in_us == pytest.approx(p.transfer_in_us * 20)
+    back = dilated(slow, 1 / 20)
+    assert back.meta["time_scale"] == pytest.approx(1.0)
+    assert back.models[0].slo_us == pytest.approx(plan.models[0].slo_us)
+    for bad in (0.0, -2.0, float("nan")):
+        with pytest.raises(PoolpipeError, match="time scale must be a number > 0"):
+            dilated(plan, bad)
+
+
+def test_an_emulated_cluster_from_a_preset_has_a_node_per_gpu():
+    cluster = load_cluster(GROUP2 / "clusters.toml", "hc2-small")
+    em = EmulatedCluster.from_cluster(cluster, REPO_ROOT / "out" / "unused", time_scale=20)
+    # 4 L4 on one server, 12 T4 two to a server; nothing is built until it is entered
+    assert em._slots == [4, 2, 2, 2, 2, 2, 2] and em.servers == 7
+    assert em.devices == ["L4"] * 4 + ["T4"] * 12
+    assert em.bandwidth_gbps == pytest.approx(10 / 20)
+    with pytest.raises(EmulationError, match="time scale must be > 0"):
+        EmulatedCluster.from_cluster(cluster, REPO_ROOT / "out" / "unused", time_scale=0)
