@@ -12,6 +12,7 @@ from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler.topology import Topology
 from triton_backend.nodes import RepositoryAPI
+from triton_backend.prepare import device_class
 
 
 def calibrate(
@@ -25,20 +26,42 @@ def calibrate(
     """Each pool's latency at every batch size as the router sees it: one stage call over
     gRPC to a node of the pool (compute plus the call's own cost), median of `reps`.
     `known` (updated in place) holds earlier measurements by (device, model, blocks, batch):
-    a rollout measures only partitions the serving plan does not already run."""
+    a rollout measures only partitions the serving plan does not already run. Pools on
+    CPU device classes are measured one after another (they share this host's cores);
+    pools on GPU types, one node at a time each but nodes side by side (a GPU's time is
+    its own; emulated ones at time scale D take D times as long to measure)."""
+    measured = known if known is not None else {}
+    out: dict[int, tuple[float, ...]] = {}
+    by_node: dict[str, list] = {}
+    for pool in topo.pools:
+        by_node.setdefault(lay.vgpu_node[pool.vgpus[0]], []).append(pool)
+
+    def node_pools(node_name: str) -> None:
+        for pool in by_node[node_name]:
+            out[pool.id] = _pool_latencies(pool, lay, nodes[node_name], parts, reps, measured)
+
+    gpu = [n for n in by_node if not device_class(nodes[n].device)[0]]
+    for n in by_node:
+        if n not in gpu:
+            node_pools(n)
+    with ThreadPoolExecutor(max(1, len(gpu))) as side_by_side:
+        list(side_by_side.map(node_pools, gpu))
+    return out
+
+
+def _pool_latencies(
+    pool, lay: Layout, node: RepositoryAPI, parts: dict, reps: int, measured: dict
+) -> tuple[float, ...]:
     import tritonclient.grpc as grpcclient
 
     from triton_backend.repository import kserve_dtype
 
-    measured = known if known is not None else {}
-    out: dict[int, tuple[float, ...]] = {}
-    for pool in topo.pools:
-        name = lay.pool_partition[pool.id]
-        node = nodes[lay.vgpu_node[pool.vgpus[0]]]
-        part = parts[name]
-        client = node.grpc_client()
-        lats = [float("nan")]
-        rng = np.random.default_rng(0)
+    name = lay.pool_partition[pool.id]
+    part = parts[name]
+    client = node.grpc_client()
+    lats = [float("nan")]
+    rng = np.random.default_rng(0)
+    try:
         for b in range(1, len(pool.latency_us)):
             key = (node.device, part.model, part.start, part.end, b)
             if key not in measured:
@@ -56,19 +79,20 @@ def calibrate(
                         times.append((time.perf_counter() - t0) * 1e6)
                 measured[key] = float(np.median(times))
             lats.append(measured[key])
+    finally:
         client.close()
-        out[pool.id] = tuple(lats)
-    return out
+    return tuple(lats)
 
 
 def warm(
     lay: Layout,
     nodes: dict[str, RepositoryAPI],
     parts: dict[str, PartitionFile],
-    max_batch: int,
+    max_batch: int | dict[str, int],
     only: str | None = None,
 ) -> None:
-    """One call at every batch size to every instance of every partition (of node `only`):
+    """One call at every batch size (up to `max_batch`, or its value for the partition) to
+    every instance of every partition (of node `only`):
     an ONNX Runtime session's first runs at a shape cost several times a warm one, and a
     node must not take the router's deadlines with cold instances (calibration times one
     node per pool; a restarted node starts cold)."""
@@ -93,10 +117,12 @@ def warm(
         (nodes[p.node], p.partition, b)
         for p in lay.placements
         if only is None or p.node == only
-        for b in range(1, max_batch + 1)
+        for b in range(1, (max_batch if isinstance(max_batch, int) else max_batch[p.partition]) + 1)
         for _ in range(p.instances)
     ]
     width = max((p.instances for p in lay.placements), default=1)
+    if not any(device_class(s.gpu)[0] for s in lay.nodes):
+        width = min(32, len(calls))  # GPU nodes (emulated ones sleep): all side by side
     with ThreadPoolExecutor(max(1, width)) as pool:
         for _ in pool.map(lambda c: one(*c), calls):
             pass

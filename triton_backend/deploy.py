@@ -278,7 +278,7 @@ class Deployment:
             if local is None:  # attached nodes: what an earlier router of these models left
                 cleaned = _unload_left_behind(nodes, [m.name for m in plan.models])
             load_layout(lay, parts, nodes, max_batch, loaded)
-            warm(lay, nodes, parts, _top_batch(topo))
+            warm(lay, nodes, parts, _top_batches(topo, lay))
             ios = model_io(topo, lay, parts)
             known: dict[tuple, float] = {}
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
@@ -368,7 +368,7 @@ class Deployment:
                 lay, self._inventory_now(), self.local, self.workspace, opt.key
             )
             load_layout(lay, parts, nodes, opt.max_batch, loaded)
-            warm(lay, nodes, parts, _top_batch(topo))
+            warm(lay, nodes, parts, _top_batches(topo, lay))
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=self.calibration))
             prepare_s = time.perf_counter() - t0
             self.core.use_http(_http_addresses(nodes))
@@ -450,7 +450,7 @@ class Deployment:
             self.layout.partition_latency_us,
         )
         load_layout(only, self.parts, self.nodes, self.options.max_batch, loaded=[])
-        warm(self.layout, self.nodes, self.parts, _top_batch(self.topo), only=name)
+        warm(self.layout, self.nodes, self.parts, _top_batches(self.topo, self.layout), only=name)
 
     def _refill_url(self, url: str) -> None:
         """The router's watch found the node at `url` answering without its models."""
@@ -553,6 +553,10 @@ def resolve_transport(transport: str, urls: Iterable[str]) -> str:
     return "router" if all(is_loopback(u.rpartition(":")[0] or u) for u in urls) else "chain"
 
 
-def _top_batch(topo: Topology) -> int:
-    """The largest batch the data plane may send a pool of `topo`."""
-    return max(len(p.latency_us) - 1 for p in topo.pools)
+def _top_batches(topo: Topology, lay: Layout) -> dict[str, int]:
+    """The largest batch the data plane may send each partition of `lay` (its pools')."""
+    out: dict[str, int] = {}
+    for p in topo.pools:
+        name = lay.pool_partition[p.id]
+        out[name] = max(out.get(name, 0), len(p.latency_us) - 1)
+    return out
