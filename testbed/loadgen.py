@@ -24,6 +24,7 @@ class Shot:
     sent_s: float  # when it was sent, from the start of the run
     latency_s: float
     outcome: str  # ok | dropped | refused | failed | error
+    model: int = 0  # which of the requests driven (drive_mix)
 
 
 def poisson_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
@@ -64,23 +65,28 @@ def stage_time_ns(client, model: str, inputs: dict[str, np.ndarray], output: str
 
 
 async def _drive(
-    url: str, model: str, inputs: dict[str, np.ndarray], times_s: np.ndarray, timeout_s: float
+    url: str,
+    requests: list[tuple[str, dict[str, np.ndarray]]],
+    times_s: np.ndarray,
+    which: np.ndarray,
+    timeout_s: float,
 ) -> list[Shot]:
     import tritonclient.grpc.aio as tga
 
     client = tga.InferenceServerClient(url)
-    prepared = grpc_inputs(inputs)
+    prepared = [(model, grpc_inputs(inputs)) for model, inputs in requests]
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     shots: list[Shot] = []
 
-    async def one(t: float) -> None:
+    async def one(t: float, k: int) -> None:
         delay = t0 + t - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
         sent = loop.time()
+        model, inputs = prepared[k]
         try:
-            await client.infer(model, prepared, client_timeout=timeout_s)
+            await client.infer(model, inputs, client_timeout=timeout_s)
             outcome = "ok"
         except Exception as exc:
             text = str(exc)
@@ -93,10 +99,10 @@ async def _drive(
                 if FAIL_MARKER in text
                 else "error"
             )
-        shots.append(Shot(sent - t0, loop.time() - sent, outcome))
+        shots.append(Shot(sent - t0, loop.time() - sent, outcome, k))
 
     try:
-        await asyncio.gather(*(one(float(t)) for t in times_s))
+        await asyncio.gather(*(one(float(t), int(k)) for t, k in zip(times_s, which, strict=True)))
     finally:
         await client.close()
     return sorted(shots, key=lambda s: s.sent_s)
@@ -110,7 +116,29 @@ def drive(
     timeout_s: float = 30.0,
 ) -> list[Shot]:
     """Send one request at each time (seconds from now); block until all are answered."""
-    return asyncio.run(_drive(url, model, inputs, times_s, timeout_s))
+    which = np.zeros(len(times_s), dtype=int)
+    return asyncio.run(_drive(url, [(model, inputs)], times_s, which, timeout_s))
+
+
+def drive_mix(
+    url: str,
+    requests: list[tuple[str, dict[str, np.ndarray]]],
+    times_s: np.ndarray,
+    which: np.ndarray,
+    timeout_s: float = 60.0,
+) -> list[Shot]:
+    """Send request `requests[which[i]]` (model, inputs) at each time `times_s[i]`."""
+    return asyncio.run(_drive(url, requests, times_s, which, timeout_s))
+
+
+def mix_times(
+    rate: float, weights: list[float], duration_s: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson arrivals at `rate`, each request's model drawn by `weights`."""
+    times = poisson_times(rate, duration_s, seed)
+    w = np.asarray(weights, dtype=float)
+    which = np.random.default_rng(seed + 7).choice(len(w), size=len(times), p=w / w.sum())
+    return times, which
 
 
 def client_figures(shots: list[Shot], slo_s: float, duration_s: float) -> dict[str, float]:

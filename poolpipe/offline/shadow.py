@@ -179,4 +179,3 @@ def make_shadow(root: Path, model: str, out: Path) -> ShadowModel:
     out.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(proto, str(out))
     return ShadowModel(model, out, tuple(cuts), tuple(boundary), inp, outp)
-
