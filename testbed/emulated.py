@@ -17,7 +17,7 @@ import numpy as np
 
 from poolpipe.domain.plan import Plan, dilated
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
-from testbed.loadgen import CAPACITY_STEPS, CAPACITY_TARGET, drive_mix, mix_times
+from testbed.loadgen import CAPACITY_STEPS, CAPACITY_TARGET, bisect_grid, drive_mix, mix_times
 from testbed.netns import EmulatedCluster
 from testbed.predict import predict
 
@@ -106,8 +106,9 @@ def mix_capacity(
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
     multiple of top/CAPACITY_STEPS at which each of `traces` Poisson traces keeps >=
-    CAPACITY_TARGET on time, bisected (the simulator first, on the same traces and the
-    stage times measured just before; the live search starts from its answer)."""
+    CAPACITY_TARGET on time, bisected (loadgen.bisect_grid: the simulator first, on the
+    same traces and the stage times measured just before; the live search starts from its
+    answer)."""
     load.run(0.3 * top, 2.0, seed=0)  # warm-up
     dep.core.take_stage_factors()
     load.run(0.5 * top, 4.0, seed=100)
@@ -129,19 +130,9 @@ def mix_capacity(
                 return False
         return True
 
-    found: dict[str, int] = {}
-    for kind in ("sim", "live"):
-        lo, hi = 0, CAPACITY_STEPS + 1  # lo passes (0 always), hi fails
-        if kind == "live" and "sim" in found:  # start next to the simulator's answer
-            guess = max(1, min(CAPACITY_STEPS, found["sim"]))
-            if passes(kind, guess):
-                lo = guess
-            else:
-                hi = guess
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if passes(kind, mid) else (lo, mid)
-        found[kind] = lo
+    found = {"sim": bisect_grid(lambda i: passes("sim", i), CAPACITY_STEPS)}
+    # the live search starts next to the simulator's answer
+    found["live"] = bisect_grid(lambda i: passes("live", i), CAPACITY_STEPS, guess=found["sim"])
     return {
         "top": top,
         "sim": found["sim"] * top / CAPACITY_STEPS,

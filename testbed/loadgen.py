@@ -282,11 +282,16 @@ CAPACITY_TARGET = 0.99  # the share of requests on time that a load must keep
 TRACES_PER_RATE = 2  # traces a rate must pass (see live_capacity)
 
 
-def bisect_grid(passes: Callable[[int], bool], top: int) -> int:
-    """The largest i in [0, top] with passes(i), assuming passing falls with i (0 passes)."""
-    if passes(top):
-        return top
-    lo, hi = 0, top
+def bisect_grid(passes: Callable[[int], bool], top: int, guess: int | None = None) -> int:
+    """The largest i in [0, top] with passes(i), assuming passing falls with i (0 passes);
+    asked first at `guess` (clamped to 1..top) where given, else at `top`."""
+    if guess is None:
+        if passes(top):
+            return top
+        lo, hi = 0, top
+    else:
+        guess = max(1, min(top, guess))
+        lo, hi = (guess, top + 1) if passes(guess) else (0, guess)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if passes(mid) else (lo, mid)

@@ -75,3 +75,21 @@ def test_an_emulated_cluster_from_a_preset_has_a_node_per_gpu():
     assert em.bandwidth_gbps == pytest.approx(10 / 20)
     with pytest.raises(EmulationError, match="time scale must be > 0"):
         EmulatedCluster.from_cluster(cluster, REPO_ROOT / "out" / "unused", time_scale=0)
+
+
+def test_a_capacity_search_may_start_at_a_guess():
+    """loadgen.bisect_grid: the same largest passing step from a guess (the live search
+    starts at the simulator's answer), asking fewer loads when the guess is near."""
+    from testbed.loadgen import bisect_grid
+
+    for answer in (0, 1, 5, 15, 16):
+        for guess in (None, 0, 1, answer, answer + 1, 16, 40):
+            asked: list[int] = []
+
+            def passes(i: int, answer: int = answer, asked: list[int] = asked) -> bool:
+                asked.append(i)
+                return i <= answer
+
+            assert bisect_grid(passes, 16, guess) == answer, (answer, guess)
+            if guess == answer and answer:
+                assert asked[0] == answer and len(asked) <= 5
