@@ -29,15 +29,20 @@ MAF19 = (0.30, 0.33, 0.37)
 def onboard_shadows(
     warehouse: str, models=GROUP2, profiles: Path = GROUP2_DIR, devices=("L4", "T4")
 ) -> list[str]:
-    """Onboard the shadow of each model not yet in the warehouse with these devices' tables
-    (flow onboard-shadow); returns those onboarded now."""
+    """Onboard the shadow of each of `models` the warehouse cannot serve yet with these
+    devices' tables (no block files: not onboarded, or imported profiles only; or tables
+    missing) by the flow onboard-shadow; returns those onboarded now."""
     from flows.shadow import onboard_shadow
 
     with Warehouse.open(warehouse) as wh:
-        have = {
-            m for m in wh.model_names() if set(devices) <= {g for g, _ in wh.load_profile(m).tables}
-        }
-    todo = [m for m in models if m not in have]
+        known = set(wh.model_names())
+        todo = [
+            m
+            for m in models
+            if m not in known
+            or wh.whole_model_file(m) is None
+            or not set(devices) <= {g for g, _ in wh.load_profile(m).tables}
+        ]
     for m in todo:
         onboard_shadow(m, str(profiles), warehouse=warehouse, devices=list(devices))
     return todo
