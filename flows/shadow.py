@@ -79,9 +79,7 @@ def onboard_shadow(
     warehouse = worker.warehouse(warehouse)
     profile = profile_of(profiles, model, devices)
     with tempfile.TemporaryDirectory(prefix="poolpipe-shadow-") as tmp:
-        shadow = make_shadow(Path(profiles), model, Path(tmp) / f"{model}.onnx")
-        if len(shadow.cuts) - 1 != profile.num_blocks:
-            raise ProfileError(f"{profiles}: model {model}: boundary sizes and blocks disagree")
+        shadow = make_shadow(Path(profiles), profile, Path(tmp) / f"{model}.onnx")
         onboarded = onboard_model(
             str(shadow.path),
             model,

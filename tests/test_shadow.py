@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
+from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.errors import ProfileError
 from poolpipe.offline.onnxgraph import session
 from poolpipe.offline.partitions import WIRE_DTYPE
@@ -61,11 +62,12 @@ def test_shadow_of_a_bad_profile_names_the_file(tmp_path):
     shapes = json.loads(bad.read_text())
     shapes["input"]["shape"] = [3, 448, 448]  # no batch dimension
     bad.write_text(json.dumps(shapes))
+    profiles = {p.name: p for p in load_ppipe_dir(root)}
     with pytest.raises(ProfileError, match=r"shapes\.json.*-1 \(the batch\) first"):
-        make_shadow(root, "repvgg-b3", tmp_path / "s.onnx")
+        make_shadow(root, profiles["repvgg-b3"], tmp_path / "s.onnx")
     (root / "layers" / "googlenet-v3-pytorch" / "cuts.json").unlink()
     with pytest.raises(ProfileError, match=r"cuts\.json: file is missing"):
-        make_shadow(root, "googlenet-v3-pytorch", tmp_path / "s.onnx")
+        make_shadow(root, profiles["googlenet-v3-pytorch"], tmp_path / "s.onnx")
     assert not (tmp_path / "s.onnx").exists()
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from poolpipe.domain.profiles import read_matrix
+from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import ProfileError
 from poolpipe.offline.onnxgraph import BATCH_DIM
 from poolpipe.offline.partitions import WIRE_DTYPE
@@ -109,17 +109,17 @@ def _pad(src: str, dst: str, width: int, nodes: list, inits: list, k: int) -> No
     nodes.append(helper.make_node("Pad", [src, pads], [dst], name=f"block{k}/pad"))
 
 
-def make_shadow(root: Path, model: str, out: Path) -> ShadowModel:
-    """Write the shadow of `model` (profiled under `root`) to `out`."""
-    root = Path(root)
-    bpath = root / "boundary-bytes" / f"{model}.csv"
-    raw = read_matrix(bpath)
-    if raw.shape[1] != 1:
-        raise ProfileError(f"{bpath}: expected one number per row, got {raw.shape[1]}")
+def make_shadow(root: Path, profile: ModelProfile, out: Path) -> ShadowModel:
+    """Write the shadow of `profile` (imported from `root`: its boundary sizes are the
+    profile's, its input and output come from `root`'s layers folder) to `out`."""
+    root, model = Path(root), profile.name
     boundary = []
-    for i, b in enumerate(raw[:, 0]):
+    for i, b in enumerate(profile.boundary_bytes):
         if b < WIRE_BYTES:
-            raise ProfileError(f"{bpath}: row {i + 1}: {b:g} bytes is no feature map")
+            raise ProfileError(
+                f"{root / 'boundary-bytes' / f'{model}.csv'}: row {i + 1}: {b:g} bytes is no "
+                "feature map"
+            )
         boundary.append(math.ceil(b / WIRE_BYTES) * WIRE_BYTES)
     inp, outp = model_io(root, model)
     nodes: list[onnx.NodeProto] = []
