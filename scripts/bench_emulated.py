@@ -215,6 +215,7 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
     import time
 
     from poolpipe.client.control import new_token_file
+    from poolpipe.domain.plan import dilated
     from testbed.emulated import (
         GROUP2,
         GROUP2_DIR,
@@ -258,8 +259,6 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
                         token=token, inventory=em.inventory(), transport=args.transport,
                     )  # fmt: skip
                 else:
-                    from poolpipe.domain.plan import dilated
-
                     r = server.rollout(dilated(plan, d), plan_id)
                     if r.status != "done":
                         raise SystemExit(f"the rollout to {strategy} ended {r.status}: {r.reason}")
