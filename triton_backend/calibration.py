@@ -88,11 +88,11 @@ def warm(
     lay: Layout,
     nodes: dict[str, RepositoryAPI],
     parts: dict[str, PartitionFile],
-    max_batch: int | dict[str, int],
+    max_batch: dict[str, int],
     only: str | None = None,
 ) -> None:
-    """One call at every batch size (up to `max_batch`, or its value for the partition) to
-    every instance of every partition (of node `only`):
+    """One call at every batch size (up to the partition's `max_batch`) to every instance
+    of every partition (of node `only`):
     an ONNX Runtime session's first runs at a shape cost several times a warm one, and a
     node must not take the router's deadlines with cold instances (calibration times one
     node per pool; a restarted node starts cold)."""
@@ -117,7 +117,7 @@ def warm(
         (nodes[p.node], p.partition, b)
         for p in lay.placements
         if only is None or p.node == only
-        for b in range(1, (max_batch if isinstance(max_batch, int) else max_batch[p.partition]) + 1)
+        for b in range(1, max_batch[p.partition] + 1)
         for _ in range(p.instances)
     ]
     width = max((p.instances for p in lay.placements), default=1)
