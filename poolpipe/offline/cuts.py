@@ -128,8 +128,11 @@ def given_cuts(table: CutTable, cuts: Sequence[int]) -> Partitioning:
     crossed by at least one tensor; for models built with their blocks known (shadows)."""
     n = len(table.layers)
     cuts = tuple(int(c) for c in cuts)
-    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != n or any(
-        b <= a for a, b in itertools.pairwise(cuts)
+    if (
+        len(cuts) < 2
+        or cuts[0] != 0
+        or cuts[-1] != n
+        or any(b <= a for a, b in itertools.pairwise(cuts))
     ):
         raise ModelError(
             f"{table.model}: cuts {list(cuts)} must rise from 0 to the model's {n} layers"

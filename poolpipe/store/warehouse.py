@@ -114,9 +114,7 @@ def _insert_measurements(
         _insert_columns(con, table, cols)
 
 
-def _latency_columns(
-    profiles: Sequence[ModelProfile], prov: str, now: datetime
-) -> dict[str, list]:
+def _latency_columns(profiles: Sequence[ModelProfile], prov: str, now: datetime) -> dict[str, list]:
     """The block_latency rows of every table of `profiles`, as columns."""
     lat: dict[str, list] = {
         k: []
@@ -574,8 +572,7 @@ class Warehouse:
                 },
             )
             con.execute(
-                "UPDATE models SET reference_latency_us = ?, slo_us = ?, source = ? "
-                "WHERE name = ?",
+                "UPDATE models SET reference_latency_us = ?, slo_us = ?, source = ? WHERE name = ?",
                 [
                     profile.reference_latency_us,
                     profile.slo_us,
