@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -114,6 +116,31 @@ def relative_gap(objective: float, bound: float) -> float:
     return abs(bound - objective) / max(abs(objective), 1e-9)
 
 
+_HIGHS_MADE = threading.Lock()
+_highs_made = False
+
+
+def _new_highs(highspy, logged: bool):
+    """A Highs object; the first one of the process is made with the process's stdout
+    pointed at /dev/null (HiGHS prints its banner there from C++ as it is made, before any
+    option can be set), unless the solver's log is asked for."""
+    global _highs_made
+    with _HIGHS_MADE:
+        if _highs_made or logged:
+            _highs_made = True
+            return highspy.Highs()
+        _highs_made = True
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 1)
+                return highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def _solve_highs(
     milp: Milp,
     time_limit_s: float,
@@ -124,9 +151,10 @@ def _solve_highs(
 ) -> MilpResult:
     import highspy
 
-    h = highspy.Highs()
+    logged = os.environ.get("POOLPIPE_SOLVER_LOG", "") not in ("", "0")
+    h = _new_highs(highspy, logged)
     # POOLPIPE_SOLVER_LOG=1 shows HiGHS's own progress log (for diagnosing slow solves).
-    h.setOptionValue("output_flag", os.environ.get("POOLPIPE_SOLVER_LOG", "") not in ("", "0"))
+    h.setOptionValue("output_flag", logged)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     if threads:
