@@ -51,6 +51,17 @@ def partition_jobs(wh: Warehouse, lay: Layout, out_dir: Path) -> dict[str, Parti
     return jobs
 
 
+def check_serves_all(plan: Plan) -> None:
+    """A clear error where `plan` gives some model no pipeline (nothing could serve it)."""
+    unserved = [m.name for m in plan.models if not m.pipelines]
+    if unserved:
+        raise PoolpipeError(
+            f"the {plan.strategy} plan for cluster {plan.cluster.name} serves "
+            f"{', '.join(unserved)} nowhere (no pipeline fits: too few GPUs for the SLOs "
+            "and rates); plan a larger cluster, or leave those models out"
+        )
+
+
 def prepare(
     plan: Plan, warehouse: str | Path | None, workspace: Path, tag: str, isolated: bool = False
 ) -> tuple[Topology, Layout, dict[str, PartitionFile]]:
@@ -58,6 +69,7 @@ def prepare(
     of the whole model in a separate process, as a rollout does while this process serves:
     the ONNX surgery is seconds of pure-Python work that would otherwise hold the GIL from
     the router (measured: 3.4 s of CPU for two ResNet-50 partitions)."""
+    check_serves_all(plan)
     with Warehouse.open(warehouse) as wh:
         profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
         topo = build_topology(plan, profiles)

@@ -79,6 +79,32 @@ class Cluster:
         """This cluster with `counts` GPUs of the types named (at most what it has)."""
         return self.without({g: self.pool(g).count - n for g, n in counts.items()})
 
+    def scaled(self, gpus: int) -> Cluster:
+        """This cluster at `gpus` GPUs in all, named <name>@<gpus>: each type's count in
+        proportion (largest remainders; every type keeps at least one), the same GPUs per
+        server, shares and bandwidth."""
+        total = self.total_gpus
+        if gpus < len(self.pools) or total == 0:
+            raise ClusterError(
+                f"cluster {self.name} cannot be scaled to {gpus} GPUs: give at least "
+                f"{len(self.pools)} (one per GPU type)"
+            )
+        exact = [p.count * gpus / total for p in self.pools]
+        counts = [max(1, int(x)) for x in exact]
+        order = sorted(range(len(exact)), key=lambda i: int(exact[i]) - exact[i])
+        k = 0
+        while sum(counts) != gpus:
+            i = order[k % len(order)]
+            step = 1 if sum(counts) < gpus else -1
+            if counts[i] + step >= 1:
+                counts[i] += step
+            k += 1
+        return Cluster(
+            f"{self.name}@{gpus}",
+            self.bandwidth_gbps,
+            tuple(replace(p, count=n) for p, n in zip(self.pools, counts, strict=True)),
+        )
+
     @property
     def total_gpus(self) -> int:
         return sum(p.count for p in self.pools)
@@ -141,7 +167,14 @@ def load_clusters(path: Path) -> dict[str, Cluster]:
 
 
 def load_cluster(path: Path, name: str) -> Cluster:
+    """Cluster `name` of the file; `<name>@<N>`: that cluster scaled to N GPUs
+    (Cluster.scaled)."""
     clusters = load_clusters(path)
+    base, at, gpus = name.partition("@")
+    if at and base in clusters:
+        if not gpus.isdigit():
+            raise ClusterError(f"cluster {name!r}: after @ give a GPU count, like {base}@32")
+        return clusters[base].scaled(int(gpus))
     if name not in clusters:
         raise UnknownNameError(
             f"cluster {name!r} is not in {path}; known: {', '.join(sorted(clusters))}"
