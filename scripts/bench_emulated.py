@@ -14,16 +14,20 @@ late beyond the target tolerance max(0.3 ms, 2% of due), beside the node's own c
 
 Part 2 (`--only cluster`): the paper's group 2 (shadows of colorization-v2,
 googlenet-v3-pytorch and repvgg-b3 from data/ppipe-gpu-group2, maf19 mix, SLO 5x) planned
-with ppipe and np for a preset (`--cluster hc2-small`), served on that preset emulated at
-time scale D (a namespace per server, an emulated GPU node per GPU, NICs / D, the router
-on the dilated plan, arrivals / D): each plan's capacity (>= 99% on time in two Poisson
-traces a rate) live and simulated on the same calibrated topology, np rolled out under
-the same nodes after ppipe. Figures undilated, D printed.
+with ppipe and np for each preset (`--cluster hc2-small,hc2-large@32`: 16 GPUs, and
+hc2-large scaled to 32 keeping its type ratio and GPUs per server), served on that preset
+emulated at time scale D (a namespace per server, an emulated GPU node per GPU, NICs / D,
+the router on the dilated plan, arrivals / D), with each transport (router relay, chain):
+each plan's capacity (>= 99% on time in two Poisson traces a rate) live, then simulated on
+the same traces and calibrated topology; live vs simulated attainment at 1/3, 2/3 and 1 x
+the live capacity; np rolled out under load on the same nodes after ppipe; router and node
+CPU per request; bytes through the router's interface. Figures undilated, D printed.
 
 Stored in the warehouse (bench_serving, bench "emulated").
 
     ./run bench-emulated [--only accuracy|cluster] [--calls 200] [--callers 4]
-        [--time-scale 1] [--cluster hc2-small] [--cluster-time-scale 20] [--duration 15]
+        [--time-scale 1] [--cluster hc2-small,hc2-large@32] [--cluster-time-scale 20]
+        [--duration 10] [--transport router,chain]
 """
 
 from __future__ import annotations
@@ -95,15 +99,23 @@ def main() -> int:
     ap.add_argument("--callers", type=int, default=4, help="clients at once under load (4)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="D of part 1 (1)")
     ap.add_argument("--only", choices=("accuracy", "cluster"), help="run one part (default: both)")
-    ap.add_argument("--cluster", default="hc2-small", help="part 2's preset (hc2-small)")
+    ap.add_argument(
+        "--cluster",
+        default="hc2-small,hc2-large@32",
+        help="part 2's presets, comma-separated; <preset>@N: scaled to N GPUs "
+        "(hc2-small,hc2-large@32)",
+    )
     ap.add_argument("--cluster-time-scale", type=float, default=20.0, help="part 2's D (20)")
     ap.add_argument(
-        "--duration", type=float, default=15.0, help="part 2: seconds per trace, dilated (15)"
+        "--duration", type=float, default=10.0, help="part 2: seconds per trace, dilated (10)"
     )
     ap.add_argument(
-        "--transport", default="router", choices=("router", "chain"), help="part 2 (router)"
+        "--transport", default="router,chain", help="part 2's transports (router,chain)"
     )
     args = ap.parse_args()
+    bad = set(args.transport.split(",")) - {"router", "chain"}
+    if bad:
+        ap.error(f"--transport: unknown {', '.join(sorted(bad))}; give router, chain or both")
     rows = BenchRows(args.label)
     if args.only != "cluster":
         accuracy(args, rows)
@@ -209,23 +221,22 @@ def accuracy(args: argparse.Namespace, rows: BenchRows) -> None:
 
 
 def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
-    """Part 2: the paper's group 2 (shadows, maf19) on an EMULATED preset cluster at time
-    scale D: ppipe and np capacity live and simulated, on the same nodes (np rolled out
-    under load after ppipe's search); router and node CPU per request."""
+    """Part 2: the paper's group 2 (shadows, maf19) on EMULATED preset clusters at time
+    scale D, each transport: ppipe and np capacity live and simulated on the same nodes
+    (np rolled out under load after ppipe's search), attainment live and simulated at
+    three loads up to each live capacity, router and node CPU per request, bytes through
+    the router's interface."""
     import time
 
     from poolpipe.client.control import new_token_file
-    from poolpipe.domain.plan import dilated
     from testbed.emulated import (
         GROUP2,
         GROUP2_DIR,
         MAF19,
-        MixLoad,
+        compare_plans,
         emulated_nodes,
         group_plans,
-        mix_capacity,
         onboard_shadows,
-        serve_dilated,
     )
 
     d = args.cluster_time_scale
@@ -233,92 +244,110 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
         warehouse = str(wh.path)
     with console.status("onboarding the shadows of group 2 (flow onboard-shadow) ..."):
         onboard_shadows(warehouse)
-    plans = group_plans(warehouse, args.cluster)
-    cluster = plans["ppipe"][0].cluster
     weights = dict(zip(GROUP2, MAF19, strict=True))
-    tmp = Path(tempfile.mkdtemp(prefix="bench-emulated-cluster-"))
-    token_file = tmp / "token"
-    token = new_token_file(token_file)
-    results = {}
-    t0 = time.perf_counter()
-    with emulated_nodes(cluster, tmp / "cluster", d, token_file) as em:
-        console.print(
-            f"EMULATED {cluster.name}: {len(em.nodes)} GPU nodes on {em.servers} servers "
-            f"(namespaces, {cluster.bandwidth_gbps:g} Gbit/s / D NICs), time scale D = {d:g}, "
-            f"profiles {GROUP2_DIR}; up in {time.perf_counter() - t0:.0f} s"
-        )
-        top = plans["ppipe"][0].objective / d  # both plans on one grid: ppipe's plan rate
-        server = None
-        try:
-            for strategy in ("ppipe", "np"):
-                plan, plan_id = plans[strategy]
-                t1 = time.perf_counter()
-                if server is None:
-                    server = serve_dilated(
-                        plan, plan_id, warehouse, tmp / "serve", d, name="bench-emulated",
-                        token=token, inventory=em.inventory(), transport=args.transport,
-                    )  # fmt: skip
-                else:
-                    r = server.rollout(dilated(plan, d), plan_id)
-                    if r.status != "done":
-                        raise SystemExit(f"the rollout to {strategy} ended {r.status}: {r.reason}")
-                ready_s = time.perf_counter() - t1
-                dep = server.deployment
-                load = MixLoad.of(dep, weights)
+    runs = []
+    for name in args.cluster.split(","):
+        plans = group_plans(warehouse, name)
+        cluster = plans["ppipe"][0].cluster
+        for transport in args.transport.split(","):
+            tmp = Path(tempfile.mkdtemp(prefix="bench-emulated-cluster-"))
+            token_file = tmp / "token"
+            token = new_token_file(token_file)
+            t0 = time.perf_counter()
+            with emulated_nodes(cluster, tmp / "cluster", d, token_file) as em:
+                console.print(
+                    f"EMULATED {cluster.name}: {len(em.nodes)} GPU nodes on {em.servers} "
+                    f"servers (namespaces, {cluster.bandwidth_gbps:g} Gbit/s / D NICs), time "
+                    f"scale D = {d:g}, transport {transport}, profiles {GROUP2_DIR}; up in "
+                    f"{time.perf_counter() - t0:.0f} s"
+                )
 
-                def point(kind: str, rate: float, att: float, label: str = strategy) -> None:
+                def point(plan: str, kind: str, rate: float, att: float) -> None:
                     console.print(
-                        f"  {label} {kind}: {rate * d:.0f} req/s ({rate:.2f} dilated) for "
+                        f"  {plan} {kind}: {rate * d:.0f} req/s ({rate:.2f} dilated) for "
                         f"{args.duration:g} s: {att:.3f} on time",
                         highlight=False,
                     )
 
-                c0 = os.times()
-                found = mix_capacity(dep, load, top, args.duration, on_point=point)
-                c1 = os.times()
-                results[strategy] = {
-                    **found,
-                    "planned": plan.objective,
-                    "ready_s": ready_s,
-                    "router_cpu_s": (c1.user - c0.user) + (c1.system - c0.system),
-                }
-        finally:
-            if server is not None:
-                server.close()
+                rx0 = _router_bytes(em)
+                res = compare_plans(
+                    plans, warehouse, em, tmp / "serve", d, weights, args.duration,
+                    token=token, transport=transport, loads=(1 / 3, 2 / 3, 1.0),
+                    on_point=point, on_step=lambda text: console.print(f"[cyan]{text}[/]"),
+                )  # fmt: skip
+                moved = _router_bytes(em) - rx0
+            runs.append((cluster.name, transport, res, moved))
+    _cluster_tables(runs, d, args, rows)
+
+
+def _router_bytes(em) -> int:
+    """Bytes through the router's interface (the emulated cluster's bridge) so far."""
+    stats = Path("/sys/class/net") / em.bridge / "statistics"
+    return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
+
+def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -> None:
     t = Table(
-        title=f"EMULATED {cluster.name}, group 2 at maf19, time scale D = {d:g} (figures "
-        f"undilated), transport {args.transport}, >= 99% on time in 2 traces of "
-        f"{args.duration:g} s a rate",
+        title=f"EMULATED group 2 at maf19, time scale D = {d:g} (figures undilated), >= 99% "
+        f"on time in 2 traces of {args.duration:g} s (dilated) a rate",
         title_justify="left",
     )
-    for c in ("plan", "planned req/s", "simulated req/s", "live req/s", "live / sim",
-              "ready s"):  # fmt: skip
+    for c in ("cluster", "transport", "plan", "planned req/s", "simulated req/s",
+              "live req/s", "live / sim", "ready s", "router CPU µs/req",
+              "nodes CPU µs/req", "router cores", "nodes cores"):  # fmt: skip
         t.add_column(c, justify="right")
-    for strategy, r in results.items():
-        t.add_row(
-            strategy,
-            f"{r['planned']:.1f}",
-            f"{'>= ' if r['sim_capped'] else ''}{r['sim'] * d:.0f}",
-            f"{'>= ' if r['capped'] else ''}{r['live'] * d:.0f}",
-            f"{r['live'] / r['sim']:.2f}" if r["sim"] else "-",
-            f"{r['ready_s']:.0f}",
-        )
-        config = f"{cluster.name}/{strategy}/D{d:g}/{args.transport}"
-        for metric, key, scale in (
-            ("capacity_live_req_s", "live", d),
-            ("capacity_sim_req_s", "sim", d),
-            ("planned_req_s", "planned", 1.0),
-            ("ready_s", "ready_s", 1.0),
-        ):
-            rows.record("emulated", config, metric, r[key] * scale)
+    loads = Table(
+        title="attainment live vs simulated (same traces) at 1/3, 2/3, 1 x live capacity",
+        title_justify="left",
+    )
+    for c in ("cluster", "transport", "plan", "req/s", "live", "simulated", "points apart"):
+        loads.add_column(c, justify="right")
+    for name, transport, res, moved in runs:
+        for strategy in ("ppipe", "np"):
+            r = res[strategy]
+            t.add_row(
+                name, transport, strategy,
+                f"{r['planned']:.1f}",
+                f"{'>= ' if r['sim_capped'] else ''}{r['sim'] * d:.0f}",
+                f"{'>= ' if r['capped'] else ''}{r['live'] * d:.0f}",
+                f"{r['live'] / r['sim']:.2f}" if r["sim"] else "-",
+                f"{r['ready_s']:.0f}",
+                f"{r['cpu_us']['router']:.0f}",
+                f"{r['cpu_us']['nodes']:.0f}",
+                f"{r['cores']['router']:.2f}",
+                f"{r['cores']['nodes']:.2f}",
+            )  # fmt: skip
+            config = f"{name}/{strategy}/D{d:g}/{transport}"
+            for metric, value in (
+                ("capacity_live_req_s", r["live"] * d),
+                ("capacity_sim_req_s", r["sim"] * d),
+                ("planned_req_s", r["planned"]),
+                ("ready_s", r["ready_s"]),
+                ("router_cpu_us_per_req", r["cpu_us"]["router"]),
+                ("nodes_cpu_us_per_req", r["cpu_us"]["nodes"]),
+                ("router_cores", r["cores"]["router"]),
+                ("nodes_cores", r["cores"]["nodes"]),
+            ):
+                rows.record("emulated", config, metric, value)
+            for k, (rate, live, sim) in enumerate(r["loads"]):
+                loads.add_row(
+                    name, transport, strategy, f"{rate * d:.0f}", f"{live:.3f}", f"{sim:.3f}",
+                    f"{100 * (live - sim):+.1f}",
+                )  # fmt: skip
+                rows.record("emulated", config, f"attainment_live_load{k + 1}", live)
+                rows.record("emulated", config, f"attainment_sim_load{k + 1}", sim)
+        rows.record("emulated", f"{name}/D{d:g}/{transport}", "router_interface_mb", moved / 1e6)
+        pp, np_ = res["ppipe"], res["np"]
+        if np_["live"] and np_["sim"]:
+            console.print(
+                f"{name}, {transport}: ppipe / np live {pp['live'] / np_['live']:.2f}x, "
+                f"simulated {pp['sim'] / np_['sim']:.2f}x, planned "
+                f"{pp['planned'] / np_['planned']:.2f}x; {moved / 1e6:.0f} MB through the "
+                "router's interface in the run (EMULATED GPUs: real processes, network and "
+                "bytes; device times from profiles)"
+            )
     console.print(t)
-    if results.get("np", {}).get("live") and results["np"]["sim"]:
-        pp, np_ = results["ppipe"], results["np"]
-        console.print(
-            f"ppipe / np: live {pp['live'] / np_['live']:.2f}x, simulated "
-            f"{pp['sim'] / np_['sim']:.2f}x, planned {pp['planned'] / np_['planned']:.2f}x "
-            "(EMULATED GPUs: real processes, network and bytes; device times from profiles)"
-        )
+    console.print(loads)
 
 
 if __name__ == "__main__":

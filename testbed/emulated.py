@@ -9,6 +9,9 @@ simulator's. Every figure leaves here undilated (rates x D, times / D).
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,14 +19,24 @@ from pathlib import Path
 import numpy as np
 
 from poolpipe.domain.plan import Plan, dilated
+from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
-from testbed.loadgen import CAPACITY_STEPS, CAPACITY_TARGET, bisect_grid, drive_mix, mix_times
+from testbed.loadgen import (
+    CAPACITY_TARGET,
+    Shot,
+    bisect_grid,
+    drive_mix,
+    mix_times,
+)
 from testbed.netns import EmulatedCluster
 from testbed.predict import predict
 
 GROUP2_DIR = REPO_ROOT / "data" / "ppipe-gpu-group2"
 GROUP2 = ("colorization-v2", "googlenet-v3-pytorch", "repvgg-b3")
 MAF19 = (0.30, 0.33, 0.37)
+# Capacity grid of a mix: 1/32 of the top rate (ppipe's plan; 15.5 req/s on hc2-small). At
+# 1/16 one step was a quarter of the live capacity there (live 93 against simulated 124).
+MIX_STEPS = 32
 
 
 def onboard_shadows(
@@ -81,6 +94,7 @@ class MixLoad:
     requests: list[tuple[str, dict[str, np.ndarray]]]
     weights: list[float]
     slos_s: list[float]
+    sent: int = 0  # requests sent so far
 
     @classmethod
     def of(cls, dep, weights: dict[str, float]) -> MixLoad:
@@ -91,14 +105,23 @@ class MixLoad:
             slos.append(dep.core.topo.models[dep.core.topo.model_index(io.name)].slo_us / 1e6)
         return cls(dep.grpc_url, requests, [weights[io.name] for io in dep.ios], slos)
 
-    def run(
-        self, rate: float, duration_s: float, seed: int
-    ) -> tuple[float, np.ndarray, np.ndarray]:
-        """Drive `rate` (dilated req/s) for `duration_s`: (share on time, times, models)."""
+    def send(self, rate: float, duration_s: float, seed: int) -> tuple[np.ndarray, list[Shot]]:
+        """Drive `rate` (dilated req/s) for `duration_s`: (the send times, the shots)."""
         times, which = mix_times(rate, self.weights, duration_s, seed)
-        shots = drive_mix(self.url, self.requests, times, which)
-        on_time = sum(1 for s in shots if s.outcome == "ok" and s.latency_s <= self.slos_s[s.model])
-        return (on_time / len(times) if len(times) else 1.0), times, which
+        self.sent += len(times)
+        return times, drive_mix(self.url, self.requests, times, which)
+
+    def on_time(self, shot: Shot) -> bool:
+        return shot.outcome == "ok" and shot.latency_s <= self.slos_s[shot.model]
+
+    def share_on_time(self, shots: list[Shot], sent: int | None = None) -> float:
+        n = len(shots) if sent is None else sent
+        return sum(map(self.on_time, shots)) / n if n else float("nan")
+
+    def run(self, rate: float, duration_s: float, seed: int) -> float:
+        """Drive `rate` (dilated req/s) for `duration_s`: the share on time."""
+        times, shots = self.send(rate, duration_s, seed)
+        return self.share_on_time(shots, len(times)) if len(times) else 1.0
 
 
 def mix_capacity(
@@ -108,44 +131,69 @@ def mix_capacity(
     duration_s: float,
     traces: int = 2,
     on_point: Callable[[str, float, float], None] = lambda kind, rate, att: None,
+    steps: int = MIX_STEPS,
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
-    multiple of top/CAPACITY_STEPS at which each of `traces` Poisson traces keeps >=
-    CAPACITY_TARGET on time, bisected (loadgen.bisect_grid: the simulator first, on the
-    same traces and the stage times measured just before; the live search starts from its
-    answer)."""
-    load.run(0.3 * top, 2.0, seed=0)  # warm-up
+    multiple of top/`steps` at which each of `traces` Poisson traces keeps >=
+    CAPACITY_TARGET on time, bisected (loadgen.bisect_grid), live first (from a quarter of
+    `top`), then the simulator on the same traces, drawing each pool's stage times from
+    those measured live at the same rate (the nearest rate run live where it was not):
+    on the emulated GPUs a stage's time includes its inputs' wait on the server's NIC,
+    which grows with the load (the data plane reserves the links between partitions, not
+    the requests' way in), so stage times from one load misrepresent another. Stage times
+    measured far beyond a plan's capacity made the simulator miss at light loads; those
+    measured at light loads know nothing of the queues near capacity."""
+    load.run(0.1 * top, 2.0, seed=0)  # warm-up
     dep.core.take_stage_factors()
-    load.run(0.5 * top, 4.0, seed=100)
-    factors = [list(f) for f in dep.core.take_stage_factors()]
     points: dict[str, dict[float, float]] = {"live": {}, "sim": {}}
+    measured: dict[int, list[list[float]]] = {}  # grid step -> per pool, live
 
     def passes(kind: str, i: int) -> bool:
-        rate = i * top / CAPACITY_STEPS
+        rate = i * top / steps
         for k in range(traces):
             seed = 200 + i + 1000 * k
             if kind == "sim":
                 times, which = mix_times(rate, load.weights, duration_s, seed)
+                factors = measured[min(measured, key=lambda j: (abs(j - i), j))]
                 got = predict(dep, times, duration_s, factors, models=which).attainment
             else:
-                got = load.run(rate, duration_s, seed)[0]
+                got = load.run(rate, duration_s, seed)
+                taken = dep.core.take_stage_factors()
+                mine = measured.setdefault(i, [[] for _ in taken])
+                for pool, f in zip(mine, taken, strict=True):
+                    pool.extend(f)
             points[kind][rate] = min(got, points[kind].get(rate, got))
             on_point(kind, rate, got)
             if got < CAPACITY_TARGET:
                 return False
         return True
 
-    found = {"sim": bisect_grid(lambda i: passes("sim", i), CAPACITY_STEPS)}
-    # the live search starts next to the simulator's answer
-    found["live"] = bisect_grid(lambda i: passes("live", i), CAPACITY_STEPS, guess=found["sim"])
+    found = {"live": bisect_grid(lambda i: passes("live", i), steps, steps // 4)}
+    found["sim"] = bisect_grid(lambda i: passes("sim", i), steps, guess=found["live"])
     return {
         "top": top,
-        "sim": found["sim"] * top / CAPACITY_STEPS,
-        "live": found["live"] * top / CAPACITY_STEPS,
-        "sim_capped": found["sim"] == CAPACITY_STEPS,
-        "capped": found["live"] == CAPACITY_STEPS,
+        "sim": found["sim"] * top / steps,
+        "live": found["live"] * top / steps,
+        "sim_capped": found["sim"] == steps,
+        "capped": found["live"] == steps,
+        "step": top / steps,
         "points": points,
     }
+
+
+def attainment_at(dep, load: MixLoad, rates, duration_s: float, seed: int = 500):
+    """Share on time live and simulated (on the same trace, stage times from those the
+    live run measured: see mix_capacity) at each of `rates` (dilated req/s): [(rate, live,
+    simulated)]."""
+    out = []
+    for k, rate in enumerate(rates):
+        times, which = mix_times(rate, load.weights, duration_s, seed + k)
+        dep.core.take_stage_factors()
+        live = load.run(rate, duration_s, seed + k)
+        factors = [list(f) for f in dep.core.take_stage_factors()]
+        sim = predict(dep, times, duration_s, factors, models=which).attainment
+        out.append((rate, live, sim))
+    return out
 
 
 @contextlib.contextmanager
@@ -179,3 +227,178 @@ def serve_dilated(plan: Plan, plan_id: int, warehouse: str, workspace: Path, d: 
         metrics_port=0,
         **kw,
     )
+
+
+def rollout_under_load(
+    server, plan: Plan, plan_id: int, load: MixLoad, rate: float, duration_s: float, seed=99
+) -> dict:
+    """Steady mix load at `rate` (dilated req/s) for `duration_s`; `plan` (served as given:
+    dilate it first) rolled out from a quarter of the run. The share on time before the
+    rollout, while the new models load and are calibrated (the old plan serving), after the
+    switch, and per twentieth of the run (`timeline`: (start s, share))."""
+    result: dict = {}
+    start = duration_s / 4
+
+    def roll() -> None:
+        time.sleep(start)
+        result["r"] = server.rollout(plan, plan_id)
+
+    t = threading.Thread(target=roll, name="rollout")
+    t.start()
+    times, shots = load.send(rate, duration_s, seed)
+    t.join()
+    r = result["r"]
+    switch = start + r.prepare_s
+    sent_at = np.asarray(times)
+    phases = {"before": (0.0, start), "preparing": (start, switch), "after": (switch, duration_s)}
+    share = {}
+    for key, (a, b) in phases.items():
+        mine = [s for s in shots if a <= s.sent_s < b]
+        share[key] = load.share_on_time(mine, int(((sent_at >= a) & (sent_at < b)).sum()))
+    width = duration_s / 20
+    timeline = []
+    for k in range(20):
+        a, b = k * width, (k + 1) * width
+        mine = [s for s in shots if a <= s.sent_s < b]
+        timeline.append((a, load.share_on_time(mine, int(((sent_at >= a) & (sent_at < b)).sum()))))
+    return {
+        "status": r.status,
+        "reason": r.reason,
+        "rate": rate,
+        "start_s": start,
+        "prepare_s": r.prepare_s,
+        "downtime_ms": r.downtime_ms,
+        "held": r.held,
+        "failed": r.failed + sum(1 for s in shots if s.outcome in ("failed", "error")),
+        "sent": len(times),
+        "unanswered": len(times) - len(shots),
+        "attainment": share,
+        "timeline": timeline,
+    }
+
+
+def _cpu_s(pids) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+class CpuMeter:
+    """CPU seconds so far of the router (this process but its calling thread, which runs
+    the clients and the simulator, and the router's own tritonserver and stubs) and of the
+    emulated cluster's nodes (each `poolpipe node` and everything below it). Sample from
+    the thread that drives the load."""
+
+    def __init__(self, em: EmulatedCluster):
+        self.em = em
+
+    def sample(self) -> dict[str, float]:
+        from triton_backend.nodes import descendants
+
+        nodes: set[int] = set()
+        for s in self.em.nodes:
+            if s.node is not None:
+                nodes |= {s.node.pid, *(p for p, _ in descendants(s.node.pid))}
+        router = [p for p, _ in descendants(os.getpid()) if p not in nodes]
+        t = os.times()
+        client = time.thread_time()
+        return {
+            "router": t.user + t.system - client + _cpu_s(router),
+            "nodes": _cpu_s(nodes),
+            "client": client,
+        }
+
+
+def compare_plans(
+    plans: dict[str, tuple[Plan, int]],
+    warehouse: str,
+    em: EmulatedCluster,
+    workspace: Path,
+    d: float,
+    weights: dict[str, float],
+    duration_s: float,
+    *,
+    token: str,
+    transport: str = "router",
+    rollout_share: float = 0.25,
+    loads: tuple[float, ...] = (),
+    on_point: Callable[[str, str, float, float], None] = lambda plan, kind, rate, att: None,
+    on_step: Callable[[str], None] = lambda text: None,
+) -> dict:
+    """ppipe served on the emulated nodes `em` at time scale `d`, its capacity found live
+    and simulated (mix_capacity, `weights` by model); then np rolled out under a steady
+    load of `rollout_share` x ppipe's live capacity, and its capacity found the same way.
+    Rates are dilated. Per plan: mix_capacity's figures, "planned", "ready_s" (wall s to
+    serve), "cpu_us" (router / nodes / client CPU µs per request sent in the search, idle
+    time included) and "cores" (their CPU seconds per wall second);
+    "rollout": rollout_under_load's figures. `loads`: fractions of each plan's live
+    capacity at which to compare live and simulated attainment ("loads": attainment_at)."""
+    top = plans["ppipe"][0].objective / d  # both plans on one grid: ppipe's plan rate
+    meter = CpuMeter(em)
+    out: dict = {}
+    server = None
+    try:
+        for strategy in ("ppipe", "np"):
+            plan, plan_id = plans[strategy]
+            t0 = time.perf_counter()
+            if server is None:
+                on_step(f"serving the {strategy} plan: the router loads its partitions onto the "
+                        "nodes and calibrates them")  # fmt: skip
+                server = serve_dilated(
+                    plan, plan_id, warehouse, workspace, d, name="emulated", token=token,
+                    inventory=em.inventory(), transport=transport,
+                )  # fmt: skip
+                ready_s = time.perf_counter() - t0
+            else:
+                rate = rollout_share * out["ppipe"]["live"]
+                on_step(
+                    f"rolling the {strategy} plan out under {rate * d:.0f} req/s "
+                    f"({rollout_share:g} of ppipe's live capacity) for {3 * duration_s:g} s"
+                )
+                load = MixLoad.of(server.deployment, weights)
+                roll = rollout_under_load(
+                    server, dilated(plan, d), plan_id, load, rate, 3 * duration_s
+                )
+                out["rollout"] = roll
+                if roll["status"] != "done":
+                    raise PoolpipeError(
+                        f"the rollout to {strategy} ended {roll['status']}: {roll['reason']}"
+                    )
+                ready_s = roll["prepare_s"]
+            dep = server.deployment
+            on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time, two traces a "
+                    "rate), live, then the simulator on the same traces")  # fmt: skip
+            load = MixLoad.of(dep, weights)
+            c0, w0 = meter.sample(), time.perf_counter()
+            found = mix_capacity(
+                dep,
+                load,
+                top,
+                duration_s,
+                on_point=lambda kind, rate, att, s=strategy: on_point(s, kind, rate, att),
+            )
+            c1, wall = meter.sample(), time.perf_counter() - w0
+            sent = load.sent
+            at = []
+            if loads and found["live"]:
+                on_step(f"{strategy}: live and simulated at {', '.join(f'{x:g}' for x in loads)}"
+                        " x its live capacity")  # fmt: skip
+                at = attainment_at(dep, load, [x * found["live"] for x in loads], duration_s)
+            out[strategy] = {
+                **found,
+                "loads": at,
+                "planned": plan.objective,
+                "ready_s": ready_s,
+                "cpu_us": {k: (c1[k] - c0[k]) / max(1, sent) * 1e6 for k in c0},
+                "cores": {k: (c1[k] - c0[k]) / wall for k in c0},
+            }
+    finally:
+        if server is not None:
+            server.close()
+    return out

@@ -1,16 +1,22 @@
 """`poolpipe demo`: the whole system on this machine, on embedded defaults.
 
-Generate a model, onboard it (split, profile on two CPU device classes), plan it for the
-local heterogeneous cluster, start the stage-worker nodes and the router, drive load with
-tritonclient at a few rates (beside the simulator's prediction for the same trace), roll a
-second plan out under load, and write plots.
+By default on EMULATED GPUs (demo_gpu: the paper's group 2 from real GPU profiles, live on
+an emulated hc2-small; needs network namespaces, else this CPU demo runs).
+
+With --cpu, real compute on this machine's CPU classes: generate a model, onboard it
+(split, profile on two CPU device classes), plan it for the local heterogeneous cluster,
+start the stage-worker nodes and the router, drive load with tritonclient at a few rates
+(beside the simulator's prediction for the same trace), roll a second plan out under load,
+and write plots.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -25,7 +31,7 @@ from poolpipe.client.control import new_token_file
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 120)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
 
 
@@ -36,6 +42,29 @@ def _step(text: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # the rollout is an expected event here: its result is printed, not logged as a warning
+    logging.getLogger("poolpipe.serve").setLevel(logging.ERROR)
+    if not args.cpu:
+        from testbed.netns import unavailable
+
+        why = unavailable()
+        if why is None:
+            from poolpipe.cli.demo_gpu import cmd_demo_gpu
+
+            args.cluster = args.cluster or "hc2-small"
+            args.duration = args.duration or 10.0
+            return cmd_demo_gpu(args)
+        console.print(
+            f"[yellow]The emulated GPU cluster needs network namespaces, but {why}; running "
+            "the CPU demo (--cpu) on loopback instead.[/]"
+        )
+        args.loopback = True
+    args.cluster = args.cluster or "demo"
+    args.duration = args.duration or 8.0
+    return cmd_demo_cpu(args)
+
+
+def cmd_demo_cpu(args: argparse.Namespace) -> int:
     from flows.onboard import onboard_model
     from flows.profile import profile_model
     from poolpipe.cli.onboard import progress_bar
@@ -467,18 +496,41 @@ def _loads(text: str) -> list[float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="out/demo", help="plots and working files (out/demo)")
-    p.add_argument("--cluster", default="demo", help="cluster in local-clusters.toml (demo)")
-    p.add_argument("--slo-ms", type=float, default=100.0, help="SLO (100 ms)")
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the real-compute demo: a generated ResNet-50 served on this machine's CPU "
+        "classes (else: the paper's group 2 on emulated GPUs)",
+    )
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="emulated GPUs: a preset of data/ppipe-gpu-group2/clusters.toml (hc2-small); "
+        "--cpu: a cluster in local-clusters.toml (demo)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=10.0,
+        help="emulated GPUs: time dilation D; latencies and SLOs x D, NICs and rates / D (10)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds per trace, wall clock (emulated GPUs: 10, dilated; --cpu: 8)",
+    )
     p.add_argument("--width", type=float, default=1.0, help="model channel multiplier (1.0)")
     p.add_argument("--image", type=int, default=64, help="input size (64)")
-    p.add_argument("--loads", type=_loads, default=[0.3, 0.6, 0.9], help="0.3,0.6,0.9")
-    p.add_argument("--duration", type=float, default=8.0, help="seconds per load (8)")
+    p.add_argument("--slo-ms", type=float, default=100.0, help="--cpu: SLO (100 ms)")
+    p.add_argument("--loads", type=_loads, default=[0.3, 0.6, 0.9], help="--cpu: 0.3,0.6,0.9")
     p.add_argument(
-        "--max-rate", type=float, default=100.0, help="load 1.0 is at most this req/s (100)"
+        "--max-rate", type=float, default=100.0, help="--cpu: load 1.0 is at most this req/s (100)"
     )
     p.add_argument(
         "--loopback",
         action="store_true",
-        help="nodes on loopback even where an emulated cluster (network namespaces) is possible",
+        help="--cpu: nodes on loopback even where an emulated cluster (network namespaces) "
+        "is possible",
     )
     add_router_arguments(p)

@@ -1,0 +1,264 @@
+"""`poolpipe demo` on emulated GPUs (the main job's default; ../shared/docs/emulation.md).
+
+1. Offline, on real compute: a generated ResNet-50 is split into blocks, built and profiled
+   on this CPU (Prefect flow onboard-model) into the warehouse.
+2. The paper's group 2 (colorization-v2, googlenet-v3-pytorch, repvgg-b3) from real L4 and
+   T4 profiles shipped in data/ppipe-gpu-group2 (from the PPipe artifact): shadow models
+   onboarded (flow onboard-shadow), planned for hc2-small (4 L4 + 12 T4) at the maf19 mix
+   with ppipe and with whole-model serving (np).
+3. hc2-small EMULATED: a network namespace per server with a tc-limited NIC, an emulated GPU
+   node (tritonserver) per GPU that completes each batch at its profiled latency, all of it
+   time-dilated by D (latencies and SLOs x D, NICs and rates / D).
+4. ppipe served there; its capacity found live and by the simulator; np rolled out under
+   load on the same nodes; np's capacity; tables and plots. Figures undilated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from poolpipe.cli.demo import _step, console
+from poolpipe.errors import PoolpipeError
+
+EMULATED = "EMULATED GPUs: real processes, network and bytes; device times from the profiles"
+
+
+def cmd_demo_gpu(args: argparse.Namespace) -> int:
+    from flows.onboard import onboard_model
+    from poolpipe.cli.onboard import progress_bar
+    from poolpipe.client.control import new_token_file
+    from poolpipe.offline.profiler import sum_vs_whole
+    from poolpipe.offline.zoo import make_model
+    from poolpipe.store.warehouse import Warehouse
+    from testbed.emulated import (
+        GROUP2,
+        GROUP2_DIR,
+        MAF19,
+        compare_plans,
+        emulated_nodes,
+        group_plans,
+        onboard_shadows,
+    )
+    from triton_backend.prepare import check_serves_all
+
+    d = args.time_scale
+    if d <= 0:
+        raise PoolpipeError(f"--time-scale must be > 0, got {d:g}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    with Warehouse.open(args.warehouse) as wh:
+        warehouse = str(wh.path)
+
+    name = "demo-resnet"
+    _step(
+        f"offline, on real compute: a generated ResNet-50 ({args.image}x{args.image}) split "
+        "into blocks, built and profiled on this CPU (Prefect flow onboard-model)"
+    )
+    path = make_model("resnet50", out / f"{name}.onnx", width=args.width, image=args.image)
+    with progress_bar(name):
+        r = onboard_model(str(path), name, warehouse=warehouse, blocks=6, batches=[1, 2], reps=3)
+    console.print(
+        f"  {r.split.layers} layers in {len(r.split.blocks)} blocks, each checked against the "
+        f"whole model; whole model at batch 1: {sum_vs_whole(r.measurements)[1][1] / 1e3:.1f} "
+        f"ms on cpu-1t; stored in {warehouse}"
+    )
+
+    _step(
+        f"the paper's group 2 ({', '.join(GROUP2)}) from real L4 and T4 profiles shipped in "
+        f"{_rel(GROUP2_DIR)} (the PPipe artifact): shadow models with the real inputs and "
+        "feature-map sizes (Prefect flow onboard-shadow)"
+    )
+    with console.status("onboarding shadows ..."):
+        done = onboard_shadows(warehouse)
+    console.print(f"  onboarded now: {', '.join(done) or 'none (already in the warehouse)'}")
+
+    _step(
+        f"planning {args.cluster} for the maf19 mix ({', '.join(f'{w:.2f}' for w in MAF19)}), "
+        "SLO 5x each model's reference latency: ppipe and whole-model serving (np)"
+    )
+    plans = group_plans(warehouse, args.cluster)
+    _plans_table(plans)
+    for plan, _ in plans.values():
+        check_serves_all(plan)
+    cluster = plans["ppipe"][0].cluster
+
+    token_file = out / "serve" / "control.token"
+    token = new_token_file(token_file)
+    weights = dict(zip(GROUP2, MAF19, strict=True))
+
+    def point(plan: str, kind: str, rate: float, att: float) -> None:
+        what = "live     " if kind == "live" else "simulated"
+        console.print(
+            f"  {plan:5} {what} {rate * d:6.1f} req/s: {att:.3f} on time", highlight=False
+        )
+
+    t0 = time.perf_counter()
+    with emulated_nodes(cluster, out / "cluster", d, token_file) as em:
+        _step(
+            f"{cluster.name} EMULATED at time scale D = {d:g}: {len(em.nodes)} GPU nodes "
+            f"(tritonserver each) on {em.servers} servers (network namespaces on {em.subnet}, "
+            f"NICs {cluster.bandwidth_gbps:g} Gbit/s / D by tc); up in "
+            f"{time.perf_counter() - t0:.0f} s"
+        )
+        res = compare_plans(
+            plans,
+            warehouse,
+            em,
+            out / "serve",
+            d,
+            weights,
+            args.duration,
+            token=token,
+            transport=args.transport,
+            on_point=point,
+            on_step=_step,
+        )
+    _results(res, d, args)
+    _store(res, warehouse, cluster.name, d, args.transport)
+    _plots(out, res, d, cluster.name)
+    console.print(
+        f"plots in {out}/ (capacity.png, rollout.png); capacities in the warehouse "
+        f"(bench_serving, bench demo); {time.perf_counter() - t_start:.0f} s in all\n{EMULATED}."
+    )
+    return 0
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _plans_table(plans: dict) -> None:
+    from poolpipe.cli.plans import describe_pipeline
+
+    t = Table(title="plans (the planner's figures)", title_justify="left")
+    for col, just in (("plan", "left"), ("model", "left"), ("req/s", "right"),
+                      ("pipelines: blocks GPU/share×vGPUs, batch", "left")):  # fmt: skip
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for strategy, (plan, plan_id) in plans.items():
+        for k, m in enumerate(plan.models):
+            t.add_row(
+                f"{strategy} (#{plan_id})" if k == 0 else "",
+                m.name,
+                f"{m.throughput:.1f}",
+                "; ".join(f"{describe_pipeline(p)} b{p.batch}" for p in m.pipelines),
+            )
+        used = plan.gpus_used()
+        gpus = ", ".join(f"{p.gpu} {used.get(p.gpu, 0)}/{p.count}" for p in plan.cluster.pools)
+        t.add_row("", "[bold]all[/]", f"[bold]{plan.objective:.1f}[/]", f"GPUs used: {gpus}")
+    console.print(t)
+
+
+def _results(res: dict, d: float, args: argparse.Namespace) -> None:
+    t = Table(
+        title=f"capacity on the same EMULATED nodes: >= 99% on time in two traces of "
+        f"{args.duration / d:g} s a rate, rates {res['ppipe']['step'] * d:.1f} req/s apart "
+        f"(D = {d:g}; figures undilated)",
+        title_justify="left",
+    )
+    for col in ("plan", "planned req/s", "simulated req/s", "live req/s", "live / simulated"):
+        t.add_column(col, justify="right")
+    for strategy in ("ppipe", "np"):
+        r = res[strategy]
+        t.add_row(
+            strategy,
+            f"{r['planned']:.1f}",
+            f"{'>= ' if r['sim_capped'] else ''}{r['sim'] * d:.0f}",
+            f"{'>= ' if r['capped'] else ''}{r['live'] * d:.0f}",
+            f"{r['live'] / r['sim']:.2f}" if r["sim"] else "-",
+        )
+    console.print(t)
+    pp, whole = res["ppipe"], res["np"]
+    if whole["live"] and whole["sim"]:
+        console.print(
+            f"ppipe serves [bold]{pp['live'] / whole['live']:.2f}x[/] the load of whole-model "
+            f"serving live (simulator {pp['sim'] / whole['sim']:.2f}x, planner "
+            f"{pp['planned'] / whole['planned']:.2f}x). Live and simulated capacities sit "
+            "below the plans: the router times each stage with its bytes on the NICs "
+            "included, and the requests' inputs (googlenet-v3: 4.3 MB each) cross the first "
+            "server's NIC, which the planner's transfer model (the paper's) leaves out."
+        )
+    roll = res["rollout"]
+    att = roll["attainment"]
+    console.print(
+        f"rollout ppipe -> np under {roll['rate'] * d:.0f} req/s: {roll['status']}; "
+        f"prepared in {roll['prepare_s']:.1f} s wall clock while ppipe served, switch "
+        f"{roll['downtime_ms']:.1f} ms wall clock, {roll['held']} requests held, "
+        f"{roll['failed']} failed, {roll['unanswered']} of {roll['sent']} unanswered; on time "
+        f"before {att['before']:.3f}, while preparing {att['preparing']:.3f}, after "
+        f"{att['after']:.3f}",
+        highlight=False,
+    )
+
+
+def _store(res: dict, warehouse: str, cluster: str, d: float, transport: str) -> None:
+    from poolpipe.store.bench_rows import BenchRows
+    from poolpipe.store.warehouse import Warehouse
+
+    rows = BenchRows("demo")
+    for strategy in ("ppipe", "np"):
+        r = res[strategy]
+        config = f"{cluster}/{strategy}/D{d:g}/{transport}/emulated"
+        for metric, value in (
+            ("capacity_live_req_s", r["live"] * d),
+            ("capacity_sim_req_s", r["sim"] * d),
+            ("planned_req_s", r["planned"]),
+        ):
+            rows.record("demo", config, metric, value)
+    with Warehouse.open(warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+
+
+def _plots(out: Path, res: dict, d: float, cluster: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for strategy, color in (("ppipe", "tab:blue"), ("np", "tab:orange")):
+        for kind, style in (("live", "o-"), ("sim", "s:")):
+            pts = sorted(res[strategy]["points"][kind].items())
+            ax.plot(
+                [r * d for r, _ in pts],
+                [a for _, a in pts],
+                style,
+                color=color,
+                label=f"{strategy} {'live' if kind == 'live' else 'simulator'}",
+            )
+        ax.axvline(res[strategy]["planned"], color=color, lw=0.8, ls="--")
+    ax.axhline(0.99, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("offered load (req/s, Poisson, maf19 mix; dashed: planned)")
+    ax.set_ylabel("share on time (worst of two traces)")
+    ax.set_title(f"group 2 on {cluster}, EMULATED GPUs (D = {d:g})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "capacity.png", dpi=120)
+    plt.close(fig)
+
+    roll = res["rollout"]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    t = [a / d for a, _ in roll["timeline"]]
+    ax.step(t, [s for _, s in roll["timeline"]], where="post", label="share on time")
+    ax.axvline(roll["start_s"] / d, color="grey", ls="--", lw=0.8, label="rollout starts")
+    ax.axvline(
+        (roll["start_s"] + roll["prepare_s"]) / d, color="k", ls="--", lw=0.8, label="switch"
+    )
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("seconds (undilated)")
+    ax.set_title(
+        f"ppipe -> np under {roll['rate'] * d:.0f} req/s, EMULATED GPUs (D = {d:g})", fontsize=9
+    )
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "rollout.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,89 @@
+"""The main job (`poolpipe demo`), small: on emulated GPUs (hc2-large scaled to 10 GPUs) and
+the real-compute CPU demo (--cpu), each end to end in its own process, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poolpipe.domain.cluster import load_cluster
+from poolpipe.errors import ClusterError
+from testbed.emulated import GROUP2_DIR
+
+
+def _demo(tmp_path: Path, *args: str) -> str:
+    env = {**os.environ, "COLUMNS": "160"}
+    res = subprocess.run(
+        [sys.executable, "-m", "poolpipe.cli", "--warehouse", str(tmp_path / "w.duckdb"),
+         "demo", "--out", str(tmp_path / "out"), *args],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-3000:]
+    for noise in ("Traceback", "Warning", "WARNING", "Running HiGHS"):
+        assert noise not in text, text[-3000:]
+    return text
+
+
+def test_demo_on_emulated_gpus(tmp_path: Path) -> None:
+    from testbed.netns import unavailable
+
+    if unavailable():
+        pytest.skip(f"no network namespaces: {unavailable()}")
+    text = _demo(tmp_path, "--cluster", "hc2-large@10", "--duration", "3", "--width", "0.25")
+    assert "EMULATED" in text and "shadow models" in text
+    assert "hc2-large@10 EMULATED at time scale D = 10: 10 GPU nodes" in text
+    assert "rollout ppipe -> np" in text and ": done;" in text
+    for plot in ("capacity.png", "rollout.png"):
+        assert (tmp_path / "out" / plot).stat().st_size > 0
+
+
+def test_demo_on_cpu(tmp_path: Path) -> None:
+    text = _demo(
+        tmp_path, "--cpu", "--loopback", "--width", "0.25", "--image", "32", "--loads", "0.5",
+        "--duration", "2", "--max-rate", "20",
+    )  # fmt: skip
+    assert "live (router + Triton nodes) vs simulator" in text
+    assert "rollout to whole-model serving" in text
+    for plot in ("attainment_vs_load.png", "capacity.png"):
+        assert (tmp_path / "out" / plot).stat().st_size > 0
+
+
+def test_demo_refuses_a_plan_that_serves_a_model_nowhere(tmp_path: Path) -> None:
+    from testbed.netns import unavailable
+
+    if unavailable():
+        pytest.skip(f"no network namespaces: {unavailable()}")
+    res = subprocess.run(
+        [sys.executable, "-m", "poolpipe.cli", "--warehouse", str(tmp_path / "w.duckdb"),
+         "demo", "--out", str(tmp_path / "out"), "--cluster", "hc2-large@8", "--width", "0.25"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode != 0
+    assert "the np plan for cluster hc2-large@8 serves colorization-v2" in res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_scaled_cluster_keeps_ratio_and_servers() -> None:
+    path = GROUP2_DIR / "clusters.toml"
+    c = load_cluster(path, "hc2-large@32")
+    assert c.name == "hc2-large@32"
+    assert [(p.gpu, p.count, p.gpus_per_server) for p in c.pools] == [("L4", 8, 4), ("T4", 24, 2)]
+    assert load_cluster(path, "hc2-large@3").total_gpus == 3
+    with pytest.raises(ClusterError, match="at least 2"):
+        load_cluster(path, "hc2-large@1")
+    with pytest.raises(ClusterError, match="GPU count"):
+        load_cluster(path, "hc2-large@many")
+
+
+def test_first_solver_prints_no_banner() -> None:
+    code = (
+        "import highspy\nfrom poolpipe.planner import solvers\n"
+        "solvers._new_highs(highspy, False)\nsolvers._new_highs(highspy, False)\nprint('done')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == "done\n", out.stdout + out.stderr
