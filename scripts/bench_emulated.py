@@ -33,6 +33,7 @@ Stored in the warehouse (bench_serving, bench "emulated").
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -113,6 +114,7 @@ def main() -> int:
         "--transport", default="router,chain", help="part 2's transports (router,chain)"
     )
     args = ap.parse_args()
+    logging.getLogger("poolpipe.serve").setLevel(logging.ERROR)  # rollouts: in the tables
     bad = set(args.transport.split(",")) - {"router", "chain"}
     if bad:
         ap.error(f"--transport: unknown {', '.join(sorted(bad))}; give router, chain or both")

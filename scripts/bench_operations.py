@@ -146,9 +146,7 @@ def router_part(args, em, plan_file: Path, token_file: Path, inputs: dict, model
             )
             t_spawn = time.monotonic()
             asker.start()
-            proc2, start2, said2 = _spawn_serve(
-                args, plan_file, inv, ws, token_file, tmp / "b.log"
-            )
+            proc2, start2, said2 = _spawn_serve(args, plan_file, inv, ws, token_file, tmp / "b.log")
             asker.join()
         first = answered[0]
         after = _loaded(em, key)

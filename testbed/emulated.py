@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -336,9 +337,10 @@ def compare_plans(
     load of `rollout_share` x ppipe's live capacity, and its capacity found the same way.
     Rates are dilated. Per plan: mix_capacity's figures, "planned", "ready_s" (wall s to
     serve), "cpu_us" (router / nodes / client CPU µs per request sent in the search, idle
-    time included) and "cores" (their CPU seconds per wall second);
-    "rollout": rollout_under_load's figures. `loads`: fractions of each plan's live
-    capacity at which to compare live and simulated attainment ("loads": attainment_at)."""
+    time included) and "cores" (their CPU seconds per wall second); "rollout":
+    rollout_under_load's figures; "transport": the one used. `loads`: fractions of each
+    plan's live capacity at which to compare live and simulated attainment ("loads":
+    attainment_at)."""
     top = plans["ppipe"][0].objective / d  # both plans on one grid: ppipe's plan rate
     meter = CpuMeter(em)
     out: dict = {}
@@ -355,8 +357,9 @@ def compare_plans(
                     inventory=em.inventory(), transport=transport,
                 )  # fmt: skip
                 ready_s = time.perf_counter() - t0
+                out["transport"] = server.deployment.options.transport  # "auto" resolved
             else:
-                rate = rollout_share * out["ppipe"]["live"]
+                rate = max(rollout_share * out["ppipe"]["live"], top / MIX_STEPS)
                 on_step(
                     f"rolling the {strategy} plan out under {rate * d:.0f} req/s "
                     f"({rollout_share:g} of ppipe's live capacity) for {3 * duration_s:g} s"
@@ -381,15 +384,19 @@ def compare_plans(
                 load,
                 top,
                 duration_s,
-                on_point=lambda kind, rate, att, s=strategy: on_point(s, kind, rate, att),
+                on_point=partial(on_point, strategy),
             )
             c1, wall = meter.sample(), time.perf_counter() - w0
             sent = load.sent
             at = []
             if loads and found["live"]:
-                on_step(f"{strategy}: live and simulated at {', '.join(f'{x:g}' for x in loads)}"
-                        " x its live capacity")  # fmt: skip
-                at = attainment_at(dep, load, [x * found["live"] for x in loads], duration_s)
+                rates = [x * found["live"] for x in loads]
+                on_step(
+                    f"{strategy}: live and simulated at "
+                    f"{', '.join(f'{r * d:.0f}' for r in rates)} req/s "
+                    f"({', '.join(f'{x:.2f}' for x in loads)} x its live capacity)"
+                )
+                at = attainment_at(dep, load, rates, duration_s)
             out[strategy] = {
                 **found,
                 "loads": at,

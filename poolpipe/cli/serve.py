@@ -303,10 +303,11 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transport",
         choices=TRANSPORT_CHOICES,
-        default="router",
+        default="auto",
         help="router: every stage called from the router (feature maps pass through it); "
         "chain: the first node sends its feature map straight to the next; auto: router "
-        "when every node is on this host (loopback addresses), else chain (router)",
+        "when every node is on this host (loopback addresses), else chain (auto: on emulated "
+        "hc2-small ppipe served 140 req/s by chain, 109 by router; 105 and 35 at 32 GPUs)",
     )
     p.add_argument("--grpc-port", type=int, default=0, help="the router's gRPC port (a free one)")
     p.add_argument(
