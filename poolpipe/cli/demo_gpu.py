@@ -34,15 +34,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
     from poolpipe.offline.profiler import sum_vs_whole
     from poolpipe.offline.zoo import make_model
     from poolpipe.store.warehouse import Warehouse
-    from testbed.emulated import (
-        GROUP2,
-        GROUP2_DIR,
-        MAF19,
-        compare_plans,
-        emulated_nodes,
-        group_plans,
-        onboard_shadows,
-    )
+    from testbed import emulated as emu
     from triton_backend.prepare import check_serves_all
 
     d = args.time_scale
@@ -69,19 +61,19 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
     )
 
     _step(
-        f"the paper's group 2 ({', '.join(GROUP2)}) from real L4 and T4 profiles shipped in "
-        f"{_rel(GROUP2_DIR)} (the PPipe artifact): shadow models with the real inputs and "
+        f"the paper's group 2 ({', '.join(emu.GROUP2)}) from real L4 and T4 profiles shipped in "
+        f"{_rel(emu.GROUP2_DIR)} (the PPipe artifact): shadow models with the real inputs and "
         "feature-map sizes (Prefect flow onboard-shadow)"
     )
     with console.status("onboarding shadows ..."):
-        done = onboard_shadows(warehouse)
+        done = emu.onboard_shadows(warehouse)
     console.print(f"  onboarded now: {', '.join(done) or 'none (already in the warehouse)'}")
 
     _step(
-        f"planning {args.cluster} for the maf19 mix ({', '.join(f'{w:.2f}' for w in MAF19)}), "
+        f"planning {args.cluster} for the maf19 mix ({', '.join(f'{w:.2f}' for w in emu.MAF19)}), "
         "SLO 5x each model's reference latency: ppipe and whole-model serving (np)"
     )
-    plans = group_plans(warehouse, args.cluster)
+    plans = emu.group_plans(warehouse, args.cluster)
     _plans_table(plans)
     for plan, _ in plans.values():
         check_serves_all(plan)
@@ -89,7 +81,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
 
     token_file = out / "serve" / "control.token"
     token = new_token_file(token_file)
-    weights = dict(zip(GROUP2, MAF19, strict=True))
+    weights = dict(zip(emu.GROUP2, emu.MAF19, strict=True))
 
     def point(plan: str, kind: str, rate: float, att: float) -> None:
         what = "live     " if kind == "live" else "simulated"
@@ -98,14 +90,14 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
         )
 
     t0 = time.perf_counter()
-    with emulated_nodes(cluster, out / "cluster", d, token_file) as em:
+    with emu.emulated_nodes(cluster, out / "cluster", d, token_file) as em:
         _step(
             f"{cluster.name} EMULATED at time scale D = {d:g}: {len(em.nodes)} GPU nodes "
             f"(tritonserver each) on {em.servers} servers (network namespaces on {em.subnet}, "
             f"NICs {cluster.bandwidth_gbps:g} Gbit/s / D by tc); up in "
             f"{time.perf_counter() - t0:.0f} s"
         )
-        res = compare_plans(
+        res = emu.compare_plans(
             plans,
             warehouse,
             em,
