@@ -148,6 +148,17 @@ def _latency_columns(profiles: Sequence[ModelProfile], prov: str, now: datetime)
     return lat
 
 
+def _boundary_columns(profiles: Sequence[ModelProfile]) -> dict[str, list]:
+    """The block_boundaries rows of `profiles`, as columns."""
+    bnd: dict[str, list] = {"model": [], "block_index": [], "bytes": []}
+    for p in profiles:
+        for i, b in enumerate(p.boundary_bytes):
+            bnd["model"].append(p.name)
+            bnd["block_index"].append(i)
+            bnd["bytes"].append(b)
+    return bnd
+
+
 def _insert_columns(con: duckdb.DuckDBPyConnection, table: str, columns: dict[str, list]) -> None:
     """Bulk insert column lists (much faster than executemany)."""
     names = list(columns)
@@ -410,12 +421,7 @@ class Warehouse:
         names = [p.name for p in profiles]
         gpus = sorted({g for p in profiles for g in p.gpus})
         lat = _latency_columns(profiles, prov, now)
-        bnd: dict[str, list] = {"model": [], "block_index": [], "bytes": []}
-        for p in profiles:
-            for i, b in enumerate(p.boundary_bytes):
-                bnd["model"].append(p.name)
-                bnd["block_index"].append(i)
-                bnd["bytes"].append(b)
+        bnd = _boundary_columns(profiles)
         with self.transaction() as con:
             _delete_models(con, names)
             for g in gpus:
@@ -562,15 +568,7 @@ class Warehouse:
                 )
             _insert_columns(con, "block_latency", lat)
             con.execute("DELETE FROM block_boundaries WHERE model = ?", [profile.name])
-            _insert_columns(
-                con,
-                "block_boundaries",
-                {
-                    "model": [profile.name] * len(profile.boundary_bytes),
-                    "block_index": list(range(len(profile.boundary_bytes))),
-                    "bytes": list(profile.boundary_bytes),
-                },
-            )
+            _insert_columns(con, "block_boundaries", _boundary_columns([profile]))
             con.execute(
                 "UPDATE models SET reference_latency_us = ?, slo_us = ?, source = ? WHERE name = ?",
                 [
