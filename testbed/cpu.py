@@ -7,19 +7,29 @@ import os
 from pathlib import Path
 
 
+def own_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` alone (None: it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of these processes and all their descendants (Linux
     /proc; processes gone meanwhile count nothing)."""
-    tick = os.sysconf("SC_CLK_TCK")
     total, seen, todo = 0.0, set(), list(pids)
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
+        own = own_cpu_seconds(pid)
+        if own is None:
+            continue
+        total += own
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
             kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         except OSError:
             continue

@@ -22,6 +22,7 @@ import numpy as np
 from poolpipe.domain.plan import Plan, dilated
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
+from testbed.cpu import own_cpu_seconds
 from testbed.loadgen import (
     CAPACITY_TARGET,
     Shot,
@@ -251,17 +252,15 @@ def rollout_under_load(
     r = result["r"]
     switch = start + r.prepare_s
     sent_at = np.asarray(times)
+
+    def share(a: float, b: float) -> float:
+        """On time of the requests sent in [a, b), of all sent then."""
+        mine = [s for s in shots if a <= s.sent_s < b]
+        return load.share_on_time(mine, int(((sent_at >= a) & (sent_at < b)).sum()))
+
     phases = {"before": (0.0, start), "preparing": (start, switch), "after": (switch, duration_s)}
-    share = {}
-    for key, (a, b) in phases.items():
-        mine = [s for s in shots if a <= s.sent_s < b]
-        share[key] = load.share_on_time(mine, int(((sent_at >= a) & (sent_at < b)).sum()))
     width = duration_s / 20
-    timeline = []
-    for k in range(20):
-        a, b = k * width, (k + 1) * width
-        mine = [s for s in shots if a <= s.sent_s < b]
-        timeline.append((a, load.share_on_time(mine, int(((sent_at >= a) & (sent_at < b)).sum()))))
+    timeline = [(k * width, share(k * width, (k + 1) * width)) for k in range(20)]
     return {
         "status": r.status,
         "reason": r.reason,
@@ -273,28 +272,23 @@ def rollout_under_load(
         "failed": r.failed + sum(1 for s in shots if s.outcome in ("failed", "error")),
         "sent": len(times),
         "unanswered": len(times) - len(shots),
-        "attainment": share,
+        "attainment": {key: share(a, b) for key, (a, b) in phases.items()},
         "timeline": timeline,
     }
 
 
 def _cpu_s(pids) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / tick
+    return sum(own_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 class CpuMeter:
     """CPU seconds so far of the router (this process but its calling thread, which runs
     the clients and the simulator, and the router's own tritonserver and stubs) and of the
     emulated cluster's nodes (each `poolpipe node` and everything below it). Sample from
-    the thread that drives the load."""
+    the thread that drives the load. Processes are found by their parents
+    (nodes.descendants), not by testbed.cpu.cpu_seconds's walk of /proc/<pid>/task/<pid>/
+    children, which lists a process's main thread's children only: the router's Triton
+    and the nodes' are started from other threads."""
 
     def __init__(self, em: EmulatedCluster):
         self.em = em
