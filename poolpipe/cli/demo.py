@@ -232,50 +232,16 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
 
 
 def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Namespace):
-    """Steady load; the rollout starts at 1/4 of the run. Attainment before it, while the
-    new models load and are calibrated (the old plan serving), and after the switch."""
-    from testbed.loadgen import client_figures, drive, poisson_times
+    """Steady load at half the demo's top rate for 3 x --duration; the rollout starts at
+    1/4 of the run (testbed.emulated.rollout_under_load, a mix of this one model):
+    attainment before it, while the new models load and are calibrated (the old plan
+    serving), and after the switch."""
+    from testbed.emulated import MixLoad, rollout_under_load
 
     dep = server.deployment
     rate = 0.5 * min(sum(m.throughput for m in dep.core.topo.models), args.max_rate)
-    duration = 3 * args.duration
-    times = poisson_times(rate, duration, seed=99)
-    x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
-    inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
-    result: dict = {}
-    start = duration / 4
-
-    def roll() -> None:
-        time.sleep(start)
-        result["r"] = server.rollout(plan, plan_id)
-
-    t = threading.Thread(target=roll)
-    t.start()
-    shots = drive(dep.grpc_url, name, inputs, times)
-    t.join()
-    r = result["r"]
-    s = client_figures(shots, args.slo_ms / 1e3, duration)
-    switch = start + r.prepare_s
-    phases = {
-        "before": [x for x in shots if x.sent_s < start],
-        "preparing": [x for x in shots if start <= x.sent_s < switch],
-        "after": [x for x in shots if x.sent_s >= switch],
-    }
-    return {
-        "status": r.status,
-        "reason": r.reason,
-        "rate": rate,
-        "prepare_s": r.prepare_s,
-        "downtime_ms": r.downtime_ms,
-        "held": r.held,
-        "failed": r.failed + s["failed"],
-        "sent": len(times),
-        "unanswered": len(times) - len(shots),
-        "attainment": {
-            k: client_figures(v, args.slo_ms / 1e3, 1.0)["attainment"] if v else float("nan")
-            for k, v in phases.items()
-        },
-    }
+    load = MixLoad.of(dep, {name: 1.0})
+    return rollout_under_load(server, plan, plan_id, load, rate, 3 * args.duration)
 
 
 def _nodes(stack: contextlib.ExitStack, cluster, out: Path, token_file: Path, args) -> dict:
@@ -333,29 +299,17 @@ def _pipelines(plan) -> list:
 
 def _store_capacity(runs: list[dict], warehouse, where: str) -> None:
     """The capacities in the warehouse (bench_serving, bench "demo", config "<plan>@<where>")."""
-    import socket
-    from datetime import UTC, datetime
-
+    from poolpipe.store.bench_rows import BenchRows
     from poolpipe.store.warehouse import Warehouse
 
-    now = datetime.now(UTC).replace(tzinfo=None)
-    rows = [
-        {
-            "run_at": now,
-            "run_label": "demo",
-            "bench": "demo",
-            "config": f"{r['plan']}@{where}",
-            "metric": metric,
-            "value": float(r[key]),
-            "host": socket.gethostname(),
-        }
-        for r in runs
+    rows = BenchRows("demo")
+    for r in runs:
         for metric, key in (
             ("capacity_live_req_s", "live"),
             ("capacity_sim_req_s", "sim"),
             ("planned_req_s", "planned"),
-        )
-    ]
+        ):
+            rows.record("demo", f"{r['plan']}@{where}", metric, r[key])
     with Warehouse.open(warehouse) as wh:
         wh.store_rows("bench_serving", rows)
 
