@@ -271,21 +271,15 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
                         highlight=False,
                     )
 
-                rx0 = _router_bytes(em)
+                rx0 = em.router_bytes()
                 res = compare_plans(
                     plans, warehouse, em, tmp / "serve", d, weights, args.duration,
                     token=token, transport=transport, loads=(1 / 3, 2 / 3, 1.0),
                     on_point=point, on_step=lambda text: console.print(f"[cyan]{text}[/]"),
                 )  # fmt: skip
-                moved = _router_bytes(em) - rx0
+                moved = em.router_bytes() - rx0
             runs.append((cluster.name, transport, res, moved))
     _cluster_tables(runs, d, args, rows)
-
-
-def _router_bytes(em) -> int:
-    """Bytes through the router's interface (the emulated cluster's bridge) so far."""
-    stats = Path("/sys/class/net") / em.bridge / "statistics"
-    return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
 
 
 def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -> None:

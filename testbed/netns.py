@@ -62,6 +62,12 @@ def unavailable() -> str | None:
     return None
 
 
+def _tx_rx_bytes(device: str) -> tuple[int, int]:
+    """(bytes sent, bytes received) by network interface `device` so far."""
+    stats = Path("/sys/class/net") / device / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
 def free_subnet() -> ipaddress.IPv4Network:
     """A private /24 that no interface here has an address in."""
     used = []
@@ -315,8 +321,11 @@ class EmulatedCluster:
 
     def link_bytes(self, server: int) -> tuple[int, int]:
         """(bytes to server `server`, bytes from it) through its NIC so far."""
-        stats = Path("/sys/class/net") / self.nodes[self.server_node(server)].veth / "statistics"
-        return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+        return _tx_rx_bytes(self.nodes[self.server_node(server)].veth)
+
+    def router_bytes(self) -> int:
+        """Bytes through the router's interface (the cluster's bridge) so far, both ways."""
+        return sum(_tx_rx_bytes(self.bridge))
 
     # ------------------------------------------------------------------ teardown
 

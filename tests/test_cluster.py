@@ -138,11 +138,6 @@ def test_a_node_stops_cleanly_on_sigterm(cluster):
     cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # back for what runs next
 
 
-def _iface_bytes(name: str) -> int:
-    stats = Path("/sys/class/net") / name / "statistics"
-    return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
-
-
 def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noqa: F811
     """transport="chain": the router sends a batch's input to the first node with the rest
     of its path; the first node sends its fp16 feature map straight to the second, whose
@@ -178,19 +173,17 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
                 int(np.prod(t.dims)) * np.dtype(t.dtype).itemsize for t in fmap
             )
             s0 = next(
-                k
-                for k, s in enumerate(cluster.nodes)
-                if s.node_name == dep.nodes[first.node].name
+                k for k, s in enumerate(cluster.nodes) if s.node_name == dep.nodes[first.node].name
             )
             s1 = 1 - s0
             mod, client = _grpc(dep)
             out_name = dep.ios[0].outputs[0].name
-            before = (_iface_bytes(cluster.bridge), cluster.link_bytes(s0), cluster.link_bytes(s1))
+            before = (cluster.router_bytes(), cluster.link_bytes(s0), cluster.link_bytes(s1))
             for _ in range(n):
                 got = _infer(mod, client, x).as_numpy(out_name)
                 assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
             seen[transport] = (
-                _iface_bytes(cluster.bridge) - before[0],
+                cluster.router_bytes() - before[0],
                 cluster.link_bytes(s0)[1] - before[1][1],  # from server 0
                 cluster.link_bytes(s1)[0] - before[2][0],  # to server 1
             )
