@@ -30,21 +30,10 @@ from onnx import helper, numpy_helper
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import ProfileError
 from poolpipe.offline.onnxgraph import BATCH_DIM
-from poolpipe.offline.partitions import WIRE_DTYPE
+from poolpipe.offline.partitions import WIRE_DTYPE, TensorSpec
 from poolpipe.offline.zoo import IR_VERSION, OPSET
 
 WIRE_BYTES = np.dtype(WIRE_DTYPE).itemsize
-
-
-@dataclass(frozen=True)
-class TensorShape:
-    name: str
-    dtype: np.dtype
-    dims: tuple[int, ...]  # without the batch dimension
-
-    @property
-    def elements(self) -> int:
-        return math.prod(self.dims)
 
 
 @dataclass(frozen=True)
@@ -53,11 +42,11 @@ class ShadowModel:
     path: Path
     cuts: tuple[int, ...]  # layer positions of the block boundaries, 0 and N included
     boundary_bytes: tuple[int, ...]  # bytes leaving block i at batch 1 (wire dtype)
-    input: TensorShape
-    output: TensorShape
+    input: TensorSpec
+    output: TensorSpec
 
 
-def _tensor(shapes: dict, name: str, where: Path) -> TensorShape:
+def _tensor(shapes: dict, name: str, where: Path) -> TensorSpec:
     entry = shapes.get(name)
     if entry is None:
         raise ProfileError(f"{where}: no entry for tensor {name!r}")
@@ -71,10 +60,10 @@ def _tensor(shapes: dict, name: str, where: Path) -> TensorShape:
             f"{where}: tensor {name!r} has shape {shape}; a shadow needs -1 (the batch) "
             "first and positive sizes after it"
         )
-    return TensorShape(name, dtype, tuple(shape[1:]))
+    return TensorSpec(name, dtype, tuple(shape[1:]))
 
 
-def model_io(root: Path, model: str) -> tuple[TensorShape, TensorShape]:
+def model_io(root: Path, model: str) -> tuple[TensorSpec, TensorSpec]:
     """The model's input and output (one each) from `layers/<model>/{cuts,shapes}.json`."""
     layers = Path(root) / "layers" / model
     cuts_file, shapes_file = layers / "cuts.json", layers / "shapes.json"
@@ -122,6 +111,7 @@ def make_shadow(root: Path, profile: ModelProfile, out: Path) -> ShadowModel:
             )
         boundary.append(math.ceil(b / WIRE_BYTES) * WIRE_BYTES)
     inp, outp = model_io(root, model)
+    n_in, n_out = math.prod(inp.dims), math.prod(outp.dims)  # per sample
     nodes: list[onnx.NodeProto] = []
     inits: list[onnx.TensorProto] = []
     infos: list[onnx.ValueInfoProto] = []
@@ -132,14 +122,14 @@ def make_shadow(root: Path, profile: ModelProfile, out: Path) -> ShadowModel:
     src_dtype = helper.np_dtype_to_tensor_dtype(inp.dtype)
     f32 = helper.np_dtype_to_tensor_dtype(np.dtype(np.float32))
     nodes.append(helper.make_node("Flatten", [inp.name], ["flat"], axis=1, name="block0/flatten"))
-    info("flat", src_dtype, inp.elements)
+    info("flat", src_dtype, n_in)
     prev = "flat"
     if inp.dtype != np.float32:  # feature maps are floats (partitions send them as fp16)
         nodes.append(helper.make_node("Cast", ["flat"], ["flat32"], to=f32, name="block0/cast"))
-        info("flat32", f32, inp.elements)
+        info("flat32", f32, n_in)
         prev = "flat32"
     cuts = [0]
-    width = inp.elements
+    width = n_in
     for k, b in enumerate(boundary):
         n = b // WIRE_BYTES  # fp32 in the model, fp16 (b bytes) on the wire
         name = f"fmap_{k}"
@@ -148,12 +138,12 @@ def make_shadow(root: Path, profile: ModelProfile, out: Path) -> ShadowModel:
         cuts.append(len(nodes))
         prev, width = name, n
     last = len(boundary)
-    _pad(prev, "tail", outp.elements - width, nodes, inits, last)
-    info("tail", f32, outp.elements)
+    _pad(prev, "tail", n_out - width, nodes, inits, last)
+    info("tail", f32, n_out)
     if outp.dtype != np.float32:
         out_dtype = helper.np_dtype_to_tensor_dtype(outp.dtype)
         nodes.append(helper.make_node("Cast", ["tail"], ["tail_c"], to=out_dtype, name="out/cast"))
-        info("tail_c", out_dtype, outp.elements)
+        info("tail_c", out_dtype, n_out)
         prev = "tail_c"
     else:
         out_dtype, prev = f32, "tail"
