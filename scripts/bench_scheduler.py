@@ -1,8 +1,12 @@
 """Scheduler benchmark: scheduling time and probes per dispatched batch, and simulator speed,
-for ppipe plans of the paper's groups on the 100-GPU hc2-large cluster near capacity.
-Prints a table and appends rows to the warehouse (bench_scheduler).
+for ppipe plans of the paper's groups on the 100-GPU hc2-large cluster near capacity, then
+group 2 planned for the cluster scaled to each of --sizes GPUs (same type ratio and GPUs
+per server) at load 0.9: how the hot path's cost grows with the pools. Prints which build
+ran (the compiled hot path, or the sources and why), tables, and appends rows to the
+warehouse (bench_scheduler).
 
-    ./run bench-scheduler [--quick] [--load-factors 0.9,1.0] [--data-plane reservation]
+    ./run bench-scheduler [--quick] [--load-factors 0.9,1.0] [--sizes 100,400,1000]
+                          [--data-plane reservation]
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import track
 from rich.table import Table
 
+from poolpipe import native
 from poolpipe.cli.common import ppipe_dir
-from poolpipe.domain.cluster import load_clusters
+from poolpipe.domain.cluster import Cluster, load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.planner import make_plan
 from poolpipe.planner.request import group_request
@@ -37,23 +43,107 @@ def main() -> int:
     ap.add_argument("--load-factors", default="0.9,1.0")
     ap.add_argument("--data-plane", choices=DATA_PLANES, default="reservation")
     ap.add_argument("--duration", type=float, default=30.0)
-    ap.add_argument("--quick", action="store_true", help="2 groups, 10 s")
+    ap.add_argument(
+        "--sizes",
+        default="100,400,1000",
+        help="GPU counts the scaling table plans group 2 for ('' for none)",
+    )
+    ap.add_argument("--quick", action="store_true", help="2 groups, 10 s, sizes 100,400")
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
     args = ap.parse_args()
 
     profiles = {p.name: p for p in load_ppipe_dir(args.profiles)}
-    cluster = load_clusters(args.profiles / "clusters.toml")[args.cluster]
+    clusters = load_clusters(args.profiles / "clusters.toml")
+    cluster = clusters[args.cluster]
     workloads = tomllib.loads((args.profiles / "workloads.toml").read_text())
     groups = workloads["groups"][:2] if args.quick else workloads["groups"]
     duration = 10.0 if args.quick else args.duration
     lfs = [float(x) for x in args.load_factors.split(",")]
-    table = Table(
-        title=f"scheduler on {args.cluster} ({args.data_plane}, Poisson, {duration:g} s simulated)",
-        title_justify="left",
+    sizes = [int(x) for x in ("100,400" if args.quick else args.sizes).split(",") if x.strip()]
+    build = native.status()
+    console.print(f"hot path: {build}")
+    mix = workloads["mixes"]["maf19"]
+
+    def measure(table: Table, config: str, group: list[str], on: Cluster, lf: float) -> dict:
+        plan = make_plan(group_request(profiles, group, mix, on))
+        topo = build_topology(plan, profiles, larger_batches=True)
+        sim = SimConfig(duration, seed=1)
+        res = run_once(topo, ArrivalSpec("poisson"), lf, sim, args.data_plane)
+        row = {
+            "run_at": datetime.now(UTC).replace(tzinfo=None),
+            "run_label": args.label,
+            "config": config,
+            "data_plane": args.data_plane,
+            "load_factor": lf,
+            "vgpus": len(topo.vgpus),
+            "requests": res.arrived,
+            "batches": res.batches,
+            "probes_per_batch": res.probes_per_batch,
+            "sched_us_median": res.sched_us_per_batch_median,
+            "sched_us_mean": res.sched_us_per_batch_mean,
+            "sim_requests_per_wall_s": res.requests_per_wall_s,
+            "attainment": res.attainment,
+            "host": socket.gethostname(),
+            "build": build,
+        }
+        table.add_row(
+            config,
+            f"{lf:g}",
+            str(row["vgpus"]),
+            f"{res.arrived:,}",
+            f"{res.batches:,}",
+            f"{res.probes_per_batch:.2f}",
+            f"{res.sched_us_per_batch_median:.1f}",
+            f"{res.sched_us_per_batch_mean:.1f}",
+            f"{res.requests_per_wall_s:,.0f}",
+            f"{res.attainment:.4f}",
+        )
+        return row
+
+    table = new_table(
+        f"scheduler on {args.cluster} ({args.data_plane}, Poisson, {duration:g} s simulated)"
     )
+    rows = [
+        measure(table, f"g{gi}:{args.cluster}", group, cluster, lf)
+        for gi, group in enumerate(groups)
+        for lf in lfs
+    ]
+    console.print(table)
+    console.print(
+        f"median of medians {statistics.median(r['sched_us_median'] for r in rows):.1f} µs per "
+        f"batch; probes per batch {statistics.mean(r['probes_per_batch'] for r in rows):.2f}; "
+        f"simulator {statistics.median(r['sim_requests_per_wall_s'] for r in rows):,.0f} "
+        "requests per wall second (median)"
+    )
+    if sizes:
+        group = workloads["groups"][2]
+        scaling = new_table(
+            f"group 2 on {args.cluster} scaled ({args.data_plane}, load 0.9, {duration:g} s "
+            "simulated)"
+        )
+        scaled = []
+        for n in track(sizes, "planning and simulating each size", console=console, transient=True):
+            on = cluster if n == cluster.total_gpus else cluster.scaled(n)
+            scaled.append(measure(scaling, f"g2:{on.name}", group, on, 0.9))
+        console.print(scaling)
+        base = scaled[0]["sim_requests_per_wall_s"]
+        for r in scaled[1:]:
+            console.print(
+                f"{r['config']}: {base / r['sim_requests_per_wall_s']:.2f}x the wall time per "
+                f"simulated request of {scaled[0]['config']}"
+            )
+        rows += scaled
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("bench_scheduler", rows)
+        console.print(f"stored {len(rows)} rows in {wh.path} (bench_scheduler)")
+    return 0
+
+
+def new_table(title: str) -> Table:
+    table = Table(title=title, title_justify="left")
     for col in (
-        "group",
+        "config",
         "load",
         "vGPUs",
         "requests",
@@ -64,55 +154,8 @@ def main() -> int:
         "sim req/wall s",
         "attainment",
     ):
-        table.add_column(col, justify="left" if col == "group" else "right")
-    rows = []
-    for gi, group in enumerate(groups):
-        plan = make_plan(group_request(profiles, group, workloads["mixes"]["maf19"], cluster))
-        topo = build_topology(plan, profiles, larger_batches=True)
-        for lf in lfs:
-            res = run_once(
-                topo, ArrivalSpec("poisson"), lf, SimConfig(duration, seed=1), args.data_plane
-            )
-            row = {
-                "run_at": datetime.now(UTC).replace(tzinfo=None),
-                "run_label": args.label,
-                "config": f"g{gi}:{args.cluster}",
-                "data_plane": args.data_plane,
-                "load_factor": lf,
-                "vgpus": len(topo.vgpus),
-                "requests": res.arrived,
-                "batches": res.batches,
-                "probes_per_batch": res.probes_per_batch,
-                "sched_us_median": res.sched_us_per_batch_median,
-                "sched_us_mean": res.sched_us_per_batch_mean,
-                "sim_requests_per_wall_s": res.requests_per_wall_s,
-                "attainment": res.attainment,
-                "host": socket.gethostname(),
-            }
-            rows.append(row)
-            table.add_row(
-                f"g{gi}",
-                f"{lf:g}",
-                str(row["vgpus"]),
-                f"{res.arrived:,}",
-                f"{res.batches:,}",
-                f"{res.probes_per_batch:.2f}",
-                f"{res.sched_us_per_batch_median:.1f}",
-                f"{res.sched_us_per_batch_mean:.1f}",
-                f"{res.requests_per_wall_s:,.0f}",
-                f"{res.attainment:.4f}",
-            )
-    console.print(table)
-    console.print(
-        f"median of medians {statistics.median(r['sched_us_median'] for r in rows):.1f} µs per "
-        f"batch; probes per batch {statistics.mean(r['probes_per_batch'] for r in rows):.2f}; "
-        f"simulator {statistics.median(r['sim_requests_per_wall_s'] for r in rows):,.0f} "
-        "requests per wall second (median)"
-    )
-    with Warehouse.open(args.warehouse) as wh:
-        wh.store_rows("bench_scheduler", rows)
-        console.print(f"stored {len(rows)} rows in {wh.path} (bench_scheduler)")
-    return 0
+        table.add_column(col, justify="left" if col == "config" else "right")
+    return table
 
 
 if __name__ == "__main__":
