@@ -5,10 +5,16 @@ plain rule of dataplane.md returns, computed here with nothing but `earliest_slo
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poolpipe.scheduler import ReservationScheduler, earliest_common_slot
+from poolpipe.scheduler.messages import Request, StageReport
+from poolpipe.scheduler.topology import Model, Pipeline, Pool, Server, Topology, VGpu
 from tests.factories import make_topology
 
 
@@ -89,3 +95,111 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
     wait, finish, path = reference_probe(sch, pipe, b, float(now))
     assert (got.wait_us, got.finish_us, got.path) == (wait, finish, path)
     assert got.start_us == path[0][5]  # when the batch starts on its first vGPU
+
+
+# ---------------------------------------------------------------------------- pipelines
+#
+# Choosing among a model's pipelines, the plane skips one whose first pool is booked past
+# the best one's wait (ReservationScheduler._booked_from, kept from earlier probes). Check:
+# on random multi-pipeline topologies and request streams, with stages that run early or
+# late (feedback corrections), every decision equals that of a plane that probes every
+# pipeline (its bounds forgotten before each decision).
+
+
+def multi_pipeline_topology(shapes, lats, transfer: float) -> Topology:
+    """One model; pipeline i has len(shapes[i]) pools, pool j on the servers shapes[i][j]."""
+    used = sorted({srv for shape in shapes for on in shape for srv in on})
+    shapes = [[[used.index(srv) for srv in on] for on in shape] for shape in shapes]
+    vgpus: list[VGpu] = []
+    pools: list[Pool] = []
+    pipes: list[Pipeline] = []
+    for i, shape in enumerate(shapes):
+        ids = []
+        for j, on in enumerate(shape):
+            vg = []
+            for srv in on:
+                vg.append(len(vgpus))
+                vgpus.append(VGpu(len(vgpus), len(pools), "G", 1, len(vgpus), srv))
+            lat = tuple(x * (1 + 0.5 * i + 0.25 * j) for x in lats)
+            tau = 0.0 if j == 0 else transfer
+            pools.append(Pool(len(pools), 0, i, j, "G", 1, j, j + 1, tuple(vg), (0.0, *lat), tau))
+            ids.append(len(pools) - 1)
+        pipes.append(Pipeline(i, 0, i, 2, tuple(ids), 100.0, 0.0))
+    servers = sorted({v.server for v in vgpus})
+    return Topology(
+        cluster_name="hand",
+        servers=tuple(Server(s, "G", s) for s in servers),
+        vgpus=tuple(vgpus),
+        pools=tuple(pools),
+        pipelines=tuple(pipes),
+        models=(Model(0, "m", 60.0, 1.0, 100.0, tuple(range(len(pipes)))),),
+        gpu_counts={"G": len(vgpus)},
+    )
+
+
+def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool) -> list:
+    """Requests at `arrivals`; each stage runs stretch[k] x its reserved length (started on
+    time); returns every decision."""
+    events: list[tuple[float, int, int, object]] = []  # (time, order, seq, what)
+    seq = 0
+    for i, t in enumerate(arrivals):
+        events.append((t, 1, seq := seq + 1, Request(i, 0, t, t + 60.0)))
+    heapq.heapify(events)
+    log = []
+    k = 0
+    while events:
+        t, _, _, what = heapq.heappop(events)
+        if isinstance(what, Request):
+            sch.add_request(what, t)
+        elif isinstance(what, StageReport):
+            if what.end_us is None:
+                sch.on_stage_started(what, t)
+            else:
+                sch.on_stage_done(what, t)
+        if forget:
+            sch._booked_from = [-math.inf] * len(sch._booked_from)
+        out = sch.decide(t)
+        log.append(sorted((d.request.id, d.reason) for d in out.drops))
+        for d in out.dispatches:
+            log.append((d.pipeline, d.batch, [r.id for r in d.requests], d.hops))
+            for h, hop in enumerate(d.hops):
+                end = hop.start_us + (hop.end_us - hop.start_us) * stretch[k % len(stretch)]
+                k += 1
+                report = StageReport(d.id, h, hop.start_us, None)
+                heapq.heappush(events, (hop.start_us, 0, seq := seq + 1, report))
+                done = StageReport(
+                    d.id, h, hop.start_us, end, hop.transfer_start_us, hop.transfer_end_us
+                )
+                heapq.heappush(events, (end, 0, seq := seq + 1, done))
+        if out.wake_at_us is not None and out.wake_at_us > t:
+            heapq.heappush(events, (out.wake_at_us, 2, seq := seq + 1, None))
+    return log
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shapes=st.lists(
+        st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), min_size=1, max_size=2),
+        min_size=2,
+        max_size=3,
+    ),
+    gaps=st.lists(st.integers(0, 6), min_size=10, max_size=60),
+    stretch=st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size=5),
+    transfer=st.integers(0, 3),
+)
+def test_pipeline_choice_equals_probing_every_pipeline(shapes, gaps, stretch, transfer):
+    topo = multi_pipeline_topology(shapes, [8.0, 12.0], float(transfer))
+    arrivals = list(itertools.accumulate(float(g) for g in gaps))
+    fast, plain = ReservationScheduler(topo), ReservationScheduler(topo)
+    assert drive(fast, arrivals, stretch, False) == drive(plain, arrivals, stretch, True)
+    assert fast.probes <= plain.probes
+
+
+def test_a_booked_pipeline_is_not_probed():
+    """Three one-pool pipelines of one vGPU each, requests far faster than they serve: the
+    plane probes fewer pipelines than there are, and decides as if it probed them all."""
+    topo = multi_pipeline_topology([[[0]], [[1]], [[2]]], [8.0, 12.0], 0.0)
+    arrivals = [float(i) for i in range(200)]
+    fast, plain = ReservationScheduler(topo), ReservationScheduler(topo)
+    assert drive(fast, arrivals, [1.0], False) == drive(plain, arrivals, [1.0], True)
+    assert fast.probes < 0.9 * plain.probes, (fast.probes, plain.probes)

@@ -113,6 +113,14 @@ class ReservationScheduler:
         self._groups2 = [groups + groups for groups in self._groups]
         self._flat_index = {v: i for flat in self._flat for i, v in enumerate(flat)}
         self._rr = [0] * len(topo.pools)
+        self._pool_of = [v.pool for v in topo.vgpus]
+        # Per pool, from its last probe that found no vGPU free at once: no vGPU of the pool
+        # can start a stage of _booked_lat µs at or after _booked_t before _booked_from.
+        # Reservations only push starts later, and later times or longer stages start no
+        # earlier, so it holds until a correction frees a table of the pool (-inf: unknown).
+        self._booked_from = [-math.inf] * len(topo.pools)
+        self._booked_t = [0.0] * len(topo.pools)
+        self._booked_lat = [0.0] * len(topo.pools)
         self._pipes: list[list[Pipeline]] = [
             [topo.pipelines[i] for i in m.pipelines] for m in topo.models
         ]
@@ -204,6 +212,7 @@ class ReservationScheduler:
         """Take a vGPU out of (or back into) service: while down it is reserved forever, so
         no probe picks it; what it had reserved stays until the driver reports it done."""
         self.vgpu_table[vgpu].correct(-1 - vgpu, now, math.inf if down else now, now)
+        self._booked_from[self._pool_of[vgpu]] = -math.inf
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -216,6 +225,7 @@ class ReservationScheduler:
             key = _reservation_key(dispatch, h)
             x = d.hops[h]
             self.vgpu_table[x.vgpu].correct(key, now, now, now)
+            self._booked_from[x.pool] = -math.inf
             if x.transfer_end_us > x.transfer_start_us:
                 self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
                 self.downlink[self.server_of[x.vgpu]].correct(key + 1, now, now, now)
@@ -254,6 +264,7 @@ class ReservationScheduler:
             if prev < 0:
                 r = self._rr[pid]
                 best_key, best_s, best_v = math.inf, math.inf, -1
+                least = math.inf  # the earliest start of any vGPU of the pool
                 for v in self._flat2[pid][r : r + len(pool.vgpus)]:
                     s = t  # vt[v].earliest_slot(t, lat), inlined: this loop is the hot path
                     for a, e, _ in vt[v]:
@@ -262,6 +273,8 @@ class ReservationScheduler:
                         if a >= s + lat:
                             break
                         s = e
+                    if s < least:
+                        least = s
                     if s + lat >= best_key:  # key >= s + lat: cannot win, not even a tie
                         continue
                     key = uplink[server_of[v]].earliest_slot(s + lat, out) if out else s + lat
@@ -269,6 +282,10 @@ class ReservationScheduler:
                         best_key, best_s, best_v = key, s, v
                         if key <= t + lat:
                             break
+                else:  # every vGPU scanned
+                    self._booked_from[pid] = least
+                    self._booked_t[pid] = t
+                    self._booked_lat[pid] = lat
                 path.append((pid, best_v, -1, t, t, best_s, best_s + lat))
                 first_start = best_s
                 wait += best_s - t
@@ -370,8 +387,10 @@ class ReservationScheduler:
         if end is None:  # started: assume it runs as long as reserved
             if start != hop.start_us:
                 self.vgpu_table[hop.vgpu].correct(key, start, start + length, now)
+                self._booked_from[hop.pool] = -math.inf
         elif start + length > now:  # done before its assumed end: free the rest
             self.vgpu_table[hop.vgpu].correct(key, start, end, now)
+            self._booked_from[hop.pool] = -math.inf
         ts, te = report.transfer_start_us, report.transfer_end_us
         if ts is not None and te is not None and (hop.transfer_end_us > now or te > now):
             # the transfer ended before its reservation did: free the rest
@@ -399,6 +418,13 @@ class ReservationScheduler:
             for other in pipes[1:]:
                 if pr.wait_us == 0.0 and pr.finish_us <= now + self._no_wait_us[other.id]:
                     continue  # `other` cannot wait less, nor finish earlier without waiting
+                first = other.pools[0]
+                if (
+                    self._booked_from[first] - now > pr.wait_us
+                    and now >= self._booked_t[first]
+                    and self.topo.pools[first].latency_us[other.batch] >= self._booked_lat[first]
+                ):
+                    continue  # its first pool is booked past `pipe`'s wait: it must wait more
                 po = self.probe(other, other.batch, now)
                 if (po.wait_us, po.finish_us) < (pr.wait_us, pr.finish_us):
                     pipe, pr = other, po
