@@ -627,7 +627,9 @@ def test_a_killed_node_without_a_replacement_fails_its_requests_explicitly(onboa
 
 def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny):
     """One partition on two nodes; one is killed under load: its batch is retried on the
-    other node, every request is answered; restarted, it is back in service."""
+    other node, every request is answered; restarted, it is back in service. An explicit
+    drop is tolerated only while the node is away (its death and the restart's CPU spike on
+    this 2-core machine can eat a deadline), never before the kill nor after its return."""
     import time
 
     from triton_backend.deploy import Deployment
@@ -636,7 +638,7 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
     with Deployment.up(hand_plan([(0, 4, 2)]), wh, tmp / "ws-kill2", router_instances=4) as dep:
         mod, _ = _grpc(dep)
         out = dep.ios[0].outputs[0].name
-        answers: list[object] = []
+        answers: list[tuple[float, object]] = []  # (when answered, shape or error)
         stop = threading.Event()
 
         def client_loop() -> None:
@@ -644,9 +646,9 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
             x = np.zeros((1, 3, 32, 32), np.float32)
             while not stop.is_set():
                 try:
-                    answers.append(_infer(mod, c, x).as_numpy(out).shape)
+                    answers.append((time.monotonic(), _infer(mod, c, x).as_numpy(out).shape))
                 except Exception as exc:
-                    answers.append(exc)
+                    answers.append((time.monotonic(), exc))
 
         # daemon threads, stopped in any case: a failure must not leave them running
         threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(3)]
@@ -655,6 +657,7 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
         try:
             time.sleep(1.0)
             victim = sorted(dep.nodes)[0]
+            killed_at = time.monotonic()
             dep.nodes[victim].kill()
             time.sleep(1.5)
             n_during = len(answers)
@@ -662,19 +665,21 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
             deadline = time.monotonic() + 20
             while dep.core.recoveries < 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            time.sleep(0.5)
+            back_at = time.monotonic()
+            time.sleep(1.5)
         finally:
             stop.set()
             for t in threads:
                 t.join(60)
         from triton_backend.router import DROP_MARKER
 
-        errors = [str(a)[-300:] for a in answers if not isinstance(a, tuple)]
-        # every request is answered with a result; an explicit drop is tolerated when the
-        # restart's CPU spike on this 2-core machine eats a deadline, a failure is not
-        assert all(DROP_MARKER in e for e in errors), errors[:3]
-        assert len(errors) <= 0.05 * len(answers), errors[:3]
-        assert len(answers) > n_during > 0
+        errors = [(t, str(a)[-300:]) for t, a in answers if not isinstance(a, tuple)]
+        assert all(DROP_MARKER in e for _, e in errors), errors[:3]  # no failure
+        # a drop is answered at its deadline: one SLO after a request that came in in time
+        away = (killed_at, back_at + SLO_MS / 1e3)
+        assert all(away[0] <= t <= away[1] for t, _ in errors), (away, errors[:3])
+        served_after = [t for t, a in answers if isinstance(a, tuple) and t > away[1]]
+        assert len(served_after) > 0 and len(answers) > n_during > 0
         assert dep.core.recoveries == 1 and not dep.core.down_nodes()
         s = dep.core.stats["tiny"]
         assert s.failed == 0 and s.arrivals == len(answers)
