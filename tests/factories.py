@@ -17,37 +17,52 @@ def make_topology(
 ) -> Topology:
     """One model, one pipeline. Each stage: (server of each vGPU, latency per batch 1..B,
     transfer-in µs per sample). Servers are numbered from 0 and all hold GPU type "G"."""
-    servers = sorted({s for st in stages for s in st[0]})
+    return make_pipelines([stages], batch=batch, slo_us=slo_us, throughput=throughput)
+
+
+def make_pipelines(
+    pipelines: Sequence[Sequence[tuple[Sequence[int], Sequence[float], float]]],
+    *,
+    batch: int = 1,
+    slo_us: float = 100.0,
+    throughput: float = 100.0,
+) -> Topology:
+    """One model, a pipeline per entry, each its stages as for make_topology (every stage
+    a pool of its own; the first one's transfer-in is 0)."""
+    servers = sorted({s for stages in pipelines for st in stages for s in st[0]})
     vgpus: list[VGpu] = []
     pools: list[Pool] = []
-    for d, (on, lats, tau) in enumerate(stages):
-        ids = []
-        for srv in on:
-            ids.append(len(vgpus))
-            vgpus.append(VGpu(len(vgpus), d, "G", 1, len(vgpus), srv))
-        pools.append(
-            Pool(
-                d,
-                0,
-                0,
-                d,
-                "G",
-                1,
-                d,
-                d + 1,
-                tuple(ids),
-                (float("nan"), *lats),
-                0.0 if d == 0 else tau,
+    pipes: list[Pipeline] = []
+    for i, stages in enumerate(pipelines):
+        first = len(pools)
+        for d, (on, lats, tau) in enumerate(stages):
+            ids = []
+            for srv in on:
+                ids.append(len(vgpus))
+                vgpus.append(VGpu(len(vgpus), len(pools), "G", 1, len(vgpus), srv))
+            pools.append(
+                Pool(
+                    len(pools),
+                    0,
+                    i,
+                    d,
+                    "G",
+                    1,
+                    d,
+                    d + 1,
+                    tuple(ids),
+                    (float("nan"), *lats),
+                    0.0 if d == 0 else tau,
+                )
             )
-        )
-    pipe = Pipeline(0, 0, 0, batch, tuple(range(len(stages))), throughput, 0.0)
-    model = Model(0, "m", slo_us, 1.0, throughput, (0,))
+        pipes.append(Pipeline(i, 0, i, batch, tuple(range(first, len(pools))), throughput, 0.0))
+    model = Model(0, "m", slo_us, 1.0, throughput, tuple(range(len(pipes))))
     return Topology(
         cluster_name="hand",
         servers=tuple(Server(s, "G", s) for s in servers),
         vgpus=tuple(vgpus),
         pools=tuple(pools),
-        pipelines=(pipe,),
+        pipelines=tuple(pipes),
         models=(model,),
         gpu_counts={"G": len(vgpus)},
     )

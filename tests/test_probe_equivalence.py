@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from poolpipe.scheduler import ReservationScheduler, earliest_common_slot
 from poolpipe.scheduler.messages import Request, StageReport
-from poolpipe.scheduler.topology import Model, Pipeline, Pool, Server, Topology, VGpu
-from tests.factories import make_topology
+from poolpipe.scheduler.topology import Topology
+from tests.factories import make_pipelines, make_topology
 
 
 def reference_probe(sch: ReservationScheduler, pipe, b: int, now: float):
@@ -107,33 +107,23 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
 
 
 def multi_pipeline_topology(shapes, lats, transfer: float) -> Topology:
-    """One model; pipeline i has len(shapes[i]) pools, pool j on the servers shapes[i][j]."""
+    """One model; pipeline i has len(shapes[i]) pools, pool j on the servers shapes[i][j],
+    its latencies `lats` x (1 + i / 2 + j / 4)."""
     used = sorted({srv for shape in shapes for on in shape for srv in on})
-    shapes = [[[used.index(srv) for srv in on] for on in shape] for shape in shapes]
-    vgpus: list[VGpu] = []
-    pools: list[Pool] = []
-    pipes: list[Pipeline] = []
-    for i, shape in enumerate(shapes):
-        ids = []
-        for j, on in enumerate(shape):
-            vg = []
-            for srv in on:
-                vg.append(len(vgpus))
-                vgpus.append(VGpu(len(vgpus), len(pools), "G", 1, len(vgpus), srv))
-            lat = tuple(x * (1 + 0.5 * i + 0.25 * j) for x in lats)
-            tau = 0.0 if j == 0 else transfer
-            pools.append(Pool(len(pools), 0, i, j, "G", 1, j, j + 1, tuple(vg), (0.0, *lat), tau))
-            ids.append(len(pools) - 1)
-        pipes.append(Pipeline(i, 0, i, 2, tuple(ids), 100.0, 0.0))
-    servers = sorted({v.server for v in vgpus})
-    return Topology(
-        cluster_name="hand",
-        servers=tuple(Server(s, "G", s) for s in servers),
-        vgpus=tuple(vgpus),
-        pools=tuple(pools),
-        pipelines=tuple(pipes),
-        models=(Model(0, "m", 60.0, 1.0, 100.0, tuple(range(len(pipes)))),),
-        gpu_counts={"G": len(vgpus)},
+    return make_pipelines(
+        [
+            [
+                (
+                    [used.index(srv) for srv in on],
+                    [x * (1 + 0.5 * i + 0.25 * j) for x in lats],
+                    transfer,
+                )
+                for j, on in enumerate(shape)
+            ]
+            for i, shape in enumerate(shapes)
+        ],
+        batch=2,
+        slo_us=60.0,
     )
 
 
