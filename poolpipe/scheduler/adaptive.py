@@ -113,7 +113,6 @@ class ReservationScheduler:
         self._groups2 = [groups + groups for groups in self._groups]
         self._flat_index = {v: i for flat in self._flat for i, v in enumerate(flat)}
         self._rr = [0] * len(topo.pools)
-        self._pool_of = [v.pool for v in topo.vgpus]
         # Per pool, from its last probe that found no vGPU free at once: no vGPU of the pool
         # can start a stage of _booked_lat µs at or after _booked_t before _booked_from.
         # Reservations only push starts later, and later times or longer stages start no
@@ -212,7 +211,7 @@ class ReservationScheduler:
         """Take a vGPU out of (or back into) service: while down it is reserved forever, so
         no probe picks it; what it had reserved stays until the driver reports it done."""
         self.vgpu_table[vgpu].correct(-1 - vgpu, now, math.inf if down else now, now)
-        self._booked_from[self._pool_of[vgpu]] = -math.inf
+        self._booked_from[self.topo.vgpus[vgpu].pool] = -math.inf
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
