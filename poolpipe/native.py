@@ -106,7 +106,7 @@ def guard(root: Path = ROOT) -> None:
         return
     why = _why_pure(root)
     _state["why"] = why
-    if why is not None and _compiled_present(root):
+    if why is not None:  # (with nothing compiled, it finds what the path would)
         sys.meta_path.insert(0, _SourceFinder(root, HOT_PATH))
 
 
