@@ -35,7 +35,7 @@ def hot_path_extensions() -> list:
     if os.environ.get("POOLPIPE_NO_COMPILE", "") not in ("", "0"):
         print("POOLPIPE_NO_COMPILE is set: the hot path is not compiled", file=sys.stderr)
         return []
-    cc = os.environ.get("CC", "cc").split()[0]
+    cc = (os.environ.get("CC", "").split() or ["cc"])[0]
     if shutil.which(cc) is None and shutil.which("gcc") is None:
         sys.exit(
             "poolpipe compiles its hot path with mypyc and needs a C compiler: none found "
