@@ -45,10 +45,11 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument(
         "--sizes",
-        default="100,400,1000",
-        help="GPU counts the scaling table plans group 2 for ('' for none)",
+        default=None,
+        help="GPU counts the scaling table plans group 2 for (100,400,1000; --quick: "
+        "100,400; '' for none)",
     )
-    ap.add_argument("--quick", action="store_true", help="2 groups, 10 s, sizes 100,400")
+    ap.add_argument("--quick", action="store_true", help="2 groups, 10 s")
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
     args = ap.parse_args()
@@ -60,7 +61,12 @@ def main() -> int:
     groups = workloads["groups"][:2] if args.quick else workloads["groups"]
     duration = 10.0 if args.quick else args.duration
     lfs = [float(x) for x in args.load_factors.split(",")]
-    sizes = [int(x) for x in ("100,400" if args.quick else args.sizes).split(",") if x.strip()]
+    if args.sizes is None:
+        args.sizes = "100,400" if args.quick else "100,400,1000"
+    try:
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sizes {args.sizes!r}: give GPU counts, like 100,400,1000")
     build = native.status()
     console.print(f"hot path: {build}")
     mix = workloads["mixes"]["maf19"]
