@@ -61,9 +61,14 @@ def _compiled_present(root: Path) -> bool:
     )
 
 
+def pure_requested() -> bool:
+    """POOLPIPE_PURE set (to anything but 0): run the sources on purpose."""
+    return os.environ.get(PURE_ENV, "") not in ("", "0")
+
+
 def _why_pure(root: Path) -> str | None:
     """None when the compiled modules are current; else why the sources run."""
-    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+    if pure_requested():
         return f"{PURE_ENV} is set"
     record = root / RECORD
     if not record.is_file() or not _compiled_present(root):

@@ -48,7 +48,7 @@ def test_the_compiled_modules_are_the_ones_imported():
     """No silent fall-back: where nobody asked for the sources (POOLPIPE_PURE), every module
     of the hot path is its mypyc extension (./run compiles them; a stale build is rebuilt
     by ./run, and named here)."""
-    if os.environ.get(native.PURE_ENV, "") not in ("", "0"):
+    if native.pure_requested():
         pytest.skip(f"{native.PURE_ENV} is set: the sources run on purpose")
     import poolpipe.sim  # noqa: F401  (imports every hot-path module)
 
