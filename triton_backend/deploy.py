@@ -26,6 +26,7 @@ from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime import (
     DEFAULT_MARGIN_CEILING_US,
     DEFAULT_MARGIN_FLOOR_US,
+    ArrivalStamps,
     MarginMeter,
     ServedPlan,
     slo_room_warnings,
@@ -218,6 +219,7 @@ class Deployment:
         token: str | None = None,
         transport: str = "router",
         supervise: bool = False,
+        arrival_stamps: ArrivalStamps | None = None,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
@@ -237,7 +239,8 @@ class Deployment:
         "chain" (feature maps node to node; the router sends inputs, gets outputs), or
         "auto": "router" when every node has a loopback address, else "chain".
         `supervise`: restart the nodes this process runs when they exit on their own
-        (Supervisor; `poolpipe serve` does), instead of leaving it to restart_node."""
+        (Supervisor; `poolpipe serve` does), instead of leaving it to restart_node.
+        `arrival_stamps`: how a load balancer's arrival stamps are taken (default bounds)."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         ceiling = (
@@ -287,6 +290,7 @@ class Deployment:
                 margin=margin,
                 transport=options.transport,
                 key=key,
+                stamps=arrival_stamps,
             ).start()
             core.use_http(_http_addresses(nodes))
             _watch(core, nodes)

@@ -1,8 +1,10 @@
 """The router process's end of the door (door_model.py runs the other end inside the
 router's Triton): a Unix socket served on the router's event loop. Each frame from a door
 instance is one client request; it goes to RouterCore.take on the spot, and the answer goes
-back down the same connection when the runtime gives it. Requests to `poolpipe_control`
-run their command on a worker thread (a rollout blocks until it is done).
+back down the same connection when the runtime gives it. A request stamped by a load
+balancer (ARRIVAL_STAMP, forwarded by the router's Triton) counts from that stamp where it
+is plausible (poolpipe.runtime.stamps), from the stub's arrival otherwise. Requests to
+`poolpipe_control` run their command on a worker thread (a rollout blocks until it is done).
 
 The frames are door_model.py's, named the same here (the stub imports nothing of ours, so
 each side names the plain tuples that travel)."""
@@ -23,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
-from poolpipe.runtime import BadRequest, Unservable
+from poolpipe.runtime import ARRIVAL_STAMP, BadRequest, Unservable
 from triton_backend.router import BAD_REQUEST_MARKER, REFUSED_MARKER, RouterCore
 
 _LEN = struct.Struct("<I")
@@ -160,14 +162,22 @@ class Door:
             self._control(conn, rid, arrays)
             return
         core = self.core
-        core.observe_door(time.monotonic_ns() - req.arrived_ns, req.egress_ns)
+        now = time.monotonic_ns()
+        core.observe_door(now - req.arrived_ns, req.egress_ns)
         try:
-            slo_ms = _parameters(req.parameters).get("slo_ms")
+            params = _parameters(req.parameters)
+            arrived = req.arrived_ns
+            stamp = params.get(ARRIVAL_STAMP)
+            if stamp is None and len(params) > 1:  # a header as a client wrote its name
+                stamp = next((v for k, v in params.items() if k.lower() == ARRIVAL_STAMP), None)
+            if stamp is not None:  # the balancer's: where a burst waited counts too
+                at = core.stamps.arrival_ns(stamp, time.time_ns(), now)
+                arrived = arrived if at is None else at
             core.take(
                 conn.model,
                 arrays,
-                slo_ms,
-                req.arrived_ns,
+                params.get("slo_ms"),
+                arrived,
                 lambda outs, code, text: conn.answer(rid, outs, code, text),
             )
         except BadRequest as exc:

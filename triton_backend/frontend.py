@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
+from poolpipe.runtime import FORWARDED_HEADERS
 from triton_backend.door import Door
 from triton_backend.nodes import TritonNode
 from triton_backend.repository import kserve_dtype, triton_dtype
@@ -111,6 +112,11 @@ class Frontend:
             metrics_port=metrics_port,
             address=address,
             key=key,
+            # a load balancer's arrival stamp reaches the door as a request parameter
+            options=(
+                f"--http-header-forward-pattern={FORWARDED_HEADERS}",
+                f"--grpc-header-forward-pattern={FORWARDED_HEADERS}",
+            ),
         )
         self.warmed = 0
         self.door: Door | None = None

@@ -200,6 +200,8 @@ class TritonNode(RepositoryAPI):
     # more environment for tritonserver and its models (POOLPIPE_EMULATE_TIME_SCALE: the
     # node emulates its GPU device type, see model_repo_templates/python_onnx_model.py)
     environment: dict[str, str] = field(default_factory=dict)
+    # more tritonserver options (the router's: headers forwarded to its door as parameters)
+    options: tuple[str, ...] = ()
 
     @property
     def _host(self) -> str:
@@ -244,6 +246,7 @@ class TritonNode(RepositoryAPI):
             "--log-verbose=0",
             "--strict-readiness=true",
             *node_restrictions(self.key),
+            *self.options,
         ]
         self._check_ports()
         for attempt in (1, 2):

@@ -30,6 +30,7 @@ import numpy as np
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import (
+    ArrivalStamps,
     BadRequest,
     MarginMeter,
     ModelStats,
@@ -125,6 +126,7 @@ class RouterCore:
         key: str | None = None,
         stages: Callable[[asyncio.AbstractEventLoop], StageClient] | None = None,
         node_sweep_s: float = NODE_SWEEP_S,
+        stamps: ArrivalStamps | None = None,
     ):
         """`margin`: what the reply margin is learnt with (its floor until it has samples;
         the floor and ceiling equal for a fixed margin). `transport`: how a batch's hops
@@ -132,7 +134,8 @@ class RouterCore:
         `stages`: makes the stage client on the router's loop (default: KServe v2 HTTP
         where a node's HTTP address is known (use_http), gRPC otherwise; chains over
         gRPC). `node_sweep_s`: every node in service is checked this often (0: only after
-        a call to it failed)."""
+        a call to it failed). `stamps`: how a load balancer's arrival stamps are taken (the
+        clock bound and the longest wait; it counts what became of them)."""
         if transport not in TRANSPORTS:
             raise PoolpipeError(f"unknown transport {transport!r}; choose {', '.join(TRANSPORTS)}")
         self._loop = asyncio.new_event_loop()
@@ -147,6 +150,7 @@ class RouterCore:
         self.stages = client
         self.executor = NodeExecutor(self._loop, hops, client, stage_timeout_s)
         self.margin = margin or MarginMeter()
+        self.stamps = stamps or ArrivalStamps()
         self.runtime = ServingRuntime(
             served,
             self.clock,
@@ -258,6 +262,11 @@ class RouterCore:
 
     def live_throughput(self) -> dict[str, float]:
         return self._call(self.runtime.live_throughput)
+
+    def models_without_path(self, timeout_s: float = 1.0) -> list[str]:
+        """Models of the plan with no live path now (asked on the loop, within `timeout_s`)."""
+        topo = self.topo
+        return sorted(topo.models[i].name for i in self._call(self.runtime.without_path, timeout_s))
 
     def in_flight(self) -> int:
         return self.runtime.in_flight()

@@ -23,6 +23,8 @@ from poolpipe.store.warehouse import Warehouse, store_rows_durably, store_tables
 from triton_backend import REPLAN_GRACE_S
 from triton_backend.deploy import Deployment, RolloutResult
 from triton_backend.env import free_ports, signals_held
+from triton_backend.nodes import refuse_taken_ports
+from triton_backend.readiness import ReadinessServer
 from triton_backend.router import RouterCore
 
 # How long the statistics and rollout writers wait for a warehouse another process holds
@@ -98,6 +100,15 @@ class RouterCollector:
         for st, k in sorted(core.node_changes.items()):
             changes.add_metric([st], k)
         yield changes
+        stamps = CounterMetricFamily(
+            "poolpipe_arrival_stamps",
+            "Load balancers' arrival stamps by what became of them (used; ignored: ahead of "
+            "the router's clock by more than the bound, stale, malformed)",
+            labels=["outcome"],
+        )
+        for outcome, k in sorted(core.stamps.counts.items()):
+            stamps.add_metric([outcome], k)
+        yield stamps
         rollouts = CounterMetricFamily(
             "poolpipe_rollouts",
             "Rollouts by result (done, rolled back, refused)",
@@ -119,6 +130,7 @@ class ServingProcess:
         plan_id: int | None = None,
         stats_interval_s: float = 60.0,
         metrics_port: int | None = None,
+        ready_port: int | None = None,
         token: str | None = None,
         replan_on_failure: Callable[[str, str], dict] | None = None,
         replan_grace_s: float = REPLAN_GRACE_S,
@@ -130,13 +142,25 @@ class ServingProcess:
         called with the router's gRPC address and what happened whenever the set of nodes
         out of service has changed and stayed so for `replan_grace_s` (a node lost, or
         back), to re-plan (flows.replan.on_failure: the re-planning flow); returns its
-        decision. None: only the nightly runs re-plan."""
+        decision. None: only the nightly runs re-plan. `ready_port`: where a load
+        balancer's health check asks whether this router serves (readiness.py; 0: a free
+        port; None: not served)."""
         self.warehouse = warehouse
         self.token = token
         self.name = name
         self.plan_id = plan_id
         self.stats_interval_s = stats_interval_s
         self._lock = threading.Lock()  # one rollout at a time
+        # the router's own HTTP ports, on the address its clients reach it at: a port taken
+        # is named before anything starts
+        self.metrics_address = str(options.get("listen", "127.0.0.1"))
+        refuse_taken_ports(
+            "the router",
+            self.metrics_address,
+            {"metrics port": metrics_port or 0, "readiness port": ready_port or 0},
+        )
+        self._closing = False
+        self.ready: ReadinessServer | None = None
         self.deployment = Deployment.up(
             plan, warehouse, workspace, control=self.control, token=token, **options
         )
@@ -154,16 +178,33 @@ class ServingProcess:
             self._failure_thread = threading.Thread(target=self._failure_loop, daemon=True)
             self._failure_thread.start()
         self.metrics_port = None
-        # the router's Prometheus metrics, on the address its clients reach it at
-        self.metrics_address = str(options.get("listen", "127.0.0.1"))
-        if metrics_port is not None:
-            from prometheus_client import start_http_server
-            from prometheus_client.registry import CollectorRegistry
+        try:
+            if metrics_port is not None:
+                from prometheus_client import start_http_server
+                from prometheus_client.registry import CollectorRegistry
 
-            registry = CollectorRegistry()
-            registry.register(RouterCollector(self))
-            self.metrics_port = metrics_port or free_ports(1)[0]
-            start_http_server(self.metrics_port, addr=self.metrics_address, registry=registry)
+                registry = CollectorRegistry()
+                registry.register(RouterCollector(self))
+                self.metrics_port = metrics_port or free_ports(1)[0]
+                start_http_server(self.metrics_port, addr=self.metrics_address, registry=registry)
+            if ready_port is not None:
+                self.ready = ReadinessServer(self.metrics_address, ready_port, self.readiness)
+        except BaseException:
+            self.close()
+            raise
+
+    def readiness(self) -> tuple[bool, str, dict]:
+        """Whether a load balancer should send this router requests: not while it stops,
+        nor while a model of its plan has no live path (its requests would fail here while
+        another router may serve them)."""
+        if self._closing:
+            return False, "the router is stopping", {}
+        dep = self.deployment
+        more = {"deployment": self.name, "plan_id": self.plan_id, "generation": dep.generation}
+        without = dep.core.models_without_path()
+        if without:
+            return False, f"no live path for model(s) {', '.join(without)}", more
+        return True, "a live path for every model", more
 
     # ------------------------------------------------------------------ statistics
 
@@ -337,6 +378,7 @@ class ServingProcess:
             },
             "windows": windows,
             "reply_margin_ms": round(core.reply_margin_us / 1e3, 3),
+            "arrival_stamps": dict(core.stamps.counts),
             "rollouts": dict(self.rollouts),
             "ports": {
                 "http": dep.http_url,
@@ -345,6 +387,7 @@ class ServingProcess:
                 if self.metrics_port
                 else None,
                 "triton_metrics": dep.triton_metrics_url,
+                "ready": f"{self.metrics_address}:{self.ready.port}" if self.ready else None,
             },
         }
 
@@ -378,7 +421,10 @@ class ServingProcess:
 
     def close(self) -> None:
         with signals_held():  # the last statistics and every node, whatever arrives
+            self._closing = True  # a balancer's next health check sends requests elsewhere
             self._stop.set()
+            if self.ready is not None:
+                self.ready.close()
             with contextlib.suppress(Exception):
                 self.flush_stats()
             self.deployment.down()

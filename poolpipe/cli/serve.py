@@ -17,7 +17,8 @@ from rich.console import Console
 from poolpipe.cli.common import add_reply_margin_argument, err_console, log_events, warn_slo_room
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US
+from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US, ArrivalStamps
+from poolpipe.runtime.stamps import DEFAULT_CLOCK_BOUND_US, DEFAULT_MAX_WAIT_US
 from poolpipe.scheduler import DATA_PLANES
 from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
 from triton_backend.env import is_loopback
@@ -100,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             plan_id=plan_id,
             stats_interval_s=args.stats_interval,
             metrics_port=args.metrics_port,
+            ready_port=args.ready_port,
             plane=args.plane,
             inventory=inventory,
             token=token,
@@ -145,7 +147,8 @@ def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
         f"KServe v2 HTTP {dep.http_url}, "
         f"gRPC {dep.grpc_url}, router metrics "
         f"http://{_host(server.metrics_address)}:{server.metrics_port}/metrics, its Triton's "
-        f"metrics http://{dep.triton_metrics_url}/metrics\n"
+        f"metrics http://{dep.triton_metrics_url}/metrics, readiness for a load balancer "
+        f"http://{_host(server.metrics_address)}:{server.ready.port}/ready\n"
         f"look at it: poolpipe status --router {dep.grpc_url} --token-file {token_file}\n"
         f"roll out another plan: poolpipe rollout PLAN --router {dep.grpc_url} "
         f"--token-file {token_file}\n"
@@ -316,6 +319,21 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="the router's Triton's own metrics port (a free one)",
     )
+    p.add_argument(
+        "--arrival-clock-bound-ms",
+        type=float,
+        default=DEFAULT_CLOCK_BOUND_US / 1e3,
+        help="a load balancer's arrival stamp (header x-poolpipe-arrival-us) counts as the "
+        "request's arrival; its host's clock and the router's agree within this, and a stamp "
+        f"further ahead is ignored and counted ({DEFAULT_CLOCK_BOUND_US / 1e3:g})",
+    )
+    p.add_argument(
+        "--arrival-max-wait-ms",
+        type=float,
+        default=DEFAULT_MAX_WAIT_US / 1e3,
+        help="an arrival stamp older than this is taken for a clock out of sync: ignored and "
+        f"counted ({DEFAULT_MAX_WAIT_US / 1e3:g})",
+    )
 
 
 def router_options(args: argparse.Namespace) -> dict:
@@ -333,6 +351,9 @@ def router_options(args: argparse.Namespace) -> dict:
         "http_port": args.http_port,
         "grpc_port": args.grpc_port,
         "triton_metrics_port": args.triton_metrics_port,
+        "arrival_stamps": ArrivalStamps(
+            args.arrival_clock_bound_ms * 1e3, args.arrival_max_wait_ms * 1e3
+        ),
     }
 
 
@@ -361,6 +382,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--stats-interval", type=float, default=60.0, help="seconds (60)")
     p.add_argument("--metrics-port", type=int, default=0, help="router metrics port (free one)")
+    p.add_argument(
+        "--ready-port",
+        type=int,
+        default=0,
+        help="port of the router's readiness check for a load balancer: GET /ready answers "
+        "200 while it has a live path for every model of its plan, 503 otherwise (a free one)",
+    )
     p.add_argument(
         "--replan-on-failure",
         action="store_true",

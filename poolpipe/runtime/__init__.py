@@ -37,14 +37,22 @@ from poolpipe.runtime.ports import (
     Timer,
 )
 from poolpipe.runtime.recalibration import RECALIBRATE_BAND, RECALIBRATE_EVERY, RECALIBRATE_MAX
+from poolpipe.runtime.stamps import (
+    ARRIVAL_STAMP,
+    FORWARDED_HEADERS,
+    STAMP_OUTCOMES,
+    ArrivalStamps,
+)
 from poolpipe.runtime.stats import ModelStats, ModelWindow, PoolWindow, Window
 
 __all__ = [
+    "ARRIVAL_STAMP",
     "DEFAULT_MARGIN_CEILING_US",
     "DEFAULT_MARGIN_FLOOR_US",
     "DEFAULT_REPLY_MARGIN_US",
     "DROPPED",
     "FAILED",
+    "FORWARDED_HEADERS",
     "LATE",
     "MAX_SLO_MS",
     "ON_TIME",
@@ -53,6 +61,8 @@ __all__ = [
     "RECALIBRATE_BAND",
     "RECALIBRATE_EVERY",
     "RECALIBRATE_MAX",
+    "STAMP_OUTCOMES",
+    "ArrivalStamps",
     "BadRequest",
     "Clock",
     "Entry",

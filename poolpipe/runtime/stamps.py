@@ -1,0 +1,78 @@
+"""Arrival stamps from a load balancer in front of the router: when it received a request,
+by its host's clock (wall time, µs since the epoch; HAProxy's `%[date(0,us)]`). A request's
+deadline runs from that stamp when the stamp is plausible, so time a burst spends in the
+router's own front end (Triton's HTTP/gRPC parsing, out of the router's sight) counts
+against it. Plausible means within the clock bound the deployment assumes between the
+balancer's host and the router's (chrony or PTP in a data centre: well under a millisecond)
+and not older than the longest wait a front end is taken to impose; any other stamp is
+ignored (the door's own arrival counts instead), counted by why.
+
+The policy is pure: the driver passes its clocks' readings."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from poolpipe.errors import PoolpipeError
+
+# The request parameter (a header the balancer sets and the router's Triton forwards).
+ARRIVAL_STAMP = "x-poolpipe-arrival-us"
+# The pattern of headers the router's Triton forwards to the door as parameters, in any
+# case (HAProxy sends header names in lower case, other clients as they were written).
+FORWARDED_HEADERS = "(?i)x-poolpipe-.*"
+
+# Defaults (µs): the clocks of the balancer's host and a router's agree within this...
+DEFAULT_CLOCK_BOUND_US = 2_000.0
+# ... and no request is taken to have waited longer than this between them.
+DEFAULT_MAX_WAIT_US = 1_000_000.0
+
+# Why a stamp was or was not used (the counters' keys).
+USED = "used"
+AHEAD = "ahead"  # later than the router's clock by more than the bound
+STALE = "stale"  # older than the longest plausible wait
+MALFORMED = "malformed"  # not an integer number of µs
+STAMP_OUTCOMES = (USED, AHEAD, STALE, MALFORMED)
+
+
+class ArrivalStamps:
+    """Turns a request's stamp into its arrival on the router's monotonic clock, or None
+    (ignored: the door's arrival counts). `counts` says how many stamps went which way."""
+
+    __slots__ = ("clock_bound_us", "counts", "max_wait_us")
+
+    def __init__(
+        self,
+        clock_bound_us: float = DEFAULT_CLOCK_BOUND_US,
+        max_wait_us: float = DEFAULT_MAX_WAIT_US,
+    ):
+        if not 0 <= clock_bound_us < max_wait_us:
+            raise PoolpipeError(
+                f"arrival stamps need 0 <= clock bound < longest wait, got "
+                f"{clock_bound_us / 1e3:g} ms and {max_wait_us / 1e3:g} ms "
+                "(--arrival-clock-bound-ms, --arrival-max-wait-ms)"
+            )
+        self.clock_bound_us = clock_bound_us
+        self.max_wait_us = max_wait_us
+        self.counts: Counter[str] = Counter({k: 0 for k in STAMP_OUTCOMES})
+
+    def arrival_ns(self, stamp: object, wall_ns: int, monotonic_ns: int) -> int | None:
+        """`stamp` as the request carried it (µs since the epoch, a string or a number);
+        `wall_ns` and `monotonic_ns`: the router's two clocks read together now. Returns
+        the stamp on the monotonic clock (ns), at most now; None where it is ignored."""
+        try:
+            stamp_us = int(stamp)  # type: ignore[call-overload]
+        except (TypeError, ValueError, OverflowError):
+            self.counts[MALFORMED] += 1
+            return None
+        if isinstance(stamp, bool | float):
+            self.counts[MALFORMED] += 1
+            return None
+        age_us = wall_ns / 1e3 - stamp_us
+        if age_us < -self.clock_bound_us:
+            self.counts[AHEAD] += 1
+            return None
+        if age_us > self.max_wait_us:
+            self.counts[STALE] += 1
+            return None
+        self.counts[USED] += 1
+        return monotonic_ns - max(0, int(age_us * 1e3))

@@ -1,0 +1,72 @@
+"""A router's readiness for a load balancer's health check: `GET /ready` answers 200 while
+the router serves (its door models loaded and warmed, a live path for every model of its
+plan) and 503 with the reason otherwise. Triton's own `/v2/health/ready` cannot say so: it
+answers 200 before the door models are loaded, and a Python-backend model stays ready
+with every node behind it gone.
+
+A small HTTP server of its own (stdlib), on the router's address, in a daemon thread."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from triton_backend.nodes import refuse_taken_ports
+
+READY_PATH = "/ready"
+
+
+class ReadinessServer:
+    """Serves `check()` (ready?, why not, more fields for the body) at READY_PATH."""
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        check: Callable[[], tuple[bool, str, dict]],
+    ):
+        refuse_taken_ports("the router's readiness check", address, {"port": port})
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] != READY_PATH:
+                    self._send(404, {"error": f"not found; ask {READY_PATH}"})
+                    return
+                try:
+                    ready, why, more = outer.check()
+                except Exception as exc:  # stopping, or a loop too busy to answer
+                    ready, why, more = False, f"no answer from the router ({exc})", {}
+                self._send(200 if ready else 503, {"ready": ready, "why": why, **more})
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:  # health checks every second
+                pass
+
+        self.check = check
+        self.server = _Server((address, port), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="poolpipe-ready", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A checker that hangs up once it has the status line (HAProxy does) is no error."""
