@@ -24,10 +24,17 @@ from __future__ import annotations
 import re
 import tomllib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from poolpipe.domain.cluster import Cluster, GpuPool
+from poolpipe.domain.tier import (
+    BalancerSpec,
+    InventoryRouter,
+    check_tier,
+    parse_tier,
+    tier_toml,
+)
 from poolpipe.errors import ClusterError
 
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
@@ -60,6 +67,8 @@ class Inventory:
     nodes: tuple[InventoryNode, ...]
     source: str = "inventory"  # the file it came from (for messages)
     down: frozenset[str] = field(default_factory=frozenset)  # node names marked down
+    routers: tuple[InventoryRouter, ...] = ()  # the router tier (tier.py), where given
+    balancer: BalancerSpec | None = None
 
     def __post_init__(self) -> None:
         where = self.source
@@ -94,6 +103,7 @@ class Inventory:
         for device, nodes in self.by_device().items():
             if len({n.shares for n in nodes}) > 1:
                 raise InventoryError(f"{where}: nodes of device {device} list different shares")
+        check_tier(self.routers, self.balancer, seen, where, _is_address)
         unknown = self.down - set(seen)
         if unknown:
             raise InventoryError(f"{where}: nodes marked down are not listed: {sorted(unknown)}")
@@ -124,7 +134,15 @@ class Inventory:
         return Cluster(name or Path(self.source).stem, bandwidth, tuple(pools))
 
     def mark_down(self, names: set[str]) -> Inventory:
-        return Inventory(self.servers, self.nodes, self.source, self.down | frozenset(names))
+        return replace(self, down=self.down | frozenset(names))
+
+    def router(self, name: str) -> InventoryRouter:
+        """The router of that name; InventoryError listing those there are."""
+        for r in self.routers:
+            if r.name == name:
+                return r
+        there = ", ".join(r.name for r in self.routers) or "none: no [[routers]]"
+        raise InventoryError(f"{self.source}: no router {name!r} ({there})")
 
     def to_toml(self) -> str:
         lines = []
@@ -153,6 +171,7 @@ class Inventory:
             if n.shares != (1,):
                 lines.append(f"shares = [{', '.join(str(v) for v in n.shares)}]")
             lines.append("")
+        lines += tier_toml(self.routers, self.balancer)
         return "\n".join(lines)
 
 
@@ -187,7 +206,7 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
                 f"(known: {', '.join(sorted(keys))})"
             )
 
-    known(data, {"servers", "nodes", "down"}, "top level")
+    known(data, {"servers", "nodes", "down", "routers", "balancer"}, "top level")
     servers, nodes = [], []
     for i, s in enumerate(_tables(data, "servers", source)):
         what = f"[[servers]] #{i + 1}"
@@ -219,7 +238,8 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
         raise InventoryError(f"{source}: down = {down!r} is not a list of node names")
     if not nodes:
         raise InventoryError(f"{source}: no [[nodes]]")
-    return Inventory(tuple(servers), tuple(nodes), source, frozenset(down))
+    routers, balancer = parse_tier(data, source, need, known, _tables)
+    return Inventory(tuple(servers), tuple(nodes), source, frozenset(down), routers, balancer)
 
 
 def _is_address(address: str) -> bool:

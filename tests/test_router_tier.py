@@ -1,0 +1,312 @@
+"""The router tier for real: HAProxy (Debian's package) rendered from an inventory's
+[balancer] and [[routers]] and run in front of a real router (its Triton, door and runtime,
+a real stage-worker node): arrival stamps from the balancer, the router's readiness check,
+and the errors an operator meets (HAProxy missing, a port taken, a node given to two
+routers). Skipped, with the reason, where HAProxy is not installed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from poolpipe.domain.inventory import InventoryError, parse_inventory
+from poolpipe.domain.tier import TierError
+from tests.test_serving import hand_plan, onboarded_tiny  # noqa: F401 (a fixture)
+from triton_backend.balancer import Balancer, BalancerError, find_haproxy, render
+from triton_backend.env import free_ports
+
+pytestmark = pytest.mark.integration
+needs_haproxy = pytest.mark.skipif(
+    shutil.which("haproxy") is None,
+    reason="HAProxy is not installed (./run installs it as root: apt-get install haproxy)",
+)
+N_BURST = 100
+SLO_MS = 100.0
+
+
+def tier_toml(router_ports: dict[str, int], lb_ports: dict[str, int], nodes: str = "") -> str:
+    r, b = router_ports, lb_ports
+    return f"""
+[[servers]]
+name = "s0"
+bandwidth_gbps = 10
+[[nodes]]
+name = "n0"
+server = "s0"
+device = "cpu-1t"
+grpc = "127.0.0.1:1"
+[balancer]
+http = "127.0.0.1:{b["http"]}"
+grpc = "127.0.0.1:{b["grpc"]}"
+check_ms = 100
+fall = 2
+rise = 1
+[[routers]]
+name = "r0"
+http = "127.0.0.1:{r["http"]}"
+grpc = "127.0.0.1:{r["grpc"]}"
+ready = "127.0.0.1:{r["ready"]}"
+{nodes}
+"""
+
+
+@pytest.fixture(scope="module")
+def tier(onboarded_tiny, tmp_path_factory):  # noqa: F811
+    """A router serving a one-partition plan (one cpu-1t node) behind HAProxy."""
+    from triton_backend.serve import ServingProcess
+
+    if shutil.which("haproxy") is None:
+        pytest.skip("HAProxy is not installed (./run installs it as root: apt-get install haproxy)")
+    wh, _ = onboarded_tiny
+    tmp = tmp_path_factory.mktemp("tier")
+    http, grpc, ready, lb_http, lb_grpc = free_ports(5)
+    srv = ServingProcess(
+        hand_plan([(0, 4, 1)], batch=4),
+        wh,
+        tmp / "router",
+        stats_interval_s=3600,
+        metrics_port=0,
+        ready_port=ready,
+        http_port=http,
+        grpc_port=grpc,
+    )
+    inv = parse_inventory(
+        _toml(
+            tier_toml(
+                {"http": http, "grpc": grpc, "ready": ready}, {"http": lb_http, "grpc": lb_grpc}
+            )
+        )
+    )
+    lb = Balancer(inv, tmp / "lb")
+    try:
+        lb.start()
+        _until(lambda: _through(lb.http_url) == 200, "the balancer sends to the router")
+        yield srv, lb
+    finally:
+        lb.stop()
+        srv.close()
+
+
+def _toml(text: str) -> dict:
+    import tomllib
+
+    return tomllib.loads(text)
+
+
+def _until(ok, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        time.sleep(0.05)
+
+
+def _infer_body() -> bytes:
+    return json.dumps(
+        {
+            "inputs": [
+                {"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.0] * 3072}
+            ],
+            "parameters": {"slo_ms": 10 * SLO_MS},
+        }
+    ).encode()
+
+
+def _through(url: str, headers: dict | None = None) -> int:
+    """One request to model tiny at `url` over HTTP: its status code."""
+    req = urllib.request.Request(
+        f"http://{url}/v2/models/tiny/infer", data=_infer_body(), headers=headers or {}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def _ready(srv) -> tuple[int, dict]:
+    url = f"http://127.0.0.1:{srv.ready.port}/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_requests_through_the_balancer_carry_its_stamp_over_http_and_grpc(tier):
+    import tritonclient.grpc as tg
+
+    srv, lb = tier
+    counts = srv.deployment.core.stamps.counts
+    before = counts["used"]
+    assert _through(lb.http_url) == 200
+    client = tg.InferenceServerClient(lb.grpc_url)
+    x = tg.InferInput("input", [1, 3, 32, 32], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 3, 32, 32), np.float32))
+    client.infer("tiny", [x])
+    client.close()
+    assert counts["used"] == before + 2, dict(counts)
+    assert sum(v for k, v in counts.items() if k != "used") == 0, dict(counts)
+
+
+def test_a_stamp_outside_the_clock_bound_is_ignored_counted_and_exported(tier):
+    """A stamp the balancer's host could not have made with clocks in sync (sent straight
+    to the router here): the request is served as if unstamped, the stamp counted."""
+    srv, _ = tier
+    router = srv.deployment.http_url
+    counts = srv.deployment.core.stamps.counts
+    now_us = time.time_ns() // 1000
+    ahead, stale = counts["ahead"], counts["stale"]
+    assert _through(router, {"x-poolpipe-arrival-us": str(now_us + 60_000_000)}) == 200
+    assert _through(router, {"x-poolpipe-arrival-us": str(now_us - 60_000_000)}) == 200
+    assert (counts["ahead"], counts["stale"]) == (ahead + 1, stale + 1)
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics") as r:
+        text = r.read().decode()
+    assert f'poolpipe_arrival_stamps_total{{outcome="ahead"}} {ahead + 1:.1f}' in text
+
+
+def test_a_burst_through_the_balancer_is_counted_from_its_stamp(tier):
+    """N_BURST requests at once through HAProxy, SLO 100 ms: the router's deadlines run from
+    the balancer's stamps, so what waited in its Triton's front end counts. The router
+    counts as on time exactly what the client received on time (the blocked issue's
+    figure: before the stamp, the router counted 148 on time where the client saw 0)."""
+    from testbed.loadgen import burst
+
+    srv, lb = tier
+    core = srv.deployment.core
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    used = core.stamps.counts["used"]
+    core.take_window()
+    shots = burst(lb.http_url, "tiny", {"input": x}, N_BURST, SLO_MS)
+    win = core.take_window().models[0]
+    assert core.stamps.counts["used"] == used + N_BURST
+    ok = [s for s in shots if s.outcome == "ok"]
+    dropped = [s for s in shots if s.outcome == "dropped"]
+    assert len(ok) + len(dropped) == N_BURST, {s.outcome for s in shots}
+    assert win.arrivals == N_BURST and win.late == 0, win
+    client_on_time = sum(s.latency_s <= SLO_MS / 1e3 for s in ok)
+    # the client's clock starts before the balancer's: an answer the router sent on time
+    # may reach the client a little after the SLO (its way out, inside the reply margin)
+    assert client_on_time <= win.on_time <= client_on_time + N_BURST // 50, (
+        client_on_time,
+        win,
+    )
+    assert win.dropped == len(dropped), win
+
+
+def test_readiness_fails_while_the_router_has_no_live_path(tier):
+    """The node dies: the router's readiness check says so (503, naming the model), the
+    balancer stops sending to it (its answer: 503 from HAProxy, no router behind it); the
+    node back, both serve again."""
+    srv, lb = tier
+    assert _ready(srv) == (200, _ready(srv)[1]) and _ready(srv)[1]["ready"] is True
+    dep = srv.deployment
+    (name,) = dep.nodes
+    dep.nodes[name].kill()
+    _through(dep.http_url)  # a call fails: the node is down at once
+    _until(lambda: _ready(srv)[0] == 503, "readiness fails")
+    _, body = _ready(srv)
+    assert body["ready"] is False and "no live path for model(s) tiny" in body["why"], body
+    _until(lambda: _through(lb.http_url) == 503, "the balancer takes the router out")
+    dep.restart_node(name)
+    _until(lambda: _ready(srv)[0] == 200, "readiness back", 30.0)
+    _until(lambda: _through(lb.http_url) == 200, "the balancer sends to it again")
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def test_a_node_given_to_two_routers_is_refused_naming_both():
+    text = tier_toml(
+        {"http": 1001, "grpc": 1002, "ready": 1003},
+        {"http": 1004, "grpc": 1005},
+        'nodes = ["n0"]',
+    )
+    text += """
+[[routers]]
+name = "r1"
+http = "127.0.0.1:2001"
+grpc = "127.0.0.1:2002"
+ready = "127.0.0.1:2003"
+nodes = ["n0"]
+"""
+    with pytest.raises(TierError, match="node n0 is given to routers r0 and r1"):
+        parse_inventory(_toml(text))
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (lambda t: t.replace('"127.0.0.1:2003"', '"127.0.0.1:1003"'), "is also router r0's ready"),
+        (lambda t: t.replace('nodes = ["n1"]', 'nodes = ["nx"]'), "node 'nx' is not among"),
+        (lambda t: t.replace('nodes = ["n1"]\n', ""), "router(s) r1 list no nodes"),
+        (lambda t: t.replace("check_ms = 100", "check_ms = 1"), "check_ms = 1 must be at least"),
+        (lambda t: t.replace("[balancer]", "[balancer]\nport = 3"), "unknown key(s) port"),
+    ],
+)
+def test_a_router_tier_that_cannot_be_deployed_is_refused(change, error):
+    text = tier_toml(
+        {"http": 1001, "grpc": 1002, "ready": 1003},
+        {"http": 1004, "grpc": 1005},
+        'nodes = ["n0"]',
+    )
+    text = text.replace(
+        "[balancer]",
+        '[[nodes]]\nname = "n1"\nserver = "s0"\ndevice = "cpu-1t"\ngrpc = "127.0.0.1:2"\n'
+        "[balancer]",
+    )
+    text += (
+        '\n[[routers]]\nname = "r1"\nhttp = "127.0.0.1:2001"\ngrpc = "127.0.0.1:2002"\n'
+        'ready = "127.0.0.1:2003"\nnodes = ["n1"]\n'
+    )
+    parse_inventory(_toml(text))  # as given: fine
+    with pytest.raises((TierError, InventoryError), match=re.escape(error)):
+        parse_inventory(_toml(change(text)))
+
+
+def test_the_inventory_with_its_router_tier_reads_back_from_its_toml():
+    inv = parse_inventory(
+        _toml(
+            tier_toml(
+                {"http": 1001, "grpc": 1002, "ready": 1003},
+                {"http": 1004, "grpc": 1005},
+                'nodes = ["n0"]\nweight = 3',
+            )
+        )
+    )
+    again = parse_inventory(_toml(inv.to_toml()))
+    assert (again.routers, again.balancer) == (inv.routers, inv.balancer)
+    assert again.routers[0].weight == 3 and again.routers[0].nodes == ("n0",)
+
+
+def test_haproxy_missing_is_named_with_the_fix():
+    with pytest.raises(BalancerError, match="apt-get install haproxy"):
+        find_haproxy("no-such-haproxy-here")
+
+
+@needs_haproxy
+def test_a_balancer_port_taken_is_named_with_its_holder(tmp_path):
+    lb_http, lb_grpc = free_ports(2)
+    inv = parse_inventory(
+        _toml(
+            tier_toml(
+                {"http": 1001, "grpc": 1002, "ready": 1003}, {"http": lb_http, "grpc": lb_grpc}
+            )
+        )
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", lb_grpc))
+        s.listen()
+        with pytest.raises(Exception, match=f"gRPC port {lb_grpc} on 127.0.0.1 is taken by"):
+            Balancer(inv, tmp_path).start()
+    assert "server r0 127.0.0.1:1001 weight 1 check addr 127.0.0.1 port 1003" in render(inv)
