@@ -204,6 +204,20 @@ def test_a_burst_through_the_balancer_is_counted_from_its_stamp(tier):
     assert win.dropped == len(dropped), win
 
 
+def test_lb_status_and_render_from_the_inventory(tier, tmp_path, capsys):
+    from poolpipe.cli import main
+
+    srv, lb = tier
+    path = tmp_path / "inventory.toml"
+    path.write_text(lb.inv.to_toml())
+    assert main(["lb", "status", "--nodes", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 1 router(s) ready" in out, out
+    assert main(["lb", "render", "--nodes", str(path), "-o", str(tmp_path / "h.cfg")]) == 0
+    rendered = (tmp_path / "h.cfg").read_text().splitlines()
+    assert rendered[1:] == render(lb.inv).splitlines()[1:]  # all but the line naming the file
+
+
 def test_readiness_fails_while_the_router_has_no_live_path(tier):
     """The node dies: the router's readiness check says so (503, naming the model), the
     balancer stops sending to it (its answer: 503 from HAProxy, no router behind it); the

@@ -107,7 +107,7 @@ def render(inv: Inventory) -> str:
         out.append("")
     if b.stats is not None:
         out += ["listen stats", f"    bind {b.stats}", "    stats enable", "    stats uri /", ""]
-    return "\n".join(out)
+    return "\n".join(out).rstrip() + "\n"
 
 
 class Balancer:

@@ -15,7 +15,7 @@ from poolpipe.store.warehouse import ENV_VAR, default_path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from poolpipe.cli import demo, models, onboard, operate, plans, profiles, serve, sim
+    from poolpipe.cli import demo, lb, models, onboard, operate, plans, profiles, serve, sim
 
     parser = argparse.ArgumentParser(
         prog="poolpipe",
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     onboard.add_commands(sub)
     serve.add_commands(sub)
     operate.add_commands(sub)
+    lb.add_commands(sub)
     return parser
 
 
