@@ -207,7 +207,7 @@ def test_a_burst_through_the_balancer_is_counted_from_its_stamp(tier):
 def test_lb_status_and_render_from_the_inventory(tier, tmp_path, capsys):
     from poolpipe.cli import main
 
-    srv, lb = tier
+    _, lb = tier
     path = tmp_path / "inventory.toml"
     path.write_text(lb.inv.to_toml())
     assert main(["lb", "status", "--nodes", str(path)]) == 0
