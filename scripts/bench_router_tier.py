@@ -1,0 +1,299 @@
+"""The router tier on this machine: a router (real tritonserver node, the router's Triton and
+door, the runtime) behind HAProxy rendered by `poolpipe lb` from an inventory. Each part
+prints a table and stores its rows in the warehouse (bench_serving, bench router-tier-*):
+
+1. burst: `--burst` requests at once (SLO `--burst-slo-ms`; a one-partition plan, batch 4),
+   alternately straight to the router and through the balancer, over HTTP (a connection
+   each, timed by the kernel's stamps) and over gRPC (one asyncio client), `--rounds`
+   times each: on time, late and dropped as the client counts them (its own process) and
+   as the router does; through the balancer the router's deadlines run from its stamps.
+2. CPU per request: `--requests` one after another over gRPC, straight and through the
+   balancer: the CPU each process spent per request (HAProxy, the router's Triton with its
+   door stubs, the router process) and the client's p50.
+
+    ./run bench-router-tier [--burst 500] [--burst-slo-ms 100] [--rounds 2] [--requests 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from bench_serving import client_run, hand_plan
+from rich.console import Console
+from rich.table import Table
+
+from poolpipe.domain.inventory import parse_inventory
+from poolpipe.store.bench_rows import BenchRows
+from poolpipe.store.warehouse import Warehouse
+from testbed.cpu import cpu_seconds
+
+console = Console(width=None if sys.stdout.isatty() else 150)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--warehouse", default=None)
+    ap.add_argument("--label", default="bench")
+    ap.add_argument("--burst", type=int, default=500, help="requests in a burst (500)")
+    ap.add_argument("--burst-slo-ms", type=float, default=100.0, help="their SLO (100)")
+    ap.add_argument("--rounds", type=int, default=2, help="bursts per path (2)")
+    ap.add_argument("--requests", type=int, default=300, help="closed-loop requests (300)")
+    args = ap.parse_args()
+    if args.burst < 1 or args.rounds < 1 or args.requests < 10:
+        ap.error("--burst and --rounds must be at least 1, --requests at least 10")
+
+    from flows.onboard import onboard_model
+    from flows.profile import profile_model
+    from poolpipe.offline.zoo import make_model
+    from triton_backend.balancer import Balancer, find_haproxy
+    from triton_backend.env import free_ports
+    from triton_backend.serve import ServingProcess
+
+    find_haproxy()  # before anything starts: the error says how to install it
+    rows = BenchRows(args.label)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-router-tier-"))
+    name = "bench-resnet"
+    path = make_model("resnet50", tmp / "m.onnx", width=1.0, image=64)
+    with console.status("onboarding the benchmark model (cpu-1t, cpu-2t) ..."):
+        onboard_model(
+            str(path), name, warehouse=args.warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5
+        )
+        profile_model(name, warehouse=args.warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
+
+    plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.burst_slo_ms, args.warehouse)
+    http, grpc, ready, lb_http, lb_grpc = free_ports(5)
+    with console.status("starting the router and HAProxy in front of it ..."):
+        srv = ServingProcess(
+            plan,
+            args.warehouse,
+            tmp / "router",
+            stats_interval_s=3600,
+            ready_port=ready,
+            http_port=http,
+            grpc_port=grpc,
+        )
+        try:
+            inv = parse_inventory(
+                _inventory(srv.deployment.nodes, http, grpc, ready, lb_http, lb_grpc),
+                "bench inventory",
+            )
+            lb = Balancer(inv, tmp / "lb").start()
+        except BaseException:
+            srv.close()
+            raise
+    try:
+        dep = srv.deployment
+        x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
+        in_name = dep.ios[0].inputs[0].name
+        paths = {"router": (dep.http_url, dep.grpc_url), "balancer": (lb.http_url, lb.grpc_url)}
+        _wait_until_balanced(lb.grpc_url, name, in_name, x)
+        burst_part(args, srv, paths, name, in_name, x, rows.record)
+        cpu_part(args, srv, lb, paths, name, in_name, x, rows.record)
+    finally:
+        lb.stop()
+        srv.close()
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+        console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench router-tier-*)")
+    return 0
+
+
+GRPC_BURST = """
+import asyncio, json, sys, time
+import numpy as np
+import tritonclient.grpc as tg
+import tritonclient.grpc.aio as ta
+url, model, in_name, shape, n, slo_ms = json.loads(sys.argv[1])
+async def main():
+    c = ta.InferenceServerClient(url)
+    x = tg.InferInput(in_name, shape, "FP32")
+    x.set_data_from_numpy(np.zeros(shape, np.float32))
+    async def one():
+        t = time.perf_counter()
+        try:
+            await c.infer(model, [x], parameters={"slo_ms": slo_ms}, client_timeout=30)
+            return [time.perf_counter() - t, "ok"]
+        except Exception as exc:
+            dropped = "POOLPIPE_DROPPED" in str(exc)
+            return [time.perf_counter() - t, "dropped" if dropped else "error"]
+    out = await asyncio.gather(*(one() for _ in range(n)))
+    await c.close()
+    return out
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def grpc_burst(url: str, name: str, in_name: str, x: np.ndarray, n: int, slo_ms: float) -> list:
+    """n requests at once from one gRPC client (asyncio, one channel) in its own process:
+    (seconds from its call to its answer, outcome) each."""
+    import json
+    import subprocess
+
+    spec = json.dumps([url, name, in_name, list(x.shape), n, slo_ms])
+    out = subprocess.run(
+        [sys.executable, "-c", GRPC_BURST, spec], capture_output=True, text=True, check=False
+    )
+    if out.returncode:
+        why = (out.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"the gRPC burst client against {url} failed: {why}")
+    return json.loads(out.stdout)
+
+
+def _inventory(nodes, http, grpc, ready, lb_http, lb_grpc) -> dict:
+    """The inventory a user would write for this: the router's node, one router, HAProxy."""
+    return {
+        "servers": [{"name": "here", "bandwidth_gbps": 10}],
+        "nodes": [
+            {"name": n, "server": "here", "device": "cpu-2t", "grpc": node.grpc_url}
+            for n, node in nodes.items()
+        ],
+        "balancer": {"http": f"127.0.0.1:{lb_http}", "grpc": f"127.0.0.1:{lb_grpc}"},
+        "routers": [
+            {
+                "name": "r0",
+                "http": f"127.0.0.1:{http}",
+                "grpc": f"127.0.0.1:{grpc}",
+                "ready": f"127.0.0.1:{ready}",
+            }
+        ],
+    }
+
+
+def _wait_until_balanced(url: str, name: str, in_name: str, x: np.ndarray) -> None:
+    """Until HAProxy's health check has found the router (its first checks take a moment)."""
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            client_run("closed", url, name, in_name, x, 5)
+            return
+        except SystemExit:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def burst_part(args, srv, paths, name, in_name, x, record) -> None:
+    core = srv.deployment.core
+    slo = args.burst_slo_ms / 1e3
+    results = []
+    with console.status(f"burst: {args.burst} requests at once, {args.rounds} round(s) ..."):
+        client_run("closed", paths["router"][1], name, in_name, x, 30)  # warm, not counted
+        for k in range(1, args.rounds + 1):
+            for (via, (http_url, grpc_url)), proto in itertools.product(
+                paths.items(), ("http", "grpc")
+            ):
+                used = core.stamps.counts["used"]
+                core.take_window()
+                if proto == "http":
+                    shots = client_run(
+                        "burst", http_url, name, in_name, x, args.burst, args.burst_slo_ms
+                    )
+                else:
+                    shots = grpc_burst(grpc_url, name, in_name, x, args.burst, args.burst_slo_ms)
+                win = core.take_window().models[0]
+                ok = [lat for lat, o in shots if o == "ok"]
+                r = {
+                    "client_on_time": sum(lat <= slo for lat in ok),
+                    "client_late": sum(lat > slo for lat in ok),
+                    "client_dropped": sum(o == "dropped" for _, o in shots),
+                    "client_other": sum(o not in ("ok", "dropped") for _, o in shots),
+                    "client_max_ms": max(ok) * 1e3 if ok else float("nan"),
+                    "router_on_time": win.on_time,
+                    "router_late": win.late,
+                    "router_dropped": win.dropped,
+                    "stamps_used": core.stamps.counts["used"] - used,
+                    "reply_margin_ms": core.margin_figures()["reply_margin_ms"],
+                }
+                results.append((k, f"{proto} {via}", r))
+                config = f"{proto}-{via}:{args.burst}x{args.burst_slo_ms:g}ms#{k}"
+                for metric, v in r.items():
+                    record("router-tier-burst", config, metric, v)
+    t = Table(
+        title=f"burst: {args.burst} requests at once, SLO {args.burst_slo_ms:g} ms, straight to "
+        "the router or through the balancer (client: its own process; HTTP: a connection "
+        "each, timed by the kernel; gRPC: one channel); late = answered after the SLO",
+        title_justify="left",
+    )
+    for col in (
+        "round",
+        "path",
+        "client on time",
+        "client late",
+        "dropped (client / router)",
+        "other",
+        "router on time",
+        "router late",
+        "on time: router - client",
+        "stamps used",
+        "slowest answer ms",
+    ):
+        t.add_column(col, justify="right")
+    for k, via, r in results:
+        gap = r["router_on_time"] - r["client_on_time"]
+        t.add_row(
+            str(k),
+            via,
+            str(r["client_on_time"]),
+            f"{r['client_late']} ({r['client_late'] / args.burst:.1%})",
+            f"{r['client_dropped']} / {r['router_dropped']}",
+            str(r["client_other"]),
+            str(r["router_on_time"]),
+            str(r["router_late"]),
+            f"{gap:+d} ({gap / args.burst:+.1%})",
+            str(r["stamps_used"]),
+            f"{r['client_max_ms']:.0f}",
+        )
+    console.print(t)
+
+
+def cpu_part(args, srv, lb, paths, name, in_name, x, record) -> None:
+    dep = srv.deployment
+    n = args.requests
+    triton = dep.frontend.node.process.pid
+    haproxy = lb.process.pid
+    rows = []
+    with console.status(f"CPU per request: {n} requests one after another, each path ..."):
+        for via, (_, grpc_url) in paths.items():
+            client_run("closed", grpc_url, name, in_name, x, 20)  # warm
+            cpu0, tr0, ha0 = time.process_time(), cpu_seconds([triton]), cpu_seconds([haproxy])
+            lat = client_run("closed", grpc_url, name, in_name, x, n)
+            r = {
+                "haproxy_cpu_us": (cpu_seconds([haproxy]) - ha0) / n * 1e6,
+                "router_triton_cpu_us": (cpu_seconds([triton]) - tr0) / n * 1e6,
+                "router_cpu_us": (time.process_time() - cpu0) / n * 1e6,
+                "client_p50_ms": float(np.percentile(lat, 50)),
+                "answered": len(lat),
+            }
+            rows.append((via, r))
+            for metric, v in r.items():
+                record("router-tier-cpu", f"{via}:closed-grpc", metric, v)
+    t = Table(
+        title=f"CPU per request ({n} one after another over gRPC; µs of CPU per request)",
+        title_justify="left",
+    )
+    for col in ("path", "HAProxy", "router's Triton + door", "router process", "client p50 ms"):
+        t.add_column(col, justify="right")
+    for via, r in rows:
+        t.add_row(
+            via,
+            f"{r['haproxy_cpu_us']:.0f}",
+            f"{r['router_triton_cpu_us']:.0f}",
+            f"{r['router_cpu_us']:.0f}",
+            f"{r['client_p50_ms']:.2f}",
+        )
+    console.print(t)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
