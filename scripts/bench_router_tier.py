@@ -10,8 +10,11 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
 2. CPU per request: `--requests` one after another over gRPC, straight and through the
    balancer: the CPU each process spent per request (HAProxy, the router's Triton with its
    door stubs, the router process) and the client's p50.
+3. sharding: what splitting hc2-large and hc4-large into 2 and 4 shards (one per router,
+   each planned for itself) costs against planning the whole cluster (planner only).
 
     ./run bench-router-tier [--burst 500] [--burst-slo-ms 100] [--rounds 2] [--requests 300]
+    ./run bench-router-tier --parts sharding     # the planner only: no HAProxy, no servers
 """
 
 from __future__ import annotations
@@ -49,9 +52,30 @@ def main() -> int:
     ap.add_argument("--burst-slo-ms", type=float, default=100.0, help="their SLO (100)")
     ap.add_argument("--rounds", type=int, default=2, help="bursts per path (2)")
     ap.add_argument("--requests", type=int, default=300, help="closed-loop requests (300)")
+    ap.add_argument(
+        "--parts",
+        default="burst,cpu,sharding",
+        help="which parts, comma-separated: burst, cpu, sharding (all)",
+    )
+    ap.add_argument("--profiles", type=Path, default=None, help="PPipe profiles (shipped ones)")
     args = ap.parse_args()
     if args.burst < 1 or args.rounds < 1 or args.requests < 10:
         ap.error("--burst and --rounds must be at least 1, --requests at least 10")
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"burst", "cpu", "sharding"}:
+        ap.error(f"--parts: choose among burst, cpu, sharding, got {args.parts!r}")
+    rows = BenchRows(args.label)
+    if parts & {"burst", "cpu"}:
+        live_parts(args, parts, rows)
+    if "sharding" in parts:
+        sharding_part(args, rows.record)
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+        console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench router-tier-*)")
+    return 0
+
+
+def live_parts(args, parts: set[str], rows: BenchRows) -> None:
 
     from flows.onboard import onboard_model
     from flows.profile import profile_model
@@ -61,7 +85,6 @@ def main() -> int:
     from triton_backend.serve import ServingProcess
 
     find_haproxy()  # before anything starts: the error says how to install it
-    rows = BenchRows(args.label)
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-tier-"))
     name = "bench-resnet"
     path = make_model("resnet50", tmp / "m.onnx", width=1.0, image=64)
@@ -98,15 +121,104 @@ def main() -> int:
         in_name = dep.ios[0].inputs[0].name
         paths = {"router": (dep.http_url, dep.grpc_url), "balancer": (lb.http_url, lb.grpc_url)}
         _wait_until_balanced(lb.grpc_url, name, in_name, x)
-        burst_part(args, srv, paths, name, in_name, x, rows.record)
-        cpu_part(args, srv, lb, paths, name, in_name, x, rows.record)
+        if "burst" in parts:
+            burst_part(args, srv, paths, name, in_name, x, rows.record)
+        if "cpu" in parts:
+            cpu_part(args, srv, lb, paths, name, in_name, x, rows.record)
     finally:
         lb.stop()
         srv.close()
-    with Warehouse.open(args.warehouse) as wh:
-        wh.store_rows("bench_serving", rows)
-        console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench router-tier-*)")
-    return 0
+
+
+def sharding_part(args, record) -> None:
+    """What splitting a cluster into shards (one per router, whole servers each, each planned
+    for itself) costs against planning the whole: the paper's groups (maf19 mix) on
+    hc2-large and hc4-large, 2 and 4 shards; the planner's objective (throughput per unit
+    of weight, which adds up over shards)."""
+    import tomllib
+
+    from poolpipe.cli.common import ppipe_dir
+    from poolpipe.domain.cluster import load_clusters
+    from poolpipe.domain.profiles import load_ppipe_dir
+    from poolpipe.planner import PlanRequest, make_plan
+    from poolpipe.planner.shards import SPLITS, sharding_loss, split_cluster
+
+    root = args.profiles or ppipe_dir()
+    profiles = {p.name: p for p in load_ppipe_dir(root)}
+    workloads = tomllib.loads((root / "workloads.toml").read_text())
+    clusters = load_clusters(root / "clusters.toml")
+    weights = tuple(workloads["mixes"]["maf19"])
+    scale = float(workloads.get("slo_scale", 5))
+
+    def objective(group: list[str]):
+        def plan(cluster) -> float:
+            request = PlanRequest(
+                models=tuple(profiles[n] for n in group),
+                weights=weights,
+                slos_us=tuple(scale * profiles[n].reference_latency_us for n in group),
+                cluster=cluster,
+                strategy="ppipe",
+                packing="per-position",
+                margin=0.4,
+                max_partitions=2,
+            )
+            made = make_plan(request)
+            return made.objective, tuple(m.throughput / m.weight for m in made.models)
+
+        return plan
+
+    t = Table(
+        title="sharding loss: each shard (whole servers, or GPUs) planned for itself, against "
+        "the whole cluster planned at once (objective: req/s per unit of weight, maf19 mix; "
+        "shards' objectives, and in brackets theirs together: the least over models of the "
+        "summed req/s per weight)",
+        title_justify="left",
+    )
+    for col in (
+        "cluster",
+        "group",
+        "shards",
+        "GPUs per shard",
+        "whole",
+        "shards' objectives (together)",
+        "loss",
+    ):
+        t.add_column(col, justify="right")
+    losses: dict[tuple[str, int], list[float]] = {}
+    configs = [
+        (c, gi, k)
+        for c in ("hc2-large", "hc4-large")
+        for gi in range(len(workloads["groups"]))
+        for k in (2, 4)
+    ]
+    with console.status(f"sharding loss: {len(configs)} configurations, each planned ..."):
+        for (c, gi, k), by in itertools.product(configs, SPLITS):
+            r = sharding_loss(clusters[c], k, objective(workloads["groups"][gi]), by)
+            shards = split_cluster(clusters[c], k, by)
+            sizes = " | ".join(
+                " + ".join(f"{p.count} {p.gpu}" for p in shard.pools) for shard in shards
+            )
+            losses.setdefault((c, k, by), []).append(r.loss)
+            t.add_row(
+                c,
+                str(gi),
+                str(k),
+                by,
+                sizes,
+                f"{r.whole:.1f}",
+                " + ".join(f"{min(o):.1f}" for o in r.shards) + f" ({r.together:.1f})",
+                f"{r.loss:.1%}",
+            )
+            config = f"g{gi}:{c}/{k}-by-{by}"
+            record("router-tier-sharding", config, "loss", r.loss)
+            record("router-tier-sharding", config, "whole_objective", r.whole)
+            record("router-tier-sharding", config, "shards_objective", r.together)
+    console.print(t)
+    for (c, k, by), xs in losses.items():
+        console.print(
+            f"{c}, {k} shards by {by}: loss mean {sum(xs) / len(xs):.1%}, worst {max(xs):.1%}",
+            highlight=False,
+        )
 
 
 GRPC_BURST = """
