@@ -178,13 +178,14 @@ def sharding_part(args, record) -> None:
         "cluster",
         "group",
         "shards",
+        "split by",
         "GPUs per shard",
         "whole",
         "shards' objectives (together)",
         "loss",
     ):
         t.add_column(col, justify="right")
-    losses: dict[tuple[str, int], list[float]] = {}
+    losses: dict[tuple[str, int, str], list[float]] = {}
     configs = [
         (c, gi, k)
         for c in ("hc2-large", "hc4-large")
@@ -195,8 +196,10 @@ def sharding_part(args, record) -> None:
         for (c, gi, k), by in itertools.product(configs, SPLITS):
             r = sharding_loss(clusters[c], k, objective(workloads["groups"][gi]), by)
             shards = split_cluster(clusters[c], k, by)
-            sizes = " | ".join(
-                " + ".join(f"{p.count} {p.gpu}" for p in shard.pools) for shard in shards
+            sizes = ", ".join(
+                "/".join(str({q.gpu: q.count for q in sh.pools}.get(p.gpu, 0)) for sh in shards)
+                + f" {p.gpu}"
+                for p in clusters[c].pools
             )
             losses.setdefault((c, k, by), []).append(r.loss)
             t.add_row(
