@@ -237,6 +237,97 @@ def test_readiness_fails_while_the_router_has_no_live_path(tier):
     _until(lambda: _through(lb.http_url) == 200, "the balancer sends to it again")
 
 
+# ---------------------------------------------------------------------- two routers
+
+
+@pytest.fixture(scope="module")
+def pair(tier, onboarded_tiny, tmp_path_factory):  # noqa: F811
+    """A second router with its own node (a shard of its own) beside the first, and a
+    balancer over both."""
+    from triton_backend.serve import ServingProcess
+
+    srv0, lb0 = tier
+    wh, _ = onboarded_tiny
+    tmp = tmp_path_factory.mktemp("pair")
+    http, grpc, ready, lb_http, lb_grpc = free_ports(5)
+    srv1 = ServingProcess(
+        hand_plan([(0, 4, 1)], batch=4),
+        wh,
+        tmp / "router1",
+        stats_interval_s=3600,
+        ready_port=ready,
+        http_port=http,
+        grpc_port=grpc,
+    )
+    r0 = lb0.inv.routers[0]
+    data = _toml(
+        tier_toml(
+            {"http": http, "grpc": grpc, "ready": ready},
+            {"http": lb_http, "grpc": lb_grpc},
+            'nodes = ["n1"]',
+        ).replace('name = "r0"', 'name = "r1"')
+    )
+    data["nodes"].append({**data["nodes"][0], "name": "n0", "grpc": "127.0.0.1:2"})
+    data["routers"].insert(
+        0,
+        {"name": "r0", "http": r0.http, "grpc": r0.grpc, "ready": r0.ready, "nodes": ["n0"]},
+    )
+    data["nodes"][0]["name"] = "n1"
+    lb = Balancer(parse_inventory(data), tmp / "lb")
+    try:
+        lb.start()
+        _until(lambda: _through(lb.http_url) == 200, "the balancer sends to the routers")
+        yield srv0, srv1, lb
+    finally:
+        lb.stop()
+        srv1.close()
+
+
+def test_a_router_lost_under_load_costs_only_its_requests_in_flight(pair):
+    """Requests through the balancer from four clients, spread over both routers; the
+    second router's Triton killed: every request is answered (none hangs), errors only
+    for those in flight on it around the kill, then the first router serves them all."""
+    import concurrent.futures as cf
+
+    srv0, srv1, lb = pair
+    used = [s.deployment.core.stamps.counts["used"] for s in (srv0, srv1)]
+    results: list[tuple[float, float, int]] = []  # (sent, took, status), s from the start
+    t0 = time.monotonic()
+    killed_at: list[float] = []
+
+    def client() -> None:
+        while time.monotonic() - t0 < 4.0:
+            sent = time.monotonic()
+            code = _through(lb.http_url)
+            results.append((sent - t0, time.monotonic() - sent, code))
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client) for _ in range(4)]
+        time.sleep(1.5)
+        killed_at.append(time.monotonic() - t0)
+        srv1.deployment.frontend.node.kill()
+        for f in futures:
+            f.result(30)
+    kill = killed_at[0]
+    before = [r for r in results if r[0] + r[1] < kill]  # answered before the kill
+    assert before and all(code == 200 for _, _, code in before), before
+    served = [
+        s.deployment.core.stamps.counts["used"] - u for s, u in zip((srv0, srv1), used, strict=True)
+    ]
+    assert min(served) > 0, served  # both routers took requests before the kill
+    assert max(took for _, took, _ in results) < 5.0  # none hung
+    # errors: requests in flight on it at the kill, or sent before the balancer's checks
+    # (every 100 ms, two failed) took it out
+    errors = [r for r in results if r[2] != 200]
+    assert all(sent <= kill + 0.5 <= sent + took + 0.5 for sent, took, _ in errors), (
+        kill,
+        errors,
+    )
+    after = [r for r in results if r[0] > kill + 1.0]
+    assert after and all(code == 200 for _, _, code in after), after
+    assert _ready(srv1)[0] == 503
+
+
 # ---------------------------------------------------------------------- bad input
 
 
@@ -324,3 +415,64 @@ def test_a_balancer_port_taken_is_named_with_its_holder(tmp_path):
         with pytest.raises(Exception, match=f"gRPC port {lb_grpc} on 127.0.0.1 is taken by"):
             Balancer(inv, tmp_path).start()
     assert "server r0 127.0.0.1:1001 weight 1 check addr 127.0.0.1 port 1003" in render(inv)
+
+
+def _two_shards(tmp_path):
+    text = tier_toml(
+        {"http": 1001, "grpc": 1002, "ready": 1003},
+        {"http": 1004, "grpc": 1005},
+        'nodes = ["n0"]',
+    ).replace(
+        "[balancer]",
+        '[[servers]]\nname = "s1"\nbandwidth_gbps = 10\n'
+        '[[nodes]]\nname = "n1"\nserver = "s1"\ndevice = "cpu-2t"\ngrpc = "127.0.0.1:2"\n'
+        "[balancer]",
+    )
+    text += (
+        '\n[[routers]]\nname = "r1"\nhttp = "127.0.0.1:2001"\ngrpc = "127.0.0.1:2002"\n'
+        'ready = "127.0.0.1:2003"\nnodes = ["n1"]\n'
+    )
+    path = tmp_path / "inventory.toml"
+    path.write_text(text)
+    return path
+
+
+def test_serve_as_a_router_of_the_inventory_takes_its_shard_and_addresses(tmp_path):
+    import argparse
+
+    from poolpipe.cli.plans import _cluster_arg
+    from poolpipe.cli.serve import _router_shard
+    from poolpipe.domain.inventory import load_inventory
+    from poolpipe.errors import PoolpipeError
+
+    path = _two_shards(tmp_path)
+    inv = load_inventory(path)
+    args = argparse.Namespace(
+        router="r1",
+        listen="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        ready_port=0,
+        workspace=str(tmp_path / "ws"),
+        nodes=str(path),
+    )
+    shard = _router_shard(args, inv)
+    assert [n.name for n in shard.nodes] == ["n1"] and [s.name for s in shard.servers] == ["s1"]
+    assert (args.listen, args.http_port, args.grpc_port, args.ready_port) == (
+        "127.0.0.1",
+        2001,
+        2002,
+        2003,
+    )
+    # what it re-plans for: the shard, written where --nodes now points
+    assert [n.name for n in load_inventory(args.nodes).nodes] == ["n1"]
+    plan_args = argparse.Namespace(inventory=str(path), cluster=None, router="r0")
+    assert [(p.gpu, p.count) for p in _cluster_arg(plan_args).pools] == [("cpu-1t", 1)]
+    args.router, args.http_port = "r0", 8000
+    with pytest.raises(PoolpipeError, match="leave out --http-port"):
+        _router_shard(args, inv)
+    args.http_port, args.router = 0, "r9"
+    with pytest.raises(InventoryError, match=r"no router 'r9' \(r0, r1\)"):
+        _router_shard(args, inv)
+    with pytest.raises(PoolpipeError, match="give --nodes INVENTORY"):
+        _router_shard(args, None)

@@ -10,6 +10,8 @@ What the rendered configuration does, and why:
   router without a live path, or stopping, gets no requests `fall` checks later.
 - A router marked down has its sessions shut (no request hangs on it); a connection that
   cannot be opened is retried on another router (nothing was sent yet).
+- Logs (haproxy.log beside the configuration) routers going down and up and every request
+  that failed, not those that went well.
 """
 
 from __future__ import annotations
@@ -67,8 +69,12 @@ def render(inv: Inventory) -> str:
         "# rendered by `poolpipe lb` from " + inv.source + "; edit the inventory, not this",
         "global",
         "    maxconn 8000",  # needs about twice as many open files (ulimit -n)
+        "    log stdout format raw local0",
         "defaults",
         "    mode http",
+        "    log global",
+        "    option httplog",
+        "    option dontlog-normal",  # the log: routers down and up, requests that failed
         "    timeout connect 1s",
         "    timeout client 60s",
         f"    timeout server {SERVER_TIMEOUT_S}s",

@@ -201,6 +201,8 @@ class ServingProcess:
             return False, "the router is stopping", {}
         dep = self.deployment
         more = {"deployment": self.name, "plan_id": self.plan_id, "generation": dep.generation}
+        if dep.frontend is None or not dep.frontend.node.alive:
+            return False, "the router's Triton (its KServe v2 front end) is not running", more
         without = dep.core.models_without_path()
         if without:
             return False, f"no live path for model(s) {', '.join(without)}", more

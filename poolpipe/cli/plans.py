@@ -162,10 +162,14 @@ def _cluster_arg(args: argparse.Namespace):
     inventory = getattr(args, "inventory", None)
     if inventory and args.cluster:
         raise PoolpipeError("give --cluster or --inventory, not both")
+    if getattr(args, "router", None) and not inventory:
+        raise PoolpipeError("--router names a router of an inventory: give --inventory FILE")
     if inventory:
         from poolpipe.domain.inventory import load_inventory
 
-        return load_inventory(inventory).cluster()
+        inv = load_inventory(inventory)
+        router = getattr(args, "router", None)
+        return (inv.shard(router) if router else inv).cluster()
     if not args.cluster:
         raise PoolpipeError(
             "give --cluster NAME (a cluster in the warehouse or --clusters-file) or "
@@ -366,6 +370,10 @@ def _planning_options(p: argparse.ArgumentParser) -> None:
         "--inventory",
         help="plan for the live nodes of this inventory TOML instead of --cluster (device "
         "counts, nodes per server and NIC bandwidth follow from it)",
+    )
+    p.add_argument(
+        "--router",
+        help="with --inventory: plan for this router's shard only (its [[routers]] nodes)",
     )
     p.add_argument(
         "--exclude",

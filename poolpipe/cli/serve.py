@@ -70,6 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from poolpipe.domain.inventory import load_inventory
 
         inventory = load_inventory(args.nodes)
+    if args.router:
+        inventory = _router_shard(args, inventory)
     if args.replan_on_failure and not args.nodes:
         raise PoolpipeError(
             "--replan-on-failure re-plans for the nodes of an inventory: give --nodes "
@@ -116,6 +118,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with console.status("stopping ..."):
             server.close()
     return 0
+
+
+def _router_shard(args: argparse.Namespace, inventory):
+    """`serve --router NAME`: that router of the inventory, on its shard's nodes and at its
+    addresses; the shard's own inventory, written to the workspace, is what it re-plans for."""
+    if inventory is None:
+        raise PoolpipeError("--router names a router of an inventory: give --nodes INVENTORY")
+    r = inventory.router(args.router)
+    hosts = {a.rsplit(":", 1)[0] for a in (r.http, r.grpc, r.ready)}
+    if len(hosts) > 1:
+        raise PoolpipeError(
+            f"{inventory.source}: router {r.name} lists addresses on {len(hosts)} hosts "
+            f"({', '.join(sorted(hosts))}); its ports listen on one address"
+        )
+    given = {
+        "--listen": args.listen != "127.0.0.1",
+        "--http-port": bool(args.http_port),
+        "--grpc-port": bool(args.grpc_port),
+        "--ready-port": bool(args.ready_port),
+    }
+    if any(given.values()):
+        raise PoolpipeError(
+            f"--router {r.name} takes its addresses from {inventory.source}; leave out "
+            f"{', '.join(k for k, v in given.items() if v)}"
+        )
+    args.listen = hosts.pop().strip("[]")
+    args.http_port = int(r.http.rsplit(":", 1)[1])
+    args.grpc_port = int(r.grpc.rsplit(":", 1)[1])
+    args.ready_port = int(r.ready.rsplit(":", 1)[1])
+    shard = inventory.shard(r.name)
+    path = Path(args.workspace) / f"inventory-{r.name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(shard.to_toml())
+    args.nodes = str(path)
+    return shard
 
 
 def _replanner(args: argparse.Namespace, token_file: str):
@@ -382,6 +419,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--stats-interval", type=float, default=60.0, help="seconds (60)")
     p.add_argument("--metrics-port", type=int, default=0, help="router metrics port (free one)")
+    p.add_argument(
+        "--router",
+        help="with --nodes: serve as this router of the inventory's [[routers]], on its "
+        "shard's nodes and at its addresses (no --listen or ports then)",
+    )
     p.add_argument(
         "--ready-port",
         type=int,

@@ -136,6 +136,24 @@ class Inventory:
     def mark_down(self, names: set[str]) -> Inventory:
         return replace(self, down=self.down | frozenset(names))
 
+    def shard(self, name: str) -> Inventory:
+        """What router `name` drives: its nodes (every node where it lists none) on the
+        servers that hold them, with the router tier as it is."""
+        r = self.router(name)
+        if not r.nodes:
+            return self
+        mine = set(r.nodes)
+        nodes = tuple(n for n in self.nodes if n.name in mine)
+        servers = {n.server for n in nodes}
+        return replace(
+            self,
+            servers=tuple(s for s in self.servers if s.name in servers),
+            nodes=nodes,
+            down=self.down & mine,
+            source=f"{self.source} (router {name}'s shard)",
+            routers=(r,),
+        )
+
     def router(self, name: str) -> InventoryRouter:
         """The router of that name; InventoryError listing those there are."""
         for r in self.routers:
