@@ -240,10 +240,10 @@ def test_readiness_fails_while_the_router_has_no_live_path(tier):
 # ---------------------------------------------------------------------- two routers
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pair(tier, onboarded_tiny, tmp_path_factory):  # noqa: F811
     """A second router with its own node (a shard of its own) beside the first, and a
-    balancer over both."""
+    balancer over both (a new one per test: each test stops the second router)."""
     from triton_backend.serve import ServingProcess
 
     srv0, lb0 = tier
@@ -258,6 +258,7 @@ def pair(tier, onboarded_tiny, tmp_path_factory):  # noqa: F811
         ready_port=ready,
         http_port=http,
         grpc_port=grpc,
+        stop_grace_s=0.5,  # the balancer's checks: every 100 ms, two failed take it out
     )
     r0 = lb0.inv.routers[0]
     data = _toml(
@@ -283,32 +284,50 @@ def pair(tier, onboarded_tiny, tmp_path_factory):  # noqa: F811
         srv1.close()
 
 
-def test_a_router_lost_under_load_costs_only_its_requests_in_flight(pair):
-    """Requests through the balancer from four clients, spread over both routers; the
-    second router's Triton killed: every request is answered (none hangs), errors only
-    for those in flight on it around the kill, then the first router serves them all."""
+def _load(lb, seconds: float, event_at: float, event) -> tuple[list, float]:
+    """Four clients through the balancer for `seconds`; `event()` at `event_at` s. Returns
+    (sent s, took s, status) per request and when the event happened."""
     import concurrent.futures as cf
 
-    srv0, srv1, lb = pair
-    used = [s.deployment.core.stamps.counts["used"] for s in (srv0, srv1)]
-    results: list[tuple[float, float, int]] = []  # (sent, took, status), s from the start
+    results: list[tuple[float, float, int]] = []
     t0 = time.monotonic()
-    killed_at: list[float] = []
 
     def client() -> None:
-        while time.monotonic() - t0 < 4.0:
+        while time.monotonic() - t0 < seconds:
             sent = time.monotonic()
             code = _through(lb.http_url)
             results.append((sent - t0, time.monotonic() - sent, code))
 
     with cf.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(client) for _ in range(4)]
-        time.sleep(1.5)
-        killed_at.append(time.monotonic() - t0)
-        srv1.deployment.frontend.node.kill()
+        time.sleep(event_at)
+        at = time.monotonic() - t0
+        event()
         for f in futures:
             f.result(30)
-    kill = killed_at[0]
+    return results, at
+
+
+def test_a_router_stopped_under_load_fails_no_request(pair):
+    """The second router stopped as SIGTERM stops it: its readiness check fails first while
+    it goes on serving for its grace, so the balancer sends new requests to the first
+    before it stops: every request is answered."""
+    _, srv1, lb = pair
+    used = srv1.deployment.core.stamps.counts["used"]
+    results, _ = _load(lb, 3.0, 1.0, srv1.close)
+    assert srv1.deployment.core.stamps.counts["used"] > used  # it served before the stop
+    assert [r for r in results if r[2] != 200] == []
+    assert len(results) > 8
+
+
+def test_a_router_lost_under_load_costs_only_its_requests_in_flight(pair):
+    """Requests through the balancer from four clients, spread over both routers; the
+    second router's Triton killed: every request is answered (none hangs), errors only
+    for those in flight on it around the kill, then the first router serves them all."""
+
+    srv0, srv1, lb = pair
+    used = [s.deployment.core.stamps.counts["used"] for s in (srv0, srv1)]
+    results, kill = _load(lb, 4.0, 1.5, srv1.deployment.frontend.node.kill)
     before = [r for r in results if r[0] + r[1] < kill]  # answered before the kill
     assert before and all(code == 200 for _, _, code in before), before
     served = [

@@ -7,7 +7,8 @@ What the rendered configuration does, and why:
 - Stamps the microsecond each request arrived (ARRIVAL_STAMP, overwriting any a client
   sent): a router's Triton forwards it to the door, whose deadline runs from it.
 - Asks each router's readiness check (`GET /ready` on its ready port), not Triton's: a
-  router without a live path, or stopping, gets no requests `fall` checks later.
+  router without a live path gets no requests `fall` checks later (503: marked down); one
+  stopping gets no new ones and finishes its own (404: HAProxy's disable-on-404).
 - A router marked down has its sessions shut (no request hangs on it); a connection that
   cannot be opened is retried on another router (nothing was sent yet).
 - Logs (haproxy.log beside the configuration) routers going down and up and every request
@@ -100,6 +101,7 @@ def render(inv: Inventory) -> str:
             "    balance roundrobin",
             f"    option httpchk GET {READY_PATH}",
             "    http-check expect status 200",
+            "    http-check disable-on-404",  # a router stopping: nothing new, its own finish
             f"    default-server inter {b.check_ms}ms fall {b.fall} rise {b.rise} "
             "on-marked-down shutdown-sessions",
         ]

@@ -1,6 +1,7 @@
 """A router's readiness for a load balancer's health check: `GET /ready` answers 200 while
 the router serves (its door models loaded and warmed, a live path for every model of its
-plan) and 503 with the reason otherwise. Triton's own `/v2/health/ready` cannot say so: it
+plan), 404 while it stops but still serves the requests it has (draining), and 503 with
+the reason otherwise. Triton's own `/v2/health/ready` cannot say so: it
 answers 200 before the door models are loaded, and a Python-backend model stays ready
 with every node behind it gone.
 
@@ -16,16 +17,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from triton_backend.nodes import refuse_taken_ports
 
 READY_PATH = "/ready"
+# What the check answers: serving; stopping but still serving what it has (HAProxy's
+# `http-check disable-on-404` sends it nothing new and lets its requests finish, where a
+# router marked down has its sessions shut); not serving.
+READY, DRAINING, NOT_READY = "ready", "draining", "not ready"
+STATUS_CODES = {READY: 200, DRAINING: 404, NOT_READY: 503}
 
 
 class ReadinessServer:
-    """Serves `check()` (ready?, why not, more fields for the body) at READY_PATH."""
+    """Serves `check()` (READY, DRAINING or NOT_READY; why; more fields for the body) at
+    READY_PATH."""
 
     def __init__(
         self,
         address: str,
         port: int,
-        check: Callable[[], tuple[bool, str, dict]],
+        check: Callable[[], tuple[str, str, dict]],
     ):
         refuse_taken_ports("the router's readiness check", address, {"port": port})
         outer = self
@@ -36,10 +43,11 @@ class ReadinessServer:
                     self._send(404, {"error": f"not found; ask {READY_PATH}"})
                     return
                 try:
-                    ready, why, more = outer.check()
+                    state, why, more = outer.check()
                 except Exception as exc:  # stopping, or a loop too busy to answer
-                    ready, why, more = False, f"no answer from the router ({exc})", {}
-                self._send(200 if ready else 503, {"ready": ready, "why": why, **more})
+                    state, why, more = NOT_READY, f"no answer from the router ({exc})", {}
+                body = {"ready": state == READY, "state": state, "why": why, **more}
+                self._send(STATUS_CODES[state], body)
 
             def _send(self, code: int, body: dict) -> None:
                 data = json.dumps(body).encode()

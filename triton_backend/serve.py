@@ -24,12 +24,15 @@ from triton_backend import REPLAN_GRACE_S
 from triton_backend.deploy import Deployment, RolloutResult
 from triton_backend.env import free_ports, signals_held
 from triton_backend.nodes import refuse_taken_ports
-from triton_backend.readiness import ReadinessServer
+from triton_backend.readiness import DRAINING, NOT_READY, READY, ReadinessServer
 from triton_backend.router import RouterCore
 
 # How long the statistics and rollout writers wait for a warehouse another process holds
 # before they spool their rows beside it (Warehouse.open writes them in later).
 STATS_WAIT_S = 2.0
+# After the last request of a draining router is answered, this long for the answer to
+# leave its Triton before it stops (s; the door's egress p99 is a few ms).
+DRAIN_EGRESS_S = 0.1
 
 log = logging.getLogger("poolpipe.serve")
 
@@ -131,6 +134,7 @@ class ServingProcess:
         stats_interval_s: float = 60.0,
         metrics_port: int | None = None,
         ready_port: int | None = None,
+        stop_grace_s: float = 0.0,
         token: str | None = None,
         replan_on_failure: Callable[[str, str], dict] | None = None,
         replan_grace_s: float = REPLAN_GRACE_S,
@@ -144,7 +148,9 @@ class ServingProcess:
         back), to re-plan (flows.replan.on_failure: the re-planning flow); returns its
         decision. None: only the nightly runs re-plan. `ready_port`: where a load
         balancer's health check asks whether this router serves (readiness.py; 0: a free
-        port; None: not served)."""
+        port; None: not served). `stop_grace_s`: on close, how long the readiness check
+        answers 503 while the router still serves, before it stops (a balancer's checks
+        take the router out meanwhile, so that a planned stop fails no new request)."""
         self.warehouse = warehouse
         self.token = token
         self.name = name
@@ -161,6 +167,7 @@ class ServingProcess:
         )
         self._closing = False
         self.ready: ReadinessServer | None = None
+        self.stop_grace_s = stop_grace_s
         self.deployment = Deployment.up(
             plan, warehouse, workspace, control=self.control, token=token, **options
         )
@@ -193,20 +200,21 @@ class ServingProcess:
             self.close()
             raise
 
-    def readiness(self) -> tuple[bool, str, dict]:
-        """Whether a load balancer should send this router requests: not while it stops,
-        nor while a model of its plan has no live path (its requests would fail here while
-        another router may serve them)."""
-        if self._closing:
-            return False, "the router is stopping", {}
+    def readiness(self) -> tuple[str, str, dict]:
+        """Whether a load balancer should send this router requests: not while it stops
+        (draining: it still serves what it has), nor while its Triton is not running or a
+        model of its plan has no live path (its requests would fail here while another
+        router may serve them)."""
         dep = self.deployment
         more = {"deployment": self.name, "plan_id": self.plan_id, "generation": dep.generation}
+        if self._closing:
+            return DRAINING, "the router is stopping: it serves only what it has", more
         if dep.frontend is None or not dep.frontend.node.alive:
-            return False, "the router's Triton (its KServe v2 front end) is not running", more
+            return NOT_READY, "the router's Triton (its KServe v2 front end) is not running", more
         without = dep.core.models_without_path()
         if without:
-            return False, f"no live path for model(s) {', '.join(without)}", more
-        return True, "a live path for every model", more
+            return NOT_READY, f"no live path for model(s) {', '.join(without)}", more
+        return READY, "a live path for every model", more
 
     # ------------------------------------------------------------------ statistics
 
@@ -426,10 +434,23 @@ class ServingProcess:
             self._closing = True  # a balancer's next health check sends requests elsewhere
             self._stop.set()
             if self.ready is not None:
+                if self.stop_grace_s > 0:
+                    self._drain()
                 self.ready.close()
             with contextlib.suppress(Exception):
                 self.flush_stats()
             self.deployment.down()
+
+    def _drain(self) -> None:
+        """Serve on for the grace (a balancer's checks see it draining and send nothing
+        new), then until the requests it has are answered: each is within its SLO."""
+        core = self.deployment.core
+        time.sleep(self.stop_grace_s)
+        longest_s = max(m.slo_us for m in core.topo.models) / 1e6
+        deadline = time.monotonic() + longest_s + 1.0
+        while core.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(DRAIN_EGRESS_S)  # the last answers on their way out of the door
 
     def __enter__(self) -> ServingProcess:
         return self

@@ -95,7 +95,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         t.add_row(
             r.name,
             r.ready,
-            "[green]yes[/]" if body.get("ready") else "[red]no[/]",
+            {"ready": "[green]yes[/]", "draining": "[yellow]draining[/]"}.get(
+                str(body.get("state")), "[red]no[/]"
+            ),
             str(body.get("why", "")),
             str(body.get("plan_id", "")),
             ", ".join(r.nodes) or "every node",

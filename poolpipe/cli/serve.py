@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stats_interval_s=args.stats_interval,
             metrics_port=args.metrics_port,
             ready_port=args.ready_port,
+            stop_grace_s=args.stop_grace,
             plane=args.plane,
             inventory=inventory,
             token=token,
@@ -419,6 +420,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--stats-interval", type=float, default=60.0, help="seconds (60)")
     p.add_argument("--metrics-port", type=int, default=0, help="router metrics port (free one)")
+    p.add_argument(
+        "--stop-grace",
+        type=float,
+        default=1.0,
+        help="seconds the router keeps serving after Ctrl-C or SIGTERM with its readiness "
+        "check failing, so that a load balancer sends new requests elsewhere first (1)",
+    )
     p.add_argument(
         "--router",
         help="with --nodes: serve as this router of the inventory's [[routers]], on its "
