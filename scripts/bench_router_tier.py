@@ -10,7 +10,10 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
 2. CPU per request: `--requests` one after another over gRPC, straight and through the
    balancer: the CPU each process spent per request (HAProxy, the router's Triton with its
    door stubs, the router process) and the client's p50.
-3. sharding: what splitting hc2-large and hc4-large into 2 and 4 shards (one per router,
+3. router kill: a second router (`poolpipe serve`, its own process and node) beside the
+   first behind HAProxy under an open-loop load; its process killed: errors, hung
+   requests, per-second timeline.
+4. sharding: what splitting hc2-large and hc4-large into 2 and 4 shards (one per router,
    each planned for itself) costs against planning the whole cluster (planner only).
 
     ./run bench-router-tier [--burst 500] [--burst-slo-ms 100] [--rounds 2] [--requests 300]
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -54,18 +59,20 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=300, help="closed-loop requests (300)")
     ap.add_argument(
         "--parts",
-        default="burst,cpu,sharding",
-        help="which parts, comma-separated: burst, cpu, sharding (all)",
+        default="burst,cpu,kill,sharding",
+        help="which parts, comma-separated: burst, cpu, kill, sharding (all)",
     )
+    ap.add_argument("--kill-rate", type=float, default=10.0, help="req/s in the kill part (10)")
+    ap.add_argument("--kill-seconds", type=float, default=12.0, help="its length (12 s)")
     ap.add_argument("--profiles", type=Path, default=None, help="PPipe profiles (shipped ones)")
     args = ap.parse_args()
     if args.burst < 1 or args.rounds < 1 or args.requests < 10:
         ap.error("--burst and --rounds must be at least 1, --requests at least 10")
     parts = set(args.parts.split(","))
-    if not parts or parts - {"burst", "cpu", "sharding"}:
-        ap.error(f"--parts: choose among burst, cpu, sharding, got {args.parts!r}")
+    if not parts or parts - {"burst", "cpu", "kill", "sharding"}:
+        ap.error(f"--parts: choose among burst, cpu, kill, sharding, got {args.parts!r}")
     rows = BenchRows(args.label)
-    if parts & {"burst", "cpu"}:
+    if parts & {"burst", "cpu", "kill"}:
         live_parts(args, parts, rows)
     if "sharding" in parts:
         sharding_part(args, rows.record)
@@ -125,9 +132,124 @@ def live_parts(args, parts: set[str], rows: BenchRows) -> None:
             burst_part(args, srv, paths, name, in_name, x, rows.record)
         if "cpu" in parts:
             cpu_part(args, srv, lb, paths, name, in_name, x, rows.record)
+        if "kill" in parts:
+            lb.stop()
+            kill_part(args, srv, plan, tmp, x, in_name, name, rows.record)
     finally:
         lb.stop()
         srv.close()
+
+
+def kill_part(args, srv, plan, tmp: Path, x, in_name: str, name: str, record) -> None:
+    """A second router, `poolpipe serve` in a process of its own with its own node, beside
+    the first behind HAProxy (checks every 500 ms, two failed: the defaults); an open-loop
+    Poisson load through the balancer (gRPC); the second router's process killed (SIGKILL)
+    a third of the way in. Per second: sent, on time, dropped, errors."""
+    import signal
+    import subprocess
+    import urllib.request
+
+    from testbed.loadgen import drive, poisson_times
+    from triton_backend.balancer import Balancer
+    from triton_backend.env import free_ports
+
+    dep = srv.deployment
+    http, grpc, ready, lb_http, lb_grpc = free_ports(5)
+    plan_path = tmp / "plan.json"
+    plan_path.write_text(plan.to_json())
+    cmd = [
+        sys.executable, "-m", "poolpipe.cli", "serve", str(plan_path),
+        "--workspace", str(tmp / "router1"), "--http-port", str(http), "--grpc-port",
+        str(grpc), "--ready-port", str(ready), "--stats-interval", "3600",
+    ]  # fmt: skip
+    if args.warehouse:
+        cmd[3:3] = ["--warehouse", args.warehouse]
+    log = open(tmp / "router1.log", "wb")  # noqa: SIM115 (the process keeps it)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with console.status("router kill: starting a second router (poolpipe serve) ..."):
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{ready}/ready", timeout=2):
+                        break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(
+                            f"the second router did not start; see {tmp / 'router1.log'}"
+                        ) from None
+                    time.sleep(0.5)
+        two = _inventory(dep.nodes, dep.http_port, dep.grpc_port, srv.ready.port, lb_http, lb_grpc)
+        # the second router's node runs in its process: named here for its shard only
+        two["nodes"].append({**two["nodes"][0], "name": "its-node", "grpc": "127.0.0.1:2"})
+        two["routers"][0]["nodes"] = [two["nodes"][0]["name"]]
+        two["routers"].append(
+            {
+                "name": "r1",
+                "http": f"127.0.0.1:{http}",
+                "grpc": f"127.0.0.1:{grpc}",
+                "ready": f"127.0.0.1:{ready}",
+                "nodes": ["its-node"],
+            }
+        )
+        lb = Balancer(parse_inventory(two, "bench inventory"), tmp / "lb-two").start()
+        try:
+            _wait_until_balanced(lb.grpc_url, name, in_name, x)
+            rate, seconds, kill_at = args.kill_rate, args.kill_seconds, args.kill_seconds / 3
+            times = poisson_times(rate, seconds, seed=1)
+            killer = threading.Timer(kill_at, lambda: os.killpg(proc.pid, signal.SIGKILL))
+            with console.status(
+                f"router kill: {rate:g} req/s for {seconds:g} s, the second router killed at "
+                f"{kill_at:.1f} s ..."
+            ):
+                killer.start()
+                shots = drive(lb.grpc_url, name, {in_name: x}, times, timeout_s=30.0)
+                killer.join()
+        finally:
+            lb.stop()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+    slo = args.burst_slo_ms / 1e3
+    t = Table(
+        title=f"router kill: two routers behind HAProxy, {rate:g} req/s (Poisson, gRPC), the "
+        f"second router's process killed (SIGKILL) at {kill_at:.1f} s; per second",
+        title_justify="left",
+    )
+    for col in ("second", "sent", "on time", "late", "dropped", "errors", "slowest ms"):
+        t.add_column(col, justify="right")
+    for k in range(math.ceil(seconds)):
+        w = [sh for sh in shots if k <= sh.sent_s < k + 1]
+        ok = [sh.latency_s for sh in w if sh.outcome == "ok"]
+        row = {
+            "sent": len(w),
+            "on_time": sum(lat <= slo for lat in ok),
+            "late": sum(lat > slo for lat in ok),
+            "dropped": sum(sh.outcome == "dropped" for sh in w),
+            "errors": sum(sh.outcome not in ("ok", "dropped") for sh in w),
+        }
+        slowest = max((sh.latency_s for sh in w), default=0.0) * 1e3
+        t.add_row(
+            f"{k}{' (kill)' if k <= kill_at < k + 1 else ''}",
+            *(str(v) for v in row.values()),
+            f"{slowest:.0f}",
+        )
+        for metric, v in row.items():
+            record("router-tier-kill", f"{rate:g}rps#s{k}", metric, v)
+    console.print(t)
+    errors = [sh for sh in shots if sh.outcome not in ("ok", "dropped")]
+    hung = [sh for sh in shots if sh.latency_s >= 29.0]
+    last = max((sh.sent_s for sh in errors), default=kill_at)
+    console.print(
+        f"{len(errors)} error(s) of {len(shots)} requests, the last sent "
+        f"{last - kill_at:+.2f} s from the kill; {len(hung)} hung (no answer in 30 s)",
+        highlight=False,
+    )
+    record("router-tier-kill", f"{rate:g}rps", "errors", len(errors))
+    record("router-tier-kill", f"{rate:g}rps", "hung", len(hung))
+    record("router-tier-kill", f"{rate:g}rps", "last_error_after_kill_s", last - kill_at)
 
 
 def sharding_part(args, record) -> None:
