@@ -37,7 +37,7 @@ import numpy as np
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from bench_serving import client_run, hand_plan
+from bench_serving import client_run, hand_plan, onboard_bench_model
 from rich.console import Console
 from rich.table import Table
 
@@ -84,22 +84,13 @@ def main() -> int:
 
 def live_parts(args, parts: set[str], rows: BenchRows) -> None:
 
-    from flows.onboard import onboard_model
-    from flows.profile import profile_model
-    from poolpipe.offline.zoo import make_model
     from triton_backend.balancer import Balancer, find_haproxy
     from triton_backend.env import free_ports
     from triton_backend.serve import ServingProcess
 
     find_haproxy()  # before anything starts: the error says how to install it
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-tier-"))
-    name = "bench-resnet"
-    path = make_model("resnet50", tmp / "m.onnx", width=1.0, image=64)
-    with console.status("onboarding the benchmark model (cpu-1t, cpu-2t) ..."):
-        onboard_model(
-            str(path), name, warehouse=args.warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5
-        )
-        profile_model(name, warehouse=args.warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
+    name = onboard_bench_model(args.warehouse, tmp)
 
     plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.burst_slo_ms, args.warehouse)
     http, grpc, ready, lb_http, lb_grpc = free_ports(5)

@@ -61,6 +61,21 @@ def hand_plan(
     return manual_plan(model, slo_ms * 1e3, load_cluster(CLUSTERS, "local"), parts, batch, profile)
 
 
+def onboard_bench_model(warehouse, tmp: Path) -> str:
+    """The serving benchmarks' model (ResNet-50 at 64 px, 4 blocks), onboarded and profiled
+    for cpu-1t and cpu-2t; its name."""
+    from flows.onboard import onboard_model
+    from flows.profile import profile_model
+    from poolpipe.offline.zoo import make_model
+
+    name = "bench-resnet"
+    path = make_model("resnet50", tmp / "m.onnx", width=1.0, image=64)
+    with console.status("onboarding the benchmark model (cpu-1t, cpu-2t) ..."):
+        onboard_model(str(path), name, warehouse=warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5)
+        profile_model(name, warehouse=warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
+    return name
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
@@ -84,9 +99,6 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    from flows.onboard import onboard_model
-    from flows.profile import profile_model
-    from poolpipe.offline.zoo import make_model
     from testbed.loadgen import client_figures, drive, poisson_times
     from triton_backend.serve import ServingProcess
 
@@ -94,13 +106,7 @@ def main() -> int:
     record = rows.record
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    name = "bench-resnet"
-    path = make_model("resnet50", tmp / "m.onnx", width=1.0, image=64)
-    with console.status("onboarding the benchmark model (cpu-1t, cpu-2t) ..."):
-        onboard_model(
-            str(path), name, warehouse=args.warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5
-        )
-        profile_model(name, warehouse=args.warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
+    name = onboard_bench_model(args.warehouse, tmp)
 
     if args.only_scenario:
         scenario_check(args, name, tmp, record)

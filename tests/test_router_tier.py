@@ -58,26 +58,31 @@ ready = "127.0.0.1:{r["ready"]}"
 """
 
 
+def _router(wh: str, workspace, http: int, grpc: int, ready: int, **kw):
+    """A router serving a one-partition plan on a cpu-1t node of its own."""
+    from triton_backend.serve import ServingProcess
+
+    return ServingProcess(
+        hand_plan([(0, 4, 1)], batch=4),
+        wh,
+        workspace,
+        stats_interval_s=3600,
+        ready_port=ready,
+        http_port=http,
+        grpc_port=grpc,
+        **kw,
+    )
+
+
 @pytest.fixture(scope="module")
 def tier(onboarded_tiny, tmp_path_factory):  # noqa: F811
     """A router serving a one-partition plan (one cpu-1t node) behind HAProxy."""
-    from triton_backend.serve import ServingProcess
-
     if shutil.which("haproxy") is None:
         pytest.skip("HAProxy is not installed (./run installs it as root: apt-get install haproxy)")
     wh, _ = onboarded_tiny
     tmp = tmp_path_factory.mktemp("tier")
     http, grpc, ready, lb_http, lb_grpc = free_ports(5)
-    srv = ServingProcess(
-        hand_plan([(0, 4, 1)], batch=4),
-        wh,
-        tmp / "router",
-        stats_interval_s=3600,
-        metrics_port=0,
-        ready_port=ready,
-        http_port=http,
-        grpc_port=grpc,
-    )
+    srv = _router(wh, tmp / "router", http, grpc, ready, metrics_port=0)
     inv = parse_inventory(
         _toml(
             tier_toml(
@@ -244,22 +249,12 @@ def test_readiness_fails_while_the_router_has_no_live_path(tier):
 def pair(tier, onboarded_tiny, tmp_path_factory):  # noqa: F811
     """A second router with its own node (a shard of its own) beside the first, and a
     balancer over both (a new one per test: each test stops the second router)."""
-    from triton_backend.serve import ServingProcess
-
     srv0, lb0 = tier
     wh, _ = onboarded_tiny
     tmp = tmp_path_factory.mktemp("pair")
     http, grpc, ready, lb_http, lb_grpc = free_ports(5)
-    srv1 = ServingProcess(
-        hand_plan([(0, 4, 1)], batch=4),
-        wh,
-        tmp / "router1",
-        stats_interval_s=3600,
-        ready_port=ready,
-        http_port=http,
-        grpc_port=grpc,
-        stop_grace_s=0.5,  # the balancer's checks: every 100 ms, two failed take it out
-    )
+    # stop grace: the balancer's checks (every 100 ms, two failed) see it draining first
+    srv1 = _router(wh, tmp / "router1", http, grpc, ready, stop_grace_s=0.5)
     r0 = lb0.inv.routers[0]
     data = _toml(
         tier_toml(
