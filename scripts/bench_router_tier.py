@@ -23,6 +23,7 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -136,13 +137,13 @@ def kill_part(args, srv, plan, tmp: Path, x, in_name: str, name: str, record) ->
     the first behind HAProxy (checks every 500 ms, two failed: the defaults); an open-loop
     Poisson load through the balancer (gRPC); the second router's process killed (SIGKILL)
     a third of the way in. Per second: sent, on time, dropped, errors."""
-    import signal
     import subprocess
     import urllib.request
 
     from testbed.loadgen import drive, poisson_times
     from triton_backend.balancer import Balancer
     from triton_backend.env import free_ports
+    from triton_backend.nodes import reap
 
     dep = srv.deployment
     http, grpc, ready, lb_http, lb_grpc = free_ports(5)
@@ -155,6 +156,7 @@ def kill_part(args, srv, plan, tmp: Path, x, in_name: str, name: str, record) ->
     ]  # fmt: skip
     if args.warehouse:
         cmd[3:3] = ["--warehouse", args.warehouse]
+    killed: dict[str, list] = {}  # the processes the kill took down, their shared memory
     log = open(tmp / "router1.log", "wb")  # noqa: SIM115 (the process keeps it)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -188,7 +190,7 @@ def kill_part(args, srv, plan, tmp: Path, x, in_name: str, name: str, record) ->
             _wait_until_balanced(lb.grpc_url, name, in_name, x)
             rate, seconds, kill_at = args.kill_rate, args.kill_seconds, args.kill_seconds / 3
             times = poisson_times(rate, seconds, seed=1)
-            killer = threading.Timer(kill_at, lambda: os.killpg(proc.pid, signal.SIGKILL))
+            killer = threading.Timer(kill_at, lambda: killed.update(_crash(proc)))
             with console.status(
                 f"router kill: {rate:g} req/s for {seconds:g} s, the second router killed at "
                 f"{kill_at:.1f} s ..."
@@ -200,9 +202,11 @@ def kill_part(args, srv, plan, tmp: Path, x, in_name: str, name: str, record) ->
             lb.stop()
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            killed.update(_crash(proc))
         proc.wait()
         log.close()
+        # a crash leaves the Python-backend stubs' shared memory behind: removed
+        reap(killed.get("procs", []), grace_s=5.0, regions=killed.get("regions", []))
     slo = args.burst_slo_ms / 1e3
     t = Table(
         title=f"router kill: two routers behind HAProxy, {rate:g} req/s (Poisson, gRPC), the "
@@ -376,6 +380,20 @@ def grpc_burst(url: str, name: str, in_name: str, x: np.ndarray, n: int, slo_ms:
         why = (out.stderr.strip().splitlines() or ["no message"])[-1]
         raise SystemExit(f"the gRPC burst client against {url} failed: {why}")
     return json.loads(out.stdout)
+
+
+def _crash(proc) -> dict[str, list]:
+    """SIGKILL a router's process group (the router, its Triton, its node), as a crash of
+    its host would; what it took down, and the shared memory they held."""
+    import signal
+
+    from triton_backend.nodes import descendants, shm_regions
+
+    procs = descendants(proc.pid)
+    regions = shm_regions(procs)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return {"procs": procs, "regions": regions}
 
 
 def _inventory(nodes, http, grpc, ready, lb_http, lb_grpc) -> dict:
