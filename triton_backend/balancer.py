@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from poolpipe.domain.inventory import Inventory
-from poolpipe.domain.tier import BalancerSpec
+from poolpipe.domain.tier import BalancerSpec, split_address
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import ARRIVAL_STAMP
 from triton_backend.nodes import port_holder, refuse_taken_ports, spawn_tied
@@ -52,19 +52,19 @@ def find_haproxy(binary: str | None = None) -> str:
     return path
 
 
-def _split(address: str) -> tuple[str, str]:
-    host, port = address.rsplit(":", 1)
-    return host, port
-
-
-def render(inv: Inventory) -> str:
-    """haproxy.cfg for the inventory's [balancer] and [[routers]]."""
-    b = inv.balancer
-    if b is None or not inv.routers:
+def balancer_spec(inv: Inventory) -> BalancerSpec:
+    """The inventory's [balancer]; BalancerError naming the fix where it has no router tier."""
+    if inv.balancer is None or not inv.routers:
         raise BalancerError(
             f"{inv.source}: no router tier to balance: add a [balancer] and [[routers]] "
             "(see `poolpipe lb --help`)"
         )
+    return inv.balancer
+
+
+def render(inv: Inventory) -> str:
+    """haproxy.cfg for the inventory's [balancer] and [[routers]]."""
+    b = balancer_spec(inv)
     stamp = f"    http-request set-header {ARRIVAL_STAMP} %[date(0,us)]"
     out = [
         "# rendered by `poolpipe lb` from " + inv.source + "; edit the inventory, not this",
@@ -106,7 +106,7 @@ def render(inv: Inventory) -> str:
             "on-marked-down shutdown-sessions",
         ]
         for r in inv.routers:
-            host, port = _split(r.ready)
+            host, port = split_address(r.ready)
             target = r.http if proto == "http" else f"{r.grpc} proto h2"
             out.append(
                 f"    server {r.name} {target} weight {r.weight} "
@@ -124,7 +124,7 @@ class Balancer:
 
     def __init__(self, inv: Inventory, workspace: Path, binary: str | None = None):
         self.inv = inv
-        self.spec: BalancerSpec = _spec(inv)
+        self.spec = balancer_spec(inv)
         self.workspace = Path(workspace)
         self.binary = binary
         self.config = self.workspace / "haproxy.cfg"
@@ -143,8 +143,8 @@ class Balancer:
             raise BalancerError(f"HAProxy refuses {self.config}: {why}")
         listens = self.listens()
         for label, address in listens.items():
-            host, port = _split(address)
-            refuse_taken_ports("the balancer", host, {label: int(port)})
+            host, port = split_address(address)
+            refuse_taken_ports("the balancer", host, {label: port})
         with open(self.log_path, "ab") as log:
             self.process = spawn_tied(
                 [haproxy, "-db", "-f", str(self.config)], stdout=log, stderr=subprocess.STDOUT
@@ -201,19 +201,11 @@ class Balancer:
         self.stop()
 
 
-def _spec(inv: Inventory) -> BalancerSpec:
-    if inv.balancer is None or not inv.routers:
-        render(inv)  # raises the error naming the fix
-    assert inv.balancer is not None
-    return inv.balancer
-
-
 def _reachable(address: str) -> str:
     """A bind address as clients on this host reach it (a wildcard: loopback)."""
-    host, port = _split(address)
+    host, port = split_address(address)
     return f"127.0.0.1:{port}" if host in ("", "*", "0.0.0.0") else address
 
 
 def _listening(address: str) -> bool:
-    host, port = _split(address)
-    return port_holder(host, int(port)) is not None
+    return port_holder(*split_address(address)) is not None

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from poolpipe.cli.common import add_reply_margin_argument, err_console, log_events, warn_slo_room
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
+from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US, ArrivalStamps
 from poolpipe.runtime.stamps import DEFAULT_CLOCK_BOUND_US, DEFAULT_MAX_WAIT_US
@@ -127,7 +128,8 @@ def _router_shard(args: argparse.Namespace, inventory):
     if inventory is None:
         raise PoolpipeError("--router names a router of an inventory: give --nodes INVENTORY")
     r = inventory.router(args.router)
-    hosts = {a.rsplit(":", 1)[0] for a in (r.http, r.grpc, r.ready)}
+    addresses = [split_address(a) for a in (r.http, r.grpc, r.ready)]
+    hosts = {host for host, _ in addresses}
     if len(hosts) > 1:
         raise PoolpipeError(
             f"{inventory.source}: router {r.name} lists addresses on {len(hosts)} hosts "
@@ -145,9 +147,7 @@ def _router_shard(args: argparse.Namespace, inventory):
             f"{', '.join(k for k, v in given.items() if v)}"
         )
     args.listen = hosts.pop().strip("[]")
-    args.http_port = int(r.http.rsplit(":", 1)[1])
-    args.grpc_port = int(r.grpc.rsplit(":", 1)[1])
-    args.ready_port = int(r.ready.rsplit(":", 1)[1])
+    args.http_port, args.grpc_port, args.ready_port = (port for _, port in addresses)
     shard = inventory.shard(r.name)
     path = Path(args.workspace) / f"inventory-{r.name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,12 @@ class TierError(ClusterError):
     pass
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT as (host, port); an IPv6 host keeps its brackets."""
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class BalancerSpec:
     http: str  # host:port clients reach over HTTP
