@@ -168,7 +168,7 @@ class Door:
             params = _parameters(req.parameters)
             arrived = req.arrived_ns
             stamp = params.get(ARRIVAL_STAMP)
-            if stamp is None and len(params) > 1:  # a header as a client wrote its name
+            if stamp is None and params:  # a header as a client wrote its name
                 stamp = next((v for k, v in params.items() if k.lower() == ARRIVAL_STAMP), None)
             if stamp is not None:  # the balancer's: where a burst waited counts too
                 at = core.stamps.arrival_ns(stamp, time.time_ns(), now)
