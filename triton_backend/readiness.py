@@ -14,8 +14,6 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from triton_backend.nodes import refuse_taken_ports
-
 READY_PATH = "/ready"
 # What the check answers: serving; stopping but still serving what it has (HAProxy's
 # `http-check disable-on-404` sends it nothing new and lets its requests finish, where a
@@ -26,7 +24,7 @@ STATUS_CODES = {READY: 200, DRAINING: 404, NOT_READY: 503}
 
 class ReadinessServer:
     """Serves `check()` (READY, DRAINING or NOT_READY; why; more fields for the body) at
-    READY_PATH."""
+    READY_PATH. Its caller names a taken port before anything starts (ServingProcess)."""
 
     def __init__(
         self,
@@ -34,7 +32,6 @@ class ReadinessServer:
         port: int,
         check: Callable[[], tuple[str, str, dict]],
     ):
-        refuse_taken_ports("the router's readiness check", address, {"port": port})
         outer = self
 
         class Handler(BaseHTTPRequestHandler):

@@ -149,8 +149,9 @@ class ServingProcess:
         decision. None: only the nightly runs re-plan. `ready_port`: where a load
         balancer's health check asks whether this router serves (readiness.py; 0: a free
         port; None: not served). `stop_grace_s`: on close, how long the readiness check
-        answers 503 while the router still serves, before it stops (a balancer's checks
-        take the router out meanwhile, so that a planned stop fails no new request)."""
+        answers 404 (draining) while the router still serves, before it waits for the
+        requests it has and stops (a balancer's checks send new ones elsewhere meanwhile,
+        so that a planned stop fails no request)."""
         self.warehouse = warehouse
         self.token = token
         self.name = name

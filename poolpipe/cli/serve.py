@@ -437,7 +437,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="port of the router's readiness check for a load balancer: GET /ready answers "
-        "200 while it has a live path for every model of its plan, 503 otherwise (a free one)",
+        "200 while it has a live path for every model of its plan, 404 while it stops "
+        "(draining), 503 otherwise (a free one)",
     )
     p.add_argument(
         "--replan-on-failure",
