@@ -257,7 +257,8 @@ def sharding_part(args, record) -> None:
     from poolpipe.cli.common import ppipe_dir
     from poolpipe.domain.cluster import load_clusters
     from poolpipe.domain.profiles import load_ppipe_dir
-    from poolpipe.planner import PlanRequest, make_plan
+    from poolpipe.planner import make_plan
+    from poolpipe.planner.request import group_request
     from poolpipe.planner.shards import SPLITS, sharding_loss, split_cluster
 
     root = args.profiles or ppipe_dir()
@@ -268,18 +269,8 @@ def sharding_part(args, record) -> None:
     scale = float(workloads.get("slo_scale", 5))
 
     def objective(group: list[str]):
-        def plan(cluster) -> float:
-            request = PlanRequest(
-                models=tuple(profiles[n] for n in group),
-                weights=weights,
-                slos_us=tuple(scale * profiles[n].reference_latency_us for n in group),
-                cluster=cluster,
-                strategy="ppipe",
-                packing="per-position",
-                margin=0.4,
-                max_partitions=2,
-            )
-            made = make_plan(request)
+        def plan(cluster) -> tuple[float, tuple[float, ...]]:
+            made = make_plan(group_request(profiles, group, weights, cluster, slo_scale=scale))
             return made.objective, tuple(m.throughput / m.weight for m in made.models)
 
         return plan
