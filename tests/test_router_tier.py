@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from poolpipe.domain.inventory import InventoryError, parse_inventory
-from poolpipe.domain.tier import TierError
+from poolpipe.domain.tier import TierError, split_address
 from tests.test_serving import hand_plan, onboarded_tiny  # noqa: F401 (a fixture)
 from triton_backend.balancer import Balancer, BalancerError, find_haproxy, render
 from triton_backend.env import free_ports
@@ -56,6 +56,27 @@ grpc = "127.0.0.1:{r["grpc"]}"
 ready = "127.0.0.1:{r["ready"]}"
 {nodes}
 """
+
+
+def two_routers_toml(r0: dict[str, int], r1: dict[str, int], lb: dict[str, int]) -> str:
+    """Two routers behind one balancer, each with a node of its own: r0 drives n0 (cpu-1t
+    on s0), r1 drives n1 (cpu-2t on s1). Ports by "http", "grpc", "ready" on loopback."""
+    return tier_toml(r0, lb, 'nodes = ["n0"]').replace(
+        "[balancer]",
+        '[[servers]]\nname = "s1"\nbandwidth_gbps = 10\n'
+        '[[nodes]]\nname = "n1"\nserver = "s1"\ndevice = "cpu-2t"\ngrpc = "127.0.0.1:2"\n'
+        "[balancer]",
+    ) + (
+        f'\n[[routers]]\nname = "r1"\nhttp = "127.0.0.1:{r1["http"]}"\n'
+        f'grpc = "127.0.0.1:{r1["grpc"]}"\nready = "127.0.0.1:{r1["ready"]}"\nnodes = ["n1"]\n'
+    )
+
+
+R0, R1, LB = (
+    {"http": 1001, "grpc": 1002, "ready": 1003},
+    {"http": 2001, "grpc": 2002, "ready": 2003},
+    {"http": 1004, "grpc": 1005},
+)
 
 
 def _router(wh: str, workspace, http: int, grpc: int, ready: int, **kw):
@@ -259,20 +280,9 @@ def pair(tier, onboarded_tiny, tmp_path_factory):  # noqa: F811
     http, grpc, ready, lb_http, lb_grpc = free_ports(5)
     # stop grace: the balancer's checks (every 100 ms, two failed) see it draining first
     srv1 = _router(wh, tmp / "router1", http, grpc, ready, stop_grace_s=0.5)
-    r0 = lb0.inv.routers[0]
-    data = _toml(
-        tier_toml(
-            {"http": http, "grpc": grpc, "ready": ready},
-            {"http": lb_http, "grpc": lb_grpc},
-            'nodes = ["n1"]',
-        ).replace('name = "r0"', 'name = "r1"')
-    )
-    data["nodes"].append({**data["nodes"][0], "name": "n0", "grpc": "127.0.0.1:2"})
-    data["routers"].insert(
-        0,
-        {"name": "r0", "http": r0.http, "grpc": r0.grpc, "ready": r0.ready, "nodes": ["n0"]},
-    )
-    data["nodes"][0]["name"] = "n1"
+    r0 = {k: split_address(getattr(lb0.inv.routers[0], k))[1] for k in ("http", "grpc", "ready")}
+    r1 = {"http": http, "grpc": grpc, "ready": ready}
+    data = _toml(two_routers_toml(r0, r1, {"http": lb_http, "grpc": lb_grpc}))
     lb = Balancer(parse_inventory(data), tmp / "lb")
     try:
         lb.start()
@@ -350,19 +360,7 @@ def test_a_router_lost_under_load_costs_only_its_requests_in_flight(pair):
 
 
 def test_a_node_given_to_two_routers_is_refused_naming_both():
-    text = tier_toml(
-        {"http": 1001, "grpc": 1002, "ready": 1003},
-        {"http": 1004, "grpc": 1005},
-        'nodes = ["n0"]',
-    )
-    text += """
-[[routers]]
-name = "r1"
-http = "127.0.0.1:2001"
-grpc = "127.0.0.1:2002"
-ready = "127.0.0.1:2003"
-nodes = ["n0"]
-"""
+    text = two_routers_toml(R0, R1, LB).replace('nodes = ["n1"]', 'nodes = ["n0"]')
     with pytest.raises(TierError, match="node n0 is given to routers r0 and r1"):
         parse_inventory(_toml(text))
 
@@ -378,35 +376,14 @@ nodes = ["n0"]
     ],
 )
 def test_a_router_tier_that_cannot_be_deployed_is_refused(change, error):
-    text = tier_toml(
-        {"http": 1001, "grpc": 1002, "ready": 1003},
-        {"http": 1004, "grpc": 1005},
-        'nodes = ["n0"]',
-    )
-    text = text.replace(
-        "[balancer]",
-        '[[nodes]]\nname = "n1"\nserver = "s0"\ndevice = "cpu-1t"\ngrpc = "127.0.0.1:2"\n'
-        "[balancer]",
-    )
-    text += (
-        '\n[[routers]]\nname = "r1"\nhttp = "127.0.0.1:2001"\ngrpc = "127.0.0.1:2002"\n'
-        'ready = "127.0.0.1:2003"\nnodes = ["n1"]\n'
-    )
+    text = two_routers_toml(R0, R1, LB)
     parse_inventory(_toml(text))  # as given: fine
     with pytest.raises((TierError, InventoryError), match=re.escape(error)):
         parse_inventory(_toml(change(text)))
 
 
 def test_the_inventory_with_its_router_tier_reads_back_from_its_toml():
-    inv = parse_inventory(
-        _toml(
-            tier_toml(
-                {"http": 1001, "grpc": 1002, "ready": 1003},
-                {"http": 1004, "grpc": 1005},
-                'nodes = ["n0"]\nweight = 3',
-            )
-        )
-    )
+    inv = parse_inventory(_toml(tier_toml(R0, LB, 'nodes = ["n0"]\nweight = 3')))
     again = parse_inventory(_toml(inv.to_toml()))
     assert (again.routers, again.balancer) == (inv.routers, inv.balancer)
     assert again.routers[0].weight == 3 and again.routers[0].nodes == ("n0",)
@@ -420,13 +397,7 @@ def test_haproxy_missing_is_named_with_the_fix():
 @needs_haproxy
 def test_a_balancer_port_taken_is_named_with_its_holder(tmp_path):
     lb_http, lb_grpc = free_ports(2)
-    inv = parse_inventory(
-        _toml(
-            tier_toml(
-                {"http": 1001, "grpc": 1002, "ready": 1003}, {"http": lb_http, "grpc": lb_grpc}
-            )
-        )
-    )
+    inv = parse_inventory(_toml(tier_toml(R0, {"http": lb_http, "grpc": lb_grpc})))
     with socket.socket() as s:
         s.bind(("127.0.0.1", lb_grpc))
         s.listen()
@@ -436,20 +407,7 @@ def test_a_balancer_port_taken_is_named_with_its_holder(tmp_path):
 
 
 def _two_shards(tmp_path):
-    text = tier_toml(
-        {"http": 1001, "grpc": 1002, "ready": 1003},
-        {"http": 1004, "grpc": 1005},
-        'nodes = ["n0"]',
-    ).replace(
-        "[balancer]",
-        '[[servers]]\nname = "s1"\nbandwidth_gbps = 10\n'
-        '[[nodes]]\nname = "n1"\nserver = "s1"\ndevice = "cpu-2t"\ngrpc = "127.0.0.1:2"\n'
-        "[balancer]",
-    )
-    text += (
-        '\n[[routers]]\nname = "r1"\nhttp = "127.0.0.1:2001"\ngrpc = "127.0.0.1:2002"\n'
-        'ready = "127.0.0.1:2003"\nnodes = ["n1"]\n'
-    )
+    text = two_routers_toml(R0, R1, LB)
     path = tmp_path / "inventory.toml"
     path.write_text(text)
     return path
