@@ -33,6 +33,7 @@ from poolpipe.domain.tier import (
     InventoryRouter,
     check_tier,
     parse_tier,
+    shard_assignment,
     tier_toml,
 )
 from poolpipe.errors import ClusterError
@@ -136,10 +137,13 @@ class Inventory:
     def mark_down(self, names: set[str]) -> Inventory:
         return replace(self, down=self.down | frozenset(names))
 
-    def shard(self, name: str) -> Inventory:
-        """What router `name` drives: its nodes (every node where it lists none) on the
-        servers that hold them, with the router tier as it is."""
+    def shard(self, name: str, names: tuple[str, ...] | None = None) -> Inventory:
+        """What router `name` drives: its nodes (every node where it lists none; `names`
+        where given: what it drives now, shard_assignment) on the servers that hold them,
+        with itself as its router tier."""
         r = self.router(name)
+        if names is not None:
+            r = replace(r, nodes=tuple(names))
         if not r.nodes:
             return self
         mine = set(r.nodes)
@@ -153,6 +157,10 @@ class Inventory:
             source=f"{self.source} (router {name}'s shard)",
             routers=(r,),
         )
+
+    def assignment(self, live: set[str]) -> dict[str, tuple[str, ...]]:
+        """The nodes each of the `live` routers drives (tier.shard_assignment)."""
+        return shard_assignment(self.routers, {n.name: n.device for n in self.nodes}, live)
 
     def router(self, name: str) -> InventoryRouter:
         """The router of that name; InventoryError listing those there are."""

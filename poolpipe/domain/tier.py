@@ -20,12 +20,14 @@ the same TOML as the nodes:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from poolpipe.errors import ClusterError
 
 MAX_WEIGHT = 256  # HAProxy's
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 class TierError(ClusterError):
@@ -77,6 +79,11 @@ def check_tier(
     taken: dict[str, str] = {}
     owner: dict[str, str] = {}
     for r in routers:
+        if not _NAME.fullmatch(r.name):
+            raise TierError(
+                f"{where}: router {r.name!r}: a router's name is letters, digits, '_' and "
+                "'-' (it tags the partition models it loads on its nodes)"
+            )
         for field_, address in (("http", r.http), ("grpc", r.grpc), ("ready", r.ready)):
             if not is_address(address):
                 raise TierError(
@@ -197,3 +204,63 @@ def tier_toml(routers: tuple[InventoryRouter, ...], balancer: BalancerSpec | Non
             lines.append(f"nodes = [{names}]")
         lines.append("")
     return lines
+
+
+def shard_assignment(
+    routers: tuple[InventoryRouter, ...],
+    devices: dict[str, str],
+    live: Iterable[str],
+) -> dict[str, tuple[str, ...]]:
+    """Which nodes each live router drives when only `live` routers are left: its own
+    shard, and the nodes of the routers gone dealt out among the live ones, one device type
+    at a time (each adopter gets GPUs of every type it can, so that its pools stay mixed),
+    the next node to the live router with the fewest nodes (ties: inventory order). A pure
+    function of the inventory and the live set: every router that sees the same live set
+    computes the same shards, and a router that comes back gets its own shard again.
+    `devices`: node name -> device type, in the inventory's order."""
+    alive = [r for r in routers if r.name in set(live)]
+    if not alive:
+        return {}
+    out: dict[str, list[str]] = {r.name: list(r.nodes) for r in alive}
+    orphans = [n for r in routers if r.name not in out for n in r.nodes]
+    by_type: dict[str, list[str]] = {}
+    for n in orphans:
+        by_type.setdefault(devices[n], []).append(n)
+    order = {r.name: i for i, r in enumerate(alive)}
+    for device in sorted(by_type):
+        for n in by_type[device]:
+            have = {name: sum(devices[m] == device for m in nodes) for name, nodes in out.items()}
+            to = min(out, key=lambda name: (have[name], len(out[name]), order[name]))
+            out[to].append(n)
+    return {name: tuple(nodes) for name, nodes in out.items()}
+
+
+class TierView:
+    """Which routers of a tier are live, as one of them sees it from its peers' readiness
+    checks (any answer, ready or not, means the peer runs and drives its shard): a peer is
+    gone once it has not answered for `gone_after_s` since its last answer, or, never seen,
+    for `start_grace_s` since this view began (the tier starting router by router). Times
+    are the caller's clock, in seconds."""
+
+    def __init__(
+        self, me: str, peers: Iterable[str], gone_after_s: float, start_grace_s: float, now: float
+    ):
+        self.me = me
+        self.gone_after_s, self.start_grace_s = gone_after_s, start_grace_s
+        self.began = now
+        self.last: dict[str, float | None] = {p: None for p in peers if p != me}
+
+    def saw(self, peer: str, answered: bool, now: float) -> None:
+        if answered:
+            self.last[peer] = now
+
+    def gone(self, now: float) -> frozenset[str]:
+        out = set()
+        for peer, last in self.last.items():
+            since, wait = (self.began, self.start_grace_s) if last is None else (last, 0.0)
+            if now - since >= max(wait, self.gone_after_s):
+                out.add(peer)
+        return frozenset(out)
+
+    def live(self, now: float) -> frozenset[str]:
+        return frozenset({self.me, *self.last}) - self.gone(now)
