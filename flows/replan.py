@@ -12,6 +12,7 @@ import tomllib
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
@@ -227,3 +228,65 @@ def on_failure(**params: Any) -> Callable[[str, str], dict]:
         return nightly_replan(router=router, trigger=trigger, **params)
 
     return replan
+
+
+@flow(name="reshard", log_prints=True)
+def reshard(
+    router: str,
+    inventory: str,
+    trigger: str,
+    warehouse: str | None = None,
+    token_file: str | None = None,
+) -> dict:
+    """Re-plan a router of a router tier for its new shard, the nodes of INVENTORY (a file:
+    nodes adopted from a router gone, or handed back to one that came back), for the mix of
+    its serving plan, and roll it out by pipeline flush whatever its objective: the shard
+    changed, so must the plan. TRIGGER: what changed (shown). A rollout that does not
+    happen fails the run, with the reason."""
+    from flows.rollout import switch
+    from poolpipe.domain.inventory import load_inventory
+
+    warehouse = worker.warehouse(warehouse)
+    current, current_id = serving_plan(router, token_file)
+    shard = load_inventory(inventory)
+    down = router_health(router, token_file).get("down", [])
+    names = [m.name for m in current.models]
+    weights = [m.weight for m in current.models]
+    candidate = new_plan(warehouse, current, weights, None, None, shard, down)
+    plan_id = store(warehouse, candidate)
+    result = switch(router, plan_id, token_file)
+    decision: dict = {
+        "trigger": trigger,
+        "nodes": ", ".join(n.name for n in shard.nodes),
+        "down": ", ".join(d["node"] for d in down) or "none",
+        "from_plan": current_id,
+        "serving_objective": objective_under(current, names, weights),
+        "new_objective": objective_under(candidate, names, weights),
+        "rolled_out": bool(result.get("ok")),
+        "plan_id": plan_id,
+        **result,
+    }
+    create_markdown_artifact(
+        key=artifact_key("reshard", Path(inventory).stem),
+        description=f"re-shard ({trigger})",
+        markdown=f"# re-shard ({trigger})\n\n"
+        + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
+    )
+    if not result.get("ok"):
+        raise PoolpipeError(
+            f"plan {plan_id} for the new shard was not rolled out "
+            f"({result.get('status') or 'error'}): {result.get('reason') or result.get('error')}"
+        )
+    return decision
+
+
+def on_reshard(**params: Any) -> Callable[[str, str, str], dict]:
+    """What a router of a router tier calls when its shard changes
+    (triton_backend.serve.ServingProcess): the reshard flow, run in the serving process,
+    with `params` (warehouse, token_file), the router's address, its new shard's inventory
+    file and what happened."""
+
+    def run(router: str, inventory: str, trigger: str) -> dict:
+        return reshard(router=router, inventory=inventory, trigger=trigger, **params)
+
+    return run

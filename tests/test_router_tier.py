@@ -356,6 +356,136 @@ def test_a_router_lost_under_load_costs_only_its_requests_in_flight(pair):
     assert _ready(srv1)[0] == 503
 
 
+# ---------------------------------------------------------------------- adoption
+
+
+def _nodes_and_tier(tmp_path, r0: dict, r1: dict, lb: dict):
+    """Two running cpu-1t nodes, n0 on server s0 and n1 on s1, and the inventory in which
+    router r0 drives n0 and r1 drives n1 behind one balancer."""
+    from triton_backend.nodes import TritonNode
+
+    nodes = [
+        TritonNode(f"n{k}", "cpu-1t", tmp_path / f"repo{k}", tmp_path).start() for k in range(2)
+    ]
+    text = two_routers_toml(r0, r1, lb).replace('"cpu-2t"', '"cpu-1t"')
+    for k, n in enumerate(nodes):
+        text = text.replace(f'grpc = "127.0.0.1:{k + 1}"', f'grpc = "{n.grpc_url}"')
+    return nodes, parse_inventory(_toml(text))
+
+
+def _tier_router(wh: str, workspace, inv, name: str, ports: dict):
+    from flows.replan import on_reshard
+    from triton_backend.serve import ServingProcess
+
+    return ServingProcess(
+        hand_plan([(0, 4, 1)], batch=4),
+        wh,
+        workspace,
+        stats_interval_s=3600,
+        ready_port=ports["ready"],
+        http_port=ports["http"],
+        grpc_port=ports["grpc"],
+        tier=(inv, name),
+        adopt_after_s=1.0,
+        on_reshard=on_reshard(warehouse=wh),
+    )
+
+
+def _crash(srv) -> None:
+    """The router process dies as under kill -9: nothing is taken off its nodes."""
+    srv._stop.set()
+    srv.ready.close()
+    srv.deployment.frontend.stop()
+    srv.deployment.core.stop()
+
+
+def _held(nodes) -> dict[str, list[str]]:
+    return {n.name: sorted(n.models()) for n in nodes}
+
+
+@needs_haproxy
+def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
+    onboarded_tiny,  # noqa: F811
+    tmp_path,
+):
+    """Two routers, each with a node, behind the balancer, under load. The second dies as
+    under kill -9 (its models stay on its node): the first stops hearing its readiness
+    check, unloads what it left (fencing it: a late reload of its is refused), re-plans
+    for both nodes through the reshard flow and rolls out; the balancer sends everything
+    to it; no request hangs and errors are only those in flight at the death. The second
+    started again waits until the first has handed its node back, then both serve."""
+    import threading
+
+    from triton_backend.nodes import stop_nodes
+
+    wh, _ = onboarded_tiny
+    ports = free_ports(8)
+    r0, r1 = (dict(zip(("http", "grpc", "ready"), ports[i : i + 3], strict=True)) for i in (0, 3))
+    lb_ports = {"http": ports[6], "grpc": ports[7]}
+    nodes, inv = _nodes_and_tier(tmp_path, r0, r1, lb_ports)
+    servers: list = []
+    lb = Balancer(inv, tmp_path / "lb")
+    results: list[tuple[float, float, int]] = []
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def client() -> None:
+        while not done.is_set():
+            sent = time.monotonic()
+            code = _through(lb.http_url)
+            results.append((sent - t0, time.monotonic() - sent, code))
+
+    clients = [threading.Thread(target=client) for _ in range(2)]
+    try:
+        servers.append(_tier_router(wh, tmp_path / "r0", inv, "r0", r0))
+        servers.append(_tier_router(wh, tmp_path / "r1", inv, "r1", r1))
+        srv0, srv1 = servers
+        assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g0"], "n1": ["tiny__b00-04__r1-g0"]}
+        lb.start()
+        _until(lambda: _through(lb.http_url) == 200, "the balancer sends to the routers")
+        for c in clients:
+            c.start()
+        time.sleep(1.0)
+        killed = time.monotonic() - t0
+        _crash(srv1)
+        _until(lambda: srv0.member.shard == ("n0", "n1"), "r0 adopts n1 and rolls out", 30.0)
+        adopted = time.monotonic() - t0 - killed
+        assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g1"], "n1": ["tiny__b00-04__r0-g1"]}
+        assert {p.gpu: p.count for p in srv0.deployment.plan.cluster.pools} == {"cpu-1t": 2}
+        assert srv0.deployment.generation == 1
+        assert "adopting node(s) n1 of router(s) r1 (gone)" in srv0.member.reshards[-1]["trigger"]
+        # fenced: the dead router's own refill of "its" node leaves it to r0
+        srv1.deployment._refill_url(nodes[1].grpc_url)
+        assert _held(nodes)["n1"] == ["tiny__b00-04__r0-g1"]
+        time.sleep(1.0)
+        since = time.monotonic() - t0
+        servers[1] = _tier_router(wh, tmp_path / "r1b", inv, "r1", r1)  # waits for n1
+        assert "handing node(s) n1 back" in srv0.member.reshards[-1]["trigger"]
+        assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g2"], "n1": ["tiny__b00-04__r1-g0"]}
+        _until(lambda: servers[1].deployment.core.stamps.counts["used"] > 0, "r1 serves again")
+    finally:
+        done.set()
+        for c in clients:
+            if c.is_alive():
+                c.join(30)
+        lb.stop()
+        for srv in servers[::-1]:
+            srv.close()
+        stop_nodes(nodes)
+    assert adopted < 30.0, adopted
+    assert max(took for _, took, _ in results) < 5.0  # none hung
+    errors = [r for r in results if r[2] != 200]
+    # errors: only requests in flight on the dead router, or sent before the balancer's
+    # checks (every 100 ms, two failed) took it out
+    assert all(sent <= killed + 0.5 <= sent + took + 0.5 for sent, took, _ in errors), (
+        killed,
+        errors,
+    )
+    after = [r for r in results if r[0] > killed + 1.0]
+    assert len(after) > 20 and all(code == 200 for _, _, code in after), after
+    assert [r for r in results if r[0] > since and r[2] != 200] == []
+
+
 # ---------------------------------------------------------------------- bad input
 
 
@@ -373,6 +503,7 @@ def test_a_node_given_to_two_routers_is_refused_naming_both():
         (lambda t: t.replace('nodes = ["n1"]\n', ""), "router(s) r1 list no nodes"),
         (lambda t: t.replace("check_ms = 100", "check_ms = 1"), "check_ms = 1 must be at least"),
         (lambda t: t.replace("[balancer]", "[balancer]\nport = 3"), "unknown key(s) port"),
+        (lambda t: t.replace('name = "r1"', 'name = "r/1"'), "a router's name is letters"),
     ],
 )
 def test_a_router_tier_that_cannot_be_deployed_is_refused(change, error):

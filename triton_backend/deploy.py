@@ -121,6 +121,11 @@ class Deployment:
     # "NODE: MODEL" of the partitions an earlier router of these models had left on the
     # attached nodes, unloaded at start-up
     cleaned: list[str] = field(default_factory=list)
+    # the router whose partition models these are (serve --router): their names carry it,
+    # so that a router adopting a lost router's nodes, or handing them back, tells whose
+    # models a node holds; None: a router alone
+    owner: str | None = None
+    fenced: list[str] = field(default_factory=list)  # what fence unloaded, "NODE: ..."
     _restarting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -220,6 +225,7 @@ class Deployment:
         transport: str = "router",
         supervise: bool = False,
         arrival_stamps: ArrivalStamps | None = None,
+        owner: str | None = None,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
@@ -240,7 +246,9 @@ class Deployment:
         "auto": "router" when every node has a loopback address, else "chain".
         `supervise`: restart the nodes this process runs when they exit on their own
         (Supervisor; `poolpipe serve` does), instead of leaving it to restart_node.
-        `arrival_stamps`: how a load balancer's arrival stamps are taken (default bounds)."""
+        `arrival_stamps`: how a load balancer's arrival stamps are taken (default bounds).
+        `owner`: the router of a router tier this is (its name tags its partition models:
+        owned_by)."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         ceiling = (
@@ -266,7 +274,7 @@ class Deployment:
         cleaned: list[str] = []
         triton_home(workspace)  # once, before the nodes start side by side
         try:
-            topo, lay, parts = prepare(plan, warehouse, workspace, "g0")
+            topo, lay, parts = prepare(plan, warehouse, workspace, generation_tag(owner, 0))
             nodes, inventory = _attach(lay, inventory, local, workspace, key)
             urls = [n.grpc_url for n in nodes.values()]
             options = ServeOptions(
@@ -279,8 +287,9 @@ class Deployment:
                 resolve_transport(transport, urls),
             )
             if local is None:  # attached nodes: what an earlier router of these models left
-                cleaned = _unload_left_behind(nodes, [m.name for m in plan.models])
+                cleaned = _unload_left_behind(nodes, [m.name for m in plan.models], owner)
             load_layout(lay, parts, nodes, max_batch, loaded)
+            fenced = fence_off(nodes, [m.name for m in plan.models], owner)
             warm(lay, nodes, parts, _top_batches(topo, lay))
             ios = model_io(topo, lay, parts)
             known: dict[tuple, float] = {}
@@ -297,7 +306,7 @@ class Deployment:
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
-            dep.cleaned = cleaned
+            dep.cleaned, dep.owner, dep.fenced = cleaned, owner, fenced
             dep.operator_down = inventory.down
             core.executor.on_empty_node = dep._refill_url
             dep.frontend = Frontend(
@@ -340,7 +349,7 @@ class Deployment:
         router measures now, is shorter than its fastest pipeline is refused before
         anything is loaded (every request would be dropped or refused); `force` rolls it
         out anyway (logged)."""
-        tag = f"g{self.generation + 1}"
+        tag = generation_tag(self.owner, self.generation + 1)
         names = lambda p: ",".join(m.name for m in p.models)  # noqa: E731
         label_from = f"{self.plan.strategy}:{names(self.plan)}@gen{self.generation}"
         label_to = f"{plan.strategy}:{names(plan)}@gen{self.generation + 1}"
@@ -372,6 +381,7 @@ class Deployment:
                 lay, self._inventory_now(), self.local, self.workspace, opt.key
             )
             load_layout(lay, parts, nodes, opt.max_batch, loaded)
+            self.fence(nodes)
             warm(lay, nodes, parts, _top_batches(topo, lay))
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=self.calibration))
             prepare_s = time.perf_counter() - t0
@@ -408,6 +418,24 @@ class Deployment:
             res.held,
             res.failed,
         )
+
+    @property
+    def model_names(self) -> list[str]:
+        return [m.name for m in self.plan.models]
+
+    def reshard(self, inventory: Inventory) -> None:
+        """Make `inventory` (this router's new shard of a router tier: nodes adopted from a
+        router gone, or fewer, handed back) what the next rollout places on. That rollout
+        fences the router gone off the nodes it adopts (fence)."""
+        names = {n.name for n in inventory.nodes}
+        self.operator_down = (self.operator_down & names) | inventory.down
+        self.inventory = replace(inventory, down=self.operator_down)
+
+    def fence(self, nodes: dict[str, RepositoryAPI]) -> list[str]:
+        """fence_off on this router's nodes, once its partitions are loaded there."""
+        out = fence_off(nodes, self.model_names, self.owner)
+        self.fenced += out
+        return out
 
     def take_stage_factors(self) -> tuple[tuple[float, ...], ...]:
         """Per pool of the plan served, measured / reserved time of the stage calls since
@@ -462,6 +490,14 @@ class Deployment:
         if name is None or isinstance(self.nodes[name], TritonNode):
             return  # local nodes come back through restart_node, which loads them
         try:
+            held = foreign_partitions({name: self.nodes[name]}, self.model_names, self.owner)
+            if held:  # fenced: another router of the tier has adopted it
+                log.warning(
+                    "node %s now holds router %s's models: this router leaves it alone",
+                    name,
+                    ", ".join(sorted(held[self.nodes[name].name])),
+                )
+                return
             self._refill(name)
             log.info("node %s answered again without its models: loaded them", name)
         except Exception as exc:  # the watch tries again at its next look
@@ -492,15 +528,70 @@ class Deployment:
         self.down()
 
 
-def _unload_left_behind(nodes: dict[str, RepositoryAPI], models: list[str]) -> list[str]:
+def generation_tag(owner: str | None, generation: int) -> str:
+    """What ends the names of a generation's partition models: "g3", or "r1-g3" for router
+    r1 of a router tier."""
+    return f"g{generation}" if owner is None else f"{owner}-g{generation}"
+
+
+def owned_by(partition: str) -> str | None:
+    """The router whose partition model this is (generation_tag); None: untagged."""
+    tag = partition.rpartition("__")[2]
+    owner, sep, gen = tag.rpartition("-g")
+    return owner if sep and gen.isdigit() else None
+
+
+def foreign_partitions(
+    nodes: dict[str, RepositoryAPI], models: list[str], owner: str | None
+) -> dict[str, dict[str, list[str]]]:
+    """Partition models of `models` on the nodes that another router of the tier loaded:
+    {node name: {their owner: [model, ...]}}."""
+    prefixes = tuple(f"{m}__b" for m in models)
+    out: dict[str, dict[str, list[str]]] = {}
+    for node in nodes.values():
+        for model in node.models():
+            other = owned_by(model)
+            if model.startswith(prefixes) and other is not None and other != owner:
+                out.setdefault(node.name, {}).setdefault(other, []).append(model)
+    return out
+
+
+def fence_off(nodes: dict[str, RepositoryAPI], models: list[str], owner: str | None) -> list[str]:
+    """Unload from `nodes` (router `owner`'s, its own partition models of `models` just
+    loaded there: its claim) those that another router of the tier left: that router's
+    calls fail from now on (Triton checks the model's name on every call), and should it
+    still run, its reload of "its" node finds the claim and leaves the node alone
+    (Deployment._refill_url). Only then does `owner` drive the node. Returns "NODE: router
+    OWNER's MODEL" of each, also logged."""
+    if owner is None:
+        return []
+    out = []
+    for node in nodes.values():
+        held = foreign_partitions({node.name: node}, models, owner)
+        for other, names in held.get(node.name, {}).items():
+            for model in names:
+                node.unload(model)
+                out.append(f"{node.name}: router {other}'s {model}")
+    if out:
+        log.warning("fenced off the routers gone: unloaded %s", ", ".join(out))
+    return out
+
+
+def _unload_left_behind(
+    nodes: dict[str, RepositoryAPI], models: list[str], owner: str | None = None
+) -> list[str]:
     """Unload the partitions of `models` that the nodes already have (an earlier router of
     these models died or was killed without taking them off): "NODE: MODEL" of each, also
-    logged. Listing a node's models needs its key: a token that does not match fails here,
-    before anything is loaded."""
+    logged. A router of a tier (`owner`) leaves another router's to Deployment.fence, once
+    its own are loaded. Listing a node's models needs its key: a token that does not
+    match fails here, before anything is loaded."""
     prefixes = tuple(f"{m}__b" for m in models)
     out = []
     for node in nodes.values():
         for model in node.models():
+            other = owned_by(model)
+            if owner is not None and other is not None and other != owner:
+                continue
             if model.startswith(prefixes):
                 node.unload(model)
                 out.append(f"{node.name}: {model}")

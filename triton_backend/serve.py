@@ -16,7 +16,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from poolpipe.client.control import authorised
+from poolpipe.client.control import authorised, node_key
+from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import Warehouse, store_rows_durably, store_tables_durably
@@ -24,6 +25,7 @@ from triton_backend import REPLAN_GRACE_S
 from triton_backend.deploy import Deployment, RolloutResult
 from triton_backend.env import free_ports, signals_held
 from triton_backend.nodes import refuse_taken_ports
+from triton_backend.peers import TierMember
 from triton_backend.readiness import DRAINING, NOT_READY, READY, ReadinessServer
 from triton_backend.router import RouterCore
 
@@ -138,6 +140,9 @@ class ServingProcess:
         token: str | None = None,
         replan_on_failure: Callable[[str, str], dict] | None = None,
         replan_grace_s: float = REPLAN_GRACE_S,
+        tier: tuple[Inventory, str] | None = None,
+        adopt_after_s: float = 3.0,
+        on_reshard: Callable[[str, str, str], dict] | None = None,
         **options: Any,
     ):
         """`token`: control commands must carry it (poolpipe.client.send_control(token=)),
@@ -151,7 +156,13 @@ class ServingProcess:
         port; None: not served). `stop_grace_s`: on close, how long the readiness check
         answers 404 (draining) while the router still serves, before it waits for the
         requests it has and stops (a balancer's checks send new ones elsewhere meanwhile,
-        so that a planned stop fails no request)."""
+        so that a planned stop fails no request). `tier`: (the inventory with its router
+        tier, this router's name): it serves that router's shard (its partition models
+        carry its name), waits at start-up until no live peer holds a node of it, and
+        follows its peers (peers.TierMember): a peer that has not answered its readiness
+        check for `adopt_after_s` (0: never adopt) is gone, and this router adopts its part
+        of that peer's nodes, re-planned and rolled out by `on_reshard`
+        (flows.replan.on_reshard), and hands them back when the peer answers again."""
         self.warehouse = warehouse
         self.token = token
         self.name = name
@@ -169,10 +180,32 @@ class ServingProcess:
         self._closing = False
         self.ready: ReadinessServer | None = None
         self.stop_grace_s = stop_grace_s
-        self.deployment = Deployment.up(
-            plan, warehouse, workspace, control=self.control, token=token, **options
-        )
         self._stop = threading.Event()
+        self.member: TierMember | None = None
+        self.deployment: Deployment = None  # type: ignore[assignment]  # (set just below)
+        if tier is not None:
+            inv, me = tier
+            key = None if token is None else node_key(token)
+            self.member = TierMember(inv, me, Path(workspace), key, adopt_after_s, on_reshard)
+            options.setdefault("inventory", inv.shard(me))
+        try:
+            if ready_port is not None:  # before the nodes: a peer may wait on its answer
+                self.ready = ReadinessServer(self.metrics_address, ready_port, self.readiness)
+            if self.member is not None:
+                self.member.wait_for_shard([m.name for m in plan.models], self._stop)
+            self.deployment = Deployment.up(
+                plan,
+                warehouse,
+                workspace,
+                control=self.control,
+                token=token,
+                owner=tier[1] if tier is not None else None,
+                **options,
+            )
+        except BaseException:
+            if self.ready is not None:
+                self.ready.close()
+            raise
         self._window_start = datetime.now()
         self.started = datetime.now()
         self.rollouts: Counter[str] = Counter()  # by result: done, rolled back, refused
@@ -195,8 +228,14 @@ class ServingProcess:
                 registry.register(RouterCollector(self))
                 self.metrics_port = metrics_port or free_ports(1)[0]
                 start_http_server(self.metrics_port, addr=self.metrics_address, registry=registry)
-            if ready_port is not None:
-                self.ready = ReadinessServer(self.metrics_address, ready_port, self.readiness)
+            if self.member is not None and adopt_after_s > 0:
+                self._tier_thread = threading.Thread(
+                    target=self.member.follow,
+                    args=(self.deployment, self._lock, self._stop),
+                    name="poolpipe-tier",
+                    daemon=True,
+                )
+                self._tier_thread.start()
         except BaseException:
             self.close()
             raise
@@ -207,6 +246,9 @@ class ServingProcess:
         model of its plan has no live path (its requests would fail here while another
         router may serve them)."""
         dep = self.deployment
+        if dep is None:
+            waiting = self.member.waiting if self.member is not None else ""
+            return NOT_READY, f"starting{': ' + waiting if waiting else ''}", {}
         more = {"deployment": self.name, "plan_id": self.plan_id, "generation": dep.generation}
         if self._closing:
             return DRAINING, "the router is stopping: it serves only what it has", more
@@ -390,6 +432,13 @@ class ServingProcess:
             "windows": windows,
             "reply_margin_ms": round(core.reply_margin_us / 1e3, 3),
             "arrival_stamps": dict(core.stamps.counts),
+            "tier": None
+            if self.member is None
+            else {
+                "router": self.member.name,
+                "shard": list(self.member.shard),
+                "reshards": self.member.reshards[-5:],
+            },
             "rollouts": dict(self.rollouts),
             "ports": {
                 "http": dep.http_url,

@@ -66,13 +66,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from triton_backend.serve import ServingProcess
 
     log_events()
-    inventory = None
+    inventory = tier = None
     if args.nodes:
         from poolpipe.domain.inventory import load_inventory
 
         inventory = load_inventory(args.nodes)
     if args.router:
-        inventory = _router_shard(args, inventory)
+        shard = _router_shard(args, inventory)  # (refuses a missing inventory)
+        assert inventory is not None
+        tier, inventory = (inventory, args.router), shard
     if args.replan_on_failure and not args.nodes:
         raise PoolpipeError(
             "--replan-on-failure re-plans for the nodes of an inventory: give --nodes "
@@ -112,6 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             supervise=True,  # nodes it starts itself are restarted when they die
             replan_on_failure=_replanner(args, token_file) if args.replan_on_failure else None,
             replan_grace_s=args.replan_grace,
+            tier=tier,
+            adopt_after_s=args.adopt_after,
+            on_reshard=_resharder(args, token_file) if tier else None,
             **router_options(args),
         )
     try:
@@ -148,8 +153,10 @@ def _router_shard(args: argparse.Namespace, inventory):
         )
     args.listen = hosts.pop().strip("[]")
     args.http_port, args.grpc_port, args.ready_port = (port for _, port in addresses)
+    from triton_backend.peers import shard_file
+
     shard = inventory.shard(r.name)
-    path = Path(args.workspace) / f"inventory-{r.name}.toml"
+    path = shard_file(Path(args.workspace), r.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(shard.to_toml())
     args.nodes = str(path)
@@ -167,6 +174,13 @@ def _replanner(args: argparse.Namespace, token_file: str):
         token_file=str(Path(token_file).resolve()),
         margin=args.replan_margin,
     )
+
+
+def _resharder(args: argparse.Namespace, token_file: str):
+    """The reshard flow, as a router of a router tier calls it when its shard changes."""
+    from flows.replan import on_reshard
+
+    return on_reshard(warehouse=args.warehouse, token_file=str(Path(token_file).resolve()))
 
 
 def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
@@ -431,6 +445,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--router",
         help="with --nodes: serve as this router of the inventory's [[routers]], on its "
         "shard's nodes and at its addresses (no --listen or ports then)",
+    )
+    p.add_argument(
+        "--adopt-after",
+        type=float,
+        default=3.0,
+        metavar="SECONDS",
+        help="with --router: a peer router whose readiness check has not answered for this "
+        "long is gone; this router adopts its part of the peer's nodes (re-planned and "
+        "rolled out) and hands them back when the peer answers again (3; 0: never adopt)",
     )
     p.add_argument(
         "--ready-port",
