@@ -10,9 +10,10 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
 2. CPU per request: `--requests` one after another over gRPC, straight and through the
    balancer: the CPU each process spent per request (HAProxy, the router's Triton with its
    door stubs, the router process) and the client's p50.
-3. router kill: a second router (`poolpipe serve`, its own process and node) beside the
-   first behind HAProxy under an open-loop load; its process killed: errors, hung
-   requests, per-second timeline.
+3. router kill: two routers (`poolpipe serve --router`), a node each (`poolpipe node`),
+   behind HAProxy under an open-loop load; one router's processes killed: errors, hung
+   requests, when its node serves again (adopted by the other router), the router
+   started again and its node handed back; per-second timeline.
 4. sharding: what splitting hc2-large and hc4-large into 2 and 4 shards (one per router,
    each planned for itself) costs against planning the whole cluster (planner only).
 
@@ -64,7 +65,7 @@ def main() -> int:
         help="which parts, comma-separated: burst, cpu, kill, sharding (all)",
     )
     ap.add_argument("--kill-rate", type=float, default=10.0, help="req/s in the kill part (10)")
-    ap.add_argument("--kill-seconds", type=float, default=12.0, help="its length (12 s)")
+    ap.add_argument("--kill-seconds", type=float, default=60.0, help="its length (60 s)")
     ap.add_argument("--profiles", type=Path, default=None, help="PPipe profiles (shipped ones)")
     args = ap.parse_args()
     if args.burst < 1 or args.rounds < 1 or args.requests < 10:
@@ -124,96 +125,190 @@ def live_parts(args, parts: set[str], rows: BenchRows) -> None:
             burst_part(args, srv, paths, name, in_name, x, rows.record)
         if "cpu" in parts:
             cpu_part(args, srv, lb, paths, name, in_name, x, rows.record)
-        if "kill" in parts:
-            lb.stop()
-            kill_part(args, srv, plan, tmp, x, in_name, name, rows.record)
     finally:
         lb.stop()
         srv.close()
+    if "kill" in parts:  # a tier of its own
+        kill_part(args, plan, tmp, x, in_name, name, rows.record)
 
 
-def kill_part(args, srv, plan, tmp: Path, x, in_name: str, name: str, record) -> None:
-    """A second router, `poolpipe serve` in a process of its own with its own node, beside
-    the first behind HAProxy (checks every 500 ms, two failed: the defaults); an open-loop
-    Poisson load through the balancer (gRPC); the second router's process killed (SIGKILL)
-    a third of the way in. Per second: sent, on time, dropped, errors."""
+def kill_part(args, plan, tmp: Path, x, in_name: str, name: str, record) -> None:
+    """Two routers (`poolpipe serve --nodes INV --router r0|r1`), each driving a node of its
+    own (`poolpipe node`), every one a process of its own, behind HAProxy (checks every
+    500 ms, two failed: the defaults); an open-loop Poisson load through the balancer
+    (gRPC). r1's processes killed (SIGKILL) a quarter of the way in: r0 adopts its node
+    (the reshard flow re-plans, the rollout fences r1 off); r1 started again at 55%: r0
+    hands the node back. Per second: sent, on time, late, dropped, errors; and when each
+    step happened."""
     import subprocess
-    import urllib.request
 
+    from poolpipe.client import send_control
+    from poolpipe.client.control import new_token_file
     from testbed.loadgen import drive, poisson_times
     from triton_backend.balancer import Balancer
     from triton_backend.env import free_ports
-    from triton_backend.nodes import reap
+    from triton_backend.nodes import RemoteNode, reap
 
-    dep = srv.deployment
-    http, grpc, ready, lb_http, lb_grpc = free_ports(5)
+    token_file = tmp / "tier.token"
+    token = new_token_file(token_file)
     plan_path = tmp / "plan.json"
     plan_path.write_text(plan.to_json())
-    cmd = [
-        sys.executable, "-m", "poolpipe.cli", "serve", str(plan_path),
-        "--workspace", str(tmp / "router1"), "--http-port", str(http), "--grpc-port",
-        str(grpc), "--ready-port", str(ready), "--stats-interval", "3600",
-    ]  # fmt: skip
-    if args.warehouse:
-        cmd[3:3] = ["--warehouse", args.warehouse]
-    killed: dict[str, list] = {}  # the processes the kill took down, their shared memory
-    log = open(tmp / "router1.log", "wb")  # noqa: SIM115 (the process keeps it)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        with console.status("router kill: starting a second router (poolpipe serve) ..."):
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{ready}/ready", timeout=2):
-                        break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit(
-                            f"the second router did not start; see {tmp / 'router1.log'}"
-                        ) from None
-                    time.sleep(0.5)
-        two = _inventory(dep.nodes, dep.http_port, dep.grpc_port, srv.ready.port, lb_http, lb_grpc)
-        # the second router's node runs in its process: named here for its shard only
-        two["nodes"].append({**two["nodes"][0], "name": "its-node", "grpc": "127.0.0.1:2"})
-        two["routers"][0]["nodes"] = [two["nodes"][0]["name"]]
-        two["routers"].append(
+    ports = free_ports(4 * 2 + 3 * 2 + 2)
+    node_ports = [ports[k * 4 : k * 4 + 4] for k in range(2)]  # grpc, http, metrics, watch
+    router_ports = [ports[8 + k * 3 : 8 + k * 3 + 3] for k in range(2)]  # http, grpc, ready
+    lb_http, lb_grpc = ports[14:16]
+    inv = {
+        "servers": [{"name": f"s{k}", "bandwidth_gbps": 10} for k in range(2)],
+        "nodes": [
             {
-                "name": "r1",
-                "http": f"127.0.0.1:{http}",
-                "grpc": f"127.0.0.1:{grpc}",
-                "ready": f"127.0.0.1:{ready}",
-                "nodes": ["its-node"],
+                "name": f"n{k}",
+                "server": f"s{k}",
+                "device": "cpu-2t",
+                "grpc": f"127.0.0.1:{g}",
+                "http": f"127.0.0.1:{h}",
+                "watch": f"127.0.0.1:{w}",
             }
+            for k, (g, h, _, w) in enumerate(node_ports)
+        ],
+        "balancer": {"http": f"127.0.0.1:{lb_http}", "grpc": f"127.0.0.1:{lb_grpc}"},
+        "routers": [
+            {
+                "name": f"r{k}",
+                "http": f"127.0.0.1:{h}",
+                "grpc": f"127.0.0.1:{g}",
+                "ready": f"127.0.0.1:{r}",
+                "nodes": [f"n{k}"],
+            }
+            for k, (h, g, r) in enumerate(router_ports)
+        ],
+    }
+    inventory = parse_inventory(inv, "bench inventory")
+    inv_path = tmp / "tier.toml"
+    inv_path.write_text(inventory.to_toml())
+    poolpipe = [sys.executable, "-m", "poolpipe.cli"]
+    procs: dict[str, subprocess.Popen] = {}
+    logs: list = []
+    killed: dict[str, list] = {}  # the processes the kill took down, their shared memory
+
+    def spawn(what: str, cmd: list[str]) -> None:
+        log = open(tmp / f"{what}.log", "ab")  # noqa: SIM115 (the process keeps it)
+        logs.append(log)
+        procs[what] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        lb = Balancer(parse_inventory(two, "bench inventory"), tmp / "lb-two").start()
+
+    def router(k: int) -> None:
+        cmd = [
+            *poolpipe, "serve", str(plan_path), "--nodes", str(inv_path), "--router", f"r{k}",
+            "--workspace", str(tmp / f"r{k}"), "--token-file", str(token_file),
+            "--stats-interval", "3600",
+        ]  # fmt: skip
+        if args.warehouse:
+            cmd[3:3] = ["--warehouse", args.warehouse]
+        spawn(f"r{k}", cmd)
+
+    def ready(k: int) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{router_ports[k][2]}/ready", timeout=2):
+                return True
+        except OSError:
+            return False
+
+    def until(ok, what: str, log: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ok():
+            if procs[log].poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"router kill: {what} did not happen; see {tmp / log}.log")
+            time.sleep(0.2)
+
+    try:
+        with console.status("router kill: starting two nodes and two routers ..."):
+            for k, (g, h, m, w) in enumerate(node_ports):
+                spawn(f"n{k}", [
+                    *poolpipe, "node", "--device", "cpu-2t", "--name", f"n{k}", "--grpc-port",
+                    str(g), "--http-port", str(h), "--metrics-port", str(m), "--watch-port",
+                    str(w), "--workspace", str(tmp / f"n{k}"), "--token-file", str(token_file),
+                ])  # fmt: skip
+            for k, (g, *_) in enumerate(node_ports):
+                node = RemoteNode(f"n{k}", "cpu-2t", f"127.0.0.1:{g}", key=None)
+                until(node.live, f"node n{k} answering", f"n{k}")
+            for k in range(2):
+                router(k)
+                until(lambda k=k: ready(k), f"router r{k} ready", f"r{k}")
+        lb = Balancer(inventory, tmp / "lb-two").start()
+        events: dict[str, float] = {}
+        t0 = time.monotonic()
+        r0 = f"127.0.0.1:{router_ports[0][1]}"
+
+        def generation0() -> int:
+            """r0's rollouts so far: 1 once it has adopted n1, 2 once it has handed it back."""
+            with contextlib.suppress(Exception):
+                status = send_control(r0, {"op": "status"}, token=token, timeout_s=5)
+                return int(status["generation"])
+            return -1
+
+        def at(event: str, ok) -> None:
+            while not ok() and time.monotonic() - t0 < args.kill_seconds:
+                time.sleep(0.2)
+            if ok():
+                events[event] = time.monotonic() - t0
+
+        def timeline() -> None:
+            seconds = args.kill_seconds
+            time.sleep(seconds * 0.25)
+            events["killed"] = time.monotonic() - t0
+            killed.update(_crash(procs["r1"]))
+            at("adopted", lambda: generation0() >= 1)
+            time.sleep(max(0.0, seconds * 0.55 - (time.monotonic() - t0)))
+            events["restarted"] = time.monotonic() - t0
+            router(1)
+            at("handed back", lambda: generation0() >= 2)
+            at("back", lambda: ready(1))
+
         try:
             _wait_until_balanced(lb.grpc_url, name, in_name, x)
-            rate, seconds, kill_at = args.kill_rate, args.kill_seconds, args.kill_seconds / 3
+            rate, seconds = args.kill_rate, args.kill_seconds
             times = poisson_times(rate, seconds, seed=1)
-            killer = threading.Timer(kill_at, lambda: killed.update(_crash(proc)))
+            steps = threading.Thread(target=timeline)
             with console.status(
-                f"router kill: {rate:g} req/s for {seconds:g} s, the second router killed at "
-                f"{kill_at:.1f} s ..."
+                f"router kill: {rate:g} req/s for {seconds:g} s; r1 killed at "
+                f"{seconds * 0.25:.0f} s, started again at {seconds * 0.55:.0f} s ..."
             ):
-                killer.start()
+                t0 = time.monotonic()
+                steps.start()
                 shots = drive(lb.grpc_url, name, {in_name: x}, times, timeout_s=30.0)
-                killer.join()
+                steps.join()
         finally:
             lb.stop()
     finally:
-        if proc.poll() is None:
-            killed.update(_crash(proc))
-        proc.wait()
-        log.close()
+        for what in ("r1", "r0", "n1", "n0"):  # routers first: they unload from the nodes
+            proc = procs.get(what)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    killed.setdefault("procs", []).extend(_crash(proc)["procs"])
+        for proc in procs.values():
+            proc.wait()
+        for log in logs:
+            log.close()
         # a crash leaves the Python-backend stubs' shared memory behind: removed
         reap(killed.get("procs", []), grace_s=5.0, regions=killed.get("regions", []))
-    slo = args.burst_slo_ms / 1e3
+    kill_report(args, shots, events, record)
+
+
+def kill_report(args, shots, events: dict[str, float], record) -> None:
+    rate, seconds, slo = args.kill_rate, args.kill_seconds, args.burst_slo_ms / 1e3
     t = Table(
-        title=f"router kill: two routers behind HAProxy, {rate:g} req/s (Poisson, gRPC), the "
-        f"second router's process killed (SIGKILL) at {kill_at:.1f} s; per second",
+        title=f"router kill: two routers behind HAProxy, a node each, {rate:g} req/s (Poisson, "
+        f"gRPC); r1 killed (SIGKILL) at {events.get('killed', 0):.1f} s, its node adopted by r0, "
+        "r1 started again; per second",
         title_justify="left",
     )
-    for col in ("second", "sent", "on time", "late", "dropped", "errors", "slowest ms"):
+    for col in ("second", "sent", "on time", "late", "dropped", "errors", "slowest ms", ""):
         t.add_column(col, justify="right")
     for k in range(math.ceil(seconds)):
         w = [sh for sh in shots if k <= sh.sent_s < k + 1]
@@ -226,25 +321,46 @@ def kill_part(args, srv, plan, tmp: Path, x, in_name: str, name: str, record) ->
             "errors": sum(sh.outcome not in ("ok", "dropped") for sh in w),
         }
         slowest = max((sh.latency_s for sh in w), default=0.0) * 1e3
-        t.add_row(
-            f"{k}{' (kill)' if k <= kill_at < k + 1 else ''}",
-            *(str(v) for v in row.values()),
-            f"{slowest:.0f}",
-        )
+        what = ", ".join(e for e, at in events.items() if k <= at < k + 1)
+        t.add_row(str(k), *(str(v) for v in row.values()), f"{slowest:.0f}", what)
         for metric, v in row.items():
             record("router-tier-kill", f"{rate:g}rps#s{k}", metric, v)
     console.print(t)
+    kill_at = events.get("killed", 0.0)
     errors = [sh for sh in shots if sh.outcome not in ("ok", "dropped")]
     hung = [sh for sh in shots if sh.latency_s >= 29.0]
     last = max((sh.sent_s for sh in errors), default=kill_at)
     console.print(
         f"{len(errors)} error(s) of {len(shots)} requests, the last sent "
-        f"{last - kill_at:+.2f} s from the kill; {len(hung)} hung (no answer in 30 s)",
+        f"{last - kill_at:+.2f} s from the kill; {len(hung)} hung (no answer in 30 s); "
+        f"r1's node serving again (adopted by r0, rolled out) {_after(events, 'adopted', kill_at)} "
+        f"the kill; r1 ready again {_after(events, 'back', events.get('restarted', 0.0))} its "
+        "restart",
         highlight=False,
     )
+    windows = {
+        "before the kill": (0.0, kill_at),
+        "first 10 s after it": (kill_at, kill_at + 10.0),
+        "from 10 s after it to the restart": (kill_at + 10.0, events.get("restarted", seconds)),
+        "from the restart": (events.get("restarted", seconds), seconds),
+    }
+    for what, (a, b) in windows.items():
+        w = [sh for sh in shots if a <= sh.sent_s < b]
+        if not w:
+            continue
+        on_time = sum(sh.outcome == "ok" and sh.latency_s <= slo for sh in w)
+        console.print(f"  attainment {what}: {on_time}/{len(w)} = {on_time / len(w):.1%}")
+        record("router-tier-kill", f"{rate:g}rps#{what}", "attainment", on_time / len(w))
     record("router-tier-kill", f"{rate:g}rps", "errors", len(errors))
     record("router-tier-kill", f"{rate:g}rps", "hung", len(hung))
     record("router-tier-kill", f"{rate:g}rps", "last_error_after_kill_s", last - kill_at)
+    for e, since in (("adopted", "killed"), ("handed back", "restarted"), ("back", "restarted")):
+        if e in events and since in events:
+            record("router-tier-kill", f"{rate:g}rps", f"{e}_after_s", events[e] - events[since])
+
+
+def _after(events: dict[str, float], event: str, since: float) -> str:
+    return f"{events[event] - since:.1f} s after" if event in events else "not within the run of"
 
 
 def sharding_part(args, record) -> None:

@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--replan-on-failure re-plans for the nodes of an inventory: give --nodes "
             "INVENTORY (nodes serve started here are restarted when they die instead)"
         )
-    if args.replan_on_failure:  # its flow runs here: its decisions are logged, not Prefect's
+    if args.replan_on_failure or args.router:  # flows run here: logged here, not Prefect's
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
         # Prefect's ephemeral API (where no PREFECT_API_URL is set) sends telemetry from its
         # SQLite file, which printed "database is locked" tracebacks beside serving
