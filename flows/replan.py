@@ -280,13 +280,26 @@ def reshard(
     return decision
 
 
-def on_reshard(**params: Any) -> Callable[[str, str, str], dict]:
+def _reshard_here(**params: Any) -> dict:
+    return reshard(**params)
+
+
+def on_reshard(isolated: bool = True, **params: Any) -> Callable[[str, str, str], dict]:
     """What a router of a router tier calls when its shard changes
-    (triton_backend.serve.ServingProcess): the reshard flow, run in the serving process,
-    with `params` (warehouse, token_file), the router's address, its new shard's inventory
-    file and what happened."""
+    (triton_backend.serve.ServingProcess): the reshard flow with `params` (warehouse,
+    token_file), the router's address, its new shard's inventory file and what happened.
+    `isolated`: in a process of its own (a fresh interpreter), so that planning, and
+    Prefect's local API where no PREFECT_API_URL is set, take nothing from the router's
+    runtime thread (they share its interpreter otherwise); False: in the calling thread."""
 
     def run(router: str, inventory: str, trigger: str) -> dict:
-        return reshard(router=router, inventory=inventory, trigger=trigger, **params)
+        what = {"router": router, "inventory": inventory, "trigger": trigger, **params}
+        if not isolated:
+            return reshard(**what)
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(_reshard_here, **what).result()
 
     return run
