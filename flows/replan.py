@@ -280,8 +280,14 @@ def reshard(
     return decision
 
 
-def _reshard_here(**params: Any) -> dict:
-    return reshard(**params)
+def _reshard_here(api_url: str | None, **params: Any) -> dict:
+    """The reshard flow in a fresh interpreter, on the Prefect API its parent uses."""
+    if not api_url:
+        return reshard(**params)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        return reshard(**params)
 
 
 def on_reshard(isolated: bool = True, **params: Any) -> Callable[[str, str, str], dict]:
@@ -299,7 +305,9 @@ def on_reshard(isolated: bool = True, **params: Any) -> Callable[[str, str, str]
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
+        from prefect.settings import PREFECT_API_URL
+
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_reshard_here, **what).result()
+            return pool.submit(_reshard_here, PREFECT_API_URL.value(), **what).result()
 
     return run
