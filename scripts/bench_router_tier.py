@@ -61,21 +61,27 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=300, help="closed-loop requests (300)")
     ap.add_argument(
         "--parts",
-        default="burst,cpu,kill,sharding",
-        help="which parts, comma-separated: burst, cpu, kill, sharding (all)",
+        default="burst,cpu,kill,cap,sharding",
+        help="which parts, comma-separated: burst, cpu, kill, cap, sharding (all)",
     )
     ap.add_argument("--kill-rate", type=float, default=10.0, help="req/s in the kill part (10)")
     ap.add_argument("--kill-seconds", type=float, default=60.0, help="its length (60 s)")
+    ap.add_argument("--cap-cpus", type=float, default=0.25, help="CPU of each router (0.25)")
+    ap.add_argument("--cap-step", type=float, default=10.0, help="rate grid, req/s (10)")
+    ap.add_argument("--cap-top", type=int, default=600, help="highest rate tried (600)")
+    ap.add_argument("--cap-seconds", type=float, default=8.0, help="per rate tried (8 s)")
     ap.add_argument("--profiles", type=Path, default=None, help="PPipe profiles (shipped ones)")
     args = ap.parse_args()
     if args.burst < 1 or args.rounds < 1 or args.requests < 10:
         ap.error("--burst and --rounds must be at least 1, --requests at least 10")
     parts = set(args.parts.split(","))
-    if not parts or parts - {"burst", "cpu", "kill", "sharding"}:
-        ap.error(f"--parts: choose among burst, cpu, kill, sharding, got {args.parts!r}")
+    if not parts or parts - {"burst", "cpu", "kill", "cap", "sharding"}:
+        ap.error(f"--parts: choose among burst, cpu, kill, cap, sharding, got {args.parts!r}")
     rows = BenchRows(args.label)
     if parts & {"burst", "cpu", "kill"}:
         live_parts(args, parts, rows)
+    if "cap" in parts:
+        cap_part(args, Path(tempfile.mkdtemp(prefix="bench-router-cap-")), rows.record)
     if "sharding" in parts:
         sharding_part(args, rows.record)
     with Warehouse.open(args.warehouse) as wh:
@@ -140,112 +146,28 @@ def kill_part(args, plan, tmp: Path, x, in_name: str, name: str, record) -> None
     (the reshard flow re-plans, the rollout fences r1 off); r1 started again at 55%: r0
     hands the node back. Per second: sent, on time, late, dropped, errors; and when each
     step happened."""
-    import subprocess
-
     from poolpipe.client import send_control
-    from poolpipe.client.control import new_token_file
     from testbed.loadgen import drive, poisson_times
+    from testbed.tier import ProcessTier
     from triton_backend.balancer import Balancer
-    from triton_backend.env import free_ports
-    from triton_backend.nodes import RemoteNode, reap
 
-    token_file = tmp / "tier.token"
-    token = new_token_file(token_file)
     plan_path = tmp / "plan.json"
     plan_path.write_text(plan.to_json())
-    ports = free_ports(4 * 2 + 3 * 2 + 2)
-    node_ports = [ports[k * 4 : k * 4 + 4] for k in range(2)]  # grpc, http, metrics, watch
-    router_ports = [ports[8 + k * 3 : 8 + k * 3 + 3] for k in range(2)]  # http, grpc, ready
-    lb_http, lb_grpc = ports[14:16]
-    inv = {
-        "servers": [{"name": f"s{k}", "bandwidth_gbps": 10} for k in range(2)],
-        "nodes": [
-            {
-                "name": f"n{k}",
-                "server": f"s{k}",
-                "device": "cpu-2t",
-                "grpc": f"127.0.0.1:{g}",
-                "http": f"127.0.0.1:{h}",
-                "watch": f"127.0.0.1:{w}",
-            }
-            for k, (g, h, _, w) in enumerate(node_ports)
-        ],
-        "balancer": {"http": f"127.0.0.1:{lb_http}", "grpc": f"127.0.0.1:{lb_grpc}"},
-        "routers": [
-            {
-                "name": f"r{k}",
-                "http": f"127.0.0.1:{h}",
-                "grpc": f"127.0.0.1:{g}",
-                "ready": f"127.0.0.1:{r}",
-                "nodes": [f"n{k}"],
-            }
-            for k, (h, g, r) in enumerate(router_ports)
-        ],
-    }
-    inventory = parse_inventory(inv, "bench inventory")
-    inv_path = tmp / "tier.toml"
-    inv_path.write_text(inventory.to_toml())
-    poolpipe = [sys.executable, "-m", "poolpipe.cli"]
-    procs: dict[str, subprocess.Popen] = {}
-    logs: list = []
-    killed: dict[str, list] = {}  # the processes the kill took down, their shared memory
-
-    def spawn(what: str, cmd: list[str]) -> None:
-        log = open(tmp / f"{what}.log", "ab")  # noqa: SIM115 (the process keeps it)
-        logs.append(log)
-        procs[what] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def router(k: int) -> None:
-        cmd = [
-            *poolpipe, "serve", str(plan_path), "--nodes", str(inv_path), "--router", f"r{k}",
-            "--workspace", str(tmp / f"r{k}"), "--token-file", str(token_file),
-            "--stats-interval", "3600",
-        ]  # fmt: skip
-        if args.warehouse:
-            cmd[3:3] = ["--warehouse", args.warehouse]
-        spawn(f"r{k}", cmd)
-
-    def ready(k: int) -> bool:
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{router_ports[k][2]}/ready", timeout=2):
-                return True
-        except OSError:
-            return False
-
-    def until(ok, what: str, log: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ok():
-            if procs[log].poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"router kill: {what} did not happen; see {tmp / log}.log")
-            time.sleep(0.2)
-
-    try:
+    serve = [str(plan_path), *(["--warehouse", args.warehouse] if args.warehouse else [])]
+    work = tmp / "kill"
+    work.mkdir()
+    with ProcessTier(work, "cpu-2t", [[0], [1]], serve) as tier:
         with console.status("router kill: starting two nodes and two routers ..."):
-            for k, (g, h, m, w) in enumerate(node_ports):
-                spawn(f"n{k}", [
-                    *poolpipe, "node", "--device", "cpu-2t", "--name", f"n{k}", "--grpc-port",
-                    str(g), "--http-port", str(h), "--metrics-port", str(m), "--watch-port",
-                    str(w), "--workspace", str(tmp / f"n{k}"), "--token-file", str(token_file),
-                ])  # fmt: skip
-            for k, (g, *_) in enumerate(node_ports):
-                node = RemoteNode(f"n{k}", "cpu-2t", f"127.0.0.1:{g}", key=None)
-                until(node.live, f"node n{k} answering", f"n{k}")
-            for k in range(2):
-                router(k)
-                until(lambda k=k: ready(k), f"router r{k} ready", f"r{k}")
-        lb = Balancer(inventory, tmp / "lb-two").start()
+            tier.start()
+        lb = Balancer(tier.inventory, work / "lb").start()
         events: dict[str, float] = {}
         t0 = time.monotonic()
-        r0 = f"127.0.0.1:{router_ports[0][1]}"
 
         def generation0() -> int:
             """r0's rollouts so far: 1 once it has adopted n1, 2 once it has handed it back."""
             with contextlib.suppress(Exception):
-                status = send_control(r0, {"op": "status"}, token=token, timeout_s=5)
+                command = {"op": "status"}
+                status = send_control(tier.router_grpc(0), command, token=tier.token, timeout_s=5)
                 return int(status["generation"])
             return -1
 
@@ -259,13 +181,13 @@ def kill_part(args, plan, tmp: Path, x, in_name: str, name: str, record) -> None
             seconds = args.kill_seconds
             time.sleep(seconds * 0.25)
             events["killed"] = time.monotonic() - t0
-            killed.update(_crash(procs["r1"]))
+            tier.crash("r1")
             at("adopted", lambda: generation0() >= 1)
             time.sleep(max(0.0, seconds * 0.55 - (time.monotonic() - t0)))
             events["restarted"] = time.monotonic() - t0
-            router(1)
+            tier.start_router(1)
             at("handed back", lambda: generation0() >= 2)
-            at("back", lambda: ready(1))
+            at("back", lambda: tier.ready(1))
 
         try:
             _wait_until_balanced(lb.grpc_url, name, in_name, x)
@@ -282,21 +204,6 @@ def kill_part(args, plan, tmp: Path, x, in_name: str, name: str, record) -> None
                 steps.join()
         finally:
             lb.stop()
-    finally:
-        for what in ("r1", "r0", "n1", "n0"):  # routers first: they unload from the nodes
-            proc = procs.get(what)
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    killed.setdefault("procs", []).extend(_crash(proc)["procs"])
-        for proc in procs.values():
-            proc.wait()
-        for log in logs:
-            log.close()
-        # a crash leaves the Python-backend stubs' shared memory behind: removed
-        reap(killed.get("procs", []), grace_s=5.0, regions=killed.get("regions", []))
     kill_report(args, shots, events, record)
 
 
@@ -361,6 +268,110 @@ def kill_report(args, shots, events: dict[str, float], record) -> None:
 
 def _after(events: dict[str, float], event: str, since: float) -> str:
     return f"{events[event] - since:.1f} s after" if event in events else "not within the run of"
+
+
+def onboard_tiny_model(warehouse, tmp: Path) -> tuple[str, str, tuple[int, ...]]:
+    """A model whose stages cost the nodes little (ResNet-50 at 1/8 width, 32 px, 4 blocks,
+    profiled for cpu-1t), so that the routers are what limits a tier: its name, its
+    input's name and shape."""
+    import onnx
+
+    from flows.onboard import onboard_model
+    from poolpipe.offline.zoo import make_model
+
+    name = "bench-tiny"
+    path = make_model("resnet50", tmp / "tiny.onnx", width=0.125, image=32)
+    with console.status("onboarding a light model (cpu-1t) ..."):
+        onboard_model(str(path), name, warehouse=warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5)
+    first = onnx.load(str(path)).graph.input[0]
+    dims = tuple(max(1, d.dim_value) for d in first.type.tensor_type.shape.dim)
+    return name, first.name, dims
+
+
+def cap_part(args, tmp: Path, record) -> None:
+    """1 and 2 routers (processes of their own), each held to `--cap-cpus` CPUs by a cgroup
+    CPU quota (the router, its Triton and its door stubs together), behind HAProxy, on two
+    cpu-1t nodes of a light model (the routers, not the nodes, limit the tier): the
+    highest Poisson rate through the balancer at which >= 99% of requests are answered
+    within the SLO, by bisection on a grid of `--cap-step` req/s."""
+    from testbed.cgroup import hierarchy
+
+    version = hierarchy()[0]  # before anything starts: says why caps cannot be had here
+    model = onboard_tiny_model(args.warehouse, tmp)
+    found: dict[int, tuple[float, list]] = {}
+    for routers in (1, 2):
+        guess = None if routers == 1 else 2 * round(found[1][0] / args.cap_step)
+        found[routers] = _capacity_capped(args, tmp / f"cap-{routers}", routers, model, guess)
+    t = Table(
+        title=f"routers held to {args.cap_cpus:g} CPU each (cgroup {version} quota), light "
+        f"model on two cpu-1t nodes, SLO {args.burst_slo_ms:g} ms: capacity through HAProxy "
+        "(>= 99% on time, Poisson, gRPC)",
+        title_justify="left",
+    )
+    for col in ("routers", "capacity req/s", "vs 1 router", "rates tried (on time, throttled)"):
+        t.add_column(col, justify="right")
+    one = found[1][0]
+    for routers, (capacity, points) in found.items():
+        tried = ", ".join(f"{r:g} ({a:.0%}, {th})" for r, a, th in sorted(points))
+        ratio = f"{capacity / one:.2f}x" if one else "-"
+        t.add_row(str(routers), f"{capacity:g}", ratio, tried)
+        record("router-tier-cap", f"{routers}router@{args.cap_cpus:g}cpu", "capacity", capacity)
+    console.print(t)
+    if one:
+        record("router-tier-cap", f"2vs1@{args.cap_cpus:g}cpu", "ratio", found[2][0] / one)
+
+
+def _capacity_capped(args, work: Path, routers: int, model, guess) -> tuple[float, list]:
+    """(capacity, [(rate, on-time share, periods the quotas throttled)]) of `routers`
+    routers over two nodes, each capped."""
+    from testbed.cgroup import CpuCap
+    from testbed.loadgen import bisect_grid, drive, poisson_times
+    from testbed.tier import ProcessTier
+    from triton_backend.balancer import Balancer
+
+    name, in_name, dims = model
+    x = np.zeros(dims, np.float32)
+    slo = args.burst_slo_ms / 1e3
+    work.mkdir()
+    plan = hand_plan(name, [(0, 4, "cpu-1t", 2 // routers)], 4, args.burst_slo_ms, args.warehouse)
+    (work / "plan.json").write_text(plan.to_json())
+    serve = [str(work / "plan.json"), "--adopt-after", "0"]
+    serve += ["--warehouse", args.warehouse] if args.warehouse else []
+    shards = [[0, 1]] if routers == 1 else [[0], [1]]
+    points: list[tuple[float, float, int]] = []
+    with ProcessTier(work, "cpu-1t", shards, serve) as tier:
+        with console.status(f"CPU cap: starting {routers} router(s) and two nodes ..."):
+            tier.start()
+        caps = [CpuCap(f"poolpipe-bench-r{k}", args.cap_cpus) for k in range(routers)]
+        lb = None
+        try:
+            for k, cap in enumerate(caps):
+                cap.add(tier.pids(f"r{k}"))
+            lb = Balancer(tier.inventory, work / "lb").start()
+            _wait_until_balanced(lb.grpc_url, name, in_name, x)
+            url = lb.grpc_url
+
+            def passes(i: int) -> bool:
+                rate = i * args.cap_step
+                before = sum(c.throttled() for c in caps)
+                shots = drive(url, name, {in_name: x}, poisson_times(rate, args.cap_seconds, i))
+                ok = sum(sh.outcome == "ok" and sh.latency_s <= slo for sh in shots)
+                share = ok / len(shots) if shots else 1.0
+                points.append((rate, share, sum(c.throttled() for c in caps) - before))
+                console.print(
+                    f"  {routers} router(s) at {rate:g} req/s: {share:.1%} on time",
+                    highlight=False,
+                )
+                time.sleep(1.0)  # what is left drains
+                return share >= 0.99
+
+            top = bisect_grid(passes, args.cap_top // int(args.cap_step), guess)
+        finally:
+            if lb is not None:
+                lb.stop()
+            for cap in caps:
+                cap.close()
+    return top * args.cap_step, points
 
 
 def sharding_part(args, record) -> None:
@@ -487,20 +498,6 @@ def grpc_burst(url: str, name: str, in_name: str, x: np.ndarray, n: int, slo_ms:
         why = (out.stderr.strip().splitlines() or ["no message"])[-1]
         raise SystemExit(f"the gRPC burst client against {url} failed: {why}")
     return json.loads(out.stdout)
-
-
-def _crash(proc) -> dict[str, list]:
-    """SIGKILL a router's process group (the router, its Triton, its node), as a crash of
-    its host would; what it took down, and the shared memory they held."""
-    import signal
-
-    from triton_backend.nodes import descendants, shm_regions
-
-    procs = descendants(proc.pid)
-    regions = shm_regions(procs)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    return {"procs": procs, "regions": regions}
 
 
 def _inventory(nodes, http, grpc, ready, lb_http, lb_grpc) -> dict:
