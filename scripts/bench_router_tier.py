@@ -14,7 +14,9 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
    behind HAProxy under an open-loop load; one router's processes killed: errors, hung
    requests, when its node serves again (adopted by the other router), the router
    started again and its node handed back; per-second timeline.
-4. sharding: what splitting hc2-large and hc4-large into 2 and 4 shards (one per router,
+4. CPU cap: 1 and 2 routers, each held to `--cap-cpus` by a cgroup CPU quota, on a load
+   the routers limit (a light model on two nodes): capacity through the balancer.
+5. sharding: what splitting hc2-large and hc4-large into 2 and 4 shards (one per router,
    each planned for itself) costs against planning the whole cluster (planner only).
 
     ./run bench-router-tier [--burst 500] [--burst-slo-ms 100] [--rounds 2] [--requests 300]
@@ -66,8 +68,8 @@ def main() -> int:
     )
     ap.add_argument("--kill-rate", type=float, default=10.0, help="req/s in the kill part (10)")
     ap.add_argument("--kill-seconds", type=float, default=60.0, help="its length (60 s)")
-    ap.add_argument("--cap-cpus", type=float, default=0.25, help="CPU of each router (0.25)")
-    ap.add_argument("--cap-step", type=float, default=10.0, help="rate grid, req/s (10)")
+    ap.add_argument("--cap-cpus", type=float, default=0.15, help="CPU of each router (0.15)")
+    ap.add_argument("--cap-step", type=float, default=5.0, help="rate grid, req/s (5)")
     ap.add_argument("--cap-top", type=int, default=600, help="highest rate tried (600)")
     ap.add_argument("--cap-seconds", type=float, default=8.0, help="per rate tried (8 s)")
     ap.add_argument("--profiles", type=Path, default=None, help="PPipe profiles (shipped ones)")
