@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from poolpipe.store.warehouse import Warehouse
-from tests.test_serving import REPO, _grpc, _infer, onboarded_tiny, two_partition_plan  # noqa: F401
+from tests.test_serving import (  # noqa: F401
+    REPO,
+    _grpc,
+    _infer,
+    hand_plan,
+    onboarded_tiny,
+    two_partition_plan,
+)
 from triton_backend.repository import node_onnx_path
 
 pytestmark = pytest.mark.integration
@@ -549,6 +556,38 @@ def _serving(args: list[str], timeout_s: float):
         proc.wait()
         raise AssertionError("".join(seen[-20:]) or f"poolpipe {args} said nothing")
     return proc
+
+
+def test_a_router_whose_triton_dies_stops_saying_so(onboarded_tiny, tmp_path):  # noqa: F811
+    """The router's own Triton (its KServe v2 front end) killed: `poolpipe serve` used to
+    run on, unreachable, with its nodes held; it now stops with an error naming the
+    Triton's log (so that a supervisor restarts it and the routers of its tier adopt its
+    nodes meanwhile), and takes its nodes down with it."""
+    import os
+    import signal
+
+    from triton_backend.env import free_ports
+    from triton_backend.nodes import port_holder
+
+    wh, _ = onboarded_tiny
+    plan_file = tmp_path / "plan.json"
+    hand_plan([(0, 4, 1)]).save(plan_file)
+    (http,) = free_ports(1)
+    argv = ["--warehouse", wh, "serve", str(plan_file), "--http-port", str(http)]
+    proc = _serving([*argv, "--workspace", str(tmp_path / "ws"), "--stop-grace", "0"], 180)
+    try:
+        holder = port_holder("127.0.0.1", http)
+        assert holder is not None and holder.startswith("tritonserver"), holder
+        os.kill(int(holder.split("pid ")[1].rstrip(")")), signal.SIGKILL)
+        rc = proc.wait(60)
+        out = " ".join(proc.stdout.read().split())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 2, out
+    assert "the router's Triton (its KServe v2 front end) exited; see" in out, out
+    assert "Traceback" not in out
 
 
 def test_an_operator_sees_status_drains_a_node_and_reads_the_statistics(

@@ -206,7 +206,14 @@ def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
         f"--token-file {token_file}\n"
         "Ctrl-C stops."
     )
-    _wait_for_signal(stop)
+    front = dep.frontend.node if dep.frontend is not None else None
+    _wait_for_signal(stop, also=None if front is None else lambda: not front.alive)
+    if front is not None and not front.alive:
+        raise PoolpipeError(
+            f"the router's Triton (its KServe v2 front end) exited; see {front.log_path}. "
+            "The router stops, taking its models off its nodes (the routers of its tier "
+            "adopt them); start it again, or let its supervisor (systemd) do so"
+        )
 
 
 def _host(address: str) -> str:
