@@ -8,6 +8,7 @@ what it still serves without them: the router can trigger this flow when a node 
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from collections import Counter
 from collections.abc import Callable
@@ -280,34 +281,55 @@ def reshard(
     return decision
 
 
-def _reshard_here(api_url: str | None, **params: Any) -> dict:
-    """The reshard flow in a fresh interpreter, on the Prefect API its parent uses."""
-    if not api_url:
-        return reshard(**params)
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: api_url}):
-        return reshard(**params)
-
-
 def on_reshard(isolated: bool = True, **params: Any) -> Callable[[str, str, str], dict]:
     """What a router of a router tier calls when its shard changes
     (triton_backend.serve.ServingProcess): the reshard flow with `params` (warehouse,
     token_file), the router's address, its new shard's inventory file and what happened.
-    `isolated`: in a process of its own (a fresh interpreter), so that planning, and
-    Prefect's local API where no PREFECT_API_URL is set, take nothing from the router's
-    runtime thread (they share its interpreter otherwise); False: in the calling thread."""
+    `isolated`: in a process of its own (`python -m flows.replan`, on the Prefect API the
+    router uses), so that planning, and Prefect's local API where no PREFECT_API_URL is
+    set (started and stopped with that process), take nothing from the router's runtime
+    thread (they share its interpreter otherwise); False: in the calling thread."""
 
     def run(router: str, inventory: str, trigger: str) -> dict:
         what = {"router": router, "inventory": inventory, "trigger": trigger, **params}
         if not isolated:
             return reshard(**what)
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+        import os
+        import subprocess
+        import sys
 
         from prefect.settings import PREFECT_API_URL
 
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_reshard_here, PREFECT_API_URL.value(), **what).result()
+        env = dict(os.environ)
+        if PREFECT_API_URL.value():
+            env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.replan", json.dumps(what)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        last = done.stdout.strip().splitlines()[-1:] or [""]
+        try:
+            answer = json.loads(last[0])
+        except json.JSONDecodeError:
+            tail = " ".join((done.stderr or done.stdout).split()[-40:])
+            raise PoolpipeError(
+                f"the reshard flow ended with code {done.returncode}: {tail}"
+            ) from None
+        if "error" in answer:
+            raise PoolpipeError(answer["error"])
+        return answer
 
     return run
+
+
+if __name__ == "__main__":  # on_reshard's process: the parameters in, the decision out
+    import sys
+
+    try:
+        decision = reshard(**json.loads(sys.argv[1]))
+    except Exception as exc:  # said to the router, which logs it and tries again later
+        print(json.dumps({"error": str(exc)}))
+        sys.exit(1)
+    print(json.dumps(decision, default=str))

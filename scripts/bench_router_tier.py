@@ -10,12 +10,13 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
 2. CPU per request: `--requests` one after another over gRPC, straight and through the
    balancer: the CPU each process spent per request (HAProxy, the router's Triton with its
    door stubs, the router process) and the client's p50.
-3. router kill: two routers (`poolpipe serve --router`), a node each (`poolpipe node`),
-   behind HAProxy under an open-loop load; one router's processes killed: errors, hung
+3. router kill: two routers (`poolpipe serve --router`), a cpu-1t node each (`poolpipe
+   node`) serving a light model (ResNet-50 at 1/8 width, 32 px), behind HAProxy under an
+   open-loop load; one router's processes killed: errors, hung
    requests, when its node serves again (adopted by the other router), the router
    started again and its node handed back; per-second timeline.
 4. CPU cap: 1 and 2 routers, each held to `--cap-cpus` by a cgroup CPU quota, on a load
-   the routers limit (a light model on two nodes): capacity through the balancer.
+   the routers limit (the light model on two cpu-1t nodes): capacity through the balancer.
 5. sharding: what splitting hc2-large and hc4-large into 2 and 4 shards (one per router,
    each planned for itself) costs against planning the whole cluster (planner only).
 
@@ -80,10 +81,15 @@ def main() -> int:
     if not parts or parts - {"burst", "cpu", "kill", "cap", "sharding"}:
         ap.error(f"--parts: choose among burst, cpu, kill, cap, sharding, got {args.parts!r}")
     rows = BenchRows(args.label)
-    if parts & {"burst", "cpu", "kill"}:
+    if parts & {"burst", "cpu"}:
         live_parts(args, parts, rows)
-    if "cap" in parts:
-        cap_part(args, Path(tempfile.mkdtemp(prefix="bench-router-cap-")), rows.record)
+    if parts & {"kill", "cap"}:  # tiers of processes, on a light model
+        tmp = Path(tempfile.mkdtemp(prefix="bench-router-tier-"))
+        model = onboard_tiny_model(args.warehouse, tmp)
+        if "kill" in parts:
+            kill_part(args, model, tmp, rows.record)
+        if "cap" in parts:
+            cap_part(args, model, tmp, rows.record)
     if "sharding" in parts:
         sharding_part(args, rows.record)
     with Warehouse.open(args.warehouse) as wh:
@@ -136,11 +142,9 @@ def live_parts(args, parts: set[str], rows: BenchRows) -> None:
     finally:
         lb.stop()
         srv.close()
-    if "kill" in parts:  # a tier of its own
-        kill_part(args, plan, tmp, x, in_name, name, rows.record)
 
 
-def kill_part(args, plan, tmp: Path, x, in_name: str, name: str, record) -> None:
+def kill_part(args, model, tmp: Path, record) -> None:
     """Two routers (`poolpipe serve --nodes INV --router r0|r1`), each driving a node of its
     own (`poolpipe node`), every one a process of its own, behind HAProxy (checks every
     500 ms, two failed: the defaults); an open-loop Poisson load through the balancer
@@ -153,12 +157,15 @@ def kill_part(args, plan, tmp: Path, x, in_name: str, name: str, record) -> None
     from testbed.tier import ProcessTier
     from triton_backend.balancer import Balancer
 
-    plan_path = tmp / "plan.json"
-    plan_path.write_text(plan.to_json())
-    serve = [str(plan_path), *(["--warehouse", args.warehouse] if args.warehouse else [])]
+    name, in_name, dims = model
+    x = np.zeros(dims, np.float32)
     work = tmp / "kill"
     work.mkdir()
-    with ProcessTier(work, "cpu-2t", [[0], [1]], serve) as tier:
+    plan = hand_plan(name, [(0, 4, "cpu-1t", 1)], 4, args.burst_slo_ms, args.warehouse)
+    (work / "plan.json").write_text(plan.to_json())
+    serve = [str(work / "plan.json")]
+    serve += ["--warehouse", args.warehouse] if args.warehouse else []
+    with ProcessTier(work, "cpu-1t", [[0], [1]], serve) as tier:
         with console.status("router kill: starting two nodes and two routers ..."):
             tier.start()
         lb = Balancer(tier.inventory, work / "lb").start()
@@ -290,7 +297,7 @@ def onboard_tiny_model(warehouse, tmp: Path) -> tuple[str, str, tuple[int, ...]]
     return name, first.name, dims
 
 
-def cap_part(args, tmp: Path, record) -> None:
+def cap_part(args, model, tmp: Path, record) -> None:
     """1 and 2 routers (processes of their own), each held to `--cap-cpus` CPUs by a cgroup
     CPU quota (the router, its Triton and its door stubs together), behind HAProxy, on two
     cpu-1t nodes of a light model (the routers, not the nodes, limit the tier): the
@@ -299,7 +306,6 @@ def cap_part(args, tmp: Path, record) -> None:
     from testbed.cgroup import hierarchy
 
     version = hierarchy()[0]  # before anything starts: says why caps cannot be had here
-    model = onboard_tiny_model(args.warehouse, tmp)
     found: dict[int, tuple[float, list]] = {}
     for routers in (1, 2):
         guess = None if routers == 1 else 2 * round(found[1][0] / args.cap_step)
