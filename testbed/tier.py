@@ -38,9 +38,10 @@ class ProcessTier:
         self.token_file = workspace / "tier.token"
         self.token = new_token_file(self.token_file)
         n_nodes = 1 + max(k for shard in shards for k in shard)
-        ports = iter(free_ports(4 * n_nodes + 3 * len(shards) + 2))
+        ports = iter(free_ports(4 * n_nodes + 4 * len(shards) + 2))
         self.node_ports = [[next(ports) for _ in range(4)] for _ in range(n_nodes)]
-        self.router_ports = [[next(ports) for _ in range(3)] for _ in shards]
+        # http, grpc, ready, weight agent
+        self.router_ports = [[next(ports) for _ in range(4)] for _ in shards]
         lb_http, lb_grpc = next(ports), next(ports)
         data = {
             "servers": [{"name": f"s{k}", "bandwidth_gbps": 10} for k in range(n_nodes)],
@@ -62,9 +63,12 @@ class ProcessTier:
                     "http": f"127.0.0.1:{h}",
                     "grpc": f"127.0.0.1:{g}",
                     "ready": f"127.0.0.1:{r}",
+                    "agent": f"127.0.0.1:{a}",
                     "nodes": [f"n{i}" for i in shard],
                 }
-                for k, ((h, g, r), shard) in enumerate(zip(self.router_ports, shards, strict=True))
+                for k, ((h, g, r, a), shard) in enumerate(
+                    zip(self.router_ports, shards, strict=True)
+                )
             ],
         }
         self.inventory: Inventory = parse_inventory(data, "bench inventory")

@@ -370,19 +370,39 @@ def _nodes_and_tier(tmp_path, r0: dict, r1: dict, lb: dict):
     text = two_routers_toml(r0, r1, lb).replace('"cpu-2t"', '"cpu-1t"')
     for k, n in enumerate(nodes):
         text = text.replace(f'grpc = "127.0.0.1:{k + 1}"', f'grpc = "{n.grpc_url}"')
+    for r in (r0, r1):  # weight agents, and HAProxy's statistics to read the weights from
+        ready = f'ready = "127.0.0.1:{r["ready"]}"'
+        text = text.replace(ready, f'{ready}\nagent = "127.0.0.1:{r["agent"]}"')
+    text = text.replace("[balancer]", f'[balancer]\nstats = "127.0.0.1:{lb["stats"]}"')
     return nodes, parse_inventory(_toml(text))
+
+
+def _weights(lb) -> dict[str, int]:
+    """Each router's weight in HAProxy now (its gRPC back end), from the statistics page."""
+    with urllib.request.urlopen(f"http://{lb.inv.balancer.stats}/;csv", timeout=5) as r:
+        rows = [line.split(",") for line in r.read().decode().splitlines()]
+    col = rows[0].index("weight")
+    servers = [row for row in rows[1:] if row[0] == "routers_grpc" and row[1] != "BACKEND"]
+    return {row[1]: int(row[col]) for row in servers}
 
 
 def _tier_router(wh: str, workspace, inv, name: str, ports: dict):
     from flows.replan import on_reshard
+    from poolpipe.domain.plan import manual_plan
+    from poolpipe.store.warehouse import Warehouse
     from triton_backend.serve import ServingProcess
 
+    with Warehouse.open(wh) as w:  # its throughput from the profile, as a planner's
+        profile = w.load_profile("tiny")
+    first = hand_plan([(0, 4, 1)], batch=4)
+    plan = manual_plan("tiny", SLO_MS * 1e3, first.cluster, [(0, 4, "cpu-1t", 1)], 4, profile)
     return ServingProcess(
-        hand_plan([(0, 4, 1)], batch=4),
+        plan,
         wh,
         workspace,
         stats_interval_s=3600,
         ready_port=ports["ready"],
+        agent_port=ports["agent"],
         http_port=ports["http"],
         grpc_port=ports["grpc"],
         tier=(inv, name),
@@ -394,7 +414,8 @@ def _tier_router(wh: str, workspace, inv, name: str, ports: dict):
 def _crash(srv) -> None:
     """The router process dies as under kill -9: nothing is taken off its nodes."""
     srv._stop.set()
-    srv.ready.close()
+    srv.ready.close()  # its ports go with its process
+    srv.agent.close()
     srv.deployment.frontend.stop()
     srv.deployment.core.stop()
 
@@ -413,15 +434,18 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
     check, unloads what it left (fencing it: a late reload of its is refused), re-plans
     for both nodes through the reshard flow and rolls out; the balancer sends everything
     to it; no request hangs and errors are only those in flight at the death. The second
-    started again waits until the first has handed its node back, then both serve."""
+    started again waits until the first has handed its node back, then both serve. The
+    first's weight agent has HAProxy send it twice the share while it drives both nodes."""
     import threading
 
     from triton_backend.nodes import stop_nodes
 
     wh, _ = onboarded_tiny
-    ports = free_ports(8)
-    r0, r1 = (dict(zip(("http", "grpc", "ready"), ports[i : i + 3], strict=True)) for i in (0, 3))
-    lb_ports = {"http": ports[6], "grpc": ports[7]}
+    ports = free_ports(11)
+    r0, r1 = (
+        dict(zip(("http", "grpc", "ready", "agent"), ports[i : i + 4], strict=True)) for i in (0, 4)
+    )
+    lb_ports = {"http": ports[8], "grpc": ports[9], "stats": ports[10]}
     nodes, inv = _nodes_and_tier(tmp_path, r0, r1, lb_ports)
     servers: list = []
     lb = Balancer(inv, tmp_path / "lb")
@@ -443,6 +467,7 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
         assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g0"], "n1": ["tiny__b00-04__r1-g0"]}
         lb.start()
         _until(lambda: _through(lb.http_url) == 200, "the balancer sends to the routers")
+        _until(lambda: _weights(lb) == {"r0": 1, "r1": 1}, "HAProxy asks the weight agents")
         for c in clients:
             c.start()
         time.sleep(1.0)
@@ -453,6 +478,9 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
         assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g1"], "n1": ["tiny__b00-04__r0-g1"]}
         assert {p.gpu: p.count for p in srv0.deployment.plan.cluster.pools} == {"cpu-1t": 2}
         assert srv0.deployment.generation == 1
+        # its weight agent: twice the GPUs, re-planned: twice its first plan's objective
+        assert srv0.weight_percent() == "200%"
+        _until(lambda: _weights(lb)["r0"] == 2, "HAProxy doubles r0's weight")
         assert "adopting node(s) n1 of router(s) r1 (gone)" in srv0.member.reshards[-1]["trigger"]
         # fenced: the dead router's own refill of "its" node leaves it to r0
         srv1.deployment._refill_url(nodes[1].grpc_url)
@@ -463,6 +491,7 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
         assert "handing node(s) n1 back" in srv0.member.reshards[-1]["trigger"]
         assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g2"], "n1": ["tiny__b00-04__r1-g0"]}
         _until(lambda: servers[1].deployment.core.stamps.counts["used"] > 0, "r1 serves again")
+        _until(lambda: _weights(lb) == {"r0": 1, "r1": 1}, "both weigh as at first")
     finally:
         done.set()
         for c in clients:

@@ -4,6 +4,10 @@ inventory's router tier (poolpipe.domain.tier) and run as a process of ours.
 What the rendered configuration does, and why:
 - KServe v2 over HTTP and over gRPC (h2), each a front end with the routers as weighted
   back ends (round robin by weight: a router's weight is its shard's share of the load).
+  A router with a weight agent (`agent` in the inventory, `serve --agent-port`) has that
+  weight scaled by what its shard serves now against its first plan (HAProxy's
+  agent-check: the agent answers a percentage, e.g. 200% once it has adopted a lost
+  router's nodes and re-planned, 50% with half its GPUs down).
 - Stamps the microsecond each request arrived (ARRIVAL_STAMP, overwriting any a client
   sent): a router's Triton forwards it to the door, whose deadline runs from it.
 - Asks each router's readiness check (`GET /ready` on its ready port), not Triton's: a
@@ -108,9 +112,16 @@ def render(inv: Inventory) -> str:
         for r in inv.routers:
             host, port = split_address(r.ready)
             target = r.http if proto == "http" else f"{r.grpc} proto h2"
+            agent = ""
+            if r.agent:  # its weight x the share of its first plan it serves now (%)
+                a_host, a_port = split_address(r.agent)
+                agent = (
+                    f" agent-check agent-addr {a_host.strip('[]')} agent-port {a_port} "
+                    f"agent-inter {b.check_ms}ms"
+                )
             out.append(
                 f"    server {r.name} {target} weight {r.weight} "
-                f"check addr {host.strip('[]')} port {port} check-proto h1"
+                f"check addr {host.strip('[]')} port {port} check-proto h1{agent}"
             )
         out.append("")
     if b.stats is not None:

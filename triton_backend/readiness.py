@@ -9,6 +9,7 @@ A small HTTP server of its own (stdlib), on the router's address, in a daemon th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Callable
@@ -75,3 +76,38 @@ class _Server(ThreadingHTTPServer):
 
     def handle_error(self, request: object, client_address: object) -> None:
         """A checker that hangs up once it has the status line (HAProxy does) is no error."""
+
+
+class WeightAgent:
+    """HAProxy's agent-check: to each connection, `reply()` (a percentage such as "150%",
+    which HAProxy applies to the server's configured weight) and a newline, then closed."""
+
+    def __init__(self, address: str, port: int, reply: Callable[[], str]):
+        import socketserver
+
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                try:
+                    line = outer.reply()
+                except Exception:  # stopping, or a loop too busy to answer: keep the weight
+                    line = "100%"
+                with contextlib.suppress(OSError):
+                    self.request.sendall(f"{line}\n".encode())
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self.reply = reply
+        self.server = Server((address, port), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="poolpipe-agent", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -26,7 +26,7 @@ from triton_backend.deploy import Deployment, RolloutResult
 from triton_backend.env import free_ports, signals_held
 from triton_backend.nodes import refuse_taken_ports
 from triton_backend.peers import TierMember
-from triton_backend.readiness import DRAINING, NOT_READY, READY, ReadinessServer
+from triton_backend.readiness import DRAINING, NOT_READY, READY, ReadinessServer, WeightAgent
 from triton_backend.router import RouterCore
 
 # How long the statistics and rollout writers wait for a warehouse another process holds
@@ -136,6 +136,7 @@ class ServingProcess:
         stats_interval_s: float = 60.0,
         metrics_port: int | None = None,
         ready_port: int | None = None,
+        agent_port: int | None = None,
         stop_grace_s: float = 0.0,
         token: str | None = None,
         replan_on_failure: Callable[[str, str], dict] | None = None,
@@ -153,16 +154,18 @@ class ServingProcess:
         back), to re-plan (flows.replan.on_failure: the re-planning flow); returns its
         decision. None: only the nightly runs re-plan. `ready_port`: where a load
         balancer's health check asks whether this router serves (readiness.py; 0: a free
-        port; None: not served). `stop_grace_s`: on close, how long the readiness check
-        answers 404 (draining) while the router still serves, before it waits for the
-        requests it has and stops (a balancer's checks send new ones elsewhere meanwhile,
-        so that a planned stop fails no request). `tier`: (the inventory with its router
-        tier, this router's name): it serves that router's shard (its partition models
-        carry its name), waits at start-up until no live peer holds a node of it, and
-        follows its peers (peers.TierMember): a peer that has not answered its readiness
-        check for `adopt_after_s` (0: never adopt) is gone, and this router adopts its part
-        of that peer's nodes, re-planned and rolled out by `on_reshard`
-        (flows.replan.on_reshard), and hands them back when the peer answers again."""
+        port; None: not served). `agent_port`: where HAProxy's agent-check asks for this
+        router's weight (WeightAgent: the percentage of its first plan's objective its
+        nodes in service serve now; 0: a free port; None: not served). `stop_grace_s`: on
+        close, how long the readiness check answers 404 (draining) while the router still
+        serves, before it waits for the requests it has and stops (a balancer's checks send
+        new ones elsewhere meanwhile, so that a planned stop fails no request). `tier`:
+        (the inventory with its router tier, this router's name): it serves that router's
+        shard (its partition models carry its name), waits at start-up until no live peer
+        holds a node of it, and follows its peers (peers.TierMember): a peer that has not
+        answered its readiness check for `adopt_after_s` (0: never adopt) is gone, and this
+        router adopts its part of that peer's nodes, re-planned and rolled out by
+        `on_reshard` (flows.replan.on_reshard), and hands them back when the peer answers again."""
         self.warehouse = warehouse
         self.token = token
         self.name = name
@@ -175,10 +178,15 @@ class ServingProcess:
         refuse_taken_ports(
             "the router",
             self.metrics_address,
-            {"metrics port": metrics_port or 0, "readiness port": ready_port or 0},
+            {
+                "metrics port": metrics_port or 0,
+                "readiness port": ready_port or 0,
+                "weight agent port": agent_port or 0,
+            },
         )
         self._closing = False
         self.ready: ReadinessServer | None = None
+        self.agent: WeightAgent | None = None
         self.stop_grace_s = stop_grace_s
         self._stop = threading.Event()
         self.member: TierMember | None = None
@@ -206,6 +214,9 @@ class ServingProcess:
             if self.ready is not None:
                 self.ready.close()
             raise
+        # the mix and what the first plan serves of it, on its nodes as calibrated
+        names, weights = [m.name for m in plan.models], [m.weight for m in plan.models]
+        self._mix = (names, weights, self._live_objective(names, weights))
         self._window_start = datetime.now()
         self.started = datetime.now()
         self.rollouts: Counter[str] = Counter()  # by result: done, rolled back, refused
@@ -228,6 +239,8 @@ class ServingProcess:
                 registry.register(RouterCollector(self))
                 self.metrics_port = metrics_port or free_ports(1)[0]
                 start_http_server(self.metrics_port, addr=self.metrics_address, registry=registry)
+            if agent_port is not None:
+                self.agent = WeightAgent(self.metrics_address, agent_port, self.weight_percent)
             if self.member is not None and adopt_after_s > 0:
                 self._tier_thread = threading.Thread(
                     target=self.member.follow,
@@ -258,6 +271,19 @@ class ServingProcess:
         if without:
             return NOT_READY, f"no live path for model(s) {', '.join(without)}", more
         return READY, "a live path for every model", more
+
+    def weight_percent(self) -> str:
+        """What this router's weight agent answers HAProxy: the objective its plan serves
+        on the nodes in service now, as a percentage of its first plan's (200% once it
+        has adopted as many GPUs again and re-planned; 0% with no live path)."""
+        names, weights, first = self._mix
+        now = self._live_objective(names, weights)
+        return f"{max(0, round(100 * now / first)) if first > 0 else 100}%"
+
+    def _live_objective(self, names: list[str], weights: list[float]) -> float:
+        """The planner's objective (least req/s per weight) on the nodes in service now."""
+        live = self.deployment.core.live_throughput()
+        return min(live.get(n, 0.0) / w for n, w in zip(names, weights, strict=True))
 
     # ------------------------------------------------------------------ statistics
 
@@ -448,6 +474,7 @@ class ServingProcess:
                 else None,
                 "triton_metrics": dep.triton_metrics_url,
                 "ready": f"{self.metrics_address}:{self.ready.port}" if self.ready else None,
+                "weight_agent": f"{self.metrics_address}:{self.agent.port}" if self.agent else None,
             },
         }
 
@@ -487,6 +514,8 @@ class ServingProcess:
                 if self.stop_grace_s > 0:
                     self._drain()
                 self.ready.close()
+            if self.agent is not None:
+                self.agent.close()
             with contextlib.suppress(Exception):
                 self.flush_stats()
             self.deployment.down()

@@ -107,6 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stats_interval_s=args.stats_interval,
             metrics_port=args.metrics_port,
             ready_port=args.ready_port,
+            agent_port=args.agent_port,
             stop_grace_s=args.stop_grace,
             plane=args.plane,
             inventory=inventory,
@@ -133,7 +134,8 @@ def _router_shard(args: argparse.Namespace, inventory):
     if inventory is None:
         raise PoolpipeError("--router names a router of an inventory: give --nodes INVENTORY")
     r = inventory.router(args.router)
-    addresses = [split_address(a) for a in (r.http, r.grpc, r.ready)]
+    listed = [r.http, r.grpc, r.ready, *([r.agent] if r.agent else [])]
+    addresses = [split_address(a) for a in listed]
     hosts = {host for host, _ in addresses}
     if len(hosts) > 1:
         raise PoolpipeError(
@@ -145,6 +147,7 @@ def _router_shard(args: argparse.Namespace, inventory):
         "--http-port": bool(args.http_port),
         "--grpc-port": bool(args.grpc_port),
         "--ready-port": bool(args.ready_port),
+        "--agent-port": getattr(args, "agent_port", None) is not None,
     }
     if any(given.values()):
         raise PoolpipeError(
@@ -152,7 +155,8 @@ def _router_shard(args: argparse.Namespace, inventory):
             f"{', '.join(k for k, v in given.items() if v)}"
         )
     args.listen = hosts.pop().strip("[]")
-    args.http_port, args.grpc_port, args.ready_port = (port for _, port in addresses)
+    args.http_port, args.grpc_port, args.ready_port = (port for _, port in addresses[:3])
+    args.agent_port = addresses[3][1] if r.agent else None
     from triton_backend.peers import shard_file
 
     shard = inventory.shard(r.name)
@@ -452,6 +456,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--router",
         help="with --nodes: serve as this router of the inventory's [[routers]], on its "
         "shard's nodes and at its addresses (no --listen or ports then)",
+    )
+    p.add_argument(
+        "--agent-port",
+        type=int,
+        default=None,
+        help="port of the router's weight agent for HAProxy's agent-check: it answers the "
+        "percentage of its first plan's objective its nodes in service serve now, which "
+        "HAProxy applies to its weight (none; with --router: the inventory's `agent`)",
     )
     p.add_argument(
         "--adopt-after",

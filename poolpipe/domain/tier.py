@@ -15,6 +15,8 @@ the same TOML as the nodes:
     grpc = "10.0.0.2:8001"
     ready = "10.0.0.2:8002"     # its readiness check (serve --ready-port)
     weight = 1                  # optional: its share of the requests, relative (1)
+    agent = "10.0.0.2:8003"     # optional: its weight agent (serve --agent-port): HAProxy
+                                # scales `weight` by what its shard serves now
     nodes = ["s0-n0", "s0-n1"]  # its shard: the nodes only it drives (one owner per node)
 """
 
@@ -58,6 +60,7 @@ class InventoryRouter:
     ready: str
     weight: int = 1
     nodes: tuple[str, ...] = ()  # its shard; () with a single router: every node
+    agent: str | None = None  # host:port of its weight agent (HAProxy's agent-check), if any
 
 
 def check_tier(
@@ -84,7 +87,8 @@ def check_tier(
                 f"{where}: router {r.name!r}: a router's name is letters, digits, '_' and "
                 "'-' (it tags the partition models it loads on its nodes)"
             )
-        for field_, address in (("http", r.http), ("grpc", r.grpc), ("ready", r.ready)):
+        addresses = [("http", r.http), ("grpc", r.grpc), ("ready", r.ready)]
+        for field_, address in addresses + ([("agent", r.agent)] if r.agent else []):
             if not is_address(address):
                 raise TierError(
                     f"{where}: router {r.name}: {field_} = {address!r} is not HOST:PORT"
@@ -147,7 +151,7 @@ def parse_tier(
         what = f"[[routers]] #{i + 1}"
         name = need(r, "name", what, str)
         what = f"router {name}"
-        known(r, {"name", "http", "grpc", "ready", "weight", "nodes"}, what)
+        known(r, {"name", "http", "grpc", "ready", "weight", "nodes", "agent"}, what)
         nodes = r.get("nodes", [])
         if not isinstance(nodes, list) or not all(isinstance(v, str) for v in nodes):
             raise TierError(f"{source}: {what}: nodes = {nodes!r} is not a list of node names")
@@ -159,6 +163,7 @@ def parse_tier(
                 need(r, "ready", what, str),
                 need(r, "weight", what, int) if "weight" in r else 1,
                 tuple(nodes),
+                need(r, "agent", what, str) if "agent" in r else None,
             )
         )
     balancer = None
@@ -199,6 +204,8 @@ def tier_toml(routers: tuple[InventoryRouter, ...], balancer: BalancerSpec | Non
             f'ready = "{r.ready}"',
             f"weight = {r.weight}",
         ]
+        if r.agent:
+            lines.append(f'agent = "{r.agent}"')
         if r.nodes:
             names = ", ".join(f'"{n}"' for n in r.nodes)
             lines.append(f"nodes = [{names}]")
