@@ -343,17 +343,22 @@ def test_a_router_lost_under_load_costs_only_its_requests_in_flight(pair):
         s.deployment.core.stamps.counts["used"] - u for s, u in zip((srv0, srv1), used, strict=True)
     ]
     assert min(served) > 0, served  # both routers took requests before the kill
+    _only_in_flight_failed(results, kill)
+    assert _ready(srv1)[0] == 503
+
+
+def _only_in_flight_failed(results: list, kill: float) -> None:
+    """No request hung; errors only for those in flight on the router lost at `kill`, or
+    sent before the balancer's checks (every 100 ms, two failed) took it out; every one a
+    second after it answered."""
     assert max(took for _, took, _ in results) < 5.0  # none hung
-    # errors: requests in flight on it at the kill, or sent before the balancer's checks
-    # (every 100 ms, two failed) took it out
     errors = [r for r in results if r[2] != 200]
     assert all(sent <= kill + 0.5 <= sent + took + 0.5 for sent, took, _ in errors), (
         kill,
         errors,
     )
     after = [r for r in results if r[0] > kill + 1.0]
-    assert after and all(code == 200 for _, _, code in after), after
-    assert _ready(srv1)[0] == 503
+    assert len(after) > 8 and all(code == 200 for _, _, code in after), after
 
 
 # ---------------------------------------------------------------------- adoption
@@ -502,16 +507,7 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
             srv.close()
         stop_nodes(nodes)
     assert adopted < 30.0, adopted
-    assert max(took for _, took, _ in results) < 5.0  # none hung
-    errors = [r for r in results if r[2] != 200]
-    # errors: only requests in flight on the dead router, or sent before the balancer's
-    # checks (every 100 ms, two failed) took it out
-    assert all(sent <= killed + 0.5 <= sent + took + 0.5 for sent, took, _ in errors), (
-        killed,
-        errors,
-    )
-    after = [r for r in results if r[0] > killed + 1.0]
-    assert len(after) > 20 and all(code == 200 for _, _, code in after), after
+    _only_in_flight_failed(results, killed)
     assert [r for r in results if r[0] > since and r[2] != 200] == []
 
 
