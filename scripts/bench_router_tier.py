@@ -18,7 +18,8 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
 4. CPU cap: 1 and 2 routers, each held to `--cap-cpus` by a cgroup CPU quota, on a load
    the routers limit (the light model on two cpu-1t nodes): capacity through the balancer.
 5. sharding: what splitting hc2-large and hc4-large into 2 and 4 shards (one per router,
-   each planned for itself) costs against planning the whole cluster (planner only).
+   each planned for itself: whole servers, GPUs evenly, or the split searched for the
+   highest summed objective) costs against planning the whole cluster (planner only).
 
     ./run bench-router-tier [--burst 500] [--burst-slo-ms 100] [--rounds 2] [--requests 300]
     ./run bench-router-tier --parts sharding     # the planner only: no HAProxy, no servers
@@ -394,7 +395,7 @@ def sharding_part(args, record) -> None:
     from poolpipe.domain.profiles import load_ppipe_dir
     from poolpipe.planner import make_plan
     from poolpipe.planner.request import group_request
-    from poolpipe.planner.shards import SPLITS, sharding_loss, split_cluster
+    from poolpipe.planner.shards import SPLITS, sharding_loss
 
     root = args.profiles or ppipe_dir()
     profiles = {p.name: p for p in load_ppipe_dir(root)}
@@ -411,10 +412,11 @@ def sharding_part(args, record) -> None:
         return plan
 
     t = Table(
-        title="sharding loss: each shard (whole servers, or GPUs) planned for itself, against "
-        "the whole cluster planned at once (objective: req/s per unit of weight, maf19 mix; "
-        "shards' objectives, and in brackets theirs together: the least over models of the "
-        "summed req/s per weight)",
+        title="sharding loss: each shard (whole servers, GPUs evenly, or the split searched "
+        "for the highest sum) planned for itself, against the whole cluster planned at once "
+        "(objective: req/s per unit of weight, maf19 mix; loss: of the shards' objectives "
+        "summed, what routers weighted by them serve; loss together: of the least over "
+        "models of the summed req/s per weight, in brackets, an upper bound)",
         title_justify="left",
     )
     for col in (
@@ -426,6 +428,7 @@ def sharding_part(args, record) -> None:
         "whole",
         "shards' objectives (together)",
         "loss",
+        "loss together",
     ):
         t.add_column(col, justify="right")
     losses: dict[tuple[str, int, str], list[float]] = {}
@@ -438,9 +441,8 @@ def sharding_part(args, record) -> None:
     with console.status(f"sharding loss: {len(configs)} configurations, each planned ..."):
         for (c, gi, k), by in itertools.product(configs, SPLITS):
             r = sharding_loss(clusters[c], k, objective(workloads["groups"][gi]), by)
-            shards = split_cluster(clusters[c], k, by)
             sizes = ", ".join(
-                "/".join(str({q.gpu: q.count for q in sh.pools}.get(p.gpu, 0)) for sh in shards)
+                "/".join(str({q.gpu: q.count for q in sh.pools}.get(p.gpu, 0)) for sh in r.split)
                 + f" {p.gpu}"
                 for p in clusters[c].pools
             )
@@ -454,11 +456,13 @@ def sharding_part(args, record) -> None:
                 f"{r.whole:.1f}",
                 " + ".join(f"{min(o):.1f}" for o in r.shards) + f" ({r.together:.1f})",
                 f"{r.loss:.1%}",
+                f"{r.loss_together:.1%}",
             )
             config = f"g{gi}:{c}/{k}-by-{by}"
             record("router-tier-sharding", config, "loss", r.loss)
             record("router-tier-sharding", config, "whole_objective", r.whole)
-            record("router-tier-sharding", config, "shards_objective", r.together)
+            record("router-tier-sharding", config, "shards_objective", r.summed)
+            record("router-tier-sharding", config, "loss_together", r.loss_together)
     console.print(t)
     for (c, k, by), xs in losses.items():
         console.print(

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from poolpipe.errors import ClusterError
+from poolpipe.errors import ClusterError, InfeasibleError
 from poolpipe.planner import make_plan
-from poolpipe.planner.shards import sharding_loss, split_cluster
+from poolpipe.planner.shards import search_split, sharding_loss, split_cluster
 from tests.conftest import tiny_cluster, tiny_model
 from tests.test_planner_tiny import A1, B1, SMALL_BOUNDARY, request
 
@@ -61,3 +61,25 @@ def test_sharding_loss_is_what_the_shards_lose_together():
     assert lopsided.whole == pytest.approx(250.0)
     assert lopsided.shards[1] == (0.0,)
     assert lopsided.loss == pytest.approx(0.2)
+
+
+def test_a_searched_split_sums_at_least_the_even_one_and_keeps_every_gpu():
+    """search_split starts from the even split and moves a GPU only where the shards'
+    objectives sum higher; every GPU stays in some shard and no shard is left empty (its
+    router would drive nothing)."""
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
+
+    def objective(cluster) -> float:
+        try:
+            return make_plan(request(m, cluster, 12000)).objective
+        except InfeasibleError:
+            return 0.0
+
+    for pools in ([("A", 1, 1, (1,)), ("B", 2, 1, (1,))], [("A", 2, 1, (1,)), ("B", 3, 1, (1,))]):
+        cluster = tiny_cluster(pools)
+        even = sum(objective(sh) for sh in split_cluster(cluster, 2, "gpu"))
+        found = search_split(cluster, 2, objective)
+        assert sum(objective(sh) for sh in found) >= even - 1e-6
+        assert all(sh.pools for sh in found)
+        for p in cluster.pools:
+            assert sum(q.count for sh in found for q in sh.pools if q.gpu == p.gpu) == p.count

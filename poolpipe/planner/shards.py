@@ -1,18 +1,23 @@
 """Shards of a cluster for a router tier: each router drives a disjoint set of GPUs (one
 owner per reservation table) and is planned for its own shard, which holds as many GPUs
-of every type as the others (split_cluster). What splitting costs (a pipeline can no
-longer pool GPUs of two shards, and each shard serves the whole mix) is `sharding_loss`:
-the shards' summed objective against the whole cluster's, each planned exactly."""
+of every type as the others (split_cluster), or whatever split makes the shards'
+objectives sum highest (search_split). What splitting costs (a pipeline can no longer
+pool GPUs of two shards, and each shard serves the whole mix) is `sharding_loss`: the
+shards' summed objective against the whole cluster's, each planned exactly."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from poolpipe.domain.cluster import Cluster
 from poolpipe.errors import ClusterError, InfeasibleError
 
-SPLITS = ("gpu", "server")
+SPLITS = ("gpu", "server", "search")
+# GPUs of one type search_split moves at once (a shard's objective moves in steps: one GPU
+# often changes nothing, several do)
+MOVE_SIZES = (1, 2, 3, 4, 6, 8)
 
 
 def split_cluster(cluster: Cluster, k: int, by: str = "gpu") -> list[Cluster]:
@@ -23,8 +28,8 @@ def split_cluster(cluster: Cluster, k: int, by: str = "gpu") -> list[Cluster]:
     a shard keeps the type's GPUs per server). ClusterError where a shard gets no GPU."""
     if k < 1:
         raise ClusterError(f"shards: need at least 1, got {k}")
-    if by not in SPLITS:
-        raise ClusterError(f"shards: split by {by!r}? choose {' or '.join(SPLITS)}")
+    if by not in SPLITS[:2]:
+        raise ClusterError(f"shards: split by {by!r}? choose gpu or server (search: search_split)")
     counts = [dict.fromkeys((p.gpu for p in cluster.pools), 0) for _ in range(k)]
     for pool in cluster.pools:
         if by == "gpu":
@@ -42,25 +47,65 @@ def split_cluster(cluster: Cluster, k: int, by: str = "gpu") -> list[Cluster]:
             f"cluster {cluster.name}: {k} shards, too few {what} for each to get one: use "
             "fewer shards"
         )
-    keep_per_server = by == "gpu"
-    return [
-        replace(
-            cluster,
-            name=f"{cluster.name}/shard{i + 1}of{k}",
-            pools=tuple(
-                replace(
-                    p,
-                    count=c[p.gpu],
-                    gpus_per_server=p.gpus_per_server
-                    if keep_per_server
-                    else min(p.gpus_per_server, c[p.gpu]),
-                )
-                for p in cluster.pools
-                if c[p.gpu]
-            ),
-        )
-        for i, c in enumerate(counts)
-    ]
+    return [_shard(cluster, c, i, k, keep_per_server=by == "gpu") for i, c in enumerate(counts)]
+
+
+def _shard(cluster: Cluster, counts: dict[str, int], i: int, k: int, keep_per_server: bool):
+    return replace(
+        cluster,
+        name=f"{cluster.name}/shard{i + 1}of{k}",
+        pools=tuple(
+            replace(
+                p,
+                count=counts[p.gpu],
+                gpus_per_server=p.gpus_per_server
+                if keep_per_server
+                else min(p.gpus_per_server, counts[p.gpu]),
+            )
+            for p in cluster.pools
+            if counts.get(p.gpu)
+        ),
+    )
+
+
+def search_split(
+    cluster: Cluster, k: int, objective: Callable[[Cluster], float], max_moves: int = 200
+) -> list[Cluster]:
+    """`k` shards of `cluster` whose objectives (`objective(shard)`: the planner's, req/s
+    per unit of weight; 0 where it cannot serve the models) sum highest, found by local
+    search from the even split by GPU: move MOVE_SIZES GPUs of a type from one shard to
+    another while the best such move raises the sum (a shard keeps a GPU at least). With routers
+    weighted by their shards' objectives (weight agents), that sum is what the tier
+    serves; shards may then differ in size and mix of types. Each shard's objective is
+    asked once per GPU counts."""
+    counts = [{p.gpu: p.count for p in sh.pools} for sh in split_cluster(cluster, k, "gpu")]
+    types = [p.gpu for p in cluster.pools]
+    for c in counts:
+        for t in types:
+            c.setdefault(t, 0)
+    known: dict[tuple[int, ...], float] = {}
+
+    def value(c: dict[str, int]) -> float:
+        key = tuple(c[t] for t in types)
+        if key not in known:
+            known[key] = objective(_shard(cluster, c, 0, k, True)) if any(key) else 0.0
+        return known[key]
+
+    for _ in range(max_moves):
+        best, move = 0.0, None
+        for t, n, a, b in itertools.product(types, MOVE_SIZES, range(k), range(k)):
+            if a == b or counts[a][t] < n or sum(counts[a].values()) == n:
+                continue  # (a router keeps a GPU at least)
+            before = value(counts[a]) + value(counts[b])
+            ca, cb = {**counts[a], t: counts[a][t] - n}, {**counts[b], t: counts[b][t] + n}
+            gain = value(ca) + value(cb) - before
+            if gain > best + 1e-9:
+                best, move = gain, (a, b, ca, cb)
+        if move is None:
+            break
+        a, b, ca, cb = move
+        counts[a], counts[b] = ca, cb
+    return [_shard(cluster, c, i, k, True) for i, c in enumerate(counts)]
 
 
 @dataclass(frozen=True)
@@ -68,6 +113,7 @@ class ShardingLoss:
     whole: float  # the objective planned for the whole cluster
     # per shard, planned for it alone: each model's throughput per unit of weight
     shards: tuple[tuple[float, ...], ...]
+    split: tuple[Cluster, ...] = ()  # the shards
 
     @property
     def together(self) -> float:
@@ -77,8 +123,19 @@ class ShardingLoss:
         return min(sum(col) for col in zip(*self.shards, strict=True))
 
     @property
+    def summed(self) -> float:
+        """The shards' objectives summed: what the tier serves of the mix with each router
+        weighted by its shard's objective (each router gets the whole mix)."""
+        return sum(min(col) if col else 0.0 for col in self.shards)
+
+    @property
     def loss(self) -> float:
-        """The share of the whole cluster's objective the shards lose together."""
+        """The share of the whole cluster's objective the shards lose (summed)."""
+        return 1.0 - self.summed / self.whole if self.whole > 0 else 0.0
+
+    @property
+    def loss_together(self) -> float:
+        """The same against `together` (an upper bound: models' room pooled across shards)."""
         return 1.0 - self.together / self.whole if self.whole > 0 else 0.0
 
 
@@ -92,10 +149,15 @@ def sharding_loss(
     per unit of weight under that plan (the caller plans). A shard on which the models
     cannot be served within their SLOs (InfeasibleError) serves nothing."""
     whole, per_model = plan(cluster)
-    shards = []
-    for shard in split_cluster(cluster, k, by):
+
+    def each(shard: Cluster) -> tuple[float, ...]:
         try:
-            shards.append(plan(shard)[1])
+            return plan(shard)[1]
         except InfeasibleError:
-            shards.append((0.0,) * len(per_model))
-    return ShardingLoss(whole, tuple(shards))
+            return (0.0,) * len(per_model)
+
+    if by == "search":
+        split = search_split(cluster, k, lambda sh: min(each(sh)))
+    else:
+        split = split_cluster(cluster, k, by)
+    return ShardingLoss(whole, tuple(each(sh) for sh in split), tuple(split))
