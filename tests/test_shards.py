@@ -81,5 +81,8 @@ def test_a_searched_split_sums_at_least_the_even_one_and_keeps_every_gpu():
         found = search_split(cluster, 2, objective)
         assert sum(objective(sh) for sh in found) >= even - 1e-6
         assert all(sh.pools for sh in found)
+        served = [objective(sh) > 0 for sh in split_cluster(cluster, 2, "gpu")]
+        still = [objective(sh) > 0 for sh in found]
+        assert all(b or not a for a, b in zip(served, still, strict=True))  # none stops
         for p in cluster.pools:
             assert sum(q.count for sh in found for q in sh.pools if q.gpu == p.gpu) == p.count

@@ -98,6 +98,8 @@ def search_split(
                 continue  # (a router keeps a GPU at least)
             before = value(counts[a]) + value(counts[b])
             ca, cb = {**counts[a], t: counts[a][t] - n}, {**counts[b], t: counts[b][t] + n}
+            if value(ca) <= 0 < value(counts[a]):
+                continue  # every router serves: a shard that could stays able to
             gain = value(ca) + value(cb) - before
             if gain > best + 1e-9:
                 best, move = gain, (a, b, ca, cb)
