@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socketserver
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +24,21 @@ READY, DRAINING, NOT_READY = "ready", "draining", "not ready"
 STATUS_CODES = {READY: 200, DRAINING: 404, NOT_READY: 503}
 
 
-class ReadinessServer:
+class _InThread:
+    """A socket server of ours, served from a daemon thread until close()."""
+
+    def _serve(self, server: socketserver.BaseServer, name: str) -> None:
+        self.server = server
+        self.port = int(server.server_address[1])  # type: ignore[index]
+        self._thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class ReadinessServer(_InThread):
     """Serves `check()` (READY, DRAINING or NOT_READY; why; more fields for the body) at
     READY_PATH. Its caller names a taken port before anything starts (ServingProcess)."""
 
@@ -59,16 +74,7 @@ class ReadinessServer:
                 pass
 
         self.check = check
-        self.server = _Server((address, port), Handler)
-        self.port = self.server.server_address[1]
-        self._thread = threading.Thread(
-            target=self.server.serve_forever, name="poolpipe-ready", daemon=True
-        )
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(_Server((address, port), Handler), "poolpipe-ready")
 
 
 class _Server(ThreadingHTTPServer):
@@ -78,13 +84,11 @@ class _Server(ThreadingHTTPServer):
         """A checker that hangs up once it has the status line (HAProxy does) is no error."""
 
 
-class WeightAgent:
+class WeightAgent(_InThread):
     """HAProxy's agent-check: to each connection, `reply()` (a percentage such as "150%",
     which HAProxy applies to the server's configured weight) and a newline, then closed."""
 
     def __init__(self, address: str, port: int, reply: Callable[[], str]):
-        import socketserver
-
         outer = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -101,13 +105,4 @@ class WeightAgent:
             allow_reuse_address = True
 
         self.reply = reply
-        self.server = Server((address, port), Handler)
-        self.port = self.server.server_address[1]
-        self._thread = threading.Thread(
-            target=self.server.serve_forever, name="poolpipe-agent", daemon=True
-        )
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(Server((address, port), Handler), "poolpipe-agent")
