@@ -490,12 +490,12 @@ class Deployment:
         if name is None or isinstance(self.nodes[name], TritonNode):
             return  # local nodes come back through restart_node, which loads them
         try:
-            held = foreign_partitions({name: self.nodes[name]}, self.model_names, self.owner)
+            held = foreign_partitions([self.nodes[name]], self.model_names, self.owner)
             if held:  # fenced: another router of the tier has adopted it
                 log.warning(
                     "node %s now holds router %s's models: this router leaves it alone",
                     name,
-                    ", ".join(sorted(held[self.nodes[name].name])),
+                    ", ".join(sorted({other for _, other, _ in held})),
                 )
                 return
             self._refill(name)
@@ -542,18 +542,17 @@ def owned_by(partition: str) -> str | None:
 
 
 def foreign_partitions(
-    nodes: dict[str, RepositoryAPI], models: list[str], owner: str | None
-) -> dict[str, dict[str, list[str]]]:
+    nodes: Iterable[RepositoryAPI], models: list[str], owner: str | None
+) -> list[tuple[RepositoryAPI, str, str]]:
     """Partition models of `models` on the nodes that another router of the tier loaded:
-    {node name: {their owner: [model, ...]}}."""
+    (node, that router, model) of each."""
     prefixes = tuple(f"{m}__b" for m in models)
-    out: dict[str, dict[str, list[str]]] = {}
-    for node in nodes.values():
-        for model in node.models():
-            other = owned_by(model)
-            if model.startswith(prefixes) and other is not None and other != owner:
-                out.setdefault(node.name, {}).setdefault(other, []).append(model)
-    return out
+    return [
+        (node, other, model)
+        for node in nodes
+        for model in node.models()
+        if model.startswith(prefixes) and (other := owned_by(model)) is not None and other != owner
+    ]
 
 
 def fence_off(nodes: dict[str, RepositoryAPI], models: list[str], owner: str | None) -> list[str]:
@@ -566,12 +565,9 @@ def fence_off(nodes: dict[str, RepositoryAPI], models: list[str], owner: str | N
     if owner is None:
         return []
     out = []
-    for node in nodes.values():
-        held = foreign_partitions({node.name: node}, models, owner)
-        for other, names in held.get(node.name, {}).items():
-            for model in names:
-                node.unload(model)
-                out.append(f"{node.name}: router {other}'s {model}")
+    for node, other, model in foreign_partitions(nodes.values(), models, owner):
+        node.unload(model)
+        out.append(f"{node.name}: router {other}'s {model}")
     if out:
         log.warning("fenced off the routers gone: unloaded %s", ", ".join(out))
     return out

@@ -45,9 +45,7 @@ def attach(
     have = have or {}
     out: dict[str, RepositoryAPI] = {}
     for name, n in picked.items():
-        out[name] = have.get(n.name) or RemoteNode(
-            n.name, n.device, n.grpc, n.server, key, n.http, n.watch
-        )
+        out[name] = have.get(n.name) or RemoteNode.of(n, key)
 
     def answers(node: RepositoryAPI) -> bool:
         return node.live()

@@ -22,11 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poolpipe.client.control import node_headers, node_restrictions
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import free_ports, libpython_first, libs_path, triton_home
+
+if TYPE_CHECKING:
+    from poolpipe.domain.inventory import InventoryNode
 
 log_ = logging.getLogger(__name__)
 
@@ -161,6 +164,11 @@ class RemoteNode(RepositoryAPI):
     key: str | None = field(default=None, repr=False)
     http: str | None = None  # host:port of its KServe v2 HTTP endpoint, where given
     watch: str | None = None  # host:port of its process's watch port (NodeWatch), where given
+
+    @classmethod
+    def of(cls, node: InventoryNode, key: str | None) -> RemoteNode:
+        """The inventory's node, reached at its addresses with `key`."""
+        return cls(node.name, node.device, node.grpc, node.server, key, node.http, node.watch)
 
     @property
     def grpc_url(self) -> str:

@@ -90,21 +90,18 @@ class TierMember:
         """Until no live peer holds a node of this router's shard (a peer gone leaves its
         partition models behind: Deployment.up unloads them); PoolpipeError naming the
         holders after `timeout_s`."""
-        nodes = {
-            n.name: RemoteNode(n.name, n.device, n.grpc, n.server, self.key, n.http, n.watch)
-            for n in self.inventory.shard(self.name).nodes
-        }
+        nodes = [RemoteNode.of(n, self.key) for n in self.inventory.shard(self.name).nodes]
         deadline = time.monotonic() + timeout_s
         while True:
             held: dict[str, list[str]] = {}
-            for name, node in nodes.items():
+            for node in nodes:
                 try:
-                    found = foreign_partitions({name: node}, models, self.name)
+                    owners = {o for _, o, _ in foreign_partitions([node], models, self.name)}
                 except NodeError:
                     continue  # not answering: attaching names it
-                for owner in found.get(name, {}):
+                for owner in sorted(owners):
                     if self.peer_answers(owner):
-                        held.setdefault(owner, []).append(name)
+                        held.setdefault(owner, []).append(node.name)
             if not held:
                 self.waiting = ""
                 return
@@ -145,16 +142,13 @@ class TierMember:
     ) -> bool:
         added = [n for n in target if n not in self.shard]
         handed = [n for n in self.shard if n not in target]
-        why = "; ".join(
-            s
-            for s in (
-                f"adopting node(s) {', '.join(added)} of router(s) {', '.join(gone)} (gone)"
-                if added
-                else "",
-                f"handing node(s) {', '.join(handed)} back" if handed else "",
-            )
-            if s
-        )
+        whys = []
+        if added:
+            of = ", ".join(gone)
+            whys.append(f"adopting node(s) {', '.join(added)} of router(s) {of} (gone)")
+        if handed:
+            whys.append(f"handing node(s) {', '.join(handed)} back")
+        why = "; ".join(whys)
         log.warning("router %s: %s", self.name, why)
         shard = self.inventory.shard(self.name, target)
         path = shard_file(self.workspace, self.name)
