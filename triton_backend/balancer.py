@@ -116,12 +116,12 @@ def render(inv: Inventory) -> str:
             if r.agent:  # its weight x the share of its first plan it serves now (%)
                 a_host, a_port = split_address(r.agent)
                 agent = (
-                    f" agent-check agent-addr {a_host.strip('[]')} agent-port {a_port} "
+                    f" agent-check agent-addr {a_host} agent-port {a_port} "
                     f"agent-inter {b.check_ms}ms"
                 )
             out.append(
                 f"    server {r.name} {target} weight {r.weight} "
-                f"check addr {host.strip('[]')} port {port} check-proto h1{agent}"
+                f"check addr {host} port {port} check-proto h1{agent}"
             )
         out.append("")
     if b.stats is not None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from tritonclient.utils import triton_to_np_dtype
 
+from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
 from triton_backend.repository import kserve_dtype
 from triton_backend.stages import (
@@ -123,8 +124,7 @@ class HttpStage:
     def __init__(self, loop: asyncio.AbstractEventLoop, address: str):
         self.loop = loop
         self.address = address
-        host, _, port = address.rpartition(":")
-        self.host, self.port = host.strip("[]"), int(port)
+        self.host, self.port = split_address(address)
         self._idle: list[_Connection] = []
         self._heads: dict[tuple, bytes] = {}  # request heads by (model, input shapes)
         self._layouts: dict[bytes, AnswerLayout] = {}  # answer layouts by their JSON header

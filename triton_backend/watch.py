@@ -19,6 +19,8 @@ import socket
 import threading
 from collections.abc import Callable
 
+from poolpipe.domain.tier import split_address
+
 # A vanished peer is found after this long at most (keepalive: idle, then probes).
 WATCH_KEEPALIVE_S = 5.0
 # A watch that could not connect, or whose connection broke, tries again after this long.
@@ -31,11 +33,6 @@ def _keepalive(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, int(WATCH_KEEPALIVE_S) - 2)
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class NodeWatch:

@@ -154,7 +154,7 @@ def _router_shard(args: argparse.Namespace, inventory):
             f"--router {r.name} takes its addresses from {inventory.source}; leave out "
             f"{', '.join(k for k, v in given.items() if v)}"
         )
-    args.listen = hosts.pop().strip("[]")
+    args.listen = hosts.pop()
     args.http_port, args.grpc_port, args.ready_port = (port for _, port in addresses[:3])
     args.agent_port = addresses[3][1] if r.agent else None
     from triton_backend.peers import shard_file

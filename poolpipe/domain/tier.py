@@ -37,9 +37,9 @@ class TierError(ClusterError):
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """HOST:PORT as (host, port); an IPv6 host keeps its brackets."""
-    host, port = address.rsplit(":", 1)
-    return host, int(port)
+    """HOST:PORT as (host, port), an IPv6 host without its brackets (as sockets take it)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)
