@@ -74,10 +74,11 @@ def search_split(
     """`k` shards of `cluster` whose objectives (`objective(shard)`: the planner's, req/s
     per unit of weight; 0 where it cannot serve the models) sum highest, found by local
     search from the even split by GPU: move MOVE_SIZES GPUs of a type from one shard to
-    another while the best such move raises the sum (a shard keeps a GPU at least). With routers
-    weighted by their shards' objectives (weight agents), that sum is what the tier
-    serves; shards may then differ in size and mix of types. Each shard's objective is
-    asked once per GPU counts."""
+    another while the best such move raises the sum (a shard keeps a GPU at least, and
+    one that serves the mix keeps serving it: a router whose shard cannot is no router).
+    With routers weighted by their shards' objectives (weight agents), that sum is what
+    the tier serves; shards may then differ in size and mix of types. Each shard's
+    objective is asked once per GPU counts."""
     counts = [{p.gpu: p.count for p in sh.pools} for sh in split_cluster(cluster, k, "gpu")]
     types = [p.gpu for p in cluster.pools]
     for c in counts:
@@ -151,12 +152,16 @@ def sharding_loss(
     per unit of weight under that plan (the caller plans). A shard on which the models
     cannot be served within their SLOs (InfeasibleError) serves nothing."""
     whole, per_model = plan(cluster)
+    planned: dict[tuple, tuple[float, ...]] = {}  # by GPU counts: the search asked already
 
     def each(shard: Cluster) -> tuple[float, ...]:
-        try:
-            return plan(shard)[1]
-        except InfeasibleError:
-            return (0.0,) * len(per_model)
+        key = tuple((p.gpu, p.count, p.gpus_per_server) for p in shard.pools)
+        if key not in planned:
+            try:
+                planned[key] = plan(shard)[1]
+            except InfeasibleError:
+                planned[key] = (0.0,) * len(per_model)
+        return planned[key]
 
     if by == "search":
         split = search_split(cluster, k, lambda sh: min(each(sh)))
