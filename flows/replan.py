@@ -281,14 +281,19 @@ def reshard(
     return decision
 
 
+# How much lower the reshard flow's process runs than the router that starts it (nice).
+FLOW_NICE = 10
+
+
 def on_reshard(isolated: bool = True, **params: Any) -> Callable[[str, str, str], dict]:
     """What a router of a router tier calls when its shard changes
     (triton_backend.serve.ServingProcess): the reshard flow with `params` (warehouse,
     token_file), the router's address, its new shard's inventory file and what happened.
-    `isolated`: in a process of its own (`python -m flows.replan`, on the Prefect API the
-    router uses), so that planning, and Prefect's local API where no PREFECT_API_URL is
-    set (started and stopped with that process), take nothing from the router's runtime
-    thread (they share its interpreter otherwise); False: in the calling thread."""
+    `isolated`: in a process of its own (flows.replan as __main__, on the Prefect API the
+    router uses, FLOW_NICE lower in CPU priority), so that planning, and Prefect's local
+    API where no PREFECT_API_URL is set (started and stopped with that process), take
+    nothing from the router's runtime thread (they share its interpreter otherwise) and
+    little of its host's CPU while its batches need it; False: in the calling thread."""
 
     def run(router: str, inventory: str, trigger: str) -> dict:
         what = {"router": router, "inventory": inventory, "trigger": trigger, **params}
@@ -303,8 +308,14 @@ def on_reshard(isolated: bool = True, **params: Any) -> Callable[[str, str, str]
         env = dict(os.environ)
         if PREFECT_API_URL.value():
             env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
+        # at a lower CPU priority from its first import on: planning is background work,
+        # the router's batches on the same host are not
+        start = (
+            f"import os, runpy; os.nice({FLOW_NICE}); "
+            "runpy.run_module('flows.replan', run_name='__main__', alter_sys=True)"
+        )
         done = subprocess.run(
-            [sys.executable, "-m", "flows.replan", json.dumps(what)],
+            [sys.executable, "-c", start, json.dumps(what)],
             capture_output=True,
             text=True,
             env=env,

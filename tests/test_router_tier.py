@@ -377,7 +377,7 @@ def _nodes_and_tier(tmp_path, r0: dict, r1: dict, lb: dict):
         text = text.replace(f'grpc = "127.0.0.1:{k + 1}"', f'grpc = "{n.grpc_url}"')
     for r in (r0, r1):  # weight agents, and HAProxy's statistics to read the weights from
         ready = f'ready = "127.0.0.1:{r["ready"]}"'
-        text = text.replace(ready, f'{ready}\nagent = "127.0.0.1:{r["agent"]}"')
+        text = text.replace(ready, f'{ready}\nagent = "127.0.0.1:{r["agent"]}"\nweight = 10')
     text = text.replace("[balancer]", f'[balancer]\nstats = "127.0.0.1:{lb["stats"]}"')
     return nodes, parse_inventory(_toml(text))
 
@@ -440,7 +440,8 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
     for both nodes through the reshard flow and rolls out; the balancer sends everything
     to it; no request hangs and errors are only those in flight at the death. The second
     started again waits until the first has handed its node back, then both serve. The
-    first's weight agent has HAProxy send it twice the share while it drives both nodes."""
+    first's weight agent has HAProxy send it twice the share (or more) while it drives both
+    nodes."""
     import threading
 
     from triton_backend.nodes import stop_nodes
@@ -472,7 +473,7 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
         assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g0"], "n1": ["tiny__b00-04__r1-g0"]}
         lb.start()
         _until(lambda: _through(lb.http_url) == 200, "the balancer sends to the routers")
-        _until(lambda: _weights(lb) == {"r0": 1, "r1": 1}, "HAProxy asks the weight agents")
+        _until(lambda: _weights(lb) == {"r0": 10, "r1": 10}, "HAProxy asks the weight agents")
         for c in clients:
             c.start()
         time.sleep(1.0)
@@ -483,9 +484,11 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
         assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g1"], "n1": ["tiny__b00-04__r0-g1"]}
         assert {p.gpu: p.count for p in srv0.deployment.plan.cluster.pools} == {"cpu-1t": 2}
         assert srv0.deployment.generation == 1
-        # its weight agent: twice the GPUs, re-planned: twice its first plan's objective
-        assert srv0.weight_percent() == "200%"
-        _until(lambda: _weights(lb)["r0"] == 2, "HAProxy doubles r0's weight")
+        # its weight agent: twice the GPUs, re-planned (the planner may batch more than the
+        # first plan, written by hand, did): twice its first plan's objective or more
+        pct = int(srv0.weight_percent().rstrip("%"))
+        assert pct >= 190, pct
+        _until(lambda: abs(_weights(lb)["r0"] - pct / 10) <= 1, f"HAProxy weighs r0 {pct}%")
         assert "adopting node(s) n1 of router(s) r1 (gone)" in srv0.member.reshards[-1]["trigger"]
         # fenced: the dead router's own refill of "its" node leaves it to r0
         srv1.deployment._refill_url(nodes[1].grpc_url)
@@ -496,7 +499,13 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
         assert "handing node(s) n1 back" in srv0.member.reshards[-1]["trigger"]
         assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g2"], "n1": ["tiny__b00-04__r1-g0"]}
         _until(lambda: servers[1].deployment.core.stamps.counts["used"] > 0, "r1 serves again")
-        _until(lambda: _weights(lb) == {"r0": 1, "r1": 1}, "both weigh as at first")
+        # r1 weighs as at first; r0 as its agent says for its own node again (re-planned)
+        back = int(srv0.weight_percent().rstrip("%"))
+        assert 90 <= back < pct, (back, pct)
+        _until(
+            lambda: _weights(lb)["r1"] == 10 and abs(_weights(lb)["r0"] - back / 10) <= 1,
+            "both weigh as their shards serve",
+        )
     finally:
         done.set()
         for c in clients:
