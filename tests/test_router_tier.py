@@ -22,6 +22,7 @@ from poolpipe.domain.tier import TierError, split_address
 from tests.test_serving import hand_plan, onboarded_tiny  # noqa: F401 (a fixture)
 from triton_backend.balancer import Balancer, BalancerError, find_haproxy, render
 from triton_backend.env import free_ports
+from triton_backend.served import DROP_MARKER
 
 pytestmark = pytest.mark.integration
 needs_haproxy = pytest.mark.skipif(
@@ -149,16 +150,21 @@ def _infer_body(slo: bool = True) -> bytes:
 def _through(url: str, headers: dict | None = None, slo: bool = True) -> int:
     """One request to model tiny at `url` over HTTP (with a generous `slo_ms`, or none):
     its status code."""
+    return _answer(url, headers, slo)[0]
+
+
+def _answer(url: str, headers: dict | None = None, slo: bool = True) -> tuple[int, str]:
+    """_through's status code, and what the answer said where it was not 200."""
     req = urllib.request.Request(
         f"http://{url}/v2/models/tiny/infer", data=_infer_body(slo), headers=headers or {}
     )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status
+            return r.status, ""
     except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
+        return exc.code, " ".join(exc.read().decode(errors="replace").split())[:200]
+    except OSError as exc:
+        return 0, str(exc)
 
 
 def _ready(srv) -> tuple[int, dict]:
@@ -351,14 +357,14 @@ def _only_in_flight_failed(results: list, kill: float) -> None:
     """No request hung; errors only for those in flight on the router lost at `kill`, or
     sent before the balancer's checks (every 100 ms, two failed) took it out; every one a
     second after it answered."""
-    assert max(took for _, took, _ in results) < 5.0  # none hung
+    assert max(r[1] for r in results) < 5.0  # none hung
     errors = [r for r in results if r[2] != 200]
-    assert all(sent <= kill + 0.5 <= sent + took + 0.5 for sent, took, _ in errors), (
+    assert all(sent <= kill + 0.5 <= sent + took + 0.5 for sent, took, *_ in errors), (
         kill,
         errors,
     )
     after = [r for r in results if r[0] > kill + 1.0]
-    assert len(after) > 8 and all(code == 200 for _, _, code in after), after
+    assert len(after) > 8 and all(r[2] == 200 for r in after), after
 
 
 # ---------------------------------------------------------------------- adoption
@@ -455,15 +461,15 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
     nodes, inv = _nodes_and_tier(tmp_path, r0, r1, lb_ports)
     servers: list = []
     lb = Balancer(inv, tmp_path / "lb")
-    results: list[tuple[float, float, int]] = []
+    results: list[tuple[float, float, int, str]] = []
     done = threading.Event()
     t0 = time.monotonic()
 
     def client() -> None:
         while not done.is_set():
             sent = time.monotonic()
-            code = _through(lb.http_url)
-            results.append((sent - t0, time.monotonic() - sent, code))
+            code, why = _answer(lb.http_url)
+            results.append((sent - t0, time.monotonic() - sent, code, why))
 
     clients = [threading.Thread(target=client) for _ in range(2)]
     try:
@@ -516,6 +522,13 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
             srv.close()
         stop_nodes(nodes)
     assert adopted < 30.0, adopted
+    # Each router holds a batch until the last moment its deadline allows; on two cores a
+    # router's Triton starting or a node loading beside it can make that batch run over,
+    # and the router then drops it explicitly at the deadline (its answer says so): an
+    # overload answer, not a failure, and rare. Anything else fails the test.
+    dropped = [r for r in results if r[2] == 503 and DROP_MARKER in r[3]]
+    assert len(dropped) <= max(2, len(results) // 50), dropped
+    results = [r for r in results if r not in dropped]
     _only_in_flight_failed(results, killed)
     assert [r for r in results if r[0] > since and r[2] != 200] == []
 
