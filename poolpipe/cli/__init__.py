@@ -15,7 +15,7 @@ from poolpipe.store.warehouse import ENV_VAR, default_path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from poolpipe.cli import demo, lb, models, onboard, operate, plans, profiles, serve, sim
+    from poolpipe.cli import apps, demo, lb, models, onboard, operate, plans, profiles, serve, sim
 
     parser = argparse.ArgumentParser(
         prog="poolpipe",
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_commands(sub)
     operate.add_commands(sub)
     lb.add_commands(sub)
+    apps.add_commands(sub)
     return parser
 
 

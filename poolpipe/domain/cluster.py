@@ -5,11 +5,11 @@ Clusters are read from TOML files in the layout of `profiles/ppipe-gpu/clusters.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from poolpipe.domain.tomlfile import read_toml
 from poolpipe.errors import ClusterError, UnknownNameError
 
 
@@ -153,12 +153,7 @@ class Cluster:
 def load_clusters(path: Path) -> dict[str, Cluster]:
     """All clusters of a TOML file, by name."""
     path = Path(path)
-    if not path.is_file():
-        raise ClusterError(f"{path}: clusters file is missing")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ClusterError(f"{path}: not valid TOML ({e})") from None
+    data = read_toml(path, "clusters", ClusterError)
     return {
         name: Cluster.from_dict(name, entry, where=f"{path} [{name}]")
         for name, entry in data.items()

@@ -22,7 +22,6 @@ bandwidth follow from it); the router attaches to its nodes (`assign()`)."""
 from __future__ import annotations
 
 import re
-import tomllib
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,6 +35,8 @@ from poolpipe.domain.tier import (
     shard_assignment,
     tier_toml,
 )
+from poolpipe.domain.tomlfile import need as need_field
+from poolpipe.domain.tomlfile import only_known, read_toml
 from poolpipe.errors import ClusterError
 
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
@@ -204,33 +205,16 @@ class Inventory:
 def load_inventory(path: str | Path) -> Inventory:
     """An inventory file; InventoryError names the file and the field that is wrong."""
     path = Path(path)
-    if not path.is_file():
-        raise InventoryError(f"{path}: inventory file is missing")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise InventoryError(f"{path}: not valid TOML ({e})") from None
+    data = read_toml(path, "inventory", InventoryError)
     return parse_inventory(data, str(path))
 
 
 def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
     def need(entry: dict, key: str, what: str, kind: type):
-        if key not in entry:
-            raise InventoryError(f"{source}: {what} has no {key!r}")
-        value = entry[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise InventoryError(f"{source}: {what}: {key} = {value!r} is not a {kind.__name__}")
-        return value
+        return need_field(entry, key, what, source, kind, InventoryError)
 
     def known(entry: dict, keys: set[str], what: str) -> None:
-        extra = sorted(set(entry) - keys)
-        if extra:
-            raise InventoryError(
-                f"{source}: {what}: unknown key(s) {', '.join(extra)} "
-                f"(known: {', '.join(sorted(keys))})"
-            )
+        only_known(entry, keys, what, source, InventoryError)
 
     known(data, {"servers", "nodes", "down", "routers", "balancer"}, "top level")
     servers, nodes = [], []

@@ -1,0 +1,183 @@
+"""Application specs (apps.toml): graphs of models under one SLO, checked before anything
+is planned or served. Real files, the shipped group-2 profiles for the models' latencies."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from poolpipe.domain.apps import AppSpecError, FanOut, fastest_latencies, load_apps, parse_apps
+from poolpipe.domain.profiles import load_ppipe_dir
+
+GROUP2 = Path(__file__).resolve().parents[1] / "data" / "ppipe-gpu-group2"
+DET, CLS, SEG = "googlenet-v3-pytorch", "repvgg-b3", "colorization-v2"
+
+SPEC = f"""
+[[apps]]
+name = "traffic"
+slo_ms = 400
+weight = 2
+
+[[apps.edges]]
+from = "{DET}"
+to = "{CLS}"
+fanout = 3
+transform = "shadow"
+
+[[apps]]
+name = "scene"
+slo_ms = 500
+
+[[apps.edges]]
+from = "{DET}"
+to = "{SEG}"
+[[apps.edges]]
+from = "{DET}"
+to = "{CLS}"
+fanout = {{ values = [1, 3], weights = [0.5, 0.5] }}
+[[apps.edges]]
+from = "{CLS}"
+to = "tail"
+fanout = {{ poisson = 0.5 }}
+transform = "json:loads"
+[[apps.edges]]
+from = "{SEG}"
+to = "tail"
+transform = "identity"
+
+[[apps]]
+name = "alone"
+slo_ms = 100
+models = ["{SEG}"]
+"""
+
+
+@pytest.fixture(scope="module")
+def fastest() -> dict[str, float]:
+    return fastest_latencies(load_ppipe_dir(GROUP2))
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "apps.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_spec_gives_each_applications_graph(tmp_path):
+    apps = {a.name: a for a in load_apps(_write(tmp_path, SPEC))}
+    traffic, scene, alone = apps["traffic"], apps["scene"], apps["alone"]
+    assert traffic.models == (DET, CLS) and traffic.entry == DET and traffic.exits == (CLS,)
+    assert traffic.slo_us == 400_000 and traffic.weight == 2.0
+    assert traffic.edges[0].transform == "shadow" and traffic.edges[0].fanout.fixed == 3
+    assert traffic.multiplicity() == {DET: 1.0, CLS: 3.0}
+    # fan-in: tail waits for both its parents; 2 requests of repvgg a frame on average,
+    # each making 0.5 of tail's: one of tail's per frame, as the colorization path makes
+    assert scene.models[0] == DET and scene.models[-1] == "tail" and scene.exits == ("tail",)
+    assert set(scene.paths()) == {(DET, SEG, "tail"), (DET, CLS, "tail")}
+    assert scene.multiplicity() == {DET: 1.0, SEG: 1.0, CLS: 2.0, "tail": 1.0}
+    assert {e.src for e in scene.parents("tail")} == {CLS, SEG}
+    assert scene.edges[2].transform == "json:loads" and scene.edges[1].fanout.mean == 2.0
+    assert alone.models == (SEG,) and alone.paths() == [(SEG,)] and alone.weight == 1.0
+
+
+def test_an_slo_shorter_than_the_fastest_path_is_refused_naming_it(tmp_path, fastest):
+    need_ms = (fastest[DET] + fastest[CLS]) / 1e3
+    text = SPEC.split('[[apps]]\nname = "scene"')[0].replace(
+        "slo_ms = 400", f"slo_ms = {need_ms * 0.9:.3f}"
+    )
+    with pytest.raises(
+        AppSpecError,
+        match=rf"traffic: slo_ms = .* is shorter than its path "
+        rf"{DET} -> {CLS} at its fastest \({need_ms:.1f} ms",
+    ):
+        load_apps(_write(tmp_path, text), fastest_us=fastest)
+    ok = text.replace(f"slo_ms = {need_ms * 0.9:.3f}", f"slo_ms = {need_ms * 1.1:.3f}")
+    assert load_apps(_write(tmp_path, ok), fastest_us=fastest)[0].name == "traffic"
+
+
+def _one(edges: str, models: str = "") -> str:
+    return f'[[apps]]\nname = "a"\nslo_ms = 300\n{models}\n{edges}'
+
+
+def _edge(src: str, dst: str, more: str = "") -> str:
+    return f'[[apps.edges]]\nfrom = "{src}"\nto = "{dst}"\n{more}\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (_one(_edge("x", "y") + _edge("y", "z") + _edge("z", "y")), "cycle through y, z"),
+        (_one(_edge("x", "x")), "edge x -> x is a cycle"),
+        (_one(_edge("x", "y", "fanout = 0")), r"fanout = 0: a fixed fan-out is a whole number"),
+        (_one(_edge("x", "y", "fanout = -2")), r"fanout = -2: a fixed fan-out"),
+        (_one(_edge("x", "y", "fanout = 2.5")), r"for a mean give a distribution"),
+        (_one(_edge("x", "y", "fanout = { poisson = 0 }")), "Poisson mean must be a number > 0"),
+        (
+            _one(_edge("x", "y", "fanout = { values = [0], weights = [1] }")),
+            "its mean is 0",
+        ),
+        (
+            _one(_edge("x", "y", 'transform = "no_such_package.mod:fn"')),
+            r"transform no_such_package.mod:fn cannot be imported \(ModuleNotFoundError",
+        ),
+        (_one(_edge("x", "y", 'transform = "json:no_such"')), "json:no_such cannot be imported"),
+        (_one(_edge("x", "y", 'transform = "crop it"')), "use identity, shadow or package"),
+        (_one(_edge("x", "z") + _edge("y", "z")), "2 models no edge leads to"),
+        (
+            _one(
+                _edge("x", "y", "fanout = 2") + _edge("x", "z") + _edge("y", "w") + _edge("z", "w")
+            ),
+            r"w waits for y, z, but they make different numbers .* \(2 via y, 1 via z\)",
+        ),
+        (_one(_edge("x", "y", "fan_out = 2")), r"unknown key\(s\) fan_out"),
+        (_one(""), "no models"),
+        ('[[apps]]\nname = "a b"\nslo_ms = 3\nmodels = ["x"]', "name = 'a b': use letters"),
+        ('[[apps]]\nname = "a"\nslo_ms = 0\nmodels = ["x"]', "slo_ms = 0.0 must be"),
+        ('[[apps]]\nname = "a"\nmodels = ["x"]', "application a has no 'slo_ms'"),
+        ("apps = 3", r"no \[\[apps\]\]"),
+    ],
+)
+def test_a_bad_spec_is_refused_naming_the_file_and_field(tmp_path, text, match):
+    path = _write(tmp_path, text)
+    with pytest.raises(AppSpecError, match=match) as err:
+        load_apps(path)
+    assert str(err.value).startswith(str(path))
+
+
+def test_models_and_names_are_checked_against_those_onboarded(tmp_path):
+    known = [DET, CLS, SEG, "tail"]
+    with pytest.raises(AppSpecError, match="unknown model\\(s\\) yolo; onboard them first"):
+        parse_apps({"apps": [{"name": "a", "slo_ms": 9, "models": ["yolo"]}]}, "f", known)
+    clash = {"apps": [{"name": SEG, "slo_ms": 9, "models": [SEG]}]}
+    with pytest.raises(AppSpecError, match="a model has that name"):
+        parse_apps(clash, "f", known)
+    assert len(load_apps(_write(tmp_path, SPEC), known_models=known)) == 3
+    with pytest.raises(AppSpecError, match="missing"):
+        load_apps(tmp_path / "none.toml")
+    with pytest.raises(AppSpecError, match="not valid TOML"):
+        load_apps(_write(tmp_path, "[[apps]\n"))
+
+
+def test_fan_out_laws_draw_what_they_say():
+    rng = random.Random(7)
+    poisson = FanOut(poisson=2.5)
+    draws = [poisson.sample(rng) for _ in range(20_000)]
+    assert abs(sum(draws) / len(draws) - 2.5) < 0.05 and min(draws) == 0
+    choice = FanOut((1, 3), (0.25, 0.75))
+    assert choice.mean == 2.5 and choice.fixed is None and choice.describe() == "{1: 0.25, 3: 0.75}"
+    assert {choice.sample(rng) for _ in range(200)} == {1, 3}
+    assert FanOut((4,)).fixed == 4 and FanOut((4,)).sample(rng) == 4
+
+
+def test_apps_check_shows_the_graph_or_names_what_is_wrong(tmp_path, capsys):
+    from poolpipe.cli import main
+
+    good = _write(tmp_path, SPEC.replace('transform = "json:loads"', ""))
+    assert main(["apps", "check", str(good), "--profiles", str(GROUP2)]) == 2  # no "tail"
+    assert "unknown model(s) tail; onboard them first" in capsys.readouterr().err.replace("\n", " ")
+    first = SPEC.split('[[apps]]\nname = "scene"')[0]
+    assert main(["apps", "check", str(_write(tmp_path, first)), "--profiles", str(GROUP2)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "traffic: SLO 400 ms" in out and "1 application(s) checked" in out
