@@ -86,3 +86,85 @@ def test_a_searched_split_sums_at_least_the_even_one_and_keeps_every_gpu():
         assert all(b or not a for a, b in zip(served, still, strict=True))  # none stops
         for p in cluster.pools:
             assert sum(q.count for sh in found for q in sh.pools if q.gpu == p.gpu) == p.count
+
+
+def test_nodes_are_dealt_whole_servers_first_and_counts_must_add_up():
+    from poolpipe.domain.tier import nodes_for_counts
+
+    nodes = [(f"a{i}", "L4", "s0") for i in range(4)] + [
+        ("b0", "L4", "s1"),
+        ("c0", "T4", "s2"),
+        ("c1", "T4", "s2"),
+        ("d0", "T4", "s3"),
+    ]
+    got = nodes_for_counts(nodes, [{"L4": 1, "T4": 2}, {"L4": 4, "T4": 1}])
+    # the 4-GPU server goes whole to the shard wanting 4 L4, the 2-GPU one to the shard
+    # wanting 2 T4
+    assert got == [("b0", "c0", "c1"), ("a0", "a1", "a2", "a3", "d0")]
+    split = nodes_for_counts(nodes, [{"L4": 3, "T4": 1}, {"L4": 2, "T4": 2}])
+    assert sorted(n for shard in split for n in shard) == sorted(n for n, _, _ in nodes)
+    assert [sum(n.startswith(("a", "b")) for n in s) for s in split] == [3, 2]
+    with pytest.raises(ClusterError, match="T4: the shards want 2 GPUs, the inventory has 3"):
+        nodes_for_counts(nodes, [{"L4": 5, "T4": 1}, {"T4": 1}])
+
+
+def test_poolpipe_shards_writes_each_routers_nodes_into_the_inventory(tmp_path):
+    """The CLI on a small L4 + T4 inventory with three routers, the shipped group-2
+    profiles: every node to exactly one router, the shards' GPUs as the search found them,
+    and the written inventory loads again."""
+    from pathlib import Path
+
+    from poolpipe.cli import main
+    from poolpipe.domain.inventory import load_inventory
+    from poolpipe.domain.profiles import load_ppipe_dir
+    from poolpipe.store.warehouse import Warehouse
+
+    group2 = Path(__file__).resolve().parents[1] / "data" / "ppipe-gpu-group2"
+    wh = tmp_path / "wh.duckdb"
+    with Warehouse.open(wh) as w:
+        w.store_profiles(load_ppipe_dir(group2))
+    servers = [("s0", "L4", 4), ("s1", "L4", 2)] + [(f"t{i}", "T4", 2) for i in range(6)]
+    lines, port = [], 9000
+    for s, device, n in servers:
+        lines += [f'[[servers]]\nname = "{s}"\nbandwidth_gbps = 10']
+        for i in range(n):
+            port += 1
+            lines += [
+                f'[[nodes]]\nname = "{s}-{i}"\nserver = "{s}"\ndevice = "{device}"\n'
+                f'grpc = "10.0.0.1:{port}"\nshares = [1, 2]'
+            ]
+    lines += ['[balancer]\nhttp = "127.0.0.1:8000"\ngrpc = "127.0.0.1:8001"']
+    for r in range(3):
+        lines += [
+            f'[[routers]]\nname = "r{r}"\nhttp = "10.0.1.{r}:8000"\ngrpc = "10.0.1.{r}:8001"\n'
+            f'ready = "10.0.1.{r}:8002"'
+        ]
+    inv = tmp_path / "inventory.toml"
+    inv.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "split.toml"
+    rc = main(
+        [
+            "--warehouse",
+            str(wh),
+            "shards",
+            "--inventory",
+            str(inv),
+            "--models",
+            "colorization-v2,googlenet-v3-pytorch,repvgg-b3",
+            "--weights",
+            "0.30,0.33,0.37",
+            "--slo-scale",
+            "5",
+            "-o",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    split = load_inventory(out)
+    dealt = [n for r in split.routers for n in r.nodes]
+    assert sorted(dealt) == sorted(n.name for n in split.nodes)  # each node once
+    assert all(r.nodes for r in split.routers)
+    for r in split.routers:  # each shard can serve the mix on its own
+        shard = split.shard(r.name).cluster()
+        assert sum(p.count for p in shard.pools) == len(r.nodes)
+    assert main(["--warehouse", str(wh), "shards", "--inventory", str(inv), "--models", "x"]) == 2

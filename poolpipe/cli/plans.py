@@ -398,6 +398,76 @@ def _planning_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", help="free-text label stored with the plan")
 
 
+def cmd_shards(args: argparse.Namespace) -> int:
+    """Split an inventory's nodes among its [[routers]] for the highest summed objective
+    (each router's shard planned for itself; search_split), and write the inventory with
+    each router's `nodes` set to its shard."""
+    from poolpipe.domain.inventory import InventoryError, parse_inventory
+    from poolpipe.domain.tier import nodes_for_counts
+    from poolpipe.domain.tomlfile import read_toml
+    from poolpipe.errors import InfeasibleError
+    from poolpipe.planner.shards import sharding_loss
+
+    if not args.inventory:
+        raise PoolpipeError("shards splits an inventory's nodes: give --inventory FILE")
+    if args.router:
+        raise PoolpipeError("shards splits among every router of the inventory: drop --router")
+    data = read_toml(Path(args.inventory), "inventory", InventoryError)
+    tables = data.get("routers")
+    if not isinstance(tables, list) or len(tables) < 2:
+        raise PoolpipeError(
+            f"{args.inventory}: a split needs two [[routers]] or more (see `poolpipe lb --help`)"
+        )
+    # the nodes alone first (what the routers list now does not count: split afresh)
+    inv = parse_inventory(
+        {k: v for k, v in data.items() if k not in ("routers", "balancer")}, args.inventory
+    )
+    whole = argparse.Namespace(**{**vars(args), "inventory": None, "cluster": inv.cluster()})
+    with open_warehouse(args) as wh:
+        req = build_request(whole, wh, "ppipe")
+
+    def plan(cluster):
+        made = make_plan(dataclasses.replace(req, cluster=cluster))
+        return made.objective, tuple(m.throughput / m.weight for m in made.models)
+
+    k = len(tables)
+    with console.status(f"searching a split among {k} routers (each shard planned) ..."):
+        try:
+            found = sharding_loss(req.cluster, k, plan, by="search")
+        except InfeasibleError as exc:
+            raise PoolpipeError(f"the whole inventory cannot serve the models: {exc}") from None
+    counts = [{p.gpu: p.count for p in sh.pools} for sh in found.split]
+    live = [(n.name, n.device, n.server) for n in inv.nodes if n.name not in inv.down]
+    shards = nodes_for_counts(live, counts)
+    down = [n for n in inv.nodes if n.name in inv.down]  # to the router with fewest nodes
+    for n in down:
+        i = min(range(k), key=lambda i: (len(shards[i]), i))
+        shards[i] = (*shards[i], n.name)
+    for table, nodes in zip(tables, shards, strict=True):
+        if isinstance(table, dict):
+            table["nodes"] = list(nodes)
+    inv = parse_inventory(data, args.inventory)  # the tier checked as written
+    routers = inv.routers
+    t = Table(
+        title=f"{inv.source}: {k} shards searched for the highest summed objective (req/s "
+        f"per unit of weight); the whole inventory planned at once: {found.whole:.1f}",
+        title_justify="left",
+    )
+    for col in ("router", "GPUs", "objective", "nodes"):
+        t.add_column(col, justify="right" if col == "objective" else "left")
+    for r, c, per_model in zip(routers, counts, found.shards, strict=True):
+        gpus = ", ".join(f"{n} {g}" for g, n in sorted(c.items()) if n)
+        t.add_row(r.name, gpus, f"{min(per_model):.1f}", ", ".join(r.nodes))
+    console.print(t)
+    console.print(
+        f"summed {found.summed:.1f}: sharding loss {found.loss:.1%} of the whole", highlight=False
+    )
+    out = Path(args.out or args.inventory)
+    out.write_text(inv.to_toml())
+    console.print(f"wrote the routers' nodes to {out}", highlight=False)
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "paper-plans", help="import the PPipe profiles and compare all strategies on a cluster"
@@ -413,6 +483,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--mip-gap", type=float, default=DEFAULT_MIP_GAP)
     demo.add_argument("--label", default="paper-plans")
     demo.set_defaults(func=cmd_paper_plans)
+    shards = sub.add_parser(
+        "shards",
+        help="split an inventory's nodes among its routers for the most throughput",
+        description=cmd_shards.__doc__,
+    )
+    _planning_options(shards)
+    shards.add_argument("-o", "--out", help="write the inventory here (default: in place)")
+    shards.set_defaults(func=cmd_shards)
     plan = sub.add_parser("plan", help="plan a model group on a cluster (MILP)")
     _planning_options(plan)
     plan.add_argument("--strategy", choices=STRATEGIES, default="ppipe")

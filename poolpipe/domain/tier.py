@@ -121,7 +121,8 @@ def check_tier(
         if bare:
             raise TierError(
                 f"{where}: router(s) {', '.join(bare)} list no nodes: with several routers "
-                "each drives its own shard (nodes = [...])"
+                "each drives its own shard (nodes = [...]; `poolpipe shards --inventory "
+                "FILE --models ...` writes a split planned for the most throughput)"
             )
     if balancer is not None:
         for field_, address in (("http", balancer.http), ("grpc", balancer.grpc)):
@@ -240,6 +241,42 @@ def shard_assignment(
             to = min(out, key=lambda name: (have[name], len(out[name]), order[name]))
             out[to].append(n)
     return {name: tuple(nodes) for name, nodes in out.items()}
+
+
+def nodes_for_counts(
+    nodes: Iterable[tuple[str, str, str]], counts: list[dict[str, int]]
+) -> list[tuple[str, ...]]:
+    """Nodes (name, device type, server) dealt to shards that want `counts[i][type]` GPUs
+    of each type (a split the planner searched: poolpipe.planner.shards.search_split):
+    type by type, whole servers first, largest first, each to the shard that still wants
+    the most of that type and can take the server whole; then the nodes left one by one to
+    the shard that wants the most. ClusterError where the counts do not add up to the
+    nodes of a type."""
+    by_type: dict[str, dict[str, list[str]]] = {}
+    for name, device, server in nodes:
+        by_type.setdefault(device, {}).setdefault(server, []).append(name)
+    out: list[list[str]] = [[] for _ in counts]
+    for device, servers in sorted(by_type.items()):
+        want = [c.get(device, 0) for c in counts]
+        total = sum(len(ns) for ns in servers.values())
+        if sum(want) != total:
+            raise ClusterError(
+                f"{device}: the shards want {sum(want)} GPUs, the inventory has {total}"
+            )
+        left: list[str] = []
+        for _, names in sorted(servers.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            fits = [i for i in range(len(counts)) if want[i] >= len(names)]
+            if fits:
+                i = max(fits, key=lambda i: (want[i], -i))
+                out[i] += names
+                want[i] -= len(names)
+            else:
+                left += names
+        for name in left:
+            i = max(range(len(counts)), key=lambda i: (want[i], -i))
+            out[i].append(name)
+            want[i] -= 1
+    return [tuple(ns) for ns in out]
 
 
 class TierView:
