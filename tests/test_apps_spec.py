@@ -181,3 +181,30 @@ def test_apps_check_shows_the_graph_or_names_what_is_wrong(tmp_path, capsys):
     assert main(["apps", "check", str(_write(tmp_path, first)), "--profiles", str(GROUP2)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "traffic: SLO 400 ms" in out and "1 application(s) checked" in out
+
+
+def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
+    """`poolpipe apps plan` on the shipped group-2 profiles and hc2-small: the joint split
+    serves at least what the equal and proportional splits serve."""
+    from poolpipe.cli import main
+    from poolpipe.store.warehouse import Warehouse
+
+    wh = tmp_path / "wh.duckdb"
+    with Warehouse.open(wh) as w:
+        w.store_profiles(load_ppipe_dir(GROUP2))
+    spec = _write(
+        tmp_path,
+        f'[[apps]]\nname = "cars"\nslo_ms = 80\n[[apps.edges]]\nfrom = "{DET}"\nto = "{CLS}"\n'
+        'fanout = 2\ntransform = "shadow"\n',
+    )
+    args = ["--warehouse", str(wh), "apps", "plan", str(spec), "--cluster", "hc2-small"]
+    assert main([*args, "--clusters-file", str(GROUP2 / "clusters.toml")]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2:]
+        for line in out.splitlines()
+        if line.count("│") > 4 and line.split("│")[1].strip() in ("joint", "equal", "proportional")
+    }
+    objective = {k: float(v[0]) for k, v in rows.items()}
+    assert objective["joint"] >= max(objective["equal"], objective["proportional"]) - 0.05
+    assert objective["joint"] > 0 and "the joint split" in out

@@ -68,6 +68,73 @@ def cmd_apps_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_apps_plan(args: argparse.Namespace) -> int:
+    """Plan the applications of an apps.toml on a cluster: each model's latency budget
+    chosen with the pooled pipelines in one MILP (the joint split), beside the same MILP
+    with the SLO split equally along each path and in proportion to the models' fastest
+    latencies. Shows what each serves (req/s of the least served application per unit of
+    weight) and the joint split's budgets and pipelines."""
+    from poolpipe.planner.apps import AppPlanRequest, plan_apps
+    from poolpipe.store.plan_inputs import resolve_cluster
+    from poolpipe.store.warehouse import Warehouse
+
+    with Warehouse.open(args.warehouse) as wh:
+        names = wh.model_names()
+        known = {n: wh.load_profile(n) for n in names}
+        cluster = resolve_cluster(wh, args.cluster, args.clusters_file)
+    fastest = fastest_latencies(known.values())
+    apps = load_apps(args.spec, known_models=known, fastest_us=fastest)
+    used = {m for a in apps for m in a.models}
+    req = AppPlanRequest(
+        tuple(apps),
+        {m: known[m] for m in used},
+        cluster,
+        grid=args.grid,
+        margin=args.margin,
+        max_partitions=args.max_partitions,
+        time_limit_s=args.time_limit,
+    )
+    plans = {}
+    for split in ("joint", "equal", "proportional"):
+        with console.status(f"planning the {split} split on {cluster.name} ..."):
+            plans[split] = plan_apps(req, split)
+    joint = plans["joint"]
+    t = Table(
+        title=f"{len(apps)} application(s) on {cluster.name}: req/s of the least served per "
+        f"unit of weight (budgets: a grid of {args.grid} per model, margin {args.margin})",
+        title_justify="left",
+    )
+    for col in ("split", "objective", "joint / this", "each application req/s", "MILP s"):
+        t.add_column(col, justify="left" if col in ("split",) else "right")
+    for split, p in plans.items():
+        t.add_row(
+            split,
+            f"{p.objective:.1f}",
+            f"{joint.objective / p.objective:.2f}" if p.objective > 0 else "-",
+            ", ".join(f"{a} {r:.1f}" for a, r in p.rates.items()),
+            f"{p.seconds:.2f} ({p.status})",
+        )
+    console.print(t)
+    b = Table(title="the joint split", title_justify="left")
+    for col in ("application", "model", "budget ms", "req/s served", "pipelines (batch: GPUs)"):
+        b.add_column(col, justify="right" if col in ("budget ms", "req/s served") else "left")
+    for (a, m), budget in joint.budgets.items():
+        pipes = "; ".join(
+            f"b{c.batch}: "
+            + " | ".join(
+                f"{n}x{p.gpu}/{p.share}" for p, n in zip(c.partitions, counts, strict=True)
+            )
+            for c, counts in joint.pipelines.get((a, m), [])
+        )
+        b.add_row(a, m, f"{budget / 1e3:.1f}", f"{joint.served[(a, m)]:.1f}", pipes)
+    console.print(b)
+    console.print(
+        "GPUs used: " + ", ".join(f"{n} {g}" for g, n in sorted(joint.gpus_used.items())),
+        highlight=False,
+    )
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     apps = sub.add_parser("apps", help="applications: graphs of models under one SLO")
     asub = apps.add_subparsers(dest="apps_command", required=True, metavar="ACTION")
@@ -82,3 +149,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="a PPipe profile directory to check against instead of the warehouse",
     )
     check.set_defaults(func=cmd_apps_check)
+    plan = asub.add_parser(
+        "plan",
+        help="plan the applications' SLO split with the pools; compare with fixed splits",
+        description=cmd_apps_plan.__doc__,
+    )
+    plan.add_argument("spec", help="the application spec (apps.toml)")
+    plan.add_argument("--cluster", required=True, help="cluster name, e.g. hc2-large")
+    plan.add_argument("--clusters-file", help="TOML file with the cluster (default: warehouse)")
+    plan.add_argument("--grid", type=int, default=10, help="budgets per model: SLO x k/grid (10)")
+    plan.add_argument("--margin", type=float, default=0.4, help="share of a budget held back")
+    plan.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (2)")
+    plan.add_argument("--time-limit", type=float, default=60.0, help="seconds per MILP (60)")
+    plan.set_defaults(func=cmd_apps_plan)

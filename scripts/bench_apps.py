@@ -1,0 +1,150 @@
+"""Applications planned on the paper's clusters: the SLO split jointly with the pools (one
+MILP) against an equal split and a split in proportion to the models' latencies, each of
+those planned with the same MILP. Prints a table and stores its rows in the warehouse
+(bench_serving, bench "apps").
+
+The two mixes (SLO = --slo-scale x the reference latencies along the application's
+slowest path, as the paper sets each model's SLO at 5x its own):
+
+- traffic: tf_efficientdet_d1 finds the vehicles of a frame, repvgg-b3 classifies three
+  crops of each (fan-out 3, shadow inputs);
+- traffic + scene, weights 1:1: scene is googlenet-v3-pytorch deciding a frame is worth a
+  look, then a segmentation (fcn-d6) and a detector (atss) on it, joined by repvgg-b3
+  (fan-in: it waits for both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from poolpipe.cli.common import ppipe_dir
+from poolpipe.domain.apps import parse_apps
+from poolpipe.domain.cluster import load_clusters
+from poolpipe.domain.profiles import load_ppipe_dir
+from poolpipe.planner.apps import AppPlanRequest, plan_apps
+from poolpipe.store.bench_rows import BenchRows
+from poolpipe.store.warehouse import Warehouse
+
+console = Console()
+DET, CLS = "tf_efficientdet_d1", "repvgg-b3"
+GATE, SEG, DET2 = (
+    "googlenet-v3-pytorch",
+    "fcn-d6_r101-d16_4xb2-40k_cityscapes-512x1024",
+    ("atss_r101_fpn_1x_coco"),
+)
+TRAFFIC = {
+    "name": "traffic",
+    "edges": [{"from": DET, "to": CLS, "fanout": 3, "transform": "shadow"}],
+}
+SCENE = {
+    "name": "scene",
+    "edges": [
+        {"from": GATE, "to": SEG},
+        {"from": GATE, "to": DET2},
+        {"from": SEG, "to": CLS, "transform": "shadow"},
+        {"from": DET2, "to": CLS, "transform": "shadow"},
+    ],
+}
+MIXES = {"traffic": [TRAFFIC], "traffic+scene": [TRAFFIC, SCENE]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--profiles", type=Path, default=None, help="PPipe profiles (shipped ones)")
+    ap.add_argument("--clusters", default="hc2-large,hc4-large")
+    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--slo-scale", type=float, default=5.0, help="SLO x reference latencies (5)")
+    ap.add_argument("--grid", type=int, default=10, help="budgets per model (SLO x k/grid)")
+    ap.add_argument("--margin", type=float, default=0.4)
+    ap.add_argument("--warehouse", default=None)
+    ap.add_argument("--label", default="bench")
+    args = ap.parse_args()
+    root = args.profiles or ppipe_dir()
+    profiles = {p.name: p for p in load_ppipe_dir(root)}
+    clusters = load_clusters(root / "clusters.toml")
+    t = Table(
+        title=f"applications planned: SLO split jointly with the pools (MILP, grid of "
+        f"{args.grid} budgets per model, margin {args.margin}) vs an equal split and a split "
+        f"in proportion to the models' latencies (req/s of the least served application per "
+        f"unit of weight)",
+        title_justify="left",
+    )
+    for col in (
+        "cluster",
+        "mix",
+        "SLO ms",
+        "joint",
+        "equal",
+        "proportional",
+        "joint / equal",
+        "joint / prop.",
+        "joint s",
+        "joint budgets ms",
+    ):
+        t.add_column(
+            col, justify="left" if col in ("cluster", "mix", "joint budgets ms") else "right"
+        )
+    rows = BenchRows(args.label)
+    for cname, mix in itertools.product(args.clusters.split(","), args.mixes.split(",")):
+        specs = []
+        for spec in MIXES[mix]:
+            path_ref = _slowest_path_ref(spec, profiles)
+            specs.append({**spec, "slo_ms": round(args.slo_scale * path_ref / 1e3, 1)})
+        apps = tuple(parse_apps({"apps": specs}, f"mix {mix}", profiles))
+        req = AppPlanRequest(apps, profiles, clusters[cname], grid=args.grid, margin=args.margin)
+        with console.status(f"{cname}, {mix}: joint ..."):
+            joint = plan_apps(req)
+        with console.status(f"{cname}, {mix}: equal, proportional ..."):
+            equal = plan_apps(req, "equal")
+            prop = plan_apps(req, "proportional")
+        budgets = "; ".join(
+            f"{a}/{m.split('_')[0].split('-')[0]} {b / 1e3:.0f}"
+            for (a, m), b in joint.budgets.items()
+        )
+        t.add_row(
+            cname,
+            mix,
+            ", ".join(f"{a.slo_us / 1e3:g}" for a in apps),
+            f"{joint.objective:.1f}",
+            f"{equal.objective:.1f}",
+            f"{prop.objective:.1f}",
+            f"{joint.objective / equal.objective:.2f}" if equal.objective else "-",
+            f"{joint.objective / prop.objective:.2f}" if prop.objective else "-",
+            f"{joint.seconds:.1f} ({joint.status})",
+            budgets,
+        )
+        config = f"{cname}:{mix}:x{args.slo_scale:g}:grid{args.grid}"
+        for metric, v in (
+            ("joint", joint.objective),
+            ("equal", equal.objective),
+            ("proportional", prop.objective),
+            ("joint_seconds", joint.seconds),
+            ("joint_optimal", float(joint.status == "optimal")),
+        ):
+            rows.record("apps", config, metric, v)
+    console.print(t)
+    with Warehouse.open(args.warehouse) as wh:
+        wh.store_rows("bench_serving", rows)
+        console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench apps)")
+    return 0
+
+
+def _slowest_path_ref(spec: dict, profiles: dict) -> float:
+    """The application's slowest path by the models' reference latencies (µs)."""
+    app = parse_apps({"apps": [{**spec, "slo_ms": 1e9}]}, "mix", profiles)[0]
+    ref = {m: profiles[m].reference_latency_us for m in app.models}
+    return max(sum(ref[m] for m in p) for p in app.paths())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
