@@ -8,8 +8,16 @@ import itertools
 import pytest
 
 from poolpipe.domain.apps import parse_apps
-from poolpipe.errors import InfeasibleError
-from poolpipe.planner.apps import AppPlanRequest, fixed_split, plan_apps
+from poolpipe.errors import InfeasibleError, PoolpipeError
+from poolpipe.planner.apps import (
+    AppPlanRequest,
+    _alone,
+    _candidate_fn,
+    cheapest_apps,
+    fixed_split,
+    nexus_split,
+    plan_apps,
+)
 from tests.conftest import tiny_cluster, tiny_model
 
 # one block each; columns: batch 1..4 (µs) on GPU "A"
@@ -105,3 +113,98 @@ def test_fan_in_paths_share_the_slo_and_a_model_too_slow_is_named():
     tighter = {"apps": [{"name": "a", "slo_ms": 7, "edges": [{"from": "p", "to": "q"}]}]}
     with pytest.raises(InfeasibleError, match="model q meets none of its budgets"):
         plan_apps(_request(tighter))
+
+
+# Two GPU types: A as above, B twice as slow and a third of the price.
+P2 = tiny_model(
+    "p",
+    {
+        ("A", 1): [[2000.0, 3000.0, 4000.0, 5000.0]],
+        ("B", 1): [[4000.0, 6000.0, 8000.0, 10000.0]],
+    },
+    [],
+)
+Q2 = tiny_model(
+    "q",
+    {
+        ("A", 1): [[8000.0, 9000.0, 10000.0, 11000.0]],
+        ("B", 1): [[16000.0, 18000.0, 20000.0, 22000.0]],
+    },
+    [],
+)
+
+
+def _two_types(a: int, b: int, spec: dict = CHAIN, grid: int = 10) -> AppPlanRequest:
+    pools = [(g, n, 1, (1,)) for g, n in (("A", a), ("B", b)) if n]
+    return AppPlanRequest(
+        tuple(parse_apps(spec, "test", ["p", "q"])),
+        {"p": P2, "q": Q2},
+        tiny_cluster(pools),
+        grid=grid,
+        margin=0.0,
+        mip_gap=1e-9,
+    )
+
+
+@pytest.mark.parametrize("gpus", [(1, 2), (2, 3), (1, 4)])
+def test_nexus_split_is_the_cheapest_split_by_each_model_alone(gpus):
+    """Nexus's split-then-plan: the budgets of least summed cost (requests per request over
+    what the model serves alone on the whole cluster at that budget), checked by brute
+    force over the grid; the joint split serves at least what it serves."""
+    req = _two_types(*gpus, grid=8)
+    alone = _candidate_fn(req)
+    grid = [2_500.0 * k for k in range(1, 9)]
+    thr = {(m, b): _alone(req, alone(m, b)) for m in "pq" for b in grid}
+
+    def cost(bp: float, bq: float) -> float:
+        return 1 / thr[("p", bp)] + 1 / thr[("q", bq)]
+
+    fits = [
+        (bp, bq)
+        for bp, bq in itertools.product(grid, grid)
+        if bp + bq <= 20_000 and thr[("p", bp)] > 0 and thr[("q", bq)] > 0
+    ]
+    least = min(cost(*f) for f in fits)
+    split = nexus_split(req)
+    assert cost(split[("a", "p")], split[("a", "q")]) == pytest.approx(least, rel=1e-9)
+    nexus = plan_apps(req, "nexus")
+    assert nexus.budgets == split
+    assert plan_apps(req).objective >= nexus.objective * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("rate", [150.0, 300.0, 500.0])
+def test_the_cheapest_gpus_are_the_cheapest_counts_that_serve_the_rate(rate):
+    """The cost objective against brute force: every count of A (price 3) and B (price 1)
+    GPUs, each planned max-min; the cheapest counts that serve `rate` cost what the cost
+    MILP finds (budgets chosen jointly either way)."""
+    prices = {"A": 3.0, "B": 1.0}
+    cheapest = cheapest_apps(_two_types(3, 4), {"a": rate}, prices)
+    best = None
+    for a, b in itertools.product(range(4), range(5)):
+        if a + b == 0:
+            continue
+        try:
+            served = plan_apps(_two_types(a, b)).objective
+        except InfeasibleError:
+            continue
+        if served >= rate * (1 - 1e-9):
+            price = 3.0 * a + 1.0 * b
+            best = price if best is None else min(best, price)
+    assert best is not None and cheapest.cost_per_hour == pytest.approx(best)
+    assert cheapest.status == "optimal" and cheapest.rates == {"a": pytest.approx(rate)}
+    assert cheapest.served[("a", "q")] >= rate * (1 - 1e-6)
+    whole = cheapest_apps(_two_types(3, 4), {"a": rate}, prices, whole=True)
+    assert all(len(c.partitions) == 1 for ps in whole.pipelines.values() for c, _ in ps)
+    assert whole.cost_per_hour >= cheapest.cost_per_hour - 1e-9
+
+
+def test_rates_beyond_the_cluster_and_bad_cost_inputs_are_named():
+    req = _two_types(1, 1)
+    with pytest.raises(InfeasibleError, match=r"cannot serve these rates .* at most \d+\.\d% of"):
+        cheapest_apps(req, {"a": 10_000.0}, {"A": 3.0, "B": 1.0})
+    with pytest.raises(PoolpipeError, match="no price for GPU type"):
+        cheapest_apps(req, {"a": 10.0}, {"A": 3.0})
+    with pytest.raises(PoolpipeError, match="rates: give one per application .* missing: a"):
+        cheapest_apps(req, {"b": 10.0}, {"A": 3.0, "B": 1.0})
+    with pytest.raises(PoolpipeError, match="rates must be finite req/s > 0"):
+        cheapest_apps(req, {"a": -1.0}, {"A": 3.0, "B": 1.0})

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from poolpipe.domain.apps import fastest_latencies, load_apps
+from poolpipe.errors import InfeasibleError, PoolpipeError
 
 console = Console()
 
@@ -71,10 +72,12 @@ def cmd_apps_check(args: argparse.Namespace) -> int:
 def cmd_apps_plan(args: argparse.Namespace) -> int:
     """Plan the applications of an apps.toml on a cluster: each model's latency budget
     chosen with the pooled pipelines in one MILP (the joint split), beside the same MILP
-    with the SLO split equally along each path and in proportion to the models' fastest
-    latencies. Shows what each serves (req/s of the least served application per unit of
-    weight) and the joint split's budgets and pipelines."""
-    from poolpipe.planner.apps import AppPlanRequest, plan_apps
+    with the SLO split equally along each path, in proportion to the models' fastest
+    latencies, and by Nexus's split-then-plan (each model's budget chosen by what it costs
+    alone). Shows what each serves (req/s of the least served application per unit of
+    weight) and the joint split's budgets and pipelines. With --objective cost: the
+    cheapest GPUs serving --rates, each split, and the cheapest whole-model plan."""
+    from poolpipe.planner.apps import SPLITS, AppPlanRequest, plan_apps
     from poolpipe.store.plan_inputs import resolve_cluster
     from poolpipe.store.warehouse import Warehouse
 
@@ -94,8 +97,12 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
         max_partitions=args.max_partitions,
         time_limit_s=args.time_limit,
     )
+    if args.objective == "cost":
+        return _apps_cost(args, req)
+    if args.rates or args.prices:
+        raise PoolpipeError("--rates and --prices apply to --objective cost only")
     plans = {}
-    for split in ("joint", "equal", "proportional"):
+    for split in SPLITS:
         with console.status(f"planning the {split} split on {cluster.name} ..."):
             plans[split] = plan_apps(req, split)
     joint = plans["joint"]
@@ -115,6 +122,76 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
             f"{p.seconds:.2f} ({p.status})",
         )
     console.print(t)
+    _print_split(joint)
+    return 0
+
+
+def _apps_cost(args: argparse.Namespace, req) -> int:
+    """--objective cost: the cheapest GPUs serving --rates, per split, and whole-model."""
+    from poolpipe.cli.plans import parse_pairs
+    from poolpipe.planner.apps import SPLITS, cheapest_apps
+
+    if not args.rates:
+        raise PoolpipeError(
+            "--objective cost needs the rates to serve: --rates "
+            + ",".join(f"{a.name}=REQ_PER_S" for a in req.apps)
+        )
+    rates = parse_pairs(args.rates, "rates")
+    prices = req.cluster.prices()
+    if args.prices:
+        given = parse_pairs(args.prices, "prices")
+        types = {p.gpu for p in req.cluster.pools}
+        if set(given) - types:
+            raise PoolpipeError(
+                f"--prices names {', '.join(sorted(set(given) - types))}, not GPU types of "
+                f"cluster {req.cluster.name} ({', '.join(sorted(types))})"
+            )
+        prices.update(given)
+    plans = {}
+    for split in SPLITS:
+        with console.status(f"the cheapest GPUs, {split} split ..."):
+            plans[split] = _or_none(lambda s=split: cheapest_apps(req, rates, prices, s))
+    with console.status("the cheapest whole-model plan ..."):
+        plans["whole-model"] = _or_none(lambda: cheapest_apps(req, rates, prices, whole=True))
+    joint = plans["joint"]
+    if joint is None:  # the joint split serves whatever any split does: say why not
+        cheapest_apps(req, rates, prices)
+    assert joint is not None and joint.cost_per_hour is not None
+    t = Table(
+        title=f"the cheapest GPUs of {req.cluster.name} serving "
+        + ", ".join(f"{a} {r:g} req/s" for a, r in rates.items())
+        + " (prices per GPU-hour: "
+        + ", ".join(f"{g} {p:g}" for g, p in sorted(prices.items()))
+        + ")",
+        title_justify="left",
+    )
+    for col in ("plan", "cost / hour", "this / joint", "GPUs", "MILP s"):
+        t.add_column(col, justify="left" if col in ("plan", "GPUs") else "right")
+    for name, p in plans.items():
+        if p is None or p.cost_per_hour is None:
+            t.add_row(name, "cannot serve them", "-", "-", "-")
+            continue
+        t.add_row(
+            name,
+            f"{p.cost_per_hour:.2f}",
+            f"{p.cost_per_hour / joint.cost_per_hour:.2f}",
+            ", ".join(f"{n} {g}" for g, n in sorted(p.gpus_used.items()) if n),
+            f"{p.seconds:.2f} ({p.status})",
+        )
+    console.print(t)
+    _print_split(joint)
+    return 0
+
+
+def _or_none(plan):
+    """A plan, or None where the cluster cannot serve the rates that way."""
+    try:
+        return plan()
+    except InfeasibleError:
+        return None
+
+
+def _print_split(joint) -> None:
     b = Table(title="the joint split", title_justify="left")
     for col in ("application", "model", "budget ms", "req/s served", "pipelines (batch: GPUs)"):
         b.add_column(col, justify="right" if col in ("budget ms", "req/s served") else "left")
@@ -132,7 +209,6 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
         "GPUs used: " + ", ".join(f"{n} {g}" for g, n in sorted(joint.gpus_used.items())),
         highlight=False,
     )
-    return 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -161,4 +237,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--margin", type=float, default=0.4, help="share of a budget held back")
     plan.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (2)")
     plan.add_argument("--time-limit", type=float, default=60.0, help="seconds per MILP (60)")
+    plan.add_argument(
+        "--objective",
+        choices=("maxmin", "cost"),
+        default="maxmin",
+        help="maxmin: the most req/s per unit of weight for the least served application "
+        "(default); cost: the cheapest of the cluster's GPUs serving --rates",
+    )
+    plan.add_argument("--rates", help="with --objective cost: req/s per application, e.g. A=100")
+    plan.add_argument(
+        "--prices",
+        help="with --objective cost: price per GPU-hour per type, e.g. L4=0.56,T4=0.35 "
+        "(default: price_per_hour in the clusters file)",
+    )
     plan.set_defaults(func=cmd_apps_plan)
