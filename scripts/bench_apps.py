@@ -1,7 +1,9 @@
 """Applications planned on the paper's clusters: the SLO split jointly with the pools (one
-MILP) against an equal split and a split in proportion to the models' latencies, each of
-those planned with the same MILP. Prints a table and stores its rows in the warehouse
-(bench_serving, bench "apps").
+MILP) against an equal split, a split in proportion to the models' latencies and Nexus's
+split-then-plan (each model's budget chosen by its cost alone), each of those planned with
+the same MILP; then the cost objective: the cheapest GPUs serving --rate-share of what the
+joint split serves, pooled (budgets chosen jointly) beside whole-model pipelines. Prints
+two tables and stores their rows in the warehouse (bench_serving, bench "apps").
 
 The two mixes (SLO = --slo-scale x the reference latencies along the application's
 slowest path, as the paper sets each model's SLO at 5x its own):
@@ -29,11 +31,13 @@ from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.apps import parse_apps
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
-from poolpipe.planner.apps import AppPlanRequest, plan_apps
+from poolpipe.planner.apps import AppPlanRequest, cheapest_apps, plan_apps
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
 
 console = Console()
+# Example prices per GPU-hour, as bench_planner's (on-demand list prices of one cloud, 2025).
+PRICES = {"L4": 0.56, "T4": 0.35, "P4": 0.60, "V100": 2.48}
 DET, CLS = "tf_efficientdet_d1", "repvgg-b3"
 GATE, SEG, DET2 = (
     "googlenet-v3-pytorch",
@@ -66,6 +70,18 @@ def main() -> int:
     ap.add_argument("--slo-scale", type=float, default=5.0, help="SLO x reference latencies (5)")
     ap.add_argument("--grid", type=int, default=10, help="budgets per model (SLO x k/grid)")
     ap.add_argument("--margin", type=float, default=0.4)
+    ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per MILP (30)")
+    ap.add_argument(
+        "--rate-share",
+        type=float,
+        default=0.5,
+        help="cost part: the rates to serve, as a share of what the joint split serves (0.5)",
+    )
+    ap.add_argument(
+        "--prices",
+        default=",".join(f"{g}={p}" for g, p in PRICES.items()),
+        help="cost part: price per GPU-hour per type",
+    )
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
     args = ap.parse_args()
@@ -86,14 +102,34 @@ def main() -> int:
         "joint",
         "equal",
         "proportional",
+        "nexus",
         "joint / equal",
         "joint / prop.",
+        "joint / nexus",
         "joint s",
         "joint budgets ms",
     ):
         t.add_column(
             col, justify="left" if col in ("cluster", "mix", "joint budgets ms") else "right"
         )
+    prices = {g: float(p) for g, _, p in (x.partition("=") for x in args.prices.split(","))}
+    c = Table(
+        title=f"the cheapest GPUs serving {args.rate_share:.0%} of what the joint split serves "
+        "(prices per GPU-hour: " + ", ".join(f"{g} {p:g}" for g, p in prices.items()) + ")",
+        title_justify="left",
+    )
+    for col in (
+        "cluster",
+        "mix",
+        "rates req/s",
+        "pooled",
+        "GPUs",
+        "whole-model",
+        "GPUs ",
+        "whole / pooled",
+        "pooled s",
+    ):
+        c.add_column(col, justify="left" if col in ("cluster", "mix", "GPUs", "GPUs ") else "right")
     rows = BenchRows(args.label)
     for cname, mix in itertools.product(args.clusters.split(","), args.mixes.split(",")):
         specs = []
@@ -101,12 +137,20 @@ def main() -> int:
             path_ref = _slowest_path_ref(spec, profiles)
             specs.append({**spec, "slo_ms": round(args.slo_scale * path_ref / 1e3, 1)})
         apps = tuple(parse_apps({"apps": specs}, f"mix {mix}", profiles))
-        req = AppPlanRequest(apps, profiles, clusters[cname], grid=args.grid, margin=args.margin)
+        req = AppPlanRequest(
+            apps,
+            profiles,
+            clusters[cname],
+            grid=args.grid,
+            margin=args.margin,
+            time_limit_s=args.time_limit,
+        )
         with console.status(f"{cname}, {mix}: joint ..."):
             joint = plan_apps(req)
-        with console.status(f"{cname}, {mix}: equal, proportional ..."):
+        with console.status(f"{cname}, {mix}: equal, proportional, nexus ..."):
             equal = plan_apps(req, "equal")
             prop = plan_apps(req, "proportional")
+            nexus = plan_apps(req, "nexus")
         budgets = "; ".join(
             f"{a}/{m.split('_')[0].split('-')[0]} {b / 1e3:.0f}"
             for (a, m), b in joint.budgets.items()
@@ -118,8 +162,11 @@ def main() -> int:
             f"{joint.objective:.1f}",
             f"{equal.objective:.1f}",
             f"{prop.objective:.1f}",
-            f"{joint.objective / equal.objective:.2f}" if equal.objective else "-",
-            f"{joint.objective / prop.objective:.2f}" if prop.objective else "-",
+            f"{nexus.objective:.1f}",
+            *(
+                f"{joint.objective / p.objective:.2f}" if p.objective else "-"
+                for p in (equal, prop, nexus)
+            ),
             f"{joint.seconds:.1f} ({joint.status})",
             budgets,
         )
@@ -128,15 +175,44 @@ def main() -> int:
             ("joint", joint.objective),
             ("equal", equal.objective),
             ("proportional", prop.objective),
+            ("nexus", nexus.objective),
             ("joint_seconds", joint.seconds),
             ("joint_optimal", float(joint.status == "optimal")),
         ):
             rows.record("apps", config, metric, v)
+        rates = {a.name: args.rate_share * joint.rates[a.name] for a in apps}
+        with console.status(f"{cname}, {mix}: the cheapest GPUs, pooled and whole-model ..."):
+            pooled = cheapest_apps(req, rates, prices)
+            whole = cheapest_apps(req, rates, prices, whole=True)
+        assert pooled.cost_per_hour is not None and whole.cost_per_hour is not None
+        c.add_row(
+            cname,
+            mix,
+            ", ".join(f"{a} {r:.0f}" for a, r in rates.items()),
+            f"{pooled.cost_per_hour:.2f}",
+            _gpus(pooled.gpus_used),
+            f"{whole.cost_per_hour:.2f}",
+            _gpus(whole.gpus_used),
+            f"{whole.cost_per_hour / pooled.cost_per_hour:.2f}",
+            f"{pooled.seconds:.1f} ({pooled.status})",
+        )
+        for metric, v in (
+            ("cost_pooled", pooled.cost_per_hour),
+            ("cost_whole", whole.cost_per_hour),
+            ("cost_seconds", pooled.seconds),
+            ("cost_optimal", float(pooled.status == "optimal")),
+        ):
+            rows.record("apps", f"{config}:rates{args.rate_share:g}", metric, v)
     console.print(t)
+    console.print(c)
     with Warehouse.open(args.warehouse) as wh:
         wh.store_rows("bench_serving", rows)
         console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench apps)")
     return 0
+
+
+def _gpus(used: dict[str, int]) -> str:
+    return ", ".join(f"{n} {g}" for g, n in sorted(used.items()) if n)
 
 
 def _slowest_path_ref(spec: dict, profiles: dict) -> float:

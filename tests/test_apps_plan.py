@@ -204,7 +204,7 @@ def test_rates_beyond_the_cluster_and_bad_cost_inputs_are_named():
         cheapest_apps(req, {"a": 10_000.0}, {"A": 3.0, "B": 1.0})
     with pytest.raises(PoolpipeError, match="no price for GPU type"):
         cheapest_apps(req, {"a": 10.0}, {"A": 3.0})
-    with pytest.raises(PoolpipeError, match="rates: give one per application .* missing: a"):
+    with pytest.raises(PoolpipeError, match=r"rates: give one per application .* missing: a"):
         cheapest_apps(req, {"b": 10.0}, {"A": 3.0, "B": 1.0})
     with pytest.raises(PoolpipeError, match="rates must be finite req/s > 0"):
         cheapest_apps(req, {"a": -1.0}, {"A": 3.0, "B": 1.0})

@@ -273,8 +273,10 @@ def nexus_split(req: AppPlanRequest) -> dict[tuple[str, str], float]:
             opts = [b for b in grid if alone[(m, b)] > 0]
             if not opts:
                 raise _meets_none(req, a, m, grid)
-            ys[m] = {b: milp.add_var(upper=1.0, integer=True, cost=-mult[m] / alone[(m, b)])
-                     for b in opts}
+            ys[m] = {
+                b: milp.add_var(upper=1.0, integer=True, cost=-mult[m] / alone[(m, b)])
+                for b in opts
+            }
             milp.add_row({y: 1.0 for y in ys[m].values()}, lower=1.0, upper=1.0)
         for path in a.paths():
             milp.add_row({y: b for m in path for b, y in ys[m].items()}, upper=a.slo_us + 1e-6)
