@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from poolpipe.domain.apps import App
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.costs import ModelCosts
+from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import InfeasibleError, PoolpipeError, SolverError
 from poolpipe.planner.candidates import (
@@ -400,7 +401,7 @@ def _build(
     for o, opt in enumerate(options):
         if len(opt.budgets) == 1:
             continue
-        y = [milp.add_var(upper=1.0, integer=True) for _ in opt.budgets]
+        y: list[int] = [milp.add_var(upper=1.0, integer=True) for _ in opt.budgets]
         milp.add_row({v: 1.0 for v in y}, lower=1.0, upper=1.0)
         for x, at in zip(xs[o], opt.at, strict=True):
             if len(at) < len(opt.budgets):  # only at the budgets it is enumerated at
@@ -416,12 +417,12 @@ def _build(
             fixed, least, terms = 0.0, 0.0, {}
             for m in path:
                 o = per_key[(a.name, m)]
-                y = ys[o]
-                if y is None:
+                chosen = ys[o]
+                if chosen is None:
                     fixed += options[o].budgets[0]
                 else:
                     least += min(options[o].budgets)
-                    terms.update({y[k]: b for k, b in enumerate(options[o].budgets)})
+                    terms.update({chosen[k]: b for k, b in enumerate(options[o].budgets)})
             if fixed > a.slo_us * (1 + 1e-9):
                 raise InfeasibleError(
                     f"application {a.name}: the budgets given along {' -> '.join(path)} sum to "
@@ -437,3 +438,72 @@ def _build(
             if terms:
                 milp.add_row(terms, upper=a.slo_us - fixed + 1e-6)
     return milp, z, rates, xs, ys, ns, gpu_terms
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def part_name(app: str, model: str) -> str:
+    """The served plan's model for `model` within application `app` (the pipelines of a
+    model in two applications are planned and served apart)."""
+    return f"{app}.{model}"
+
+
+def filled_budgets(app: App, budgets: Mapping[str, float]) -> dict[str, float]:
+    """Budgets scaled up until the application's longest path takes its whole SLO: what a
+    served plan gives its models. The MILP leaves slack where several budgets serve alike
+    (the grid's steps, ties); the pipelines it chose meet the budgets it chose, so they
+    meet larger ones, and every part gets the time the SLO leaves it."""
+    longest = max(sum(budgets[m] for m in p) for p in app.paths())
+    return {m: b * app.slo_us / longest for m, b in budgets.items()}
+
+
+def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[str, ModelProfile]]:
+    """An application plan as a `Plan` that the simulator and the router serve: one model
+    per (application, model), named by `part_name`, with its budget (filled_budgets) as its
+    SLO and the
+    application's weight times its requests per request as its weight; `meta["apps"]`
+    records each application's SLO, weight and budgets. Verified against the profiles,
+    which are returned under the plan's model names."""
+    from poolpipe.domain.plan import ModelPlan, SolverInfo
+    from poolpipe.planner.readback import pipeline_plan
+
+    models, profiles = [], {}
+    meta_apps: dict[str, dict] = {}
+    for a in req.apps:
+        mult = a.multiplicity()
+        budgets = filled_budgets(a, {m: plan.budgets[(a.name, m)] for m in a.models})
+        meta_apps[a.name] = {
+            "slo_us": a.slo_us,
+            "weight": a.weight,
+            "models": list(a.models),
+            "budgets_us": budgets,
+            "planned_budgets_us": {m: plan.budgets[(a.name, m)] for m in a.models},
+        }
+        for m in a.models:
+            name = part_name(a.name, m)
+            profiles[name] = replace(req.profiles[m], name=name)
+            pipes = [pipeline_plan(c, n) for c, n in plan.pipelines.get((a.name, m), [])]
+            models.append(
+                ModelPlan(
+                    name=name,
+                    weight=a.weight * mult[m],
+                    slo_us=budgets[m],
+                    throughput=sum(p.throughput for p in pipes),
+                    pipelines=tuple(sorted(pipes, key=lambda p: -p.throughput)),
+                    est_throughput=None,
+                )
+            )
+    doc = Plan(
+        strategy="ppipe" if req.max_partitions > 1 else "np",
+        cluster=req.cluster,
+        packing=req.packing,
+        margin=req.margin,
+        max_partitions=req.max_partitions,
+        models=tuple(models),
+        objective=min(m.throughput / m.weight for m in models),
+        solver=SolverInfo(name=req.solver, status=plan.status, gap=0.0, seconds=plan.seconds),
+        meta={"apps": meta_apps, "split": plan.split, "apps_objective": plan.objective},
+    )
+    doc.verify(profiles)
+    return doc, profiles

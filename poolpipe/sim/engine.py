@@ -216,6 +216,8 @@ class SimulatedCluster:
         self.transfers = 0
         self.retired: list[PlanUsage] = []  # what the plans served before did
         self.rt: ServingRuntime
+        # where the runtime's answers go instead of `outcome` (a driver of its own)
+        self.on_answer: Callable[[Entry, Outcome, str], None] | None = None
 
     def bind(self, runtime: ServingRuntime) -> None:
         self.rt = runtime
@@ -293,6 +295,9 @@ class SimulatedCluster:
         self._try_start(first, now)
 
     def answer(self, entry: Entry, outcome: Outcome, reason: str) -> None:
+        if self.on_answer is not None:  # a driver of its own (applications: sim/apps.py)
+            self.on_answer(entry, outcome, reason)
+            return
         i = entry.payload
         self.outcome[i] = outcome
         if outcome is ON_TIME or outcome is LATE:
@@ -527,6 +532,18 @@ class Simulator:
 
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
+        rt = self.drive(None)
+        return summarize(self, rt, time.perf_counter() - wall0)
+
+    def drive(
+        self,
+        arrivals: Callable[[ServingRuntime], Callable[[int], None]] | None,
+        busy: Callable[[], bool] | None = None,
+    ) -> ServingRuntime:
+        """Run the simulation to its end and return its runtime. `arrivals(runtime)` gives
+        what arrival k calls (default: one request of its model at the model's SLO), and
+        `busy()` whether the driver still has work of its own to come; applications
+        (sim/apps.py) bring both, and their own account of the run."""
         served = self._served(self.dp.topo, self.dp)
         rt = self.runtime = ServingRuntime(
             served,
@@ -548,10 +565,10 @@ class Simulator:
             arrive(model_map[models[i]], i)
 
         def done() -> bool:  # only node watches are left: they would run for ever
-            return rt.idle() and not self._events_left
+            return rt.idle() and not self._events_left and not (busy is not None and busy())
 
-        self.clock.run(self.arrival_us, arrival, done)
-        return summarize(self, rt, time.perf_counter() - wall0)
+        self.clock.run(self.arrival_us, arrival if arrivals is None else arrivals(rt), done)
+        return rt
 
     # ------------------------------------------------------------------ scenario
 

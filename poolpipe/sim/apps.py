@@ -1,0 +1,125 @@
+"""Simulating applications (poolpipe.domain.apps) through the serving runtime: requests of
+each application arrive at its rate, the runtime's application coordinator
+(runtime/apps.py) makes their parts (fan-out draws, fan-in waits) and the simulated cluster
+runs them, as the live router's would. The account is per application (each request
+answered once: on time, late, dropped or failed) and per part model (the runtime's own
+counters)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from poolpipe.domain.apps import App
+from poolpipe.domain.plan import Plan
+from poolpipe.domain.profiles import ModelProfile
+from poolpipe.errors import PoolpipeError
+from poolpipe.planner.apps import part_name
+from poolpipe.runtime.apps import AppCoordinator, ServedApp, served_app
+from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Entry, Outcome
+from poolpipe.scheduler import make_data_plane
+from poolpipe.scheduler.topology import build_topology
+from poolpipe.sim.arrivals import ArrivalSpec, generate
+from poolpipe.sim.engine import SimConfig, Simulator
+
+_NAMES = {ON_TIME: "on_time", LATE: "late", DROPPED: "dropped", FAILED: "failed"}
+
+
+@dataclass
+class AppSimResult:
+    """What a simulation of applications measured."""
+
+    duration_s: float
+    rates: dict[str, float]  # req/s offered per application
+    apps: dict[str, dict[str, int]]  # per application: arrived, on_time, late, dropped, failed
+    parts: dict[str, dict[str, int]]  # per part model: the runtime's counters
+    parts_made: int
+    wall_s: float
+    reasons: dict[str, int] = field(default_factory=dict)  # why requests were dropped
+
+    def attainment(self, app: str | None = None) -> float:
+        """Share of requests answered on time (of one application, or of all)."""
+        rows = [self.apps[app]] if app is not None else list(self.apps.values())
+        arrived = sum(r["arrived"] for r in rows)
+        return sum(r["on_time"] for r in rows) / arrived if arrived else 1.0
+
+
+def served_apps(plan: Plan, apps: Sequence[App], model_names: Sequence[str]) -> list[ServedApp]:
+    """The applications of an application plan (meta["apps"]: their budgets) as the
+    runtime serves them, each model at its index among `model_names`."""
+    recorded = plan.meta.get("apps")
+    if not isinstance(recorded, dict):
+        raise PoolpipeError(
+            "this plan serves no application (no budgets recorded): plan it with poolpipe apps plan"
+        )
+    index = {n: i for i, n in enumerate(model_names)}
+    out = []
+    for a in apps:
+        if a.name not in recorded:
+            raise PoolpipeError(f"the plan has no application {a.name}: plan it with the others")
+        budgets = recorded[a.name]["budgets_us"]
+        where = {m: index[part_name(a.name, m)] for m in a.models if part_name(a.name, m) in index}
+        out.append(served_app(a, budgets, where))
+    return out
+
+
+def simulate_apps(
+    plan: Plan,
+    profiles: Mapping[str, ModelProfile],
+    apps: Sequence[App],
+    rates: Mapping[str, float],
+    config: SimConfig,
+    arrivals: ArrivalSpec | None = None,
+    data_plane: str = "reservation",
+) -> AppSimResult:
+    """Simulate an application plan (planner.apps.app_plan_document; `profiles` under its
+    model names) with each application's requests arriving at `rates[name]` req/s."""
+    wall0 = time.perf_counter()
+    topo = build_topology(plan, profiles, larger_batches=True)
+    names = [m.name for m in topo.models]
+    served = served_apps(plan, apps, names)
+    times, which = generate(
+        arrivals or ArrivalSpec("poisson"),
+        [rates[a.name] for a in apps],
+        config.duration_s,
+        config.seed,
+        [a.name for a in apps],
+    )
+    sim = Simulator(topo, make_data_plane(data_plane, topo), times, which, config)
+    counts = {a.name: {"arrived": 0, **{n: 0 for n in _NAMES.values()}} for a in apps}
+    reasons: dict[str, int] = {}
+    holder: list[AppCoordinator] = []
+
+    def answer(payload: Any, outcome: Outcome, reason: str) -> None:
+        counts[apps[int(which[payload])].name][_NAMES[outcome]] += 1
+        if reason:
+            why = reason.split(": ", 1)[-1]
+            reasons[why] = reasons.get(why, 0) + 1
+
+    def start(rt: Any):
+        coord = AppCoordinator(served, sim.clock, rt.add, rt.decide, answer, config.seed)
+        holder.append(coord)
+
+        def part(entry: Entry, outcome: Outcome, reason: str) -> None:
+            coord.part_ended(entry.payload, outcome, reason)
+
+        sim.cluster.on_answer = part
+
+        def arrival(i: int) -> None:
+            counts[apps[int(which[i])].name]["arrived"] += 1
+            coord.arrive(int(which[i]), i)
+
+        return arrival
+
+    rt = sim.drive(start, busy=lambda: bool(holder) and holder[0].busy())
+    return AppSimResult(
+        config.duration_s,
+        {a.name: float(rates[a.name]) for a in apps},
+        counts,
+        {n: rt.stats[n].counts() for n in names if n in rt.stats},
+        holder[0].parts if holder else 0,
+        time.perf_counter() - wall0,
+        reasons,
+    )
