@@ -208,3 +208,60 @@ def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
     objective = {k: float(v[0]) for k, v in rows.items()}
     assert objective["joint"] >= max(objective["equal"], objective["proportional"]) - 0.05
     assert objective["joint"] > 0 and "the joint split" in out
+
+
+def test_apps_plan_writes_a_plan_that_apps_simulate_serves(tmp_path, capsys):
+    """`apps plan --out` then `apps simulate`: the nexus row, the plan document, and each
+    application's requests answered once by the simulated cluster; the cost objective
+    beside the cheapest whole-model plan."""
+    from poolpipe.cli import main
+    from poolpipe.domain.plan import Plan
+    from poolpipe.store.warehouse import Warehouse
+
+    wh = tmp_path / "wh.duckdb"
+    with Warehouse.open(wh) as w:
+        w.store_profiles(load_ppipe_dir(GROUP2))
+    spec = _write(
+        tmp_path,
+        f'[[apps]]\nname = "cars"\nslo_ms = 80\n[[apps.edges]]\nfrom = "{DET}"\nto = "{CLS}"\n'
+        'fanout = 2\ntransform = "shadow"\n',
+    )
+    base = ["--warehouse", str(wh), "apps"]
+    where = ["--cluster", "hc2-small", "--clusters-file", str(GROUP2 / "clusters.toml")]
+    out = tmp_path / "apps-plan.json"
+    assert main([*base, "plan", str(spec), *where, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "nexus" in text and f"written to {out}" in " ".join(text.split())
+    plan = Plan.load(out)
+    assert [m.name for m in plan.models] == [f"cars.{DET}", f"cars.{CLS}"]
+    budgets = plan.meta["apps"]["cars"]["budgets_us"]
+    assert sum(budgets.values()) == pytest.approx(80_000)
+    assert main([*base, "simulate", str(spec), "--plan", str(out), "--duration", "3"]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.count("│") > 6 and "cars" in line)
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    arrived, answered = int(cells[2]), sum(int(c) for c in cells[3:7])
+    assert arrived > 0 and answered == arrived
+    assert main([*base, "simulate", str(spec), "--plan", str(tmp_path / "none.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    rates = "--rates=cars=50"
+    assert (
+        main(
+            [
+                *base,
+                "plan",
+                str(spec),
+                *where,
+                "--objective",
+                "cost",
+                rates,
+                "--prices",
+                "L4=0.56,T4=0.35",
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "whole-model" in text and "cheapest GPUs" in text
+    assert main([*base, "plan", str(spec), *where, "--objective", "cost", rates]) == 2
+    assert "no price for GPU type" in capsys.readouterr().err

@@ -97,6 +97,7 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
         max_partitions=args.max_partitions,
         time_limit_s=args.time_limit,
     )
+    _writable(args.out)
     if args.objective == "cost":
         return _apps_cost(args, req)
     if args.rates or args.prices:
@@ -123,6 +124,93 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
         )
     console.print(t)
     _print_split(joint)
+    _write(args.out, req, joint)
+    return 0
+
+
+def _writable(out: str | None) -> None:
+    if out and not Path(out).parent.is_dir():
+        raise PoolpipeError(f"--out {out}: folder {Path(out).parent} does not exist")
+
+
+def _write(out: str | None, req, plan) -> None:
+    """The joint split's plan document (what the simulator and the router serve)."""
+    if not out:
+        return
+    from poolpipe.planner.apps import app_plan_document
+
+    doc, _ = app_plan_document(req, plan)
+    doc.save(Path(out))
+    console.print(
+        f"the joint split's plan written to {out} ({len(doc.models)} models, "
+        f"budgets filled to each SLO): poolpipe apps simulate SPEC --plan {out}",
+        highlight=False,
+    )
+
+
+def cmd_apps_simulate(args: argparse.Namespace) -> int:
+    """Simulate an application plan (poolpipe apps plan --out): requests of each
+    application arrive at --load-factor x the rate it was planned for (Poisson), their
+    parts run through the serving runtime on the simulated cluster; each request is
+    answered once, on time only when all its parts finished by its SLO."""
+    from poolpipe.domain.plan import Plan
+    from poolpipe.sim.apps import part_profiles, simulate_apps
+    from poolpipe.sim.engine import SimConfig
+    from poolpipe.store.warehouse import Warehouse
+
+    if not Path(args.plan).is_file():
+        raise PoolpipeError(f"plan file {args.plan} does not exist; write one with apps plan --out")
+    if not (args.load_factor > 0 and args.duration > 0):
+        raise PoolpipeError("--load-factor and --duration must be > 0")
+    plan = Plan.load(Path(args.plan))
+    with Warehouse.open(args.warehouse) as wh:
+        known = {n: wh.load_profile(n) for n in wh.model_names()}
+    fastest = fastest_latencies(known.values())
+    apps = load_apps(args.spec, known_models=known, fastest_us=fastest)
+    rates = plan.meta.get("apps_rates") or {}
+    missing = [a.name for a in apps if a.name not in rates]
+    if missing:
+        raise PoolpipeError(
+            f"plan {args.plan} was not planned for application(s) {', '.join(missing)}: "
+            "plan the spec with poolpipe apps plan --out"
+        )
+    offered = {a.name: args.load_factor * rates[a.name] for a in apps}
+    config = SimConfig(duration_s=args.duration, seed=args.seed)
+    with console.status("simulating ..."):
+        res = simulate_apps(plan, part_profiles(plan, known), apps, offered, config)
+    t = Table(
+        title=f"applications on {plan.cluster.name} (simulated, {args.duration:g} s, load "
+        f"{args.load_factor:g} x planned)",
+        title_justify="left",
+    )
+    for col in (
+        "application",
+        "req/s",
+        "arrived",
+        "on time",
+        "late",
+        "dropped",
+        "failed",
+        "attainment",
+    ):
+        t.add_column(col, justify="left" if col == "application" else "right")
+    for a in apps:
+        row = res.apps[a.name]
+        t.add_row(
+            a.name,
+            f"{offered[a.name]:.1f}",
+            *(str(row[k]) for k in ("arrived", "on_time", "late", "dropped", "failed")),
+            f"{res.attainment(a.name):.2%}",
+        )
+    console.print(t)
+    parts = Table(title="their parts (requests of each model)", title_justify="left")
+    for col in ("model", "arrived", "on time", "late", "dropped", "failed"):
+        parts.add_column(col, justify="left" if col == "model" else "right")
+    for name, c in res.parts.items():
+        parts.add_row(
+            name, *(str(c[k]) for k in ("arrivals", "on_time", "late", "dropped", "failed"))
+        )
+    console.print(parts)
     return 0
 
 
@@ -180,6 +268,7 @@ def _apps_cost(args: argparse.Namespace, req) -> int:
         )
     console.print(t)
     _print_split(joint)
+    _write(args.out, req, joint)
     return 0
 
 
@@ -238,6 +327,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (2)")
     plan.add_argument("--time-limit", type=float, default=60.0, help="seconds per MILP (60)")
     plan.add_argument(
+        "--out", help="write the joint split's plan here (JSON), to simulate or serve"
+    )
+    plan.add_argument(
         "--objective",
         choices=("maxmin", "cost"),
         default="maxmin",
@@ -251,3 +343,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "(default: price_per_hour in the clusters file)",
     )
     plan.set_defaults(func=cmd_apps_plan)
+    sim = asub.add_parser(
+        "simulate",
+        help="simulate an application plan: each request answered once, as a whole",
+        description=cmd_apps_simulate.__doc__,
+    )
+    sim.add_argument("spec", help="the application spec (apps.toml) the plan was made for")
+    sim.add_argument("--plan", required=True, help="the plan (poolpipe apps plan --out)")
+    sim.add_argument("--load-factor", type=float, default=0.9, help="x the planned rates (0.9)")
+    sim.add_argument("--duration", type=float, default=10.0, help="simulated seconds (10)")
+    sim.add_argument("--seed", type=int, default=1)
+    sim.set_defaults(func=cmd_apps_simulate)

@@ -227,7 +227,7 @@ def _plan(
         picked[opt.key] = [
             (c, [round(v[n]) for n in ns[o][i]])
             for i, c in enumerate(opt.candidates)
-            if any(round(v[n]) > 0 for n in ns[o][i])
+            if all(round(v[n]) > 0 for n in ns[o][i])
         ]
     app_rates = {a.name: float(v[rates[i]]) for i, a in enumerate(req.apps)}
     used = {g: round(sum(c * v[x] for x, c in t.items())) for g, t in gpu_terms.items()}
@@ -503,7 +503,12 @@ def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[st
         models=tuple(models),
         objective=min(m.throughput / m.weight for m in models),
         solver=SolverInfo(name=req.solver, status=plan.status, gap=0.0, seconds=plan.seconds),
-        meta={"apps": meta_apps, "split": plan.split, "apps_objective": plan.objective},
+        meta={
+            "apps": meta_apps,
+            "split": plan.split,
+            "apps_objective": plan.objective,
+            "apps_rates": dict(plan.rates),  # req/s per application: load factor 1
+        },
     )
     doc.verify(profiles)
     return doc, profiles

@@ -46,6 +46,25 @@ class AppSimResult:
         return sum(r["on_time"] for r in rows) / arrived if arrived else 1.0
 
 
+def part_profiles(plan: Plan, profiles: Mapping[str, ModelProfile]) -> dict[str, ModelProfile]:
+    """The profiles of an application plan's models (app.model) from those of the models
+    (by their own names, as the warehouse holds them)."""
+    from dataclasses import replace
+
+    recorded = plan.meta.get("apps")
+    if not isinstance(recorded, dict):
+        raise PoolpipeError(
+            "this plan serves no application (no budgets recorded): plan it with poolpipe apps plan"
+        )
+    out = {}
+    for app, rec in recorded.items():
+        for m in rec["models"]:
+            if m not in profiles:
+                raise PoolpipeError(f"application {app}: no profile for model {m}: profile it")
+            out[part_name(app, m)] = replace(profiles[m], name=part_name(app, m))
+    return out
+
+
 def served_apps(plan: Plan, apps: Sequence[App], model_names: Sequence[str]) -> list[ServedApp]:
     """The applications of an application plan (meta["apps"]: their budgets) as the
     runtime serves them, each model at its index among `model_names`."""
