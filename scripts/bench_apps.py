@@ -2,8 +2,10 @@
 MILP) against an equal split, a split in proportion to the models' latencies and Nexus's
 split-then-plan (each model's budget chosen by its cost alone), each of those planned with
 the same MILP; then the cost objective: the cheapest GPUs serving --rate-share of what the
-joint split serves, pooled (budgets chosen jointly) beside whole-model pipelines. Prints
-two tables and stores their rows in the warehouse (bench_serving, bench "apps").
+joint split serves, pooled (budgets chosen jointly) beside whole-model pipelines; then the
+joint split's plan simulated through the serving runtime at --loads x its planned rates
+(each application request answered once, on time only when all its parts were). Prints
+three tables and stores their rows in the warehouse (bench_serving, bench "apps").
 
 The two mixes (SLO = --slo-scale x the reference latencies along the application's
 slowest path, as the paper sets each model's SLO at 5x its own):
@@ -31,7 +33,14 @@ from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.apps import parse_apps
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
-from poolpipe.planner.apps import AppPlanRequest, cheapest_apps, plan_apps
+from poolpipe.planner.apps import (
+    AppPlanRequest,
+    app_plan_document,
+    cheapest_apps,
+    plan_apps,
+)
+from poolpipe.sim.apps import part_profiles, simulate_apps
+from poolpipe.sim.engine import SimConfig
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
 
@@ -82,6 +91,8 @@ def main() -> int:
         default=",".join(f"{g}={p}" for g, p in PRICES.items()),
         help="cost part: price per GPU-hour per type",
     )
+    ap.add_argument("--loads", default="0.5,0.8,1.0", help="simulated: x the planned rates")
+    ap.add_argument("--duration", type=float, default=10.0, help="simulated seconds a load")
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
     args = ap.parse_args()
@@ -130,6 +141,16 @@ def main() -> int:
         "pooled s",
     ):
         c.add_column(col, justify="left" if col in ("cluster", "mix", "GPUs", "GPUs ") else "right")
+    loads = [float(x) for x in args.loads.split(",")]
+    sims = Table(
+        title=f"the joint split's plan simulated ({args.duration:g} s a load, Poisson): "
+        "attainment of each application (its requests on time, all parts included)",
+        title_justify="left",
+    )
+    for col in ("cluster", "mix", "application", *(f"load {x:g}" for x in loads), "parts/req"):
+        sims.add_column(
+            col, justify="left" if col in ("cluster", "mix", "application") else "right"
+        )
     rows = BenchRows(args.label)
     for cname, mix in itertools.product(args.clusters.split(","), args.mixes.split(",")):
         specs = []
@@ -196,6 +217,31 @@ def main() -> int:
             f"{whole.cost_per_hour / pooled.cost_per_hour:.2f}",
             f"{pooled.seconds:.1f} ({pooled.status})",
         )
+        doc, _ = app_plan_document(req, joint)
+        parts = part_profiles(doc, profiles)
+        results = []
+        for load in loads:
+            with console.status(f"{cname}, {mix}: simulating load {load:g} ..."):
+                offered = {a.name: load * joint.rates[a.name] for a in apps}
+                res = simulate_apps(
+                    doc, parts, apps, offered, SimConfig(duration_s=args.duration, seed=1)
+                )
+            results.append(res)
+            for a in apps:
+                rows.record(
+                    "apps", f"{config}:sim", f"attainment:{a.name}:{load:g}", res.attainment(a.name)
+                )
+        for a in apps:
+            made = sum(r.apps[a.name]["arrived"] for r in results)
+            sims.add_row(
+                cname,
+                mix,
+                a.name,
+                *(f"{r.attainment(a.name):.1%}" for r in results),
+                f"{sum(r.parts_made for r in results) / max(1, made):.2f}"
+                if len(apps) == 1
+                else "-",
+            )
         for metric, v in (
             ("cost_pooled", pooled.cost_per_hour),
             ("cost_whole", whole.cost_per_hour),
@@ -205,6 +251,7 @@ def main() -> int:
             rows.record("apps", f"{config}:rates{args.rate_share:g}", metric, v)
     console.print(t)
     console.print(c)
+    console.print(sims)
     with Warehouse.open(args.warehouse) as wh:
         wh.store_rows("bench_serving", rows)
         console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench apps)")
