@@ -15,7 +15,9 @@ SLO, late after; the first part dropped or failed answers it at once, dropped or
 with nothing partial (its other parts run on, their ends ignored). Parts are made on the
 clock's next turn (`call_at(now)`), never inside the runtime's own call that ended their
 parents. Nothing here knows which driver runs it: the simulator and the live router hand
-it the same calls."""
+it the same calls. What a child's parts are made of is the driver's `fan`: the simulator's
+draws the edge's fan-out (parts without data); the router's applies the edge's transform
+to the first parent's outputs (one input per part), which sets how many there are."""
 
 from __future__ import annotations
 
@@ -32,22 +34,22 @@ from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Clock, Outcom
 @dataclass(frozen=True)
 class ServedApp:
     """An application as a runtime serves it: its models (entry first, parents before
-    children), each one's index among the served plan's models, when its parts are due
-    after the application's arrival (µs), its children with their fan-outs and its
+    children), the served plan's model for each (`parts`: app.model), when its parts are
+    due after the application's arrival (µs), its children with their fan-outs and its
     parents (positions in `models`)."""
 
     name: str
     slo_us: float
     models: tuple[str, ...]
-    index: tuple[int, ...]
+    parts: tuple[str, ...]
     due_us: tuple[float, ...]
     children: tuple[tuple[tuple[int, FanOut], ...], ...]
     parents: tuple[tuple[int, ...], ...]
 
 
-def served_app(app: App, budgets_us: Mapping[str, float], index: Mapping[str, int]) -> ServedApp:
-    """`app` with each model's latency budget and its index in the served plan."""
-    missing = [m for m in app.models if m not in budgets_us or m not in index]
+def served_app(app: App, budgets_us: Mapping[str, float], parts: Mapping[str, str]) -> ServedApp:
+    """`app` with each model's latency budget and its model in the served plan."""
+    missing = [m for m in app.models if m not in budgets_us or m not in parts]
     if missing:
         raise PoolpipeError(
             f"application {app.name}: the plan has no budget or pipelines for "
@@ -67,7 +69,7 @@ def served_app(app: App, budgets_us: Mapping[str, float], index: Mapping[str, in
         app.name,
         app.slo_us,
         app.models,
-        tuple(index[m] for m in app.models),
+        tuple(parts[m] for m in app.models),
         tuple(due),
         tuple(tuple((pos[e.dst], e.fanout) for e in app.children(m)) for m in app.models),
         tuple(tuple(pos[e.src] for e in app.parents(m)) for m in app.models),
@@ -77,7 +79,16 @@ def served_app(app: App, budgets_us: Mapping[str, float], index: Mapping[str, in
 class AppRequest:
     """One request of an application, from its arrival until it is answered."""
 
-    __slots__ = ("answered", "app", "arrived_us", "made", "parents_left", "payload", "running")
+    __slots__ = (
+        "answered",
+        "app",
+        "arrived_us",
+        "made",
+        "parents_left",
+        "payload",
+        "results",
+        "running",
+    )
 
     def __init__(self, app: ServedApp, payload: Any, arrived_us: float):
         self.app = app
@@ -86,22 +97,36 @@ class AppRequest:
         self.made = [0] * len(app.models)  # parts made, per model
         self.running = [0] * len(app.models)  # parts made and not yet ended
         self.parents_left = [len(p) for p in app.parents]
+        # per model: its parts' results, in the order they ended (what the driver kept)
+        self.results: list[list[Any]] = [[] for _ in app.models]
         self.answered = False
 
 
-# add(model index, payload, slo_us, arrived_us): one part taken by the runtime
-AddPart = Callable[[int, Any, float, float], Any]
-# answer(payload, outcome, reason): the application's request ends
-AnswerApp = Callable[[Any, Outcome, str], None]
+# A part as the runtime carries it (the payload `add` is handed): its request, its model's
+# position in the application, and its data (the driver's: its inputs live; None simulated).
+Part = tuple[AppRequest, int, Any]
+# add(served model name, part, slo_us, arrived_us): one part taken by the runtime
+AddPart = Callable[[str, Part, float, float], Any]
+# answer(request, outcome, reason): the application's request ends
+AnswerApp = Callable[[AppRequest, Outcome, str], None]
+# fan(request, child position, parent position, drawn): the data of each of the child's
+# parts, made from the parent's results; `drawn` is the fan-out's draw per parent part
+Fan = Callable[[AppRequest, int, int, list[int]], list[Any]]
+
+
+def drawn_parts(req: AppRequest, child: int, parent: int, drawn: list[int]) -> list[Any]:
+    """The simulator's fan: as many parts as drawn, with no data."""
+    return [None] * sum(drawn)
 
 
 class AppCoordinator:
     """Makes the parts of application requests and answers each request once.
 
-    `add` takes a part into the runtime (ServingRuntime.add), `decide` asks the runtime
-    for decisions after parts were added, `answer` delivers an application request's end;
-    the driver calls `arrive` for each request and `part_ended` with every answer the
-    runtime gives a part (the part's payload is what `add` was handed)."""
+    `add` takes a part into the runtime (ServingRuntime.add, the model by name), `decide`
+    asks the runtime for decisions after parts were added, `answer` delivers an
+    application request's end, `fan` makes a child's parts (default: `drawn_parts`); the
+    driver calls `arrive` for each request and `part_ended` with every answer the runtime
+    gives a part (the part is the payload `add` was handed)."""
 
     def __init__(
         self,
@@ -111,12 +136,14 @@ class AppCoordinator:
         decide: Callable[[], None],
         answer: AnswerApp,
         seed: int = 1,
+        fan: Fan = drawn_parts,
     ):
         self.apps = list(apps)
         self.clock = clock
         self._add = add
         self._decide = decide
         self._answer = answer
+        self._fan = fan
         self._rng = random.Random(seed * 7723 + 5)
         self._scheduled = 0  # part-making turns asked of the clock and not yet run
         self.open = 0  # requests taken and not answered
@@ -129,18 +156,22 @@ class AppCoordinator:
         """Whether parts are still to be made on a later turn of the clock."""
         return self._scheduled > 0
 
-    def arrive(self, app: int, payload: Any, arrived_us: float | None = None) -> AppRequest:
-        """A request of application `app` (its index) arriving now (or at `arrived_us`)."""
+    def arrive(
+        self, app: int, payload: Any, data: Any = None, arrived_us: float | None = None
+    ) -> AppRequest:
+        """A request of application `app` (its index) arriving now (or at `arrived_us`);
+        `data`: its entry part's (the client's inputs, live)."""
         now = self.clock.now()
         req = AppRequest(self.apps[app], payload, now if arrived_us is None else arrived_us)
         self.open += 1
-        self._make(req, [(0, 1)])
+        self._make(req, [(0, [data])])
         self._decide()
         return req
 
-    def part_ended(self, part: tuple[AppRequest, int], outcome: Outcome, reason: str) -> None:
-        """The runtime answered a part (`outcome`): the request's next parts or its end."""
-        req, pos = part
+    def part_ended(self, part: Part, outcome: Outcome, reason: str, result: Any = None) -> None:
+        """The runtime answered a part (`outcome`, its `result` where it has one): the
+        request's next parts or its end."""
+        req, pos, _ = part
         req.running[pos] -= 1
         if req.answered:
             return
@@ -148,6 +179,7 @@ class AppCoordinator:
         if not outcome.has_result:
             self._end(req, outcome, f"{app.models[pos]}: {reason}")
             return
+        req.results[pos].append(result)
         if req.running[pos] > 0:
             return
         ready = self._finished(req, pos)
@@ -159,45 +191,52 @@ class AppCoordinator:
 
     # ------------------------------------------------------------------ inside
 
-    def _finished(self, req: AppRequest, pos: int) -> list[tuple[int, int]]:
-        """Model `pos` has no part left: its children whose parents have all finished, with
-        how many parts each gets."""
+    def _finished(self, req: AppRequest, pos: int) -> list[int]:
+        """Model `pos` has no part left: its children whose parents have all finished."""
         app = req.app
-        out: list[tuple[int, int]] = []
+        out: list[int] = []
         for child, _ in app.children[pos]:
             req.parents_left[child] -= 1
             if req.parents_left[child] == 0:
-                first = app.parents[child][0]
-                fan = next(f for c, f in app.children[first] if c == child)
-                fixed = fan.fixed
-                n = (
-                    req.made[first] * fixed
-                    if fixed is not None
-                    else sum(fan.sample(self._rng) for _ in range(req.made[first]))
-                )
-                out.append((child, n))
+                out.append(child)
         return out
 
-    def _turn(self, req: AppRequest, ready: list[tuple[int, int]]) -> None:
+    def _parts_of(self, req: AppRequest, child: int) -> list[Any]:
+        """The data of a child's parts: the driver's fan over its first parent's parts,
+        with a draw of the edge's fan-out for each."""
+        app = req.app
+        first = app.parents[child][0]
+        fan = next(f for c, f in app.children[first] if c == child)
+        fixed = fan.fixed
+        n = req.made[first]
+        drawn = [fixed] * n if fixed is not None else [fan.sample(self._rng) for _ in range(n)]
+        return self._fan(req, child, first, drawn)
+
+    def _turn(self, req: AppRequest, ready: list[int]) -> None:
         self._scheduled -= 1
         if req.answered:
             return
-        self._make(req, ready)
+        try:
+            made = [(c, self._parts_of(req, c)) for c in ready]
+        except Exception as exc:  # the driver's transform failed: the request fails
+            self._end(req, FAILED, f"making its parts: {exc}")
+            return
+        self._make(req, made)
         self._decide()
 
-    def _make(self, req: AppRequest, ready: list[tuple[int, int]]) -> None:
-        """Parts for each (model position, count); a model given none has finished."""
+    def _make(self, req: AppRequest, ready: list[tuple[int, list[Any]]]) -> None:
+        """Parts for each (model position, their data); a model given none has finished."""
         app = req.app
         while ready:
-            pos, n = ready.pop()
-            req.made[pos] = n
-            if n == 0:
-                ready += self._finished(req, pos)
+            pos, data = ready.pop()
+            req.made[pos] = len(data)
+            if not data:
+                ready += [(c, self._parts_of(req, c)) for c in self._finished(req, pos)]
                 continue
-            req.running[pos] += n
-            self.parts += n
-            for _ in range(n):
-                self._add(app.index[pos], (req, pos), app.due_us[pos], req.arrived_us)
+            req.running[pos] += len(data)
+            self.parts += len(data)
+            for d in data:
+                self._add(app.parts[pos], (req, pos, d), app.due_us[pos], req.arrived_us)
                 if req.answered:  # refused at once (no live path): answered already
                     return
         if not any(req.running) and not any(req.parents_left):
@@ -211,4 +250,4 @@ class AppCoordinator:
         req.answered = True
         self.open -= 1
         self.outcomes[req.app.name][outcome] += 1
-        self._answer(req.payload, outcome, reason)
+        self._answer(req, outcome, reason)

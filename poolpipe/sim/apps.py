@@ -17,7 +17,7 @@ from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner.apps import part_name
-from poolpipe.runtime.apps import AppCoordinator, ServedApp, served_app
+from poolpipe.runtime.apps import AppCoordinator, AppRequest, ServedApp, served_app
 from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Entry, Outcome
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import build_topology
@@ -73,13 +73,13 @@ def served_apps(plan: Plan, apps: Sequence[App], model_names: Sequence[str]) -> 
         raise PoolpipeError(
             "this plan serves no application (no budgets recorded): plan it with poolpipe apps plan"
         )
-    index = {n: i for i, n in enumerate(model_names)}
+    known = set(model_names)
     out = []
     for a in apps:
         if a.name not in recorded:
             raise PoolpipeError(f"the plan has no application {a.name}: plan it with the others")
         budgets = recorded[a.name]["budgets_us"]
-        where = {m: index[part_name(a.name, m)] for m in a.models if part_name(a.name, m) in index}
+        where = {m: part_name(a.name, m) for m in a.models if part_name(a.name, m) in known}
         out.append(served_app(a, budgets, where))
     return out
 
@@ -111,14 +111,19 @@ def simulate_apps(
     reasons: dict[str, int] = {}
     holder: list[AppCoordinator] = []
 
-    def answer(payload: Any, outcome: Outcome, reason: str) -> None:
-        counts[apps[int(which[payload])].name][_NAMES[outcome]] += 1
+    index = {n: i for i, n in enumerate(names)}
+
+    def answer(req: AppRequest, outcome: Outcome, reason: str) -> None:
+        counts[req.app.name][_NAMES[outcome]] += 1
         if reason:
             why = reason.split(": ", 1)[-1]
             reasons[why] = reasons.get(why, 0) + 1
 
     def start(rt: Any):
-        coord = AppCoordinator(served, sim.clock, rt.add, rt.decide, answer, config.seed)
+        def add(name: str, part: Any, slo_us: float, arrived_us: float) -> Any:
+            return rt.add(index[name], part, slo_us, arrived_us)
+
+        coord = AppCoordinator(served, sim.clock, add, rt.decide, answer, config.seed)
         holder.append(coord)
 
         def part(entry: Entry, outcome: Outcome, reason: str) -> None:
