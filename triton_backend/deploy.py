@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from poolpipe.client.control import node_key
+from poolpipe.domain.apps import plan_applications
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
@@ -35,6 +36,7 @@ from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_latencies
 from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
+from triton_backend.apps import RouterApps
 from triton_backend.calibration import calibrate, warm
 from triton_backend.env import is_loopback, signals_held, triton_home
 from triton_backend.frontend import Frontend
@@ -80,6 +82,20 @@ def _watch(core: RouterCore, nodes: dict[str, RepositoryAPI]) -> None:
     """The router names the nodes in its log and watches those with a watch address."""
     core.node_names.update({n.grpc_url: n.name for n in nodes.values()})
     core.watch({n.grpc_url: a for n in nodes.values() if (a := n.watch_address) is not None})
+
+
+def _applications(core: RouterCore, plan: Plan, ios: list[ModelIO]) -> list[ModelIO]:
+    """The plan's applications at the router's door (their tensors), where it has some."""
+    apps, recorded = plan_applications(plan.meta, f"plan {plan.strategy}/{plan.cluster.name}")
+    if not apps:
+        return []
+    core.apps = RouterApps(
+        core,
+        apps,
+        {a.name: recorded[a.name]["budgets_us"] for a in apps},
+        {io.name: io for io in ios},
+    )
+    return list(core.apps.ios.values())
 
 
 def _http_addresses(nodes: dict[str, RepositoryAPI]) -> dict[str, str]:
@@ -303,6 +319,7 @@ class Deployment:
             ).start()
             core.use_http(_http_addresses(nodes))
             _watch(core, nodes)
+            door_ios = ios + _applications(core, plan, ios)
             dep = cls(plan, topo, lay, nodes, core, workspace, ios, options, control=control)
             dep.calibration, dep.parts = known, parts
             dep.inventory, dep.local = inventory, local
@@ -311,7 +328,7 @@ class Deployment:
             core.executor.on_empty_node = dep._refill_url
             dep.frontend = Frontend(
                 core,
-                ios,
+                door_ios,
                 workspace,
                 router_instances,
                 control,

@@ -174,9 +174,15 @@ class Frontend:
         for name, (ins, outs) in models.items():
             (repo / name / "1").mkdir(parents=True)
             (repo / name / "config.pbtxt").write_text(
-                door_config(name, ins, outs, self.instances, sock, name != CONTROL_MODEL)
+                door_config(name, ins, outs, self.instances, sock, self._batched(name))
             )
             shutil.copy(DOOR_MODEL, repo / name / "1" / "model.py")
+
+    def _batched(self, name: str) -> bool:
+        """Whether a door takes rows as Triton's batch (not the control model, and not an
+        application's: its outputs stack the parts its rows made, of any number)."""
+        apps = self.core.apps
+        return name != CONTROL_MODEL and (apps is None or name not in apps.ios)
 
     def _warm_up(self) -> None:
         """WARM_UP requests per served model, a few at a time, so that the door's first
@@ -190,7 +196,8 @@ class Frontend:
             client = grpcaio.InferenceServerClient(self.node.grpc_url)
             answered = 0
             try:
-                for io in self.ios:
+                served = {m.name for m in self.core.topo.models}
+                for io in (io for io in self.ios if io.name in served):  # not applications
                     slo_us = self.core.topo.models[self.core.topo.model_index(io.name)].slo_us
                     inputs = []
                     for t in io.inputs:

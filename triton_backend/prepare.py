@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import multiprocessing
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from poolpipe.domain.apps import base_models
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.partitions import PartitionFile, make_partition
@@ -34,19 +36,24 @@ def device_class(device: str) -> tuple[bool, int]:
 PartitionJob = tuple[Path, str, list[tuple[int, int]], int, int, Path, str]
 
 
-def partition_jobs(wh: Warehouse, lay: Layout, out_dir: Path) -> dict[str, PartitionJob]:
-    """make_partition's arguments for every partition of the layout (warehouse reads only)."""
+def partition_jobs(
+    wh: Warehouse, lay: Layout, out_dir: Path, base: Mapping[str, str] | None = None
+) -> dict[str, PartitionJob]:
+    """make_partition's arguments for every partition of the layout (warehouse reads only).
+    `base`: the warehouse's model for a plan model that is another's (an application's
+    part: domain.apps.base_models)."""
     jobs: dict[str, PartitionJob] = {}
     for p in lay.placements:
         if p.partition in jobs:
             continue
-        whole = wh.whole_model_file(p.model)
+        model = (base or {}).get(p.model, p.model)
+        whole = wh.whole_model_file(model)
         if whole is None or not whole.is_file():
             raise PoolpipeError(
-                f"model {p.model} has no onboarded files; run: poolpipe onboard MODEL.onnx "
-                f"--name {p.model}"
+                f"model {model} has no onboarded files; run: poolpipe onboard MODEL.onnx "
+                f"--name {model}"
             )
-        layers = wh.block_layers(p.model)
+        layers = wh.block_layers(model)
         jobs[p.partition] = (whole, p.model, layers, p.start, p.end, out_dir, p.tag)
     return jobs
 
@@ -70,11 +77,15 @@ def prepare(
     the ONNX surgery is seconds of pure-Python work that would otherwise hold the GIL from
     the router (measured: 3.4 s of CPU for two ResNet-50 partitions)."""
     check_serves_all(plan)
+    base = base_models(plan.meta)
     with Warehouse.open(warehouse) as wh:
-        profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
+        profiles = {
+            m.name: replace(wh.load_profile(base.get(m.name, m.name)), name=m.name)
+            for m in plan.models
+        }
         topo = build_topology(plan, profiles)
         lay = layout(topo, tag)
-        jobs = partition_jobs(wh, lay, workspace / "partitions")
+        jobs = partition_jobs(wh, lay, workspace / "partitions", base)
     if not isolated:
         return topo, lay, {name: make_partition(*args) for name, args in jobs.items()}
     return topo, lay, cut_isolated(jobs)

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import partial
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -72,6 +72,9 @@ __all__ = [
     "RouterPlan",
     "served_plan",
 ]
+
+if TYPE_CHECKING:
+    from triton_backend.apps import RouterApps
 
 T = TypeVar("T")
 
@@ -171,6 +174,8 @@ class RouterCore:
         self.watching: set[str] = set()  # nodes whose watch connection is open now
         self._closing = asyncio.Event()
         self._thread = threading.Thread(target=self._run_loop, name="poolpipe-router", daemon=True)
+        # the served plan's applications (triton_backend/apps.py), where it has some
+        self.apps: RouterApps | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -371,6 +376,10 @@ class RouterCore:
         None for the model's SLO), when the door saw it (CLOCK_MONOTONIC ns). Answered
         through `reply`, once. A request the runtime refuses at the door raises BadRequest
         at once (nothing queued)."""
+        apps = self.apps
+        if apps is not None and model in apps.ios:
+            apps.take(model, arrays, slo_ms, self.clock.at(arrived_ns), reply)
+            return
         io = self.io.get(model)
         n = int(arrays[0].shape[0]) if io and arrays and arrays[0].ndim else 0
         index, slo_us = self.runtime.check(model, n, slo_ms)

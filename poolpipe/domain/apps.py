@@ -394,6 +394,59 @@ def _keys(t: dict, keys: set[str], what: str, source: str) -> None:
     only_known(t, keys, what, source, AppSpecError)
 
 
+def part_name(app: str, model: str) -> str:
+    """The served plan's model for `model` within application `app` (the pipelines of a
+    model in two applications are planned and served apart)."""
+    return f"{app}.{model}"
+
+
+def base_models(meta: Mapping) -> dict[str, str]:
+    """Each application part of a plan (part_name) and the model it is (its profile and
+    files in the warehouse are that model's)."""
+    recorded = meta.get("apps") or {}
+    return {
+        part_name(app, m): m
+        for app, rec in recorded.items()
+        if isinstance(rec, dict)
+        for m in rec.get("models", ())
+    }
+
+
+def app_table(app: App) -> dict:
+    """`app` as its [[apps]] table (what parse_apps reads): a plan records its
+    applications so, and whoever serves the plan reads them back."""
+
+    def fanout(f: FanOut) -> object:
+        if f.poisson is not None:
+            return {"poisson": f.poisson}
+        if f.fixed is not None:
+            return f.fixed
+        return {"values": list(f.values), "weights": list(f.weights)}
+
+    return {
+        "name": app.name,
+        "slo_ms": app.slo_us / 1e3,
+        "weight": app.weight,
+        "models": list(app.models),
+        "edges": [
+            {"from": e.src, "to": e.dst, "fanout": fanout(e.fanout), "transform": e.transform}
+            for e in app.edges
+        ],
+    }
+
+
+def plan_applications(meta: Mapping, source: str = "the plan") -> tuple[list[App], dict]:
+    """The applications a plan's meta records (app_table's, transforms imported) and each
+    one's record (SLO, weight, budgets); ([], {}) for a plan of models alone."""
+    recorded = meta.get("apps")
+    if not recorded:
+        return [], {}
+    tables = [r["spec"] for r in recorded.values() if isinstance(r, dict) and "spec" in r]
+    if len(tables) != len(recorded):
+        raise AppSpecError(f"{source}: its applications lack their graphs: plan them again")
+    return parse_apps({"apps": tables}, source), dict(recorded)
+
+
 def fastest_latencies(profiles: Iterable[ModelProfile]) -> dict[str, float]:
     """Each model alone at batch 1 on its fastest GPU (µs): what no budget can go below."""
     return {

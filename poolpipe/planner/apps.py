@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from poolpipe.domain.apps import App
+from poolpipe.domain.apps import App, app_table, part_name
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.costs import ModelCosts
 from poolpipe.domain.plan import Plan
@@ -443,12 +443,6 @@ def _build(
 # ---------------------------------------------------------------------------- the plan
 
 
-def part_name(app: str, model: str) -> str:
-    """The served plan's model for `model` within application `app` (the pipelines of a
-    model in two applications are planned and served apart)."""
-    return f"{app}.{model}"
-
-
 def filled_budgets(app: App, budgets: Mapping[str, float]) -> dict[str, float]:
     """Budgets scaled up until the application's longest path takes its whole SLO: what a
     served plan gives its models. The MILP leaves slack where several budgets serve alike
@@ -479,6 +473,7 @@ def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[st
             "models": list(a.models),
             "budgets_us": budgets,
             "planned_budgets_us": {m: plan.budgets[(a.name, m)] for m in a.models},
+            "spec": app_table(a),
         }
         for m in a.models:
             name = part_name(a.name, m)

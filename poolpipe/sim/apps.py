@@ -12,11 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from poolpipe.domain.apps import App
+from poolpipe.domain.apps import App, part_name
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
-from poolpipe.planner.apps import part_name
 from poolpipe.runtime.apps import AppCoordinator, AppRequest, ServedApp, served_app
 from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Entry, Outcome
 from poolpipe.scheduler import make_data_plane

@@ -1,0 +1,202 @@
+"""Applications at the router's door: one KServe v2 model per application of the served
+plan (its inputs the entry model's, its outputs the exit models'), whose requests the
+runtime's application coordinator (poolpipe.runtime.apps) turns into parts on the
+router's loop.
+
+A client request of n rows is n application requests, answered together once all are (or
+at the first dropped or failed: nothing partial). A part is an ordinary runtime entry (a
+`RequestRow`) of its served model (app.model); its answer goes to the coordinator instead
+of a client. A child's parts are made by its first parent's edge transform from each of
+that parent's parts' outputs (a dict of output name -> array, batch 1): `identity` (the
+parent's outputs are the child's inputs, one part each, fan-out copies), `shadow` (fan-out
+zero inputs of the child's shapes) or the user's `module:function(outputs, fanout)`, which
+returns the child's inputs, one item per part (an array for a one-input child, else a
+list of arrays in its input order; with or without the batch dimension of 1): how many
+it returns is how many parts there are. An exit's outputs are its parts' outputs
+stacked (first dimension: parts of all rows); with several exits each output is named
+`model.output`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from poolpipe.domain.apps import IDENTITY, SHADOW, App, part_name, resolve_transform
+from poolpipe.offline.partitions import TensorSpec
+from poolpipe.runtime import DROPPED, FAILED, Outcome
+from poolpipe.runtime.apps import AppCoordinator, AppRequest, Part, ServedApp, served_app
+from poolpipe.runtime.intake import BadRequest, Unservable
+from triton_backend.served import ClientRequest, ModelIO, Reply, RequestRow
+
+if TYPE_CHECKING:
+    from triton_backend.router import RouterCore
+
+
+def app_ios(apps: Sequence[App], parts: Mapping[str, ModelIO]) -> list[ModelIO]:
+    """Each application's tensors at the door: its entry's inputs, its exits' outputs."""
+    out = []
+    for a in apps:
+        entry = parts[part_name(a.name, a.entry)]
+        outs: list[TensorSpec] = []
+        for e in a.exits:
+            for t in parts[part_name(a.name, e)].outputs:
+                outs.append(t if len(a.exits) == 1 else replace(t, name=f"{e}.{t.name}"))
+        out.append(ModelIO(a.name, entry.inputs, tuple(outs)))
+    return out
+
+
+class _PartSink:
+    """Where the executor settles a part (as it settles a client request's row)."""
+
+    __slots__ = ("apps", "part")
+
+    def __init__(self, apps: RouterApps, part: Part):
+        self.apps = apps
+        self.part = part
+
+    def settle(self, row: int, outcome: Outcome, reason: str, result: Any) -> None:
+        coord = self.apps.coordinator
+        assert coord is not None
+        coord.part_ended(self.part, outcome, reason, result)
+
+
+class RouterApps:
+    """The served plan's applications on a router (RouterCore.apps): their door tensors
+    and the coordinator, made on the router's loop with its first request."""
+
+    def __init__(
+        self,
+        core: RouterCore,
+        apps: Sequence[App],
+        budgets_us: Mapping[str, Mapping[str, float]],
+        parts: Mapping[str, ModelIO],
+    ):
+        self.core = core
+        self.apps = list(apps)
+        self.parts = dict(parts)  # served part model -> its tensors
+        self.ios = {io.name: io for io in app_ios(self.apps, self.parts)}
+        self.index = {a.name: i for i, a in enumerate(self.apps)}
+        self.served: list[ServedApp] = [
+            served_app(a, budgets_us[a.name], {m: part_name(a.name, m) for m in a.models})
+            for a in self.apps
+        ]
+        self._transforms = {
+            (a.name, e.src, e.dst): e.transform
+            if e.transform in (IDENTITY, SHADOW)
+            else resolve_transform(e.transform, f"application {a.name}: {e.src} -> {e.dst}")
+            for a in self.apps
+            for e in a.edges
+        }
+        self.coordinator: AppCoordinator | None = None
+
+    def take(
+        self,
+        name: str,
+        arrays: Sequence[np.ndarray],
+        slo_ms: object,
+        arrived_us: float,
+        reply: Reply,
+    ) -> None:
+        """One client request of application `name` (on the router's loop)."""
+        io = self.ios[name]
+        if slo_ms is not None:
+            raise BadRequest(
+                f"{name}: an application's SLO is its plan's "
+                f"({self.served[self.index[name]].slo_us / 1e3:g} ms); send no slo_ms"
+            )
+        if len(arrays) != len(io.inputs):
+            raise BadRequest(f"{name}: expected {len(io.inputs)} input tensors")
+        n = int(arrays[0].shape[0]) if arrays[0].ndim else 0
+        if n < 1:
+            raise BadRequest(f"{name}: a request needs at least one row")
+        served = {m.name for m in self.core.runtime.topo.models}
+        app = self.served[self.index[name]]
+        if not set(app.parts) <= served:
+            raise Unservable(f"{name}: the plan served now does not serve this application")
+        coord = self._coordinator()
+        request = ClientRequest(io, n, reply)
+        for i in range(n):
+            coord.arrive(self.index[name], (request, i), [a[i : i + 1] for a in arrays], arrived_us)
+
+    def _coordinator(self) -> AppCoordinator:
+        if self.coordinator is None:
+            rt = self.core.runtime
+            self.coordinator = AppCoordinator(
+                self.served, self.core.clock, self._add, rt.decide, self._answer, fan=self._fan
+            )
+        return self.coordinator
+
+    # ------------------------------------------------------------------ the coordinator's
+
+    def _add(self, model: str, part: Part, slo_us: float, arrived_us: float) -> Any:
+        rt = self.core.runtime
+        served = {m.name: m.index for m in rt.topo.models}
+        if model not in served:  # a plan rolled out without this application
+            coord = self.coordinator
+            assert coord is not None
+            coord.part_ended(part, FAILED, f"the plan served now has no {model}")
+            return None
+        row = RequestRow(_PartSink(self, part), 0, list(part[2]))  # type: ignore[arg-type]
+        return rt.add(served[model], row, slo_us, arrived_us)
+
+    def _answer(self, req: AppRequest, outcome: Outcome, reason: str) -> None:
+        request, row = req.payload
+        if outcome is DROPPED or outcome is FAILED:
+            request.settle(row, outcome, f"application {req.app.name}: {reason}", None)
+            return
+        outs: dict[str, np.ndarray] = {}
+        app = req.app
+        io = self.ios[app.name]
+        k = 0
+        for pos in (p for p in range(len(app.models)) if not app.children[p]):  # the exits
+            for t in self.parts[app.parts[pos]].outputs:
+                got = [r[t.name] for r in req.results[pos]]
+                outs[io.outputs[k].name] = (
+                    np.concatenate(got) if got else np.zeros((0, *t.dims), t.dtype)
+                )
+                k += 1
+        request.settle(row, outcome, reason, outs)
+
+    def _fan(self, req: AppRequest, child: int, parent: int, drawn: list[int]) -> list[Any]:
+        app = req.app
+        src, dst = app.models[parent], app.models[child]
+        transform = self._transforms[(app.name, src, dst)]
+        inputs = self.parts[app.parts[child]].inputs
+        outputs = self.parts[app.parts[parent]].outputs
+        out: list[Any] = []
+        for result, k in zip(req.results[parent], drawn, strict=True):
+            if transform == IDENTITY:
+                item = [result[t.name] for t in outputs]
+                out += [_shaped(item, inputs, src, dst)] * k
+            elif transform == SHADOW:
+                out += [[np.zeros((1, *t.dims), t.dtype) for t in inputs]] * k
+            else:
+                made = transform(dict(result), k)  # type: ignore[operator]
+                out += [_shaped(item, inputs, src, dst) for item in made]
+        return out
+
+
+def _shaped(item: Any, inputs: Sequence[TensorSpec], src: str, dst: str) -> list[np.ndarray]:
+    """One part's inputs as the child takes them (batch 1, its dtypes); a clear error for
+    a transform that made something else."""
+    arrays = [item] if isinstance(item, np.ndarray) else list(item)
+    if len(arrays) != len(inputs):
+        raise ValueError(
+            f"{src} -> {dst}: the transform made {len(arrays)} tensor(s) for a part; "
+            f"{dst} takes {len(inputs)}"
+        )
+    out = []
+    for a, t in zip(arrays, inputs, strict=True):
+        a = np.asarray(a)
+        if a.shape == tuple(t.dims):
+            a = a[None]
+        if a.shape[1:] != tuple(t.dims) or a.shape[0] != 1:
+            raise ValueError(
+                f"{src} -> {dst}: the transform made a tensor of shape {a.shape} for "
+                f"{dst}'s input {t.name} of shape (1, {', '.join(map(str, t.dims))})"
+            )
+        out.append(a.astype(t.dtype, copy=False))
+    return out
