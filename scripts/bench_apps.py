@@ -166,12 +166,12 @@ def main() -> int:
             margin=args.margin,
             time_limit_s=args.time_limit,
         )
-        with console.status(f"{cname}, {mix}: joint ..."):
-            joint = plan_apps(req)
         with console.status(f"{cname}, {mix}: equal, proportional, nexus ..."):
             equal = plan_apps(req, "equal")
             prop = plan_apps(req, "proportional")
             nexus = plan_apps(req, "nexus")
+        with console.status(f"{cname}, {mix}: joint (from nexus's plan) ..."):
+            joint = plan_apps(req, start=nexus)
         budgets = "; ".join(
             f"{a}/{m.split('_')[0].split('-')[0]} {b / 1e3:.0f}"
             for (a, m), b in joint.budgets.items()

@@ -169,7 +169,10 @@ def test_nexus_split_is_the_cheapest_split_by_each_model_alone(gpus):
     assert cost(split[("a", "p")], split[("a", "q")]) == pytest.approx(least, rel=1e-9)
     nexus = plan_apps(req, "nexus")
     assert nexus.budgets == split
-    assert plan_apps(req).objective >= nexus.objective * (1 - 1e-6)
+    joint = plan_apps(req)
+    assert joint.objective >= nexus.objective * (1 - 1e-6)
+    # started from nexus's plan (as the CLI does), the same optimum
+    assert plan_apps(req, start=nexus).objective == pytest.approx(joint.objective, rel=1e-6)
 
 
 @pytest.mark.parametrize("rate", [150.0, 300.0, 500.0])

@@ -699,7 +699,10 @@ def test_a_supervised_deployment_restarts_a_node_that_dies(onboarded_tiny):
     ) as dep:
         mod, client = _grpc(dep)
         x = np.zeros((1, 3, 32, 32), np.float32)
-        _infer(mod, client, x)
+        # the restarted node's first batch runs cold on two cores shared with this test:
+        # what is checked is that it serves again, not its latency (a generous SLO)
+        slow = {"slo_ms": 10 * SLO_MS}
+        _infer(mod, client, x, parameters=slow)
         victim = sorted(dep.nodes)[0]
         dep.nodes[victim].kill()
         deadline = time.monotonic() + 60
@@ -712,7 +715,7 @@ def test_a_supervised_deployment_restarts_a_node_that_dies(onboarded_tiny):
         assert dep.node_restarts == {victim: 1}, dep.node_restarts
         assert dep.core.recoveries >= 1 and dep.nodes[victim].alive
         out = dep.ios[0].outputs[0].name
-        assert _infer(mod, client, x).as_numpy(out).shape == (1, 1000)
+        assert _infer(mod, client, x, parameters=slow).as_numpy(out).shape == (1, 1000)
 
 
 def test_a_crashed_nodes_stubs_and_shared_memory_are_cleaned_up(onboarded_tiny):

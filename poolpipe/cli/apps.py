@@ -103,9 +103,11 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
     if args.rates or args.prices:
         raise PoolpipeError("--rates and --prices apply to --objective cost only")
     plans = {}
-    for split in SPLITS:
+    for split in (*SPLITS[1:], SPLITS[0]):  # the joint split last, from nexus's plan
         with console.status(f"planning the {split} split on {cluster.name} ..."):
-            plans[split] = plan_apps(req, split)
+            start = plans["nexus"] if split == "joint" else None
+            plans[split] = plan_apps(req, split, start=start)
+    plans = {split: plans[split] for split in SPLITS}
     joint = plans["joint"]
     t = Table(
         title=f"{len(apps)} application(s) on {cluster.name}: req/s of the least served per "
