@@ -15,6 +15,7 @@ from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner.apps import AppPlanRequest
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S
 from poolpipe.store.plan_inputs import plan_request
 from poolpipe.store.warehouse import Warehouse
@@ -121,5 +122,97 @@ def plan_models(
         markdown=f"# plan {plan_id}: {strategy} on {plan.cluster.name}, "
         f"objective {plan.objective:,.2f}\n\n"
         + markdown_table(["model", "req/s", "batch", "partitions"], rows),
+    )
+    return plan_id
+
+
+@task(name="load-apps-request", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
+def load_apps_request(
+    warehouse: str | None,
+    spec: str,
+    cluster: str | Cluster,
+    clusters_file: str | None,
+    options: dict[str, Any],
+) -> AppPlanRequest:
+    from poolpipe.domain.apps import fastest_latencies, load_apps
+    from poolpipe.store.plan_inputs import resolve_cluster
+
+    with Warehouse.open(warehouse) as wh:
+        known = {n: wh.load_profile(n) for n in wh.model_names()}
+        target = (
+            cluster if isinstance(cluster, Cluster) else resolve_cluster(wh, cluster, clusters_file)
+        )
+    apps = load_apps(spec, known_models=known, fastest_us=fastest_latencies(known.values()))
+    used = {m for a in apps for m in a.models}
+    return AppPlanRequest(tuple(apps), {m: known[m] for m in used}, target, **options)
+
+
+@task(name="solve-apps", cache_policy=NO_CACHE)
+def solve_apps(request: AppPlanRequest) -> tuple[Plan, dict[str, float]]:
+    """The joint split (started from Nexus's plan) as a plan document, and what each split
+    serves (req/s per unit of weight of the least served application)."""
+    from poolpipe.planner.apps import SPLITS, app_plan_document, plan_apps
+
+    plans = {s: plan_apps(request, s) for s in SPLITS[1:]}
+    plans["joint"] = plan_apps(request, start=plans["nexus"])
+    doc, _ = app_plan_document(request, plans["joint"])
+    return doc, {s: p.objective for s, p in plans.items()}
+
+
+@flow(name="plan-apps", log_prints=True)
+def plan_applications(
+    spec: str,
+    cluster: str | None = None,
+    warehouse: str | None = None,
+    clusters_file: str | None = None,
+    inventory: str | None = None,
+    grid: int = 10,
+    margin: float = 0.4,
+    max_partitions: int = 2,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    label: str | None = None,
+    out: str | None = None,
+) -> int:
+    """Plan the applications of SPEC (an apps.toml on the worker) on CLUSTER (a name) or
+    the live nodes of INVENTORY: each model's latency budget chosen with the pooled
+    pipelines (the joint split, docs/apps.md), beside the equal, proportional and Nexus
+    splits; store the joint split's plan (and write it to OUT as JSON when given), which
+    `poolpipe serve` serves. Returns the plan id. GRID: budgets per model; MARGIN: share
+    of a budget held back; TIME_LIMIT_S per MILP."""
+    warehouse = worker.warehouse(warehouse)
+    if (cluster is None) == (inventory is None):
+        raise PoolpipeError("give cluster (a name) or inventory (a file), one of them")
+    if inventory is not None:
+        from poolpipe.domain.inventory import load_inventory
+
+        target: str | Cluster = load_inventory(inventory).cluster()
+    else:
+        assert cluster is not None
+        target = cluster
+    options = {
+        "grid": grid,
+        "margin": margin,
+        "max_partitions": max_partitions,
+        "time_limit_s": time_limit_s,
+    }
+    request = load_apps_request(warehouse, spec, target, clusters_file, options)
+    plan, served = solve_apps(request)
+    plan_id = store_plan(warehouse, plan, label)
+    if out:
+        plan.save(Path(out))
+    rows = [
+        [app, m, f"{rec['budgets_us'][m] / 1e3:.1f}", f"{rec['planned_budgets_us'][m] / 1e3:.1f}"]
+        for app, rec in plan.meta["apps"].items()
+        for m in rec["models"]
+    ]
+    create_markdown_artifact(
+        key=artifact_key("plan-apps", plan.cluster.name, "joint"),
+        description=f"plan {plan_id}: applications on {plan.cluster.name}",
+        markdown=f"# plan {plan_id}: applications on {plan.cluster.name}\n\n"
+        + markdown_table(
+            ["split", "req/s per weight"], [[s, f"{v:,.1f}"] for s, v in served.items()]
+        )
+        + "\n\n"
+        + markdown_table(["application", "model", "budget ms", "planned ms"], rows),
     )
     return plan_id

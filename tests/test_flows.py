@@ -132,6 +132,39 @@ def test_plan_flow_plans_the_onboarded_model_right_away(onboarded, tmp_path):
     assert parts[0] >= 1 and json.loads(out.read_text())["strategy"] == "ppipe"
 
 
+def test_plan_apps_flow_stores_the_joint_split_of_an_application(prefect_api, tmp_path):
+    """The plan-apps flow on the shipped group-2 profiles and hc2-small: the joint split's
+    plan stored (its applications, budgets and graph with it) and written out."""
+    from flows.plan import plan_applications
+    from poolpipe.domain.apps import plan_applications as recorded_apps
+    from poolpipe.domain.profiles import load_ppipe_dir
+
+    group2 = REPO / "data" / "ppipe-gpu-group2"
+    wh = str(tmp_path / "wh.duckdb")
+    with Warehouse.open(wh) as w:
+        w.store_profiles(load_ppipe_dir(group2))
+    spec = tmp_path / "apps.toml"
+    spec.write_text(
+        '[[apps]]\nname = "cars"\nslo_ms = 80\n[[apps.edges]]\nfrom = "colorization-v2"\n'
+        'to = "repvgg-b3"\nfanout = 2\ntransform = "shadow"\n'
+    )
+    out = tmp_path / "apps-plan.json"
+    plan_id = plan_applications(
+        str(spec),
+        "hc2-small",
+        warehouse=wh,
+        clusters_file=str(group2 / "clusters.toml"),
+        out=str(out),
+    )
+    with Warehouse.open(wh) as w:
+        plan = w.load_plan(plan_id)
+    apps, rec = recorded_apps(plan.meta)
+    assert [a.name for a in apps] == ["cars"] and apps[0].edges[0].fanout.fixed == 2
+    assert sum(rec["cars"]["budgets_us"].values()) == pytest.approx(80_000)
+    assert {m.name for m in plan.models} == {"cars.colorization-v2", "cars.repvgg-b3"}
+    assert json.loads(out.read_text())["meta"]["apps"]["cars"]["slo_us"] == 80_000
+
+
 def test_profile_flow_adds_a_device_and_keeps_the_others(onboarded):
     wh, _ = onboarded
     before = snapshot(wh)["block_latency"]
