@@ -77,7 +77,7 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
     alone). Shows what each serves (req/s of the least served application per unit of
     weight) and the joint split's budgets and pipelines. With --objective cost: the
     cheapest GPUs serving --rates, each split, and the cheapest whole-model plan."""
-    from poolpipe.planner.apps import SPLITS, AppPlanRequest, plan_apps
+    from poolpipe.planner.apps import SPLITS, AppPlan, AppPlanRequest, plan_apps
     from poolpipe.store.plan_inputs import resolve_cluster
     from poolpipe.store.warehouse import Warehouse
 
@@ -102,7 +102,7 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
         return _apps_cost(args, req)
     if args.rates or args.prices:
         raise PoolpipeError("--rates and --prices apply to --objective cost only")
-    plans = {}
+    plans: dict[str, AppPlan] = {}
     for split in (*SPLITS[1:], SPLITS[0]):  # the joint split last, from nexus's plan
         with console.status(f"planning the {split} split on {cluster.name} ..."):
             start = plans["nexus"] if split == "joint" else None
