@@ -81,6 +81,7 @@ def test_an_application_is_served_whole_through_the_router(onboarded_three):
         stats = dep.core.stats
         assert stats["scene.p"].on_time == 1 and stats["scene.q"].on_time == 2
         assert stats["scene.r"].on_time == 2  # made once, after both parents
+        assert stats["scene"].arrivals == stats["scene"].on_time == 1  # the application
         # a transform that makes the wrong tensors fails the request, explicitly and whole
         from tritonclient.utils import InferenceServerException
 

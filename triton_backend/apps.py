@@ -58,14 +58,12 @@ class _PartSink:
         self.part = part
 
     def settle(self, row: int, outcome: Outcome, reason: str, result: Any) -> None:
-        coord = self.apps.coordinator
-        assert coord is not None
-        coord.part_ended(self.part, outcome, reason, result)
+        self.apps.coordinator.part_ended(self.part, outcome, reason, result)
 
 
 class RouterApps:
     """The served plan's applications on a router (RouterCore.apps): their door tensors
-    and the coordinator, made on the router's loop with its first request."""
+    and the coordinator (whose calls all run on the router's loop)."""
 
     def __init__(
         self,
@@ -90,7 +88,10 @@ class RouterApps:
             for a in self.apps
             for e in a.edges
         }
-        self.coordinator: AppCoordinator | None = None
+        rt = core.runtime
+        self.coordinator = AppCoordinator(
+            self.served, core.clock, self._add, rt.decide, self._answer, fan=self._fan
+        )
 
     def take(
         self,
@@ -116,18 +117,10 @@ class RouterApps:
         app = self.served[self.index[name]]
         if not set(app.parts) <= served:
             raise Unservable(f"{name}: the plan served now does not serve this application")
-        coord = self._coordinator()
+        coord = self.coordinator
         request = ClientRequest(io, n, reply)
         for i in range(n):
             coord.arrive(self.index[name], (request, i), [a[i : i + 1] for a in arrays], arrived_us)
-
-    def _coordinator(self) -> AppCoordinator:
-        if self.coordinator is None:
-            rt = self.core.runtime
-            self.coordinator = AppCoordinator(
-                self.served, self.core.clock, self._add, rt.decide, self._answer, fan=self._fan
-            )
-        return self.coordinator
 
     # ------------------------------------------------------------------ the coordinator's
 
@@ -135,9 +128,7 @@ class RouterApps:
         rt = self.core.runtime
         served = {m.name: m.index for m in rt.topo.models}
         if model not in served:  # a plan rolled out without this application
-            coord = self.coordinator
-            assert coord is not None
-            coord.part_ended(part, FAILED, f"the plan served now has no {model}")
+            self.coordinator.part_ended(part, FAILED, f"the plan served now has no {model}")
             return None
         row = RequestRow(_PartSink(self, part), 0, list(part[2]))  # type: ignore[arg-type]
         return rt.add(served[model], row, slo_us, arrived_us)

@@ -235,7 +235,12 @@ class RouterCore:
 
     @property
     def stats(self) -> dict[str, ModelStats]:
-        return self.runtime.stats
+        """Each served model's counters, and each application's (its requests as wholes)
+        where the plan has some."""
+        apps = self.apps
+        if apps is None:
+            return self.runtime.stats
+        return {**self.runtime.stats, **apps.coordinator.stats}
 
     @property
     def pool_busy_us(self) -> list[float]:

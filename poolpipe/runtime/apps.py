@@ -29,6 +29,7 @@ from typing import Any
 from poolpipe.domain.apps import App, FanOut
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Clock, Outcome
+from poolpipe.runtime.stats import ModelStats
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class AppCoordinator:
         answer: AnswerApp,
         seed: int = 1,
         fan: Fan = drawn_parts,
+        keep_latencies: bool = True,
     ):
         self.apps = list(apps)
         self.clock = clock
@@ -148,9 +150,9 @@ class AppCoordinator:
         self._scheduled = 0  # part-making turns asked of the clock and not yet run
         self.open = 0  # requests taken and not answered
         self.parts = 0  # parts made
-        self.outcomes: dict[str, dict[Outcome, int]] = {
-            a.name: {o: 0 for o in (ON_TIME, LATE, DROPPED, FAILED)} for a in self.apps
-        }
+        # per application, as the runtime counts a model's requests (latency of answers)
+        self.stats: dict[str, ModelStats] = {a.name: ModelStats() for a in self.apps}
+        self._keep_latencies = keep_latencies
 
     def busy(self) -> bool:
         """Whether parts are still to be made on a later turn of the clock."""
@@ -164,6 +166,7 @@ class AppCoordinator:
         now = self.clock.now()
         req = AppRequest(self.apps[app], payload, now if arrived_us is None else arrived_us)
         self.open += 1
+        self.stats[req.app.name].arrivals += 1
         self._make(req, [(0, [data])])
         self._decide()
         return req
@@ -249,5 +252,15 @@ class AppCoordinator:
     def _end(self, req: AppRequest, outcome: Outcome, reason: str) -> None:
         req.answered = True
         self.open -= 1
-        self.outcomes[req.app.name][outcome] += 1
+        st = self.stats[req.app.name]
+        if outcome is ON_TIME:
+            st.on_time += 1
+        elif outcome is LATE:
+            st.late += 1
+        elif outcome is DROPPED:
+            st.dropped += 1
+        else:
+            st.failed += 1
+        if outcome.has_result and self._keep_latencies:
+            st.latency_us.append(self.clock.now() - req.arrived_us)
         self._answer(req, outcome, reason)

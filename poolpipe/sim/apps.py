@@ -106,14 +106,12 @@ def simulate_apps(
         [a.name for a in apps],
     )
     sim = Simulator(topo, make_data_plane(data_plane, topo), times, which, config)
-    counts = {a.name: {"arrived": 0, **{n: 0 for n in _NAMES.values()}} for a in apps}
     reasons: dict[str, int] = {}
     holder: list[AppCoordinator] = []
 
     index = {n: i for i, n in enumerate(names)}
 
     def answer(req: AppRequest, outcome: Outcome, reason: str) -> None:
-        counts[req.app.name][_NAMES[outcome]] += 1
         if reason:
             why = reason.split(": ", 1)[-1]
             reasons[why] = reasons.get(why, 0) + 1
@@ -122,7 +120,9 @@ def simulate_apps(
         def add(name: str, part: Any, slo_us: float, arrived_us: float) -> Any:
             return rt.add(index[name], part, slo_us, arrived_us)
 
-        coord = AppCoordinator(served, sim.clock, add, rt.decide, answer, config.seed)
+        coord = AppCoordinator(
+            served, sim.clock, add, rt.decide, answer, config.seed, keep_latencies=False
+        )
         holder.append(coord)
 
         def part(entry: Entry, outcome: Outcome, reason: str) -> None:
@@ -131,12 +131,17 @@ def simulate_apps(
         sim.cluster.on_answer = part
 
         def arrival(i: int) -> None:
-            counts[apps[int(which[i])].name]["arrived"] += 1
             coord.arrive(int(which[i]), i)
 
         return arrival
 
     rt = sim.drive(start, busy=lambda: bool(holder) and holder[0].busy())
+    stats = holder[0].stats
+    counts = {
+        a.name: {"arrived": stats[a.name].arrivals}
+        | {n: getattr(stats[a.name], n) for n in _NAMES.values()}
+        for a in apps
+    }
     return AppSimResult(
         config.duration_s,
         {a.name: float(rates[a.name]) for a in apps},
