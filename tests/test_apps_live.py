@@ -89,5 +89,24 @@ def test_an_application_is_served_whole_through_the_router(onboarded_three):
             client.infer("buggy", [i])
         with pytest.raises(InferenceServerException, match="send no slo_ms"):
             client.infer("scene", [i], parameters={"slo_ms": 100})
+        # a plan of the same applications rolls out (its own budgets and pipelines) ...
+        other = AppPlanRequest(tuple(apps), profiles, cluster, margin=0.2, grid=4)
+        doc2, _ = app_plan_document(other, plan_apps(other))
+        assert doc2.meta["apps"] != doc.meta["apps"]
+        r = dep.rollout(doc2, wh)
+        assert r.status == "done", r.reason
+        scene = dep.core.apps.served[0]
+        due = dict(zip(scene.models, scene.due_us, strict=True))
+        budgets = doc2.meta["apps"]["scene"]["budgets_us"]
+        assert due["p"] == pytest.approx(budgets["p"])
+        assert due["r"] == pytest.approx(
+            max(budgets["p"] + budgets["q"], budgets["p"]) + budgets["r"]
+        )
+        assert client.infer("scene", [i]).as_numpy(out_name).shape == want.shape
+        # ... but not one whose applications differ (the same models, another SLO)
+        longer = parse_apps({"apps": [{**DIAMOND, "slo_ms": 4000}, BAD]}, "test", profiles)
+        req3 = AppPlanRequest(tuple(longer), profiles, cluster, margin=0.3)
+        r = dep.rollout(app_plan_document(req3, plan_apps(req3))[0], wh)
+        assert r.status == "refused" and "applications differ" in r.reason, r.reason
     finally:
         dep.down()

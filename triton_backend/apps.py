@@ -77,10 +77,7 @@ class RouterApps:
         self.parts = dict(parts)  # served part model -> its tensors
         self.ios = {io.name: io for io in app_ios(self.apps, self.parts)}
         self.index = {a.name: i for i, a in enumerate(self.apps)}
-        self.served: list[ServedApp] = [
-            served_app(a, budgets_us[a.name], {m: part_name(a.name, m) for m in a.models})
-            for a in self.apps
-        ]
+        self.served = self._served(budgets_us)
         self._transforms = {
             (a.name, e.src, e.dst): e.transform
             if e.transform in (IDENTITY, SHADOW)
@@ -92,6 +89,18 @@ class RouterApps:
         self.coordinator = AppCoordinator(
             self.served, core.clock, self._add, rt.decide, self._answer, fan=self._fan
         )
+
+    def _served(self, budgets_us: Mapping[str, Mapping[str, float]]) -> list[ServedApp]:
+        return [
+            served_app(a, budgets_us[a.name], {m: part_name(a.name, m) for m in a.models})
+            for a in self.apps
+        ]
+
+    def use_budgets(self, budgets_us: Mapping[str, Mapping[str, float]]) -> None:
+        """A plan rolled out (on the router's loop): its budgets for the requests that
+        arrive from now on; those in flight keep theirs."""
+        self.served = self._served(budgets_us)
+        self.coordinator.apps = list(self.served)
 
     def take(
         self,

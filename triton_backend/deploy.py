@@ -415,6 +415,10 @@ class Deployment:
             return RolloutResult(
                 "rolled back", str(exc), label_from, label_to, time.perf_counter() - t0, 0, 0, 0
             )
+        recorded = plan_applications(plan.meta)[1]
+        if recorded:  # the new plan's budgets for the application requests that come now
+            self.core.use_app_budgets({a: r["budgets_us"] for a, r in recorded.items()})
+
         old, old_nodes, old_parts = self.layout, self.nodes, self.parts
         self.plan, self.topo, self.layout, self.parts = plan, topo, lay, parts
         self.nodes, self.inventory = nodes, inventory
@@ -627,6 +631,13 @@ def _cannot_replace(served: Plan, new: Plan) -> str:
         return (
             f"the new plan serves {', '.join(sorted(then - now))}, which this router does "
             "not: start a new router for new models (poolpipe serve)"
+        )
+    apps_now, apps_then = (plan_applications(p.meta)[0] for p in (served, new))
+    if apps_now != apps_then:
+        return (
+            "the new plan's applications differ from those this router serves (their "
+            "graphs, SLOs or weights): a rollout may change their budgets and pipelines "
+            "only; start a new router for other applications"
         )
     return ""
 

@@ -458,6 +458,12 @@ class RouterCore:
         figures for the warehouse's per-minute statistics)."""
         return self._call(self.runtime.take_window)
 
+    def use_app_budgets(self, budgets_us: Mapping[str, Mapping[str, float]]) -> None:
+        """A plan of the same applications rolled out: its budgets from now on."""
+        apps = self.apps
+        if apps is not None:
+            self._call(lambda: apps.use_budgets(budgets_us))
+
     # ------------------------------------------------------------------ plan switch
 
     def switch(self, served: ServedPlan, flush_timeout_s: float | None = None) -> SwitchResult:
