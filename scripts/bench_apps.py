@@ -101,9 +101,9 @@ def main() -> int:
     clusters = load_clusters(root / "clusters.toml")
     t = Table(
         title=f"applications planned: SLO split jointly with the pools (MILP, grid of "
-        f"{args.grid} budgets per model, margin {args.margin}) vs an equal split and a split "
-        f"in proportion to the models' latencies (req/s of the least served application per "
-        f"unit of weight)",
+        f"{args.grid} budgets per model, margin {args.margin}; started from nexus's plan) vs an "
+        "equal split, a split in proportion to the models' latencies and Nexus's "
+        "split-then-plan (req/s of the least served application per unit of weight)",
         title_justify="left",
     )
     for col in (
@@ -188,7 +188,8 @@ def main() -> int:
                 f"{joint.objective / p.objective:.2f}" if p.objective else "-"
                 for p in (equal, prop, nexus)
             ),
-            f"{joint.seconds:.1f} ({joint.status})",
+            f"{joint.seconds:.1f} ({joint.status}"
+            + (f", gap {joint.gap:.1%})" if joint.status != "optimal" else ")"),
             budgets,
         )
         config = f"{cname}:{mix}:x{args.slo_scale:g}:grid{args.grid}"
@@ -199,6 +200,7 @@ def main() -> int:
             ("nexus", nexus.objective),
             ("joint_seconds", joint.seconds),
             ("joint_optimal", float(joint.status == "optimal")),
+            ("joint_gap", joint.gap),
         ):
             rows.record("apps", config, metric, v)
         rates = {a.name: args.rate_share * joint.rates[a.name] for a in apps}
@@ -215,7 +217,8 @@ def main() -> int:
             f"{whole.cost_per_hour:.2f}",
             _gpus(whole.gpus_used),
             f"{whole.cost_per_hour / pooled.cost_per_hour:.2f}",
-            f"{pooled.seconds:.1f} ({pooled.status})",
+            f"{pooled.seconds:.1f} ({pooled.status}"
+            + (f", gap {pooled.gap:.1%})" if pooled.status != "optimal" else ")"),
         )
         doc, _ = app_plan_document(req, joint)
         parts = part_profiles(doc, profiles)

@@ -97,6 +97,7 @@ class AppPlan:
     seconds: float
     gpus_used: dict[str, int] = field(default_factory=dict)
     cost_per_hour: float | None = None  # the cost objective's: price of the GPUs used
+    gap: float = 0.0  # the solver's relative gap at its end (0 when proven optimal)
 
 
 def fixed_split(app: App, how: str, fastest_us: Mapping[str, float]) -> dict[str, float]:
@@ -254,6 +255,7 @@ def _plan(
         seconds,
         used,
         price,
+        0.0 if result.status == "optimal" else result.gap,
     )
 
 
