@@ -56,6 +56,18 @@ def store_plan(warehouse: str | None, plan: Plan, label: str | None) -> int:
         return wh.store_plan(plan, label=label)
 
 
+def _target(cluster: str | None, inventory: str | None) -> str | Cluster:
+    """A cluster's name, or the cluster of an inventory's live nodes: one of them."""
+    if (cluster is None) == (inventory is None):
+        raise PoolpipeError("give cluster (a name) or inventory (a file), one of them")
+    if inventory is not None:
+        from poolpipe.domain.inventory import load_inventory
+
+        return load_inventory(inventory).cluster()
+    assert cluster is not None
+    return cluster
+
+
 @flow(name="plan", log_prints=True)
 def plan_models(
     models: list[str],
@@ -93,15 +105,7 @@ def plan_models(
         "time_limit_s": time_limit_s,
         "mip_gap": mip_gap,
     }
-    if (cluster is None) == (inventory is None):
-        raise PoolpipeError("give cluster (a name) or inventory (a file), one of them")
-    if inventory is not None:
-        from poolpipe.domain.inventory import load_inventory
-
-        target: str | Cluster = load_inventory(inventory).cluster()
-    else:
-        assert cluster is not None
-        target = cluster
+    target = _target(cluster, inventory)
     request = load_request(
         warehouse, models, target, clusters_file, weights, slo_ms, slo_scale, options
     )
@@ -180,15 +184,7 @@ def plan_applications(
     `poolpipe serve` serves. Returns the plan id. GRID: budgets per model; MARGIN: share
     of a budget held back; TIME_LIMIT_S per MILP."""
     warehouse = worker.warehouse(warehouse)
-    if (cluster is None) == (inventory is None):
-        raise PoolpipeError("give cluster (a name) or inventory (a file), one of them")
-    if inventory is not None:
-        from poolpipe.domain.inventory import load_inventory
-
-        target: str | Cluster = load_inventory(inventory).cluster()
-    else:
-        assert cluster is not None
-        target = cluster
+    target = _target(cluster, inventory)
     options = {
         "grid": grid,
         "margin": margin,

@@ -183,10 +183,8 @@ def test_apps_check_shows_the_graph_or_names_what_is_wrong(tmp_path, capsys):
     assert "traffic: SLO 400 ms" in out and "1 application(s) checked" in out
 
 
-def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
-    """`poolpipe apps plan` on the shipped group-2 profiles and hc2-small: the joint split
-    serves at least what the equal and proportional splits serve."""
-    from poolpipe.cli import main
+def _group2_cars(tmp_path: Path) -> tuple[Path, Path]:
+    """A warehouse of the shipped group-2 profiles and a spec: DET, then CLS on 2 crops."""
     from poolpipe.store.warehouse import Warehouse
 
     wh = tmp_path / "wh.duckdb"
@@ -197,6 +195,15 @@ def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
         f'[[apps]]\nname = "cars"\nslo_ms = 80\n[[apps.edges]]\nfrom = "{DET}"\nto = "{CLS}"\n'
         'fanout = 2\ntransform = "shadow"\n',
     )
+    return wh, spec
+
+
+def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
+    """`poolpipe apps plan` on the shipped group-2 profiles and hc2-small: the joint split
+    serves at least what the equal and proportional splits serve."""
+    from poolpipe.cli import main
+
+    wh, spec = _group2_cars(tmp_path)
     args = ["--warehouse", str(wh), "apps", "plan", str(spec), "--cluster", "hc2-small"]
     assert main([*args, "--clusters-file", str(GROUP2 / "clusters.toml")]) == 0
     out = capsys.readouterr().out
@@ -216,16 +223,8 @@ def test_apps_plan_writes_a_plan_that_apps_simulate_serves(tmp_path, capsys):
     beside the cheapest whole-model plan."""
     from poolpipe.cli import main
     from poolpipe.domain.plan import Plan
-    from poolpipe.store.warehouse import Warehouse
 
-    wh = tmp_path / "wh.duckdb"
-    with Warehouse.open(wh) as w:
-        w.store_profiles(load_ppipe_dir(GROUP2))
-    spec = _write(
-        tmp_path,
-        f'[[apps]]\nname = "cars"\nslo_ms = 80\n[[apps.edges]]\nfrom = "{DET}"\nto = "{CLS}"\n'
-        'fanout = 2\ntransform = "shadow"\n',
-    )
+    wh, spec = _group2_cars(tmp_path)
     base = ["--warehouse", str(wh), "apps"]
     where = ["--cluster", "hc2-small", "--clusters-file", str(GROUP2 / "clusters.toml")]
     out = tmp_path / "apps-plan.json"
