@@ -24,6 +24,7 @@ import itertools
 import sys
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -45,6 +46,7 @@ from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
 
 console = Console()
+REPO = Path(__file__).resolve().parents[1]
 # Example prices per GPU-hour, as bench_planner's (on-demand list prices of one cloud, 2025).
 PRICES = {"L4": 0.56, "T4": 0.35, "P4": 0.60, "V100": 2.48}
 DET, CLS = "tf_efficientdet_d1", "repvgg-b3"
@@ -93,6 +95,20 @@ def main() -> int:
     )
     ap.add_argument("--loads", default="0.5,0.8,1.0", help="simulated: x the planned rates")
     ap.add_argument("--duration", type=float, default=10.0, help="simulated seconds a load")
+    ap.add_argument(
+        "--live",
+        action="store_true",
+        help="also serve --live-spec on EMULATED --live-cluster (namespaces, root) and compare "
+        "its attainment live and simulated at --live-loads x its planned rate",
+    )
+    ap.add_argument("--live-spec", default=str(REPO / "data" / "apps-example.toml"))
+    ap.add_argument("--live-cluster", default="hc2-small")
+    ap.add_argument("--live-loads", default="0.33,0.67,1.0")
+    ap.add_argument("--time-scale", type=float, default=10.0, help="the live part's D (10)")
+    ap.add_argument(
+        "--live-duration", type=float, default=10.0, help="live: seconds a load, dilated (10)"
+    )
+    ap.add_argument("--only-live", action="store_true", help="the live part alone")
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
     args = ap.parse_args()
@@ -141,6 +157,11 @@ def main() -> int:
         "pooled s",
     ):
         c.add_column(col, justify="left" if col in ("cluster", "mix", "GPUs", "GPUs ") else "right")
+    if args.only_live:
+        rows = BenchRows(args.label)
+        live_part(args, rows)
+        _store(args.warehouse, rows)
+        return 0
     loads = [float(x) for x in args.loads.split(",")]
     sims = Table(
         title=f"the joint split's plan simulated ({args.duration:g} s a load, Poisson): "
@@ -255,10 +276,114 @@ def main() -> int:
     console.print(t)
     console.print(c)
     console.print(sims)
-    with Warehouse.open(args.warehouse) as wh:
+    if args.live:
+        live_part(args, rows)
+    _store(args.warehouse, rows)
+    return 0
+
+
+def _store(warehouse: str | None, rows: BenchRows) -> None:
+    with Warehouse.open(warehouse) as wh:
         wh.store_rows("bench_serving", rows)
         console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench apps)")
-    return 0
+
+
+def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
+    """An application spec (group-2 models) planned for an EMULATED cluster (shadow
+    models, one emulated GPU node per GPU in namespaces, time scale D), served live by the
+    router, and its attainment at each load beside the simulator's on the same plan.
+    Figures undilated."""
+    import tempfile
+    import time
+
+    from poolpipe.client.control import new_token_file
+    from poolpipe.domain.apps import load_apps
+    from poolpipe.store.plan_inputs import resolve_cluster
+    from testbed.emulated import (
+        GROUP2,
+        GROUP2_DIR,
+        MixLoad,
+        emulated_nodes,
+        onboard_shadows,
+        serve_dilated,
+    )
+    from testbed.netns import unavailable
+
+    why = unavailable()
+    if why:
+        console.print(f"the live part is skipped: {why}")
+        return
+    d = args.time_scale
+    with Warehouse.open(args.warehouse) as wh:
+        warehouse = str(wh.path)
+    with console.status("onboarding the shadows of group 2 (flow onboard-shadow) ..."):
+        onboard_shadows(warehouse)
+    with Warehouse.open(warehouse) as wh:
+        profiles = {m: wh.load_profile(m) for m in GROUP2}
+        cluster = resolve_cluster(wh, args.live_cluster, GROUP2_DIR / "clusters.toml")
+    apps = load_apps(args.live_spec, known_models=profiles)
+    req = AppPlanRequest(
+        tuple(apps), profiles, cluster, grid=args.grid, margin=args.margin,
+        time_limit_s=args.time_limit,
+    )  # fmt: skip
+    with console.status(f"planning {args.live_spec} for {cluster.name} ..."):
+        joint = plan_apps(req, start=plan_apps(req, "nexus"))
+    doc, _ = app_plan_document(req, joint)
+    with Warehouse.open(warehouse) as wh:
+        plan_id = wh.store_plan(doc, label="bench-apps:live")
+    parts = part_profiles(doc, profiles)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-apps-live-"))
+    token_file = tmp / "token"
+    token = new_token_file(token_file)
+    fractions = [float(x) for x in args.live_loads.split(",")]
+    t = Table(
+        title=f"EMULATED {cluster.name} (shadow models, time scale D = {d:g}; figures "
+        f"undilated): {args.live_spec}'s joint-split plan, attainment live (at the client) and "
+        f"simulated, {args.live_duration:g} s (dilated) a load",
+        title_justify="left",
+    )
+    for col in ("application", "load", "req/s", "sent", "live", "simulated", "points apart"):
+        t.add_column(col, justify="left" if col == "application" else "right")
+    t0 = time.perf_counter()
+    with emulated_nodes(cluster, tmp / "cluster", d, token_file) as em:
+        console.print(
+            f"EMULATED {cluster.name}: {len(em.nodes)} GPU nodes on {em.servers} servers, "
+            f"D = {d:g}; up in {time.perf_counter() - t0:.0f} s"
+        )
+        server = serve_dilated(
+            doc, plan_id, warehouse, tmp / "serve", d, name="emulated-apps", token=token,
+            inventory=em.inventory(),
+        )  # fmt: skip
+        try:
+            dep = server.deployment
+            for k, app in enumerate(apps):
+                io = dep.core.apps.ios[app.name]
+                x = np.zeros((1, *io.inputs[0].dims), io.inputs[0].dtype)
+                load = MixLoad(
+                    dep.grpc_url, [(app.name, {io.inputs[0].name: x})], [1.0],
+                    [app.slo_us * d / 1e6],
+                )  # fmt: skip
+                for j, frac in enumerate(fractions):
+                    rate = frac * joint.rates[app.name]  # undilated req/s
+                    seed = 700 + 10 * k + j
+                    with console.status(f"{app.name}: {rate:.0f} req/s live ..."):
+                        times, shots = load.send(rate / d, args.live_duration, seed)
+                    live = load.share_on_time(shots, len(times)) if len(times) else 1.0
+                    sim = simulate_apps(
+                        doc, parts, [app], {app.name: rate},
+                        SimConfig(duration_s=args.live_duration / d, seed=seed),
+                    ).attainment(app.name)  # fmt: skip
+                    t.add_row(
+                        app.name, f"{frac:g}", f"{rate:.0f}", str(len(times)), f"{live:.1%}",
+                        f"{sim:.1%}", f"{100 * (live - sim):+.1f}",
+                    )  # fmt: skip
+                    config = f"{cluster.name}:D{d:g}:{app.name}:{frac:g}"
+                    rows.record("apps-live", config, "live_attainment", live)
+                    rows.record("apps-live", config, "sim_attainment", sim)
+                    rows.record("apps-live", config, "rate", rate)
+        finally:
+            server.close()
+    console.print(t)
 
 
 def _gpus(used: dict[str, int]) -> str:

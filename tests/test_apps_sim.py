@@ -117,3 +117,19 @@ def test_a_plan_without_applications_is_refused():
     apps, _, doc, profiles = _planned(_chain(2))
     with pytest.raises(PoolpipeError, match="serves no application"):
         simulate_apps(replace(doc, meta={}), profiles, apps, {"a": 1.0}, SimConfig(duration_s=1))
+
+
+def test_a_dilated_application_plan_stretches_its_times():
+    """Time-warped emulation (domain.plan.dilated): an application's SLO, budgets and the
+    SLO of its graph x D, its rate / D, as its models' SLOs."""
+    from poolpipe.domain.apps import plan_applications
+    from poolpipe.domain.plan import dilated
+
+    _, _, doc, _ = _planned(_chain(2))
+    slow = dilated(doc, 10.0)
+    rec, was = slow.meta["apps"]["a"], doc.meta["apps"]["a"]
+    assert rec["slo_us"] == pytest.approx(10 * was["slo_us"])
+    assert rec["budgets_us"] == {m: pytest.approx(10 * b) for m, b in was["budgets_us"].items()}
+    assert plan_applications(slow.meta)[0][0].slo_us == pytest.approx(10 * 40_000)
+    assert slow.meta["apps_rates"]["a"] == pytest.approx(doc.meta["apps_rates"]["a"] / 10)
+    assert [m.slo_us for m in slow.models] == [10 * m.slo_us for m in doc.models]

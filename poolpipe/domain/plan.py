@@ -508,10 +508,29 @@ def dilated(plan: Plan, d: float) -> Plan:
         for m in plan.models
     )
     scale = float(plan.meta.get("time_scale", 1.0)) * d
+    meta = {**plan.meta, "time_scale": scale}
+    if isinstance(plan.meta.get("apps"), dict):  # applications: SLOs, budgets x d, rates / d
+        meta["apps"] = {name: _dilated_app(rec, d) for name, rec in plan.meta["apps"].items()}
+        if isinstance(plan.meta.get("apps_rates"), dict):
+            meta["apps_rates"] = {a: r / d for a, r in plan.meta["apps_rates"].items()}
     return replace(
         plan,
         cluster=replace(plan.cluster, bandwidth_gbps=plan.cluster.bandwidth_gbps / d),
         models=models,
         objective=plan.objective / d,
-        meta={**plan.meta, "time_scale": scale},
+        meta=meta,
     )
+
+
+def _dilated_app(rec: dict, d: float) -> dict:
+    """An application's record in a plan's meta (planner.apps), its times x d."""
+    out = dict(rec)
+    for key in ("slo_us",):
+        if key in out:
+            out[key] = out[key] * d
+    for key in ("budgets_us", "planned_budgets_us"):
+        if isinstance(out.get(key), dict):
+            out[key] = {m: b * d for m, b in out[key].items()}
+    if isinstance(out.get("spec"), dict) and "slo_ms" in out["spec"]:
+        out["spec"] = {**out["spec"], "slo_ms": out["spec"]["slo_ms"] * d}
+    return out
