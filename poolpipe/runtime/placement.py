@@ -73,11 +73,14 @@ def layout(topo: Topology, tag: str = "") -> Layout:
     pool_partition = {
         p.id: partition_name(topo.models[p.model].name, p.start, p.end, tag) for p in topo.pools
     }
-    latency = {}
+    latency: dict[tuple[str, str], tuple[float, ...]] = {}
     for p in topo.pools:
+        # the same partition in pools of two batch sizes: its table up to the larger batch
+        # (a pool's latencies stop at its own batch; the smaller is a prefix of the larger)
         key = (pool_partition[p.id], p.gpu)
-        if key not in latency:
-            latency[key] = tuple(float(x) for x in p.latency_us[1:])
+        table = tuple(float(x) for x in p.latency_us[1:])
+        if len(table) > len(latency.get(key, ())):
+            latency[key] = table
     return Layout(
         tuple(sorted(nodes.values(), key=lambda n: n.name)),
         placements,
