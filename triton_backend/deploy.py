@@ -672,10 +672,12 @@ def resolve_transport(transport: str, urls: Iterable[str]) -> str:
     return "router" if all(is_loopback(u.rpartition(":")[0] or u) for u in urls) else "chain"
 
 
-def _top_batches(topo: Topology, lay: Layout) -> dict[str, int]:
-    """The largest batch the data plane may send each partition of `lay` (its pools')."""
-    out: dict[str, int] = {}
+def _top_batches(topo: Topology, lay: Layout) -> dict[tuple[str, str], int]:
+    """The largest batch the data plane may send each partition of `lay` on each GPU type
+    (its pools' there: an emulated node knows its partition's latencies up to that batch
+    only)."""
+    out: dict[tuple[str, str], int] = {}
     for p in topo.pools:
-        name = lay.pool_partition[p.id]
-        out[name] = max(out.get(name, 0), len(p.latency_us) - 1)
+        key = (lay.pool_partition[p.id], p.gpu)
+        out[key] = max(out.get(key, 0), len(p.latency_us) - 1)
     return out
