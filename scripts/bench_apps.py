@@ -342,8 +342,12 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         f"simulated, {args.live_duration:g} s (dilated) a load",
         title_justify="left",
     )
-    for col in ("application", "load", "req/s", "sent", "live", "simulated", "points apart"):
-        t.add_column(col, justify="left" if col == "application" else "right")
+    for col in ("application", "load", "req/s", "sent", "live", "simulated", "points apart",
+                "live: parts dropped, by model"):  # fmt: skip
+        t.add_column(
+            col,
+            justify="left" if col in ("application", "live: parts dropped, by model") else "right",
+        )
     t0 = time.perf_counter()
     with emulated_nodes(cluster, tmp / "cluster", d, token_file) as em:
         console.print(
@@ -366,8 +370,14 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
                 for j, frac in enumerate(fractions):
                     rate = frac * joint.rates[app.name]  # undilated req/s
                     seed = 700 + 10 * k + j
+                    before = {m: c.dropped for m, c in dep.core.stats.items()}
                     with console.status(f"{app.name}: {rate:.0f} req/s live ..."):
                         times, shots = load.send(rate / d, args.live_duration, seed)
+                    lost = {
+                        m.split(".", 1)[1]: c.dropped - before.get(m, 0)
+                        for m, c in dep.core.stats.items()
+                        if m.startswith(f"{app.name}.") and c.dropped > before.get(m, 0)
+                    }
                     live = load.share_on_time(shots, len(times)) if len(times) else 1.0
                     sim = simulate_apps(
                         doc, parts, [app], {app.name: rate},
@@ -376,6 +386,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
                     t.add_row(
                         app.name, f"{frac:g}", f"{rate:.0f}", str(len(times)), f"{live:.1%}",
                         f"{sim:.1%}", f"{100 * (live - sim):+.1f}",
+                        ", ".join(f"{m} {n}" for m, n in lost.items()) or "-",
                     )  # fmt: skip
                     config = f"{cluster.name}:D{d:g}:{app.name}:{frac:g}"
                     rows.record("apps-live", config, "live_attainment", live)
