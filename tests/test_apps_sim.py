@@ -133,3 +133,24 @@ def test_a_dilated_application_plan_stretches_its_times():
     assert plan_applications(slow.meta)[0][0].slo_us == pytest.approx(10 * 40_000)
     assert slow.meta["apps_rates"]["a"] == pytest.approx(doc.meta["apps_rates"]["a"] / 10)
     assert [m.slo_us for m in slow.models] == [10 * m.slo_us for m in doc.models]
+
+
+def test_gpus_lost_under_load_cost_only_the_requests_they_held():
+    """A scenario of applications: two of the four GPUs fail mid-run and come back; every
+    request is still answered once, and the loss is the failure's."""
+    from poolpipe.sim.scenario import GpuChange, Rollout, Scenario
+
+    apps, plan, doc, profiles = _planned(_chain(2))
+    rate = {"a": 0.5 * plan.rates["a"]}
+    config = SimConfig(duration_s=6.0, seed=4)
+    calm = simulate_apps(doc, profiles, apps, rate, config)
+    storm = Scenario((GpuChange("gpu_down", 2.0, "A", 2), GpuChange("gpu_up", 4.0, "A", 2)))
+    hit = simulate_apps(doc, profiles, apps, rate, config, scenario=storm)
+    row = hit.apps["a"]
+    assert row["on_time"] + row["late"] + row["dropped"] + row["failed"] == row["arrived"]
+    assert row["arrived"] == calm.apps["a"]["arrived"]  # the same trace
+    assert hit.attainment("a") < calm.attainment("a")
+    with pytest.raises(PoolpipeError, match="not simulated yet"):
+        simulate_apps(
+            doc, profiles, apps, rate, config, scenario=Scenario((Rollout(1.0, None, "x"),))
+        )

@@ -178,8 +178,26 @@ def cmd_apps_simulate(args: argparse.Namespace) -> int:
         )
     offered = {a.name: args.load_factor * rates[a.name] for a in apps}
     config = SimConfig(duration_s=args.duration, seed=args.seed)
+    scenario = None
+    if args.scenario:
+        from poolpipe.sim.scenario import load_scenario
+
+        def no_rollout(path: Path):
+            raise PoolpipeError(
+                f"{args.scenario}: rolling out {path} is not simulated for applications yet; "
+                "a scenario of applications may fail GPUs and bring them back"
+            )
+
+        scenario = load_scenario(
+            args.scenario,
+            gpu_counts={p.gpu: p.count for p in plan.cluster.pools},
+            models=[m.name for m in plan.models],
+            load_plan=no_rollout,
+        )
     with console.status("simulating ..."):
-        res = simulate_apps(plan, part_profiles(plan, known), apps, offered, config)
+        res = simulate_apps(
+            plan, part_profiles(plan, known), apps, offered, config, scenario=scenario
+        )
     t = Table(
         title=f"applications on {plan.cluster.name} (simulated, {args.duration:g} s, load "
         f"{args.load_factor:g} x planned)",
@@ -355,4 +373,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--load-factor", type=float, default=0.9, help="x the planned rates (0.9)")
     sim.add_argument("--duration", type=float, default=10.0, help="simulated seconds (10)")
     sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument(
+        "--scenario", help="a scenario file: GPUs failing and coming back (docs/runtime.md)"
+    )
     sim.set_defaults(func=cmd_apps_simulate)

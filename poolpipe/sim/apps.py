@@ -22,6 +22,7 @@ from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import build_topology
 from poolpipe.sim.arrivals import ArrivalSpec, generate
 from poolpipe.sim.engine import SimConfig, Simulator
+from poolpipe.sim.scenario import Rollout, Scenario
 
 _NAMES = {ON_TIME: "on_time", LATE: "late", DROPPED: "dropped", FAILED: "failed"}
 
@@ -91,9 +92,17 @@ def simulate_apps(
     config: SimConfig,
     arrivals: ArrivalSpec | None = None,
     data_plane: str = "reservation",
+    scenario: Scenario | None = None,
 ) -> AppSimResult:
     """Simulate an application plan (planner.apps.app_plan_document; `profiles` under its
-    model names) with each application's requests arriving at `rates[name]` req/s."""
+    model names) with each application's requests arriving at `rates[name]` req/s;
+    `scenario`: GPUs failing and coming back on the virtual clock (rollouts of
+    application plans are not simulated: refused)."""
+    if scenario is not None and any(isinstance(e, Rollout) for e in scenario.events):
+        raise PoolpipeError(
+            "a scenario of applications may fail GPUs and bring them back; rolling out "
+            "another application plan is not simulated yet: leave its rollout events out"
+        )
     wall0 = time.perf_counter()
     topo = build_topology(plan, profiles, larger_batches=True)
     names = [m.name for m in topo.models]
@@ -105,7 +114,7 @@ def simulate_apps(
         config.seed,
         [a.name for a in apps],
     )
-    sim = Simulator(topo, make_data_plane(data_plane, topo), times, which, config)
+    sim = Simulator(topo, make_data_plane(data_plane, topo), times, which, config, scenario)
     reasons: dict[str, int] = {}
     holder: list[AppCoordinator] = []
 
