@@ -23,6 +23,7 @@ from tests.test_serving import (
     SLO_MS,
     _grpc,
     _infer,
+    onboarded_tiny,  # noqa: F401 (a fixture)
     two_partition_plan,
     whole_model,
 )
@@ -75,7 +76,7 @@ def _loaded(inv: Inventory, key: str) -> list[str]:
     )
 
 
-def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path):
+def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path):  # noqa: F811
     from triton_backend.deploy import Deployment
 
     wh, _ = onboarded_tiny
@@ -117,7 +118,7 @@ def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path
     assert _loaded(inv, _key(cluster)) == []
 
 
-def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny, tmp_path):
+def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny, tmp_path):  # noqa: F811
     from triton_backend.deploy import Deployment
 
     wh, _ = onboarded_tiny
@@ -147,7 +148,7 @@ def test_a_node_stops_cleanly_on_sigterm(cluster):
     cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # back for what runs next
 
 
-def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):
+def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noqa: F811
     """transport="chain": the router sends a batch's input to the first node with the rest
     of its path; the first node sends its fp16 feature map straight to the second, whose
     answer comes back along the chain. The same requests through the same plan with
@@ -245,7 +246,7 @@ def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:
 
 def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
     cluster,
-    onboarded_tiny,
+    onboarded_tiny,  # noqa: F811
     tmp_path,
 ):
     """One partition on the nodes of both servers, chained transport; one server's node is
@@ -318,7 +319,7 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
 def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
     prefect_api,
     cluster,
-    onboarded_tiny,
+    onboarded_tiny,  # noqa: F811
     tmp_path,
 ):
     """The serving plan cuts the model across the two servers' nodes. Server 1's node dies
@@ -421,7 +422,7 @@ def _wait(condition, timeout_s: float) -> bool:
 
 def test_a_node_process_killed_alone_leaves_service_at_once_and_returns_loaded_untouched(
     cluster,
-    onboarded_tiny,
+    onboarded_tiny,  # noqa: F811
     tmp_path,
 ):
     """`kill -9` of one node's `poolpipe node` process alone (as the OOM killer would), with
@@ -458,7 +459,7 @@ def test_a_node_process_killed_alone_leaves_service_at_once_and_returns_loaded_u
 
 def test_a_node_drained_under_load_drops_nothing_and_takes_batches_again_once_undrained(
     cluster,
-    onboarded_tiny,
+    onboarded_tiny,  # noqa: F811
     tmp_path,
 ):
     """Under load, one of two nodes of a pool is drained: the drain waits for its batches,
@@ -509,7 +510,7 @@ def test_a_node_drained_under_load_drops_nothing_and_takes_batches_again_once_un
 def test_the_nightly_replan_plans_for_the_routers_own_nodes_and_fails_when_rolled_back(
     prefect_api,
     cluster,
-    onboarded_tiny,
+    onboarded_tiny,  # noqa: F811
     tmp_path,
 ):
     """The shipped nightly re-plan used to plan for the `local` cluster of
