@@ -111,7 +111,18 @@ def new_plan(
     clusters_file: str | None,
     inventory: str | Inventory | None = None,
     down: list[dict] | None = None,
+    shares: dict[str, float] | None = None,
 ) -> Plan:
+    """The serving plan planned again for the mix seen (`weights` per model; for an
+    application plan, `shares` per application) on the GPUs in service."""
+    if shares is not None:  # an application plan: its applications planned again
+        from poolpipe.domain.apps import base_models
+        from poolpipe.planner.apps import replan_apps
+
+        with Warehouse.open(warehouse) as wh:
+            survivors = surviving_cluster(wh, cluster, clusters_file, inventory, down or [])
+            profiles = {m: wh.load_profile(m) for m in set(base_models(current.meta).values())}
+        return replan_apps(current, profiles, survivors, shares)
     with Warehouse.open(warehouse) as wh:
         req = plan_request(
             wh,
@@ -174,7 +185,17 @@ def nightly_replan(
     health = router_health(router, token_file)
     down = health.get("down", [])
     names = [m.name for m in current.models]
-    weights = observed_weights(observed_mix(warehouse, deployment, hours), names)
+    mix = observed_mix(warehouse, deployment, hours)
+    shares = None
+    if current.meta.get("apps"):  # applications: their mix, seen at their entry models
+        from poolpipe.planner.apps import observed_app_shares, part_weights
+
+        shares = observed_app_shares(current.meta, mix)
+        if shares is None and down:
+            shares = {a: r["weight"] for a, r in current.meta["apps"].items()}
+        weights = None if shares is None else part_weights(current.meta, shares, names)
+    else:
+        weights = observed_weights(mix, names)
     if weights is None and down:
         weights = [m.weight for m in current.models]  # GPUs lost: re-plan for the plan's mix
     decision: dict = {"trigger": trigger, "down": ", ".join(d["node"] for d in down) or "none"}
@@ -182,7 +203,9 @@ def nightly_replan(
     if weights is None:
         decision |= {"rolled_out": False, "why": f"no requests in the last {hours:g} h"}
     else:
-        candidate = new_plan(warehouse, current, weights, cluster, clusters_file, target, down)
+        candidate = new_plan(
+            warehouse, current, weights, cluster, clusters_file, target, down, shares
+        )
         if down:  # what the serving plan still serves on the nodes in service
             live = health["live_throughput"]
             old_obj = min(live[m] / w for m, w in zip(names, weights, strict=True))

@@ -264,3 +264,50 @@ def test_apps_plan_writes_a_plan_that_apps_simulate_serves(tmp_path, capsys):
     assert "whole-model" in text and "cheapest GPUs" in text
     assert main([*base, "plan", str(spec), *where, "--objective", "cost", rates]) == 2
     assert "no price for GPU type" in capsys.readouterr().err
+
+
+def test_the_application_mix_seen_is_planned_again():
+    """Nightly re-planning of an application plan: the mix read from the entry parts'
+    arrivals, each part weighted by its application's share and its requests per request,
+    the applications planned again for it (real MILPs); the new plan serves that mix at
+    least as well as the serving one, and a router would take it (same graphs and SLOs)."""
+    from poolpipe.domain.cluster import load_clusters
+    from poolpipe.planner.apps import (
+        AppPlanRequest,
+        app_plan_document,
+        observed_app_shares,
+        part_weights,
+        plan_apps,
+        replan_apps,
+    )
+    from poolpipe.planner.replan import objective_under
+    from triton_backend.deploy import _cannot_replace
+
+    profiles = {p.name: p for p in load_ppipe_dir(GROUP2)}
+    cluster = load_clusters(GROUP2 / "clusters.toml")["hc2-small"]
+    spec = {
+        "apps": [
+            {"name": "cars", "slo_ms": 80, "edges": [{"from": DET, "to": CLS, "fanout": 2}]},
+            {"name": "color", "slo_ms": 120, "models": [SEG]},
+        ]
+    }
+    apps = parse_apps(spec, "test", profiles)
+    req = AppPlanRequest(tuple(apps), profiles, cluster, time_limit_s=30)
+    current = app_plan_document(req, plan_apps(req))[0]
+    names = [m.name for m in current.models]
+    arrivals = {f"cars.{DET}": 900.0, f"cars.{CLS}": 1800.0, f"color.{SEG}": 100.0}
+    shares = observed_app_shares(current.meta, arrivals)
+    assert shares == {"cars": pytest.approx(0.9), "color": pytest.approx(0.1)}
+    weights = part_weights(current.meta, shares, names)
+    assert dict(zip(names, weights, strict=True)) == {
+        f"cars.{DET}": pytest.approx(0.9),
+        f"cars.{CLS}": pytest.approx(1.8),
+        f"color.{SEG}": pytest.approx(0.1),
+    }
+    assert observed_app_shares(current.meta, {}) is None
+    new = replan_apps(current, profiles, cluster, shares, time_limit_s=30)
+    before = objective_under(current, names, weights)
+    after = objective_under(new, names, weights)
+    assert after > 1.1 * before, (before, after)  # planned for 1:1, seen 9:1
+    assert new.meta["apps"]["cars"]["weight"] == pytest.approx(0.9)
+    assert _cannot_replace(current, new) == ""

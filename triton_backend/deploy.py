@@ -632,12 +632,14 @@ def _cannot_replace(served: Plan, new: Plan) -> str:
             f"the new plan serves {', '.join(sorted(then - now))}, which this router does "
             "not: start a new router for new models (poolpipe serve)"
         )
-    apps_now, apps_then = (plan_applications(p.meta)[0] for p in (served, new))
+    apps_now, apps_then = (
+        [replace(a, weight=1.0) for a in plan_applications(p.meta)[0]] for p in (served, new)
+    )
     if apps_now != apps_then:
         return (
             "the new plan's applications differ from those this router serves (their "
-            "graphs, SLOs or weights): a rollout may change their budgets and pipelines "
-            "only; start a new router for other applications"
+            "graphs or SLOs): a rollout may change their mix, budgets and pipelines only; "
+            "start a new router for other applications"
         )
     return ""
 

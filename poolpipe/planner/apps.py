@@ -31,7 +31,7 @@ only, the cheapest plan without pooled pipelines."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from poolpipe.domain.apps import App, app_table, part_name
@@ -555,3 +555,63 @@ def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[st
     )
     doc.verify(profiles)
     return doc, profiles
+
+
+# ---------------------------------------------------------------------------- re-planning
+
+
+def observed_app_shares(meta: Mapping, arrivals: Mapping[str, float]) -> dict[str, float] | None:
+    """Each application's share of the requests a router saw, from the arrivals of its
+    entry model's parts (one per application request), as a plan's meta records them;
+    None without any. An application that saw none keeps a small share, as a model does
+    (planner.replan.observed_weights)."""
+    from poolpipe.domain.apps import plan_applications
+
+    apps, _ = plan_applications(meta)
+    seen = {a.name: max(0.0, arrivals.get(part_name(a.name, a.entry), 0.0)) for a in apps}
+    total = sum(seen.values())
+    if total <= 0:
+        return None
+    return {a: max(n / total, 0.01) for a, n in seen.items()}
+
+
+def part_weights(meta: Mapping, shares: Mapping[str, float], models: Sequence[str]) -> list[float]:
+    """The weight of each of a plan's `models` (its application parts) under an application
+    mix: the application's share times the part's requests per request (what the
+    application planner gives a part)."""
+    from poolpipe.domain.apps import plan_applications
+
+    apps, _ = plan_applications(meta)
+    weight = {
+        part_name(a.name, m): shares[a.name] * k for a in apps for m, k in a.multiplicity().items()
+    }
+    return [weight[m] for m in models]
+
+
+def replan_apps(
+    current: Plan,
+    profiles: Mapping[str, ModelProfile],
+    cluster: Cluster,
+    shares: Mapping[str, float],
+    grid: int = DEFAULT_GRID,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> Plan:
+    """A serving application plan planned again for another mix (`shares` per
+    application) on `cluster` (the GPUs in service): the same applications, SLOs, margin
+    and partitions; the joint split started from Nexus's plan. `profiles`: the models'
+    own (the warehouse's names)."""
+    from poolpipe.domain.apps import plan_applications
+
+    apps, _ = plan_applications(current.meta)
+    req = AppPlanRequest(
+        tuple(replace(a, weight=shares[a.name]) for a in apps),
+        {m: profiles[m] for a in apps for m in a.models},
+        cluster,
+        grid=grid,
+        margin=current.margin,
+        max_partitions=current.max_partitions,
+        packing=current.packing,
+        time_limit_s=time_limit_s,
+    )
+    joint = plan_apps(req, start=plan_apps(req, "nexus"))
+    return app_plan_document(req, joint)[0]
