@@ -52,9 +52,16 @@ from poolpipe.planner.formulation import (
     price_units,
 )
 from poolpipe.planner.formulation import served as capacity
+from poolpipe.planner.request import check_prices, check_rates
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, Milp, solve
 
 SPLITS = ("joint", "equal", "proportional", "nexus")
+
+
+class _Unservable(InfeasibleError):
+    """The application MILP itself is infeasible (the rates asked cannot be served)."""
+
+
 DEFAULT_GRID = 10
 
 
@@ -156,27 +163,15 @@ def cheapest_apps(
             + (f"; unknown: {', '.join(extra)}" if extra else "")
             + (f"; missing: {', '.join(missing)}" if missing else "")
         )
-    bad = [f"{n}={r}" for n, r in rates.items() if not (r > 0 and r < float("inf"))]
-    if bad:
-        raise PoolpipeError(f"rates must be finite req/s > 0, got {', '.join(bad)}")
+    check_rates(rates)
+    check_prices(req.cluster, prices)
     gpus = [p.gpu for p in req.cluster.pools]
-    unpriced = [g for g in gpus if g not in prices]
-    if unpriced:
-        raise PoolpipeError(
-            f"no price for GPU type(s) {', '.join(unpriced)} of cluster {req.cluster.name}: "
-            "give price_per_hour in the clusters file or --prices G=PRICE,..."
-        )
-    bad = [f"{g}={prices[g]}" for g in gpus if not (0 < prices[g] < float("inf"))]
-    if bad:
-        raise PoolpipeError(f"prices must be finite amounts > 0, got {', '.join(bad)}")
     if whole:
         req = replace(req, max_partitions=1)
     budgets = _split_budgets(req, split, budgets)
     try:
         return _plan(req, split, budgets, (rates, {g: prices[g] for g in gpus}))
-    except InfeasibleError as exc:
-        if "cannot be served" not in str(exc):
-            raise
+    except _Unservable:
         weighted = replace(req, apps=tuple(replace(a, weight=rates[a.name]) for a in req.apps))
         share = plan_apps(weighted, split, budgets).objective
         raise InfeasibleError(
@@ -222,7 +217,7 @@ def _plan(
     seconds = time.perf_counter() - t0
     if result.values is None:
         if result.status == "infeasible":
-            raise InfeasibleError("the applications cannot be served within their SLOs")
+            raise _Unservable("the applications cannot be served within their SLOs")
         raise SolverError(f"application MILP: {result.status} within {req.time_limit_s:g} s")
     v = result.values
     chosen_budget: dict[tuple[str, str], float] = {}

@@ -95,24 +95,34 @@ class PlanRequest:
                 f"the cost objective needs a rate (req/s) for each of {names}; give "
                 "--rates " + ",".join(f"{n}=RATE" for n in names)
             )
-        bad = [f"{n}={r}" for n, r in zip(names, self.rates, strict=True) if not _positive(r)]
-        if bad:
-            raise PoolpipeError(f"rates must be finite req/s > 0, got {', '.join(bad)}")
-        gpus = [p.gpu for p in self.cluster.pools]
-        missing = [g for g in gpus if g not in self.prices]
-        if missing:
-            raise PoolpipeError(
-                f"the cost objective needs a price per GPU-hour for every GPU type of "
-                f"cluster {self.cluster.name}; missing {', '.join(missing)} (give "
-                "price_per_hour in the clusters file or --prices "
-                + ",".join(f"{g}=PRICE" for g in gpus)
-                + ")"
-            )
-        bad = [f"{g}={self.prices[g]}" for g in gpus if not _positive(self.prices[g])]
-        if bad:
-            raise PoolpipeError(f"prices must be finite amounts > 0, got {', '.join(bad)}")
+        check_rates(dict(zip(names, self.rates, strict=True)))
+        check_prices(self.cluster, self.prices)
         if self.strategy == "dart-r":
             raise PoolpipeError("the cost objective plans ppipe or np, not dart-r")
+
+
+def check_rates(rates: Mapping[str, float]) -> None:
+    """The cost objective's rates (req/s by name): finite and > 0, the bad ones named."""
+    bad = [f"{n}={r}" for n, r in rates.items() if not _positive(r)]
+    if bad:
+        raise PoolpipeError(f"rates must be finite req/s > 0, got {', '.join(bad)}")
+
+
+def check_prices(cluster: Cluster, prices: Mapping[str, float]) -> None:
+    """A price per GPU-hour, finite and > 0, for every GPU type of `cluster`; the missing
+    and bad ones named, with where to give them."""
+    gpus = [p.gpu for p in cluster.pools]
+    missing = [g for g in gpus if g not in prices]
+    if missing:
+        raise PoolpipeError(
+            f"no price for GPU type(s) of cluster {cluster.name}: missing "
+            f"{', '.join(missing)} (per GPU-hour, for the cost objective); give "
+            "price_per_hour in the clusters file or --prices "
+            + ",".join(f"{g}=PRICE" for g in gpus)
+        )
+    bad = [f"{g}={prices[g]}" for g in gpus if not _positive(prices[g])]
+    if bad:
+        raise PoolpipeError(f"prices must be finite amounts > 0, got {', '.join(bad)}")
 
 
 def _positive(x: object) -> bool:
