@@ -236,7 +236,7 @@ def cmd_apps_simulate(args: argparse.Namespace) -> int:
 
 def _apps_cost(args: argparse.Namespace, req) -> int:
     """--objective cost: the cheapest GPUs serving --rates, per split, and whole-model."""
-    from poolpipe.cli.plans import parse_pairs
+    from poolpipe.cli.plans import cluster_prices, parse_pairs
     from poolpipe.planner.apps import SPLITS, cheapest_apps
 
     if not args.rates:
@@ -245,16 +245,7 @@ def _apps_cost(args: argparse.Namespace, req) -> int:
             + ",".join(f"{a.name}=REQ_PER_S" for a in req.apps)
         )
     rates = parse_pairs(args.rates, "rates")
-    prices = req.cluster.prices()
-    if args.prices:
-        given = parse_pairs(args.prices, "prices")
-        types = {p.gpu for p in req.cluster.pools}
-        if set(given) - types:
-            raise PoolpipeError(
-                f"--prices names {', '.join(sorted(set(given) - types))}, not GPU types of "
-                f"cluster {req.cluster.name} ({', '.join(sorted(types))})"
-            )
-        prices.update(given)
+    prices = cluster_prices(req.cluster, args.prices)
     plans = {}
     for split in SPLITS:
         with console.status(f"the cheapest GPUs, {split} split ..."):

@@ -20,6 +20,7 @@ from poolpipe.cli.common import (
     warn_slo_room,
 )
 from poolpipe.cli.profiles import cmd_import_ppipe
+from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import PACKINGS, STRATEGIES, PipelinePlan, Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
@@ -189,6 +190,22 @@ def parse_pairs(text: str, what: str) -> dict[str, float]:
     return out
 
 
+def cluster_prices(cluster: Cluster, given: str | None) -> dict[str, float]:
+    """The cluster's prices per GPU-hour (its file's or warehouse's), overridden by
+    --prices `given` (TYPE=PRICE,...), which may name only the cluster's GPU types."""
+    prices = cluster.prices()
+    if given:
+        parsed = parse_pairs(given, "prices")
+        types = [p.gpu for p in cluster.pools]
+        extra = sorted(set(parsed) - set(types))
+        if extra:
+            raise PoolpipeError(
+                f"--prices names {extra}, not GPU types of cluster {cluster.name} ({types})"
+            )
+        prices.update(parsed)
+    return prices
+
+
 def with_objective(args: argparse.Namespace, req: PlanRequest) -> PlanRequest:
     """--objective cost: the rates of --rates (one per model) and the prices of the
     cluster's file or warehouse, overridden by --prices."""
@@ -212,21 +229,11 @@ def with_objective(args: argparse.Namespace, req: PlanRequest) -> PlanRequest:
             + (f"; not in --models: {unknown}" if unknown else "")
             + (f"; missing: {missing}" if missing else "")
         )
-    prices = req.cluster.prices()
-    if args.prices:
-        given = parse_pairs(args.prices, "prices")
-        types = [p.gpu for p in req.cluster.pools]
-        extra = sorted(set(given) - set(types))
-        if extra:
-            raise PoolpipeError(
-                f"--prices names {extra}, not GPU types of cluster {req.cluster.name} ({types})"
-            )
-        prices.update(given)
     return dataclasses.replace(
         req,
         objective="cost",
         rates=tuple(rates[n] for n in names),
-        prices=prices,
+        prices=cluster_prices(req.cluster, args.prices),
         cost_alternatives=not getattr(args, "no_compare", False),
     )
 
