@@ -138,17 +138,10 @@ def load_apps_request(
     clusters_file: str | None,
     options: dict[str, Any],
 ) -> AppPlanRequest:
-    from poolpipe.domain.apps import fastest_latencies, load_apps
-    from poolpipe.store.plan_inputs import resolve_cluster
+    from poolpipe.store.plan_inputs import apps_request
 
     with Warehouse.open(warehouse) as wh:
-        known = {n: wh.load_profile(n) for n in wh.model_names()}
-        target = (
-            cluster if isinstance(cluster, Cluster) else resolve_cluster(wh, cluster, clusters_file)
-        )
-    apps = load_apps(spec, known_models=known, fastest_us=fastest_latencies(known.values()))
-    used = {m for a in apps for m in a.models}
-    return AppPlanRequest(tuple(apps), {m: known[m] for m in used}, target, **options)
+        return apps_request(wh, spec, cluster, clusters_file=clusters_file, **options)
 
 
 @task(name="solve-apps", cache_policy=NO_CACHE)

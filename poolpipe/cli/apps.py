@@ -77,26 +77,22 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
     alone). Shows what each serves (req/s of the least served application per unit of
     weight) and the joint split's budgets and pipelines. With --objective cost: the
     cheapest GPUs serving --rates, each split, and the cheapest whole-model plan."""
-    from poolpipe.planner.apps import SPLITS, AppPlan, AppPlanRequest, plan_apps
-    from poolpipe.store.plan_inputs import resolve_cluster
+    from poolpipe.planner.apps import SPLITS, AppPlan, plan_apps
+    from poolpipe.store.plan_inputs import apps_request
     from poolpipe.store.warehouse import Warehouse
 
     with Warehouse.open(args.warehouse) as wh:
-        names = wh.model_names()
-        known = {n: wh.load_profile(n) for n in names}
-        cluster = resolve_cluster(wh, args.cluster, args.clusters_file)
-    fastest = fastest_latencies(known.values())
-    apps = load_apps(args.spec, known_models=known, fastest_us=fastest)
-    used = {m for a in apps for m in a.models}
-    req = AppPlanRequest(
-        tuple(apps),
-        {m: known[m] for m in used},
-        cluster,
-        grid=args.grid,
-        margin=args.margin,
-        max_partitions=args.max_partitions,
-        time_limit_s=args.time_limit,
-    )
+        req = apps_request(
+            wh,
+            args.spec,
+            args.cluster,
+            clusters_file=args.clusters_file,
+            grid=args.grid,
+            margin=args.margin,
+            max_partitions=args.max_partitions,
+            time_limit_s=args.time_limit,
+        )
+    apps, cluster = req.apps, req.cluster
     _writable(args.out)
     if args.objective == "cost":
         return _apps_cost(args, req)
@@ -158,6 +154,7 @@ def cmd_apps_simulate(args: argparse.Namespace) -> int:
     from poolpipe.domain.plan import Plan
     from poolpipe.sim.apps import part_profiles, simulate_apps
     from poolpipe.sim.engine import SimConfig
+    from poolpipe.store.plan_inputs import warehouse_apps
     from poolpipe.store.warehouse import Warehouse
 
     if not Path(args.plan).is_file():
@@ -166,9 +163,7 @@ def cmd_apps_simulate(args: argparse.Namespace) -> int:
         raise PoolpipeError("--load-factor and --duration must be > 0")
     plan = Plan.load(Path(args.plan))
     with Warehouse.open(args.warehouse) as wh:
-        known = {n: wh.load_profile(n) for n in wh.model_names()}
-    fastest = fastest_latencies(known.values())
-    apps = load_apps(args.spec, known_models=known, fastest_us=fastest)
+        apps, known = warehouse_apps(wh, args.spec)
     rates = plan.meta.get("apps_rates") or {}
     missing = [a.name for a in apps if a.name not in rates]
     if missing:

@@ -1,5 +1,6 @@
-"""A planning request assembled from the warehouse: profiles, SLOs and the cluster by name.
-Shared by the CLI and the `plan` flow."""
+"""A planning request assembled from the warehouse: profiles, SLOs and the cluster by name
+(and applications' specs checked against its models). Shared by the CLI and the `plan`
+and `plan-apps` flows."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from poolpipe.domain.apps import App, fastest_latencies, load_apps
 from poolpipe.domain.cluster import Cluster, load_cluster
 from poolpipe.domain.plan import Plan
+from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest
+from poolpipe.planner.apps import AppPlanRequest
 from poolpipe.store.warehouse import Warehouse
 
 
@@ -57,6 +61,36 @@ def plan_request(
         slos_us=tuple(slos),
         cluster=resolve_cluster(wh, cluster, clusters_file),
         strategy=strategy,
+        **options,
+    )
+
+
+def warehouse_apps(wh: Warehouse, spec: Path | str) -> tuple[list[App], dict[str, ModelProfile]]:
+    """The applications of an apps.toml, checked against the warehouse's models (every one
+    known, each SLO no shorter than its slowest path at its fastest), and the profile of
+    every model the warehouse holds."""
+    known = {n: wh.load_profile(n) for n in wh.model_names()}
+    apps = load_apps(spec, known_models=known, fastest_us=fastest_latencies(known.values()))
+    return apps, known
+
+
+def apps_request(
+    wh: Warehouse,
+    spec: Path | str,
+    cluster: str | Cluster,
+    *,
+    clusters_file: Path | str | None = None,
+    **options: Any,
+) -> AppPlanRequest:
+    """The applications of an apps.toml planned on `cluster` (a name, from
+    `clusters_file` or the warehouse, or a Cluster); `options` are the remaining
+    AppPlanRequest fields."""
+    apps, known = warehouse_apps(wh, spec)
+    used = {m for a in apps for m in a.models}
+    return AppPlanRequest(
+        tuple(apps),
+        {m: known[m] for m in used},
+        resolve_cluster(wh, cluster, clusters_file),
         **options,
     )
 
