@@ -29,6 +29,7 @@ from poolpipe.offline.partitions import TensorSpec
 from poolpipe.runtime import DROPPED, FAILED, Outcome
 from poolpipe.runtime.apps import AppCoordinator, AppRequest, Part, ServedApp, served_app
 from poolpipe.runtime.intake import BadRequest, Unservable
+from poolpipe.scheduler import Topology
 from triton_backend.served import ClientRequest, ModelIO, Reply, RequestRow
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ class RouterApps:
             for a in self.apps
             for e in a.edges
         }
+        self._topo: Topology | None = None  # the topology _index was made from
+        self._index: dict[str, int] = {}
         rt = core.runtime
         self.coordinator = AppCoordinator(
             self.served, core.clock, self._add, rt.decide, self._answer, fan=self._fan
@@ -122,9 +125,9 @@ class RouterApps:
         n = int(arrays[0].shape[0]) if arrays[0].ndim else 0
         if n < 1:
             raise BadRequest(f"{name}: a request needs at least one row")
-        served = {m.name for m in self.core.runtime.topo.models}
         app = self.served[self.index[name]]
-        if not set(app.parts) <= served:
+        served = self._models()
+        if any(p not in served for p in app.parts):
             raise Unservable(f"{name}: the plan served now does not serve this application")
         coord = self.coordinator
         request = ClientRequest(io, n, reply)
@@ -133,14 +136,21 @@ class RouterApps:
 
     # ------------------------------------------------------------------ the coordinator's
 
+    def _models(self) -> dict[str, int]:
+        """The served plan's models by name (made again only when a rollout changed the
+        plan, not for every part)."""
+        topo = self.core.runtime.topo
+        if topo is not self._topo:
+            self._topo, self._index = topo, {m.name: m.index for m in topo.models}
+        return self._index
+
     def _add(self, model: str, part: Part, slo_us: float, arrived_us: float) -> Any:
-        rt = self.core.runtime
-        served = {m.name: m.index for m in rt.topo.models}
-        if model not in served:  # a plan rolled out without this application
+        index = self._models().get(model)
+        if index is None:  # a plan rolled out without this application
             self.coordinator.part_ended(part, FAILED, f"the plan served now has no {model}")
             return None
         row = RequestRow(_PartSink(self, part), 0, list(part[2]))  # type: ignore[arg-type]
-        return rt.add(served[model], row, slo_us, arrived_us)
+        return self.core.runtime.add(index, row, slo_us, arrived_us)
 
     def _answer(self, req: AppRequest, outcome: Outcome, reason: str) -> None:
         request, row = req.payload
