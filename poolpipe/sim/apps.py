@@ -46,16 +46,23 @@ class AppSimResult:
         return sum(r["on_time"] for r in rows) / arrived if arrived else 1.0
 
 
-def part_profiles(plan: Plan, profiles: Mapping[str, ModelProfile]) -> dict[str, ModelProfile]:
-    """The profiles of an application plan's models (app.model) from those of the models
-    (by their own names, as the warehouse holds them)."""
-    from dataclasses import replace
-
+def _recorded(plan: Plan) -> dict:
+    """The applications a plan records (planner.apps.app_plan_document); an error naming
+    the fix for a plan of models alone."""
     recorded = plan.meta.get("apps")
     if not isinstance(recorded, dict):
         raise PoolpipeError(
             "this plan serves no application (no budgets recorded): plan it with poolpipe apps plan"
         )
+    return recorded
+
+
+def part_profiles(plan: Plan, profiles: Mapping[str, ModelProfile]) -> dict[str, ModelProfile]:
+    """The profiles of an application plan's models (app.model) from those of the models
+    (by their own names, as the warehouse holds them)."""
+    from dataclasses import replace
+
+    recorded = _recorded(plan)
     out = {}
     for app, rec in recorded.items():
         for m in rec["models"]:
@@ -68,11 +75,7 @@ def part_profiles(plan: Plan, profiles: Mapping[str, ModelProfile]) -> dict[str,
 def served_apps(plan: Plan, apps: Sequence[App], model_names: Sequence[str]) -> list[ServedApp]:
     """The applications of an application plan (meta["apps"]: their budgets) as the
     runtime serves them, each model at its index among `model_names`."""
-    recorded = plan.meta.get("apps")
-    if not isinstance(recorded, dict):
-        raise PoolpipeError(
-            "this plan serves no application (no budgets recorded): plan it with poolpipe apps plan"
-        )
+    recorded = _recorded(plan)
     known = set(model_names)
     out = []
     for a in apps:
