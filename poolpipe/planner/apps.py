@@ -561,13 +561,13 @@ def observed_app_shares(meta: Mapping, arrivals: Mapping[str, float]) -> dict[st
     None without any. An application that saw none keeps a small share, as a model does
     (planner.replan.observed_weights)."""
     from poolpipe.domain.apps import plan_applications
+    from poolpipe.planner.replan import observed_weights
 
     apps, _ = plan_applications(meta)
-    seen = {a.name: max(0.0, arrivals.get(part_name(a.name, a.entry), 0.0)) for a in apps}
-    total = sum(seen.values())
-    if total <= 0:
-        return None
-    return {a: max(n / total, 0.01) for a, n in seen.items()}
+    names = [a.name for a in apps]
+    seen = {a.name: arrivals.get(part_name(a.name, a.entry), 0.0) for a in apps}
+    shares = observed_weights(seen, names)
+    return None if shares is None else dict(zip(names, shares, strict=True))
 
 
 def part_weights(meta: Mapping, shares: Mapping[str, float], models: Sequence[str]) -> list[float]:
