@@ -525,9 +525,8 @@ def dilated(plan: Plan, d: float) -> Plan:
 def _dilated_app(rec: dict, d: float) -> dict:
     """An application's record in a plan's meta (planner.apps), its times x d."""
     out = dict(rec)
-    for key in ("slo_us",):
-        if key in out:
-            out[key] = out[key] * d
+    if "slo_us" in out:
+        out["slo_us"] = out["slo_us"] * d
     for key in ("budgets_us", "planned_budgets_us"):
         if isinstance(out.get(key), dict):
             out[key] = {m: b * d for m, b in out[key].items()}
