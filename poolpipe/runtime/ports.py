@@ -78,17 +78,42 @@ class ServedPlan:
     adapter: Any = None
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, init=False)
 class Entry(Request):
     """A request the runtime has taken and will answer exactly once. The data plane
-    schedules it as a Request (its deadline is due - reply margin)."""
+    schedules it as a Request (its deadline is due - reply margin). (Its own `__init__`:
+    see scheduler/messages.py.)"""
 
     due_us: float  # arrival + SLO: on time when answered by then
     payload: Any  # the driver's data (the client's tensors and reply handle; an index)
     stats: Any  # the model's counters (runtime.stats.ModelStats)
-    attempts: int = 1
-    result: Any = None  # set by the executor before it reports the last hop done
-    outcome: Outcome = PENDING
+    attempts: int
+    result: Any  # set by the executor before it reports the last hop done
+    outcome: Outcome
+
+    def __init__(
+        self,
+        id: int,
+        model: int,
+        arrival_us: float,
+        deadline_us: float,
+        due_us: float,
+        payload: Any,
+        stats: Any,
+        attempts: int = 1,
+        result: Any = None,
+        outcome: Outcome = PENDING,
+    ) -> None:
+        self.id = id
+        self.model = model
+        self.arrival_us = arrival_us
+        self.deadline_us = deadline_us
+        self.due_us = due_us
+        self.payload = payload
+        self.stats = stats
+        self.attempts = attempts
+        self.result = result
+        self.outcome = outcome
 
 
 class Job:

@@ -1,11 +1,13 @@
 """The messages between a data plane and whatever drives it (the simulator, the live router).
 
-Plain slotted dataclasses; times are µs on the driver's clock.
+Plain slotted dataclasses; times are µs on the driver's clock. Each writes its own
+`__init__`: compiled (native.py), a dataclass's generated one runs interpreted, and these
+are made once per request, batch and stage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from poolpipe.scheduler.topology import Topology
@@ -20,15 +22,21 @@ DROP_STAGE_OVERRAN = "deadline cannot be met: a stage ran over its reserved time
 DROP_OVERDUE = "deadline passed while its batch ran"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Request:
     id: int  # unique per driver
     model: int  # index into Topology.models
     arrival_us: float
     deadline_us: float  # arrival + the model's SLO
 
+    def __init__(self, id: int, model: int, arrival_us: float, deadline_us: float) -> None:
+        self.id = id
+        self.model = model
+        self.arrival_us = arrival_us
+        self.deadline_us = deadline_us
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Hop:
     """One partition of a batch's path: optional transfer in, then compute on one vGPU."""
 
@@ -40,8 +48,26 @@ class Hop:
     start_us: float  # reserved compute interval
     end_us: float
 
+    def __init__(
+        self,
+        pool: int,
+        vgpu: int,
+        src_vgpu: int,
+        transfer_start_us: float,
+        transfer_end_us: float,
+        start_us: float,
+        end_us: float,
+    ) -> None:
+        self.pool = pool
+        self.vgpu = vgpu
+        self.src_vgpu = src_vgpu
+        self.transfer_start_us = transfer_start_us
+        self.transfer_end_us = transfer_end_us
+        self.start_us = start_us
+        self.end_us = end_us
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Dispatch:
     id: int
     model: int
@@ -52,21 +78,55 @@ class Dispatch:
     final: bool  # the last hop runs the model's last partition: its end answers the requests
     probes: int  # probe() calls spent deciding this batch
 
+    def __init__(
+        self,
+        id: int,
+        model: int,
+        pipeline: int,
+        batch: int,
+        requests: list[Request],
+        hops: list[Hop],
+        final: bool,
+        probes: int,
+    ) -> None:
+        self.id = id
+        self.model = model
+        self.pipeline = pipeline
+        self.batch = batch
+        self.requests = requests
+        self.hops = hops
+        self.final = final
+        self.probes = probes
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Drop:
     request: Request
     reason: str
 
+    def __init__(self, request: Request, reason: str) -> None:
+        self.request = request
+        self.reason = reason
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Decisions:
-    dispatches: list[Dispatch] = field(default_factory=list)
-    drops: list[Drop] = field(default_factory=list)
-    wake_at_us: float | None = None  # call decide() again then, even if nothing happens
+    dispatches: list[Dispatch]
+    drops: list[Drop]
+    wake_at_us: float | None  # call decide() again then, even if nothing happens
+
+    def __init__(
+        self,
+        dispatches: list[Dispatch] | None = None,
+        drops: list[Drop] | None = None,
+        wake_at_us: float | None = None,
+    ) -> None:
+        self.dispatches = [] if dispatches is None else dispatches
+        self.drops = [] if drops is None else drops
+        self.wake_at_us = wake_at_us
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class StageReport:
     """What really happened to one hop of a dispatch (for feedback correction)."""
 
@@ -74,8 +134,24 @@ class StageReport:
     hop: int
     start_us: float  # actual compute start
     end_us: float | None  # actual compute end; None while it is still running
-    transfer_start_us: float | None = None  # actual transfer into the hop, if any
-    transfer_end_us: float | None = None
+    transfer_start_us: float | None  # actual transfer into the hop, if any
+    transfer_end_us: float | None
+
+    def __init__(
+        self,
+        dispatch: int,
+        hop: int,
+        start_us: float,
+        end_us: float | None,
+        transfer_start_us: float | None = None,
+        transfer_end_us: float | None = None,
+    ) -> None:
+        self.dispatch = dispatch
+        self.hop = hop
+        self.start_us = start_us
+        self.end_us = end_us
+        self.transfer_start_us = transfer_start_us
+        self.transfer_end_us = transfer_end_us
 
 
 class DataPlane(Protocol):
