@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from dataclasses import astuple
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,7 +94,7 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
     pipe = sch.topo.pipelines[0]
     got = sch.probe(pipe, b, float(now))
     wait, finish, path = reference_probe(sch, pipe, b, float(now))
-    assert (got.wait_us, got.finish_us, got.path) == (wait, finish, path)
+    assert (got.wait_us, got.finish_us, [astuple(h) for h in got.path]) == (wait, finish, path)
     assert got.start_us == path[0][5]  # when the batch starts on its first vGPU
 
 

@@ -4,6 +4,7 @@ the drop / wait / dispatch branches, feedback correction, overload rejection."""
 from __future__ import annotations
 
 import math
+from dataclasses import astuple
 
 import pytest
 
@@ -66,18 +67,20 @@ def two_stage(**kw):
 def test_probe_two_stage_pool_by_hand():
     s = ReservationScheduler(two_stage(batch=2))
     pipe = s.topo.pipelines[0]
-    wait, finish, _, path = s.probe(pipe, 1, now=0.0)
-    assert (wait, finish) == (0.0, 17.0)  # compute 0-10, transfer 10-12, compute 12-17
+    pr = s.probe(pipe, 1, now=0.0)
+    path = [astuple(h) for h in pr.path]
+    assert (pr.wait_us, pr.finish_us) == (0.0, 17.0)  # compute 0-10, transfer 10-12, 12-17
     assert path[0][5:] == (0.0, 10.0)
     assert path[1][3:] == (10.0, 12.0, 12.0, 17.0)
-    s._reserve(path, 0, 0.0)
+    s._reserve(pr.path, 0, 0.0)
     # Second batch: the other stage-0 vGPU is free, but the shared uplink of server 0 is
     # busy 10-12 and the stage-1 vGPU until 17.
-    wait, finish, _, path = s.probe(pipe, 1, now=0.0)
+    pr = s.probe(pipe, 1, now=0.0)
+    path = [astuple(h) for h in pr.path]
     assert path[0][1] == 1  # the first stage-0 vGPU is taken until 10
     assert path[1][3:] == (12.0, 14.0, 17.0, 22.0)
-    assert finish == 22.0
-    assert wait == pytest.approx((12 - 10) + (17 - 14))
+    assert pr.finish_us == 22.0
+    assert pr.wait_us == pytest.approx((12 - 10) + (17 - 14))
     # Batch 2 takes longer everywhere: 16 + 4 + 8
     s2 = ReservationScheduler(two_stage(batch=2))
     assert s2.probe(pipe, 2, now=0.0).finish_us == 28.0
@@ -92,9 +95,9 @@ def test_downlink_contention_between_two_senders():
     s._reserve(first.path, 0, 0.0)
     second = s.probe(pipe, 1, 0.0)
     # its own uplink is free at 10, but server 2's downlink carries the first until 14
-    assert second.path[0][1] != first.path[0][1]
-    assert second.path[1][3:5] == (14.0, 18.0)
-    assert second[1] == 23.0
+    assert second.path[0].vgpu != first.path[0].vgpu
+    assert (second.path[1].transfer_start_us, second.path[1].transfer_end_us) == (14.0, 18.0)
+    assert second.finish_us == 23.0
 
 
 # ----------------------------------------------------------------------------- batching

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import deque
-from typing import NamedTuple
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler.messages import (
@@ -46,23 +45,17 @@ WAKE_GUARD_US = 1.0
 # for it would wake the driver at the same instant for ever (a virtual clock never moves).
 MIN_HOLD_US = 1e-3
 
-# One hop of a probed path: a tuple in Hop's field order (pool, vgpu, src_vgpu,
-# transfer_start_us, transfer_end_us, start_us, end_us), made a Hop once dispatched. Plain
-# tuples because probe() is the hot path: a named tuple per hop cost 4% of the scheduler.
-PathHop = tuple[int, int, int, float, float, float, float]
+class Probe:
+    """Where and when a batch would run if dispatched now (a native class: probe() is the
+    hot path, and a compiled class's float fields are unboxed)."""
 
+    __slots__ = ("finish_us", "path", "start_us", "wait_us")
 
-class Probe(NamedTuple):
-    """Where and when a batch would run if dispatched now."""
-
-    wait_us: float  # time spent waiting for resources along the path
-    finish_us: float
-    start_us: float  # when it would start on its first vGPU
-    path: list[PathHop]
-
-
-# Built with tuple.__new__ in the hot path: a NamedTuple's own constructor costs 5x more.
-_tuple = tuple.__new__
+    def __init__(self, wait_us: float, finish_us: float, start_us: float, path: list[Hop]):
+        self.wait_us = wait_us  # time spent waiting for resources along the path
+        self.finish_us = finish_us
+        self.start_us = start_us  # when it would start on its first vGPU
+        self.path = path  # the hops as they would be reserved (a dispatch takes them)
 
 
 def _reservation_key(dispatch: int, hop: int) -> int:
@@ -95,7 +88,9 @@ class ReservationScheduler:
         self.vgpu_table = [ReservationTable(f"vgpu{v.id}") for v in topo.vgpus]
         self.uplink = [ReservationTable(f"up{s.id}") for s in topo.servers]
         self.downlink = [ReservationTable(f"down{s.id}") for s in topo.servers]
-        self._vgpu_iv = [table.iv for table in self.vgpu_table]  # for probe's inlined scans
+        # for probe's inlined scans: each vGPU table's lists (they never change)
+        self._vs = [table.starts for table in self.vgpu_table]
+        self._ve = [table.ends for table in self.vgpu_table]
         self.server_of = [v.server for v in topo.vgpus]
         # Per pool: its vGPUs grouped by server (one transfer slot per server), and a
         # rotating start so that equally good vGPUs and NICs take turns.
@@ -108,9 +103,10 @@ class ReservationScheduler:
             self._groups.append(list(by_server.items()))
             self._group_index.append({srv: i for i, srv in enumerate(by_server)})
         self._flat = [list(pool.vgpus) for pool in topo.pools]
-        # twice over, so that a rotation is one slice: [r : r + n]
+        # twice over, so that a rotation is a run of indexes: [r, r + n)
         self._flat2 = [flat + flat for flat in self._flat]
-        self._groups2 = [groups + groups for groups in self._groups]
+        self._gsrv2 = [[srv for srv, _ in groups] * 2 for groups in self._groups]
+        self._gvg2 = [[vgs for _, vgs in groups] * 2 for groups in self._groups]
         self._flat_index = {v: i for flat in self._flat for i, v in enumerate(flat)}
         self._rr = [0] * len(topo.pools)
         # Per pool, from its last probe that found no vGPU free at once: no vGPU of the pool
@@ -120,10 +116,12 @@ class ReservationScheduler:
         self._booked_from = [-math.inf] * len(topo.pools)
         self._booked_t = [0.0] * len(topo.pools)
         self._booked_lat = [0.0] * len(topo.pools)
-        self._pipes: list[list[Pipeline]] = [
-            [topo.pipelines[i] for i in m.pipelines] for m in topo.models
-        ]
-        self._no_wait_us, self._grow_to = _per_pipeline(topo)
+        self._pipes: list[list[int]] = [list(m.pipelines) for m in topo.models]
+        self._pipe_pools = [list(pipe.pools) for pipe in topo.pipelines]
+        self._pipe_batch = [pipe.batch for pipe in topo.pipelines]
+        self._lat: list[list[float]] = []  # per pool: its latency at batch b (set_latencies)
+        self._tin: list[float] = []  # per pool: its transfer in, per sample
+        self._read_latencies(topo)
         M = len(topo.models)
         self.queues: list[deque[Request]] = [deque() for _ in range(M)]
         self._dirty = [False] * M
@@ -203,9 +201,14 @@ class ReservationScheduler:
         """Plan with the pools' latencies of `topo`, the same topology measured anew (a live
         router recalibrating under load); what is already reserved stays as it is."""
         self.topo = topo
-        self._no_wait_us, self._grow_to = _per_pipeline(topo)
+        self._read_latencies(topo)
         for m in range(len(self.queues)):
             self._dirty[m] = True
+
+    def _read_latencies(self, topo: Topology) -> None:
+        self._no_wait_us, self._grow_to = _per_pipeline(topo)
+        self._lat = [[float(x) for x in pool.latency_us] for pool in topo.pools]
+        self._tin = [float(pool.transfer_in_us) for pool in topo.pools]
 
     def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
         """Take a vGPU out of (or back into) service: while down it is reserved forever, so
@@ -244,32 +247,43 @@ class ReservationScheduler:
 
     def probe(self, pipe: Pipeline, b: int, now: float) -> Probe:
         """Where and when a batch of b would run on `pipe` if dispatched now; no side effects."""
+        return self._probe(pipe.id, b, now)
+
+    def _probe(self, pi: int, b: int, now: float) -> Probe:
+        """probe() of pipeline `pi`. The hot path: slot scans inlined, ranges of indexes
+        rather than slices, and typed locals (compiled, floats stay unboxed)."""
         self.probes += 1
-        pools = self.topo.pools
-        vt = self._vgpu_iv
+        vs, ve = self._vs, self._ve
+        lats, tin = self._lat, self._tin
         t = now
         wait = 0.0
-        path: list[PathHop] = []
+        path: list[Hop] = []
         prev = -1
         first_start = now
-        npools = len(pipe.pools)
+        pipe_pools = self._pipe_pools[pi]
+        npools = len(pipe_pools)
         uplink, server_of = self.uplink, self.server_of
-        for d, pid in enumerate(pipe.pools):
-            pool = pools[pid]
-            lat = pool.latency_us[b]
+        for d in range(npools):
+            pid = pipe_pools[d]
+            lat = lats[pid][b]
             # Look one transfer ahead: among vGPUs finishing equally early, prefer one whose
             # server can send the result on at once (the greedy rule would ignore the NIC).
-            out = b * pools[pipe.pools[d + 1]].transfer_in_us if d + 1 < npools else 0.0
+            out = b * tin[pipe_pools[d + 1]] if d + 1 < npools else 0.0
             if prev < 0:
                 r = self._rr[pid]
+                flat2 = self._flat2[pid]
                 best_key, best_s, best_v = math.inf, math.inf, -1
                 least = math.inf  # the earliest start of any vGPU of the pool
-                for v in self._flat2[pid][r : r + len(pool.vgpus)]:
-                    s = t  # vt[v].earliest_slot(t, lat), inlined: this loop is the hot path
-                    for a, e, _ in vt[v]:
+                every = True
+                for j in range(r, r + len(self._flat[pid])):
+                    v = flat2[j]
+                    s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
+                    starts, ends = vs[v], ve[v]
+                    for i in range(len(starts)):
+                        e = ends[i]
                         if e <= s:
                             continue
-                        if a >= s + lat:
+                        if starts[i] >= s + lat:
                             break
                         s = e
                     if s < least:
@@ -280,37 +294,44 @@ class ReservationScheduler:
                     if key < best_key or (key == best_key and s < best_s):
                         best_key, best_s, best_v = key, s, v
                         if key <= t + lat:
+                            every = False
                             break
-                else:  # every vGPU scanned
+                if every:  # every vGPU scanned
                     self._booked_from[pid] = least
                     self._booked_t[pid] = t
                     self._booked_lat[pid] = lat
-                path.append((pid, best_v, -1, t, t, best_s, best_s + lat))
+                path.append(Hop(pid, best_v, -1, t, t, best_s, best_s + lat))
                 first_start = best_s
                 wait += best_s - t
                 t = best_s + lat
             else:
-                dur = b * pool.transfer_in_us
+                dur = b * tin[pid]
                 up = uplink[server_of[prev]]
                 t_up = up.earliest_slot(t, dur) if dur > 0 else t
                 floor = t_up + dur + lat  # nothing can finish earlier
                 r = self._rr[pid]
-                best = (math.inf, math.inf, -1, 0.0, 0.0, 0.0)  # key, finish, vgpu, ts, te, s
-                for srv, vgs in self._groups2[pid][r : r + len(self._groups[pid])]:
+                gsrv, gvg = self._gsrv2[pid], self._gvg2[pid]
+                # the best so far: key, finish, vgpu, transfer start and end, start
+                bk, bf, bv, bts, bte, bs = math.inf, math.inf, -1, 0.0, 0.0, 0.0
+                for g in range(r, r + len(self._groups[pid])):
+                    srv = gsrv[g]
+                    vgs = gvg[g]
                     # Skip the server when none of its vGPUs could beat the best even if the
                     # transfer ended as early as it can (slots only move later with time).
                     lb = math.inf
                     for v in vgs:
-                        s = floor - lat  # vt[v].earliest_slot(t_up + dur, lat), inlined
-                        for a, e, _ in vt[v]:
+                        s = floor - lat  # vgpu_table[v].earliest_slot(t_up + dur, lat)
+                        starts, ends = vs[v], ve[v]
+                        for i in range(len(starts)):
+                            e = ends[i]
                             if e <= s:
                                 continue
-                            if a >= s + lat:
+                            if starts[i] >= s + lat:
                                 break
                             s = e
                         if s < lb:
                             lb = s
-                    if lb + lat >= best[0]:
+                    if lb + lat >= bk:
                         continue
                     down = self.downlink[srv]
                     # earliest_common_slot((up, down), t_up, dur): `up` is free at t_up
@@ -323,54 +344,55 @@ class ReservationScheduler:
                         if ts == x:
                             break
                     te = ts + dur
-                    if te + lat >= best[0]:
+                    if te + lat >= bk:
                         continue
                     srv_up = uplink[srv]
                     for v in vgs:
-                        s = te  # vt[v].earliest_slot(te, lat), inlined
-                        for a, e, _ in vt[v]:
+                        s = te  # vgpu_table[v].earliest_slot(te, lat), inlined
+                        starts, ends = vs[v], ve[v]
+                        for i in range(len(starts)):
+                            e = ends[i]
                             if e <= s:
                                 continue
-                            if a >= s + lat:
+                            if starts[i] >= s + lat:
                                 break
                             s = e
                         f = s + lat
-                        if f >= best[0]:
+                        if f >= bk:
                             continue
                         key = srv_up.earliest_slot(f, out) if out else f
-                        if key < best[0] or (key == best[0] and f < best[1]):
-                            best = (key, f, v, ts, te, s)
+                        if key < bk or (key == bk and f < bf):
+                            bk, bf, bv, bts, bte, bs = key, f, v, ts, te, s
                             if s <= te:
                                 break
-                    if best[0] <= floor:
+                    if bk <= floor:
                         break
-                _, finish, v, ts, te, s = best
-                path.append((pid, v, prev, ts, te, s, finish))
-                wait += (ts - t) + (s - te)
-                t = finish
-            prev = path[-1][1]  # the vGPU that holds the batch now
-        return _tuple(Probe, (wait, t, first_start, path))
+                path.append(Hop(pid, bv, prev, bts, bte, bs, bf))
+                wait += (bts - t) + (bs - bte)
+                t = bf
+            prev = path[-1].vgpu  # the vGPU that holds the batch now
+        return Probe(wait, t, first_start, path)
 
-    def _reserve(self, path: list[PathHop], did: int, now: float) -> None:
-        vt = self._vgpu_iv
-        for h, (pid, v, src, ts, te, s, e) in enumerate(path):
+    def _reserve(self, path: list[Hop], did: int, now: float) -> None:
+        server_of = self.server_of
+        for h in range(len(path)):
+            hop = path[h]
             key = did * 64 + h * 2  # _reservation_key(did, h), inlined
-            # table.forget_before(now) and table.reserve(...), inlined: the hot path
-            iv = vt[v]
-            if iv and iv[0][1] <= now:
-                iv[:] = [x for x in iv if x[1] > now]
-            insort(iv, (s, e, key))
+            v, src = hop.vgpu, hop.src_vgpu
+            table = self.vgpu_table[v]
+            table.forget_before(now)
+            table.reserve(hop.start_us, hop.end_us, key)
+            ts, te = hop.transfer_start_us, hop.transfer_end_us
             if te > ts:
-                links = (self.uplink[self.server_of[src]], self.downlink[self.server_of[v]])
-                for iv in (links[0].iv, links[1].iv):
-                    if iv and iv[0][1] <= now:
-                        iv[:] = [x for x in iv if x[1] > now]
-                    insort(iv, (ts, te, key + 1))
+                for link in (self.uplink[server_of[src]], self.downlink[server_of[v]]):
+                    link.forget_before(now)
+                    link.reserve(ts, te, key + 1)
             # The next probe of this pool starts after the chosen vGPU / server.
+            pid = hop.pool
             if src < 0:
                 self._rr[pid] = (self._flat_index[v] + 1) % len(self._flat[pid])
             else:
-                idx = self._group_index[pid][self.server_of[v]]
+                idx = self._group_index[pid][server_of[v]]
                 self._rr[pid] = (idx + 1) % len(self._groups[pid])
 
     def _correct(self, report: StageReport, now: float) -> Dispatch | None:
@@ -405,6 +427,7 @@ class ReservationScheduler:
     def _decide_model(self, m: int, now: float, out: Decisions) -> None:
         q = self.queues[m]
         pipes = self._pipes[m]
+        pipe_batch, no_wait = self._pipe_batch, self._no_wait_us
         while q:
             head = q[0]
             if head.deadline_us <= now:
@@ -413,27 +436,31 @@ class ReservationScheduler:
                 continue
             # 1. the pipeline with the least waiting at its planned batch
             pipe = pipes[0]
-            pr = self.probe(pipe, pipe.batch, now)
-            for other in pipes[1:]:
-                if pr.wait_us == 0.0 and pr.finish_us <= now + self._no_wait_us[other.id]:
+            pr = self._probe(pipe, pipe_batch[pipe], now)
+            for k in range(1, len(pipes)):
+                other = pipes[k]
+                if pr.wait_us == 0.0 and pr.finish_us <= now + no_wait[other]:
                     continue  # `other` cannot wait less, nor finish earlier without waiting
-                first = other.pools[0]
+                first = self._pipe_pools[other][0]
                 if (
                     self._booked_from[first] - now > pr.wait_us
                     and now >= self._booked_t[first]
-                    and self.topo.pools[first].latency_us[other.batch] >= self._booked_lat[first]
+                    and self._lat[first][pipe_batch[other]] >= self._booked_lat[first]
                 ):
                     continue  # its first pool is booked past `pipe`'s wait: it must wait more
-                po = self.probe(other, other.batch, now)
-                if (po.wait_us, po.finish_us) < (pr.wait_us, pr.finish_us):
+                po = self._probe(other, pipe_batch[other], now)
+                if po.wait_us < pr.wait_us or (
+                    po.wait_us == pr.wait_us and po.finish_us < pr.finish_us
+                ):
                     pipe, pr = other, po
             # 2. the largest batch that meets the head's deadline
-            b = pipe.batch
+            planned = pipe_batch[pipe]
+            b = planned
             if (
                 self.policy == "adaptive"
                 and pr.finish_us > head.deadline_us
                 and self._admitted[m] != head.id
-                and now + self._no_wait_us[pipe.id] <= head.deadline_us
+                and now + no_wait[pipe] <= head.deadline_us
             ):
                 # Admission: a new head that misses at the planned batch only because the
                 # pipelines are booked up is dropped, not served in a smaller batch: that
@@ -446,15 +473,15 @@ class ReservationScheduler:
             self._admitted[m] = head.id  # from now on it may go in a smaller batch
             while pr.finish_us > head.deadline_us and b > 1:
                 b -= 1
-                pr = self.probe(pipe, b, now)
+                pr = self._probe(pipe, b, now)
             if pr.finish_us > head.deadline_us:
                 q.popleft()
                 out.drops.append(Drop(head, DROP_CANNOT_MEET))
                 continue
             # 3. wait for more requests, or dispatch
             n = len(q)
-            top = self._grow_to[pipe.id]
-            if self.policy == "adaptive" and b == pipe.batch < top and n >= b:
+            top = self._grow_to[pipe]
+            if self.policy == "adaptive" and b == planned < top and n >= b:
                 # Backlog (a one-partition pipeline whose topology has latencies above the
                 # plan's batch): its vGPUs are booked until `start`. Hold the batch until then,
                 # so that requests arriving meanwhile can join it, then send the largest batch
@@ -465,16 +492,16 @@ class ReservationScheduler:
                     self._wait_batch[m] = 1 << 30  # arrivals alone do not end the hold
                     return
                 while n > b < top:
-                    grown = self.probe(pipe, b + 1, now)
+                    grown = self._probe(pipe, b + 1, now)
                     if grown.finish_us > head.deadline_us:
                         break
                     b, pr = b + 1, grown
             if n < b:
-                pn = self.probe(pipe, n, now)
+                pn = self._probe(pipe, n, now)
                 if self.policy != "eager" and pn.finish_us <= head.deadline_us:
                     if self.policy == "deferred":
                         # Symphony: go once a batch of n + 1 could no longer make it.
-                        slack = head.deadline_us - self.probe(pipe, n + 1, now).finish_us
+                        slack = head.deadline_us - self._probe(pipe, n + 1, now).finish_us
                     else:
                         slack = head.deadline_us - pn.finish_us
                     if slack - self.wake_guard_us > MIN_HOLD_US:
@@ -486,24 +513,14 @@ class ReservationScheduler:
                 # else latency is not monotone in b here: send the n on b's timing
             self._dispatch(m, pipe, b, pr, now, out)
 
-    def _dispatch(
-        self, m: int, pipe: Pipeline, b: int, pr: Probe, now: float, out: Decisions
-    ) -> None:
+    def _dispatch(self, m: int, pipe: int, b: int, pr: Probe, now: float, out: Decisions) -> None:
         q = self.queues[m]
         did = self._next_dispatch
         self._next_dispatch += 1
         self._reserve(pr.path, did, now)
         reqs = [q.popleft() for _ in range(min(b, len(q)))]
-        d = Dispatch(
-            id=did,
-            model=m,
-            pipeline=pipe.id,
-            batch=b,
-            requests=reqs,
-            hops=[Hop(*h) for h in pr.path],
-            final=True,
-            probes=self.probes - self._probes_since[m],
-        )
+        # the probe's hops are the dispatch's: a probe is made fresh and used once
+        d = Dispatch(did, m, pipe, b, reqs, pr.path, True, self.probes - self._probes_since[m])
         self._probes_since[m] = self.probes
         self._inflight[did] = d
         out.dispatches.append(d)

@@ -6,50 +6,74 @@ short (intervals that ended before `now` are forgotten), so linear scans are the
 
 from __future__ import annotations
 
-from bisect import insort
 from collections.abc import Sequence
 
 
 class ReservationTable:
-    """Busy intervals [start, end) of one resource, sorted by start.
+    """Busy intervals [start, end) of one resource, sorted by (start, end, key).
 
     Intervals may overlap after feedback correction (a stage that ran late); every query
     treats the table as the union of its intervals, so overlaps only make it conservative.
+
+    Three parallel lists rather than a list of (start, end, key) tuples: compiled
+    (native.py), a float read from a list is one unboxing, from a tuple in a list a tuple
+    too, and inserting in order compares floats instead of tuples. The list objects never
+    change, so a hot loop may hold on to them (it must not modify them).
     """
 
-    __slots__ = ("iv", "name")
+    __slots__ = ("ends", "keys", "name", "starts")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
-        # (start, end, key): key identifies the reservation for feedback correction. The list
-        # object never changes, so a hot loop may hold on to it (it must not modify it).
-        self.iv: list[tuple[float, float, int]] = []
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.keys: list[int] = []  # identifies the reservation for feedback correction
 
     def __len__(self) -> int:
-        return len(self.iv)
+        return len(self.starts)
 
     def intervals(self) -> list[tuple[float, float]]:
-        return [(s, e) for s, e, _ in self.iv]
+        return list(zip(self.starts, self.ends))
 
     def forget_before(self, now: float) -> None:
         """Drop intervals that ended by `now`; they cannot matter to any later query."""
-        iv = self.iv
-        if iv and iv[0][1] <= now:
-            iv[:] = [x for x in iv if x[1] > now]
+        ends = self.ends
+        if ends and ends[0] <= now:
+            starts, keys = self.starts, self.keys
+            kept = [i for i in range(len(ends)) if ends[i] > now]
+            starts[:] = [starts[i] for i in kept]
+            keys[:] = [keys[i] for i in kept]
+            ends[:] = [ends[i] for i in kept]
 
     def earliest_slot(self, t: float, duration: float) -> float:
         """Earliest start >= t at which the resource is free for `duration`."""
         cand = t
-        for s, e, _ in self.iv:
+        starts, ends = self.starts, self.ends
+        for i in range(len(starts)):
+            e = ends[i]
             if e <= cand:
                 continue
-            if s >= cand + duration:
+            if starts[i] >= cand + duration:
                 break
             cand = e
         return cand
 
     def reserve(self, start: float, end: float, key: int) -> None:
-        insort(self.iv, (start, end, key))
+        """Insert in (start, end, key) order, after any equal one."""
+        starts, ends, keys = self.starts, self.ends, self.keys
+        i = len(starts)
+        while i > 0:  # from the end: new reservations mostly start after the others
+            s = starts[i - 1]
+            if s < start:
+                break
+            if s == start:
+                e = ends[i - 1]
+                if e < end or (e == end and keys[i - 1] <= key):
+                    break
+            i -= 1
+        starts.insert(i, start)
+        ends.insert(i, end)
+        keys.insert(i, key)
 
     def correct(self, key: int, start: float, end: float, now: float) -> bool:
         """Replace reservation `key` by what really happened (or is happening).
@@ -57,15 +81,17 @@ class ReservationTable:
         Returns False if the key is unknown (already forgotten); the actual interval is still
         recorded when it reaches past `now`.
         """
-        iv = self.iv
+        keys = self.keys
         found = False
-        for i, x in enumerate(iv):
-            if x[2] == key:
-                del iv[i]
+        for i in range(len(keys)):
+            if keys[i] == key:
+                del keys[i]
+                del self.starts[i]
+                del self.ends[i]
                 found = True
                 break
         if end > now:
-            insort(iv, (start, end, key))
+            self.reserve(start, end, key)
         return found
 
 
