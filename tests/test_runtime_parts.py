@@ -5,28 +5,26 @@ state of a flush migration. (tests/test_runtime.py drives them together.)"""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime import Outcome, ServedPlan
+from poolpipe.runtime import Job, Outcome, ServedPlan
 from poolpipe.runtime.guard import OVERRUN_CAP_US, WAKE_EVERY, WakeGuard
 from poolpipe.runtime.health import NodeHealth
 from poolpipe.runtime.migration import FlushMigration, HeldRequest
 from poolpipe.runtime.overdue import OVERDUE_AFTER_US, OverdueWatch
 from poolpipe.runtime.placement import vgpu_nodes
 from poolpipe.runtime.recalibration import RECALIBRATE_MAX, Recalibrator
-from poolpipe.scheduler import make_data_plane
+from poolpipe.scheduler import Dispatch, make_data_plane
 from poolpipe.sim.engine import VirtualClock
 from tests.factories import make_topology
 
 
-class _Job:
-    """What the watch reads of a job."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.ended = False
+def _job(did: int) -> Job:
+    """A job of nothing but its dispatch id: what the watch reads of it is `ended`."""
+    return Job(Dispatch(did, 0, 0, 1, [], [], True, 0), [], SimpleNamespace(generation=0))
 
 
 def test_outcomes_say_what_they_are():
@@ -40,12 +38,15 @@ def test_the_overdue_watch_keeps_one_timer_and_skips_ended_jobs():
     seen: list[tuple[str, float]] = []
     later = {"a": 30.0, "b": math.inf, "c": math.inf}
 
+    names = "abc"
+
     def overdue(job, now):
-        seen.append((job.name, now))
-        return later.pop(job.name, math.inf)
+        name = names[job.dispatch.id]
+        seen.append((name, now))
+        return later.pop(name, math.inf)
 
     watch = OverdueWatch(clock, overdue)
-    a, b, c = _Job("a"), _Job("b"), _Job("c")
+    a, b, c = _job(0), _job(1), _job(2)
     watch.add(b, 20.0)
     watch.add(a, 10.0)
     watch.add(c, 25.0)

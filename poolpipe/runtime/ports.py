@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
 
+from poolpipe.runtime.stats import EpochStats
 from poolpipe.scheduler import DataPlane, Dispatch, Request, Topology
 
 
@@ -86,7 +87,7 @@ class Entry(Request):
 
     due_us: float  # arrival + SLO: on time when answered by then
     payload: Any  # the driver's data (the client's tensors and reply handle; an index)
-    stats: Any  # the model's counters (runtime.stats.ModelStats)
+    stats: EpochStats  # the model's counters (its window's; and `total`, cumulative)
     attempts: int
     result: Any  # set by the executor before it reports the last hop done
     outcome: Outcome
@@ -99,7 +100,7 @@ class Entry(Request):
         deadline_us: float,
         due_us: float,
         payload: Any,
-        stats: Any,
+        stats: EpochStats,
         attempts: int = 1,
         result: Any = None,
         outcome: Outcome = PENDING,

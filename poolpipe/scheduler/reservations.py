@@ -38,12 +38,28 @@ class ReservationTable:
     def forget_before(self, now: float) -> None:
         """Drop intervals that ended by `now`; they cannot matter to any later query."""
         ends = self.ends
-        if ends and ends[0] <= now:
-            starts, keys = self.starts, self.keys
-            kept = [i for i in range(len(ends)) if ends[i] > now]
-            starts[:] = [starts[i] for i in kept]
-            keys[:] = [keys[i] for i in kept]
-            ends[:] = [ends[i] for i in kept]
+        if not ends or ends[0] > now:
+            return
+        n = len(ends)
+        k = 1  # ended intervals are nearly always a prefix: ends rise with starts
+        while k < n and ends[k] <= now:
+            k += 1
+        starts, keys = self.starts, self.keys
+        if k == 1:  # the usual case; pop(0) is a native call, a slice deletion is not
+            starts.pop(0)
+            ends.pop(0)
+            keys.pop(0)
+        else:
+            del starts[:k]
+            del ends[:k]
+            del keys[:k]
+        for e in ends:
+            if e <= now:  # one more behind a longer one: keep only those still running
+                kept = [i for i in range(len(ends)) if ends[i] > now]
+                starts[:] = [starts[i] for i in kept]
+                keys[:] = [keys[i] for i in kept]
+                ends[:] = [ends[i] for i in kept]
+                return
 
     def earliest_slot(self, t: float, duration: float) -> float:
         """Earliest start >= t at which the resource is free for `duration`."""
