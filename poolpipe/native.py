@@ -31,6 +31,7 @@ HOT_PATH = (
     "poolpipe/scheduler/reservations.py",
     "poolpipe/scheduler/adaptive.py",
     "poolpipe/runtime/ports.py",
+    "poolpipe/runtime/heap.py",
     "poolpipe/runtime/stats.py",
     "poolpipe/runtime/overdue.py",
     "poolpipe/runtime/core.py",

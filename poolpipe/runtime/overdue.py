@@ -4,15 +4,26 @@ running batches: a heap of (earliest SLO end among the batch's waiting requests,
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable
+from typing import cast
 
+from poolpipe.runtime.heap import Keyed, pop, push
 from poolpipe.runtime.ports import Clock, Job, Timer
 
 # A batch is looked at this long after its earliest SLO end: later than the SLO, never by
 # a few µs of round-off.
 OVERDUE_AFTER_US = 1.0
+
+
+class _Watched(Keyed):
+    """A running job in the heap, by its earliest SLO end (t) and when it was added (k)."""
+
+    __slots__ = ("job",)
+
+    def __init__(self, due_us: float, seq: int, job: Job) -> None:
+        super().__init__(due_us, seq)
+        self.job = job
 
 
 class OverdueWatch:
@@ -25,7 +36,7 @@ class OverdueWatch:
     def __init__(self, clock: Clock, overdue: Callable[[Job, float], float]):
         self._clock = clock
         self._overdue = overdue
-        self._heap: list[tuple[float, int, Job]] = []
+        self._heap: list[Keyed] = []  # of _Watched
         self._seq = 0
         self._timer: Timer | None = None
         self._at = math.inf  # the due time the timer is set for
@@ -35,7 +46,7 @@ class OverdueWatch:
 
     def add(self, job: Job, due_us: float) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (due_us, self._seq, job))
+        push(self._heap, _Watched(due_us, self._seq, job))
         if due_us < self._at:
             self._arm(due_us)
 
@@ -49,13 +60,17 @@ class OverdueWatch:
         self._timer, self._at = None, math.inf
         now = self._clock.now()
         heap = self._heap
-        while heap and (heap[0][2].ended or heap[0][0] < now):
-            _, _, job = heapq.heappop(heap)
+        while heap:
+            head = cast(_Watched, heap[0])
+            if not (head.job.ended or head.t < now):
+                break
+            pop(heap)
+            job = head.job
             if job.ended:
                 continue
             nxt = self._overdue(job, now)
             if nxt < math.inf:
                 self._seq += 1
-                heapq.heappush(heap, (nxt, self._seq, job))
+                push(heap, _Watched(nxt, self._seq, job))
         if heap:
-            self._arm(heap[0][0])
+            self._arm(heap[0].t)

@@ -12,13 +12,12 @@ virtual clock; the runtime meets them with the policies it uses live.
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -37,6 +36,7 @@ from poolpipe.runtime import (
     SwitchResult,
     default_flush_timeout_us,
 )
+from poolpipe.runtime.heap import Keyed, heapify, pop, push
 from poolpipe.runtime.placement import vgpu_nodes
 from poolpipe.scheduler import DataPlane, Decisions, Topology, make_data_plane
 from poolpipe.sim.metrics import SimResult, summarize
@@ -69,57 +69,96 @@ class SimConfig:
 
 # ---------------------------------------------------------------------------- the clock
 
+# An event's key: its time, then priority * _PRIORITY + the order scheduled (so the
+# priority decides ties of time, then the order; runs schedule far fewer than 2**48).
+_PRIORITY = 1 << 48
 
-class _Timer:
+
+class _Event(Keyed):
+    """An entry of the clock's queue: `fire()` runs it (compiled, a native method call)."""
+
+    __slots__ = ()
+
+    def fire(self) -> None:
+        raise NotImplementedError
+
+
+class _Call(_Event):
+    """`fn(arg)`, scheduled."""
+
+    __slots__ = ("arg", "fn")
+
+    def __init__(self, t: float, k: int, fn: Callable[[Any], None], arg: Any):
+        super().__init__(t, k)
+        self.fn = fn
+        self.arg = arg
+
+    def fire(self) -> None:
+        self.fn(self.arg)
+
+
+class _Timer(_Event):
     __slots__ = ("cancelled", "fn")
 
-    def __init__(self, fn: Callable[[], None]):
+    def __init__(self, t: float, k: int, fn: Callable[[], None]):
+        super().__init__(t, k)
         self.fn = fn
         self.cancelled = False
 
     def cancel(self) -> None:
         self.cancelled = True
 
-
-def _fire(timer: _Timer) -> None:
-    if not timer.cancelled:
-        timer.fn()
+    def fire(self) -> None:
+        if not self.cancelled:
+            self.fn()
 
 
 class VirtualClock:
-    """Simulated time (µs) and its event queue. Entries are (time, priority, sequence, fn,
-    arg), so that ties break the same way on every run; `run` fires them in order."""
+    """Simulated time (µs) and its event queue, ordered by (time, priority, sequence) so
+    that ties break the same way on every run; `run` fires them in order."""
 
     def __init__(self) -> None:
         self.t = 0.0
-        self._events: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
+        self._events: list[Keyed] = []  # of _Event (heap.py)
         self._seq = 0
+
+    def __len__(self) -> int:
+        """Events still to come."""
+        return len(self._events)
 
     def now(self) -> float:
         return self.t
 
     def call_at(self, t_us: float, fn: Callable[[], None]) -> _Timer:
-        timer = _Timer(fn)
-        self.schedule(t_us, _TIMER, _fire, timer)
+        self._seq += 1
+        timer = _Timer(t_us, _TIMER * _PRIORITY + self._seq, fn)
+        push(self._events, timer)
         return timer
 
     def schedule(self, t: float, priority: int, fn: Callable[[Any], None], arg: Any) -> None:
         """Call `fn(arg)` at `t`; at equal times, lower priorities first, then in the order
         scheduled."""
         self._seq += 1
-        heapq.heappush(self._events, (t, priority, self._seq, fn, arg))
+        push(self._events, _Call(t, priority * _PRIORITY + self._seq, fn, arg))
 
-    def pending(self, fn: Callable[[Any], None]) -> list[Any]:
-        """The arguments of the events still to come that call `fn`, in no order."""
-        return [e[4] for e in self._events if e[3] == fn]
+    def add(self, t: float, priority: int, event: _Event) -> None:
+        """Schedule an event of the driver's own (its `fire()` at `t`), as `schedule`."""
+        self._seq += 1
+        event.t = t
+        event.k = priority * _PRIORITY + self._seq
+        push(self._events, event)
+
+    def pending(self) -> list[_Event]:
+        """The events still to come, in no order."""
+        return [cast(_Event, e) for e in self._events]
 
     def run_until(self, t_us: float) -> None:
         """Fire every event due by `t_us` in order, then stand at `t_us`."""
         ev = self._events
-        while ev and ev[0][0] <= t_us:
-            t, _, _, fn, arg = heapq.heappop(ev)
-            self.t = t
-            fn(arg)
+        while ev and ev[0].t <= t_us:
+            e = cast(_Event, pop(ev))
+            self.t = e.t
+            e.fire()
         self.t = max(self.t, t_us)
 
     def run(
@@ -130,26 +169,27 @@ class VirtualClock:
         or, every arrival in, `done()` says that what is left would run for ever (timers
         that only watch)."""
         ev = self._events
-        pop = heapq.heappop
         i, n = 0, len(times)
         while i < n or ev:
-            if i < n and (not ev or times[i] < ev[0][0]):
+            if i < n and (not ev or times[i] < ev[0].t):
                 self.t = times[i]
                 arrival(i)
                 i += 1
                 continue
             if i == n and done():
                 return
-            t, _, _, fn, arg = pop(ev)
-            self.t = t
-            fn(arg)
+            e = cast(_Event, pop(ev))
+            self.t = e.t
+            e.fire()
 
 
 # ---------------------------------------------------------------------------- the cluster
 
 
-class _Work:
-    """One transfer or one compute of a dispatched batch."""
+class _Work(Keyed):
+    """One transfer or one compute of a dispatched batch; in its resources' queues by its
+    reserved start (t: the order in which each resource runs its work), then the order it
+    was queued in (k)."""
 
     __slots__ = (
         "compute",
@@ -157,7 +197,6 @@ class _Work:
         "dur",
         "hop",
         "job",
-        "key",
         "ready",
         "ready_at",
         "res",
@@ -169,7 +208,7 @@ class _Work:
     def __init__(
         self, key: float, res: tuple[int, ...], dur: float, job: Job, hop: int, compute: bool
     ):
-        self.key = key  # reserved start: the order in which each resource runs its work
+        super().__init__(key, 0)  # k: set when queued
         self.res = res  # global resource indices
         self.dur = dur
         self.ready = False
@@ -181,6 +220,20 @@ class _Work:
         self.t0 = 0.0  # actual start
         self.tr: tuple[float, float] | None = None  # actual transfer into a compute
         self.dead = False  # killed while running: its end is not reported
+
+
+class _End(_Event):
+    """A work's end, on the clock."""
+
+    __slots__ = ("cluster", "work")
+
+    def __init__(self, cluster: SimulatedCluster, work: _Work):
+        super().__init__(0.0, 0)  # set by VirtualClock.add
+        self.cluster = cluster
+        self.work = work
+
+    def fire(self) -> None:
+        self.cluster._end(self.work)
 
 
 @dataclass
@@ -204,7 +257,7 @@ class SimulatedCluster:
         self.config = config
         self._rng = random.Random(config.seed * 7919 + 17)
         self._sigma = math.sqrt(math.log1p(config.jitter**2)) if config.jitter > 0 else 0.0
-        self._queue: list[list[tuple[float, int, _Work]]] = []
+        self._queue: list[list[Keyed]] = []  # per resource: a heap of its _Work
         self._busy: list[bool] = []
         self._layouts: dict[int, _Layout] = {}
         self._qseq = 0
@@ -314,29 +367,30 @@ class SimulatedCluster:
 
     def _enqueue(self, work: _Work) -> None:
         self._qseq += 1
+        work.k = self._qseq
         for r in work.res:
-            heapq.heappush(self._queue[r], (work.key, self._qseq, work))
+            push(self._queue[r], work)
 
     def _try_start(self, work: _Work, now: float) -> None:
         if not work.ready:
             return
         busy, queue = self._busy, self._queue
         for r in work.res:
-            if busy[r] or queue[r][0][2] is not work:
+            if busy[r] or queue[r][0] is not work:
                 return
         if work.compute:
             if self._dead_res and work.res[0] in self._dead_res:
                 self._fail(work, "its node is down")
                 return
             job = work.job
-            if now - work.key > job.slack_us and not self.rt.hop_late(job, work.hop):
+            if now - work.t > job.slack_us and not self.rt.hop_late(job, work.hop):
                 self._restart(self._remove(job), now)  # dropped: its works do not run
                 return
         for r in work.res:
-            heapq.heappop(queue[r])
+            pop(queue[r])
             busy[r] = True
         work.t0 = now
-        self.clock.schedule(now + work.dur, _END, self._end, work)
+        self.clock.add(now + work.dur, _END, _End(self, work))
         if work.compute:
             self.rt.hop_started(work.job, work.hop, now, work.tr)
         else:
@@ -359,7 +413,7 @@ class SimulatedCluster:
             self._try_start(succ, now)
         for r in work.res:
             if queue[r] and not busy[r]:
-                head = queue[r][0][2]
+                head = cast(_Work, queue[r][0])
                 if head.ready:
                     self._try_start(head, now)
         if work.compute:
@@ -379,9 +433,9 @@ class SimulatedCluster:
         """Take the job's works out of every queue; the resources whose queue changed."""
         touched: set[int] = set()
         for r, q in enumerate(self._queue):
-            kept = [entry for entry in q if entry[2].job is not job]
+            kept = [w for w in q if cast(_Work, w).job is not job]
             if len(kept) < len(q):
-                heapq.heapify(kept)
+                heapify(kept)
                 q[:] = kept
                 touched.add(r)
         return touched
@@ -389,7 +443,7 @@ class SimulatedCluster:
     def _restart(self, touched: set[int], now: float) -> None:
         for r in sorted(touched):
             if self._queue[r] and not self._busy[r]:
-                self._try_start(self._queue[r][0][2], now)
+                self._try_start(cast(_Work, self._queue[r][0]), now)
 
     def fail_nodes(self, nodes: list[str]) -> None:
         """These nodes die now: their running computes fail, nothing starts there."""
@@ -403,7 +457,7 @@ class SimulatedCluster:
         # per-resource record of the running work cost the hot path 3%)
         dying = [
             w
-            for w in self.clock.pending(self._end)
+            for w in [e.work for e in self.clock.pending() if isinstance(e, _End)]
             if w.compute and w.res[0] in self._dead_res and not w.dead
         ]
         for work in sorted(dying, key=lambda w: w.res[0]):
@@ -421,7 +475,7 @@ class SimulatedCluster:
                 for r in lay.node_res.get(node, ()):
                     self._dead_res.discard(r)
                     if self._queue[r] and not self._busy[r]:
-                        self._try_start(self._queue[r][0][2], now)
+                        self._try_start(cast(_Work, self._queue[r][0]), now)
 
 
 def why_node(work: _Work) -> str:
