@@ -410,20 +410,30 @@ class ServingRuntime:
         # a failure (its job ends there). Answers skip any entry that has one already.
         entries: list[Entry] = d.requests  # type: ignore[assignment]
         n = len(entries)
+        # (compiled, `a[i] = a[i] + x` is a native add; `a[i] += x` a generic one)
+        pool_batches, pool_requests, vgpu_jobs = (
+            plan.pool_batches,
+            plan.pool_requests,
+            plan.vgpu_jobs,
+        )
         for hop in d.hops:
-            plan.pool_batches[hop.pool] += 1
-            plan.pool_requests[hop.pool] += n
+            p = hop.pool
+            pool_batches[p] = pool_batches[p] + 1
+            pool_requests[p] = pool_requests[p] + n
+            vgpu_jobs[hop.vgpu] = vgpu_jobs[hop.vgpu] + 1
         if d.hops[0].pool == plan.first_pool[d.pipeline]:
             self.batches += 1
             stats = entries[0].stats
-            stats.batch_sizes[n] += 1
-            stats.total.batch_sizes[n] += 1
-        due = min(e.due_us for e in entries)
+            sizes = stats.batch_sizes
+            sizes[n] = sizes.get(n, 0) + 1
+            sizes = stats.total.batch_sizes
+            sizes[n] = sizes.get(n, 0) + 1
+        due = math.inf
+        for e in entries:
+            if e.due_us < due:
+                due = e.due_us
         job = Job(d, entries, plan, due - d.hops[-1].end_us)
         plan.jobs += 1
-        vgpu_jobs = plan.vgpu_jobs
-        for hop in d.hops:
-            vgpu_jobs[hop.vgpu] += 1
         if self._watch is not None:
             self._watch.add(job, due)
         self.executor.run(job)
@@ -436,7 +446,7 @@ class ServingRuntime:
         plan.jobs -= 1
         vgpu_jobs = plan.vgpu_jobs
         for hop in job.dispatch.hops:
-            vgpu_jobs[hop.vgpu] -= 1
+            vgpu_jobs[hop.vgpu] = vgpu_jobs[hop.vgpu] - 1
         if plan.jobs == 0 and plan is not self._plan:
             self._retire(plan)
 
@@ -494,7 +504,8 @@ class ServingRuntime:
         plan: _Plan = job._plan
         d = job.dispatch
         hop = d.hops[h]
-        plan.vgpu_busy_us[hop.vgpu] += end_us - start_us
+        busy = plan.vgpu_busy_us
+        busy[hop.vgpu] = busy[hop.vgpu] + (end_us - start_us)
         current = plan is self._plan
         if self._observing:
             plan.running[hop.vgpu] -= 1

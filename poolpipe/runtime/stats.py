@@ -23,7 +23,7 @@ class ModelStats:
     refused: int = 0  # at the door: the plan served cannot serve them (intake.Unservable)
     retried: int = 0
     latency_us: list[float] = field(default_factory=list)  # of answered requests
-    batch_sizes: Counter[int] = field(default_factory=Counter)  # requests per batch sent
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # requests per batch sent
 
     def clear(self) -> None:
         """From zero, in place (entries in flight keep counting here)."""

@@ -45,6 +45,7 @@ WAKE_GUARD_US = 1.0
 # for it would wake the driver at the same instant for ever (a virtual clock never moves).
 MIN_HOLD_US = 1e-3
 
+
 class Probe:
     """Where and when a batch would run if dispatched now (a native class: probe() is the
     hot path, and a compiled class's float fields are unboxed)."""
@@ -107,7 +108,10 @@ class ReservationScheduler:
         self._flat2 = [flat + flat for flat in self._flat]
         self._gsrv2 = [[srv for srv, _ in groups] * 2 for groups in self._groups]
         self._gvg2 = [[vgs for _, vgs in groups] * 2 for groups in self._groups]
-        self._flat_index = {v: i for flat in self._flat for i, v in enumerate(flat)}
+        self._flat_index = [0] * len(topo.vgpus)  # per vGPU: its index in its pool's _flat
+        for flat in self._flat:
+            for i, v in enumerate(flat):
+                self._flat_index[v] = i
         self._rr = [0] * len(topo.pools)
         # Per pool, from its last probe that found no vGPU free at once: no vGPU of the pool
         # can start a stage of _booked_lat µs at or after _booked_t before _booked_from.
@@ -176,14 +180,20 @@ class ReservationScheduler:
                 break
             # Links are shared across models: the slack a waiting model computed before
             # these reservations may be gone, so it looks again.
-            touched = {d.model for d in out.dispatches[before:]}
+            touched = [False] * M
+            dispatches = out.dispatches
+            for j in range(before, len(dispatches)):
+                touched[dispatches[j].model] = True
             again = False
             for m in range(M):
-                if self._wake[m] < math.inf and m not in touched:
+                if self._wake[m] < math.inf and not touched[m]:
                     self._dirty[m] = again = True
             if not again:
                 break
-        wake = min(self._wake)
+        wake = math.inf
+        for w in self._wake:
+            if w < wake:
+                wake = w
         out.wake_at_us = wake if wake < math.inf else None
         return out
 
@@ -384,9 +394,12 @@ class ReservationScheduler:
             table.reserve(hop.start_us, hop.end_us, key)
             ts, te = hop.transfer_start_us, hop.transfer_end_us
             if te > ts:
-                for link in (self.uplink[server_of[src]], self.downlink[server_of[v]]):
-                    link.forget_before(now)
-                    link.reserve(ts, te, key + 1)
+                up = self.uplink[server_of[src]]
+                up.forget_before(now)
+                up.reserve(ts, te, key + 1)
+                down = self.downlink[server_of[v]]
+                down.forget_before(now)
+                down.reserve(ts, te, key + 1)
             # The next probe of this pool starts after the chosen vGPU / server.
             pid = hop.pool
             if src < 0:
