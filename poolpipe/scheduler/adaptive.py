@@ -89,9 +89,6 @@ class ReservationScheduler:
         self.vgpu_table = [ReservationTable(f"vgpu{v.id}") for v in topo.vgpus]
         self.uplink = [ReservationTable(f"up{s.id}") for s in topo.servers]
         self.downlink = [ReservationTable(f"down{s.id}") for s in topo.servers]
-        # for probe's inlined scans: each vGPU table's lists (they never change)
-        self._vs = [table.starts for table in self.vgpu_table]
-        self._ve = [table.ends for table in self.vgpu_table]
         self.server_of = [v.server for v in topo.vgpus]
         # Per pool: its vGPUs grouped by server (one transfer slot per server), and a
         # rotating start so that equally good vGPUs and NICs take turns.
@@ -263,7 +260,7 @@ class ReservationScheduler:
         """probe() of pipeline `pi`. The hot path: slot scans inlined, ranges of indexes
         rather than slices, and typed locals (compiled, floats stay unboxed)."""
         self.probes += 1
-        vs, ve = self._vs, self._ve
+        tables = self.vgpu_table
         lats, tin = self._lat, self._tin
         t = now
         wait = 0.0
@@ -288,8 +285,9 @@ class ReservationScheduler:
                 for j in range(r, r + len(self._flat[pid])):
                     v = flat2[j]
                     s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
-                    starts, ends = vs[v], ve[v]
-                    for i in range(len(starts)):
+                    tab = tables[v]
+                    starts, ends = tab.starts, tab.ends
+                    for i in range(tab.head, len(starts)):
                         e = ends[i]
                         if e <= s:
                             continue
@@ -331,8 +329,9 @@ class ReservationScheduler:
                     lb = math.inf
                     for v in vgs:
                         s = floor - lat  # vgpu_table[v].earliest_slot(t_up + dur, lat)
-                        starts, ends = vs[v], ve[v]
-                        for i in range(len(starts)):
+                        tab = tables[v]
+                        starts, ends = tab.starts, tab.ends
+                        for i in range(tab.head, len(starts)):
                             e = ends[i]
                             if e <= s:
                                 continue
@@ -359,8 +358,9 @@ class ReservationScheduler:
                     srv_up = uplink[srv]
                     for v in vgs:
                         s = te  # vgpu_table[v].earliest_slot(te, lat), inlined
-                        starts, ends = vs[v], ve[v]
-                        for i in range(len(starts)):
+                        tab = tables[v]
+                        starts, ends = tab.starts, tab.ends
+                        for i in range(tab.head, len(starts)):
                             e = ends[i]
                             if e <= s:
                                 continue

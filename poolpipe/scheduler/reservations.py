@@ -9,6 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+# Ended intervals are dropped from the lists once this many have gathered at their front.
+_DROP_AFTER = 16
+
+
 class ReservationTable:
     """Busy intervals [start, end) of one resource, sorted by (start, end, key).
 
@@ -17,55 +21,50 @@ class ReservationTable:
 
     Three parallel lists rather than a list of (start, end, key) tuples: compiled
     (native.py), a float read from a list is one unboxing, from a tuple in a list a tuple
-    too, and inserting in order compares floats instead of tuples. The list objects never
-    change, so a hot loop may hold on to them (it must not modify them).
+    too, and inserting in order compares floats instead of tuples. The table is the lists
+    from `head` on: `forget_before` moves `head` past the intervals that ended and drops
+    them from the lists in batches (a vGPU's table is a queue: one at a time, they would
+    cost a list shift and often a reallocation each). A hot loop may hold on to the lists
+    and read them from `head` (it must not modify them).
     """
 
-    __slots__ = ("ends", "keys", "name", "starts")
+    __slots__ = ("ends", "head", "keys", "name", "starts")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.keys: list[int] = []  # identifies the reservation for feedback correction
+        self.head = 0
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.starts) - self.head
 
     def intervals(self) -> list[tuple[float, float]]:
-        return list(zip(self.starts, self.ends))
+        h = self.head
+        return list(zip(self.starts[h:], self.ends[h:]))
 
     def forget_before(self, now: float) -> None:
-        """Drop intervals that ended by `now`; they cannot matter to any later query."""
+        """Drop the intervals at the front that ended by `now`: they cannot matter to any
+        later query. (One that ended behind a longer one goes once it reaches the front;
+        queries skip it meanwhile, as they skip any interval over before their time.)"""
         ends = self.ends
-        if not ends or ends[0] > now:
-            return
         n = len(ends)
-        k = 1  # ended intervals are nearly always a prefix: ends rise with starts
-        while k < n and ends[k] <= now:
-            k += 1
-        starts, keys = self.starts, self.keys
-        if k == 1:  # the usual case; pop(0) is a native call, a slice deletion is not
-            starts.pop(0)
-            ends.pop(0)
-            keys.pop(0)
-        else:
-            del starts[:k]
-            del ends[:k]
-            del keys[:k]
-        for e in ends:
-            if e <= now:  # one more behind a longer one: keep only those still running
-                kept = [i for i in range(len(ends)) if ends[i] > now]
-                starts[:] = [starts[i] for i in kept]
-                keys[:] = [keys[i] for i in kept]
-                ends[:] = [ends[i] for i in kept]
-                return
+        h = self.head
+        while h < n and ends[h] <= now:
+            h += 1
+        if h >= _DROP_AFTER:
+            del self.starts[:h]
+            del ends[:h]
+            del self.keys[:h]
+            h = 0
+        self.head = h
 
     def earliest_slot(self, t: float, duration: float) -> float:
         """Earliest start >= t at which the resource is free for `duration`."""
         cand = t
         starts, ends = self.starts, self.ends
-        for i in range(len(starts)):
+        for i in range(self.head, len(starts)):
             e = ends[i]
             if e <= cand:
                 continue
@@ -77,8 +76,9 @@ class ReservationTable:
     def reserve(self, start: float, end: float, key: int) -> None:
         """Insert in (start, end, key) order, after any equal one."""
         starts, ends, keys = self.starts, self.ends, self.keys
+        h = self.head
         i = len(starts)
-        while i > 0:  # from the end: new reservations mostly start after the others
+        while i > h:  # from the end: new reservations mostly start after the others
             s = starts[i - 1]
             if s < start:
                 break
@@ -99,7 +99,7 @@ class ReservationTable:
         """
         keys = self.keys
         found = False
-        for i in range(len(keys)):
+        for i in range(self.head, len(keys)):
             if keys[i] == key:
                 del keys[i]
                 del self.starts[i]
