@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import Final, cast
 
 from poolpipe.runtime.heap import Keyed, pop, push
 from poolpipe.runtime.ports import Clock, Job, Timer
 
 # A batch is looked at this long after its earliest SLO end: later than the SLO, never by
 # a few µs of round-off.
-OVERDUE_AFTER_US = 1.0
+OVERDUE_AFTER_US: Final = 1.0
 
 
 class _Watched(Keyed):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from poolpipe.runtime.stats import EpochStats
 from poolpipe.scheduler import DataPlane, Dispatch, Request, Topology
@@ -40,13 +40,12 @@ class Outcome(IntEnum):
         return self is Outcome.ON_TIME or self is Outcome.LATE
 
 
-ON_TIME, LATE, DROPPED, PENDING, FAILED = (
-    Outcome.ON_TIME,
-    Outcome.LATE,
-    Outcome.DROPPED,
-    Outcome.PENDING,
-    Outcome.FAILED,
-)
+# Final: compiled (native.py), a module constant is read from a static, not the globals
+ON_TIME: Final = Outcome.ON_TIME
+LATE: Final = Outcome.LATE
+DROPPED: Final = Outcome.DROPPED
+PENDING: Final = Outcome.PENDING
+FAILED: Final = Outcome.FAILED
 OUTCOME_NAMES = {ON_TIME: "on time", LATE: "late", DROPPED: "dropped", FAILED: "failed"}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import deque
+from typing import Final
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler.messages import (
@@ -36,14 +37,14 @@ from poolpipe.scheduler.messages import (
 from poolpipe.scheduler.reservations import ReservationTable
 from poolpipe.scheduler.topology import Pipeline, Topology
 
-POLICIES = ("adaptive", "eager", "deferred")
+POLICIES: Final = ("adaptive", "eager", "deferred")
 # Wake up this long before the computed last moment, so float round-off cannot turn an
 # on-time dispatch into a late one (µs).
-WAKE_GUARD_US = 1.0
+WAKE_GUARD_US: Final = 1.0
 # The shortest hold worth a wake-up (µs): a slack above the guard by less than this is a
 # round-off of the last wake (now + slack - guard == now in floating point), and a hold
 # for it would wake the driver at the same instant for ever (a virtual clock never moves).
-MIN_HOLD_US = 1e-3
+MIN_HOLD_US: Final = 1e-3
 
 
 class Probe:

@@ -8,18 +8,18 @@ are made once per request, batch and stage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from poolpipe.scheduler.topology import Topology
 
 # Why a request was answered without being served.
-DROP_DEADLINE_PASSED = "deadline passed while queued"
-DROP_CANNOT_MEET = "deadline cannot be met"
-DROP_OVERLOAD = "queue full"
+DROP_DEADLINE_PASSED: Final = "deadline passed while queued"
+DROP_CANNOT_MEET: Final = "deadline cannot be met"
+DROP_OVERLOAD: Final = "queue full"
 # (the runtime's) a stage before the batch's ran over its reservation: it would be late
-DROP_STAGE_OVERRAN = "deadline cannot be met: a stage ran over its reserved time"
+DROP_STAGE_OVERRAN: Final = "deadline cannot be met: a stage ran over its reserved time"
 # (the runtime's) its batch was still running when its SLO ran out: answered then, not late
-DROP_OVERDUE = "deadline passed while its batch ran"
+DROP_OVERDUE: Final = "deadline passed while its batch ran"
 
 
 @dataclass(slots=True, init=False)

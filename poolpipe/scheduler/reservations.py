@@ -7,10 +7,10 @@ short (intervals that ended before `now` are forgotten), so linear scans are the
 from __future__ import annotations
 
 from collections.abc import Sequence
-
+from typing import Final
 
 # Ended intervals are dropped from the lists once this many have gathered at their front.
-_DROP_AFTER = 16
+_DROP_AFTER: Final = 16
 
 
 class ReservationTable:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from time import perf_counter  # (compiled: a module attribute is a lookup per call)
 from dataclasses import dataclass
-from typing import Any, cast
+from time import perf_counter  # (compiled: a module attribute is a lookup per call)
+from typing import Any, Final, cast
 
 import numpy as np
 
@@ -44,7 +44,9 @@ from poolpipe.sim.scenario import GpuChange, Rollout, Scenario, ScenarioEvent
 
 # event priorities at equal times: finished work frees resources first, then scenario
 # events, then the runtime's timers (wake-ups, node checks); arrivals come after all three
-_END, _EVENT, _TIMER = 0, 1, 2
+_END: Final = 0
+_EVENT: Final = 1
+_TIMER: Final = 2
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class SimConfig:
 
 # An event's key: its time, then priority * _PRIORITY + the order scheduled (so the
 # priority decides ties of time, then the order; runs schedule far fewer than 2**48).
-_PRIORITY = 1 << 48
+_PRIORITY: Final = 1 << 48
 
 
 class _Event(Keyed):
