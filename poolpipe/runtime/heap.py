@@ -12,30 +12,30 @@ from __future__ import annotations
 
 
 class Keyed:
-    """An entry of a heap: ordered by `t`, then by `k` (a sequence number, unique)."""
+    """An entry of a heap: ordered by `t`, then by `k` (a sequence number, unique); `item`
+    is what it holds. (Entries of exactly this class are the cheapest to check when read
+    back from a list; a subclass may be an entry too.)"""
 
-    __slots__ = ("k", "t")
+    __slots__ = ("item", "k", "t")
 
-    def __init__(self, t: float, k: int) -> None:
+    def __init__(self, t: float, k: int, item: object = None) -> None:
         self.t = t
         self.k = k
+        self.item = item
 
 
-def _before(a: Keyed, b: Keyed) -> bool:
-    return a.t < b.t or (a.t == b.t and a.k < b.k)
-
-
-def push(heap: list[Keyed], item: Keyed) -> None:
-    heap.append(item)
+def push(heap: list[Keyed], entry: Keyed) -> None:
+    heap.append(entry)
     i = len(heap) - 1
+    t, k = entry.t, entry.k
     while i > 0:
         parent = (i - 1) >> 1
         p = heap[parent]
-        if not _before(item, p):
+        if t > p.t or (t == p.t and k > p.k):  # not before its parent (keys are unique)
             break
         heap[i] = p
         i = parent
-    heap[i] = item
+    heap[i] = entry
 
 
 def pop(heap: list[Keyed]) -> Keyed:
@@ -48,9 +48,10 @@ def pop(heap: list[Keyed]) -> Keyed:
     return first
 
 
-def _sift_down(heap: list[Keyed], i: int, item: Keyed) -> None:
-    """Place `item` at slot `i` or below, moving smaller children up."""
+def _sift_down(heap: list[Keyed], i: int, entry: Keyed) -> None:
+    """Place `entry` at slot `i` or below, moving smaller children up."""
     n = len(heap)
+    t, k = entry.t, entry.k
     while True:
         child = 2 * i + 1
         if child >= n:
@@ -59,13 +60,13 @@ def _sift_down(heap: list[Keyed], i: int, item: Keyed) -> None:
         right = child + 1
         if right < n:
             r = heap[right]
-            if _before(r, c):
+            if r.t < c.t or (r.t == c.t and r.k < c.k):
                 child, c = right, r
-        if not _before(c, item):
+        if c.t > t or (c.t == t and c.k > k):  # the entry goes here
             break
         heap[i] = c
         i = child
-    heap[i] = item
+    heap[i] = entry
 
 
 def heapify(heap: list[Keyed]) -> None:

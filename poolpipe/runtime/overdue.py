@@ -16,16 +16,6 @@ from poolpipe.runtime.ports import Clock, Job, Timer
 OVERDUE_AFTER_US: Final = 1.0
 
 
-class _Watched(Keyed):
-    """A running job in the heap, by its earliest SLO end (t) and when it was added (k)."""
-
-    __slots__ = ("job",)
-
-    def __init__(self, due_us: float, seq: int, job: Job) -> None:
-        super().__init__(due_us, seq)
-        self.job = job
-
-
 class OverdueWatch:
     """Running jobs by their earliest SLO end. When that time has passed for a job still
     running, `overdue(job, now)` answers what has run out and returns the job's next SLO
@@ -36,7 +26,7 @@ class OverdueWatch:
     def __init__(self, clock: Clock, overdue: Callable[[Job, float], float]):
         self._clock = clock
         self._overdue = overdue
-        self._heap: list[Keyed] = []  # of _Watched
+        self._heap: list[Keyed] = []  # running jobs by earliest SLO end, then when added
         self._seq = 0
         self._timer: Timer | None = None
         self._at = math.inf  # the due time the timer is set for
@@ -46,7 +36,7 @@ class OverdueWatch:
 
     def add(self, job: Job, due_us: float) -> None:
         self._seq += 1
-        push(self._heap, _Watched(due_us, self._seq, job))
+        push(self._heap, Keyed(due_us, self._seq, job))
         if due_us < self._at:
             self._arm(due_us)
 
@@ -61,16 +51,16 @@ class OverdueWatch:
         now = self._clock.now()
         heap = self._heap
         while heap:
-            head = cast(_Watched, heap[0])
-            if not (head.job.ended or head.t < now):
+            head = heap[0]
+            job = cast(Job, head.item)
+            if not (job.ended or head.t < now):
                 break
             pop(heap)
-            job = head.job
             if job.ended:
                 continue
             nxt = self._overdue(job, now)
             if nxt < math.inf:
                 self._seq += 1
-                push(heap, _Watched(nxt, self._seq, job))
+                push(heap, Keyed(nxt, self._seq, job))
         if heap:
             self._arm(heap[0].t)

@@ -18,7 +18,6 @@ Two variants share the machinery: `eager` (dispatch whatever is queued, never wa
 from __future__ import annotations
 
 import math
-from bisect import insort
 from collections import deque
 from typing import Final
 

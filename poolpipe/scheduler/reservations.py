@@ -42,7 +42,7 @@ class ReservationTable:
 
     def intervals(self) -> list[tuple[float, float]]:
         h = self.head
-        return list(zip(self.starts[h:], self.ends[h:]))
+        return list(zip(self.starts[h:], self.ends[h:], strict=True))
 
     def forget_before(self, now: float) -> None:
         """Drop the intervals at the front that ended by `now`: they cannot matter to any

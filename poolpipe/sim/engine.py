@@ -76,8 +76,9 @@ class SimConfig:
 _PRIORITY: Final = 1 << 48
 
 
-class _Event(Keyed):
-    """An entry of the clock's queue: `fire()` runs it (compiled, a native method call)."""
+class _Event:
+    """What the clock's queue holds (in a heap.Keyed): `fire()` runs it (compiled, a
+    native method call)."""
 
     __slots__ = ()
 
@@ -90,8 +91,7 @@ class _Call(_Event):
 
     __slots__ = ("arg", "fn")
 
-    def __init__(self, t: float, k: int, fn: Callable[[Any], None], arg: Any):
-        super().__init__(t, k)
+    def __init__(self, fn: Callable[[Any], None], arg: Any):
         self.fn = fn
         self.arg = arg
 
@@ -102,8 +102,7 @@ class _Call(_Event):
 class _Timer(_Event):
     __slots__ = ("cancelled", "fn")
 
-    def __init__(self, t: float, k: int, fn: Callable[[], None]):
-        super().__init__(t, k)
+    def __init__(self, fn: Callable[[], None]):
         self.fn = fn
         self.cancelled = False
 
@@ -121,7 +120,7 @@ class VirtualClock:
 
     def __init__(self) -> None:
         self.t = 0.0
-        self._events: list[Keyed] = []  # of _Event (heap.py)
+        self._events: list[Keyed] = []  # heap.py's, each holding an _Event
         self._seq = 0
 
     def __len__(self) -> int:
@@ -132,35 +131,31 @@ class VirtualClock:
         return self.t
 
     def call_at(self, t_us: float, fn: Callable[[], None]) -> _Timer:
-        self._seq += 1
-        timer = _Timer(t_us, _TIMER * _PRIORITY + self._seq, fn)
-        push(self._events, timer)
+        timer = _Timer(fn)
+        self.add(t_us, _TIMER, timer)
         return timer
 
     def schedule(self, t: float, priority: int, fn: Callable[[Any], None], arg: Any) -> None:
         """Call `fn(arg)` at `t`; at equal times, lower priorities first, then in the order
         scheduled."""
-        self._seq += 1
-        push(self._events, _Call(t, priority * _PRIORITY + self._seq, fn, arg))
+        self.add(t, priority, _Call(fn, arg))
 
     def add(self, t: float, priority: int, event: _Event) -> None:
         """Schedule an event of the driver's own (its `fire()` at `t`), as `schedule`."""
         self._seq += 1
-        event.t = t
-        event.k = priority * _PRIORITY + self._seq
-        push(self._events, event)
+        push(self._events, Keyed(t, priority * _PRIORITY + self._seq, event))
 
     def pending(self) -> list[_Event]:
         """The events still to come, in no order."""
-        return [cast(_Event, e) for e in self._events]
+        return [cast(_Event, e.item) for e in self._events]
 
     def run_until(self, t_us: float) -> None:
         """Fire every event due by `t_us` in order, then stand at `t_us`."""
         ev = self._events
         while ev and ev[0].t <= t_us:
-            e = cast(_Event, pop(ev))
+            e = pop(ev)
             self.t = e.t
-            e.fire()
+            cast(_Event, e.item).fire()
         self.t = max(self.t, t_us)
 
     def run(
@@ -180,9 +175,9 @@ class VirtualClock:
                 continue
             if i == n and done():
                 return
-            e = cast(_Event, pop(ev))
+            e = pop(ev)
             self.t = e.t
-            e.fire()
+            cast(_Event, e.item).fire()
 
 
 # ---------------------------------------------------------------------------- the cluster
@@ -230,7 +225,6 @@ class _End(_Event):
     __slots__ = ("cluster", "work")
 
     def __init__(self, cluster: SimulatedCluster, work: _Work):
-        super().__init__(0.0, 0)  # set by VirtualClock.add
         self.cluster = cluster
         self.work = work
 
