@@ -19,7 +19,9 @@ from poolpipe.runtime import (
     ON_TIME,
     RECALIBRATE_EVERY,
     RECALIBRATE_MAX,
+    Clock,
     Entry,
+    Executor,
     Job,
     PlanUsage,
     RuntimeConfig,
@@ -27,13 +29,13 @@ from poolpipe.runtime import (
     ServingRuntime,
 )
 from poolpipe.runtime.placement import vgpu_nodes
-from poolpipe.scheduler import make_data_plane
+from poolpipe.scheduler import PlaneWrapper, make_data_plane
 from poolpipe.scheduler.messages import DROP_OVERDUE, DROP_STAGE_OVERRAN
 from poolpipe.sim.engine import VirtualClock
 from tests.factories import make_topology
 
 
-class HandExecutor:
+class HandExecutor(Executor):
     """Keeps what it is given; the test plays the cluster."""
 
     def __init__(self) -> None:
@@ -457,9 +459,10 @@ def test_an_overrun_into_the_reply_margin_is_not_dropped():
     assert ex.answers[1] == (ON_TIME, "")
 
 
-class DelegatingClock:
+class DelegatingClock(Clock):
     """A VirtualClock whose timers a test shifts (by composition: the simulator's clock is
-    compiled, and an interpreted class cannot subclass a compiled one)."""
+    compiled, and an interpreted class cannot subclass a compiled one, but for the ports'
+    bases)."""
 
     def __init__(self):
         self.clock = VirtualClock()
@@ -530,13 +533,7 @@ def test_the_guard_is_recomputed_every_few_samples_also_once_its_windows_are_ful
     ex = HandExecutor()
     moves: list[float] = []
 
-    class CountingPlane:  # the plane, counting its guard's moves
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
+    class CountingPlane(PlaneWrapper):  # the plane, counting its guard's moves
         def set_wake_lateness(self, us):
             moves.append(us)
             self.inner.set_wake_lateness(us)

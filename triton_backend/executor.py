@@ -10,7 +10,15 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
-from poolpipe.runtime import Entry, Job, Outcome, PlanUsage, ServedPlan, ServingRuntime
+from poolpipe.runtime import (
+    Entry,
+    Executor,
+    Job,
+    Outcome,
+    PlanUsage,
+    ServedPlan,
+    ServingRuntime,
+)
 from triton_backend.served import RequestRow, RouterPlan
 from triton_backend.stages import StageClient
 from triton_backend.transport import HopTransport
@@ -69,7 +77,7 @@ class Gate:
             fut.set_result(None)
 
 
-class NodeExecutor:
+class NodeExecutor(Executor):
     """Runs the runtime's jobs on stage-worker nodes with `transport` and `stages`, each
     stage call waiting at most `stage_timeout_s`. `on_empty_node`: called (off the loop,
     blocking) with a failed node that answers again without its models (restarted empty,

@@ -32,6 +32,7 @@ from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import (
     ArrivalStamps,
     BadRequest,
+    Clock,
     MarginMeter,
     ModelStats,
     RuntimeConfig,
@@ -97,7 +98,7 @@ def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     log.error("router loop: %s%s", context.get("message"), f" ({exc!r})" if exc else "")
 
 
-class LoopClock:
+class LoopClock(Clock):
     """The event loop's clock, in µs since the router started."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):

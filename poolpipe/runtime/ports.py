@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Final, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from poolpipe.runtime.stats import EpochStats
 from poolpipe.scheduler import DataPlane, Dispatch, Request, Topology
 
@@ -53,14 +55,18 @@ class Timer(Protocol):
     def cancel(self) -> None: ...
 
 
-class Clock(Protocol):
-    """Time in µs since the runtime's start, and callbacks at a later time."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Clock:
+    """Time in µs since the runtime's start, and callbacks at a later time. (Clocks and
+    executors subclass these bases, interpreted ones too: compiled, a call through a class
+    is a native call, through a Protocol a Python method call.)"""
 
-    def now(self) -> float: ...
+    def now(self) -> float:
+        raise NotImplementedError
 
     def call_at(self, t_us: float, fn: Callable[[], None]) -> Timer:
         """Call `fn` at `t_us` (as soon as possible when that has passed)."""
-        ...
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,8 @@ class PlanUsage:
     pool_requests: tuple[int, ...]
 
 
-class Executor(Protocol):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class Executor:
     """Runs what the runtime dispatches and delivers what it decides (`bind` hands it the
     runtime it reports to, once, before anything runs).
 
@@ -178,21 +185,23 @@ class Executor(Protocol):
     runtime has answered the job's requests (dropped) and released the rest of its path;
     the hop and the later ones do not run."""
 
-    def bind(self, runtime: Any) -> None: ...
+    def bind(self, runtime: Any) -> None:
+        raise NotImplementedError
 
-    def run(self, job: Job) -> None: ...
+    def run(self, job: Job) -> None:
+        raise NotImplementedError
 
     def answer(self, entry: Entry, outcome: Outcome, reason: str) -> None:
         """Deliver a request's end: its result (on time or late), or an explicit error."""
-        ...
+        raise NotImplementedError
 
     def check_node(self, node: str, served: ServedPlan) -> None:
         """Find out whether a node serves (a failed one, or one in service when the runtime
         sweeps); report runtime.node_checked(node, ok, why): ok None when it gave no answer
         in time."""
-        ...
+        raise NotImplementedError
 
     def retire(self, usage: PlanUsage) -> None:
         """A plan the runtime served before is done: it was switched away from and its
         last job has ended. Nothing will run on it again; forget what was kept for it."""
-        ...
+        raise NotImplementedError

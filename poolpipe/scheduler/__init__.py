@@ -14,6 +14,7 @@ from poolpipe.scheduler.messages import (
     Dispatch,
     Drop,
     Hop,
+    PlaneWrapper,
     Request,
     StageReport,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "Dispatch",
     "Drop",
     "Hop",
+    "PlaneWrapper",
     "ReactiveScheduler",
     "Request",
     "ReservationScheduler",

@@ -26,6 +26,7 @@ from poolpipe.scheduler.messages import (
     DROP_CANNOT_MEET,
     DROP_DEADLINE_PASSED,
     DROP_OVERLOAD,
+    DataPlane,
     Decisions,
     Dispatch,
     Drop,
@@ -64,7 +65,7 @@ def _reservation_key(dispatch: int, hop: int) -> int:
     return dispatch * 64 + hop * 2
 
 
-class ReservationScheduler:
+class ReservationScheduler(DataPlane):
     """Reservation tables for every vGPU and every server's uplink and downlink."""
 
     def __init__(
@@ -78,9 +79,8 @@ class ReservationScheduler:
             raise PoolpipeError(f"unknown batching policy {policy!r}; choose {', '.join(POLICIES)}")
         if max_queue is not None and max_queue < 1:
             raise PoolpipeError(f"max_queue must be >= 1, got {max_queue}")
-        self.name = policy if policy != "adaptive" else "reservation"
+        super().__init__(policy if policy != "adaptive" else "reservation", topo)
         self.policy = policy
-        self.topo = topo
         self.max_queue = max_queue
         # A waiting batch wakes this long before its last moment: a live driver's timers
         # fire late by up to about a millisecond, the simulator's never do.
@@ -133,7 +133,6 @@ class ReservationScheduler:
         self._rejected: list[Drop] = []
         self._inflight: dict[int, Dispatch] = {}
         self._next_dispatch = 0
-        self.probes = 0  # probe() calls so far
 
     # ------------------------------------------------------------------ contract
 

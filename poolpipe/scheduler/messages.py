@@ -8,7 +8,9 @@ are made once per request, batch and stage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final
+
+from mypy_extensions import mypyc_attr
 
 from poolpipe.scheduler.topology import Topology
 
@@ -154,58 +156,102 @@ class StageReport:
         self.transfer_end_us = transfer_end_us
 
 
-class DataPlane(Protocol):
+@mypyc_attr(allow_interpreted_subclasses=True)
+class DataPlane:
     """The contract every data plane meets; `now` is always passed in, never read.
 
     The driver (poolpipe.runtime) adds requests, asks for decisions, reports what each hop
     of a dispatch really did, and tells the plane about failures, new latencies and a
-    flush; every plane implements all of it."""
+    flush; every plane implements all of it.
+
+    A base class rather than a Protocol: compiled (native.py), a call through a class is a
+    native call, through a Protocol a Python method call. Planes subclass it (interpreted
+    ones too). A StageReport is lent for the call: read it, do not keep it."""
 
     name: str
+    topo: Topology  # what the plane schedules on (set_latencies replaces it)
+    probes: int  # probe() calls so far (0 for planes that never probe)
 
-    @property
-    def topo(self) -> Topology:
-        """What the plane schedules on (set_latencies replaces it)."""
-        ...
-
-    @property
-    def probes(self) -> int:
-        """probe() calls so far (0 for planes that never probe)."""
-        ...
+    def __init__(self, name: str, topo: Topology) -> None:
+        self.name = name
+        self.topo = topo
+        self.probes = 0
 
     def add_request(self, req: Request, now: float) -> bool:
         """Queue a request; True when decide() has something to do now (False: it joins a
         batch that waits for more, and nothing else is due)."""
-        ...
+        raise NotImplementedError
 
-    def decide(self, now: float) -> Decisions: ...
+    def decide(self, now: float) -> Decisions:
+        raise NotImplementedError
 
-    def on_stage_started(self, report: StageReport, now: float) -> None: ...
+    def on_stage_started(self, report: StageReport, now: float) -> None:
+        raise NotImplementedError
 
     def on_stage_done(self, report: StageReport, now: float) -> bool:
         """Returns True when decide() should run now (a pool may take work)."""
-        ...
+        raise NotImplementedError
 
     def on_dispatch_failed(self, dispatch: int, hop: int, now: float) -> None:
         """Hop `hop` of `dispatch` failed: it and the later hops will not run; what they
         hold is released (the driver retries or fails the requests)."""
-        ...
+        raise NotImplementedError
 
     def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
         """Take a failed vGPU out of service, or put it back once it answers again."""
-        ...
+        raise NotImplementedError
 
     def set_latencies(self, topo: Topology) -> None:
         """Schedule with `topo`'s pool latencies from now on: the same topology measured
         anew (a live router recalibrating under load); what is reserved stays."""
-        ...
+        raise NotImplementedError
 
     def set_wake_lateness(self, late_us: float) -> None:
         """The driver's wakes come up to `late_us` after the time asked for (measured):
         a batch held for more requests wakes that much earlier."""
-        ...
+        raise NotImplementedError
 
     def drain(self) -> None:
         """Stop waiting for fuller batches: every queued request goes out at its next
         decision (a flush before a plan switch)."""
-        ...
+        raise NotImplementedError
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class PlaneWrapper(DataPlane):
+    """A data plane that hands every call to another (`inner`); a subclass overrides what
+    it adds (the simulator's timing of decide, a test's counting)."""
+
+    def __init__(self, inner: DataPlane) -> None:
+        super().__init__(inner.name, inner.topo)
+        self.inner = inner
+
+    def add_request(self, req: Request, now: float) -> bool:
+        return self.inner.add_request(req, now)
+
+    def decide(self, now: float) -> Decisions:
+        dec = self.inner.decide(now)
+        self.probes = self.inner.probes
+        return dec
+
+    def on_stage_started(self, report: StageReport, now: float) -> None:
+        self.inner.on_stage_started(report, now)
+
+    def on_stage_done(self, report: StageReport, now: float) -> bool:
+        return self.inner.on_stage_done(report, now)
+
+    def on_dispatch_failed(self, dispatch: int, hop: int, now: float) -> None:
+        self.inner.on_dispatch_failed(dispatch, hop, now)
+
+    def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
+        self.inner.set_vgpu_down(vgpu, down, now)
+
+    def set_latencies(self, topo: Topology) -> None:
+        self.inner.set_latencies(topo)
+        self.topo = self.inner.topo
+
+    def set_wake_lateness(self, late_us: float) -> None:
+        self.inner.set_wake_lateness(late_us)
+
+    def drain(self) -> None:
+        self.inner.drain()

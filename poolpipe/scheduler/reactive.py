@@ -18,6 +18,7 @@ from poolpipe.scheduler.messages import (
     DROP_CANNOT_MEET,
     DROP_DEADLINE_PASSED,
     DROP_OVERLOAD,
+    DataPlane,
     Decisions,
     Dispatch,
     Drop,
@@ -35,10 +36,9 @@ class _Batch:
     src_vgpu: int  # where its feature map sits (-1 before the first stage)
 
 
-class ReactiveScheduler:
+class ReactiveScheduler(DataPlane):
     def __init__(self, topo: Topology, max_queue: int | None = None):
-        self.name = "reactive"
-        self.topo = topo
+        super().__init__("reactive", topo)  # (it never probes: probes stays 0)
         self.max_queue = max_queue
         self.busy = [False] * len(topo.vgpus)
         self.down: set[int] = set()  # vGPUs out of service
@@ -54,7 +54,6 @@ class ReactiveScheduler:
         self._rejected: list[Drop] = []
         self._inflight: dict[int, tuple[Dispatch, _Batch]] = {}
         self._ids = itertools.count()
-        self.probes = 0  # the reactive plane never probes; kept for uniform metrics
 
     # ------------------------------------------------------------------ contract
 

@@ -26,7 +26,9 @@ from poolpipe.runtime import (
     LATE,
     ON_TIME,
     PENDING,
+    Clock,
     Entry,
+    Executor,
     Job,
     Outcome,
     PlanUsage,
@@ -38,7 +40,7 @@ from poolpipe.runtime import (
 )
 from poolpipe.runtime.heap import Keyed, heapify, pop, push
 from poolpipe.runtime.placement import vgpu_nodes
-from poolpipe.scheduler import DataPlane, Decisions, Topology, make_data_plane
+from poolpipe.scheduler import DataPlane, Decisions, PlaneWrapper, Topology, make_data_plane
 from poolpipe.sim.metrics import SimResult, summarize
 from poolpipe.sim.scenario import GpuChange, Rollout, Scenario, ScenarioEvent
 
@@ -114,7 +116,36 @@ class _Timer(_Event):
             self.fn()
 
 
-class VirtualClock:
+class Arrivals:
+    """What the clock calls at each arrival (`VirtualClock.run`)."""
+
+    def arrive(self, k: int) -> None:
+        raise NotImplementedError
+
+
+class _Requests(Arrivals):
+    """Arrival k: one request of its model, at the model's SLO (compiled: native calls)."""
+
+    def __init__(self, rt: ServingRuntime, models: list[int], model_map: list[int]):
+        self.rt = rt
+        self.models = models
+        self.model_map = model_map  # arrival model -> the served plan's model index
+
+    def arrive(self, k: int) -> None:
+        self.rt.arrive(self.model_map[self.models[k]], k)
+
+
+class _Calls(Arrivals):
+    """Arrival k: `fn(k)`, a driver's own."""
+
+    def __init__(self, fn: Callable[[int], None]):
+        self.fn = fn
+
+    def arrive(self, k: int) -> None:
+        self.fn(k)
+
+
+class VirtualClock(Clock):
     """Simulated time (µs) and its event queue, ordered by (time, priority, sequence) so
     that ties break the same way on every run; `run` fires them in order."""
 
@@ -158,19 +189,17 @@ class VirtualClock:
             cast(_Event, e.item).fire()
         self.t = max(self.t, t_us)
 
-    def run(
-        self, times: list[float], arrival: Callable[[int], None], done: Callable[[], bool]
-    ) -> None:
-        """Fire the events and the arrivals (arrival k at `times[k]` calls `arrival(k)`;
-        `times` ascending) in time order, events first at equal times, until none is left
-        or, every arrival in, `done()` says that what is left would run for ever (timers
-        that only watch)."""
+    def run(self, times: list[float], arrivals: Arrivals, done: Callable[[], bool]) -> None:
+        """Fire the events and the arrivals (arrival k at `times[k]` calls
+        `arrivals.arrive(k)`; `times` ascending) in time order, events first at equal
+        times, until none is left or, every arrival in, `done()` says that what is left
+        would run for ever (timers that only watch)."""
         ev = self._events
         i, n = 0, len(times)
         while i < n or ev:
             if i < n and (not ev or times[i] < ev[0].t):
                 self.t = times[i]
-                arrival(i)
+                arrivals.arrive(i)
                 i += 1
                 continue
             if i == n and done():
@@ -243,7 +272,7 @@ class _Layout:
     node_res: dict[str, list[int]]  # node -> its vGPUs' resources
 
 
-class SimulatedCluster:
+class SimulatedCluster(Executor):
     """The executor of a simulation: vGPUs and NICs as FIFO resources ordered by reserved
     start, execution times as profiled (times jitter or measured factors), and GPUs that
     fail and return as a scenario says."""
@@ -482,36 +511,20 @@ def why_node(work: _Work) -> str:
 # ---------------------------------------------------------------------------- metering
 
 
-class MeteredPlane:
+class MeteredPlane(PlaneWrapper):
     """A data plane whose decide() is timed in wall seconds (the simulator's measure of
     scheduling cost); every other call goes straight to the plane."""
 
     def __init__(self, plane: DataPlane):
-        self.inner = plane
-        self.name = plane.name
-        self.add_request = plane.add_request
-        self.on_stage_started = plane.on_stage_started
-        self.on_stage_done = plane.on_stage_done
-        self.on_dispatch_failed = plane.on_dispatch_failed
-        self.set_vgpu_down = plane.set_vgpu_down
-        self.set_latencies = plane.set_latencies
-        self.set_wake_lateness = plane.set_wake_lateness
-        self.drain = plane.drain
+        super().__init__(plane)
         self.seconds = 0.0
         self.per_batch: list[float] = []  # wall s per dispatched batch, per decide call
-
-    @property
-    def topo(self) -> Topology:
-        return self.inner.topo
-
-    @property
-    def probes(self) -> int:
-        return self.inner.probes
 
     def decide(self, now: float) -> Decisions:
         t0 = perf_counter()
         dec = self.inner.decide(now)
         dt = perf_counter() - t0
+        self.probes = self.inner.probes
         self.seconds += dt
         if dec.dispatches:
             self.per_batch.append(dt / len(dec.dispatches))
@@ -609,15 +622,16 @@ class Simulator:
         self.cluster.add_generation(rt.generation, rt.served, self.topo)
         for event in self.scenario.events:
             self.clock.schedule(event.at_s * 1e6, _EVENT, self._apply, event)
-        models, model_map, arrive = self.arrival_model, self._model_map, rt.arrive
-
-        def arrival(i: int) -> None:
-            arrive(model_map[models[i]], i)
 
         def done() -> bool:  # only node watches are left: they would run for ever
             return rt.idle() and not self._events_left and not (busy is not None and busy())
 
-        self.clock.run(self.arrival_us, arrival if arrivals is None else arrivals(rt), done)
+        each: Arrivals = (
+            _Requests(rt, self.arrival_model, self._model_map)
+            if arrivals is None
+            else _Calls(arrivals(rt))
+        )
+        self.clock.run(self.arrival_us, each, done)
         return rt
 
     # ------------------------------------------------------------------ scenario
