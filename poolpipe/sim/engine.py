@@ -151,8 +151,11 @@ class VirtualClock(Clock):
 
     def __init__(self) -> None:
         self.t = 0.0
-        self._events: list[Keyed] = []  # heap.py's, each holding an _Event
+        self._events: list[Keyed] = []  # heap.py's, each holding an _Event or a _Work
         self._seq = 0
+        # whose _end a _Work's end calls (a work's end is the commonest event: no object
+        # of its own, and a direct call)
+        self.ends: SimulatedCluster | None = None
 
     def __len__(self) -> int:
         """Events still to come."""
@@ -176,9 +179,22 @@ class VirtualClock(Clock):
         self._seq += 1
         push(self._events, Keyed(t, priority * _PRIORITY + self._seq, event))
 
-    def pending(self) -> list[_Event]:
-        """The events still to come, in no order."""
-        return [cast(_Event, e.item) for e in self._events]
+    def end_at(self, t: float, work: _Work) -> None:
+        """`work` ends at `t` (priority _END): `ends._end(work)` then."""
+        self._seq += 1
+        push(self._events, Keyed(t, _END * _PRIORITY + self._seq, work))
+
+    def pending(self) -> list[object]:
+        """What is still to come (events, works that end), in no order."""
+        return [e.item for e in self._events]
+
+    def _fire(self, item: object) -> None:
+        if isinstance(item, _Work):
+            ends = self.ends
+            assert ends is not None
+            ends._end(item)
+        else:
+            cast(_Event, item).fire()
 
     def run_until(self, t_us: float) -> None:
         """Fire every event due by `t_us` in order, then stand at `t_us`."""
@@ -186,7 +202,7 @@ class VirtualClock(Clock):
         while ev and ev[0].t <= t_us:
             e = pop(ev)
             self.t = e.t
-            cast(_Event, e.item).fire()
+            self._fire(e.item)
         self.t = max(self.t, t_us)
 
     def run(self, times: list[float], arrivals: Arrivals, done: Callable[[], bool]) -> None:
@@ -206,7 +222,7 @@ class VirtualClock(Clock):
                 return
             e = pop(ev)
             self.t = e.t
-            cast(_Event, e.item).fire()
+            self._fire(e.item)
 
 
 # ---------------------------------------------------------------------------- the cluster
@@ -223,19 +239,19 @@ class _Work(Keyed):
         "dur",
         "hop",
         "job",
+        "r0",
+        "r1",
         "ready",
         "ready_at",
-        "res",
         "succ",
         "t0",
         "tr",
     )
 
-    def __init__(
-        self, key: float, res: tuple[int, ...], dur: float, job: Job, hop: int, compute: bool
-    ):
+    def __init__(self, key: float, r0: int, r1: int, dur: float, job: Job, hop: int, compute: bool):
         super().__init__(key, 0)  # k: set when queued
-        self.res = res  # global resource indices
+        self.r0 = r0  # global resource indices: a vGPU, or an uplink and a downlink
+        self.r1 = r1  # (-1: none)
         self.dur = dur
         self.ready = False
         self.succ: _Work | None = None
@@ -248,19 +264,6 @@ class _Work(Keyed):
         self.dead = False  # killed while running: its end is not reported
 
 
-class _End(_Event):
-    """A work's end, on the clock."""
-
-    __slots__ = ("cluster", "work")
-
-    def __init__(self, cluster: SimulatedCluster, work: _Work):
-        self.cluster = cluster
-        self.work = work
-
-    def fire(self) -> None:
-        self.cluster._end(self.work)
-
-
 @dataclass
 class _Layout:
     """Where one served plan's resources sit in the cluster's resource arrays."""
@@ -270,6 +273,7 @@ class _Layout:
     up: list[int]  # per vGPU: its server's uplink resource
     down: list[int]  # per vGPU: its server's downlink resource
     node_res: dict[str, list[int]]  # node -> its vGPUs' resources
+    lat: list[list[float]]  # per pool: its latency at batch b (topo's, as typed floats)
 
 
 class SimulatedCluster(Executor):
@@ -279,6 +283,7 @@ class SimulatedCluster(Executor):
 
     def __init__(self, clock: VirtualClock, config: SimConfig, n_requests: int):
         self.clock = clock
+        clock.ends = self
         self.config = config
         self._rng = random.Random(config.seed * 7919 + 17)
         self._sigma = math.sqrt(math.log1p(config.jitter**2)) if config.jitter > 0 else 0.0
@@ -317,6 +322,7 @@ class SimulatedCluster(Executor):
             [base + V + v.server for v in truth.vgpus],
             [base + V + S + v.server for v in truth.vgpus],
             node_res,
+            [[float(x) for x in pool.latency_us] for pool in truth.pools],
         )
         self._layouts[generation] = lay
         for node in self.dead_nodes:
@@ -331,7 +337,7 @@ class SimulatedCluster(Executor):
             served = job.served
             self.add_generation(job.generation, served, served.topo)
             lay = self._layouts[job.generation]
-        pools = lay.topo.pools
+        lat = lay.lat
         base, up, down = lay.base, lay.up, lay.down
         now = self.clock.t
         prev: _Work | None = None
@@ -341,16 +347,17 @@ class SimulatedCluster(Executor):
         factors = self.config.stage_factors if base == 0 else ()
         for h, hop in enumerate(d.hops):
             p = hop.pool
-            dur = pools[p].latency_us[d.batch]
+            dur = lat[p][d.batch]
             if p < len(factors) and factors[p]:
                 dur *= self._rng.choice(factors[p])
             elif sigma > 0:
                 dur *= self._rng.lognormvariate(-sigma * sigma / 2, sigma)
-            compute = _Work(hop.start_us, (base + hop.vgpu,), dur, job, h, True)
+            compute = _Work(hop.start_us, base + hop.vgpu, -1, dur, job, h, True)
             if hop.transfer_end_us > hop.transfer_start_us:
                 tr = _Work(
                     hop.transfer_start_us,
-                    (up[hop.src_vgpu], down[hop.vgpu]),
+                    up[hop.src_vgpu],
+                    down[hop.vgpu],
                     hop.transfer_end_us - hop.transfer_start_us,
                     job,
                     h,
@@ -393,29 +400,34 @@ class SimulatedCluster(Executor):
     def _enqueue(self, work: _Work) -> None:
         self._qseq += 1
         work.k = self._qseq
-        for r in work.res:
-            push(self._queue[r], work)
+        push(self._queue[work.r0], work)
+        if work.r1 >= 0:
+            push(self._queue[work.r1], work)
 
     def _try_start(self, work: _Work, now: float) -> None:
         if not work.ready:
             return
         busy, queue = self._busy, self._queue
-        for r in work.res:
-            if busy[r] or queue[r][0] is not work:
-                return
+        r0, r1 = work.r0, work.r1
+        if busy[r0] or queue[r0][0] is not work:
+            return
+        if r1 >= 0 and (busy[r1] or queue[r1][0] is not work):
+            return
         if work.compute:
-            if self._dead_res and work.res[0] in self._dead_res:
+            if self._dead_res and r0 in self._dead_res:
                 self._fail(work, "its node is down")
                 return
             job = work.job
             if now - work.t > job.slack_us and not self.rt.hop_late(job, work.hop):
                 self._restart(self._remove(job), now)  # dropped: its works do not run
                 return
-        for r in work.res:
-            pop(queue[r])
-            busy[r] = True
+        pop(queue[r0])
+        busy[r0] = True
+        if r1 >= 0:
+            pop(queue[r1])
+            busy[r1] = True
         work.t0 = now
-        self.clock.add(now + work.dur, _END, _End(self, work))
+        self.clock.end_at(now + work.dur, work)
         if work.compute:
             self.rt.hop_started(work.job, work.hop, now, work.tr)
         else:
@@ -426,9 +438,11 @@ class SimulatedCluster(Executor):
         if work.dead:
             return
         now = self.clock.t
-        busy, queue = self._busy, self._queue
-        for r in work.res:
-            busy[r] = False
+        busy = self._busy
+        r0, r1 = work.r0, work.r1
+        busy[r0] = False
+        if r1 >= 0:
+            busy[r1] = False
         succ = work.succ
         if succ is not None:
             if not work.compute:
@@ -436,13 +450,19 @@ class SimulatedCluster(Executor):
             succ.ready = True
             succ.ready_at = now
             self._try_start(succ, now)
-        for r in work.res:
-            if queue[r] and not busy[r]:
-                head = cast(_Work, queue[r][0])
-                if head.ready:
-                    self._try_start(head, now)
+        self._start_next(r0, now)
+        if r1 >= 0:
+            self._start_next(r1, now)
         if work.compute:
             self.rt.hop_done(work.job, work.hop, work.t0, now)
+
+    def _start_next(self, r: int, now: float) -> None:
+        """Resource `r` is free: its next work starts if it is ready."""
+        q = self._queue[r]
+        if q and not self._busy[r]:
+            head = cast(_Work, q[0])
+            if head.ready:
+                self._try_start(head, now)
 
     # ------------------------------------------------------------------ failures
 
@@ -482,12 +502,12 @@ class SimulatedCluster(Executor):
         # per-resource record of the running work cost the hot path 3%)
         dying = [
             w
-            for w in [e.work for e in self.clock.pending() if isinstance(e, _End)]
-            if w.compute and w.res[0] in self._dead_res and not w.dead
+            for w in self.clock.pending()
+            if isinstance(w, _Work) and w.compute and w.r0 in self._dead_res and not w.dead
         ]
-        for work in sorted(dying, key=lambda w: w.res[0]):
+        for work in sorted(dying, key=lambda w: w.r0):
             work.dead = True
-            self._busy[work.res[0]] = False
+            self._busy[work.r0] = False
             self._fail(work, "its node died")
 
     def revive_nodes(self, nodes: list[str]) -> None:
