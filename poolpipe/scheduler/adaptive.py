@@ -18,8 +18,10 @@ Two variants share the machinery: `eager` (dispatch whatever is queued, never wa
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections.abc import Iterator
 from typing import Final
+
+from mypy_extensions import mypyc_attr
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler.messages import (
@@ -47,6 +49,7 @@ WAKE_GUARD_US: Final = 1.0
 MIN_HOLD_US: Final = 1e-3
 
 
+@mypyc_attr(acyclic=True)
 class Probe:
     """Where and when a batch would run if dispatched now (a native class: probe() is the
     hot path, and a compiled class's float fields are unboxed)."""
@@ -58,6 +61,84 @@ class Probe:
         self.finish_us = finish_us
         self.start_us = start_us  # when it would start on its first vGPU
         self.path = path  # the hops as they would be reserved (a dispatch takes them)
+
+
+class _Queue:
+    """A model's requests in deadline order: a list from `head` on (compiled, a deque's
+    methods are Python calls); the taken ones at its front are dropped in batches."""
+
+    __slots__ = ("head", "items")
+
+    def __init__(self) -> None:
+        self.items: list[Request] = []
+        self.head = 0
+
+    def __len__(self) -> int:
+        return len(self.items) - self.head
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.items[self.head :])
+
+    def at(self, i: int) -> Request:
+        return self.items[self.head + i]
+
+    def append(self, req: Request) -> None:
+        self.items.append(req)
+
+    def insert(self, i: int, req: Request) -> None:
+        self.items.insert(self.head + i, req)
+
+    def popleft(self) -> Request:
+        items = self.items
+        req = items[self.head]
+        h = self.head + 1
+        if h == len(items):
+            del items[:]
+            h = 0
+        elif h >= 64:
+            del items[:h]
+            h = 0
+        self.head = h
+        return req
+
+
+class _InFlight:
+    """Dispatches not yet ended, by id. Ids are handed out one after another, so a list
+    from `base` on (None: ended) rather than a dict (compiled, a dict boxed every id);
+    the ended ones at its front are dropped in batches."""
+
+    __slots__ = ("base", "head", "items")
+
+    def __init__(self) -> None:
+        self.base = 0  # the id of items[0]
+        self.head = 0  # items before it have ended
+        self.items: list[Dispatch | None] = []
+
+    def add(self, d: Dispatch) -> None:
+        """The next id's dispatch (ids are added in order, none skipped)."""
+        self.items.append(d)
+
+    def get(self, did: int) -> Dispatch | None:
+        i = did - self.base
+        if i < self.head or i >= len(self.items):
+            return None
+        return self.items[i]
+
+    def pop(self, did: int) -> Dispatch | None:
+        d = self.get(did)
+        if d is None:
+            return None
+        items = self.items
+        items[did - self.base] = None
+        h, n = self.head, len(items)
+        while h < n and items[h] is None:
+            h += 1
+        if h >= 64:
+            del items[:h]
+            self.base += h
+            h = 0
+        self.head = h
+        return d
 
 
 def _reservation_key(dispatch: int, hop: int) -> int:
@@ -124,14 +205,14 @@ class ReservationScheduler(DataPlane):
         self._tin: list[float] = []  # per pool: its transfer in, per sample
         self._read_latencies(topo)
         M = len(topo.models)
-        self.queues: list[deque[Request]] = [deque() for _ in range(M)]
+        self.queues = [_Queue() for _ in range(M)]
         self._dirty = [False] * M
         self._wake = [math.inf] * M  # the model waits for more requests until then
         self._wait_batch = [0] * M  # ... or until this many are queued
         self._probes_since = [0] * M
         self._admitted = [-1] * M  # id of the head admitted at its planned batch (dataplane.md)
         self._rejected: list[Drop] = []
-        self._inflight: dict[int, Dispatch] = {}
+        self._inflight = _InFlight()
         self._next_dispatch = 0
 
     # ------------------------------------------------------------------ contract
@@ -142,22 +223,23 @@ class ReservationScheduler(DataPlane):
         if self.max_queue is not None and len(q) >= self.max_queue:
             self._rejected.append(Drop(req, DROP_OVERLOAD))
             return True
-        if not q or q[-1].deadline_us <= req.deadline_us:
+        n = len(q)
+        if n == 0 or q.at(n - 1).deadline_us <= req.deadline_us:
             q.append(req)
         else:
             # Deadline order: a request with a shorter SLO (or one that arrived earlier but
             # reached the plane later) goes before the longer ones, so that every batch,
             # the queue's first b, meets each of its members' deadlines when it meets the
             # head's. (FIFO sent such a request in a batch timed for its elders: late.)
-            i = len(q) - 1
-            while i > 0 and q[i - 1].deadline_us > req.deadline_us:
+            i = n - 1
+            while i > 0 and q.at(i - 1).deadline_us > req.deadline_us:
                 i -= 1
             q.insert(i, req)
         if self._wake[m] == math.inf or len(q) >= self._wait_batch[m]:
             self._dirty[m] = True
             return True
         # joins a batch that waits for more: nothing to decide unless another model is due
-        return any(self._dirty)
+        return any(dirty for dirty in self._dirty)  # (compiled: a loop, not a call)
 
     def decide(self, now: float) -> Decisions:
         out = Decisions([], [], None)
@@ -226,7 +308,7 @@ class ReservationScheduler(DataPlane):
 
     def on_dispatch_failed(self, dispatch: int, hop: int, now: float) -> None:
         """Release what the failed hop and the later ones still hold from `now` on."""
-        d = self._inflight.pop(dispatch, None)
+        d = self._inflight.pop(dispatch)
         if d is None:
             return
         for h in range(hop, len(d.hops)):
@@ -246,7 +328,7 @@ class ReservationScheduler(DataPlane):
     def on_stage_done(self, report: StageReport, now: float) -> bool:
         d = self._correct(report, now)
         if d is not None and report.hop == len(d.hops) - 1:
-            del self._inflight[report.dispatch]
+            self._inflight.pop(report.dispatch)
         return False
 
     # ------------------------------------------------------------------ probe / reserve
@@ -440,8 +522,8 @@ class ReservationScheduler(DataPlane):
         q = self.queues[m]
         pipes = self._pipes[m]
         pipe_batch, no_wait = self._pipe_batch, self._no_wait_us
-        while q:
-            head = q[0]
+        while len(q) > 0:
+            head = q.at(0)
             if head.deadline_us <= now:
                 q.popleft()
                 out.drops.append(Drop(head, DROP_DEADLINE_PASSED))
@@ -534,7 +616,7 @@ class ReservationScheduler(DataPlane):
         # the probe's hops are the dispatch's: a probe is made fresh and used once
         d = Dispatch(did, m, pipe, b, reqs, pr.path, True, self.probes - self._probes_since[m])
         self._probes_since[m] = self.probes
-        self._inflight[did] = d
+        self._inflight.add(d)
         out.dispatches.append(d)
 
 

@@ -2,7 +2,9 @@
 
 Plain slotted dataclasses; times are µs on the driver's clock. Each writes its own
 `__init__`: compiled (native.py), a dataclass's generated one runs interpreted, and these
-are made once per request, batch and stage.
+are made once per request, batch and stage. Those that can never be part of a reference
+cycle are `acyclic` (compiled: not tracked by the cyclic garbage collector, whose young
+collections their numbers would trigger).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Request:
         self.deadline_us = deadline_us
 
 
+@mypyc_attr(acyclic=True)
 @dataclass(slots=True, init=False)
 class Hop:
     """One partition of a batch's path: optional transfer in, then compute on one vGPU."""
@@ -101,6 +104,7 @@ class Dispatch:
         self.probes = probes
 
 
+@mypyc_attr(acyclic=True)
 @dataclass(slots=True, init=False)
 class Drop:
     request: Request
@@ -111,6 +115,7 @@ class Drop:
         self.reason = reason
 
 
+@mypyc_attr(acyclic=True)
 @dataclass(slots=True, init=False)
 class Decisions:
     dispatches: list[Dispatch]
