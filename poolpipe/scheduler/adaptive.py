@@ -258,13 +258,12 @@ class ReservationScheduler(DataPlane):
                 break
             # Links are shared across models: the slack a waiting model computed before
             # these reservations may be gone, so it looks again.
-            touched = [False] * M
             dispatches = out.dispatches
-            for j in range(before, len(dispatches)):
-                touched[dispatches[j].model] = True
             again = False
             for m in range(M):
-                if self._wake[m] < math.inf and not touched[m]:
+                if self._wake[m] < math.inf and not any(
+                    dispatches[j].model == m for j in range(before, len(dispatches))
+                ):
                     self._dirty[m] = again = True
             if not again:
                 break

@@ -12,6 +12,7 @@ virtual clock; the runtime meets them with the policies it uses live.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 from collections.abc import Callable
@@ -651,7 +652,15 @@ class Simulator:
             if arrivals is None
             else _Calls(arrivals(rt))
         )
-        self.clock.run(self.arrival_us, each, done)
+        # The event loop makes and drops a few dozen small objects per request: a young
+        # collection every 700 of them walks the live ones again and again (10,000: 2-3%
+        # less wall time on group 2 at hc2-large, scripts measured in alternation).
+        threshold = gc.get_threshold()
+        gc.set_threshold(max(threshold[0], 10_000), *threshold[1:])
+        try:
+            self.clock.run(self.arrival_us, each, done)
+        finally:
+            gc.set_threshold(*threshold)
         return rt
 
     # ------------------------------------------------------------------ scenario
