@@ -34,6 +34,8 @@ HOT_PATH = (
     "poolpipe/runtime/heap.py",
     "poolpipe/runtime/stats.py",
     "poolpipe/runtime/overdue.py",
+    "poolpipe/runtime/health.py",
+    "poolpipe/runtime/migration.py",
     "poolpipe/runtime/core.py",
     "poolpipe/sim/engine.py",
 )

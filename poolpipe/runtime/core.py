@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.guard import WakeGuard
 from poolpipe.runtime.health import NODE_CHECK_EVERY_US, NodeHealth
@@ -100,6 +102,30 @@ class RuntimeConfig:
             )
 
 
+@mypyc_attr(acyclic=True)
+class _VgpuUse:
+    """One vGPU's counters in a served plan (compiled: native fields, no boxed int or float
+    made per update, as a list's items were)."""
+
+    __slots__ = ("busy_us", "jobs", "running")
+
+    def __init__(self) -> None:
+        self.busy_us = 0.0  # stage time, since the plan began (or reset_stats)
+        self.jobs = 0  # jobs with a hop on it, not yet ended
+        self.running = 0  # hops started and not yet done (when observing)
+
+
+@mypyc_attr(acyclic=True)
+class _PoolUse:
+    """One pool's counters in a served plan: batches run and the requests in them."""
+
+    __slots__ = ("batches", "requests")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.requests = 0
+
+
 class _Plan:
     """The runtime's bookkeeping of one served plan (a migration starts a new one; jobs
     dispatched on the old one finish on it, and it is retired after the last)."""
@@ -111,15 +137,12 @@ class _Plan:
         "model_stats",
         "node_vgpus",
         "plane",
-        "pool_batches",
-        "pool_requests",
+        "pools",
         "recal",
-        "running",
         "served",
         "slo_us",
         "stage_factors",
-        "vgpu_busy_us",
-        "vgpu_jobs",
+        "vgpus",
     )
 
     def __init__(
@@ -134,11 +157,8 @@ class _Plan:
         self.plane = served.plane
         topo = served.topo
         V, P = len(topo.vgpus), len(topo.pools)
-        self.vgpu_busy_us = [0.0] * V
-        self.running = [0] * V  # hops started and not yet done, per vGPU (when observing)
-        self.vgpu_jobs = [0] * V  # jobs with a hop on the vGPU, not yet ended
-        self.pool_batches = [0] * P  # batches run and requests in them, per pool
-        self.pool_requests = [0] * P
+        self.vgpus = [_VgpuUse() for _ in range(V)]
+        self.pools = [_PoolUse() for _ in range(P)]
         self.stage_factors: list[list[float]] = [[] for _ in range(P)]
         self.node_vgpus: dict[str, list[int]] = {}
         for v, node in served.vgpu_node.items():
@@ -152,15 +172,15 @@ class _Plan:
 
     @property
     def pool_busy_us(self) -> list[float]:
-        return [sum(self.vgpu_busy_us[v] for v in p.vgpus) for p in self.served.topo.pools]
+        return [sum(self.vgpus[v].busy_us for v in p.vgpus) for p in self.served.topo.pools]
 
     def usage(self) -> PlanUsage:
         return PlanUsage(
             self.generation,
             self.served,
-            tuple(self.vgpu_busy_us),
-            tuple(self.pool_batches),
-            tuple(self.pool_requests),
+            tuple(u.busy_us for u in self.vgpus),
+            tuple(u.batches for u in self.pools),
+            tuple(u.requests for u in self.pools),
         )
 
 
@@ -411,17 +431,12 @@ class ServingRuntime:
         # a failure (its job ends there). Answers skip any entry that has one already.
         entries: list[Entry] = d.requests  # type: ignore[assignment]
         n = len(entries)
-        # (compiled, `a[i] = a[i] + x` is a native add; `a[i] += x` a generic one)
-        pool_batches, pool_requests, vgpu_jobs = (
-            plan.pool_batches,
-            plan.pool_requests,
-            plan.vgpu_jobs,
-        )
+        pools, vgpus = plan.pools, plan.vgpus  # native counters (_VgpuUse, _PoolUse)
         for hop in d.hops:
-            p = hop.pool
-            pool_batches[p] = pool_batches[p] + 1
-            pool_requests[p] = pool_requests[p] + n
-            vgpu_jobs[hop.vgpu] = vgpu_jobs[hop.vgpu] + 1
+            pu = pools[hop.pool]
+            pu.batches += 1
+            pu.requests += n
+            vgpus[hop.vgpu].jobs += 1
         if d.hops[0].pool == plan.first_pool[d.pipeline]:
             self.batches += 1
             stats = entries[0].stats
@@ -434,6 +449,8 @@ class ServingRuntime:
             if e.due_us < due:
                 due = e.due_us
         job = Job(d, entries, plan, due - d.hops[-1].end_us)
+        if self._observing:
+            job.idle = []
         plan.jobs += 1
         if self._watch is not None:
             self._watch.add(job, due)
@@ -445,9 +462,9 @@ class ServingRuntime:
         job.ended = True
         plan: _Plan = job._plan
         plan.jobs -= 1
-        vgpu_jobs = plan.vgpu_jobs
+        vgpus = plan.vgpus
         for hop in job.dispatch.hops:
-            vgpu_jobs[hop.vgpu] = vgpu_jobs[hop.vgpu] - 1
+            vgpus[hop.vgpu].jobs -= 1
         if plan.jobs == 0 and plan is not self._plan:
             self._retire(plan)
 
@@ -492,8 +509,9 @@ class ServingRuntime:
         job.started = h + 1
         if self._observing:
             v = d.hops[h].vgpu
-            job.idle.append(plan.running[v] == 0)
-            plan.running[v] += 1
+            use = plan.vgpus[v]
+            job.idle.append(use.running == 0)
+            use.running += 1
         if transfer is None:
             report = self._lend_report(d.id, h, start_us, None, None, None)
         else:
@@ -525,11 +543,11 @@ class ServingRuntime:
         plan: _Plan = job._plan
         d = job.dispatch
         hop = d.hops[h]
-        busy = plan.vgpu_busy_us
-        busy[hop.vgpu] = busy[hop.vgpu] + (end_us - start_us)
+        use = plan.vgpus[hop.vgpu]
+        use.busy_us += end_us - start_us
         current = plan is self._plan
         if self._observing:
-            plan.running[hop.vgpu] -= 1
+            use.running -= 1
             if job.idle[h] and current:
                 reserved = max(1.0, hop.end_us - hop.start_us)
                 self._observe(plan, hop.pool, (end_us - start_us) / reserved)
@@ -578,7 +596,7 @@ class ServingRuntime:
             job.slack_us = first - d.hops[-1].end_us
             return True
         if job.started > h and self._observing:  # a hop given up on after it started
-            plan.running[d.hops[h].vgpu] -= 1
+            plan.vgpus[d.hops[h].vgpu].running -= 1
         plan.plane.on_dispatch_failed(d.id, h, now)
         current = plan is self._plan
         self._ended(job)
@@ -598,7 +616,7 @@ class ServingRuntime:
         hop = d.hops[h]
         now = self.clock.now()
         if job.started > h and self._observing:
-            plan.running[hop.vgpu] -= 1
+            plan.vgpus[hop.vgpu].running -= 1
         plan.plane.on_dispatch_failed(d.id, h, now)
         node = plan.served.vgpu_node[hop.vgpu]
         current = plan is self._plan
@@ -703,7 +721,7 @@ class ServingRuntime:
     def node_jobs(self, node: str) -> int:
         """Batches with a hop on `node` that have not ended, over every plan not retired."""
         plans = (*self._old, self._plan)
-        return sum(sum(p.vgpu_jobs[v] for v in p.node_vgpus.get(node, ())) for p in plans)
+        return sum(sum(p.vgpus[v].jobs for v in p.node_vgpus.get(node, ())) for p in plans)
 
     def _node_down(self, node: str, now: float, why: str = "") -> None:
         plan = self._plan
@@ -812,7 +830,8 @@ class ServingRuntime:
         for s in self.stats.values():
             s.clear()
         plan = self._plan
-        plan.vgpu_busy_us[:] = [0.0] * len(plan.vgpu_busy_us)
+        for use in plan.vgpus:
+            use.busy_us = 0.0
         for f in plan.stage_factors:
             f.clear()
         self.drop_reasons.clear()

@@ -122,6 +122,9 @@ class Entry(Request):
         self.outcome = outcome
 
 
+_NOT_OBSERVED: Final[list[bool]] = []
+
+
 class Job:
     """A dispatched batch as the executor runs it: its hops in order, on its plan.
 
@@ -145,7 +148,9 @@ class Job:
         self._plan = plan  # the runtime's own bookkeeping of the plan it runs on
         self.generation: int = plan.generation
         self.started = 0  # hops reported started so far
-        self.idle: list[bool] = []  # per started hop: its vGPU had nothing else running
+        # per started hop: its vGPU had nothing else running (a runtime that observes
+        # stage times gives each job a list of its own; shared and empty otherwise)
+        self.idle: list[bool] = _NOT_OBSERVED
         # How much later than reserved a hop may start with every request still on time
         # (the earliest SLO end, arrival + SLO, less the reserved end of the last hop).
         self.slack_us = slack_us
