@@ -28,7 +28,7 @@ from typing import Any
 
 from poolpipe.domain.apps import App, FanOut
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Clock, Outcome
+from poolpipe.runtime.ports import FAILED, LATE, ON_TIME, Clock, Outcome, count_answer
 from poolpipe.runtime.stats import ModelStats
 
 
@@ -252,15 +252,10 @@ class AppCoordinator:
     def _end(self, req: AppRequest, outcome: Outcome, reason: str) -> None:
         req.answered = True
         self.open -= 1
-        st = self.stats[req.app.name]
-        if outcome is ON_TIME:
-            st.on_time += 1
-        elif outcome is LATE:
-            st.late += 1
-        elif outcome is DROPPED:
-            st.dropped += 1
-        else:
-            st.failed += 1
-        if outcome.has_result and self._keep_latencies:
-            st.latency_us.append(self.clock.now() - req.arrived_us)
+        latency = (
+            self.clock.now() - req.arrived_us
+            if outcome.has_result and self._keep_latencies
+            else None
+        )
+        count_answer(self.stats[req.app.name], outcome, latency)
         self._answer(req, outcome, reason)

@@ -57,6 +57,7 @@ from poolpipe.runtime.ports import (
     PlanUsage,
     ServedPlan,
     Timer,
+    count_answer,
 )
 from poolpipe.runtime.recalibration import RECALIBRATE_BAND, RECALIBRATE_EVERY, Recalibrator
 from poolpipe.runtime.stats import ModelStats, Window, Windows
@@ -751,25 +752,16 @@ class ServingRuntime:
 
     def _end(self, entry: Entry, outcome: Outcome, reason: str, t: float) -> None:
         entry.outcome = outcome
+        latency = (
+            t - entry.arrival_us
+            if self._keep_latencies and (outcome is ON_TIME or outcome is LATE)
+            else None
+        )
         stats = entry.stats  # its window's; and the model's cumulative counters
-        total = stats.total
-        if outcome is ON_TIME:
-            stats.on_time += 1
-            total.on_time += 1
-        elif outcome is LATE:
-            stats.late += 1
-            total.late += 1
-        elif outcome is DROPPED:
-            stats.dropped += 1
-            total.dropped += 1
+        count_answer(stats, outcome, latency)
+        count_answer(stats.total, outcome, latency)
+        if outcome is DROPPED:
             self.drop_reasons[reason] += 1
-        else:
-            stats.failed += 1
-            total.failed += 1
-        if self._keep_latencies and (outcome is ON_TIME or outcome is LATE):
-            latency = t - entry.arrival_us
-            stats.latency_us.append(latency)
-            total.latency_us.append(latency)
         self.executor.answer(entry, outcome, reason)
         if not self._live and self._migration.finishing:
             self.clock.call_at(t, self._complete_switch)

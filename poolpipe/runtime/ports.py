@@ -17,7 +17,7 @@ from typing import Any, Final, Protocol
 
 from mypy_extensions import mypyc_attr
 
-from poolpipe.runtime.stats import EpochStats
+from poolpipe.runtime.stats import EpochStats, ModelStats
 from poolpipe.scheduler import DataPlane, Dispatch, Request, Topology
 
 
@@ -110,16 +110,30 @@ class Entry(Request):
         result: Any = None,
         outcome: Outcome = PENDING,
     ) -> None:
-        self.id = id
-        self.model = model
-        self.arrival_us = arrival_us
-        self.deadline_us = deadline_us
+        # (not super(): dataclass(slots=True) makes a new class, which a zero-argument
+        # super() in a method of the old one does not know)
+        Request.__init__(self, id, model, arrival_us, deadline_us)
         self.due_us = due_us
         self.payload = payload
         self.stats = stats
         self.attempts = attempts
         self.result = result
         self.outcome = outcome
+
+
+def count_answer(stats: ModelStats, outcome: Outcome, latency_us: float | None) -> None:
+    """One answer in a model's (or an application's) counters: its outcome, and its latency
+    (None: not kept, or no result)."""
+    if outcome is ON_TIME:
+        stats.on_time += 1
+    elif outcome is LATE:
+        stats.late += 1
+    elif outcome is DROPPED:
+        stats.dropped += 1
+    else:
+        stats.failed += 1
+    if latency_us is not None:
+        stats.latency_us.append(latency_us)
 
 
 _NOT_OBSERVED: Final[list[bool]] = []
