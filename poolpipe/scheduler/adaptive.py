@@ -37,7 +37,7 @@ from poolpipe.scheduler.messages import (
     StageReport,
 )
 from poolpipe.scheduler.reservations import ReservationTable
-from poolpipe.scheduler.topology import Pipeline, Topology
+from poolpipe.scheduler.topology import Pipeline, Topology, latency_tables
 
 POLICIES: Final = ("adaptive", "eager", "deferred")
 # Wake up this long before the computed last moment, so float round-off cannot turn an
@@ -294,7 +294,7 @@ class ReservationScheduler(DataPlane):
 
     def _read_latencies(self, topo: Topology) -> None:
         self._no_wait_us, self._grow_to = _per_pipeline(topo)
-        self._lat = [[float(x) for x in pool.latency_us] for pool in topo.pools]
+        self._lat = latency_tables(topo)
         self._tin = [float(pool.transfer_in_us) for pool in topo.pools]
 
     def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:

@@ -224,6 +224,12 @@ def build_topology(
     )
 
 
+def latency_tables(topo: Topology) -> list[list[float]]:
+    """Per pool, its latency at each batch size as a list of floats (index 0 unused): what
+    the compiled hot path reads (native.py: a list of floats, not a dataclass's tuple)."""
+    return [[float(x) for x in pool.latency_us] for pool in topo.pools]
+
+
 def with_latencies(topo: Topology, latency_us: Mapping[int, tuple[float, ...]]) -> Topology:
     """The same topology with some pools' latencies (per batch, index 0 unused) replaced, as
     measured on the live system (calibration)."""

@@ -42,6 +42,7 @@ from poolpipe.runtime import (
 from poolpipe.runtime.heap import Keyed, heapify, pop, push
 from poolpipe.runtime.placement import vgpu_nodes
 from poolpipe.scheduler import DataPlane, Decisions, PlaneWrapper, Topology, make_data_plane
+from poolpipe.scheduler.topology import latency_tables
 from poolpipe.sim.metrics import SimResult, summarize
 from poolpipe.sim.scenario import GpuChange, Rollout, Scenario, ScenarioEvent
 
@@ -77,6 +78,7 @@ class SimConfig:
 # An event's key: its time, then priority * _PRIORITY + the order scheduled (so the
 # priority decides ties of time, then the order; runs schedule far fewer than 2**48).
 _PRIORITY: Final = 1 << 48
+_END_KEY: Final = _END * _PRIORITY  # (a constant: the commonest event, a work's end)
 # the wall clock of MeteredPlane (Final, compiled: a static, not a lookup per call)
 _wall_s: Final = perf_counter
 
@@ -179,13 +181,17 @@ class VirtualClock(Clock):
 
     def add(self, t: float, priority: int, event: _Event) -> None:
         """Schedule an event of the driver's own (its `fire()` at `t`), as `schedule`."""
-        self._seq += 1
-        push(self._events, Keyed(t, priority * _PRIORITY + self._seq, event))
+        self._push(t, priority * _PRIORITY, event)
 
     def end_at(self, t: float, work: _Work) -> None:
         """`work` ends at `t` (priority _END): `ends._end(work)` then."""
+        self._push(t, _END_KEY, work)
+
+    def _push(self, t: float, key: int, item: object) -> None:
+        """`item` at `t`, keyed by its priority's `key` (priority * _PRIORITY), then the
+        order scheduled."""
         self._seq += 1
-        push(self._events, Keyed(t, _END * _PRIORITY + self._seq, work))
+        push(self._events, Keyed(t, key + self._seq, item))
 
     def pending(self) -> list[object]:
         """What is still to come (events, works that end), in no order."""
@@ -325,7 +331,7 @@ class SimulatedCluster(Executor):
             [base + V + v.server for v in truth.vgpus],
             [base + V + S + v.server for v in truth.vgpus],
             node_res,
-            [[float(x) for x in pool.latency_us] for pool in truth.pools],
+            latency_tables(truth),
         )
         self._layouts[generation] = lay
         for node in self.dead_nodes:
@@ -545,9 +551,8 @@ class MeteredPlane(PlaneWrapper):
 
     def decide(self, now: float) -> Decisions:
         t0 = _wall_s()
-        dec = self.inner.decide(now)
+        dec = super().decide(now)
         dt = _wall_s() - t0
-        self.probes = self.inner.probes
         self.seconds += dt
         if dec.dispatches:
             self.per_batch.append(dt / len(dec.dispatches))
