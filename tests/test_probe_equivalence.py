@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poolpipe.scheduler import ReservationScheduler, earliest_common_slot
+from poolpipe.scheduler.adaptive import _BoundTree
 from poolpipe.scheduler.messages import Request, StageReport
 from poolpipe.scheduler.topology import Topology
 from tests.factories import make_pipelines, make_topology
@@ -128,9 +129,9 @@ def multi_pipeline_topology(shapes, lats, transfer: float) -> Topology:
     )
 
 
-def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool) -> list:
+def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None) -> list:
     """Requests at `arrivals`; each stage runs stretch[k] x its reserved length (started on
-    time); returns every decision."""
+    time); returns every decision. `check(sch, t)` runs after each."""
     events: list[tuple[float, int, int, object]] = []  # (time, order, seq, what)
     seq = 0
     for i, t in enumerate(arrivals):
@@ -150,6 +151,8 @@ def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool) -> list:
         if forget:
             sch._booked_from = [-math.inf] * len(sch._booked_from)
         out = sch.decide(t)
+        if check is not None:
+            check(sch, t)
         log.append(sorted((d.request.id, d.reason) for d in out.drops))
         for d in out.dispatches:
             log.append((d.pipeline, d.batch, [r.id for r in d.requests], d.hops))
@@ -194,3 +197,80 @@ def test_a_booked_pipeline_is_not_probed():
     fast, plain = ReservationScheduler(topo), ReservationScheduler(topo)
     assert drive(fast, arrivals, [1.0], False) == drive(plain, arrivals, [1.0], True)
     assert fast.probes < 0.9 * plain.probes, (fast.probes, plain.probes)
+
+
+# ---------------------------------------------------------------------------- bounds
+#
+# The probe skips the vGPUs (and servers) whose lower bound says they cannot matter
+# (_BoundTree, kept up to date at every reservation and correction). Check the tree's search
+# against a scan, and the probe against the plain rule on tables that dispatches and
+# corrections wrote (where the bounds are real, unlike above where tests write the tables).
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    vals=st.lists(st.sampled_from([-math.inf, 0.0, 1.0, 2.5, 4.0, 7.0, math.inf]), min_size=1),
+    i=st.integers(0, 40),
+    least=st.sampled_from([-math.inf, 0.0, 2.0, 5.0, math.inf]),
+    lat=st.sampled_from([0.0, 1.0, 3.0]),
+    best=st.sampled_from([0.0, 3.0, 6.0, math.inf]),
+    seed=st.sampled_from([1.0, 5.0, math.inf]),
+)
+def test_bound_tree_finds_what_a_scan_finds(vals, i, least, lat, best, seed):
+    tree = _BoundTree(len(vals))
+    for k, x in enumerate(vals):
+        tree.set(k, x)
+    want = next(
+        (
+            k
+            for k in range(i, len(vals))
+            if vals[k] < least or (vals[k] + lat < best and vals[k] + lat <= seed)
+        ),
+        len(vals),
+    )
+    assert tree.next_below(i, least, lat, best, seed) == want
+    assert tree.least() == min(vals)
+    assert vals[tree.argmin()] == min(vals) and tree.argmin() == vals.index(min(vals))
+
+
+def probes_match_the_plain_rule(sch: ReservationScheduler, t: float) -> None:
+    for pipe in sch.topo.pipelines:
+        for b in (1, 2):
+            got = sch.probe(pipe, b, t)
+            wait, finish, path = reference_probe(sch, pipe, b, t)
+            assert (got.wait_us, got.finish_us, [astuple(h) for h in got.path]) == (
+                wait,
+                finish,
+                path,
+            )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    shapes=st.lists(
+        st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=1, max_size=3),
+        min_size=1,
+        max_size=3,
+    ),
+    gaps=st.lists(st.integers(0, 6), min_size=10, max_size=50),
+    stretch=st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size=5),
+    transfer=st.integers(0, 3),
+)
+def test_probes_on_tables_the_plane_wrote_equal_the_plain_rule(shapes, gaps, stretch, transfer):
+    topo = multi_pipeline_topology(shapes, [8.0, 12.0], float(transfer))
+    arrivals = list(itertools.accumulate(float(g) for g in gaps))
+    sch = ReservationScheduler(topo)
+    drive(sch, arrivals, stretch, False, check=probes_match_the_plain_rule)
+    assert sch.probes > 0
+
+
+def test_a_probe_of_the_past_sees_what_was_free_then():
+    """Bounds hold from the time they were computed on; a probe of an earlier time (a test,
+    a replay) computes them anew rather than trusting them."""
+    topo = multi_pipeline_topology([[[0, 0]]], [8.0, 12.0], 0.0)
+    sch = ReservationScheduler(topo)
+    for i in range(4):
+        sch.add_request(Request(i, 0, 10.0, 70.0), 10.0)
+    assert len(sch.decide(10.0).dispatches) == 2  # both vGPUs reserved from 10 on
+    probes_match_the_plain_rule(sch, 0.0)
+    probes_match_the_plain_rule(sch, 10.0)

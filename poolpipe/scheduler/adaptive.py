@@ -141,6 +141,87 @@ class _InFlight:
         return d
 
 
+@mypyc_attr(acyclic=True)
+class _BoundTree:
+    """Lower bounds of a pool's members (its vGPUs, or its servers' groups of them) in scan
+    order, with every subtree's minimum: the probe skips, in O(log n), every run of members
+    that cannot beat the best found so far instead of scanning their tables one by one.
+
+    A member's bound is when its vGPU (or the earliest of the group's) could start the
+    pool's shortest stage at or after the time it was last computed (`_bound`): a probe at a
+    later time, or of a longer stage, starts no earlier (reservations only push starts later,
+    and the scheduler recomputes a bound whenever a correction frees a table)."""
+
+    __slots__ = ("n", "size", "vals")
+
+    def __init__(self, n: int) -> None:
+        size = 1
+        while size < n:
+            size *= 2
+        self.n = n
+        self.size = size
+        vals = [math.inf] * (2 * size)  # leaves from `size` on; padding stays +inf
+        for i in range(n):
+            vals[size + i] = -math.inf  # unknown: no bound
+        for j in range(size - 1, 0, -1):
+            a, b = vals[2 * j], vals[2 * j + 1]
+            vals[j] = a if a < b else b
+        self.vals = vals
+
+    def set(self, i: int, x: float) -> None:
+        vals = self.vals
+        j = i + self.size
+        vals[j] = x
+        j >>= 1
+        while j >= 1:
+            a, b = vals[2 * j], vals[2 * j + 1]
+            m = a if a < b else b
+            if vals[j] == m:
+                return  # the ancestors keep their minimum
+            vals[j] = m
+            j >>= 1
+
+    def least(self) -> float:
+        return self.vals[1]
+
+    def argmin(self) -> int:
+        """The first member with the least bound."""
+        vals, size = self.vals, self.size
+        j = 1
+        while j < size:
+            j *= 2
+            if vals[j + 1] < vals[j]:
+                j += 1
+        return j - size
+
+    def next_below(self, i: int, least: float, lat: float, best: float, seed: float) -> int:
+        """The first member at or after i whose bound x has x < least, or x + lat < best and
+        x + lat <= seed (floating-point addition is monotone, so a subtree's minimum answers
+        for the subtree), or n."""
+        n = self.n
+        if i >= n:
+            return n
+        vals, size = self.vals, self.size
+        j = i + size
+        while True:
+            x = vals[j]
+            y = x + lat
+            if x < least or (y < best and y <= seed):
+                break
+            while j & 1:  # a right child: the next range starts after the parent's
+                j >>= 1
+            if j == 0:
+                return n
+            j += 1
+        while j < size:  # down to the first member that qualifies
+            j *= 2
+            x = vals[j]
+            y = x + lat
+            if not (x < least or (y < best and y <= seed)):
+                j += 1
+        return j - size
+
+
 def _reservation_key(dispatch: int, hop: int) -> int:
     """Key of a hop's compute reservation; its transfer's is this + 1 (hops < 32)."""
     return dispatch * 64 + hop * 2
@@ -182,14 +263,31 @@ class ReservationScheduler(DataPlane):
             self._groups.append(list(by_server.items()))
             self._group_index.append({srv: i for i, srv in enumerate(by_server)})
         self._flat = [list(pool.vgpus) for pool in topo.pools]
-        # twice over, so that a rotation is a run of indexes: [r, r + n)
-        self._flat2 = [flat + flat for flat in self._flat]
-        self._gsrv2 = [[srv for srv, _ in groups] * 2 for groups in self._groups]
-        self._gvg2 = [[vgs for _, vgs in groups] * 2 for groups in self._groups]
+        self._gsrv = [[srv for srv, _ in groups] for groups in self._groups]
+        self._gvg = [[vgs for _, vgs in groups] for groups in self._groups]
         self._flat_index = [0] * len(topo.vgpus)  # per vGPU: its index in its pool's _flat
         for flat in self._flat:
             for i, v in enumerate(flat):
                 self._flat_index[v] = i
+        self._pool_of = [v.pool for v in topo.vgpus]
+        self._group_of = [  # per vGPU: its server's index in its pool's _groups
+            self._group_index[v.pool][v.server] for v in topo.vgpus
+        ]
+        # Per vGPU a lower bound on when it can start a stage of its pool (_touch), and per
+        # pool the bounds in scan order: of its vGPUs (a first hop) and its servers' groups.
+        self._lb = [-math.inf] * len(topo.vgpus)
+        self._ftree = [_BoundTree(len(flat)) for flat in self._flat]
+        self._gtree = [_BoundTree(len(groups)) for groups in self._groups]
+        self._bound_from = -math.inf  # every bound holds for probes from this time on
+        # which tree a pool needs: the first pool of a pipeline, a later one (or both)
+        self._first = [False] * len(topo.pools)
+        self._later = [False] * len(topo.pools)
+        for pipe in topo.pipelines:
+            for d, pid in enumerate(pipe.pools):
+                if d == 0:
+                    self._first[pid] = True
+                else:
+                    self._later[pid] = True
         self._rr = [0] * len(topo.pools)
         # Per pool, from its last probe that found no vGPU free at once: no vGPU of the pool
         # can start a stage of _booked_lat µs at or after _booked_t before _booked_from.
@@ -289,6 +387,7 @@ class ReservationScheduler(DataPlane):
         router recalibrating under load); what is already reserved stays as it is."""
         self.topo = topo
         self._read_latencies(topo)
+        self._rebound(self._bound_from)  # the shortest stages may be shorter now
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -296,11 +395,41 @@ class ReservationScheduler(DataPlane):
         self._no_wait_us, self._grow_to = _per_pipeline(topo)
         self._lat = latency_tables(topo)
         self._tin = [float(pool.transfer_in_us) for pool in topo.pools]
+        self._lat_min = [min(lat[1:], default=0.0) for lat in self._lat]
+
+    def _touch(self, v: int, now: float) -> None:
+        """vGPU v's table changed at `now`: its bound anew, and its pool's trees."""
+        pid = self._pool_of[v]
+        x = self.vgpu_table[v].earliest_slot(now, self._lat_min[pid])
+        lbs = self._lb
+        if lbs[v] != x:
+            lbs[v] = x
+            if self._first[pid]:
+                self._ftree[pid].set(self._flat_index[v], x)
+            if self._later[pid]:
+                g = self._group_of[v]
+                m = math.inf
+                for u in self._gvg[pid][g]:
+                    y = lbs[u]
+                    if y < m:
+                        m = y
+                self._gtree[pid].set(g, m)
+        if now > self._bound_from:
+            self._bound_from = now
+
+    def _rebound(self, now: float) -> None:
+        """Every bound anew from `now` (a probe earlier than the last change, new latencies)."""
+        if now == -math.inf:
+            return  # nothing bounded yet
+        self._bound_from = -math.inf
+        for v in range(len(self.vgpu_table)):
+            self._touch(v, now)
 
     def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
         """Take a vGPU out of (or back into) service: while down it is reserved forever, so
         no probe picks it; what it had reserved stays until the driver reports it done."""
         self.vgpu_table[vgpu].correct(-1 - vgpu, now, math.inf if down else now, now)
+        self._touch(vgpu, now)
         self._booked_from[self.topo.vgpus[vgpu].pool] = -math.inf
         for m in range(len(self.queues)):
             self._dirty[m] = True
@@ -314,6 +443,7 @@ class ReservationScheduler(DataPlane):
             key = _reservation_key(dispatch, h)
             x = d.hops[h]
             self.vgpu_table[x.vgpu].correct(key, now, now, now)
+            self._touch(x.vgpu, now)
             self._booked_from[x.pool] = -math.inf
             if x.transfer_end_us > x.transfer_start_us:
                 self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
@@ -340,6 +470,8 @@ class ReservationScheduler(DataPlane):
         """probe() of pipeline `pi`. The hot path: slot scans inlined, ranges of indexes
         rather than slices, and typed locals (compiled, floats stay unboxed)."""
         self.probes += 1
+        if now < self._bound_from:
+            self._rebound(now)  # a probe of the past (tests): the bounds hold from `now` on
         tables = self.vgpu_table
         lats, tin = self._lat, self._tin
         t = now
@@ -358,12 +490,32 @@ class ReservationScheduler(DataPlane):
             out = b * tin[pipe_pools[d + 1]] if d + 1 < npools else 0.0
             if prev < 0:
                 r = self._rr[pid]
-                flat2 = self._flat2[pid]
+                flat = self._flat[pid]
+                tree = self._ftree[pid]
                 best_key, best_s, best_v = math.inf, math.inf, -1
                 least = math.inf  # the earliest start of any vGPU of the pool
                 every = True
-                for j in range(r, r + len(self._flat[pid])):
-                    v = flat2[j]
+                # A seed: the vGPU of the least bound, most likely the best. What it would
+                # give bounds the scan (which alone decides, ties in scan order included).
+                seed = math.inf
+                if tree.least() < math.inf:
+                    v = flat[tree.argmin()]
+                    least = tables[v].earliest_slot(t, lat)
+                    f = least + lat
+                    seed = uplink[server_of[v]].earliest_slot(f, out) if out else f
+                # The vGPUs in scan order from r: [r, n), then [0, r); the tree skips those
+                # whose bound says they can neither beat the seed or the best so far nor
+                # lower `least`.
+                lo, hi = r, len(flat)
+                while True:
+                    j = tree.next_below(lo, least, lat, best_key, seed)
+                    if j >= hi:
+                        if hi == r or r == 0:
+                            break
+                        lo, hi = 0, r
+                        continue
+                    lo = j + 1
+                    v = flat[j]
                     s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
                     tab = tables[v]
                     starts, ends = tab.starts, tab.ends
@@ -398,10 +550,19 @@ class ReservationScheduler(DataPlane):
                 t_up = up.earliest_slot(t, dur) if dur > 0 else t
                 floor = t_up + dur + lat  # nothing can finish earlier
                 r = self._rr[pid]
-                gsrv, gvg = self._gsrv2[pid], self._gvg2[pid]
+                gsrv, gvg = self._gsrv[pid], self._gvg[pid]
+                tree = self._gtree[pid]
                 # the best so far: key, finish, vgpu, transfer start and end, start
                 bk, bf, bv, bts, bte, bs = math.inf, math.inf, -1, 0.0, 0.0, 0.0
-                for g in range(r, r + len(self._groups[pid])):
+                lo, hi = r, len(gsrv)
+                while True:  # the servers in scan order from r, as for a first hop
+                    g = tree.next_below(lo, -math.inf, lat, bk, math.inf)
+                    if g >= hi:
+                        if hi == r or r == 0:
+                            break
+                        lo, hi = 0, r
+                        continue
+                    lo = g + 1
                     srv = gsrv[g]
                     vgs = gvg[g]
                     # Skip the server when none of its vGPUs could beat the best even if the
@@ -472,6 +633,7 @@ class ReservationScheduler(DataPlane):
             table = self.vgpu_table[v]
             table.forget_before(now)
             table.reserve(hop.start_us, hop.end_us, key)
+            self._touch(v, now)
             ts, te = hop.transfer_start_us, hop.transfer_end_us
             if te > ts:
                 up = self.uplink[server_of[src]]
@@ -501,9 +663,11 @@ class ReservationScheduler(DataPlane):
         if end is None:  # started: assume it runs as long as reserved
             if start != hop.start_us:
                 self.vgpu_table[hop.vgpu].correct(key, start, start + length, now)
+                self._touch(hop.vgpu, now)
                 self._booked_from[hop.pool] = -math.inf
         elif start + length > now:  # done before its assumed end: free the rest
             self.vgpu_table[hop.vgpu].correct(key, start, end, now)
+            self._touch(hop.vgpu, now)
             self._booked_from[hop.pool] = -math.inf
         ts, te = report.transfer_start_us, report.transfer_end_us
         if ts is not None and te is not None and (hop.transfer_end_us > now or te > now):
