@@ -518,12 +518,13 @@ class ReservationScheduler(DataPlane):
                     v = flat[j]
                     s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
                     tab = tables[v]
-                    starts, ends = tab.starts, tab.ends
-                    for i in range(tab.head, len(starts)):
-                        e = ends[i]
+                    busy = tab.busy
+                    for i in range(tab.head, len(busy)):
+                        iv = busy[i]
+                        e = iv.end
                         if e <= s:
                             continue
-                        if starts[i] >= s + lat:
+                        if iv.start >= s + lat:
                             break
                         s = e
                     if s < least:
@@ -571,12 +572,13 @@ class ReservationScheduler(DataPlane):
                     for v in vgs:
                         s = floor - lat  # vgpu_table[v].earliest_slot(t_up + dur, lat)
                         tab = tables[v]
-                        starts, ends = tab.starts, tab.ends
-                        for i in range(tab.head, len(starts)):
-                            e = ends[i]
+                        busy = tab.busy
+                        for i in range(tab.head, len(busy)):
+                            iv = busy[i]
+                            e = iv.end
                             if e <= s:
                                 continue
-                            if starts[i] >= s + lat:
+                            if iv.start >= s + lat:
                                 break
                             s = e
                         if s < lb:
@@ -600,12 +602,13 @@ class ReservationScheduler(DataPlane):
                     for v in vgs:
                         s = te  # vgpu_table[v].earliest_slot(te, lat), inlined
                         tab = tables[v]
-                        starts, ends = tab.starts, tab.ends
-                        for i in range(tab.head, len(starts)):
-                            e = ends[i]
+                        busy = tab.busy
+                        for i in range(tab.head, len(busy)):
+                            iv = busy[i]
+                            e = iv.end
                             if e <= s:
                                 continue
-                            if starts[i] >= s + lat:
+                            if iv.start >= s + lat:
                                 break
                             s = e
                         f = s + lat

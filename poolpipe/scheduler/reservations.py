@@ -9,8 +9,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+from mypy_extensions import mypyc_attr
+
 # Ended intervals are dropped from the lists once this many have gathered at their front.
 _DROP_AFTER: Final = 16
+
+
+@mypyc_attr(acyclic=True)
+class Busy:
+    """One reservation [start, end) of a table, `key` naming it for feedback correction (a
+    native class: compiled, its floats are read straight from the object, where a list of
+    floats boxes each one)."""
+
+    __slots__ = ("end", "key", "start")
+
+    def __init__(self, start: float, end: float, key: int) -> None:
+        self.start = start
+        self.end = end
+        self.key = key
 
 
 class ReservationTable:
@@ -19,77 +35,72 @@ class ReservationTable:
     Intervals may overlap after feedback correction (a stage that ran late); every query
     treats the table as the union of its intervals, so overlaps only make it conservative.
 
-    Three parallel lists rather than a list of (start, end, key) tuples: compiled
-    (native.py), a float read from a list is one unboxing, from a tuple in a list a tuple
-    too, and inserting in order compares floats instead of tuples. The table is the lists
-    from `head` on: `forget_before` moves `head` past the intervals that ended and drops
-    them from the lists in batches (a vGPU's table is a queue: one at a time, they would
-    cost a list shift and often a reallocation each). A hot loop may hold on to the lists
-    and read them from `head` (it must not modify them).
+    A list of `Busy` objects from `head` on: `forget_before` moves `head` past the intervals
+    that ended and drops them from the list in batches (a vGPU's table is a queue: one at a
+    time, they would cost a list shift and often a reallocation each). A hot loop may hold
+    on to the list and read it from `head` (it must not modify it).
     """
 
-    __slots__ = ("ends", "head", "keys", "name", "starts")
+    __slots__ = ("busy", "head", "name")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.keys: list[int] = []  # identifies the reservation for feedback correction
+        self.busy: list[Busy] = []
         self.head = 0
 
     def __len__(self) -> int:
-        return len(self.starts) - self.head
+        return len(self.busy) - self.head
 
     def intervals(self) -> list[tuple[float, float]]:
-        h = self.head
-        return list(zip(self.starts[h:], self.ends[h:], strict=True))
+        return [(b.start, b.end) for b in self.busy[self.head :]]
 
     def forget_before(self, now: float) -> None:
         """Drop the intervals at the front that ended by `now`: they cannot matter to any
         later query. (One that ended behind a longer one goes once it reaches the front;
         queries skip it meanwhile, as they skip any interval over before their time.)"""
-        ends = self.ends
-        n = len(ends)
+        busy = self.busy
+        n = len(busy)
         h = self.head
-        while h < n and ends[h] <= now:
+        while h < n and busy[h].end <= now:
             h += 1
         if h >= _DROP_AFTER:
-            del self.starts[:h]
-            del ends[:h]
-            del self.keys[:h]
+            del busy[:h]
             h = 0
         self.head = h
 
     def earliest_slot(self, t: float, duration: float) -> float:
         """Earliest start >= t at which the resource is free for `duration`."""
         cand = t
-        starts, ends = self.starts, self.ends
-        for i in range(self.head, len(starts)):
-            e = ends[i]
+        busy = self.busy
+        for i in range(self.head, len(busy)):
+            b = busy[i]
+            e = b.end
             if e <= cand:
                 continue
-            if starts[i] >= cand + duration:
+            if b.start >= cand + duration:
                 break
             cand = e
         return cand
 
     def reserve(self, start: float, end: float, key: int) -> None:
         """Insert in (start, end, key) order, after any equal one."""
-        starts, ends, keys = self.starts, self.ends, self.keys
+        busy = self.busy
         h = self.head
-        i = len(starts)
+        i = len(busy)
         while i > h:  # from the end: new reservations mostly start after the others
-            s = starts[i - 1]
+            b = busy[i - 1]
+            s = b.start
             if s < start:
                 break
             if s == start:
-                e = ends[i - 1]
-                if e < end or (e == end and keys[i - 1] <= key):
+                e = b.end
+                if e < end or (e == end and b.key <= key):
                     break
             i -= 1
-        starts.insert(i, start)
-        ends.insert(i, end)
-        keys.insert(i, key)
+        if i == len(busy):
+            busy.append(Busy(start, end, key))
+        else:
+            busy.insert(i, Busy(start, end, key))
 
     def correct(self, key: int, start: float, end: float, now: float) -> bool:
         """Replace reservation `key` by what really happened (or is happening).
@@ -97,13 +108,11 @@ class ReservationTable:
         Returns False if the key is unknown (already forgotten); the actual interval is still
         recorded when it reaches past `now`.
         """
-        keys = self.keys
+        busy = self.busy
         found = False
-        for i in range(self.head, len(keys)):
-            if keys[i] == key:
-                del keys[i]
-                del self.starts[i]
-                del self.ends[i]
+        for i in range(self.head, len(busy)):
+            if busy[i].key == key:
+                del busy[i]
                 found = True
                 break
         if end > now:
