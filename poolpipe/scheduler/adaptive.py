@@ -142,17 +142,29 @@ class _InFlight:
 
 
 @mypyc_attr(acyclic=True)
+class _Node:
+    """A node of a _BoundTree: the least bound under it and the first member holding it
+    (compiled, fields written in place: a list of floats would box every write)."""
+
+    __slots__ = ("arg", "least")
+
+    def __init__(self, least: float, arg: int) -> None:
+        self.least = least
+        self.arg = arg
+
+
+@mypyc_attr(acyclic=True)
 class _BoundTree:
     """Lower bounds of a pool's members (its vGPUs, or its servers' groups of them) in scan
     order, with every subtree's minimum: the probe skips, in O(log n), every run of members
     that cannot beat the best found so far instead of scanning their tables one by one.
 
     A member's bound is when its vGPU (or the earliest of the group's) could start the
-    pool's shortest stage at or after the time it was last computed (`_bound`): a probe at a
+    pool's shortest stage at or after the time it was last computed (`_touch`): a probe at a
     later time, or of a longer stage, starts no earlier (reservations only push starts later,
     and the scheduler recomputes a bound whenever a correction frees a table)."""
 
-    __slots__ = ("n", "size", "vals")
+    __slots__ = ("n", "nodes", "size")
 
     def __init__(self, n: int) -> None:
         size = 1
@@ -160,39 +172,37 @@ class _BoundTree:
             size *= 2
         self.n = n
         self.size = size
-        vals = [math.inf] * (2 * size)  # leaves from `size` on; padding stays +inf
-        for i in range(n):
-            vals[size + i] = -math.inf  # unknown: no bound
+        # leaves from `size` on, a member's -inf (no bound yet); padding stays +inf
+        nodes = [_Node(math.inf, 0) for _ in range(2 * size)]
+        for i in range(size):
+            nodes[size + i] = _Node(-math.inf if i < n else math.inf, i)
         for j in range(size - 1, 0, -1):
-            a, b = vals[2 * j], vals[2 * j + 1]
-            vals[j] = a if a < b else b
-        self.vals = vals
+            a, b = nodes[2 * j], nodes[2 * j + 1]
+            c = b if b.least < a.least else a
+            nodes[j] = _Node(c.least, c.arg)
+        self.nodes = nodes
 
     def set(self, i: int, x: float) -> None:
-        vals = self.vals
+        nodes = self.nodes
         j = i + self.size
-        vals[j] = x
+        nodes[j].least = x
         j >>= 1
         while j >= 1:
-            a, b = vals[2 * j], vals[2 * j + 1]
-            m = a if a < b else b
-            if vals[j] == m:
-                return  # the ancestors keep their minimum
-            vals[j] = m
+            a, b = nodes[2 * j], nodes[2 * j + 1]
+            c = b if b.least < a.least else a
+            node = nodes[j]
+            if node.least == c.least and node.arg == c.arg:
+                return  # the ancestors keep theirs
+            node.least = c.least
+            node.arg = c.arg
             j >>= 1
 
     def least(self) -> float:
-        return self.vals[1]
+        return self.nodes[1].least
 
     def argmin(self) -> int:
         """The first member with the least bound."""
-        vals, size = self.vals, self.size
-        j = 1
-        while j < size:
-            j *= 2
-            if vals[j + 1] < vals[j]:
-                j += 1
-        return j - size
+        return self.nodes[1].arg
 
     def next_below(self, i: int, least: float, lat: float, best: float, seed: float) -> int:
         """The first member at or after i whose bound x has x < least, or x + lat < best and
@@ -201,10 +211,10 @@ class _BoundTree:
         n = self.n
         if i >= n:
             return n
-        vals, size = self.vals, self.size
+        nodes, size = self.nodes, self.size
         j = i + size
         while True:
-            x = vals[j]
+            x = nodes[j].least
             y = x + lat
             if x < least or (y < best and y <= seed):
                 break
@@ -215,7 +225,7 @@ class _BoundTree:
             j += 1
         while j < size:  # down to the first member that qualifies
             j *= 2
-            x = vals[j]
+            x = nodes[j].least
             y = x + lat
             if not (x < least or (y < best and y <= seed)):
                 j += 1
