@@ -170,20 +170,32 @@ def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None
     return log
 
 
+def pipelines(vgpus: int, pools: int, least: int):
+    """Pipelines (at least `least`) of up to `pools` pools of up to `vgpus` vGPUs each, on
+    servers 0-3: a server per vGPU."""
+    pool = st.lists(st.integers(0, 3), min_size=1, max_size=vgpus)
+    return st.lists(st.lists(pool, min_size=1, max_size=pools), min_size=least, max_size=3)
+
+
+def arrival_gaps(most: int):
+    return st.lists(st.integers(0, 6), min_size=10, max_size=most)
+
+
+def scenario(shapes, gaps, transfer: int) -> tuple[Topology, list[float]]:
+    """The topology of `shapes` and the arrival times of `gaps`."""
+    topo = multi_pipeline_topology(shapes, [8.0, 12.0], float(transfer))
+    return topo, list(itertools.accumulate(float(g) for g in gaps))
+
+
+stretches = st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size=5)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
-    shapes=st.lists(
-        st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), min_size=1, max_size=2),
-        min_size=2,
-        max_size=3,
-    ),
-    gaps=st.lists(st.integers(0, 6), min_size=10, max_size=60),
-    stretch=st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size=5),
-    transfer=st.integers(0, 3),
+    shapes=pipelines(3, 2, 2), gaps=arrival_gaps(60), stretch=stretches, transfer=st.integers(0, 3)
 )
 def test_pipeline_choice_equals_probing_every_pipeline(shapes, gaps, stretch, transfer):
-    topo = multi_pipeline_topology(shapes, [8.0, 12.0], float(transfer))
-    arrivals = list(itertools.accumulate(float(g) for g in gaps))
+    topo, arrivals = scenario(shapes, gaps, transfer)
     fast, plain = ReservationScheduler(topo), ReservationScheduler(topo)
     assert drive(fast, arrivals, stretch, False) == drive(plain, arrivals, stretch, True)
     assert fast.probes <= plain.probes
@@ -220,17 +232,19 @@ def test_bound_tree_finds_what_a_scan_finds(vals, i, least, lat, best, seed):
     tree = _BoundTree(len(vals))
     for k, x in enumerate(vals):
         tree.set(k, x)
-    want = next(
-        (
-            k
-            for k in range(i, len(vals))
-            if vals[k] < least or (vals[k] + lat < best and vals[k] + lat <= seed)
-        ),
-        len(vals),
-    )
+    n = len(vals)
+    want = next((k for k in range(i, n) if wants(vals[k], least, lat, best, seed)), n)
     assert tree.next_below(i, least, lat, best, seed) == want
+    r = i % n  # the scan from member r: offsets p of members (r + p) mod n
+    for p in range(n + 1):
+        take = [q for q in range(p, n) if wants(vals[(r + q) % n], least, lat, best, seed)]
+        assert tree.scan(p, r, least, lat, best, seed) == (take[0] if take else n)
     assert tree.least() == min(vals)
     assert vals[tree.argmin()] == min(vals) and tree.argmin() == vals.index(min(vals))
+
+
+def wants(x: float, least: float, lat: float, best: float, seed: float) -> bool:
+    return x < least or (x + lat < best and x + lat <= seed)
 
 
 def probes_match_the_plain_rule(sch: ReservationScheduler, t: float) -> None:
@@ -247,18 +261,10 @@ def probes_match_the_plain_rule(sch: ReservationScheduler, t: float) -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    shapes=st.lists(
-        st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=1, max_size=3),
-        min_size=1,
-        max_size=3,
-    ),
-    gaps=st.lists(st.integers(0, 6), min_size=10, max_size=50),
-    stretch=st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size=5),
-    transfer=st.integers(0, 3),
+    shapes=pipelines(4, 3, 1), gaps=arrival_gaps(50), stretch=stretches, transfer=st.integers(0, 3)
 )
 def test_probes_on_tables_the_plane_wrote_equal_the_plain_rule(shapes, gaps, stretch, transfer):
-    topo = multi_pipeline_topology(shapes, [8.0, 12.0], float(transfer))
-    arrivals = list(itertools.accumulate(float(g) for g in gaps))
+    topo, arrivals = scenario(shapes, gaps, transfer)
     sch = ReservationScheduler(topo)
     drive(sch, arrivals, stretch, False, check=probes_match_the_plain_rule)
     assert sch.probes > 0

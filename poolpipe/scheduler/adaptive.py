@@ -204,6 +204,21 @@ class _BoundTree:
         """The first member with the least bound."""
         return self.nodes[1].arg
 
+    def scan(self, p: int, r: int, least: float, lat: float, best: float, seed: float) -> int:
+        """The first member at or after offset p of the scan order that starts at member r
+        ([r, n), then [0, r)) that next_below would take, as its offset in that order; n
+        when none is left."""
+        n = self.n
+        if r + p < n:
+            j = self.next_below(r + p, least, lat, best, seed)
+            if j < n:
+                return j - r
+            p = n - r
+        if p >= n:
+            return n
+        j = self.next_below(p - (n - r), least, lat, best, seed)
+        return j + n - r if j < r else n
+
     def next_below(self, i: int, least: float, lat: float, best: float, seed: float) -> int:
         """The first member at or after i whose bound x has x < least, or x + lat < best and
         x + lat <= seed (floating-point addition is monotone, so a subtree's minimum answers
@@ -513,19 +528,16 @@ class ReservationScheduler(DataPlane):
                     least = tables[v].earliest_slot(t, lat)
                     f = least + lat
                     seed = uplink[server_of[v]].earliest_slot(f, out) if out else f
-                # The vGPUs in scan order from r: [r, n), then [0, r); the tree skips those
-                # whose bound says they can neither beat the seed or the best so far nor
-                # lower `least`.
-                lo, hi = r, len(flat)
+                # The vGPUs in scan order from r; the tree skips those whose bound says they
+                # can neither beat the seed or the best so far nor lower `least`.
+                n = len(flat)
+                p = 0
                 while True:
-                    j = tree.next_below(lo, least, lat, best_key, seed)
-                    if j >= hi:
-                        if hi == r or r == 0:
-                            break
-                        lo, hi = 0, r
-                        continue
-                    lo = j + 1
-                    v = flat[j]
+                    p = tree.scan(p, r, least, lat, best_key, seed)
+                    if p >= n:
+                        break
+                    v = flat[r + p if r + p < n else r + p - n]
+                    p += 1
                     s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
                     tab = tables[v]
                     busy = tab.busy
@@ -565,15 +577,14 @@ class ReservationScheduler(DataPlane):
                 tree = self._gtree[pid]
                 # the best so far: key, finish, vgpu, transfer start and end, start
                 bk, bf, bv, bts, bte, bs = math.inf, math.inf, -1, 0.0, 0.0, 0.0
-                lo, hi = r, len(gsrv)
+                n = len(gsrv)
+                p = 0
                 while True:  # the servers in scan order from r, as for a first hop
-                    g = tree.next_below(lo, -math.inf, lat, bk, math.inf)
-                    if g >= hi:
-                        if hi == r or r == 0:
-                            break
-                        lo, hi = 0, r
-                        continue
-                    lo = g + 1
+                    p = tree.scan(p, r, -math.inf, lat, bk, math.inf)
+                    if p >= n:
+                        break
+                    g = r + p if r + p < n else r + p - n
+                    p += 1
                     srv = gsrv[g]
                     vgs = gvg[g]
                     # Skip the server when none of its vGPUs could beat the best even if the
