@@ -4,11 +4,13 @@ hand-checkable models), checked against every split of a grid planned one by one
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
 from poolpipe.domain.apps import parse_apps
 from poolpipe.errors import InfeasibleError, PoolpipeError
+from poolpipe.planner import apps as apps_planner
 from poolpipe.planner.apps import (
     AppPlanRequest,
     _alone,
@@ -78,6 +80,42 @@ def test_the_joint_split_is_the_best_split_of_the_grid(fanout, gpus):
         best = max(best, fixed.objective)
     assert joint.objective == pytest.approx(best, rel=1e-6)
     assert joint.served[("a", "q")] >= fanout * joint.rates["a"] * (1 - 1e-6)
+
+
+TWO_APPS = {
+    "apps": [
+        {"name": "a", "slo_ms": 20, "edges": [{"from": "p", "to": "q", "fanout": 2}]},
+        {"name": "b", "slo_ms": 30, "weight": 2, "edges": [{"from": "q", "to": "p"}]},
+    ]
+}
+
+
+@pytest.mark.parametrize("spec", [CHAIN, TWO_APPS], ids=["chain", "two-apps"])
+@pytest.mark.parametrize("gpus", [(1, 2), (2, 3)])
+def test_the_split_search_and_the_joint_milp_agree(monkeypatch, spec, gpus):
+    """The joint split found split by split (each maximal split of the grid planned by the
+    group planner, highest LP bound first) serves what the one MILP over every budget
+    does, both proven."""
+    req = _two_types(*gpus, spec=spec)
+    searched = plan_apps(req)
+    monkeypatch.setattr(apps_planner, "SEARCH_SPLITS_UP_TO", 0)  # the joint MILP alone
+    milp = plan_apps(req)
+    assert searched.status == milp.status == "optimal"
+    assert searched.objective == pytest.approx(milp.objective, rel=1e-6)
+    for a in req.apps:
+        paths = a.paths()
+        assert all(sum(searched.budgets[(a.name, m)] for m in p) <= a.slo_us + 1e-6 for p in paths)
+        assert searched.rates[a.name] >= a.weight * searched.objective * (1 - 1e-9)
+
+
+def test_a_split_search_out_of_time_still_answers_with_its_gap():
+    """No time left after the LP bounds: the split of the highest bound is planned all the
+    same (a plan, never none), and the answer says how far from proven it is."""
+    req = replace(_two_types(2, 3, spec=TWO_APPS), time_limit_s=1e-9)
+    plan = plan_apps(req)
+    assert plan.objective > 0 and plan.split == "joint"
+    assert plan.status in ("optimal", "time_limit")
+    assert (plan.gap == 0.0) == (plan.status == "optimal")
 
 
 def test_fan_in_paths_share_the_slo_and_a_model_too_slow_is_named():

@@ -1,5 +1,6 @@
 """Planning applications (poolpipe.domain.apps): each model's latency budget chosen jointly
-with the pooled pipelines, in one MILP.
+with the pooled pipelines, in one MILP (or, where the applications' maximal splits of the
+grid are few, split by split: `_search_splits`).
 
 A model of an application gets one budget from a grid (the application's SLO x k / grid,
 k = 1..grid); its candidate pipelines are those that meet that budget (enumerated as for a
@@ -30,6 +31,8 @@ only, the cheapest plan without pooled pipelines."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,17 +48,30 @@ from poolpipe.planner.candidates import (
     drop_share_dominated,
     enumerate_pipelines,
 )
+from poolpipe.planner.exact import solve_group
 from poolpipe.planner.formulation import (
     _add_packing,
     _add_pipelines,
     build_group_milp,
+    gpus_used,
     price_units,
 )
 from poolpipe.planner.formulation import served as capacity
-from poolpipe.planner.request import check_prices, check_rates
-from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, Milp, solve
+from poolpipe.planner.request import PlanRequest, check_prices, check_rates
+from poolpipe.planner.solvers import (
+    DEFAULT_MIP_GAP,
+    DEFAULT_TIME_LIMIT_S,
+    Milp,
+    relative_gap,
+    solve,
+)
 
 SPLITS = ("joint", "equal", "proportional", "nexus")
+# The joint split searches the applications' splits one by one (_search_splits) when they
+# make at most this many combinations; with more, one MILP chooses every budget at once.
+SEARCH_SPLITS_UP_TO = 400
+_SPLITS_ENUMERATED_UP_TO = 100_000  # grid points of one application's budgets looked at
+_LEAST_SPLIT_S = 1.0  # the first split planned gets this long at least, whatever is left
 
 
 class _Unservable(InfeasibleError):
@@ -209,6 +225,10 @@ def _plan(
 ) -> AppPlan:
     options = _options(req, budgets)
     t0 = time.perf_counter()
+    if budgets is None and cost is None:
+        searched = _search_splits(req, options, start, t0)
+        if searched is not None:
+            return searched
     milp, z, rates, xs, ys, ns, gpu_terms = _build(req, options, cost)
     first = None
     if start is not None and cost is None:
@@ -291,6 +311,169 @@ def _start_values(
             for d, n in enumerate(ns[o][i]):
                 vals[n] = 0.0 if counts is None else float(counts[d])
     return vals
+
+
+def _search_splits(
+    req: AppPlanRequest, options: list[Option], start: AppPlan | None, t0: float
+) -> AppPlan | None:
+    """The joint split, found split by split: every combination of the applications'
+    maximal splits of the grid (_maximal_splits) gets its LP bound (the MILP of that fixed
+    split, relaxed); from the highest bound down, each split is planned by the group
+    planner (exact.solve_group: its parts as models, weighted by their requests per
+    request, their budgets as SLOs, with its pruning, knapsack and decomposition proofs)
+    until no split left is bounded above the best plan. None where the combinations are
+    too many (the joint MILP then). On hc2-large's traffic+scene mix the joint MILP ended
+    its 30 s with a 2.5% gap; 2 of its 90 combinations are bounded above the best split's
+    plan (docs/benchmarks.md)."""
+    by_key = {o.key: o for o in options}
+    per_app: list[list[dict[tuple[str, str], float]]] = []
+    total = 1
+    for a in req.apps:
+        splits = _maximal_splits(a, by_key)
+        if not splits:  # too many to look at; or none fits (the MILP's checks name why)
+            return None
+        total *= len(splits)
+        if total > SEARCH_SPLITS_UP_TO:
+            return None
+        per_app.append(splits)
+    bounded: list[tuple[float, dict[tuple[str, str], float]]] = []
+    for choice in itertools.product(*per_app):
+        budgets = {k: b for split in choice for k, b in split.items()}
+        milp, z, *_ = _build(req, [_at_budget(o, budgets[o.key]) for o in options])
+        milp.integer = [False] * milp.num_vars
+        relaxed = solve(milp, req.solver, req.time_limit_s, req.mip_gap)
+        if relaxed.values is not None:
+            bounded.append((float(relaxed.values[z]), budgets))
+        elif relaxed.status != "infeasible":  # out of time: no bound known
+            bounded.append((math.inf, budgets))
+    bounded.sort(key=lambda x: -x[0])
+    best = start if start is not None and start.objective > 0 else None
+    open_bound = 0.0  # the most a split planned but not proven may serve
+    status = "optimal"
+    for bound, budgets in bounded:
+        if best is not None and bound <= best.objective * (1 + req.mip_gap):
+            break  # this split and every one after it serve no more than the best
+        left = req.time_limit_s - (time.perf_counter() - t0)
+        if left <= 0 and best is not None:
+            open_bound, status = max(open_bound, bound), "time_limit"
+            break
+        plan, plan_bound = _plan_split(req, budgets, max(left, _LEAST_SPLIT_S))
+        if best is None or plan.objective > best.objective:
+            best = plan
+        if plan.status != "optimal":
+            open_bound = max(open_bound, plan_bound)
+    if best is None:
+        raise _Unservable("the applications cannot be served within their SLOs")
+    if best is not start:
+        best = replace(best, budgets=_least_budgets(best, by_key))
+    gap = 0.0
+    if open_bound > best.objective * (1 + req.mip_gap):
+        status, gap = "time_limit", relative_gap(best.objective, open_bound)
+    return replace(best, split="joint", status=status, seconds=time.perf_counter() - t0, gap=gap)
+
+
+def _maximal_splits(
+    app: App, by_key: Mapping[tuple[str, str], Option]
+) -> list[dict[tuple[str, str], float]] | None:
+    """The application's splits of its grid that fit its SLO along every path and leave
+    no model a larger budget of its grid that would still fit: a model given more time
+    keeps its pipelines or ones that dominate them, so the others serve no more. None when
+    its grid has too many points to look at."""
+    lists = [by_key[(app.name, m)].budgets for m in app.models]  # each in ascending order
+    if math.prod(len(x) for x in lists) > _SPLITS_ENUMERATED_UP_TO:
+        return None
+    where = {m: i for i, m in enumerate(app.models)}
+    paths = [[where[m] for m in p] for p in app.paths()]
+    slo = app.slo_us * (1 + 1e-9)
+
+    def fits(ks: tuple[int, ...]) -> bool:
+        return all(sum(lists[i][ks[i]] for i in p) <= slo for p in paths)
+
+    out = []
+    for ks in itertools.product(*(range(len(x)) for x in lists)):
+        if not fits(ks):
+            continue
+        if any(
+            k + 1 < len(lists[i]) and fits((*ks[:i], k + 1, *ks[i + 1 :])) for i, k in enumerate(ks)
+        ):
+            continue  # a model could have more
+        out.append({(app.name, m): lists[i][ks[i]] for i, m in enumerate(app.models)})
+    return out
+
+
+def _least_budgets(
+    plan: AppPlan, by_key: Mapping[tuple[str, str], Option]
+) -> dict[tuple[str, str], float]:
+    """Each model's least budget of its grid at which every pipeline it was given is still
+    enumerated: the split's slack is then spread over the models when the budgets are
+    filled up to the SLO (filled_budgets), as a MILP's split leaves it, instead of all of
+    it going to the models the maximal split gave the most."""
+    out = dict(plan.budgets)
+    for key, picked in plan.pipelines.items():
+        o = by_key[key]
+        at = {o.candidates[i]: o.at[i] for i in range(len(o.candidates))}
+        common = set(range(len(o.budgets)))
+        for c, _ in picked:
+            common &= set(at.get(c, ()))
+        if common:
+            out[key] = min(out[key], o.budgets[min(common)])
+    return out
+
+
+def _at_budget(o: Option, budget: float) -> Option:
+    """The option with one budget: its candidates enumerated at it."""
+    k = o.budgets.index(budget)
+    cands = [c for c, at in zip(o.candidates, o.at, strict=True) if k in at]
+    return Option(o.key, [budget], cands, [[0] for _ in cands])
+
+
+def _plan_split(
+    req: AppPlanRequest, budgets: Mapping[tuple[str, str], float], time_limit_s: float
+) -> tuple[AppPlan, float]:
+    """A fixed split planned by the group planner, and the bound its solve proved."""
+    parts = [(a, m) for a in req.apps for m in a.models]
+    models = tuple(replace(req.profiles[m], name=part_name(a.name, m)) for a, m in parts)
+    slos = tuple(budgets[(a.name, m)] for a, m in parts)
+    group = PlanRequest(
+        models,
+        tuple(a.multiplicity()[m] * a.weight for a, m in parts),
+        slos,
+        req.cluster,
+        packing=req.packing,
+        margin=req.margin,
+        max_partitions=req.max_partitions,
+        solver=req.solver,
+        time_limit_s=time_limit_s,
+        mip_gap=req.mip_gap,
+    )
+    costs = [
+        ModelCosts(p, req.cluster, s, req.margin, None) for p, s in zip(models, slos, strict=True)
+    ]
+    solved = solve_group(group, costs, req.max_partitions, f"{req.max_partitions}-partition")
+    served: dict[tuple[str, str], float] = {}
+    picked: dict[tuple[str, str], list[tuple[CandidatePipeline, list[int]]]] = {}
+    for (a, m), chosen in zip(parts, solved.chosen, strict=True):
+        served[(a.name, m)] = sum(capacity(c, n) for c, n in chosen)
+        picked[(a.name, m)] = [(c, list(n)) for c, n in chosen if all(x > 0 for x in n)]
+    rates = {
+        a.name: min(served[(a.name, m)] / a.multiplicity()[m] for m in a.models) for a in req.apps
+    }
+    result = solved.result
+    used = gpus_used(solved.chosen, req.packing)
+    plan = AppPlan(
+        "joint",
+        min(rates[a.name] / a.weight for a in req.apps),
+        rates,
+        dict(budgets),
+        served,
+        picked,
+        result.status,
+        result.seconds,
+        {g: used.get(g, 0) for g in dict.fromkeys(p.gpu for p in req.cluster.pools)},
+        None,
+        result.gap if result.status != "optimal" else 0.0,
+    )
+    return plan, result.bound
 
 
 def nexus_split(req: AppPlanRequest) -> dict[tuple[str, str], float]:
