@@ -116,7 +116,7 @@ def main() -> int:
     profiles = {p.name: p for p in load_ppipe_dir(root)}
     clusters = load_clusters(root / "clusters.toml")
     t = Table(
-        title=f"applications planned: SLO split jointly with the pools (MILP, grid of "
+        title=f"applications planned: SLO split jointly with the pools (grid of "
         f"{args.grid} budgets per model, margin {args.margin}; started from nexus's plan) vs an "
         "equal split, a split in proportion to the models' latencies and Nexus's "
         "split-then-plan (req/s of the least served application per unit of weight)",
@@ -210,7 +210,7 @@ def main() -> int:
                 for p in (equal, prop, nexus)
             ),
             f"{joint.seconds:.1f} ({joint.status}"
-            + (f", gap {joint.gap:.1%})" if joint.status != "optimal" else ")"),
+            + (f", gap {joint.gap:.2%})" if joint.status != "optimal" else ")"),
             budgets,
         )
         config = f"{cname}:{mix}:x{args.slo_scale:g}:grid{args.grid}"
@@ -239,7 +239,7 @@ def main() -> int:
             _gpus(whole.gpus_used),
             f"{whole.cost_per_hour / pooled.cost_per_hour:.2f}",
             f"{pooled.seconds:.1f} ({pooled.status}"
-            + (f", gap {pooled.gap:.1%})" if pooled.status != "optimal" else ")"),
+            + (f", gap {pooled.gap:.2%})" if pooled.status != "optimal" else ")"),
         )
         doc, _ = app_plan_document(req, joint)
         parts = part_profiles(doc, profiles)
