@@ -71,8 +71,10 @@ def cmd_apps_check(args: argparse.Namespace) -> int:
 
 def cmd_apps_plan(args: argparse.Namespace) -> int:
     """Plan the applications of an apps.toml on a cluster: each model's latency budget
-    chosen with the pooled pipelines in one MILP (the joint split), beside the same MILP
-    with the SLO split equally along each path, in proportion to the models' fastest
+    chosen with the pooled pipelines (the joint split: where the applications' maximal
+    splits of the grid are few, each planned in turn from the highest LP bound until none
+    left can serve more; else one MILP over every budget), beside fixed splits: the SLO
+    split equally along each path, in proportion to the models' fastest
     latencies, and by Nexus's split-then-plan (each model's budget chosen by what it costs
     alone). Shows what each serves (req/s of the least served application per unit of
     weight) and the joint split's budgets and pipelines. With --objective cost: the
