@@ -442,6 +442,14 @@ class ReservationScheduler(DataPlane):
         if now > self._bound_from:
             self._bound_from = now
 
+    def _corrected(self, v: int, key: int, start: float, end: float, now: float) -> None:
+        """Reservation `key` of vGPU v replaced by [start, end) (ReservationTable.correct):
+        a correction may free time, so v's bound is computed anew and its pool's booked
+        record forgotten."""
+        self.vgpu_table[v].correct(key, start, end, now)
+        self._touch(v, now)
+        self._booked_from[self._pool_of[v]] = -math.inf
+
     def _rebound(self, now: float) -> None:
         """Every bound anew from `now` (a probe earlier than the last change, new latencies)."""
         if now == -math.inf:
@@ -453,9 +461,7 @@ class ReservationScheduler(DataPlane):
     def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
         """Take a vGPU out of (or back into) service: while down it is reserved forever, so
         no probe picks it; what it had reserved stays until the driver reports it done."""
-        self.vgpu_table[vgpu].correct(-1 - vgpu, now, math.inf if down else now, now)
-        self._touch(vgpu, now)
-        self._booked_from[self.topo.vgpus[vgpu].pool] = -math.inf
+        self._corrected(vgpu, -1 - vgpu, now, math.inf if down else now, now)
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -467,9 +473,7 @@ class ReservationScheduler(DataPlane):
         for h in range(hop, len(d.hops)):
             key = _reservation_key(dispatch, h)
             x = d.hops[h]
-            self.vgpu_table[x.vgpu].correct(key, now, now, now)
-            self._touch(x.vgpu, now)
-            self._booked_from[x.pool] = -math.inf
+            self._corrected(x.vgpu, key, now, now, now)
             if x.transfer_end_us > x.transfer_start_us:
                 self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
                 self.downlink[self.server_of[x.vgpu]].correct(key + 1, now, now, now)
@@ -686,13 +690,9 @@ class ReservationScheduler(DataPlane):
         length = hop.end_us - hop.start_us
         if end is None:  # started: assume it runs as long as reserved
             if start != hop.start_us:
-                self.vgpu_table[hop.vgpu].correct(key, start, start + length, now)
-                self._touch(hop.vgpu, now)
-                self._booked_from[hop.pool] = -math.inf
+                self._corrected(hop.vgpu, key, start, start + length, now)
         elif start + length > now:  # done before its assumed end: free the rest
-            self.vgpu_table[hop.vgpu].correct(key, start, end, now)
-            self._touch(hop.vgpu, now)
-            self._booked_from[hop.pool] = -math.inf
+            self._corrected(hop.vgpu, key, start, end, now)
         ts, te = report.transfer_start_us, report.transfer_end_us
         if ts is not None and te is not None and (hop.transfer_end_us > now or te > now):
             # the transfer ended before its reservation did: free the rest

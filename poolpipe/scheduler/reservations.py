@@ -97,10 +97,7 @@ class ReservationTable:
                 if e < end or (e == end and b.key <= key):
                     break
             i -= 1
-        if i == len(busy):
-            busy.append(Busy(start, end, key))
-        else:
-            busy.insert(i, Busy(start, end, key))
+        busy.insert(i, Busy(start, end, key))
 
     def correct(self, key: int, start: float, end: float, now: float) -> bool:
         """Replace reservation `key` by what really happened (or is happening).
