@@ -530,14 +530,7 @@ class ServingRuntime:
     ) -> StageReport:
         """The one StageReport this runtime lends the plane for a call (DataPlane: read,
         not kept), filled in: two reports made per hop cost the simulator 3%."""
-        r = self._report
-        r.dispatch = dispatch
-        r.hop = h
-        r.start_us = start_us
-        r.end_us = end_us
-        r.transfer_start_us = transfer_start_us
-        r.transfer_end_us = transfer_end_us
-        return r
+        return self._report.fill(dispatch, h, start_us, end_us, transfer_start_us, transfer_end_us)
 
     def hop_done(self, job: Job, h: int, start_us: float, end_us: float) -> None:
         """Hop `h` of `job` computed from `start_us` to `end_us`; the last hop answers."""

@@ -153,12 +153,25 @@ class StageReport:
         transfer_start_us: float | None = None,
         transfer_end_us: float | None = None,
     ) -> None:
+        self.fill(dispatch, hop, start_us, end_us, transfer_start_us, transfer_end_us)
+
+    def fill(
+        self,
+        dispatch: int,
+        hop: int,
+        start_us: float,
+        end_us: float | None,
+        transfer_start_us: float | None,
+        transfer_end_us: float | None,
+    ) -> StageReport:
+        """This report made anew in place (a runtime lends one report for every call)."""
         self.dispatch = dispatch
         self.hop = hop
         self.start_us = start_us
         self.end_us = end_us
         self.transfer_start_us = transfer_start_us
         self.transfer_end_us = transfer_end_us
+        return self
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
