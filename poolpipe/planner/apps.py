@@ -446,9 +446,7 @@ def _plan_split(
         time_limit_s=time_limit_s,
         mip_gap=req.mip_gap,
     )
-    costs = [
-        ModelCosts(p, req.cluster, s, req.margin, None) for p, s in zip(models, slos, strict=True)
-    ]
+    costs = [_costs(req, p, s) for p, s in zip(models, slos, strict=True)]
     solved = solve_group(group, costs, req.max_partitions, f"{req.max_partitions}-partition")
     served: dict[tuple[str, str], float] = {}
     picked: dict[tuple[str, str], list[tuple[CandidatePipeline, list[int]]]] = {}
@@ -540,6 +538,12 @@ class Option:
     at: list[list[int]]
 
 
+def _costs(req: AppPlanRequest, profile: ModelProfile, budget: float) -> ModelCosts:
+    """A model's costs at a budget, as for a model whose SLO it is (no batch-fill term: the
+    margin holds back for queueing)."""
+    return ModelCosts(profile, req.cluster, budget, req.margin, None)
+
+
 def _candidate_fn(req: AppPlanRequest) -> Callable[[str, float], list[CandidatePipeline]]:
     """A model's candidate pipelines at a budget (µs), as for a model whose SLO it is;
     memoised."""
@@ -549,7 +553,7 @@ def _candidate_fn(req: AppPlanRequest) -> Callable[[str, float], list[CandidateP
     def candidates(model: str, budget: float) -> list[CandidatePipeline]:
         key = (model, round(budget, 3))
         if key not in memo:
-            costs = ModelCosts(req.profiles[model], req.cluster, budget, req.margin, None)
+            costs = _costs(req, req.profiles[model], budget)
             cands = enumerate_pipelines(costs, req.max_partitions, merge).pipelines
             memo[key] = drop_share_dominated(cands) if req.packing == "per-position" else cands
         return memo[key]
