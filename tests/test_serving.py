@@ -691,6 +691,8 @@ def test_a_supervised_deployment_restarts_a_node_that_dies(onboarded_tiny):
     service, with nobody calling restart_node."""
     import time
 
+    from tritonclient.utils import InferenceServerException
+
     from triton_backend.deploy import Deployment
 
     wh, tmp = onboarded_tiny
@@ -715,6 +717,11 @@ def test_a_supervised_deployment_restarts_a_node_that_dies(onboarded_tiny):
         assert dep.node_restarts == {victim: 1}, dep.node_restarts
         assert dep.core.recoveries >= 1 and dep.nodes[victim].alive
         out = dep.ios[0].outputs[0].name
+        # Its first batch after the restart loads its sessions: a request waits for its last
+        # moment (adaptive batching), so that batch may end past the deadline whatever the
+        # SLO (seen once in CI: "deadline passed while its batch ran"). One call warms it.
+        with contextlib.suppress(InferenceServerException):
+            _infer(mod, client, x, parameters=slow)
         assert _infer(mod, client, x, parameters=slow).as_numpy(out).shape == (1, 1000)
 
 
