@@ -182,6 +182,46 @@ def test_solver_stops_at_a_target_it_reaches_and_not_before():
     assert late.status == "optimal" and late.objective == pytest.approx(best.objective)
 
 
+def test_a_cutoff_stops_the_search_once_nothing_beats_it():
+    """`solve(cutoff=...)` (how the split search asks whether a split beats the best one):
+    above the optimum, status "cutoff", no solution and the cutoff as bound; below it, the
+    optimum as without one."""
+    import numpy as np
+
+    from poolpipe.planner.solvers import Milp, solve
+
+    rng = np.random.default_rng(7)
+    milp = Milp()
+    xs = [milp.add_var(upper=3, cost=float(rng.integers(10, 99)), integer=True) for _ in range(40)]
+    for _ in range(2):
+        milp.add_row({x: float(rng.integers(10, 99)) for x in xs}, upper=997.0)
+    best = solve(milp, mip_gap=0.0)
+    above = solve(milp, mip_gap=0.0, cutoff=best.objective + 0.5)
+    assert above.status == "cutoff" and above.values is None
+    assert above.bound == best.objective + 0.5
+    below = solve(milp, mip_gap=0.0, cutoff=best.objective - 5)
+    assert below.status == "optimal" and below.objective == pytest.approx(best.objective)
+
+
+def test_a_group_solve_with_a_floor_it_cannot_beat_says_so():
+    """solve_group(floor=...): a floor above the best plan ends in "cutoff" with the floor
+    as bound (its candidates pruned against the floor, the MILP cut off there); a floor
+    below it leaves the plan and its proof as they were."""
+    from poolpipe.planner.exact import model_costs, solve_group
+
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
+    req = request(m, tiny_cluster([("A", 3, 1, (1,)), ("B", 5, 1, (1,))]), 12000)
+    costs = model_costs(req, [None], whole_gpus_only=False)
+    free = solve_group(req, costs, 2, "2-partition")
+    assert free.result.status == "optimal"
+    z = free.result.objective
+    cut = solve_group(req, costs, 2, "2-partition", floor=z * 1.01)
+    assert cut.result.status == "cutoff" and cut.proof == "cutoff"
+    assert cut.result.bound == pytest.approx(z * 1.01) and cut.result.objective <= z * 1.01
+    low = solve_group(req, costs, 2, "2-partition", floor=z * 0.5)
+    assert low.result.status == "optimal" and low.result.objective == pytest.approx(z)
+
+
 def test_swaps_fill_a_partly_used_bucket():
     """Fractional GPUs (what the knapsacks price) fit one GPU, but a 2/3-full share-3 bucket
     and a 1/4-full share-4 bucket round up to two: swapping the share-4 pipeline for a

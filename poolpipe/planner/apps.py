@@ -357,10 +357,11 @@ def _search_splits(
         if left <= 0 and best is not None:
             open_bound, status = max(open_bound, bound), "time_limit"
             break
-        plan, plan_bound = _plan_split(req, budgets, max(left, _LEAST_SPLIT_S))
+        floor = None if best is None else best.objective * (1 + req.mip_gap)
+        plan, plan_bound = _plan_split(req, budgets, max(left, _LEAST_SPLIT_S), floor)
         if best is None or plan.objective > best.objective:
             best = plan
-        if plan.status != "optimal":
+        if plan.status not in ("optimal", "cutoff"):  # cutoff: it serves no more than best
             open_bound = max(open_bound, plan_bound)
     if best is None:
         raise _Unservable("the applications cannot be served within their SLOs")
@@ -428,9 +429,14 @@ def _at_budget(o: Option, budget: float) -> Option:
 
 
 def _plan_split(
-    req: AppPlanRequest, budgets: Mapping[tuple[str, str], float], time_limit_s: float
+    req: AppPlanRequest,
+    budgets: Mapping[tuple[str, str], float],
+    time_limit_s: float,
+    floor: float | None = None,
 ) -> tuple[AppPlan, float]:
-    """A fixed split planned by the group planner, and the bound its solve proved."""
+    """A fixed split planned by the group planner, and the bound its solve proved; with a
+    `floor` (what the best split so far serves, within the gap) the solve stops once it
+    proves this split serves no more (status "cutoff")."""
     parts = [(a, m) for a in req.apps for m in a.models]
     models = tuple(replace(req.profiles[m], name=part_name(a.name, m)) for a, m in parts)
     slos = tuple(budgets[(a.name, m)] for a, m in parts)
@@ -447,7 +453,9 @@ def _plan_split(
         mip_gap=req.mip_gap,
     )
     costs = [_costs(req, p, s) for p, s in zip(models, slos, strict=True)]
-    solved = solve_group(group, costs, req.max_partitions, f"{req.max_partitions}-partition")
+    solved = solve_group(
+        group, costs, req.max_partitions, f"{req.max_partitions}-partition", floor=floor
+    )
     served: dict[tuple[str, str], float] = {}
     picked: dict[tuple[str, str], list[tuple[CandidatePipeline, list[int]]]] = {}
     for (a, m), chosen in zip(parts, solved.chosen, strict=True):

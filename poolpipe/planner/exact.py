@@ -122,15 +122,20 @@ def solve_group(
     max_partitions: int,
     what: str,
     enough: float | None = None,
+    floor: float | None = None,
 ) -> Solved:
     """Solve one group MILP and prove its plan optimal (within the gap) as fast as we can,
     by the proof steps of this module, cheapest first. A warm start
     (PlanRequest.warm_start, fitted to the cluster by warm.py) is the first incumbent.
-    `enough`: stop at the first plan scoring at least this (proof "target", unproven)."""
+    `enough`: stop at the first plan scoring at least this (proof "target", unproven).
+    `floor`: the caller has a plan scoring this and wants only better ones: candidates
+    that cannot beat it are dropped, and the solve stops once it proves that no plan
+    scores more (status and proof "cutoff", the floor as bound, the best plan it had,
+    maybe none: every model without pipelines)."""
     enums, cands = enumerate_candidates(req, costs, max_partitions, what)
     names = [m.name for m in req.models]
     warm = warm_chosen(req.warm_start, names, cands, list(req.weights), req.cluster, req.packing)
-    state = SolveState(req, enums, cands, warm, enough)
+    state = SolveState(req, enums, cands, warm, enough, floor)
     for step in STEPS:
         if step(state):
             break
@@ -162,6 +167,7 @@ class SolveState:
     cands: list[list[CandidatePipeline]]
     warm: tuple[list[Chosen], float] | None
     enough: float | None
+    floor: float | None = None  # only plans above it are wanted (solve_group)
     chosen: Choice | None = None
     objective: float = -math.inf
     bound: float = math.inf
@@ -188,6 +194,11 @@ class SolveState:
         return self.gap <= self.req.mip_gap
 
     @property
+    def cut_off(self) -> bool:
+        """No plan scores more than the floor: the caller's plan is at least as good."""
+        return self.floor is not None and self.bound <= self.floor
+
+    @property
     def at_target(self) -> bool:
         return self.enough is not None and self.objective >= self.enough
 
@@ -210,6 +221,8 @@ class SolveState:
             status = "target"
         elif self.proven:
             status = "optimal"
+        elif self.cut_off:
+            status = self.proof = "cutoff"
         result = MilpResult(
             self.req.solver,
             status,
@@ -235,7 +248,7 @@ def prune_step(s: SolveState) -> bool:
     scores at most the best of their bounds). Finished at a target."""
     req = s.req
     if sum(len(c) for c in s.cands) > PRUNE_ABOVE:
-        s.cands, s.quick, s.dropped_bound = prune(req, s.cands, s.warm, s.enough)
+        s.cands, s.quick, s.dropped_bound = prune(req, s.cands, s.warm, s.enough, s.floor)
     s.group = build_group_milp(s.cands, s.weights, req.cluster, req.packing)
     if s.warm is not None and s.quick is None:
         s.start = _start_values(s.group, s.cands, *s.warm)
@@ -263,7 +276,7 @@ def knapsack_step(s: SolveState) -> bool:
     if q is None or q.chosen is None:
         return False
     _knapsacks(s, q)
-    if s.proven or (s.enough is not None and s.bound < s.enough):
+    if s.proven or s.cut_off or (s.enough is not None and s.bound < s.enough):
         s.proof = "knapsack"
         return True
     assert s.group is not None and s.chosen is not None
@@ -284,21 +297,28 @@ def milp_step(s: SolveState) -> bool:
     if s.enough is not None:
         target = s.enough if target is None else min(target, s.enough)
     limit = min(req.time_limit_s, GROUP_TRY_S) if s.split else req.time_limit_s
-    result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, s.start, target)
+    cutoff = s.floor if s.floor is not None and s.floor > s.objective else None
+    result = solve(
+        group.milp, req.solver, limit, req.mip_gap, req.threads, s.start, target, cutoff
+    )
+    s.seconds += result.seconds
+    if result.status == "cutoff":  # nothing beats the caller's plan: keep the best had
+        if s.chosen is None:
+            s.chosen, s.objective = [[] for _ in s.cands], 0.0
+        s.status, s.nodes = "cutoff", result.nodes
+        s.bounded(result.bound, "cutoff")
+        return True
     if not result.has_solution or result.values is None:
         raise SolverError(
             f"{req.solver} found no plan ({result.status}) for {[m.name for m in req.models]} "
             f"on {req.cluster.name} within {req.time_limit_s:g} s; raise --time-limit"
         )
-    s.chosen = read_counts(group, s.cands, result.values)
-    s.objective, s.values, s.nodes, s.status = (
-        result.objective,
-        result.values,
-        result.nodes,
-        result.status,
-    )
-    s.seconds += result.seconds
-    s.bound, s.gap, s.proof = max(result.bound, s.dropped_bound), result.gap, "milp"
+    s.nodes, s.status = result.nodes, result.status
+    if s.chosen is None or result.objective >= s.objective:  # (below: a cutoff's)
+        s.chosen = read_counts(group, s.cands, result.values)
+        s.objective, s.values = result.objective, result.values
+    s.bound, s.proof = max(result.bound, s.dropped_bound), "milp"
+    s.gap = relative_gap(s.objective, s.bound) if cutoff is not None else result.gap
     if s.dropped_bound > s.objective:
         s.gap = max(s.gap, relative_gap(s.objective, s.bound))
     if s.at_target:
@@ -417,10 +437,12 @@ def prune(
     cands: list[list[CandidatePipeline]],
     warm: tuple[list[Chosen], float] | None = None,
     enough: float | None = None,
+    floor: float | None = None,
 ) -> tuple[list[list[CandidatePipeline]], _Quick, float]:
     """Drop candidates that provably cannot be in a plan better than a quick incumbent
     (the quick MILP's, started from `warm` when given, or `warm` itself if better; the
-    quick MILP stops at `enough` when given).
+    quick MILP stops at `enough` when given), or than `floor` where that is higher (a
+    plan the caller has).
 
     Returns the kept candidates, the incumbent, and the best objective any plan using a
     dropped candidate could reach (-inf if none was dropped).
@@ -447,8 +469,9 @@ def prune(
         if warm is not None and warm[1] > incumbent:
             chosen, incumbent = warm
     kept, dropped_bound = [], -math.inf
+    least = incumbent if floor is None else max(incumbent, floor)
     for model_cands, b in zip(cands, cb.bounds, strict=True):
-        keep = keep_mask(b, incumbent)
+        keep = keep_mask(b, least)
         kept.append([c for c, k in zip(model_cands, keep, strict=True) if k])
         if (~keep).any():
             dropped_bound = max(dropped_bound, float(b[~keep].max()))

@@ -76,7 +76,7 @@ class Milp:
 @dataclass
 class MilpResult:
     solver: str
-    status: str  # optimal | time_limit | target | infeasible | error: <text>
+    status: str  # optimal | time_limit | target | cutoff | infeasible | error: <text>
     values: np.ndarray | None
     objective: float
     bound: float
@@ -97,16 +97,21 @@ def solve(
     threads: int | None = None,
     start: dict[int, float] | None = None,
     target: float | None = None,
+    cutoff: float | None = None,
 ) -> MilpResult:
     """Solve; `start` is a (partial) feasible assignment the solver may complete and use.
 
     `target`: stop (status "target") as soon as a solution scores at least this much, for
-    callers that know a bound the solver does not.
+    callers that know a bound the solver does not. `cutoff`: only solutions scoring above
+    it are wanted (the caller has one that scores it): status "cutoff", no solution and
+    the cutoff as bound, once the solver proves there is none (a MILP only).
     """
+    if cutoff is not None and not milp.num_integer:
+        cutoff = None
     if solver == "highs":
-        return _solve_highs(milp, time_limit_s, mip_gap, threads, start, target)
+        return _solve_highs(milp, time_limit_s, mip_gap, threads, start, target, cutoff)
     if solver == "gurobi":
-        return _solve_gurobi(milp, time_limit_s, mip_gap, threads, start, target)
+        return _solve_gurobi(milp, time_limit_s, mip_gap, threads, start, target, cutoff)
     raise SolverError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
@@ -148,6 +153,7 @@ def _solve_highs(
     threads: int | None,
     start: dict[int, float] | None,
     target: float | None,
+    cutoff: float | None = None,
 ) -> MilpResult:
     import highspy
 
@@ -161,6 +167,8 @@ def _solve_highs(
         h.setOptionValue("threads", int(threads))
     if target is not None and milp.num_integer:
         h.setOptionValue("objective_target", float(target))
+    if cutoff is not None:  # HiGHS minimises inside: the bound is on the negated objective
+        h.setOptionValue("objective_bound", -float(cutoff))
     inf = highspy.kHighsInf
 
     def clip(values: list[float]) -> np.ndarray:
@@ -209,6 +217,10 @@ def _solve_highs(
         status = "infeasible"
     else:
         status = f"error: {text}"
+    if cutoff is not None and status in ("optimal", "infeasible") and objective <= cutoff:
+        # The search ended with every node at most the cutoff: no solution above it (HiGHS
+        # then says "infeasible", or "optimal" with a solution below it, bound and all).
+        status, values, objective, bound, has_sol = "cutoff", None, -math.inf, cutoff, False
     gap = relative_gap(objective, bound) if has_sol else math.inf
     if status == "optimal":
         gap = min(gap, float(info.mip_gap)) if milp.num_integer else 0.0
@@ -247,6 +259,7 @@ def _solve_gurobi(
     threads: int | None,
     start: dict[int, float] | None,
     target: float | None,
+    cutoff: float | None = None,
 ) -> MilpResult:
     ok, reason = gurobi_available()
     if not ok:
@@ -263,6 +276,8 @@ def _solve_gurobi(
         m.Params.Threads = int(threads)
     if target is not None:
         m.Params.BestObjStop = float(target)
+    if cutoff is not None:
+        m.Params.Cutoff = float(cutoff)
     xs = [
         m.addVar(
             lb=lo if math.isfinite(lo) else -gp.GRB.INFINITY,
@@ -294,10 +309,13 @@ def _solve_gurobi(
         gp.GRB.OPTIMAL: "optimal",
         gp.GRB.TIME_LIMIT: "time_limit",
         gp.GRB.USER_OBJ_LIMIT: "target",
+        gp.GRB.CUTOFF: "cutoff",
         gp.GRB.INFEASIBLE: "infeasible",
     }.get(m.Status, f"error: gurobi status {m.Status}")
     values = np.array([x.X for x in xs]) if has_sol else None
     objective = float(m.ObjVal) if has_sol else -math.inf
     bound = float(m.ObjBound) if has_sol and milp.num_integer else objective
+    if status == "cutoff":
+        bound = float(cutoff)  # type: ignore[arg-type]  # set with the Cutoff parameter
     gap = relative_gap(objective, bound) if has_sol else math.inf
     return MilpResult("gurobi", status, values, objective, bound, gap, seconds, int(m.NodeCount))
