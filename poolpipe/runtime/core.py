@@ -35,7 +35,7 @@ from mypy_extensions import mypyc_attr
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.guard import WakeGuard
 from poolpipe.runtime.health import NODE_CHECK_EVERY_US, NodeHealth
-from poolpipe.runtime.intake import MAX_SLO_MS, Unservable, check_request
+from poolpipe.runtime.intake import MAX_SLO_MS, RowBounds, Unservable, check_request
 from poolpipe.runtime.migration import (
     SWITCHED_AWAY,
     FlushMigration,
@@ -140,6 +140,7 @@ class _Plan:
         "plane",
         "pools",
         "recal",
+        "row_bounds",
         "served",
         "slo_us",
         "stage_factors",
@@ -167,6 +168,7 @@ class _Plan:
         self.first_pool = [pipe.pools[0] for pipe in topo.pipelines]
         self.slo_us = [m.slo_us for m in topo.models]
         self.recal = Recalibrator(topo, config.recalibrate_every, config.recalibrate_band)
+        self.row_bounds = RowBounds(self.recal.base)  # the door's check, per request
         # the counters of the requests taken now (the open window's; see Windows)
         self.model_stats = [windows.epoch(m.name) for m in topo.models]
         self.jobs = 0  # dispatched and not ended
@@ -325,6 +327,7 @@ class ServingRuntime:
                 slo_ms,
                 self.reply_margin_us,
                 self.config.max_slo_ms,
+                self._plan.row_bounds,
             )
         except Unservable:
             stats = self._windows.epoch(model)

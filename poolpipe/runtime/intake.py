@@ -9,6 +9,7 @@ cannot be on time, so it is refused at once rather than answered late or in piec
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -111,8 +112,9 @@ def p99(xs: Sequence[float] | deque[float]) -> float:
     """The 99th percentile (nearest rank) of the samples; 0 without any."""
     if not xs:
         return 0.0
-    s = sorted(xs)
-    return float(s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)])
+    n = len(xs)
+    rank = min(n - 1, math.ceil(0.99 * n) - 1)  # in ascending order: the (n - rank)-th largest
+    return float(heapq.nlargest(n - rank, xs)[-1])
 
 
 class BadRequest(PoolpipeError):
@@ -149,27 +151,51 @@ def _pool_rate(pool: Pool) -> float:
     return max((b / lat for b, lat in enumerate(pool.latency_us) if b and lat > 0), default=0.0)
 
 
+class RowBounds:
+    """most_rows_on_time for one topology, its per-plan part computed once (a router asks
+    at every request): per model, per pipeline, what every row spends outside the pipeline's
+    pools (their fastest single-row times and the moves) and per pool its fastest time,
+    vGPUs and best rate per vGPU."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.models: list[list[tuple[float, list[tuple[float, int, float]]]]] = []
+        for m in topo.models:
+            pipes = []
+            for p in m.pipelines:
+                pools = [topo.pools[i] for i in topo.pipelines[p].pools]
+                fastest = [min(lat for lat in pool.latency_us[1:] if lat > 0) for pool in pools]
+                outside = sum(fastest) + sum(pool.transfer_in_us for pool in pools)
+                per_pool = [
+                    (f, len(pool.vgpus), _pool_rate(pool))
+                    for f, pool in zip(fastest, pools, strict=True)
+                ]
+                pipes.append((outside, per_pool))
+            self.models.append(pipes)
+
+    def most(self, model: int, budget_us: float) -> int:
+        """An upper bound on the rows of `model` that its pipelines could finish within
+        `budget_us` from now with every vGPU idle. A row passes every pool of its pipeline;
+        at pool k it can only run after the earlier pools' fastest single-row time and must
+        leave before the later pools' (and transfers') fastest time, so pool k works on it
+        within that window at most, at its best rate per vGPU."""
+        total = 0
+        for outside, per_pool in self.models[model]:
+            bound = math.inf
+            for fastest, vgpus, rate in per_pool:
+                window = budget_us - (outside - fastest)
+                if window < fastest:
+                    bound = 0.0
+                    break
+                bound = min(bound, vgpus * window * rate)
+            total += int(bound)
+        return total
+
+
 def most_rows_on_time(topo: Topology, model: int, budget_us: float) -> int:
-    """An upper bound on the rows of `model` that its pipelines could finish within
-    `budget_us` from now with every vGPU idle. A row passes every pool of its pipeline; at
-    pool k it can only run after the earlier pools' fastest single-row time and must leave
-    before the later pools' (and transfers') fastest time, so pool k works on it within
-    that window at most, at its best rate per vGPU."""
-    total = 0
-    for p in topo.models[model].pipelines:
-        pools = [topo.pools[i] for i in topo.pipelines[p].pools]
-        fastest = [min(lat for lat in pool.latency_us[1:] if lat > 0) for pool in pools]
-        # what every row spends outside any one pool k: the others' fastest times + the moves
-        outside = sum(fastest) + sum(pool.transfer_in_us for pool in pools)
-        bound = math.inf
-        for k, pool in enumerate(pools):
-            window = budget_us - (outside - fastest[k])
-            if window < fastest[k]:
-                bound = 0.0
-                break
-            bound = min(bound, len(pool.vgpus) * window * _pool_rate(pool))
-        total += int(bound)
-    return total
+    """RowBounds(topo).most(model, budget_us): the rows of `model` its pipelines could
+    finish within `budget_us` with every vGPU idle, at most."""
+    return RowBounds(topo).most(model, budget_us)
 
 
 def check_request(
@@ -179,11 +205,13 @@ def check_request(
     slo_raw: object,
     reply_margin_us: float,
     max_slo_ms: float = MAX_SLO_MS,
+    bounds: RowBounds | None = None,
 ) -> tuple[int, float | None]:
     """(model index, SLO in µs or None for the model's) of a request, or a BadRequest:
     unknown model, no rows, a bad `slo_ms`, or more rows than the plan could ever serve
     within the SLO (less the reply margin); or Unservable where the plan cannot serve even
-    one row within the model's own SLO (or a longer one the request asks for)."""
+    one row within the model's own SLO (or a longer one the request asks for). `bounds`:
+    the topology's RowBounds, where the caller keeps them."""
     try:
         index = topo.model_index(model)
     except UnknownNameError:
@@ -194,7 +222,9 @@ def check_request(
     slo_us = request_slo_us(slo_raw, max_slo_ms)
     own = topo.models[index].slo_us
     slo = own if slo_us is None else slo_us
-    most = most_rows_on_time(topo, index, slo - reply_margin_us)
+    if bounds is None or bounds.topo is not topo:
+        bounds = RowBounds(topo)
+    most = bounds.most(index, slo - reply_margin_us)
     if most < 1 and slo >= own:
         raise Unservable(
             f"{model}: this plan cannot serve a request within {slo / 1e3:g} ms: its SLO less "
