@@ -5,15 +5,18 @@ the warning for an SLO that the reply margin leaves no room in."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import manual_plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import BadRequest, slo_room_warnings
-from poolpipe.runtime.intake import check_request, most_rows_on_time, request_slo_us
+from poolpipe.runtime.intake import check_request, most_rows_on_time, p99, request_slo_us
 from tests.factories import make_topology
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,3 +135,11 @@ def test_a_rollout_refusal_gives_both_numbers():
         "m: its SLO 10 ms less the router's measured reply margin 3.00 ms leaves 7.00 ms, "
         "less than its fastest pipeline's planned latency 8 ms"
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=1, max_size=1500))
+def test_p99_is_the_nearest_rank_of_the_sorted_samples(xs):
+    """p99 takes the top 1% only (heapq.nlargest): the value a full sort gives."""
+    ranked = sorted(xs)
+    assert p99(xs) == ranked[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
