@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from poolpipe.errors import InfeasibleError
@@ -220,6 +222,11 @@ def test_a_group_solve_with_a_floor_it_cannot_beat_says_so():
     assert cut.result.bound == pytest.approx(z * 1.01) and cut.result.objective <= z * 1.01
     low = solve_group(req, costs, 2, "2-partition", floor=z * 0.5)
     assert low.result.status == "optimal" and low.result.objective == pytest.approx(z)
+    # the caller's own plan as warm start, the floor at it: no cutoff refuses the start,
+    # the solve proves it
+    warm = dataclasses.replace(req, warm_start=make_plan(req))
+    own = solve_group(warm, costs, 2, "2-partition", floor=z * (1 + req.mip_gap))
+    assert own.result.status == "optimal" and own.result.objective == pytest.approx(z)
 
 
 def test_swaps_fill_a_partly_used_bucket():

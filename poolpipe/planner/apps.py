@@ -348,6 +348,8 @@ def _search_splits(
             bounded.append((math.inf, budgets))
     bounded.sort(key=lambda x: -x[0])
     best = start if start is not None and start.objective > 0 else None
+    # the start's pipelines warm-start every split whose candidates include them
+    warm = None if best is None else app_plan_document(req, best)[0]
     open_bound = 0.0  # the most a split planned but not proven may serve
     status = "optimal"
     for bound, budgets in bounded:
@@ -358,7 +360,7 @@ def _search_splits(
             open_bound, status = max(open_bound, bound), "time_limit"
             break
         floor = None if best is None else best.objective * (1 + req.mip_gap)
-        plan, plan_bound = _plan_split(req, budgets, max(left, _LEAST_SPLIT_S), floor)
+        plan, plan_bound = _plan_split(req, budgets, max(left, _LEAST_SPLIT_S), floor, warm)
         if best is None or plan.objective > best.objective:
             best = plan
         if plan.status not in ("optimal", "cutoff"):  # cutoff: it serves no more than best
@@ -433,10 +435,12 @@ def _plan_split(
     budgets: Mapping[tuple[str, str], float],
     time_limit_s: float,
     floor: float | None = None,
+    warm: Plan | None = None,
 ) -> tuple[AppPlan, float]:
     """A fixed split planned by the group planner, and the bound its solve proved; with a
     `floor` (what the best split so far serves, within the gap) the solve stops once it
-    proves this split serves no more (status "cutoff")."""
+    proves this split serves no more (status "cutoff"); `warm`: a plan of the parts
+    (app_plan_document's) to start from where its pipelines are this split's candidates."""
     parts = [(a, m) for a in req.apps for m in a.models]
     models = tuple(replace(req.profiles[m], name=part_name(a.name, m)) for a, m in parts)
     slos = tuple(budgets[(a.name, m)] for a, m in parts)
@@ -451,6 +455,7 @@ def _plan_split(
         solver=req.solver,
         time_limit_s=time_limit_s,
         mip_gap=req.mip_gap,
+        warm_start=warm,
     )
     costs = [_costs(req, p, s) for p, s in zip(models, slos, strict=True)]
     solved = solve_group(

@@ -297,7 +297,12 @@ def milp_step(s: SolveState) -> bool:
     if s.enough is not None:
         target = s.enough if target is None else min(target, s.enough)
     limit = min(req.time_limit_s, GROUP_TRY_S) if s.split else req.time_limit_s
-    cutoff = s.floor if s.floor is not None and s.floor > s.objective else None
+    # cut off at the floor unless the incumbent is the caller's plan itself (a warm start
+    # at the floor): the solver then starts from it, where a cutoff would refuse it
+    cutoff = None
+    had = max(s.objective, s.warm[1] if s.warm is not None else -math.inf)
+    if s.floor is not None and had * (1 + req.mip_gap) < s.floor:
+        cutoff = s.floor
     result = solve(
         group.milp, req.solver, limit, req.mip_gap, req.threads, s.start, target, cutoff
     )
