@@ -7,6 +7,8 @@ import math
 from dataclasses import astuple
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import (
@@ -54,6 +56,73 @@ def test_correct_replaces_the_reserved_interval_and_forget_drops_the_past():
     assert len(t) == 0
     assert not t.correct(7, 3, 15, now=20)  # unknown now, and already over: nothing kept
     assert len(t) == 0
+
+
+def _plain_slot(intervals: list[tuple[float, float]], t: float, duration: float) -> float:
+    """earliest_slot as a plain scan of the intervals (sorted by start), without a memo."""
+    cand = t
+    for start, end in intervals:
+        if end <= cand:
+            continue
+        if start >= cand + duration:
+            break
+        cand = end
+    return cand
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["reserve", "correct", "forget", "query", "query"]),
+        st.integers(0, 200),
+        st.integers(1, 40),
+        st.sampled_from([3, 7]),
+    ),
+    max_size=60,
+)
+
+
+def test_earliest_slot_forgets_its_memo_whenever_the_table_changes():
+    """Each change of a table ends what earliest_slot remembers: a reservation, one taken
+    back by a correction, intervals forgotten (then a query of the past finds them free)."""
+    t = ReservationTable()
+    assert t.earliest_slot(0, 5) == 0
+    t.reserve(0, 10, 1)
+    assert t.earliest_slot(0, 5) == 10
+    assert t.earliest_slot(4, 5) == 10  # from the memo: [0, 10] answers 10
+    t.correct(1, 0, 10, now=30)  # over before now: gone, nothing replaces it
+    assert t.earliest_slot(4, 5) == 4
+    t.reserve(10, 20, 2)
+    assert t.earliest_slot(12, 5) == 20
+    t.forget_before(25)
+    assert t.earliest_slot(15, 5) == 15
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_earliest_slot_remembers_its_last_answer_only_while_the_table_is_unchanged(ops):
+    """earliest_slot answers a query within [t, answer] of its last one from memory: any
+    sequence of reservations, corrections, forgetting and queries (queries in a row the
+    memo answers) gives what a plain scan of the table's intervals gives."""
+    t = ReservationTable()
+    keys: list[int] = []
+    asked, last = 0.0, 0.0
+    for op, a, n, d in ops:
+        if op == "reserve":
+            keys.append(len(keys) + 1)
+            t.reserve(float(a), float(a + n), keys[-1])
+        elif op == "correct" and keys:
+            # half of them end before `now`: the reservation goes and nothing replaces it
+            now = float(a + n) if d == 7 else 0.0
+            t.correct(keys[a % len(keys)], float(a), float(a + n), now=now)
+        elif op == "forget":
+            t.forget_before(float(a))
+        else:
+            # the last query's time and answer again (the memo's, unless the table changed
+            # since), then a time of the op's own and one past it
+            for q in (asked, last, float(a), float(a) + n / 2):
+                got = t.earliest_slot(q, float(d))
+                assert got == _plain_slot(t.intervals(), q, float(d))
+            asked, last = float(a) + n / 2, got
 
 
 # ----------------------------------------------------------------------------- probe

@@ -41,12 +41,18 @@ class ReservationTable:
     on to the list and read it from `head` (it must not modify it).
     """
 
-    __slots__ = ("busy", "head", "name")
+    __slots__ = ("busy", "head", "memo_at", "memo_dur", "memo_t", "name")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.busy: list[Busy] = []
         self.head = 0
+        # earliest_slot's last answer (memo_t, memo_dur) -> memo_at, while the table is
+        # unchanged: any t in [memo_t, memo_at] gets memo_at for that duration (a free slot
+        # earlier than memo_at and at least t would be at least memo_t too)
+        self.memo_t = 0.0
+        self.memo_at = -1.0
+        self.memo_dur = -1.0
 
     def __len__(self) -> int:
         return len(self.busy) - self.head
@@ -63,6 +69,8 @@ class ReservationTable:
         h = self.head
         while h < n and busy[h].end <= now:
             h += 1
+        if h != self.head:
+            self.memo_at = -1.0  # (a query of the past would now find the dropped free)
         if h >= _DROP_AFTER:
             del busy[:h]
             h = 0
@@ -70,6 +78,8 @@ class ReservationTable:
 
     def earliest_slot(self, t: float, duration: float) -> float:
         """Earliest start >= t at which the resource is free for `duration`."""
+        if duration == self.memo_dur and self.memo_t <= t <= self.memo_at:
+            return self.memo_at
         cand = t
         busy = self.busy
         for i in range(self.head, len(busy)):
@@ -80,10 +90,12 @@ class ReservationTable:
             if b.start >= cand + duration:
                 break
             cand = e
+        self.memo_t, self.memo_dur, self.memo_at = t, duration, cand
         return cand
 
     def reserve(self, start: float, end: float, key: int) -> None:
         """Insert in (start, end, key) order, after any equal one."""
+        self.memo_at = -1.0
         busy = self.busy
         h = self.head
         i = len(busy)
@@ -105,6 +117,7 @@ class ReservationTable:
         Returns False if the key is unknown (already forgotten); the actual interval is still
         recorded when it reaches past `now`.
         """
+        self.memo_at = -1.0
         busy = self.busy
         found = False
         for i in range(self.head, len(busy)):
