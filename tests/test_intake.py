@@ -16,7 +16,7 @@ from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import manual_plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import BadRequest, slo_room_warnings
-from poolpipe.runtime.intake import check_request, most_rows_on_time, p99, request_slo_us
+from poolpipe.runtime.intake import RowBounds, check_request, p99, request_slo_us
 from tests.factories import make_topology
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,16 +49,16 @@ def test_a_bad_slo_is_refused_naming_the_value(raw, says):
 def test_most_rows_of_one_stage():
     # two vGPUs, 10 µs for one row, 15 µs for two: in 30 µs each runs two batches of two
     topo = make_topology([((0, 1), (10.0, 15.0), 0.0)], batch=2)
-    assert most_rows_on_time(topo, 0, 30.0) == 8
-    assert most_rows_on_time(topo, 0, 9.0) == 0  # not even one row
+    assert RowBounds(topo).most(0, 30.0) == 8
+    assert RowBounds(topo).most(0, 9.0) == 0  # not even one row
 
 
 def test_most_rows_of_two_stages_with_a_transfer():
     # A 10 µs, move 5 µs, B 20 µs (one row each). By hand within 60 µs: row 1 A 0-10,
     # move 10-15, B 15-35; row 2 A 10-20, move 20-25, B 35-55; row 3's B would end at 75.
     topo = make_topology([((0,), (10.0,), 0.0), ((1,), (20.0,), 5.0)])
-    assert most_rows_on_time(topo, 0, 60.0) == 2
-    assert most_rows_on_time(topo, 0, 34.0) == 0  # 10 + 5 + 20 > 34
+    assert RowBounds(topo).most(0, 60.0) == 2
+    assert RowBounds(topo).most(0, 34.0) == 0  # 10 + 5 + 20 > 34
 
 
 def test_check_request_names_what_is_wrong():

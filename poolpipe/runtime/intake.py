@@ -152,10 +152,10 @@ def _pool_rate(pool: Pool) -> float:
 
 
 class RowBounds:
-    """most_rows_on_time for one topology, its per-plan part computed once (a router asks
-    at every request): per model, per pipeline, what every row spends outside the pipeline's
-    pools (their fastest single-row times and the moves) and per pool its fastest time,
-    vGPUs and best rate per vGPU."""
+    """The most rows a topology's pipelines could finish within a budget (`most`), its
+    per-plan part computed once (a router asks at every request): per model, per
+    pipeline, what every row spends outside the pipeline's pools (their fastest single-row
+    times and the moves) and per pool its fastest time, vGPUs and best rate per vGPU."""
 
     def __init__(self, topo: Topology):
         self.topo = topo
@@ -190,12 +190,6 @@ class RowBounds:
                 bound = min(bound, vgpus * window * rate)
             total += int(bound)
         return total
-
-
-def most_rows_on_time(topo: Topology, model: int, budget_us: float) -> int:
-    """RowBounds(topo).most(model, budget_us): the rows of `model` its pipelines could
-    finish within `budget_us` with every vGPU idle, at most."""
-    return RowBounds(topo).most(model, budget_us)
 
 
 def check_request(
