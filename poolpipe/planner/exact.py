@@ -303,9 +303,7 @@ def milp_step(s: SolveState) -> bool:
     had = max(s.objective, s.warm[1] if s.warm is not None else -math.inf)
     if s.floor is not None and had * (1 + req.mip_gap) < s.floor:
         cutoff = s.floor
-    result = solve(
-        group.milp, req.solver, limit, req.mip_gap, req.threads, s.start, target, cutoff
-    )
+    result = solve(group.milp, req.solver, limit, req.mip_gap, req.threads, s.start, target, cutoff)
     s.seconds += result.seconds
     if result.status == "cutoff":  # nothing beats the caller's plan: keep the best had
         if s.chosen is None:
