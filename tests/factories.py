@@ -14,10 +14,14 @@ def make_topology(
     batch: int = 1,
     slo_us: float = 100.0,
     throughput: float = 100.0,
+    inputs: float = 0.0,
 ) -> Topology:
     """One model, one pipeline. Each stage: (server of each vGPU, latency per batch 1..B,
-    transfer-in µs per sample). Servers are numbered from 0 and all hold GPU type "G"."""
-    return make_pipelines([stages], batch=batch, slo_us=slo_us, throughput=throughput)
+    transfer-in µs per sample). Servers are numbered from 0 and all hold GPU type "G".
+    `inputs`: the first stage's transfer-in, its requests' inputs (topology.with_inputs)."""
+    return make_pipelines(
+        [stages], batch=batch, slo_us=slo_us, throughput=throughput, inputs=inputs
+    )
 
 
 def make_pipelines(
@@ -26,9 +30,10 @@ def make_pipelines(
     batch: int = 1,
     slo_us: float = 100.0,
     throughput: float = 100.0,
+    inputs: float = 0.0,
 ) -> Topology:
     """One model, a pipeline per entry, each its stages as for make_topology (every stage
-    a pool of its own; the first one's transfer-in is 0)."""
+    a pool of its own; the first one's transfer-in is `inputs`, its requests' inputs)."""
     servers = sorted({s for stages in pipelines for st in stages for s in st[0]})
     vgpus: list[VGpu] = []
     pools: list[Pool] = []
@@ -52,7 +57,7 @@ def make_pipelines(
                     d + 1,
                     tuple(ids),
                     (float("nan"), *lats),
-                    0.0 if d == 0 else tau,
+                    inputs if d == 0 else tau,
                 )
             )
         pipes.append(Pipeline(i, 0, i, batch, tuple(range(first, len(pools))), throughput, 0.0))

@@ -34,7 +34,7 @@ def reference_probe(sch: ReservationScheduler, pipe, b: int, now: float):
             return sch.uplink[server_of[v]].earliest_slot(f, out) if out else f
 
         best = None
-        if prev < 0:
+        if prev < 0 and not pool.transfer_in_us:
             flat, r = sch._flat[pid], sch._rr[pid]
             for i in range(len(flat)):
                 v = flat[(r + i) % len(flat)]
@@ -43,12 +43,12 @@ def reference_probe(sch: ReservationScheduler, pipe, b: int, now: float):
                 if best is None or cand < best[0]:
                     best = (cand, (pid, v, -1, t, t, s, s + lat))
         else:
-            dur = b * pool.transfer_in_us
-            up = sch.uplink[server_of[prev]]
+            dur = b * pool.transfer_in_us  # a feature map, or (prev < 0) the inputs
+            up = (sch.uplink[server_of[prev]],) if prev >= 0 else ()
             groups, r = sch._groups[pid], sch._rr[pid]
             for i in range(len(groups)):
                 srv, vgs = groups[(r + i) % len(groups)]
-                ts = earliest_common_slot((up, sch.downlink[srv]), t, dur) if dur > 0 else t
+                ts = earliest_common_slot((*up, sch.downlink[srv]), t, dur) if dur > 0 else t
                 for v in vgs:
                     s = sch.vgpu_table[v].earliest_slot(ts + dur, lat)
                     cand = (send_on(v, s + lat), s + lat)
@@ -77,11 +77,12 @@ busy = st.lists(
     rr=st.lists(st.integers(0, 11), min_size=3, max_size=3),
     now=st.integers(0, 30),
     b=st.integers(1, 2),
+    inputs=st.integers(0, 3),
 )
-def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr, now, b):
+def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr, now, b, inputs):
     used = sorted({s for on in servers for s in on})  # servers are numbered 0..k-1
     stages = [([used.index(s) for s in on], [7.0, 11.0], float(transfer)) for on in servers]
-    sch = ReservationScheduler(make_topology(stages, batch=2))
+    sch = ReservationScheduler(make_topology(stages, batch=2, inputs=float(inputs)))
     key = 0
     for v, table in enumerate(sch.vgpu_table):
         for s, n in vgpu_busy[v]:
@@ -91,12 +92,13 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
         for s, n in link_busy[i % len(link_busy)]:
             table.reserve(s, s + n // 5 + 1, key := key + 1)
     for pid in range(len(sch._rr)):
-        sch._rr[pid] = rr[pid] % len(sch._groups[pid] if pid else sch._flat[pid])
+        sch._rr[pid] = rr[pid] % len(sch._groups[pid] if pid or inputs else sch._flat[pid])
     pipe = sch.topo.pipelines[0]
     got = sch.probe(pipe, b, float(now))
     wait, finish, path = reference_probe(sch, pipe, b, float(now))
     assert (got.wait_us, got.finish_us, [astuple(h) for h in got.path]) == (wait, finish, path)
-    assert got.start_us == path[0][5]  # when the batch starts on its first vGPU
+    # when the batch leaves: its inputs' transfer, or its start on its first vGPU
+    assert got.start_us == (path[0][3] if inputs else path[0][5])
 
 
 # ---------------------------------------------------------------------------- pipelines
@@ -108,9 +110,9 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
 # pipeline (its bounds forgotten before each decision).
 
 
-def multi_pipeline_topology(shapes, lats, transfer: float) -> Topology:
+def multi_pipeline_topology(shapes, lats, transfer: float, inputs: float = 0.0) -> Topology:
     """One model; pipeline i has len(shapes[i]) pools, pool j on the servers shapes[i][j],
-    its latencies `lats` x (1 + i / 2 + j / 4)."""
+    its latencies `lats` x (1 + i / 2 + j / 4); `inputs`: the first pools' transfer-in."""
     used = sorted({srv for shape in shapes for on in shape for srv in on})
     return make_pipelines(
         [
@@ -126,6 +128,7 @@ def multi_pipeline_topology(shapes, lats, transfer: float) -> Topology:
         ],
         batch=2,
         slo_us=60.0,
+        inputs=inputs,
     )
 
 
@@ -181,9 +184,9 @@ def arrival_gaps(most: int):
     return st.lists(st.integers(0, 6), min_size=10, max_size=most)
 
 
-def scenario(shapes, gaps, transfer: int) -> tuple[Topology, list[float]]:
+def scenario(shapes, gaps, transfer: int, inputs: int = 0) -> tuple[Topology, list[float]]:
     """The topology of `shapes` and the arrival times of `gaps`."""
-    topo = multi_pipeline_topology(shapes, [8.0, 12.0], float(transfer))
+    topo = multi_pipeline_topology(shapes, [8.0, 12.0], float(transfer), float(inputs))
     return topo, list(itertools.accumulate(float(g) for g in gaps))
 
 
@@ -192,10 +195,14 @@ stretches = st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size
 
 @settings(max_examples=150, deadline=None)
 @given(
-    shapes=pipelines(3, 2, 2), gaps=arrival_gaps(60), stretch=stretches, transfer=st.integers(0, 3)
+    shapes=pipelines(3, 2, 2),
+    gaps=arrival_gaps(60),
+    stretch=stretches,
+    transfer=st.integers(0, 3),
+    inputs=st.sampled_from([0, 0, 2]),
 )
-def test_pipeline_choice_equals_probing_every_pipeline(shapes, gaps, stretch, transfer):
-    topo, arrivals = scenario(shapes, gaps, transfer)
+def test_pipeline_choice_equals_probing_every_pipeline(shapes, gaps, stretch, transfer, inputs):
+    topo, arrivals = scenario(shapes, gaps, transfer, inputs)
     fast, plain = ReservationScheduler(topo), ReservationScheduler(topo)
     assert drive(fast, arrivals, stretch, False) == drive(plain, arrivals, stretch, True)
     assert fast.probes <= plain.probes
@@ -261,10 +268,16 @@ def probes_match_the_plain_rule(sch: ReservationScheduler, t: float) -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    shapes=pipelines(4, 3, 1), gaps=arrival_gaps(50), stretch=stretches, transfer=st.integers(0, 3)
+    shapes=pipelines(4, 3, 1),
+    gaps=arrival_gaps(50),
+    stretch=stretches,
+    transfer=st.integers(0, 3),
+    inputs=st.sampled_from([0, 0, 2]),
 )
-def test_probes_on_tables_the_plane_wrote_equal_the_plain_rule(shapes, gaps, stretch, transfer):
-    topo, arrivals = scenario(shapes, gaps, transfer)
+def test_probes_on_tables_the_plane_wrote_equal_the_plain_rule(
+    shapes, gaps, stretch, transfer, inputs
+):
+    topo, arrivals = scenario(shapes, gaps, transfer, inputs)
     sch = ReservationScheduler(topo)
     drive(sch, arrivals, stretch, False, check=probes_match_the_plain_rule)
     assert sch.probes > 0

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poolpipe.errors import PoolpipeError
+from poolpipe.errors import ClusterError, PoolpipeError
 from poolpipe.scheduler import (
     ReactiveScheduler,
     ReservationScheduler,
@@ -19,8 +19,13 @@ from poolpipe.scheduler import (
     earliest_common_slot,
     make_data_plane,
 )
-from poolpipe.scheduler.messages import DROP_CANNOT_MEET, DROP_DEADLINE_PASSED, DROP_OVERLOAD
-from poolpipe.scheduler.topology import with_latencies
+from poolpipe.scheduler.messages import (
+    DROP_CANNOT_MEET,
+    DROP_DEADLINE_PASSED,
+    DROP_OVERLOAD,
+    Dispatch,
+)
+from poolpipe.scheduler.topology import with_inputs, with_latencies
 from tests.factories import make_requests, make_topology
 
 # ----------------------------------------------------------------------------- tables
@@ -167,6 +172,40 @@ def test_downlink_contention_between_two_senders():
     assert second.path[0].vgpu != first.path[0].vgpu
     assert (second.path[1].transfer_start_us, second.path[1].transfer_end_us) == (14.0, 18.0)
     assert second.finish_us == 23.0
+
+
+def test_inputs_cross_the_first_servers_downlink_one_batch_at_a_time():
+    # One pool of two vGPUs on server 0, 10 µs a batch; each request's inputs take 4 µs on
+    # the server's downlink (topology.with_inputs): a second batch at once waits for the
+    # link, not for a vGPU; on another server it would not wait at all.
+    topo = make_topology([([0, 0], [10.0], 0.0)], inputs=4.0)
+    s = ReservationScheduler(topo)
+    pipe = topo.pipelines[0]
+    first = s.probe(pipe, 1, 0.0)
+    assert astuple(first.path[0])[2:] == (-1, 0.0, 4.0, 4.0, 14.0)
+    assert (first.start_us, first.finish_us, first.wait_us) == (0.0, 14.0, 0.0)
+    s._reserve(first.path, 0, 0.0)
+    second = s.probe(pipe, 1, 0.0)
+    assert second.path[0].vgpu != first.path[0].vgpu
+    assert astuple(second.path[0])[2:] == (-1, 4.0, 8.0, 8.0, 18.0)
+    assert (second.start_us, second.wait_us) == (4.0, 4.0)  # it leaves when the link is free
+    # the first batch failed before its inputs went out: the link is free again
+    s._inflight.add(Dispatch(0, 0, 0, 1, [], first.path, True, 0))
+    s.on_dispatch_failed(0, 0, 0.0)
+    assert astuple(s.probe(pipe, 1, 0.0).path[0])[3:5] == (0.0, 4.0)
+    other = make_topology([([0, 1], [10.0], 0.0)], inputs=4.0)
+    s = ReservationScheduler(other)
+    s._reserve(s.probe(other.pipelines[0], 1, 0.0).path, 0, 0.0)
+    assert s.probe(other.pipelines[0], 1, 0.0).finish_us == 14.0
+
+
+def test_with_inputs_times_the_first_pools_inputs_at_the_nic_bandwidth():
+    topo = make_topology([([0], [10.0], 0.0), ([1], [5.0], 2.0)])
+    timed = with_inputs(topo, {"m": 1e6}, 8.0)  # 8 Mbit at 8 Gbit/s: 1 ms a request
+    assert [p.transfer_in_us for p in timed.pools] == [1000.0, 2.0]
+    assert with_inputs(topo, {"other": 1e6}, 8.0) == topo
+    with pytest.raises(ClusterError, match="bandwidth"):
+        with_inputs(topo, {"m": 1e6}, 0.0)
 
 
 # ----------------------------------------------------------------------------- batching

@@ -131,6 +131,22 @@ def test_measured_stage_factors_stretch_each_pools_computes():
     assert res.attainment == 1.0
 
 
+def test_inputs_cross_the_first_servers_downlink_one_at_a_time():
+    # One pool of two vGPUs, 10 µs, SLO 18 µs; each request's inputs take 5 µs on its
+    # server's downlink. Two requests at once on one server: the first's inputs 0-5,
+    # compute 5-15; the second's inputs can only follow (5-10), compute 10-20 > 18:
+    # dropped. With the vGPUs on two servers both are on time.
+    def run(servers):
+        topo = make_topology([(servers, [10.0], 0.0)], slo_us=18.0, inputs=5.0)
+        cfg = SimConfig(duration_s=1e-3, seed=1)
+        dp = make_data_plane("eager", topo)
+        return Simulator(topo, dp, np.array([0.0, 0.0]), np.array([0, 0]), cfg).run().models[0]
+
+    one = run([0, 0])
+    assert (one.on_time, one.dropped) == (1, 1)
+    assert run([0, 1]).on_time == 2
+
+
 def test_reply_margin_tightens_scheduling_but_not_the_count():
     # One vGPU, 10 µs, SLO 15 µs. With a 4 µs margin the data plane must finish by 11 µs:
     # it still can, and the request counts on time against the full SLO. With 6 µs (by

@@ -575,8 +575,9 @@ class ServingRuntime:
         if again and current:
             self._decide(self.clock.now())
 
-    def hop_late(self, job: Job, h: int) -> bool:
-        """Hop `h` of `job` may start now, later than reserved (its vGPU was busy with a
+    def hop_late(self, job: Job, h: int, start_us: float = -math.inf) -> bool:
+        """Hop `h` of `job` may start now (or its compute at `start_us`, where its inputs
+        are sent first), later than reserved (its vGPU was busy with a
         stage that ran over its reservation). Requests that can no longer be on time (the
         rest of the path as reserved, shifted by the delay, ends after their SLO: late even
         with no time for the reply, whose margin was held back for this) are dropped now,
@@ -587,7 +588,7 @@ class ServingRuntime:
         plan: _Plan = job._plan
         d = job.dispatch
         now = self.clock.now()
-        end = d.hops[-1].end_us + (now - d.hops[h].start_us)
+        end = d.hops[-1].end_us + (max(now, start_us) - d.hops[h].start_us)
         first = self._drop_due_before(job, end, DROP_STAGE_OVERRAN, now)
         if first < math.inf:
             job.slack_us = first - d.hops[-1].end_us

@@ -307,12 +307,17 @@ class ReservationScheduler(DataPlane):
         # which tree a pool needs: the first pool of a pipeline, a later one (or both)
         self._first = [False] * len(topo.pools)
         self._later = [False] * len(topo.pools)
+        # per pool: a first pool whose requests' inputs cross its server's downlink
+        # (topology.with_inputs), probed like a later pool whose feature map comes from
+        # outside the cluster (a server's group at a time: one transfer slot per server)
+        self._inputs = [False] * len(topo.pools)
         for pipe in topo.pipelines:
             for d, pid in enumerate(pipe.pools):
-                if d == 0:
+                if d == 0 and not topo.pools[pid].transfer_in_us > 0:
                     self._first[pid] = True
                 else:
                     self._later[pid] = True
+                    self._inputs[pid] = d == 0
         self._rr = [0] * len(topo.pools)
         # Per pool, from its last probe that found no vGPU free at once: no vGPU of the pool
         # can start a stage of _booked_lat µs at or after _booked_t before _booked_from.
@@ -475,7 +480,8 @@ class ReservationScheduler(DataPlane):
             x = d.hops[h]
             self._corrected(x.vgpu, key, now, now, now)
             if x.transfer_end_us > x.transfer_start_us:
-                self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
+                if x.src_vgpu >= 0:
+                    self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
                 self.downlink[self.server_of[x.vgpu]].correct(key + 1, now, now, now)
         for m in range(len(self.queues)):
             self._dirty[m] = True
@@ -517,7 +523,7 @@ class ReservationScheduler(DataPlane):
             # Look one transfer ahead: among vGPUs finishing equally early, prefer one whose
             # server can send the result on at once (the greedy rule would ignore the NIC).
             out = b * tin[pipe_pools[d + 1]] if d + 1 < npools else 0.0
-            if prev < 0:
+            if prev < 0 and not self._inputs[pid]:
                 r = self._rr[pid]
                 flat = self._flat[pid]
                 tree = self._ftree[pid]
@@ -572,9 +578,11 @@ class ReservationScheduler(DataPlane):
                 wait += best_s - t
                 t = best_s + lat
             else:
+                # a feature map from vGPU `prev`, or (prev < 0) the requests' inputs from
+                # outside the cluster: the receiving server's downlink alone
                 dur = b * tin[pid]
-                up = uplink[server_of[prev]]
-                t_up = up.earliest_slot(t, dur) if dur > 0 else t
+                up: ReservationTable | None = uplink[server_of[prev]] if prev >= 0 else None
+                t_up = up.earliest_slot(t, dur) if up is not None and dur > 0 else t
                 floor = t_up + dur + lat  # nothing can finish earlier
                 r = self._rr[pid]
                 gsrv, gvg = self._gsrv[pid], self._gvg[pid]
@@ -615,7 +623,8 @@ class ReservationScheduler(DataPlane):
                     ts = t_up
                     while dur > 0:
                         x = down.earliest_slot(ts, dur)
-                        if x == ts:
+                        if x == ts or up is None:
+                            ts = x
                             break
                         ts = up.earliest_slot(x, dur)
                         if ts == x:
@@ -647,6 +656,8 @@ class ReservationScheduler(DataPlane):
                     if bk <= floor:
                         break
                 path.append(Hop(pid, bv, prev, bts, bte, bs, bf))
+                if prev < 0:
+                    first_start = bts  # the batch leaves when its inputs are sent
                 wait += (bts - t) + (bs - bte)
                 t = bf
             prev = path[-1].vgpu  # the vGPU that holds the batch now
@@ -664,15 +675,16 @@ class ReservationScheduler(DataPlane):
             self._touch(v, now)
             ts, te = hop.transfer_start_us, hop.transfer_end_us
             if te > ts:
-                up = self.uplink[server_of[src]]
-                up.forget_before(now)
-                up.reserve(ts, te, key + 1)
+                if src >= 0:  # (the inputs come from outside: no uplink of ours)
+                    up = self.uplink[server_of[src]]
+                    up.forget_before(now)
+                    up.reserve(ts, te, key + 1)
                 down = self.downlink[server_of[v]]
                 down.forget_before(now)
                 down.reserve(ts, te, key + 1)
             # The next probe of this pool starts after the chosen vGPU / server.
             pid = hop.pool
-            if src < 0:
+            if src < 0 and not self._inputs[pid]:
                 self._rr[pid] = (self._flat_index[v] + 1) % len(self._flat[pid])
             else:
                 idx = self._group_index[pid][server_of[v]]
@@ -696,11 +708,9 @@ class ReservationScheduler(DataPlane):
         ts, te = report.transfer_start_us, report.transfer_end_us
         if ts is not None and te is not None and (hop.transfer_end_us > now or te > now):
             # the transfer ended before its reservation did: free the rest
-            for table in (
-                self.uplink[self.server_of[hop.src_vgpu]],
-                self.downlink[self.server_of[hop.vgpu]],
-            ):
-                table.correct(key + 1, ts, te, now)
+            if hop.src_vgpu >= 0:
+                self.uplink[self.server_of[hop.src_vgpu]].correct(key + 1, ts, te, now)
+            self.downlink[self.server_of[hop.vgpu]].correct(key + 1, ts, te, now)
         return d
 
     # ------------------------------------------------------------------ batching loop

@@ -48,7 +48,9 @@ class Pool:
     end: int
     vgpus: tuple[int, ...]
     latency_us: tuple[float, ...]  # [b]: compute latency at batch b (index 0 unused)
-    transfer_in_us: float  # per sample: receiving the feature map (0 for the first partition)
+    # per sample: receiving the feature map; for a pipeline's first partition, the request's
+    # inputs from the router over its server's downlink (with_inputs; 0: not modelled)
+    transfer_in_us: float
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,36 @@ def with_latencies(topo: Topology, latency_us: Mapping[int, tuple[float, ...]]) 
     measured on the live system (calibration)."""
     pools = tuple(
         replace(p, latency_us=tuple(latency_us[p.id])) if p.id in latency_us else p
+        for p in topo.pools
+    )
+    return replace(topo, pools=pools)
+
+
+def transfer_us(nbytes: float, bandwidth_gbps: float) -> float:
+    """µs to send `nbytes` over a NIC of `bandwidth_gbps` (the planner's tau)."""
+    return nbytes * 8 / (bandwidth_gbps * 1e3)
+
+
+def with_inputs(
+    topo: Topology, input_bytes: Mapping[str, float], bandwidth_gbps: float
+) -> Topology:
+    """The same topology with each pipeline's first partition receiving its model's request
+    inputs (`input_bytes` per sample, by model name) over its server's downlink at
+    `bandwidth_gbps`: the data plane then reserves that link for them as for a feature map
+    (the router's own NIC is not modelled). The planner's transfer model (the paper's)
+    leaves them out; a live router sends them, and on a server that receives several
+    models' inputs (hc2-small's one L4 server) they are most of what its NIC carries."""
+    if not bandwidth_gbps > 0:
+        raise ClusterError(f"bandwidth must be > 0 Gbit/s to time inputs, got {bandwidth_gbps}")
+    pools = tuple(
+        replace(
+            p,
+            transfer_in_us=transfer_us(
+                float(input_bytes[topo.models[p.model].name]), bandwidth_gbps
+            ),
+        )
+        if p.position == 0 and topo.models[p.model].name in input_bytes
+        else p
         for p in topo.pools
     )
     return replace(topo, pools=pools)

@@ -363,10 +363,11 @@ class SimulatedCluster(Executor):
                 dur *= self._rng.lognormvariate(-sigma * sigma / 2, sigma)
             compute = _Work(hop.start_us, base + hop.vgpu, -1, dur, job, h, True)
             if hop.transfer_end_us > hop.transfer_start_us:
+                src = hop.src_vgpu  # (< 0: the requests' inputs, on the downlink alone)
                 tr = _Work(
                     hop.transfer_start_us,
-                    up[hop.src_vgpu],
-                    down[hop.vgpu],
+                    up[src] if src >= 0 else down[hop.vgpu],
+                    down[hop.vgpu] if src >= 0 else -1,
                     hop.transfer_end_us - hop.transfer_start_us,
                     job,
                     h,
