@@ -6,9 +6,12 @@ providers from `providers` (on GPU nodes CUDA, TensorRT first where onnxruntime-
 each instance on the GPU Triton gives it).
 
 Called plainly, it answers its partition's outputs. Called as a hop of a chain (request
-parameter `poolpipe_next`: JSON list of the hops after this one, each {"url", "model"};
-`[]` on the last), it sends its feature map straight to the next hop's node with the rest
-of the chain and answers, once the chain's answer comes back, the whole model's outputs
+parameter `poolpipe_next`: JSON list of the hops after this one, each {"url", "model"} and
+optionally "after_us"; `[]` on the last), it sends its feature map straight to the next
+hop's node with the rest of the chain (no sooner than "after_us" after its own compute
+began: the transfer's reserved start, so that a stage ending early does not send into a
+link the router reserved for another transfer; the instance is free meanwhile) and
+answers, once the chain's answer comes back, the whole model's outputs
 (`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
 nanoseconds of each hop's own monotonic clock, this hop first. Its instance is free for the
 next batch while the rest of the chain runs. `poolpipe_budget_us` (optional): the time
@@ -88,9 +91,7 @@ class TritonPythonModel:
             )
         device = str(args.get("model_instance_device_id", "0"))
         options = [{"device_id": device} if p != "CPUExecutionProvider" else {} for p in providers]
-        self.session = ort.InferenceSession(
-            path, so, providers=providers, provider_options=options
-        )
+        self.session = ort.InferenceSession(path, so, providers=providers, provider_options=options)
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.key = params.get("poolpipe_key") or None
@@ -198,6 +199,19 @@ class TritonPythonModel:
         forward = {"poolpipe_next": rest, "poolpipe_outputs": json.dumps(names)}
         if self.key is not None:
             forward["poolpipe_sig"] = chain_signature(self.key, rest)
+        wait = start + int(float(nxt.get("after_us", 0)) * 1e3) - time.monotonic_ns()
+        if wait > 0:  # its reserved transfer start: sent then, from a timer
+            timer = threading.Timer(
+                wait / 1e9,
+                self._send_on,
+                (sender, nxt, inputs, wanted, forward, params, names, start, end),
+            )
+            timer.daemon = True
+            timer.start()
+            return
+        self._send_on(sender, nxt, inputs, wanted, forward, params, names, start, end)
+
+    def _send_on(self, sender, nxt, inputs, wanted, forward, params, names, start, end):
         sent = time.monotonic_ns()
         if params.get("poolpipe_budget_us") is not None:
             left = int(float(params["poolpipe_budget_us"]) - (sent - start) / 1e3)

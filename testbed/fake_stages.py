@@ -7,7 +7,8 @@ A call to a node that is `down` cannot reach it (StageUnreachable); one that tak
 than the call's timeout is a StageTimeout. A call carrying a chain (`poolpipe_next`) runs
 every hop of it, node by node, and answers the whole model's outputs with each hop's
 (start, end, sent) times, as python_onnx_model.py does; a hop whose node is down fails the
-chain there ("POOLPIPE_HOP k: ..."), and one with no budget left is not forwarded.
+chain there ("POOLPIPE_HOP k: ..."), one with no budget left is not forwarded, and a feature
+map is forwarded no sooner than its hop's "after_us" after the hop before it began.
 """
 
 from __future__ import annotations
@@ -107,7 +108,13 @@ class FakeStages:
         t0 = time.monotonic_ns()
         times: list[int] = []
         outs: dict[str, np.ndarray] = {}
+        start = t0
         for k, hop in enumerate(hops):
+            if k:  # forwarded no sooner than its "after_us" after the last hop began
+                wait_ns = start + float(hop.get("after_us", 0)) * 1e3 - time.monotonic_ns()
+                if wait_ns > 0:
+                    await asyncio.sleep(wait_ns / 1e9)
+                times[-1] = time.monotonic_ns()  # the last hop's "sent"
             if k and time.monotonic_ns() - t0 >= budget_ns:
                 raise StageCallError(f"POOLPIPE_HOP {k}: POOLPIPE_DEADLINE: no time left")
             try:

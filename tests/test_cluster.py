@@ -28,6 +28,7 @@ from tests.test_serving import (
     whole_model,
 )
 from triton_backend.nodes import NodeError, RemoteNode
+from triton_backend.repository import HOPS_OUTPUT
 
 pytestmark = [
     pytest.mark.integration,
@@ -242,6 +243,16 @@ def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:
     # time enough: served through the chain
     r = c.infer(first.partition, [inp], parameters={**params, "poolpipe_budget_us": "30000000"})
     assert r.as_numpy(out).shape[0] == inp.shape()[0]
+    # a feature map whose transfer is reserved later is held until then: sent no sooner
+    # than "after_us" after the sending hop's compute began (on its node's clock)
+    held = json.dumps(
+        [{"url": dep.nodes[second.node].grpc_url, "model": second.partition, "after_us": 300000}]
+    )
+    params = {**params, "poolpipe_next": held, "poolpipe_budget_us": "30000000"}
+    params["poolpipe_sig"] = chain_signature(node_key(token), held)
+    r = c.infer(first.partition, [inp], parameters=params)
+    start, _, sent = r.as_numpy(HOPS_OUTPUT)[0][:3]
+    assert sent - start >= 300_000_000, (start, sent)
 
 
 def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(

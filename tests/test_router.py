@@ -124,6 +124,59 @@ def test_a_node_that_cannot_be_reached_is_taken_out_and_its_requests_retried(tra
         core.stop()
 
 
+@pytest.mark.parametrize("transport", ["router", "chain"])
+def test_inputs_leave_at_their_reserved_slots_on_the_first_servers_downlink(transport):
+    """Stage 0 on two vGPUs of one node, reserved 50 ms a batch; each request's inputs
+    take 20 ms on that server's downlink (topology.with_inputs): of two requests at once,
+    the second goes to the other vGPU, and its call is sent when the first's inputs are
+    through (its reserved slot on the link), not at once."""
+    topo = make_topology(
+        [([0, 0], [50_000.0], 0.0), ([1], [3_000.0], 0.0)], slo_us=2e6, inputs=20_000.0
+    )
+    core, stages = router(topo, transport)
+    try:
+        got = answers(core, 2)
+        assert all(code is None for _, code, _ in got), got
+        first, second = (c for c in stages.calls if c.model == "p0")
+        assert second.sent_s - first.sent_s >= 0.020 - 0.002, (first, second)
+        assert core.stats["m"].on_time == 2 and core.in_flight() == 0
+    finally:
+        core.stop()
+
+
+def test_calibration_times_a_first_pools_compute_apart_from_its_inputs():
+    """A call of 30 ms at batch 2 whose inputs are reserved at 5 ms a request on the link:
+    20 ms of compute. A later pool, or a first one whose inputs are not timed, keeps the
+    call's time; inputs timed above the call (a NIC faster than the plan says) leave a
+    quarter of the call, never nothing."""
+    from triton_backend.calibration import _compute_us
+
+    timed = make_topology([([0], [1.0, 2.0], 0.0), ([1], [1.0, 2.0], 3.0)], inputs=5_000.0)
+    first, later = timed.pools
+    assert _compute_us(first, 2, 30_000.0) == 20_000.0
+    assert _compute_us(later, 2, 30_000.0) == 30_000.0
+    assert _compute_us(two_stages([1]).pools[0], 2, 30_000.0) == 30_000.0
+    assert _compute_us(first, 2, 8_000.0) == 2_000.0
+
+
+def test_chain_times_place_each_hop_after_its_inputs_and_transfers():
+    """Hop 0's inputs reserved 0-10, compute 10-20; hop 1's feature map 20-25, compute
+    25-35. Sent at 100, back at 140, the nodes measured 10 µs each: 5 µs of overhead, hop
+    1 placed back from the answer (130-140), its transfer before it (125-130), hop 0 before
+    that, never before its inputs could be through (110)."""
+    from poolpipe.scheduler.messages import Hop
+    from triton_backend.transport import chain_times
+
+    hops = [Hop(0, 0, -1, 0.0, 10.0, 10.0, 20.0), Hop(1, 1, 0, 20.0, 25.0, 25.0, 35.0)]
+    measured = np.array([0, 10_000, 10_000, 50_000, 60_000, 60_000])
+    times, overhead = chain_times(hops, measured, 100.0, 140.0)
+    assert overhead == 5.0
+    assert times == [(115.0, 125.0), (130.0, 140.0)]
+    # an answer faster than the reservations: nothing placed before the inputs were through
+    times, _ = chain_times(hops, measured, 100.0, 118.0)
+    assert times[0][0] >= 110.0 and times[1] == (110.0, 118.0)
+
+
 def test_without_a_live_path_requests_fail_explicitly():
     core, _ = router(two_stages([1]), "chain", down={"n1:8001"})
     try:

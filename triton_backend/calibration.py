@@ -24,7 +24,8 @@ def calibrate(
     known: dict[tuple, float] | None = None,
 ) -> dict[int, tuple[float, ...]]:
     """Each pool's latency at every batch size as the router sees it: one stage call over
-    gRPC to a node of the pool (compute plus the call's own cost), median of `reps`.
+    gRPC to a node of the pool (compute plus the call's own cost; less the inputs' transfer
+    where the topology times it apart: _compute_us), median of `reps`.
     `known` (updated in place) holds earlier measurements by (device, model, blocks, batch):
     a rollout measures only partitions the serving plan does not already run. Pools on
     CPU device classes are measured one after another (they share this host's cores);
@@ -78,10 +79,25 @@ def _pool_latencies(
                     if r:
                         times.append((time.perf_counter() - t0) * 1e6)
                 measured[key] = float(np.median(times))
-            lats.append(measured[key])
+            lats.append(_compute_us(pool, b, measured[key]))
     finally:
         client.close()
     return tuple(lats)
+
+
+# A first pool's compute is the call less its inputs' reserved transfer, but never less
+# than this share of the call (a NIC faster than the plan says would leave nothing).
+COMPUTE_FLOOR = 0.25
+
+
+def _compute_us(pool, b: int, call_us: float) -> float:
+    """What a pool's vGPU is reserved for at batch b, from a call that took `call_us`: the
+    call itself, or, where the topology times the requests' inputs on the first server's
+    downlink (topology.with_inputs), the call less their transfer, which the data plane
+    reserves on the link apart."""
+    if pool.position or not pool.transfer_in_us > 0:
+        return call_us
+    return max(call_us - b * pool.transfer_in_us, COMPUTE_FLOOR * call_us)
 
 
 def warm(

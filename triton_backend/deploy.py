@@ -34,7 +34,7 @@ from poolpipe.runtime import (
 )
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
-from poolpipe.scheduler.topology import Topology, with_latencies
+from poolpipe.scheduler.topology import Topology, with_inputs, with_latencies
 from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
 from triton_backend.apps import RouterApps
 from triton_backend.calibration import calibrate, warm
@@ -44,6 +44,7 @@ from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
 from triton_backend.nodes import RepositoryAPI, TritonNode, refuse_taken_ports
 from triton_backend.prepare import model_io, prepare, remove_files
 from triton_backend.router import DRAIN_TIMEOUT_S, ModelIO, RouterCore, served_plan
+from triton_backend.served import input_bytes
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,8 @@ class Deployment:
         triton_home(workspace)  # once, before the nodes start side by side
         try:
             topo, lay, parts = prepare(plan, warehouse, workspace, generation_tag(owner, 0))
+            ios = model_io(topo, lay, parts)
+            topo = _with_inputs(topo, plan, ios)
             nodes, inventory = _attach(lay, inventory, local, workspace, key)
             urls = [n.grpc_url for n in nodes.values()]
             options = ServeOptions(
@@ -307,7 +310,6 @@ class Deployment:
             load_layout(lay, parts, nodes, max_batch, loaded)
             fenced = fence_off(nodes, [m.name for m in plan.models], owner)
             warm(lay, nodes, parts, _top_batches(topo, lay))
-            ios = model_io(topo, lay, parts)
             known: dict[tuple, float] = {}
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
             core = RouterCore(
@@ -392,6 +394,7 @@ class Deployment:
             for io in ios:
                 if io != served[io.name]:
                     raise PoolpipeError(f"{io.name}: the new plan's tensors differ")
+            topo = _with_inputs(topo, plan, ios)
             if self.local is not None:
                 started = self.local.ensure(lay)
             nodes, inventory = _attach(
@@ -642,6 +645,13 @@ def _cannot_replace(served: Plan, new: Plan) -> str:
             "start a new router for other applications"
         )
     return ""
+
+
+def _with_inputs(topo: Topology, plan: Plan, ios: list[ModelIO]) -> Topology:
+    """`topo` with each pipeline's first partition receiving its requests' inputs over its
+    server's downlink at the plan's NIC bandwidth (the router sends them there: the data
+    plane reserves the link for them, calibration times the compute apart from them)."""
+    return with_inputs(topo, input_bytes(ios), plan.cluster.bandwidth_gbps)
 
 
 def _attach(

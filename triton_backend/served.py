@@ -4,7 +4,8 @@ they travel through the runtime (a row is one runtime entry's payload)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,14 @@ class ModelIO:
     name: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+
+
+def input_bytes(ios: Iterable[ModelIO]) -> dict[str, float]:
+    """Per served model, the bytes of one request's inputs on the wire (a row of each)."""
+    return {
+        io.name: float(sum(np.dtype(t.dtype).itemsize * math.prod(t.dims) for t in io.inputs))
+        for io in ios
+    }
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ HTTP from gRPC, nor which stage client it has (a fake one in the tests)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
@@ -41,6 +42,22 @@ class HopTransport(Protocol):
         """Take the job's turns on its vGPUs now (the order of these calls is the order of
         the turns' reserved starts at each vGPU); the coroutine runs the job."""
         ...
+
+
+async def _until(clock: Any, t_us: float) -> None:
+    """Sleep until the router's clock reads `t_us` (at once when it has passed)."""
+    left = t_us - clock.now()
+    if left > 0:
+        await asyncio.sleep(left / 1e6)
+
+
+def _inputs_us(hop: Any, h: int) -> float:
+    """How long hop `h`'s requests' inputs are reserved on its server's downlink (a first
+    hop whose topology times them: scheduler.topology.with_inputs; 0 otherwise). Such a hop
+    is sent at its transfer's reserved start, not before (another batch's transfer may
+    hold the link until then), and its vGPU's next turn may be sent once the compute is
+    due to begin: the node's queue keeps the order."""
+    return hop.transfer_end_us - hop.transfer_start_us if h == 0 else 0.0
 
 
 def _node_failed(exc: BaseException) -> bool:
@@ -91,11 +108,20 @@ class RelayTransport:
                 gate, token = turns[h]
                 await gate.turn(token)
                 taken = h + 1
+                sending = _inputs_us(hop, h)
+                releasing = None  # the gate's release at the compute's start (inputs sent)
                 try:
-                    start = clock.now()
-                    if start - hop.start_us > job.slack_us and not rt.hop_late(job, h):
+                    if sending:
+                        await _until(clock, hop.transfer_start_us)
+                    sent = clock.now()
+                    start = sent + sending  # the compute's start, as far as the router knows
+                    if start - hop.start_us > job.slack_us and not rt.hop_late(job, h, start):
                         return  # dropped: the rest of its path is released
-                    rt.hop_started(job, h, start)
+                    if sending:
+                        rt.hop_started(job, h, start, (sent, start))
+                        releasing = ex.loop.call_later(sending / 1e6, gate.release)
+                    else:
+                        rt.hop_started(job, h, start)
                     try:
                         call = StageCall(partition, inputs, timeout_s)
                         result = await stages.infer(served.vgpu_node[hop.vgpu], call)
@@ -103,8 +129,10 @@ class RelayTransport:
                         rt.hop_failed(job, h, f"{partition}: {exc}", _node_failed(exc))
                         return
                     end = clock.now()
+                    start = min(start, end)  # (inputs faster than their reservation)
                 finally:
-                    gate.release()
+                    if releasing is None:
+                        gate.release()
                 outs = _outputs(result, [t.name for t in io.outputs] if last else None)
                 for i, e in enumerate(entries):
                     e.payload.tensors = [o[i : i + 1] for o in outs]
@@ -158,10 +186,16 @@ class ChainTransport:
             (spec.name, np.concatenate([e.payload.inputs[k] for e in entries]))
             for k, spec in enumerate(io.inputs)
         ]
+        # each hop's feature map leaves at its transfer's reserved start: so long after the
+        # sending hop's compute began (on the sending node's clock, no clock shared)
         path = json.dumps(
             [
-                {"url": served.vgpu_node[h.vgpu], "model": plan.pool_partition[h.pool]}
-                for h in d.hops[1:]
+                {
+                    "url": served.vgpu_node[h.vgpu],
+                    "model": plan.pool_partition[h.pool],
+                    "after_us": round(max(0.0, h.transfer_start_us - d.hops[k].start_us), 1),
+                }
+                for k, h in enumerate(d.hops[1:])
             ]
         )
         names = [t.name for t in io.outputs]
@@ -170,15 +204,23 @@ class ChainTransport:
             params["poolpipe_sig"] = chain_signature(self.key, path)
         hop0 = d.hops[0]
         await gate.turn(token)
-        start = rt.clock.now()
-        if start - hop0.start_us > job.slack_us and not rt.hop_late(job, 0):
+        sending = _inputs_us(hop0, 0)
+        if sending:
+            await _until(rt.clock, hop0.transfer_start_us)
+        sent = rt.clock.now()
+        start = sent + sending  # hop 0's compute, as reserved after its inputs
+        if start - hop0.start_us > job.slack_us and not rt.hop_late(job, 0, start):
             gate.release()
             return  # dropped: the rest of its path is released
-        ex.loop.call_later(max(0.0, (hop0.end_us - hop0.start_us) / 1e6), gate.release)
-        rt.hop_started(job, 0, start)
+        turn_us = sending if sending else hop0.end_us - hop0.start_us
+        ex.loop.call_later(max(0.0, turn_us / 1e6), gate.release)
+        if sending:
+            rt.hop_started(job, 0, start, (sent, start))
+        else:
+            rt.hop_started(job, 0, start)
         # the chain's time: until the last SLO of its requests runs out; nobody forwards
         # a feature map with none left
-        params["poolpipe_budget_us"] = str(int(max(e.due_us for e in entries) - start))
+        params["poolpipe_budget_us"] = str(int(max(e.due_us for e in entries) - sent))
         stages = self.stages or ex.stages
         try:
             call = StageCall(
@@ -192,7 +234,7 @@ class ChainTransport:
         except Exception as exc:
             failed, why = failed_hop(exc)
             out_of_time = _out_of_time(why)
-            times = reserved_times(d.hops, start)
+            times = reserved_times(d.hops, min(start, rt.clock.now()))
             for h in range(1, failed + 1):
                 rt.hop_done(job, h - 1, *times[h - 1])
                 if h < failed or not out_of_time:
@@ -204,7 +246,7 @@ class ChainTransport:
             return
         back = rt.clock.now()
         outs = _outputs(result, names)
-        times, overhead = chain_times(d.hops, result[HOPS_OUTPUT][0], start, back)
+        times, overhead = chain_times(d.hops, result[HOPS_OUTPUT][0], sent, back)
         self.overheads_us.append(overhead)
         self.on_overhead(overhead)
         for i, e in enumerate(entries):
@@ -246,19 +288,21 @@ def chain_times(
     """Each hop's (start, end) on the router's clock from what the nodes measured (start,
     end, sent ns per hop, each on its own host's clock), and the chain's overhead: the
     time from sending to the answer that neither the measured computes nor the reserved
-    transfers explain (the nodes' forwarding, their queues, the answer's way back: the
-    reply margin holds its p99 back, see MarginMeter). Placed back from when the answer
-    came, never before the batch was sent."""
+    transfers (the inputs' too, where reserved: _inputs_us) explain (the nodes'
+    forwarding, their queues, the answer's way back: the reply margin holds its p99 back,
+    see MarginMeter). Placed back from when the answer came, never before the batch (and
+    its reserved inputs) could have reached the first node."""
     n = len(hops)
     took = [max(0.0, float(measured[3 * h + 1] - measured[3 * h]) / 1e3) for h in range(n)]
-    gaps = [h.transfer_end_us - h.transfer_start_us for h in hops[1:]]
+    gaps = [_inputs_us(hops[0], 0)] + [h.transfer_end_us - h.transfer_start_us for h in hops[1:]]
     overhead = (back - sent) - sum(took) - sum(gaps)
     times: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    floor = min(back, sent + gaps[0])
     end = back
     for h in range(n - 1, -1, -1):
-        begin = max(sent, end - took[h])
+        begin = max(floor, end - took[h])
         times[h] = (begin, max(begin, end))
-        end = max(sent, begin - (gaps[h - 1] if h else 0.0))
+        end = max(floor, begin - gaps[h])
     return times, overhead
 
 
