@@ -135,6 +135,7 @@ def new_plan(
             packing=current.packing,
             margin=current.margin if current.strategy in STRATEGIES else 0.4,
             max_partitions=current.max_partitions,
+            count_inputs=current.counts_inputs,
         )
     # the serving plan, fitted to the GPUs in service, is where the search starts
     return make_plan(dataclasses.replace(req, warm_start=current))

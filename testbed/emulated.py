@@ -57,6 +57,7 @@ def onboard_shadows(
             if m not in known
             or wh.whole_model_file(m) is None
             or not set(devices) <= {g for g, _ in wh.load_profile(m).tables}
+            or wh.load_profile(m).input_bytes is None  # (onboarded before inputs were kept)
         ]
     for m in todo:
         onboard_shadow(m, str(profiles), warehouse=warehouse, devices=list(devices))
@@ -64,10 +65,16 @@ def onboard_shadows(
 
 
 def group_plans(
-    warehouse: str, cluster: str, models=GROUP2, weights=MAF19, clusters_file=None
+    warehouse: str,
+    cluster: str,
+    models=GROUP2,
+    weights=MAF19,
+    clusters_file=None,
+    count_inputs: bool = True,
 ) -> dict[str, tuple[Plan, int]]:
     """The ppipe and np plans of `models` at the paper's SLOs (5x reference) on `cluster`
-    (stored; with their ids)."""
+    (stored; with their ids), each request's inputs counted on its first server's NIC
+    (`count_inputs`: served live, they cross it; the paper's model leaves them out)."""
     from poolpipe.planner import make_plan
     from poolpipe.store.plan_inputs import plan_request
 
@@ -80,6 +87,7 @@ def group_plans(
             clusters_file=clusters_file or GROUP2_DIR / "clusters.toml",
             weights=list(weights),
             slo_scale=5.0,
+            count_inputs=count_inputs,
         )
         for strategy in ("ppipe", "np"):
             plan = make_plan(replace(req, strategy=strategy))

@@ -40,6 +40,32 @@ def test_import_shipped_profiles_roundtrip(ppipe_dir, warehouse_path):
     assert counts(warehouse_path)["block_latency"] == expected
 
 
+def test_each_models_input_size_comes_from_the_layers_files_and_is_kept(tmp_path, warehouse_path):
+    """The shipped group-2 folder (no ../shared needed): the bytes of one request's inputs
+    from layers/<model>/cuts.json and shapes.json, stored and read back; a folder without
+    them leaves the size unknown; a shape that cannot be read is named."""
+    from poolpipe.store.warehouse import REPO_ROOT
+
+    group2 = REPO_ROOT / "data" / "ppipe-gpu-group2"
+    sizes = {p.name: p.input_bytes for p in load_ppipe_dir(group2)}
+    assert sizes == {
+        "colorization-v2": 1 * 512 * 512 * 4,
+        "googlenet-v3-pytorch": 3 * 598 * 598 * 4,
+        "repvgg-b3": 3 * 448 * 448 * 4,
+    }
+    with Warehouse.open(warehouse_path) as wh:
+        wh.store_profiles(load_ppipe_dir(group2))
+        assert wh.load_profile("repvgg-b3").input_bytes == 3 * 448 * 448 * 4
+    bare = tmp_path / "bare"
+    shutil.copytree(group2, bare, ignore=shutil.ignore_patterns("layers"))
+    assert {p.input_bytes for p in load_ppipe_dir(bare)} == {None}
+    broken = tmp_path / "broken"
+    shutil.copytree(group2, broken)
+    (broken / "layers" / "repvgg-b3" / "shapes.json").write_text('{"input": {"dtype": "<f4"}}')
+    with pytest.raises(ProfileError, match="repvgg-b3: cannot read the model's input size"):
+        load_ppipe_dir(broken)
+
+
 def test_import_is_idempotent(ppipe_dir, warehouse_path):
     profiles = load_ppipe_dir(ppipe_dir)
     with Warehouse.open(warehouse_path) as wh:
@@ -170,13 +196,13 @@ def test_older_schema_is_refused_with_the_fix_and_migrate_fixes_it(warehouse_pat
         "applied_at TIMESTAMP)"
     )
     con.close()
-    with pytest.raises(
-        WarehouseError, match=r"poolpipe warehouse migrate --warehouse .*wh\.duckdb"
-    ):
+    with pytest.raises(WarehouseError, match=r"run: poolpipe .*wh\.duckdb") as refused:
         Warehouse.open(warehouse_path)
     from poolpipe.cli import main
 
-    assert main(["--warehouse", str(warehouse_path), "warehouse", "migrate"]) == 0
+    # the command the message names is one that runs
+    command = str(refused.value).partition("run: poolpipe ")[2].split()
+    assert main(command) == 0
     with Warehouse.open(warehouse_path) as wh:
         assert wh.schema_version() == LATEST_VERSION
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from poolpipe.errors import InfeasibleError
+from poolpipe.errors import InfeasibleError, PlanVerificationError
 from poolpipe.planner import PlanRequest, make_plan
 from tests.conftest import tiny_cluster, tiny_model
 
@@ -91,6 +91,45 @@ def test_nic_limit_is_per_vgpu_and_per_server_gpu():
     # limits it to 50/s; whole-model A/2 halves at 2 µs are far faster: the plan uses them.
     plan = make_plan(request(m, cluster, 10**6, max_partitions=2))
     assert all(len(p.partitions) == 1 for p in plan.models[0].pipelines)
+
+
+def test_counted_inputs_limit_the_first_partitions_nic_and_add_to_latency():
+    # Each request's inputs: 1.25 MB, 10 ms at 1 Gbit/s. Counted, the first partition's vGPU
+    # receives at most 1e6 / 10000 = 100 requests/s over its server's NIC, and every
+    # pipeline takes b x 10 ms more. Budget 30 ms, one A and one B: not counted, B -> A
+    # serves 200/s (9 ms). Counted, B -> A (19 ms) is held to 100/s by B's NIC, whole A
+    # (18 ms) to 100/s by A's (not its 125/s compute), and whole B (35 ms) no longer fits
+    # beside it: 100/s.
+    from poolpipe.domain.costs import ModelCosts
+    from poolpipe.errors import ProfileError
+
+    m = dataclasses.replace(
+        tiny_model("m", {("A", 1): A1, ("B", 1): B1}, [125.0]), input_bytes=1.25e6
+    )
+    cluster = tiny_cluster([("A", 1, 1, (1,)), ("B", 1, 1, (1,))], bandwidth_gbps=1.0)
+    costs = ModelCosts(m, cluster, slo_us=1e6, margin=0.0, est_throughput=None, inputs=True)
+    a = costs.kv_index("A", 1)
+    assert costs.tau_in_us == pytest.approx(10_000.0)
+    assert costs.vgpu_throughput(a, 1, 0, 2) == pytest.approx(100.0)  # its NIC, not 125/s
+    assert costs.vgpu_throughput(a, 1, 1, 2) == pytest.approx(1e6 / 4000.0)  # not a first
+    assert costs.pipeline_latency_us(1, [(a, 0, 2)]) == pytest.approx(8000.0 + 10_000.0)
+    plain = make_plan(request(m, cluster, 30000))
+    counted = make_plan(request(m, cluster, 30000, count_inputs=True))
+    assert plain.objective == pytest.approx(200.0) and not plain.counts_inputs
+    assert counted.objective == pytest.approx(100.0) and counted.counts_inputs
+    assert all(p.latency_us >= 10_000.0 for p in counted.models[0].pipelines)
+    counted.verify({"m": m})  # verified with its inputs counted, as planned
+    claimed = dataclasses.replace(plain, meta={**plain.meta, "inputs": "counted"})
+    with pytest.raises(PlanVerificationError, match="capacity"):
+        claimed.verify({"m": m})  # 200/s cannot pass B's NIC with the inputs on it
+    # a budget of 15 ms: only counted inputs make every pipeline too slow
+    assert make_plan(request(m, cluster, 15000)).objective == pytest.approx(200.0)
+    with pytest.raises(InfeasibleError):
+        make_plan(request(m, cluster, 15000, count_inputs=True))
+    # a model whose input size is not known cannot have it counted: said before planning
+    unknown = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, [125.0])
+    with pytest.raises(ProfileError, match="size of its inputs is not known"):
+        make_plan(request(unknown, cluster, 30000, count_inputs=True))
 
 
 def test_shares_beat_whole_gpus():

@@ -130,7 +130,9 @@ def _rel(path: Path) -> str:
 def _plans_table(plans: dict) -> None:
     from poolpipe.cli.plans import describe_pipeline
 
-    t = Table(title="plans (the planner's figures)", title_justify="left")
+    t = Table(
+        title="plans (the planner's figures; inputs counted on the NICs)", title_justify="left"
+    )
     for col, just in (("plan", "left"), ("model", "left"), ("req/s", "right"),
                       ("pipelines: blocks GPU/share×vGPUs, batch", "left")):  # fmt: skip
         t.add_column(col, justify=just)  # type: ignore[arg-type]
@@ -173,11 +175,12 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
         console.print(
             f"ppipe serves [bold]{pp['live'] / whole['live']:.2f}x[/] the load of whole-model "
             f"serving live (simulator {sim}, planner "
-            f"{pp['planned'] / whole['planned']:.2f}x). Both plans serve well below what "
-            "the planner promises: its transfer model (the paper's) leaves out the requests' "
-            "inputs (googlenet-v3: 4.3 MB each into the first server's NIC), and the live "
-            "path meets a limit on this emulated cluster that the simulator does not model "
-            "yet (docs/benchmarks.md, bench-emulated)."
+            f"{pp['planned'] / whole['planned']:.2f}x). Both plans count each request's "
+            "inputs on its first server's NIC (googlenet-v3's are 4.3 MB; the paper's "
+            "transfer model leaves them out, and its plans overload the L4 server's NIC: "
+            "`poolpipe compare` with and without --count-inputs). The simulator times the "
+            "same inputs; what it does not model yet are the chains' answers on their way "
+            "back over the first server's NIC (docs/serving.md)."
         )
     roll = res["rollout"]
     att = roll["attainment"]

@@ -43,7 +43,8 @@ def describe_pipeline(p: PipelinePlan) -> str:
 def print_plan(plan: Plan) -> None:
     t = Table(
         title=f"{plan.strategy} plan on {plan.cluster.name} ({plan.packing}, "
-        f"margin {plan.margin}, P≤{plan.max_partitions})",
+        f"margin {plan.margin}, P≤{plan.max_partitions}"
+        f"{', inputs counted on the NICs' if plan.counts_inputs else ''})",
         title_justify="left",
     )
     for col, just in (
@@ -113,7 +114,11 @@ def print_costs(plan: Plan) -> None:
 
 
 def print_side_by_side(plans: list[Plan]) -> None:
-    t = Table(title=f"strategies side by side on {plans[0].cluster.name}", title_justify="left")
+    t = Table(
+        title=f"strategies side by side on {plans[0].cluster.name}"
+        f"{' (inputs counted on the NICs)' if plans[0].counts_inputs else ''}",
+        title_justify="left",
+    )
     t.add_column("model")
     for p in plans:
         t.add_column(f"{p.strategy} req/s", justify="right")
@@ -264,6 +269,7 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
         solver=args.solver,
         time_limit_s=args.time_limit,
         mip_gap=args.mip_gap,
+        count_inputs=getattr(args, "count_inputs", False),
     )
     if getattr(args, "exclude", None):
         req = dataclasses.replace(req, cluster=req.cluster.without(parse_exclude(args.exclude)))
@@ -402,6 +408,13 @@ def _planning_options(p: argparse.ArgumentParser) -> None:
         "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="seconds per MILP"
     )
     p.add_argument("--mip-gap", type=float, default=DEFAULT_MIP_GAP, help="relative gap (1e-4)")
+    p.add_argument(
+        "--count-inputs",
+        action="store_true",
+        help="count each request's inputs on its first server's NIC (the paper's transfer "
+        "model counts feature maps only): plans a live cluster can carry when inputs are "
+        "large; needs each model's input size (imported with the artifact's layers/ files)",
+    )
     p.add_argument("--label", help="free-text label stored with the plan")
 
 

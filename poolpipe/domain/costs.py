@@ -14,6 +14,7 @@ import numpy as np
 
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.profiles import ModelProfile
+from poolpipe.errors import ProfileError
 
 US_PER_S = 1e6
 # The published planner's estimate of how long the first request of a batch waits for the
@@ -46,8 +47,13 @@ class ModelCosts:
     margin: float
     est_throughput: float | None  # λ̂ (req/s) for the batch-wait term; None: term off
     allowed_shares: dict[str, tuple[int, ...]] | None = None  # restrict shares (np: v=1)
+    # count each request's inputs on the first partition's server NIC (the paper's model
+    # does not): its vGPU throughput limited by its share of that NIC, b x tau_in added to
+    # every pipeline's latency
+    inputs: bool = False
     kvs: list[tuple[str, int]] = field(init=False)
     tau_us: np.ndarray = field(init=False)  # per boundary i (leaving block i), per sample
+    tau_in_us: float = field(init=False)  # the request's inputs, per sample (0: not counted)
     lat_prefix: np.ndarray = field(init=False)  # [kv, b-1, i]: Σ_{x<i} max(L,1); NaN if no b
     down: np.ndarray = field(init=False)  # [kv, i]: vGPU samples/s receiving into block i
     up: np.ndarray = field(init=False)  # [kv, j]: vGPU samples/s sending after block j-1
@@ -67,6 +73,15 @@ class ModelCosts:
             [transfer_us_per_sample(s, self.cluster.bandwidth_gbps) for s in p.boundary_bytes],
             dtype=float,
         )
+        self.tau_in_us = 0.0
+        if self.inputs:
+            if p.input_bytes is None:
+                raise ProfileError(
+                    f"model {p.name}: the size of its inputs is not known, so they cannot be "
+                    "counted on the NICs; import its profile from a PPipe folder with "
+                    "layers/<model>/cuts.json and shapes.json, or plan without counting inputs"
+                )
+            self.tau_in_us = transfer_us_per_sample(p.input_bytes, self.cluster.bandwidth_gbps)
         self.max_batch = max((p.tables[kv].max_batch for kv in self.kvs), default=0)
         K = len(self.kvs)
         self.lat_prefix = np.full((K, max(self.max_batch, 1), B + 1), np.nan)
@@ -82,6 +97,8 @@ class ModelCosts:
                 per_vgpu = US_PER_S / (self.tau_us * v * h)  # inf where the boundary is 0 B
             self.down[k, 1:B] = per_vgpu  # block i > 0 receives boundary i-1
             self.up[k, 1:B] = per_vgpu  # partition ending at j < B sends boundary j-1
+            if self.tau_in_us > 0:  # block 0 receives the request's inputs
+                self.down[k, 0] = US_PER_S / (self.tau_in_us * v * h)
 
     # ------------------------------------------------------------------ scalar accessors
 
@@ -123,4 +140,4 @@ class ModelCosts:
         """End-to-end planned latency of partitions [(kv, start, end), ...] at one batch."""
         compute = sum(self.partition_latency_us(kv, batch, s, e) for kv, s, e in parts)
         transfer = sum(self.transfer_out_us(batch, e) for _, _, e in parts[:-1])
-        return compute + transfer + self.batch_wait_us(batch)
+        return compute + transfer + batch * self.tau_in_us + self.batch_wait_us(batch)

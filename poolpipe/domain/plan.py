@@ -128,6 +128,12 @@ class Plan:
             used[gpu] += math.ceil(g - 1e-9)
         return dict(used)
 
+    @property
+    def counts_inputs(self) -> bool:
+        """Planned with each request's inputs counted on its first server's NIC
+        (PlanRequest.count_inputs)."""
+        return self.meta.get("inputs") == "counted"
+
     # ------------------------------------------------------------------ verification
 
     def verify(self, profiles: Mapping[str, ModelProfile]) -> None:
@@ -173,7 +179,14 @@ class Plan:
 
     def _verify_model(self, m: ModelPlan, profile: ModelProfile) -> list[str]:
         problems: list[str] = []
-        costs = ModelCosts(profile, self.cluster, m.slo_us, self.margin, m.est_throughput)
+        costs = ModelCosts(
+            profile,
+            self.cluster,
+            m.slo_us,
+            self.margin,
+            m.est_throughput,
+            inputs=self.counts_inputs,
+        )
         budget = costs.budget_us()
         total = 0.0
         for pi, p in enumerate(m.pipelines):

@@ -8,6 +8,7 @@ feature map at batch 1.
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class ModelProfile:
     reference_latency_us: float | None = None  # whole model, batch 1, reference GPU
     slo_us: float | None = None  # default SLO (reference x DEFAULT_SLO_SCALE when imported)
     meta: Mapping[str, str] = field(default_factory=dict)
+    # bytes of one request's inputs as a client sends them (None: not known); what the
+    # planner counts on the first server's NIC where asked (PlanRequest.count_inputs)
+    input_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -84,6 +88,13 @@ class ModelProfile:
             raise ProfileError(
                 f"model {self.name}: {len(self.boundary_bytes)} boundary sizes for "
                 f"{self.num_blocks} blocks (need {self.num_blocks - 1})"
+            )
+        if self.input_bytes is not None and not (
+            self.input_bytes > 0 and math.isfinite(self.input_bytes)
+        ):
+            raise ProfileError(
+                f"model {self.name}: input size must be a positive number of bytes, got "
+                f"{self.input_bytes}"
             )
         for key, table in self.tables.items():
             if table.latency_us.shape[0] != self.num_blocks:
@@ -215,9 +226,38 @@ def load_ppipe_dir(root: Path) -> list[ModelProfile]:
                 reference_latency_us=reference,
                 slo_us=reference * DEFAULT_SLO_SCALE,
                 meta={"source": "ppipe-artifact", "path": str(root)},
+                input_bytes=ppipe_input_bytes(root, model),
             )
         )
     return profiles
+
+
+def ppipe_input_bytes(root: Path, model: str) -> float | None:
+    """The bytes of one request's inputs from the artifact's `layers/<model>/cuts.json`
+    (the tensors crossing the cut before the first layer) and `shapes.json`; None where
+    the folder has no such files."""
+    layers = Path(root) / "layers" / model
+    cuts_file, shapes_file = layers / "cuts.json", layers / "shapes.json"
+    if not (cuts_file.is_file() and shapes_file.is_file()):
+        return None
+    try:
+        cuts = json.loads(cuts_file.read_text())
+        shapes = json.loads(shapes_file.read_text())
+        names = cuts[0]["cut"]
+        total = 0.0
+        for name in names:
+            entry = shapes[name]
+            dims = [int(d) for d in entry["shape"][1:]]
+            if any(d < 1 for d in dims):
+                raise ValueError(f"tensor {name!r} has shape {entry['shape']}")
+            total += math.prod(dims) * np.dtype(entry["dtype"]).itemsize
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ProfileError(
+            f"{layers}: cannot read the model's input size from cuts.json and shapes.json ({exc})"
+        ) from None
+    if not total > 0:
+        raise ProfileError(f"{cuts_file}: the first cut names no input tensor")
+    return float(total)
 
 
 def _read_reference_latency(path: Path) -> dict[str, float]:

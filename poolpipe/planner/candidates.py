@@ -113,7 +113,7 @@ def enumerate_pipelines(
         # Transfers: sender of boundary ends[d]-1 for every internal cut, times batch.
         tau_sum = costs.tau_us[cuts - 1].sum(axis=1) if D > 1 else np.zeros(C)  # [C]
         fixed = (
-            batches[:, None] * tau_sum[None, :]
+            batches[:, None] * (tau_sum[None, :] + costs.tau_in_us)
             + np.array([costs.batch_wait_us(int(b)) for b in batches])[:, None]
         )  # [nb, C]
         for sig in itertools.product(range(K), repeat=D):

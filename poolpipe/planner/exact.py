@@ -82,7 +82,9 @@ def model_costs(
         {p.gpu: (1,) for p in req.cluster.pools} if whole_gpus_only else None
     )
     return [
-        ModelCosts(m, req.cluster, slo, req.margin, lam[i], allowed_shares=allowed)
+        ModelCosts(
+            m, req.cluster, slo, req.margin, lam[i], allowed_shares=allowed, inputs=req.count_inputs
+        )
         for i, (m, slo) in enumerate(zip(req.models, req.slos_us, strict=True))
     ]
 

@@ -62,6 +62,8 @@ def assemble(
         )
     )
     objective = min(m.throughput / m.weight for m in models)
+    if req.count_inputs:  # Plan.verify counts them too
+        meta = {**(meta or {}), "inputs": "counted"}
     return Plan(
         strategy=strategy,
         cluster=req.cluster,

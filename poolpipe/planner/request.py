@@ -33,6 +33,9 @@ class PlanRequest:
     mip_gap: float = DEFAULT_MIP_GAP
     threads: int | None = None
     batch_wait: bool = True  # include the batch-fill estimate in pipeline latency
+    # count each request's inputs on its first server's NIC (ModelCosts.inputs; the paper's
+    # transfer model does not): plans a live cluster can carry when inputs are large
+    count_inputs: bool = False
     # "maxmin": the most normalised throughput on the cluster's GPUs; "cost": the cheapest
     # GPUs (prices per GPU-hour) that serve `rates` (req/s per model) within their SLOs
     objective: str = "maxmin"

@@ -352,7 +352,7 @@ class Warehouse:
             )
         return (
             f"{self.path} has schema version {version}, this poolpipe needs {LATEST_VERSION}; "
-            f"run: poolpipe warehouse migrate --warehouse {self.path}"
+            f"run: poolpipe --warehouse {self.path} warehouse migrate"
         )
 
     def close(self) -> None:
@@ -428,7 +428,8 @@ class Warehouse:
                 con.execute("INSERT OR IGNORE INTO gpu_types (name) VALUES (?)", [g])
             for p in profiles:
                 con.execute(
-                    "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO models (name, num_blocks, reference_latency_us, slo_us, source,"
+                    " updated_at, input_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     [
                         p.name,
                         p.num_blocks,
@@ -436,6 +437,7 @@ class Warehouse:
                         p.slo_us,
                         p.meta.get("source", "unknown"),
                         now,
+                        p.input_bytes,
                     ],
                 )
                 _insert_columns(
@@ -475,7 +477,8 @@ class Warehouse:
         with self.transaction() as con:
             _delete_models(con, [split.model])
             con.execute(
-                "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO models (name, num_blocks, reference_latency_us, slo_us, source,"
+                " updated_at) VALUES (?, ?, ?, ?, ?, ?)",
                 [
                     split.model,
                     len(split.blocks),
@@ -570,11 +573,13 @@ class Warehouse:
             con.execute("DELETE FROM block_boundaries WHERE model = ?", [profile.name])
             _insert_columns(con, "block_boundaries", _boundary_columns([profile]))
             con.execute(
-                "UPDATE models SET reference_latency_us = ?, slo_us = ?, source = ? WHERE name = ?",
+                "UPDATE models SET reference_latency_us = ?, slo_us = ?, source = ?,"
+                " input_bytes = coalesce(?, input_bytes) WHERE name = ?",
                 [
                     profile.reference_latency_us,
                     profile.slo_us,
                     f"shadow of {profile.meta.get('source', 'profile')}",
+                    profile.input_bytes,
                     profile.name,
                 ],
             )
@@ -617,7 +622,8 @@ class Warehouse:
 
     def load_profile(self, name: str) -> ModelProfile:
         row = self.con.execute(
-            "SELECT num_blocks, reference_latency_us, slo_us, source FROM models WHERE name = ?",
+            "SELECT num_blocks, reference_latency_us, slo_us, source, input_bytes FROM models "
+            "WHERE name = ?",
             [name],
         ).fetchone()
         if row is None:
@@ -629,7 +635,7 @@ class Warehouse:
                 "../shared/profiles/ppipe-gpu"
             )
             raise UnknownNameError(f"model {name!r} is not in warehouse {self.path}; {hint}")
-        num_blocks, ref, slo, source = row
+        num_blocks, ref, slo, source, input_bytes = row
         rows = self.con.execute(
             "SELECT gpu_type, share, block_index, batch, latency_us, source FROM block_latency "
             "WHERE model = ? ORDER BY gpu_type, share, block_index, batch",
@@ -664,6 +670,7 @@ class Warehouse:
             reference_latency_us=ref,
             slo_us=slo,
             meta={"source": source},
+            input_bytes=input_bytes,
         )
 
     def profile_summary(self) -> list[tuple]:
