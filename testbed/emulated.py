@@ -51,14 +51,17 @@ def onboard_shadows(
 
     with Warehouse.open(warehouse) as wh:
         known = set(wh.model_names())
-        todo = [
-            m
-            for m in models
-            if m not in known
-            or wh.whole_model_file(m) is None
-            or not set(devices) <= {g for g, _ in wh.load_profile(m).tables}
-            or wh.load_profile(m).input_bytes is None  # (onboarded before inputs were kept)
-        ]
+
+        def ready(m: str) -> bool:
+            if m not in known or wh.whole_model_file(m) is None:
+                return False
+            profile = wh.load_profile(m)
+            # (input_bytes: None where onboarded before input sizes were kept)
+            return set(devices) <= {g for g, _ in profile.tables} and (
+                profile.input_bytes is not None
+            )
+
+        todo = [m for m in models if not ready(m)]
     for m in todo:
         onboard_shadow(m, str(profiles), warehouse=warehouse, devices=list(devices))
     return todo

@@ -10,7 +10,7 @@ import numpy as np
 
 from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
-from poolpipe.scheduler.topology import Topology
+from poolpipe.scheduler.topology import Pool, Topology
 from triton_backend.nodes import RepositoryAPI
 from triton_backend.prepare import device_class
 
@@ -90,7 +90,7 @@ def _pool_latencies(
 COMPUTE_FLOOR = 0.25
 
 
-def _compute_us(pool, b: int, call_us: float) -> float:
+def _compute_us(pool: Pool, b: int, call_us: float) -> float:
     """What a pool's vGPU is reserved for at batch b, from a call that took `call_us`: the
     call itself, or, where the topology times the requests' inputs on the first server's
     downlink (topology.with_inputs), the call less their transfer, which the data plane

@@ -117,11 +117,9 @@ class RelayTransport:
                     start = sent + sending  # the compute's start, as far as the router knows
                     if start - hop.start_us > job.slack_us and not rt.hop_late(job, h, start):
                         return  # dropped: the rest of its path is released
+                    rt.hop_started(job, h, start, (sent, start) if sending else None)
                     if sending:
-                        rt.hop_started(job, h, start, (sent, start))
                         releasing = ex.loop.call_later(sending / 1e6, gate.release)
-                    else:
-                        rt.hop_started(job, h, start)
                     try:
                         call = StageCall(partition, inputs, timeout_s)
                         result = await stages.infer(served.vgpu_node[hop.vgpu], call)
@@ -214,10 +212,7 @@ class ChainTransport:
             return  # dropped: the rest of its path is released
         turn_us = sending if sending else hop0.end_us - hop0.start_us
         ex.loop.call_later(max(0.0, turn_us / 1e6), gate.release)
-        if sending:
-            rt.hop_started(job, 0, start, (sent, start))
-        else:
-            rt.hop_started(job, 0, start)
+        rt.hop_started(job, 0, start, (sent, start) if sending else None)
         # the chain's time: until the last SLO of its requests runs out; nobody forwards
         # a feature map with none left
         params["poolpipe_budget_us"] = str(int(max(e.due_us for e in entries) - sent))

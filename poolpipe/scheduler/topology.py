@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from poolpipe.domain.costs import ModelCosts
+from poolpipe.domain.costs import ModelCosts, transfer_us_per_sample
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import ClusterError, UnknownNameError
@@ -242,11 +242,6 @@ def with_latencies(topo: Topology, latency_us: Mapping[int, tuple[float, ...]]) 
     return replace(topo, pools=pools)
 
 
-def transfer_us(nbytes: float, bandwidth_gbps: float) -> float:
-    """µs to send `nbytes` over a NIC of `bandwidth_gbps` (the planner's tau)."""
-    return nbytes * 8 / (bandwidth_gbps * 1e3)
-
-
 def with_inputs(
     topo: Topology, input_bytes: Mapping[str, float], bandwidth_gbps: float
 ) -> Topology:
@@ -258,15 +253,10 @@ def with_inputs(
     models' inputs (hc2-small's one L4 server) they are most of what its NIC carries."""
     if not bandwidth_gbps > 0:
         raise ClusterError(f"bandwidth must be > 0 Gbit/s to time inputs, got {bandwidth_gbps}")
-    pools = tuple(
-        replace(
-            p,
-            transfer_in_us=transfer_us(
-                float(input_bytes[topo.models[p.model].name]), bandwidth_gbps
-            ),
-        )
-        if p.position == 0 and topo.models[p.model].name in input_bytes
-        else p
-        for p in topo.pools
-    )
-    return replace(topo, pools=pools)
+    pools = list(topo.pools)
+    for i, p in enumerate(topo.pools):
+        name = topo.models[p.model].name
+        if p.position == 0 and name in input_bytes:  # the planner's tau for them
+            tau = transfer_us_per_sample(float(input_bytes[name]), bandwidth_gbps)
+            pools[i] = replace(p, transfer_in_us=tau)
+    return replace(topo, pools=tuple(pools))
