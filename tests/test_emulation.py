@@ -170,7 +170,7 @@ def _metrics(said: list[str]) -> str:
     return httpx.get(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10).text
 
 
-def test_the_layout_carries_each_partitions_profiled_latency_per_device(t4_warehouse):
+def test_the_layout_carries_each_partitions_profiled_latency_per_node(t4_warehouse):
     from poolpipe.domain.cluster import Cluster, GpuPool
     from poolpipe.domain.plan import manual_plan
     from poolpipe.runtime.placement import layout
@@ -178,19 +178,42 @@ def test_the_layout_carries_each_partitions_profiled_latency_per_device(t4_wareh
 
     with Warehouse.open(t4_warehouse) as w:
         profile = w.load_profile("tiny")
-    cluster = Cluster("t4s", 10.0, (GpuPool("T4", 2, 1, (1,)),))
+    cluster = Cluster("t4s", 10.0, (GpuPool("T4", 2, 1, (1, 2)),))
     plan = manual_plan("tiny", 1e6, cluster, [(0, 2, "T4", 1), (2, 4, "T4", 1)], 4, profile)
     lay = layout(build_topology(plan, {"tiny": profile}))
-    head = lay.partition_latency_us[("tiny__b00-02", "T4")]
+    head_node = next(p.node for p in lay.placements if p.partition == "tiny__b00-02")
+    head = lay.partition_latency_us[("tiny__b00-02", head_node)]
     assert head == tuple(2 * np.asarray(BLOCK_US))  # two blocks, batch 1..4
-    # the whole model in two pipelines, at batch 1 and at batch 3: its table holds batch 3
-    # (an emulated node refuses a batch beyond its table: calibration failed so)
+    # the whole model in two pipelines, at batch 1 and at batch 3, on a GPU each: each
+    # node's table stops at its own pool's batch (an emulated node refuses a batch beyond
+    # its table; warming asks each node no more)
     one = manual_plan("tiny", 1e6, cluster, [(0, 4, "T4", 1)], 1, profile)
     three = manual_plan("tiny", 1e6, cluster, [(0, 4, "T4", 1)], 3, profile)
     model = replace(one.models[0], pipelines=(*one.models[0].pipelines, *three.models[0].pipelines))
     both = replace(one, models=(model,))
     whole = layout(build_topology(both, {"tiny": profile})).partition_latency_us
-    assert whole[("tiny__b00-04", "T4")] == tuple(4 * np.asarray(BLOCK_US)[:3])
+    assert sorted(whole.values(), key=len) == [
+        tuple(4 * np.asarray(BLOCK_US)[:1]),
+        tuple(4 * np.asarray(BLOCK_US)[:3]),
+    ]
+    # the same partition at share 1 on one GPU and at share 2 (two vGPUs) on the other:
+    # each node completes by its own share's latencies (1.5x at share 2 here), not by one
+    # table per device type
+    halves = manual_plan("tiny", 1e6, cluster, [(0, 4, "T4", 2)], 4, profile)
+    pipe = halves.models[0].pipelines[0]
+    halves_pipe = replace(pipe, partitions=(replace(pipe.partitions[0], share=2),))
+    model = replace(
+        one.models[0],
+        pipelines=(replace(one.models[0].pipelines[0], batch=4), halves_pipe),
+    )
+    mixed = layout(build_topology(replace(one, models=(model,)), {"tiny": profile}))
+    tables = {
+        p.instances: mixed.partition_latency_us[(p.partition, p.node)] for p in mixed.placements
+    }
+    assert tables == {
+        1: tuple(4 * np.asarray(BLOCK_US)),
+        2: tuple(4 * 1.5 * np.asarray(BLOCK_US)),
+    }
 
 
 def test_a_two_node_emulated_pipeline_serves_through_the_router_across_hosts(

@@ -104,11 +104,10 @@ def warm(
     lay: Layout,
     nodes: dict[str, RepositoryAPI],
     parts: dict[str, PartitionFile],
-    max_batch: dict[tuple[str, str], int],
     only: str | None = None,
 ) -> None:
-    """One call at every batch size (up to the partition's `max_batch` on the node's GPU
-    type) to every instance
+    """One call at every batch size (up to the largest its pools on the node may run: an
+    emulated node knows its latencies up to that batch only) to every instance
     of every partition (of node `only`):
     an ONNX Runtime session's first runs at a shape cost several times a warm one, and a
     node must not take the router's deadlines with cold instances (calibration times one
@@ -130,12 +129,11 @@ def warm(
         finally:
             client.close()
 
-    gpu = {s.name: s.gpu for s in lay.nodes}
     calls = [
         (nodes[p.node], p.partition, b)
         for p in lay.placements
         if only is None or p.node == only
-        for b in range(1, max_batch[(p.partition, gpu[p.node])] + 1)
+        for b in range(1, len(lay.partition_latency_us[(p.partition, p.node)]) + 1)
         for _ in range(p.instances)
     ]
     width = max((p.instances for p in lay.placements), default=1)

@@ -309,7 +309,7 @@ class Deployment:
                 cleaned = _unload_left_behind(nodes, [m.name for m in plan.models], owner)
             load_layout(lay, parts, nodes, max_batch, loaded)
             fenced = fence_off(nodes, [m.name for m in plan.models], owner)
-            warm(lay, nodes, parts, _top_batches(topo, lay))
+            warm(lay, nodes, parts)
             known: dict[tuple, float] = {}
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
             core = RouterCore(
@@ -402,7 +402,7 @@ class Deployment:
             )
             load_layout(lay, parts, nodes, opt.max_batch, loaded)
             self.fence(nodes)
-            warm(lay, nodes, parts, _top_batches(topo, lay))
+            warm(lay, nodes, parts)
             live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=self.calibration))
             prepare_s = time.perf_counter() - t0
             self.core.use_http(_http_addresses(nodes))
@@ -506,7 +506,7 @@ class Deployment:
             self.layout.partition_latency_us,
         )
         load_layout(only, self.parts, self.nodes, self.options.max_batch, loaded=[])
-        warm(self.layout, self.nodes, self.parts, _top_batches(self.topo, self.layout), only=name)
+        warm(self.layout, self.nodes, self.parts, only=name)
 
     def _refill_url(self, url: str) -> None:
         """The router's watch found the node at `url` answering without its models."""
@@ -682,14 +682,3 @@ def resolve_transport(transport: str, urls: Iterable[str]) -> str:
             raise PoolpipeError(f"unknown transport {transport!r}; choose {choices}")
         return transport
     return "router" if all(is_loopback(u.rpartition(":")[0] or u) for u in urls) else "chain"
-
-
-def _top_batches(topo: Topology, lay: Layout) -> dict[tuple[str, str], int]:
-    """The largest batch the data plane may send each partition of `lay` on each GPU type
-    (its pools' there: an emulated node knows its partition's latencies up to that batch
-    only)."""
-    out: dict[tuple[str, str], int] = {}
-    for p in topo.pools:
-        key = (lay.pool_partition[p.id], p.gpu)
-        out[key] = max(out.get(key, 0), len(p.latency_us) - 1)
-    return out

@@ -91,7 +91,7 @@ def load_layout(
                     max_batch=max_batch,
                     final_outputs=parts[last[p.model]].outputs,
                     key=node.key,
-                    latency_us=() if cpu else lay.partition_latency_us.get((p.partition, gpu), ()),
+                    latency_us=() if cpu else lay.partition_latency_us[(p.partition, p.node)],
                     device=gpu,
                 )
                 node.load(p.partition, upload_config(text, p.partition), files)

@@ -41,8 +41,9 @@ class Layout:
     placements: tuple[Placement, ...]
     vgpu_node: dict[int, str]  # vGPU id -> node name
     pool_partition: dict[int, str]  # pool id -> partition model name
-    # (partition, device type) -> its profiled latency (µs) at batch 1, 2, ...: what an
-    # emulated GPU node completes its batches by (it travels with the partition)
+    # (partition, node) -> its profiled latency (µs) at batch 1, 2, ... on that node's vGPU
+    # share: what an emulated GPU node completes its batches by (it travels with the
+    # partition). Per node, not per device type: one partition may run at two shares.
     partition_latency_us: dict[tuple[str, str], tuple[float, ...]] = field(default_factory=dict)
 
 
@@ -74,13 +75,13 @@ def layout(topo: Topology, tag: str = "") -> Layout:
         p.id: partition_name(topo.models[p.model].name, p.start, p.end, tag) for p in topo.pools
     }
     latency: dict[tuple[str, str], tuple[float, ...]] = {}
-    for p in topo.pools:
-        # the same partition in pools of two batch sizes: its table up to the larger batch
-        # (a pool's latencies stop at its own batch; the smaller is a prefix of the larger)
-        key = (pool_partition[p.id], p.gpu)
-        table = tuple(float(x) for x in p.latency_us[1:])
-        if len(table) > len(latency.get(key, ())):
-            latency[key] = table
+    for v in topo.vgpus:
+        # one partition model per (node, partition): where its pools differ (two batch
+        # sizes: one table a prefix of the other; two shares of one GPU), the slower at
+        # each batch, up to the larger batch (an emulated node refuses a batch beyond it)
+        pool = topo.pools[v.pool]
+        key = (pool_partition[pool.id], vgpu_node[v.id])
+        latency[key] = _slower(latency.get(key, ()), tuple(float(x) for x in pool.latency_us[1:]))
     return Layout(
         tuple(sorted(nodes.values(), key=lambda n: n.name)),
         placements,
@@ -88,3 +89,10 @@ def layout(topo: Topology, tag: str = "") -> Layout:
         pool_partition,
         latency,
     )
+
+
+def _slower(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    """Two latency tables (batch 1, 2, ...) merged: the slower at each batch both hold, then
+    the longer one's rest."""
+    longer = a if len(a) >= len(b) else b
+    return tuple(max(x, y) for x, y in zip(a, b, strict=False)) + longer[min(len(a), len(b)) :]
