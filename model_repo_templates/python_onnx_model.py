@@ -14,7 +14,11 @@ link the router reserved for another transfer; the instance is free meanwhile) a
 answers, once the chain's answer comes back, the whole model's outputs
 (`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
 nanoseconds of each hop's own monotonic clock, this hop first. Its instance is free for the
-next batch while the rest of the chain runs. `poolpipe_budget_us` (optional): the time
+next batch while the rest of the chain runs. Where the chain ends in {"answer": "host:port",
+"id"} (the router's inbox, triton_backend/answers.py), the last hop sends the model's
+outputs there instead, with every hop's times (`poolpipe_hops`: those of the hops before,
+carried along), from a sender thread per inbox, and the calls back along the chain carry
+POOLPIPE_HOPS alone (`poolpipe_outputs` is then []). `poolpipe_budget_us` (optional): the time
 left until the chain must be done; the next hop gets what is left of it after this hop's
 compute, and a hop with nothing left does not forward ("POOLPIPE_HOP 1: POOLPIPE_DEADLINE
 ..."). (A queue policy refusing hops that waited past a timeout was tried: this Triton's
@@ -38,6 +42,9 @@ import hashlib
 import hmac
 import json
 import os
+import queue
+import socket
+import struct
 import threading
 import time
 
@@ -59,6 +66,12 @@ FORWARD_TIMEOUT_S = 60.0
 
 def chain_signature(key, chain):
     return hmac.new(key.encode(), chain.encode(), hashlib.sha256).hexdigest()
+
+
+def _carried(params):
+    """The times (start, end, sent ns) of the chain's hops before this one."""
+    text = params.get("poolpipe_hops", "")
+    return [int(t) for t in text.split(",")] if text else []
 
 
 class TritonPythonModel:
@@ -96,6 +109,7 @@ class TritonPythonModel:
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.key = params.get("poolpipe_key") or None
         self.clients = {}
+        self.outboxes = {}  # the router's inbox address -> its answers' queue
         self.lock = threading.Lock()
 
     def execute(self, requests):
@@ -122,6 +136,10 @@ class TritonPythonModel:
                 if not hops:  # the last hop: the model's outputs and this hop's times
                     mine = np.tile(np.array([start, end, end], np.int64), (rows, 1))
                     self._send(sender, {**dict(zip(self.outputs, outs)), HOPS: mine})
+                    continue
+                if "answer" in hops[0]:  # the last hop: its outputs straight to the router
+                    times = [*_carried(params), start, end, end]
+                    self._answer(sender, hops[0], times, dict(zip(self.outputs, outs)), rows)
                     continue
                 self._forward(sender, outs, hops, params, start, end)
             except Exception as exc:  # answer this request with the error, keep serving
@@ -219,6 +237,9 @@ class TritonPythonModel:
                 self._fail(sender, "POOLPIPE_HOP 1: POOLPIPE_DEADLINE: no time left to forward")
                 return
             forward["poolpipe_budget_us"] = str(left)
+        # every hop's times travel on with the feature map, for an answer sent straight
+        # to the router from the last node
+        forward["poolpipe_hops"] = ",".join(str(t) for t in [*_carried(params), start, end, sent])
 
         def done(result, error):
             try:
@@ -249,6 +270,53 @@ class TritonPythonModel:
         )
 
     # ------------------------------------------------------------------ answers
+
+    def _answer(self, sender, to, times, tensors, rows):
+        """Send the model's outputs to the router's inbox `to["answer"]` (host:port) from
+        that address's sender thread (the instance is free meanwhile); then answer the call
+        with this chain's hop times alone, or with the error if the answer could not go."""
+        addr = str(to["answer"])
+        with self.lock:
+            out = self.outboxes.get(addr)
+            if out is None:
+                out = self.outboxes[addr] = queue.SimpleQueue()
+                threading.Thread(target=self._answers, args=(addr, out), daemon=True).start()
+        mine = np.tile(np.array(times[-3:], np.int64), (rows, 1))
+        out.put((str(to["id"]), times, tensors, sender, mine))
+
+    def _answers(self, addr, out):
+        host, _, port = addr.rpartition(":")
+        sock = None
+        while True:
+            key, times, tensors, sender, mine = out.get()
+            arrays = [np.ascontiguousarray(v) for v in tensors.values()]
+            head = json.dumps(
+                {
+                    "id": key,
+                    "rows": [int(t) for t in times],
+                    "tensors": [[n, a.dtype.str, list(a.shape)] for n, a in zip(tensors, arrays)],
+                }
+            ).encode()
+            error = None
+            for _ in range(2):  # a connection the router closed: once more on a new one
+                try:
+                    if sock is None:
+                        sock = socket.create_connection((host.strip("[]"), int(port)), 10)
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.sendall(struct.pack(">I", len(head)) + head)
+                    for a in arrays:
+                        sock.sendall(memoryview(a).cast("B"))
+                    error = None
+                    break
+                except OSError as exc:
+                    error = exc
+                    if sock is not None:
+                        sock.close()
+                    sock = None
+            if error is None:
+                self._send(sender, {HOPS: mine})
+            else:
+                self._fail(sender, f"POOLPIPE_HOP 0: its answer to the router at {addr}: {error}")
 
     @staticmethod
     def _send(sender, tensors):

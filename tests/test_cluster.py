@@ -152,7 +152,8 @@ def test_a_node_stops_cleanly_on_sigterm(cluster):
 def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noqa: F811
     """transport="chain": the router sends a batch's input to the first node with the rest
     of its path; the first node sends its fp16 feature map straight to the second, whose
-    answer comes back along the chain. The same requests through the same plan with
+    answer goes straight to the router's inbox (or, with chain_answers="back", back along
+    the chain). The same requests through the same plan with
     transport="router" (every hop sent from the router) cross the router's interface with
     each feature map twice more; through the chain, the feature maps cross from server 0
     to server 1 instead. Answers match the whole model, and a chain that is not signed
@@ -168,14 +169,15 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
     want = whole_model(wh).run(None, {"input": x})[0]
     n = 25
     seen = {}
-    for transport in ("router", "chain"):
+    for transport, answers in (("router", "auto"), ("chain", "auto"), ("chain", "back")):
         dep = Deployment.up(
             two_partition_plan(cut=1),
             wh,
-            tmp_path / transport,
+            tmp_path / f"{transport}-{answers}",
             inventory=inv,
             token=token,
             transport=transport,
+            chain_answers=answers,
         )
         try:
             first = next(p for p in dep.layout.placements if p.start == 0)
@@ -193,12 +195,17 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
             for _ in range(n):
                 got = _infer(mod, client, x).as_numpy(out_name)
                 assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
-            seen[transport] = (
+            seen[transport, answers] = (
                 cluster.router_bytes() - before[0],
                 cluster.link_bytes(s0)[1] - before[1][1],  # from server 0
                 cluster.link_bytes(s1)[0] - before[2][0],  # to server 1
             )
-            if transport == "chain":
+            inbox = dep.core.inbox
+            if transport == "chain" and answers == "auto":  # each answer to the inbox
+                assert inbox is not None and inbox.received >= n and not inbox.unexpected
+            else:
+                assert inbox is None
+            if transport == "chain" and answers == "auto":
                 # a chain not signed with the cluster's key is refused
                 c = grpcclient.InferenceServerClient(dep.nodes[first.node].grpc_url)
                 i = grpcclient.InferInput("input", list(x.shape), "FP32")
@@ -215,13 +222,14 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
         finally:
             dep.down()
     payload = n * (x.nbytes + want.nbytes)
-    router, chain = seen["router"], seen["chain"]
-    # through the router each feature map crosses its interface twice (in and out) ...
-    assert router[0] - chain[0] >= 1.5 * n * fmap_bytes, (seen, n * fmap_bytes)
-    # ... through the chain the router carries about the requests' own bytes
-    assert chain[0] < 1.2 * payload, (seen, payload)
-    # and the feature maps went from server 0 to server 1 directly
-    assert chain[1] >= n * fmap_bytes and chain[2] >= n * fmap_bytes, seen
+    router = seen["router", "auto"]
+    for chain in (seen["chain", "auto"], seen["chain", "back"]):
+        # through the router each feature map crosses its interface twice (in and out) ...
+        assert router[0] - chain[0] >= 1.5 * n * fmap_bytes, (seen, n * fmap_bytes)
+        # ... through the chain the router carries about the requests' own bytes
+        assert chain[0] < 1.2 * payload, (seen, payload)
+        # and the feature maps went from server 0 to server 1 directly
+        assert chain[1] >= n * fmap_bytes and chain[2] >= n * fmap_bytes, seen
 
 
 def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:

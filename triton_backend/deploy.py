@@ -36,6 +36,7 @@ from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_inputs, with_latencies
 from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
+from triton_backend.answers import parse_address
 from triton_backend.apps import RouterApps
 from triton_backend.calibration import calibrate, warm
 from triton_backend.env import is_loopback, signals_held, triton_home
@@ -60,6 +61,9 @@ class ServeOptions:
     reply_margin_max_us: float  # ... and its ceiling
     key: str | None  # the nodes' key (derived from the token); None: nothing restricted
     transport: str  # "router" or "chain" ("auto" resolved)
+    # a chain's answer: to the router's inbox at this "HOST:PORT" ("auto" resolved), or
+    # back along the chain (None)
+    answers: str | None = None
 
 
 def _served(
@@ -240,6 +244,7 @@ class Deployment:
         inventory: Inventory | None = None,
         token: str | None = None,
         transport: str = "router",
+        chain_answers: str = "auto",
         supervise: bool = False,
         arrival_stamps: ArrivalStamps | None = None,
         owner: str | None = None,
@@ -261,6 +266,11 @@ class Deployment:
         `transport`: "router" (each hop sent from the router; feature maps pass through it),
         "chain" (feature maps node to node; the router sends inputs, gets outputs), or
         "auto": "router" when every node has a loopback address, else "chain".
+        `chain_answers` (chain transport): where a chain's last node sends the model's
+        outputs: "HOST:PORT", the router's inbox (answers.py; PORT 0: any free port;
+        HOST 0.0.0.0: every interface, each node told the address its host is routed to);
+        "auto": 127.0.0.1:0 when every node is on loopback, else 0.0.0.0:0; "back": back
+        along the chain, across every earlier node's NIC.
         `supervise`: restart the nodes this process runs when they exit on their own
         (Supervisor; `poolpipe serve` does), instead of leaving it to restart_node.
         `arrival_stamps`: how a load balancer's arrival stamps are taken (default bounds).
@@ -304,6 +314,7 @@ class Deployment:
                 ceiling,
                 key,
                 resolve_transport(transport, urls),
+                resolve_answers(chain_answers, urls),
             )
             if local is None:  # attached nodes: what an earlier router of these models left
                 cleaned = _unload_left_behind(nodes, [m.name for m in plan.models], owner)
@@ -318,6 +329,7 @@ class Deployment:
                 transport=options.transport,
                 key=key,
                 stamps=arrival_stamps,
+                answers=options.answers,
             ).start()
             core.use_http(_http_addresses(nodes))
             _watch(core, nodes)
@@ -670,6 +682,21 @@ def _attach(
         return attach(lay, inventory, dict(local.nodes), key), inventory
     assert inventory is not None
     return attach(lay, inventory, key=key), inventory
+
+
+def resolve_answers(answers: str, urls: Iterable[str]) -> str | None:
+    """The router's inbox for chains' answers (Deployment.up's `chain_answers`) for nodes
+    at these gRPC addresses: "HOST:PORT", or None for "back"."""
+    if answers == "back":
+        return None
+    if answers == "auto":
+        return (
+            "127.0.0.1:0"
+            if all(is_loopback(u.rpartition(":")[0] or u) for u in urls)
+            else "0.0.0.0:0"
+        )
+    parse_address(answers)  # a clear error for a bad one, before anything is served
+    return answers
 
 
 def resolve_transport(transport: str, urls: Iterable[str]) -> str:

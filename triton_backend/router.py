@@ -44,6 +44,7 @@ from poolpipe.runtime import (
 )
 from poolpipe.scheduler.topology import Topology
 from triton_backend import TRANSPORTS
+from triton_backend.answers import AnswerInbox
 from triton_backend.executor import NodeExecutor
 from triton_backend.kserve_http import HttpFirstStages
 from triton_backend.served import (
@@ -131,6 +132,7 @@ class RouterCore:
         stages: Callable[[asyncio.AbstractEventLoop], StageClient] | None = None,
         node_sweep_s: float = NODE_SWEEP_S,
         stamps: ArrivalStamps | None = None,
+        answers: str | None = None,
     ):
         """`margin`: what the reply margin is learnt with (its floor until it has samples;
         the floor and ceiling equal for a fixed margin). `transport`: how a batch's hops
@@ -139,16 +141,22 @@ class RouterCore:
         where a node's HTTP address is known (use_http), gRPC otherwise; chains over
         gRPC). `node_sweep_s`: every node in service is checked this often (0: only after
         a call to it failed). `stamps`: how a load balancer's arrival stamps are taken (the
-        clock bound and the longest wait; it counts what became of them)."""
+        clock bound and the longest wait; it counts what became of them). `answers`: where a
+        chain's last node sends the model's outputs, the router's inbox address "HOST:PORT"
+        (answers.py; None: back along the chain)."""
         if transport not in TRANSPORTS:
             raise PoolpipeError(f"unknown transport {transport!r}; choose {', '.join(TRANSPORTS)}")
         self._loop = asyncio.new_event_loop()
         self.clock = LoopClock(self._loop)
+        self.inbox: AnswerInbox | None = None
         client = stages(self._loop) if stages is not None else HttpFirstStages(self._loop)
         hops: HopTransport
         if transport == "chain":
             chain_stages = client.grpc if isinstance(client, HttpFirstStages) else None
-            hops = ChainTransport(key, chain_stages, on_overhead=self._observe_path)
+            self.inbox = AnswerInbox(answers) if answers is not None else None
+            hops = ChainTransport(
+                key, chain_stages, on_overhead=self._observe_path, inbox=self.inbox
+            )
         else:
             hops = RelayTransport()
         self.stages = client
@@ -202,6 +210,8 @@ class RouterCore:
         if self._thread.is_alive():
             self._call(self._stop_watching)
             asyncio.run_coroutine_threadsafe(self.executor.close(), self._loop).result(10)
+            if self.inbox is not None:
+                asyncio.run_coroutine_threadsafe(self.inbox.close(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
 

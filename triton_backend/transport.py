@@ -4,8 +4,9 @@
   back to the router and go out again to the next stage's node.
 - `ChainTransport` ("chain"): the batch goes to its first node with the rest of its path;
   each node sends its feature map straight to the next (python_onnx_model.py), and the
-  model's outputs come back once, with each hop's measured times. The router's NIC
-  carries inputs and outputs only.
+  model's outputs come back once, with each hop's measured times: straight from the last
+  node to the router's inbox (answers.py) where the router has one, else back along the
+  chain. The router's NIC carries inputs and outputs only.
 
 A transport reserves its vGPU turns when the executor hands it a job (`start`, in the
 runtime's dispatch order) and returns the coroutine that runs the job; it calls the nodes
@@ -24,9 +25,10 @@ import numpy as np
 
 from poolpipe.client.control import chain_signature
 from poolpipe.runtime import Job
+from triton_backend.answers import Answer, AnswerInbox
 from triton_backend.repository import HOPS_OUTPUT
 from triton_backend.served import RouterPlan
-from triton_backend.stages import Outputs, StageCall, StageClient, StageTimeout
+from triton_backend.stages import Outputs, StageCall, StageCallError, StageClient, StageTimeout
 
 if TYPE_CHECKING:
     from triton_backend.executor import Gate, NodeExecutor
@@ -152,7 +154,9 @@ class ChainTransport:
     reported with the times the nodes measured (durations exact; the gaps between hosts,
     whose clocks differ, taken as reserved), or the hop that failed. A one-hop job goes by
     `relay`. `stages`: the client for the chain's first call (default: the executor's).
-    `on_overhead(us)`: each chain's overhead (see chain_times), as it is measured."""
+    `on_overhead(us)`: each chain's overhead (see chain_times), as it is measured.
+    `inbox`: where the last node sends the model's outputs (the calls back along the chain
+    then carry the hops' times alone); None: the outputs come back along the chain."""
 
     name = "chain"
 
@@ -161,10 +165,12 @@ class ChainTransport:
         key: str | None = None,
         stages: StageClient | None = None,
         on_overhead: Callable[[float], None] = lambda us: None,
+        inbox: AnswerInbox | None = None,
     ):
         self.key = key
         self.stages = stages
         self.on_overhead = on_overhead
+        self.inbox = inbox
         self.relay = RelayTransport()
         self.overheads_us: deque[float] = deque(maxlen=KEPT_OVERHEADS)
 
@@ -186,18 +192,23 @@ class ChainTransport:
         ]
         # each hop's feature map leaves at its transfer's reserved start: so long after the
         # sending hop's compute began (on the sending node's clock, no clock shared)
-        path = json.dumps(
-            [
-                {
-                    "url": served.vgpu_node[h.vgpu],
-                    "model": plan.pool_partition[h.pool],
-                    "after_us": round(max(0.0, h.transfer_start_us - d.hops[k].start_us), 1),
-                }
-                for k, h in enumerate(d.hops[1:])
-            ]
-        )
+        hops: list[dict[str, Any]] = [
+            {
+                "url": served.vgpu_node[h.vgpu],
+                "model": plan.pool_partition[h.pool],
+                "after_us": round(max(0.0, h.transfer_start_us - d.hops[k].start_us), 1),
+            }
+            for k, h in enumerate(d.hops[1:])
+        ]
         names = [t.name for t in io.outputs]
-        params = {"poolpipe_next": path, "poolpipe_outputs": json.dumps(names)}
+        inbox, answer_id, answered = self.inbox, "", None
+        if inbox is not None:  # the last node answers the router itself
+            await inbox.start()
+            answer_id, answered = inbox.expect()
+            hops.append({"answer": inbox.address_for(hops[-1]["url"]), "id": answer_id})
+        back = [] if inbox is not None else names  # what comes back along the chain
+        path = json.dumps(hops)
+        params = {"poolpipe_next": path, "poolpipe_outputs": json.dumps(back)}
         if self.key is not None:
             params["poolpipe_sig"] = chain_signature(self.key, path)
         hop0 = d.hops[0]
@@ -223,9 +234,13 @@ class ChainTransport:
                 inputs,
                 ex.stage_timeout_s,
                 parameters=params,
-                outputs=[*names, HOPS_OUTPUT],
+                outputs=[*back, HOPS_OUTPUT],
             )
-            result = await stages.infer(served.vgpu_node[hop0.vgpu], call)
+            calling = stages.infer(served.vgpu_node[hop0.vgpu], call)
+            if answered is None:
+                result = await calling
+            else:
+                answer = await _answered(calling, answered, len(d.hops) - 1, ex.stage_timeout_s)
         except Exception as exc:
             failed, why = failed_hop(exc)
             out_of_time = _out_of_time(why)
@@ -239,9 +254,15 @@ class ChainTransport:
             partition = plan.pool_partition[d.hops[failed].pool]
             rt.hop_failed(job, failed, f"{partition}: {why}", _node_failed(exc))
             return
-        back = rt.clock.now()
-        outs = _outputs(result, names)
-        times, overhead = chain_times(d.hops, result[HOPS_OUTPUT][0], sent, back)
+        finally:
+            if inbox is not None:
+                inbox.forget(answer_id)
+        now = rt.clock.now()
+        if answered is None:
+            outs, measured = _outputs(result, names), result[HOPS_OUTPUT][0]
+        else:
+            outs, measured = [answer.tensors[n] for n in names], np.array(answer.rows)
+        times, overhead = chain_times(d.hops, measured, sent, now)
         self.overheads_us.append(overhead)
         self.on_overhead(overhead)
         for i, e in enumerate(entries):
@@ -251,6 +272,28 @@ class ChainTransport:
             if h:
                 rt.hop_started(job, h, s_us)
             rt.hop_done(job, h, s_us, e_us)
+
+
+async def _answered(
+    calling: Coroutine[Any, Any, Outputs], answer: asyncio.Future[Answer], last: int, wait_s: float
+) -> Answer:
+    """A chain's answer, sent to the router's inbox by its last hop (`last`), once it is
+    there; the call along the chain (its hops' times, or which hop failed) goes on in the
+    background when the answer comes first. A call that failed raises as the chain's
+    failure; one that succeeded without the answer arriving in `wait_s` fails the last hop."""
+    call = asyncio.ensure_future(calling)
+    either: set[asyncio.Future[Any]] = {call, answer}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if answer.done() and not answer.cancelled():
+        call.add_done_callback(lambda c: c.cancelled() or c.exception())  # nothing left to do
+        return answer.result()
+    call.result()  # the chain's failure, where it failed
+    try:
+        return await asyncio.wait_for(asyncio.shield(answer), wait_s)
+    except (TimeoutError, asyncio.CancelledError):
+        raise StageCallError(
+            f"POOLPIPE_HOP {last}: its answer did not reach the router's inbox in {wait_s:g} s"
+        ) from None
 
 
 def failed_hop(exc: BaseException) -> tuple[int, str]:

@@ -375,6 +375,16 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "when every node is on this host (loopback addresses), else chain (auto: on emulated "
         "hc2-small ppipe served 140 req/s by chain, 109 by router; 105 and 35 at 32 GPUs)",
     )
+    p.add_argument(
+        "--chain-answers",
+        default="auto",
+        metavar="HOST:PORT|auto|back",
+        help="chain transport: where a chain's last node sends the model's outputs: the "
+        "router's inbox at HOST:PORT (PORT 0: a free one; HOST 0.0.0.0: every interface, "
+        "each node told the address its host is routed to); auto: 127.0.0.1:0 when every "
+        "node is on loopback, else 0.0.0.0:0; back: back along the chain, across every "
+        "earlier node's NIC (auto)",
+    )
     p.add_argument("--grpc-port", type=int, default=0, help="the router's gRPC port (a free one)")
     p.add_argument(
         "--triton-metrics-port",
@@ -411,6 +421,7 @@ def router_options(args: argparse.Namespace) -> dict:
         ),
         "listen": args.listen,
         "transport": args.transport,
+        "chain_answers": args.chain_answers,
         "http_port": args.http_port,
         "grpc_port": args.grpc_port,
         "triton_metrics_port": args.triton_metrics_port,
