@@ -53,8 +53,15 @@ def test_an_answer_reaches_the_chain_waiting_for_it_and_nothing_else():
         assert not waiting.done()
         inbox.forget(other)
         assert waiting.cancelled()
-        w.close()
+        # a node's connection still open when the router closes: ended, nothing logged
+        _, w2 = await asyncio.open_connection("127.0.0.1", inbox.port)
+        w2.write(struct.pack(">I", 10))  # half a message
+        await w2.drain()
+        await asyncio.sleep(0.05)
         await inbox.close()
+        assert not inbox._writers
+        w.close()
+        w2.close()
 
     asyncio.run(run())
 

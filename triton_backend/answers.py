@@ -70,7 +70,8 @@ class AnswerInbox:
         self._server: asyncio.AbstractServer | None = None
         self._waiting: dict[str, asyncio.Future[Answer]] = {}
         self._routes: dict[str, str] = {}
-        self._readers: set[asyncio.Task] = set()  # one per node's connection
+        self._writers: set[asyncio.StreamWriter] = set()  # one per node's connection
+        self._closing = False
         self.unexpected = 0  # answers no chain waited for (late, or not ours)
         self.received = 0
 
@@ -101,9 +102,7 @@ class AnswerInbox:
             fut.cancel()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._readers.add(task)
+        self._writers.add(writer)
         try:
             while True:
                 try:
@@ -122,9 +121,10 @@ class AnswerInbox:
                     tensors[name] = np.frombuffer(data, dt).reshape(shape)
                 self._deliver(str(head["id"]), Answer([int(x) for x in head["rows"]], tensors))
         except (OSError, ValueError, KeyError, TypeError, asyncio.IncompleteReadError) as exc:
-            log.warning("chain answers: a malformed answer (%s); connection closed", exc)
+            if not self._closing:  # (not the inbox closing under it)
+                log.warning("chain answers: a malformed answer (%s); connection closed", exc)
         finally:
-            self._readers.discard(task)
+            self._writers.discard(writer)
             writer.close()
 
     def _deliver(self, key: str, answer: Answer) -> None:
@@ -139,10 +139,14 @@ class AnswerInbox:
         for key in list(self._waiting):
             self.forget(key)
         if self._server is not None:
+            self._closing = True
             self._server.close()
-            for task in list(self._readers):  # the nodes' connections, still open
-                task.cancel()
-            await asyncio.gather(*self._readers, return_exceptions=True)
+            for writer in list(self._writers):  # the nodes' connections, still open: their
+                writer.close()  # readers end as at a node's close, nothing cancelled
+            for _ in range(100):
+                if not self._writers:
+                    break
+                await asyncio.sleep(0.01)
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
