@@ -220,6 +220,8 @@ class ChainTransport:
         start = sent + sending  # hop 0's compute, as reserved after its inputs
         if start - hop0.start_us > job.slack_us and not rt.hop_late(job, 0, start):
             gate.release()
+            if inbox is not None:
+                inbox.forget(answer_id)  # no answer comes
             return  # dropped: the rest of its path is released
         turn_us = sending if sending else hop0.end_us - hop0.start_us
         ex.loop.call_later(max(0.0, turn_us / 1e6), gate.release)
