@@ -690,11 +690,7 @@ def resolve_answers(answers: str, urls: Iterable[str]) -> str | None:
     if answers == "back":
         return None
     if answers == "auto":
-        return (
-            "127.0.0.1:0"
-            if all(is_loopback(u.rpartition(":")[0] or u) for u in urls)
-            else "0.0.0.0:0"
-        )
+        return "127.0.0.1:0" if _all_loopback(urls) else "0.0.0.0:0"
     parse_address(answers)  # a clear error for a bad one, before anything is served
     return answers
 
@@ -708,4 +704,9 @@ def resolve_transport(transport: str, urls: Iterable[str]) -> str:
             choices = ", ".join(TRANSPORT_CHOICES)
             raise PoolpipeError(f"unknown transport {transport!r}; choose {choices}")
         return transport
-    return "router" if all(is_loopback(u.rpartition(":")[0] or u) for u in urls) else "chain"
+    return "router" if _all_loopback(urls) else "chain"
+
+
+def _all_loopback(urls: Iterable[str]) -> bool:
+    """Whether every one of these gRPC addresses ("host:port") is on loopback."""
+    return all(is_loopback(u.rpartition(":")[0] or u) for u in urls)
