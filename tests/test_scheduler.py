@@ -226,6 +226,24 @@ def test_waits_for_a_fuller_batch_then_dispatches_at_the_last_moment():
     assert d.dispatches[0].hops[-1].end_us <= r0.deadline_us
 
 
+def test_a_request_joining_a_held_batch_moves_its_last_moment_earlier():
+    # Found on a real H200 (scripts/bench_gpu.py): a ResNet-50 alone on one vGPU, batch 1
+    # 3.3 ms, batch 2 5.0 ms. Woken at the last moment of a batch of one, a batch of two no
+    # longer fit: the head went alone, and the newcomer behind it was dropped at 50 req/s.
+    topo = make_topology([([0], [3300.0, 5000.0, 6500.0, 7000.0], 0.0)], batch=4, slo_us=16500.0)
+    s = ReservationScheduler(topo)
+    r0, r1 = make_requests(2, gap_us=5000.0, slo_us=16500.0)
+    s.add_request(r0, 0.0)
+    d = s.decide(0.0)
+    assert d.dispatches == [] and d.wake_at_us == pytest.approx(16500.0 - 3300.0 - 1.0)
+    assert s.add_request(r1, 5000.0)  # to be decided again: two take longer than one
+    d = s.decide(5000.0)
+    assert d.dispatches == [] and d.wake_at_us == pytest.approx(16500.0 - 5000.0 - 1.0)
+    d = s.decide(d.wake_at_us)
+    assert [[r.id for r in x.requests] for x in d.dispatches] == [[0, 1]] and d.drops == []
+    assert d.dispatches[0].hops[-1].end_us <= r0.deadline_us
+
+
 def test_a_hold_of_round_off_length_dispatches_rather_than_waking_at_the_same_instant():
     # Found by the simulator hanging: a wake at now + slack - guard came back with a slack
     # above the guard by a round-off, so the plane asked to be woken at now + (a few ulp),

@@ -47,6 +47,8 @@ WAKE_GUARD_US: Final = 1.0
 # round-off of the last wake (now + slack - guard == now in floating point), and a hold
 # for it would wake the driver at the same instant for ever (a virtual clock never moves).
 MIN_HOLD_US: Final = 1e-3
+# A batch held until its vGPUs are free (a backlog), not for more requests (_wait_batch).
+HOLD_UNTIL_START: Final = 1 << 30
 
 
 @mypyc_attr(acyclic=True)
@@ -363,10 +365,15 @@ class ReservationScheduler(DataPlane):
             while i > 0 and q.at(i - 1).deadline_us > req.deadline_us:
                 i -= 1
             q.insert(i, req)
-        if self._wake[m] == math.inf or len(q) >= self._wait_batch[m]:
+        if self._wake[m] == math.inf or self._wait_batch[m] != HOLD_UNTIL_START:
+            # A batch held for its last moment is decided again with the newcomer: a larger
+            # batch takes longer, so its last moment is earlier (woken at the smaller batch's,
+            # the head went alone and the rest missed their deadlines behind it: a ResNet-50
+            # alone on one real H200 vGPU, 50 req/s, 17% dropped)
             self._dirty[m] = True
             return True
-        # joins a batch that waits for more: nothing to decide unless another model is due
+        # joins a batch held until its vGPUs are free (a backlog): nothing to decide unless
+        # another model is due
         return any(dirty for dirty in self._dirty)  # (compiled: a loop, not a call)
 
     def decide(self, now: float) -> Decisions:
@@ -780,7 +787,7 @@ class ReservationScheduler(DataPlane):
                 start = pr.start_us
                 if start > now + 2 * self.wake_guard_us:
                     self._wake[m] = start - self.wake_guard_us
-                    self._wait_batch[m] = 1 << 30  # arrivals alone do not end the hold
+                    self._wait_batch[m] = HOLD_UNTIL_START  # arrivals alone do not end it
                     return
                 while n > b < top:
                     grown = self._probe(pipe, b + 1, now)
