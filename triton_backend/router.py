@@ -60,6 +60,7 @@ from triton_backend.served import (
     served_plan,
 )
 from triton_backend.stages import StageClient
+from triton_backend.timers import precise_event_loop
 from triton_backend.transport import ChainTransport, HopTransport, RelayTransport
 from triton_backend.watch import watch_node
 
@@ -146,7 +147,7 @@ class RouterCore:
         (answers.py; None: back along the chain)."""
         if transport not in TRANSPORTS:
             raise PoolpipeError(f"unknown transport {transport!r}; choose {', '.join(TRANSPORTS)}")
-        self._loop = asyncio.new_event_loop()
+        self._loop = precise_event_loop()
         self.clock = LoopClock(self._loop)
         self.inbox: AnswerInbox | None = None
         client = stages(self._loop) if stages is not None else HttpFirstStages(self._loop)
