@@ -4,7 +4,7 @@ the drop / wait / dispatch branches, feedback correction, overload rejection."""
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
+from dataclasses import astuple, replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from poolpipe.errors import ClusterError, PoolpipeError
 from poolpipe.scheduler import (
     ReactiveScheduler,
+    Request,
     ReservationScheduler,
     ReservationTable,
     StageReport,
@@ -26,7 +27,7 @@ from poolpipe.scheduler.messages import (
     Dispatch,
 )
 from poolpipe.scheduler.topology import with_inputs, with_latencies
-from tests.factories import make_requests, make_topology
+from tests.factories import make_pipelines, make_requests, make_topology
 
 # ----------------------------------------------------------------------------- tables
 
@@ -242,6 +243,26 @@ def test_a_request_joining_a_held_batch_moves_its_last_moment_earlier():
     d = s.decide(d.wake_at_us)
     assert [[r.id for r in x.requests] for x in d.dispatches] == [[0, 1]] and d.drops == []
     assert d.dispatches[0].hops[-1].end_us <= r0.deadline_us
+
+
+def test_a_head_the_least_waiting_pipeline_cannot_meet_goes_to_one_that_can():
+    # Found on emulated hc2-large@32 (repvgg-b3: a two-stage pipeline at batch 1 beside the
+    # whole model at batch 2 on one L4): the least waiting pipeline at its planned batch
+    # could not meet a late head, the busy one could at a smaller batch; the head was
+    # dropped. Pipeline 0 takes 30 µs; pipeline 1 takes 10 at batch 1, 18 at batch 2.
+    topo = make_pipelines([[([0], [30.0], 0.0)], [([1], [10.0, 18.0], 0.0)]], slo_us=50.0)
+    topo = replace(topo, pipelines=(topo.pipelines[0], replace(topo.pipelines[1], batch=2)))
+    s = ReservationScheduler(topo)
+    for r in make_requests(2, slo_us=50.0):
+        s.add_request(r, 0.0)
+    d = s.decide(0.0)  # both on pipeline 1, its vGPU busy until 18
+    assert [(x.pipeline, x.batch) for x in d.dispatches] == [(1, 2)]
+    late = Request(2, 0, 5.0, 30.0)  # a short SLO: pipeline 0 would end at 35
+    s.add_request(late, 5.0)
+    d = s.decide(5.0)
+    assert d.drops == [], d.drops
+    assert [(x.pipeline, [r.id for r in x.requests]) for x in d.dispatches] == [(1, [2])]
+    assert d.dispatches[0].hops[-1].end_us <= late.deadline_us
 
 
 def test_a_hold_of_round_off_length_dispatches_rather_than_waking_at_the_same_instant():
