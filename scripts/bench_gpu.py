@@ -392,7 +392,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "sim_attainment": sim.attainment,
             }
             for mode, factory in (("real", real), ("emulated", emulated)):
-                got = serve(topo, plan, lambda loop, f=factory: f(loop), times, args.wake_guard_us)
+                got = serve(topo, plan, factory, times, args.wake_guard_us)
                 got["stages"] = stage_accuracy(got.pop("calls"), plan)
                 row[mode] = got
             result["runs"].append(row)

@@ -293,10 +293,6 @@ class GpuStages(FakeStages):
         self.worst = 0.0
         self.checked = 0
 
-    async def ready(self, node: str, models: Sequence[str]) -> tuple[bool | None, bool]:
-        live = node not in self.down
-        return live, live and all(m in self.parts for m in models)
-
     async def _timed(
         self, node: str, model: str, xs: list[np.ndarray]
     ) -> tuple[dict[str, np.ndarray], int, int]:

@@ -47,8 +47,6 @@ WAKE_GUARD_US: Final = 1.0
 # round-off of the last wake (now + slack - guard == now in floating point), and a hold
 # for it would wake the driver at the same instant for ever (a virtual clock never moves).
 MIN_HOLD_US: Final = 1e-3
-# A batch held until its vGPUs are free (a backlog), not for more requests (_wait_batch).
-HOLD_UNTIL_START: Final = 1 << 30
 
 
 @mypyc_attr(acyclic=True)
@@ -337,8 +335,10 @@ class ReservationScheduler(DataPlane):
         M = len(topo.models)
         self.queues = [_Queue() for _ in range(M)]
         self._dirty = [False] * M
-        self._wake = [math.inf] * M  # the model waits for more requests until then
-        self._wait_batch = [0] * M  # ... or until this many are queued
+        self._wake = [math.inf] * M  # the model's batch is held until then, ...
+        # ... for its vGPUs to be free (a backlog: arrivals alone do not end the hold), or
+        # for its last moment (each arrival decides it again)
+        self._until_start = [False] * M
         self._probes_since = [0] * M
         self._admitted = [-1] * M  # id of the head admitted at its planned batch (dataplane.md)
         self._rejected: list[Drop] = []
@@ -365,7 +365,7 @@ class ReservationScheduler(DataPlane):
             while i > 0 and q.at(i - 1).deadline_us > req.deadline_us:
                 i -= 1
             q.insert(i, req)
-        if self._wake[m] == math.inf or self._wait_batch[m] != HOLD_UNTIL_START:
+        if self._wake[m] == math.inf or not self._until_start[m]:
             # A batch held for its last moment is decided again with the newcomer: a larger
             # batch takes longer, so its last moment is earlier (woken at the smaller batch's,
             # the head went alone and the rest missed their deadlines behind it: a ResNet-50
@@ -791,7 +791,7 @@ class ReservationScheduler(DataPlane):
                 start = pr.start_us
                 if start > now + 2 * self.wake_guard_us:
                     self._wake[m] = start - self.wake_guard_us
-                    self._wait_batch[m] = HOLD_UNTIL_START  # arrivals alone do not end it
+                    self._until_start[m] = True
                     return
                 while n > b < top:
                     grown = self._probe(pipe, b + 1, now)
@@ -808,7 +808,7 @@ class ReservationScheduler(DataPlane):
                         slack = head.deadline_us - pn.finish_us
                     if slack - self.wake_guard_us > MIN_HOLD_US:
                         self._wake[m] = now + slack - self.wake_guard_us
-                        self._wait_batch[m] = b
+                        self._until_start[m] = False
                         return
                 if pn.finish_us <= head.deadline_us:
                     b, pr = n, pn
