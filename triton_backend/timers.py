@@ -16,13 +16,21 @@ import asyncio
 import select
 import selectors
 
+# select() takes descriptors below this (FD_SETSIZE); an epoll descriptor at or above it
+# waits as plain epoll does, to the millisecond
+SELECT_LIMIT = 1024
+
 
 class PreciseEpollSelector(selectors.EpollSelector):
     """EpollSelector with microsecond timeouts (see the module)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._precise = self.fileno() < SELECT_LIMIT
+
     def select(self, timeout: float | None = None) -> list:
-        if timeout is not None and timeout > 0:
-            select.select([self._selector.fileno()], [], [], timeout)  # type: ignore[attr-defined]
+        if timeout is not None and timeout > 0 and self._precise:
+            select.select([self.fileno()], [], [], timeout)
             timeout = 0
         return super().select(timeout)
 
