@@ -177,6 +177,27 @@ def test_chain_times_place_each_hop_after_its_inputs_and_transfers():
     assert times[0][0] >= 110.0 and times[1] == (110.0, 118.0)
 
 
+def test_a_running_router_keeps_the_heap_it_started_with_out_of_full_collections():
+    """A full collection walks the whole heap with the GIL held and the router's loop still
+    (hundreds of ms in a test process on a busy host: requests went past their deadline
+    before the loop read them). What the process held when the router started is frozen
+    until the last router of the process stops."""
+    import gc
+
+    before = gc.get_freeze_count()  # (0 unless another test left a router running)
+    first, _ = router(two_stages([1]))
+    second, _ = router(two_stages([1]))
+    try:
+        assert gc.get_freeze_count() > 1000  # (the modules imported by now, at least)
+        first.stop()
+        assert gc.get_freeze_count() > 1000  # the other one still runs
+        assert answers(second, 2)[1][1] is None
+    finally:
+        first.stop()
+        second.stop()
+    assert gc.get_freeze_count() == before
+
+
 def test_without_a_live_path_requests_fail_explicitly():
     core, _ = router(two_stages([1]), "chain", down={"n1:8001"})
     try:

@@ -139,28 +139,40 @@ def test_clients_get_the_whole_models_answer(served, onboarded_tiny, protocol):
     assert 0 < err < 2e-2  # fp16 feature maps between the nodes: small, not zero
 
 
-def test_concurrent_clients_are_all_answered(served):
+def test_concurrent_clients_are_all_answered(served, onboarded_tiny):
+    """Eight gRPC clients send in rounds, all eight of a round at once: every answer
+    reaches the client that asked (each sends its own input). Whole rounds fill batches of
+    the plan's 4: a partial batch would be held to its last moment, and one in a hundred
+    or so of those misses on a busy host by design (the learnt guard is a p99), which is
+    not what this test is about."""
+    wh, _ = onboarded_tiny
     mod, _ = _grpc(served)
+    out_name = served.ios[0].outputs[0].name
+    inputs = [np.full((1, 3, 32, 32), k / 8, np.float32) for k in range(8)]
+    want = [whole_model(wh).run(None, {"input": x})[0] for x in inputs]
     before = served.core.stats["tiny"].arrivals
-    results: list[object] = []
+    rounds = threading.Barrier(8)
+    results: list[list[object]] = [[] for _ in range(8)]
 
     def client_thread(k: int) -> None:
         _, c = _grpc(served)
-        x = np.full((1, 3, 32, 32), k, np.float32)
         for _ in range(5):
+            rounds.wait(30)
             try:
-                results.append(_infer(mod, c, x).as_numpy(served.ios[0].outputs[0].name).shape)
+                results[k].append(_infer(mod, c, inputs[k]).as_numpy(out_name))
             except Exception as exc:
-                results.append(exc)
+                results[k].append(exc)
 
     threads = [threading.Thread(target=client_thread, args=(k,)) for k in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert len(results) == 40 and all(r == (1, 1000) for r in results), [
-        str(r)[-300:] for r in results if r != (1, 1000)
-    ][:3]
+    bad = [str(r)[-300:] for rs in results for r in rs if not isinstance(r, np.ndarray)]
+    assert sum(map(len, results)) == 40 and not bad, bad[:3]
+    for k, rs in enumerate(results):  # its own answer, not a batch neighbour's
+        errs = [np.abs(r - want[k]).max() / np.abs(want[k]).max() for r in rs]
+        assert max(errs) < 2e-2, (k, errs)
     s = served.core.stats["tiny"]
     assert s.arrivals - before == 40 and served.core.in_flight() == 0
     assert max(s.batch_sizes) > 1  # the router batched concurrent requests
