@@ -35,6 +35,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -160,8 +161,13 @@ def serve(
     stages_factory: Any,
     times_s: np.ndarray,
     wake_guard_us: float,
+    gc_freeze: bool = True,
 ) -> dict[str, Any]:
-    """Serve `times_s` (seconds from now) through a RouterCore; the client's account."""
+    """Serve `times_s` (seconds from now) through a RouterCore; the client's account, and
+    the full collections the process made meanwhile (each stops the router's loop).
+    `gc_freeze` False thaws what RouterCore.start froze (the A/B of --no-gc-freeze)."""
+    import gc
+
     from poolpipe.offline.partitions import TensorSpec
     from poolpipe.runtime import MarginMeter
     from poolpipe.scheduler import make_data_plane
@@ -185,18 +191,35 @@ def serve(
         return made[0]
 
     core = RouterCore(served, stage_timeout_s=10.0, margin=MarginMeter(), stages=factory).start()
+    if not gc_freeze:
+        gc.unfreeze()
+    full_ms: list[float] = []
+    began = [0]
+
+    def collected(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                began[0] = time.perf_counter_ns()
+            else:
+                full_ms.append((time.perf_counter_ns() - began[0]) / 1e6)
+
+    gc.callbacks.append(collected)
     slo_ns = plan["slo_us"] * 1e3
     done: list[tuple[int, int, str | None]] = []  # (arrived, answered, code)
+    reasons: Counter[str] = Counter()  # why requests were not served
     x = np.zeros((1, 1), np.int64)
 
     def answered(arrived: int, outs: Any, code: str | None, msg: str) -> None:
         done.append((arrived, time.monotonic_ns(), code))
+        if code is not None:
+            reasons[msg.split(": ", 1)[-1]] += 1
 
     def take(due: int) -> None:  # on the router's loop, as the door hands it a request
         try:
             core.take(MODEL, [x], None, due, partial(answered, due))
-        except Exception:  # refused at the door: dropped
+        except Exception as exc:  # refused at the door: dropped
             done.append((due, due, "REFUSED"))
+            reasons[f"refused: {exc}"] += 1
 
     def feed() -> None:
         """Each request handed to the loop at its time from a thread of its own (as a
@@ -216,6 +239,7 @@ def serve(
     while len(done) < len(times_s) and time.monotonic() < deadline:
         time.sleep(0.05)
     cpu = time.process_time() - cpu0
+    gc.callbacks.remove(collected)
     core.stop()
     stages = made[0]
     on_time = sum(1 for a, e, c in done if c is None and e - a <= slo_ns)
@@ -232,9 +256,37 @@ def serve(
         "latency_p99_us": float(np.percentile(answered_, 99)) / 1e3 if answered_ else None,
         "calls": calls,
         "process_cpu_s": cpu,
+        "not_served": dict(reasons),
+        "gc_full": len(full_ms),
+        "gc_full_max_ms": max(full_ms, default=0.0),
+        "gc_frozen": gc_freeze,
         "worst_logit_diff": getattr(stages, "worst", None),
         "checked_rows": getattr(stages, "checked", None),
     }
+
+
+def row_line(row: dict[str, Any]) -> str:
+    """One load's figures on a line: on time per mode, stage times, why not served."""
+    modes = [m for m in ("real", "emulated") if m in row]
+    parts = [
+        "on time "
+        + " ".join(f"{m} {row[m]['attainment']:.3f}" for m in modes)
+        + f" simulated {row['sim_attainment']:.3f}"
+    ]
+    for m in modes:
+        st = row[m]["stages"]
+        parts.append(
+            f"{m} stages x{st.get('ratio_p50', math.nan):.3f} p50 "
+            f"x{st.get('ratio_p99', math.nan):.3f} p99 of profiled"
+        )
+    full = [row[m].get("gc_full", 0) for m in modes]
+    longest = max(row[m].get("gc_full_max_ms", 0.0) for m in modes)
+    parts.append(f"full collections {' + '.join(map(str, full))}, longest {longest:.0f} ms")
+    for m in modes:
+        why = row[m].get("not_served") or {}
+        if why:
+            parts.append(f"{m} not served: " + ", ".join(f"{k} {n}" for k, n in why.items()))
+    return "; ".join(parts)
 
 
 def stage_accuracy(calls: list, plan: dict) -> dict[str, float]:
@@ -325,23 +377,34 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{timers['asyncio_p50_us']:.0f} / {timers['asyncio_p99_us']:.0f}",
         flush=True,
     )
-    profiles = {s: profile_blocks(workers[:s], batches, s, args.reps) for s in (1, 2)}
-    tag = f"{MODEL}-{args.image}"
-    for share, table in profiles.items():
-        lines = [",".join(f"{x:.0f}" for x in row) for row in table]
-        (out / f"{tag}-{gpu.name}-{share}.csv").write_text("\n".join(lines) + "\n")
-    (out / f"{tag}.bytes.csv").write_text("\n".join(map(str, gpu.boundary_bytes())) + "\n")
-    print(
-        f"profiled in {time.perf_counter() - t0:.1f} s (share 1 / share 2, batch 1 and "
-        f"{args.max_batch}, µs):",
-        flush=True,
-    )
-    for b, name in enumerate(BLOCK_NAMES):
-        p1, p2 = profiles[1][b], profiles[2][b]
-        print(f"  {name:7s} {p1[0]:8.0f} {p1[-1]:8.0f}   {p2[0]:8.0f} {p2[-1]:8.0f}", flush=True)
+    if args.replay:
+        # another run's profiles: its plans served on emulated stages only (the host's
+        # part of a device run, reproduced where no GPU is)
+        was = json.loads((Path(args.replay) / "result.json").read_text())
+        profiles = {int(s): t for s, t in was["profiles"].items()}
+        device = was["device"]
+        print(f"replaying {device}'s profiles from {args.replay}: emulated stages only")
+    else:
+        device = gpu.name
+        profiles = {s: profile_blocks(workers[:s], batches, s, args.reps) for s in (1, 2)}
+        tag = f"{MODEL}-{args.image}"
+        for share, table in profiles.items():
+            lines = [",".join(f"{x:.0f}" for x in row) for row in table]
+            (out / f"{tag}-{device}-{share}.csv").write_text("\n".join(lines) + "\n")
+        (out / f"{tag}.bytes.csv").write_text("\n".join(map(str, gpu.boundary_bytes())) + "\n")
+        print(
+            f"profiled in {time.perf_counter() - t0:.1f} s (share 1 / share 2, batch 1 and "
+            f"{args.max_batch}, µs):",
+            flush=True,
+        )
+        for b, name in enumerate(BLOCK_NAMES):
+            p1, p2 = profiles[1][b], profiles[2][b]
+            cells = f"{p1[0]:8.0f} {p1[-1]:8.0f}   {p2[0]:8.0f} {p2[-1]:8.0f}"
+            print(f"  {name:7s} {cells}", flush=True)
     result: dict[str, Any] = {
-        "device": gpu.name,
+        "device": device,
         "device_full": torch.cuda.get_device_name() if gpu.cuda else "cpu",
+        "replayed_from": args.replay,
         "torch": torch.__version__,
         "hot_path": native.status(),
         "image": args.image,
@@ -349,6 +412,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "duration_s": args.duration,
         "wake_guard_us": args.wake_guard_us,
         "switch_interval_us": sys.getswitchinterval() * 1e6,
+        "gc_freeze": not args.no_gc_freeze,
         "timers": timers,
         "profiles": {str(s): t for s, t in profiles.items()},
         "boundary_bytes": gpu.boundary_bytes(),
@@ -357,7 +421,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "runs": [],
     }
     for name, plan in result["plans"].items():
-        topo = topology(name, plan, gpu.name)
+        topo = topology(name, plan, device)
         plan["sim_capacity"] = cap = sim_capacity(topo, args.duration, MARGIN_US, args.seed)
         cut = ", ".join(
             f"blocks {s['first']}-{s['last']} share {s['share']}" for s in plan["stages"]
@@ -391,20 +455,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "rate": rate,
                 "sim_attainment": sim.attainment,
             }
-            for mode, factory in (("real", real), ("emulated", emulated)):
-                got = serve(topo, plan, factory, times, args.wake_guard_us)
+            modes = (("real", real), ("emulated", emulated))
+            for mode, factory in modes[1:] if args.replay else modes:
+                got = serve(
+                    topo, plan, factory, times, args.wake_guard_us, not args.no_gc_freeze
+                )
                 got["stages"] = stage_accuracy(got.pop("calls"), plan)
                 row[mode] = got
             result["runs"].append(row)
-            r, e = row["real"], row["emulated"]
-            print(
-                f"  load {load:.2f} ({rate:.0f} req/s): on time real {r['attainment']:.3f} "
-                f"emulated {e['attainment']:.3f} simulated {sim.attainment:.3f}; real stages "
-                f"x{r['stages'].get('ratio_p50', float('nan')):.3f} p50 "
-                f"x{r['stages'].get('ratio_p99', float('nan')):.3f} p99 of profiled, "
-                f"emulated x{e['stages'].get('ratio_p99', float('nan')):.3f} p99",
-                flush=True,
-            )
+            print(f"  load {load:.2f} ({rate:.0f} req/s): {row_line(row)}", flush=True)
     if gpu.cuda:
         result["gpu_memory_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
     for w in workers:
@@ -438,6 +497,12 @@ def cmd_report(args: argparse.Namespace) -> int:
         return 2
     res = json.loads(path.read_text())
     dev = res["device"]
+    if res.get("replayed_from"):
+        console.print(
+            f"[red]{args.dir} is a replay[/red] of {res['replayed_from']} (emulated stages only, "
+            "nothing real to compare): its figures are in its result.json and the run's output"
+        )
+        return 2
     console.print(
         f"REAL GPU: {res['device_full']} (torch {res['torch']}); ResNet-50 fp32, "
         f"image {res['image']}, batches 1..{res['max_batch']}; router hot path "
@@ -566,6 +631,19 @@ def main() -> int:
         "5000): a waking stage thread waits for the router's GIL at most this long",
     )
     run.add_argument("--seed", type=int, default=1)
+    run.add_argument(
+        "--replay",
+        metavar="DIR",
+        default=None,
+        help="serve another run's plans (its result.json's profiles) on emulated stages only: "
+        "the host's side of a device run, where no GPU is",
+    )
+    run.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="serve with the process's heap thawed (RouterCore.start freezes it, so that a "
+        "full collection does not walk all of PyTorch with the router's loop stopped)",
+    )
     run.add_argument(
         "--allow-cpu",
         action="store_true",
