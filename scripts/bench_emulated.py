@@ -18,7 +18,7 @@ with ppipe and np for each preset (`--cluster hc2-small,hc2-large@32`: 16 GPUs, 
 hc2-large scaled to 32 keeping its type ratio and GPUs per server), served on that preset
 emulated at time scale D (a namespace per server, an emulated GPU node per GPU, NICs / D,
 the router on the dilated plan, arrivals / D), with each transport (router relay, chain):
-each plan's capacity (>= 99% on time in two Poisson traces a rate) live, then simulated on
+each plan's capacity (>= 99% on time over two Poisson traces a rate) live, then simulated on
 the same traces and calibrated topology; live vs simulated attainment at 1/3, 2/3 and 1 x
 the live capacity; np rolled out under load on the same nodes after ppipe; router and node
 CPU per request; bytes through the router's interface. Figures undilated, D printed.

@@ -29,6 +29,7 @@ from testbed.loadgen import (
     bisect_grid,
     drive_mix,
     mix_times,
+    rate_passes,
 )
 from testbed.netns import EmulatedCluster
 from testbed.predict import predict
@@ -147,15 +148,16 @@ def mix_capacity(
     steps: int = MIX_STEPS,
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
-    multiple of top/`steps` at which each of `traces` Poisson traces keeps >=
-    CAPACITY_TARGET on time, bisected (loadgen.bisect_grid), live first (from a quarter of
-    `top`), then the simulator on the same traces, drawing each pool's stage times from
-    those measured live at the same rate (the nearest rate run live where it was not):
-    on the emulated GPUs a stage's time includes its inputs' wait on the server's NIC,
-    which grows with the load (the data plane reserves the links between partitions, not
-    the requests' way in), so stage times from one load misrepresent another. Stage times
-    measured far beyond a plan's capacity made the simulator miss at light loads; those
-    measured at light loads know nothing of the queues near capacity."""
+    multiple of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of
+    their requests on time together (loadgen.rate_passes), bisected (loadgen.bisect_grid),
+    live first (from a quarter of `top`), then the simulator on the same traces, drawing
+    each pool's stage times from those measured live at the same rate (the nearest rate
+    run live where it was not): on the emulated GPUs a stage's time includes its inputs'
+    wait on the server's NIC, which grows with the load (the data plane reserves the links
+    between partitions, not the requests' way in), so stage times from one load
+    misrepresent another. Stage times measured far beyond a plan's capacity made the
+    simulator miss at light loads; those measured at light loads know nothing of the
+    queues near capacity."""
     load.run(0.1 * top, 2.0, seed=0)  # warm-up
     dep.core.take_stage_factors()
     points: dict[str, dict[float, float]] = {"live": {}, "sim": {}}
@@ -163,10 +165,11 @@ def mix_capacity(
 
     def passes(kind: str, i: int) -> bool:
         rate = i * top / steps
-        for k in range(traces):
+
+        def trace(k: int) -> tuple[float, int]:
             seed = 200 + i + 1000 * k
+            times, which = mix_times(rate, load.weights, duration_s, seed)
             if kind == "sim":
-                times, which = mix_times(rate, load.weights, duration_s, seed)
                 factors = measured[min(measured, key=lambda j: (abs(j - i), j))]
                 got = predict(dep, times, duration_s, factors, models=which).attainment
             else:
@@ -175,11 +178,11 @@ def mix_capacity(
                 mine = measured.setdefault(i, [[] for _ in taken])
                 for pool, f in zip(mine, taken, strict=True):
                     pool.extend(f)
-            points[kind][rate] = min(got, points[kind].get(rate, got))
             on_point(kind, rate, got)
-            if got < CAPACITY_TARGET:
-                return False
-        return True
+            return got, len(times)
+
+        ok, points[kind][rate] = rate_passes(traces, trace)
+        return ok
 
     found = {"live": bisect_grid(lambda i: passes("live", i), steps, steps // 4)}
     found["sim"] = bisect_grid(lambda i: passes("sim", i), steps, guess=found["live"])
@@ -380,8 +383,8 @@ def compare_plans(
                     )
                 ready_s = roll["prepare_s"]
             dep = server.deployment
-            on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time, two traces a "
-                    "rate), live, then the simulator on the same traces")  # fmt: skip
+            on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time over two traces "
+                    "a rate), live, then the simulator on the same traces")  # fmt: skip
             load = MixLoad.of(dep, weights)
             c0, w0 = meter.sample(), time.perf_counter()
             found = mix_capacity(

@@ -93,3 +93,28 @@ def test_a_capacity_search_may_start_at_a_guess():
             assert bisect_grid(passes, 16, guess) == answer, (answer, guess)
             if guess == answer and answer:
                 assert asked[0] == answer and len(asked) <= 5
+
+
+def test_a_rate_is_judged_on_its_traces_together():
+    """loadgen.rate_passes: >= 99% on time over all of a rate's traces, not each; a trace
+    after which the traces can no longer pass ends the rate."""
+    from testbed.loadgen import rate_passes
+
+    def traces(*figures: tuple[float, int]):
+        driven: list[int] = []
+
+        def run(k: int) -> tuple[float, int]:
+            driven.append(k)
+            return figures[k]
+
+        return run, driven
+
+    run, driven = traces((0.985, 200), (1.0, 200))  # 3 late of 400: passes together
+    ok, share = rate_passes(2, run)
+    assert ok and share == pytest.approx(397 / 400) and driven == [0, 1]
+    run, driven = traces((0.975, 200), (1.0, 200))  # 5 late: 4 are allowed
+    assert rate_passes(2, run)[0] is False and driven == [0]  # (no second trace driven)
+    run, driven = traces((0.99, 200), (0.985, 200))  # 2 + 3 late of 400
+    ok, share = rate_passes(2, run)
+    assert not ok and share == pytest.approx(395 / 400) and driven == [0, 1]
+    assert rate_passes(1, traces((0.99, 100))[0]) == (True, pytest.approx(0.99))

@@ -152,8 +152,8 @@ def _plans_table(plans: dict) -> None:
 
 def _results(res: dict, d: float, args: argparse.Namespace) -> None:
     t = Table(
-        title=f"capacity on the same EMULATED nodes: >= 99% on time in two traces of "
-        f"{args.duration / d:g} s a rate, rates {res['ppipe']['step'] * d:.1f} req/s apart "
+        title=f"capacity on the same EMULATED nodes: >= 99% on time over two traces "
+        f"of {args.duration / d:g} s a rate, rates {res['ppipe']['step'] * d:.1f} req/s apart "
         f"(D = {d:g}, transport {res['transport']}; figures undilated)",
         title_justify="left",
     )
@@ -234,7 +234,7 @@ def _plots(out: Path, res: dict, d: float, cluster: str) -> None:
         ax.axvline(res[strategy]["planned"], color=color, lw=0.8, ls="--")
     ax.axhline(0.99, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("offered load (req/s, Poisson, maf19 mix; dashed: planned)")
-    ax.set_ylabel("share on time (worst of two traces)")
+    ax.set_ylabel("share on time (over two traces)")
     ax.set_title(f"group 2 on {cluster}, EMULATED GPUs (D = {d:g})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
