@@ -131,12 +131,30 @@ def arrivals(rate: float, duration_s: float, seed: int) -> np.ndarray:
     return t[t < duration_s]
 
 
-def simulate(topo: Any, times_s: np.ndarray, duration_s: float, margin_us: float) -> Any:
+def simulate(
+    topo: Any,
+    times_s: np.ndarray,
+    duration_s: float,
+    margin_us: float,
+    served: dict[str, Any] | None = None,
+) -> Any:
+    """The simulator on these arrivals: stage times as profiled, or, given a live run's
+    figures (`served`, from serve()), as that run measured them (each stage's time drawn
+    from its measured / reserved factors), with its reply margin and wake guard floor."""
     from poolpipe.scheduler import make_data_plane
     from poolpipe.sim.engine import SimConfig, Simulator
 
-    dp = make_data_plane("reservation", topo)
-    cfg = SimConfig(duration_s=duration_s, reply_margin_us=margin_us)
+    if served is None:
+        dp = make_data_plane("reservation", topo)
+        cfg = SimConfig(duration_s=duration_s, reply_margin_us=margin_us)
+    else:
+        dp = make_data_plane("reservation", topo, wake_guard_us=served["wake_guard_us"])
+        cfg = SimConfig(
+            duration_s=duration_s,
+            reply_margin_us=served["reply_margin_us"],
+            stage_factors=served["stage_factors"],
+            recalibrate=served["recalibrate"],
+        )
     res = Simulator(topo, dp, times_s * 1e6, np.zeros(len(times_s), np.int64), cfg).run()
     return res.models[0]
 
@@ -240,6 +258,8 @@ def serve(
         time.sleep(0.05)
     cpu = time.process_time() - cpu0
     gc.callbacks.remove(collected)
+    factors = core.take_stage_factors()
+    margin_us, recalibrate = core.reply_margin_us, core.recalibrate
     core.stop()
     stages = made[0]
     on_time = sum(1 for a, e, c in done if c is None and e - a <= slo_ns)
@@ -260,6 +280,11 @@ def serve(
         "gc_full": len(full_ms),
         "gc_full_max_ms": max(full_ms, default=0.0),
         "gc_frozen": gc_freeze,
+        # for the simulator on this run's stage times (not written out)
+        "stage_factors": factors,
+        "reply_margin_us": margin_us,
+        "recalibrate": recalibrate,
+        "wake_guard_us": wake_guard_us,
         "worst_logit_diff": getattr(stages, "worst", None),
         "checked_rows": getattr(stages, "checked", None),
     }
@@ -271,7 +296,9 @@ def row_line(row: dict[str, Any]) -> str:
     parts = [
         "on time "
         + " ".join(f"{m} {row[m]['attainment']:.3f}" for m in modes)
-        + f" simulated {row['sim_attainment']:.3f}"
+        + f" simulated {row['sim_attainment']:.3f} (on the stage times measured: "
+        + " ".join(f"{m} {row[m].get('sim_measured_attainment', math.nan):.3f}" for m in modes)
+        + ")"
     ]
     for m in modes:
         st = row[m]["stages"]
@@ -461,6 +488,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                     topo, plan, factory, times, args.wake_guard_us, not args.no_gc_freeze
                 )
                 got["stages"] = stage_accuracy(got.pop("calls"), plan)
+                measured = simulate(topo, times, args.duration, MARGIN_US, got)
+                got["sim_measured_attainment"] = measured.attainment
+                got.pop("stage_factors")
                 row[mode] = got
             result["runs"].append(row)
             print(f"  load {load:.2f} ({rate:.0f} req/s): {row_line(row)}", flush=True)
@@ -574,6 +604,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             ("attainment_real", r["attainment"]),
             ("attainment_emulated", e["attainment"]),
             ("attainment_sim", run["sim_attainment"]),
+            ("attainment_sim_measured_real", r.get("sim_measured_attainment", math.nan)),
+            ("attainment_sim_measured_emulated", e.get("sim_measured_attainment", math.nan)),
             ("stage_ratio_p50", rs.get("ratio_p50", math.nan)),
             ("stage_ratio_p99", rs.get("ratio_p99", math.nan)),
             ("stage_late_share_real", rs.get("late_share", math.nan)),
