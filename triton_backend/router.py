@@ -120,6 +120,7 @@ class LoopClock(Clock):
 
 
 _frozen = [0]  # routers started in this process and not stopped
+_frozen_lock = threading.Lock()  # routers start and stop from any thread
 
 
 def _freeze_heap() -> None:
@@ -129,17 +130,19 @@ def _freeze_heap() -> None:
     meanwhile: 100-440 ms on a busy 2-core host, and requests that came in then were past
     their deadline when the loop had them. Frozen, those objects are not walked again; the
     ones the router makes while serving are, as before."""
-    if _frozen[0] == 0:
-        gc.collect()
-        gc.freeze()
-    _frozen[0] += 1
+    with _frozen_lock:
+        if _frozen[0] == 0:
+            gc.collect()
+            gc.freeze()
+        _frozen[0] += 1
 
 
 def _thaw_heap() -> None:
     """The last router of the process stopped: its heap is collected as usual again."""
-    _frozen[0] -= 1
-    if _frozen[0] == 0:
-        gc.unfreeze()
+    with _frozen_lock:
+        _frozen[0] -= 1
+        if _frozen[0] == 0:
+            gc.unfreeze()
 
 
 async def _cancel_the_rest() -> None:
