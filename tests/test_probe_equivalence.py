@@ -48,9 +48,20 @@ def reference_probe(sch: ReservationScheduler, pipe, b: int, now: float):
             groups, r = sch._groups[pid], sch._rr[pid]
             for i in range(len(groups)):
                 srv, vgs = groups[(r + i) % len(groups)]
-                ts = earliest_common_slot((*up, sch.downlink[srv]), t, dur) if dur > 0 else t
+                links = (*up, sch.downlink[srv])
+                ts0 = earliest_common_slot(links, t, dur) if dur > 0 else t
                 for v in vgs:
-                    s = sch.vgpu_table[v].earliest_slot(ts + dur, lat)
+                    ts = ts0
+                    while True:
+                        table = sch.vgpu_table[v]
+                        s = table.earliest_slot(ts + dur, lat)
+                        # a feature map arrives no earlier than the compute reserved
+                        # before its own on v is due to start (it would overtake it)
+                        before = [a for a, _ in table.intervals() if a < s]
+                        if prev < 0 or not before or max(before) <= ts + dur:
+                            break
+                        ts = max(t, max(before) - dur)
+                        ts = earliest_common_slot(links, ts, dur) if dur > 0 else ts
                     cand = (send_on(v, s + lat), s + lat)
                     if best is None or cand < best[0]:
                         best = (cand, (pid, v, prev, ts, ts + dur, s, s + lat))

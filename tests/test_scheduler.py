@@ -200,6 +200,21 @@ def test_inputs_cross_the_first_servers_downlink_one_batch_at_a_time():
     assert s.probe(other.pipelines[0], 1, 0.0).finish_us == 14.0
 
 
+def test_a_feature_map_does_not_overtake_the_compute_reserved_before_it():
+    # Stage 1's vGPU is reserved 20-30 for another batch (its feature map in by 20). Ours
+    # could be in at 12 and run at 30; in at 12, it would reach the node first, and a node
+    # runs its queue in arrival order: ours would run first and the other batch late. So
+    # it is sent to arrive once the other is due to start (18-20); the compute is as before.
+    topo = make_topology([([0], [10.0], 0.0), ([1], [10.0], 2.0)])
+    s = ReservationScheduler(topo)
+    s.vgpu_table[1].reserve(20.0, 30.0, 12345)
+    path = s.probe(topo.pipelines[0], 1, 0.0).path
+    assert astuple(path[1])[3:] == (18.0, 20.0, 30.0, 40.0)
+    # nothing reserved ahead of it: it goes at once
+    s = ReservationScheduler(topo)
+    assert astuple(s.probe(topo.pipelines[0], 1, 0.0).path[1])[3:] == (10.0, 12.0, 12.0, 22.0)
+
+
 def test_with_inputs_times_the_first_pools_inputs_at_the_nic_bandwidth():
     topo = make_topology([([0], [10.0], 0.0), ([1], [5.0], 2.0)])
     timed = with_inputs(topo, {"m": 1e6}, 8.0)  # 8 Mbit at 8 Gbit/s: 1 ms a request

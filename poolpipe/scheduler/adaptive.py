@@ -641,23 +641,37 @@ class ReservationScheduler(DataPlane):
                         continue
                     srv_up = uplink[srv]
                     for v in vgs:
-                        s = te  # vgpu_table[v].earliest_slot(te, lat), inlined
-                        tab = tables[v]
-                        busy = tab.busy
-                        for i in range(tab.head, len(busy)):
-                            iv = busy[i]
-                            e = iv.end
-                            if e <= s:
-                                continue
-                            if iv.start >= s + lat:
+                        vts, vte = ts, te  # this vGPU's transfer (see below)
+                        while True:
+                            s = vte  # vgpu_table[v].earliest_slot(vte, lat), inlined
+                            ps = -math.inf  # the latest start reserved on v before s
+                            tab = tables[v]
+                            busy = tab.busy
+                            for i in range(tab.head, len(busy)):
+                                iv = busy[i]
+                                e = iv.end
+                                if e <= s:
+                                    ps = iv.start
+                                    continue
+                                if iv.start >= s + lat:
+                                    break
+                                ps = iv.start
+                                s = e
+                            if ps <= vte or prev < 0:
                                 break
-                            s = e
+                            # A feature map in before the compute reserved ahead of it on v
+                            # is due to start could overtake that one's (a node runs its
+                            # queue in arrival order): it arrives once that one starts.
+                            vts = max(t, ps - dur)
+                            if dur > 0:
+                                vts = _common_slot(up, self.downlink[srv], vts, dur)
+                            vte = vts + dur
                         f = s + lat
                         if f >= bk:
                             continue
                         key = srv_up.earliest_slot(f, out) if out else f
                         if key < bk or (key == bk and f < bf):
-                            bk, bf, bv, bts, bte, bs = key, f, v, ts, te, s
+                            bk, bf, bv, bts, bte, bs = key, f, v, vts, vte, s
                             if s <= te:
                                 break
                     if bk <= floor:
@@ -846,6 +860,20 @@ class ReservationScheduler(DataPlane):
         self._probes_since[m] = self.probes
         self._inflight.add(d)
         out.dispatches.append(d)
+
+
+def _common_slot(
+    up: ReservationTable | None, down: ReservationTable, t: float, dur: float
+) -> float:
+    """The earliest start >= t at which `up` (if any) and `down` are both free for `dur`."""
+    ts = up.earliest_slot(t, dur) if up is not None else t
+    while True:
+        x = down.earliest_slot(ts, dur)
+        if x == ts or up is None:
+            return x
+        ts = up.earliest_slot(x, dur)
+        if ts == x:
+            return ts
 
 
 def _per_pipeline(topo: Topology) -> tuple[list[float], list[int]]:
