@@ -144,17 +144,20 @@ def test_inputs_leave_at_their_reserved_slots_on_the_first_servers_downlink(tran
         core.stop()
 
 
-def test_calibration_times_a_first_pools_compute_apart_from_its_inputs():
+def test_calibration_times_a_pools_compute_apart_from_what_crossed_the_nic():
     """A call of 30 ms at batch 2 whose inputs are reserved at 5 ms a request on the link:
-    20 ms of compute. A later pool, or a first one whose inputs are not timed, keeps the
-    call's time; inputs timed above the call (a NIC faster than the plan says) leave a
+    20 ms of compute; less 4 ms more where its outputs took 2 ms a request back to the
+    router (a feature map the next node gets instead). A later pool's call less its
+    feature map in (3 ms a request); a first pool whose inputs are not timed keeps the
+    call's time; transfers above the call (a NIC faster than the plan says) leave a
     quarter of the call, never nothing."""
     from triton_backend.calibration import _compute_us
 
-    timed = make_topology([([0], [1.0, 2.0], 0.0), ([1], [1.0, 2.0], 3.0)], inputs=5_000.0)
+    timed = make_topology([([0], [1.0, 2.0], 0.0), ([1], [1.0, 2.0], 3_000.0)], inputs=5_000.0)
     first, later = timed.pools
     assert _compute_us(first, 2, 30_000.0) == 20_000.0
-    assert _compute_us(later, 2, 30_000.0) == 30_000.0
+    assert _compute_us(first, 2, 30_000.0, 4_000.0) == 16_000.0
+    assert _compute_us(later, 2, 30_000.0) == 24_000.0
     assert _compute_us(two_stages([1]).pools[0], 2, 30_000.0) == 30_000.0
     assert _compute_us(first, 2, 8_000.0) == 2_000.0
 

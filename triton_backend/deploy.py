@@ -322,7 +322,10 @@ class Deployment:
             fenced = fence_off(nodes, [m.name for m in plan.models], owner)
             warm(lay, nodes, parts)
             known: dict[tuple, float] = {}
-            live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=known))
+            bandwidth = plan.cluster.bandwidth_gbps
+            live = with_latencies(
+                topo, calibrate(topo, lay, nodes, parts, known=known, bandwidth_gbps=bandwidth)
+            )
             core = RouterCore(
                 _served(live, lay, nodes, ios, options),
                 margin=margin,
@@ -415,7 +418,15 @@ class Deployment:
             load_layout(lay, parts, nodes, opt.max_batch, loaded)
             self.fence(nodes)
             warm(lay, nodes, parts)
-            live = with_latencies(topo, calibrate(topo, lay, nodes, parts, known=self.calibration))
+            cal = calibrate(
+                topo,
+                lay,
+                nodes,
+                parts,
+                known=self.calibration,
+                bandwidth_gbps=plan.cluster.bandwidth_gbps,
+            )
+            live = with_latencies(topo, cal)
             prepare_s = time.perf_counter() - t0
             self.core.use_http(_http_addresses(nodes))
             _watch(self.core, nodes)
