@@ -3,14 +3,13 @@ over gRPC on the nodes that serve it."""
 
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from poolpipe.domain.costs import transfer_us_per_sample
-from poolpipe.offline.partitions import PartitionFile
+from poolpipe.offline.partitions import PartitionFile, row_bytes
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler.topology import Pool, Topology
 from triton_backend.nodes import RepositoryAPI
@@ -73,7 +72,7 @@ def _pool_latencies(
     name = lay.pool_partition[pool.id]
     part = parts[name]
     # the outputs' way back to the router, per sample: a feature map, or the model's answer
-    out_bytes = sum(np.dtype(t.dtype).itemsize * math.prod(t.dims) for t in part.outputs)
+    out_bytes = row_bytes(part.outputs)
     back_us = transfer_us_per_sample(out_bytes, bandwidth_gbps) if bandwidth_gbps > 0 else 0.0
     client = node.grpc_client()
     lats = [float("nan")]

@@ -4,7 +4,6 @@ they travel through the runtime (a row is one runtime entry's payload)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.offline.partitions import TensorSpec
+from poolpipe.offline.partitions import TensorSpec, row_bytes
 from poolpipe.runtime import DROPPED, FAILED, Outcome, ServedPlan
 from poolpipe.scheduler import DataPlane, Topology
 
@@ -33,10 +32,7 @@ class ModelIO:
 
 def input_bytes(ios: Iterable[ModelIO]) -> dict[str, float]:
     """Per served model, the bytes of one request's inputs on the wire (a row of each)."""
-    return {
-        io.name: float(sum(np.dtype(t.dtype).itemsize * math.prod(t.dims) for t in io.inputs))
-        for io in ios
-    }
+    return {io.name: row_bytes(io.inputs) for io in ios}
 
 
 @dataclass(frozen=True)

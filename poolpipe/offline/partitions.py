@@ -11,6 +11,8 @@ model's own inputs and the last returns the model's own outputs, both as the mod
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,11 @@ class TensorSpec:
     name: str  # the partition's name for it (in_k / out_k, or the model's own name)
     dtype: np.dtype
     dims: tuple[int, ...]  # without the batch dimension
+
+
+def row_bytes(specs: Iterable[TensorSpec]) -> float:
+    """The bytes of one row (a request's share of a batch) of each of these tensors."""
+    return float(sum(np.dtype(t.dtype).itemsize * math.prod(t.dims) for t in specs))
 
 
 @dataclass(frozen=True)

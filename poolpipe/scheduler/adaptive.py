@@ -36,7 +36,7 @@ from poolpipe.scheduler.messages import (
     Request,
     StageReport,
 )
-from poolpipe.scheduler.reservations import ReservationTable
+from poolpipe.scheduler.reservations import ReservationTable, earliest_common_slot
 from poolpipe.scheduler.topology import Pipeline, Topology, latency_tables
 
 POLICIES: Final = ("adaptive", "eager", "deferred")
@@ -664,7 +664,8 @@ class ReservationScheduler(DataPlane):
                             # queue in arrival order): it arrives once that one starts.
                             vts = max(t, ps - dur)
                             if dur > 0:
-                                vts = _common_slot(up, self.downlink[srv], vts, dur)
+                                links = (down,) if up is None else (up, down)
+                                vts = earliest_common_slot(links, vts, dur)
                             vte = vts + dur
                         f = s + lat
                         if f >= bk:
@@ -860,20 +861,6 @@ class ReservationScheduler(DataPlane):
         self._probes_since[m] = self.probes
         self._inflight.add(d)
         out.dispatches.append(d)
-
-
-def _common_slot(
-    up: ReservationTable | None, down: ReservationTable, t: float, dur: float
-) -> float:
-    """The earliest start >= t at which `up` (if any) and `down` are both free for `dur`."""
-    ts = up.earliest_slot(t, dur) if up is not None else t
-    while True:
-        x = down.earliest_slot(ts, dur)
-        if x == ts or up is None:
-            return x
-        ts = up.earliest_slot(x, dur)
-        if ts == x:
-            return ts
 
 
 def _per_pipeline(topo: Topology) -> tuple[list[float], list[int]]:
