@@ -8,7 +8,7 @@ import pytest
 
 from poolpipe.errors import ClusterError, InfeasibleError
 from poolpipe.planner import make_plan
-from poolpipe.planner.shards import search_split, sharding_loss, split_cluster
+from poolpipe.planner.shards import search_split, sharding_loss, shards_bound, split_cluster
 from tests.conftest import tiny_cluster, tiny_model
 from tests.test_planner_tiny import A1, B1, SMALL_BOUNDARY, request
 
@@ -88,6 +88,50 @@ def test_a_searched_split_sums_at_least_the_even_one_and_keeps_every_gpu():
             assert sum(q.count for sh in found for q in sh.pools if q.gpu == p.gpu) == p.count
 
 
+def test_the_joint_bound_is_the_best_split_found_by_brute_force():
+    """shards_bound: one MILP over every split. Two A and three B GPUs, the model of
+    test_planner_tiny (block 0 on B 200/s, block 1 on A 250/s; A alone 125/s): whole 500
+    (three B feed two A). Two shards each need an A: (A, 2 B) 250 + (A, B) 200 = 450, the
+    best of every split planned shard by shard (checked by enumerating them): 10% lost at
+    least. Two A and two B split into halves lose nothing; one A cannot make two shards."""
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
+
+    def objective(cluster) -> float:
+        try:
+            return make_plan(request(m, cluster, 12000)).objective
+        except InfeasibleError:
+            return 0.0
+
+    cluster = tiny_cluster([("A", 2, 1, (1,)), ("B", 3, 1, (1,))])
+    whole = objective(cluster)
+    assert whole == pytest.approx(500.0)
+    got = shards_bound(request(m, cluster, 12000), 2, whole)
+    assert got.status == "optimal"
+    assert got.bound == pytest.approx(450.0, rel=1e-6)
+    assert got.found == pytest.approx(450.0, rel=1e-6)
+    assert got.least_loss == pytest.approx(0.1, rel=1e-5)
+    assert [c["A"] for c in got.counts] == [1, 1] and [c["B"] for c in got.counts] == [2, 1]
+    best = 0.0
+    for a in range(3):
+        for b in range(4):
+            halves = [{"A": a, "B": b}, {"A": 2 - a, "B": 3 - b}]
+            if not all(any(h.values()) for h in halves):
+                continue
+            shards = [tiny_cluster([(g, n, 1, (1,)) for g, n in h.items() if n]) for h in halves]
+            served = [objective(sh) for sh in shards]
+            if all(v > 0 for v in served):  # every router serves
+                best = max(best, sum(served))
+    assert best == pytest.approx(got.bound, rel=1e-6)
+    found = sharding_loss(cluster, 2, lambda c: (objective(c), (objective(c),)), by="search")
+    assert found.summed <= got.bound * (1 + 1e-9)
+
+    even = tiny_cluster([("A", 2, 1, (1,)), ("B", 2, 1, (1,))])
+    assert shards_bound(request(m, even, 12000), 2, 400.0).least_loss == pytest.approx(0.0)
+    one_a = tiny_cluster([("A", 1, 1, (1,)), ("B", 2, 1, (1,))])
+    with pytest.raises(InfeasibleError, match="use fewer shards"):
+        shards_bound(request(m, one_a, 12000), 2, 250.0)
+
+
 def test_nodes_are_dealt_whole_servers_first_and_counts_must_add_up():
     from poolpipe.domain.tier import nodes_for_counts
 
@@ -108,10 +152,12 @@ def test_nodes_are_dealt_whole_servers_first_and_counts_must_add_up():
         nodes_for_counts(nodes, [{"L4": 5, "T4": 1}, {"T4": 1}])
 
 
-def test_poolpipe_shards_writes_each_routers_nodes_into_the_inventory(tmp_path):
+def test_poolpipe_shards_writes_each_routers_nodes_into_the_inventory(tmp_path, capsys):
     """The CLI on a small L4 + T4 inventory with three routers, the shipped group-2
     profiles: every node to exactly one router, the shards' GPUs as the search found them,
-    and the written inventory loads again."""
+    and the written inventory loads again; `--bound` bounds every split, the one written
+    among them."""
+    import re
     from pathlib import Path
 
     from poolpipe.cli import main
@@ -157,9 +203,18 @@ def test_poolpipe_shards_writes_each_routers_nodes_into_the_inventory(tmp_path):
             "5",
             "-o",
             str(out),
+            "--bound",
         ]
     )
     assert rc == 0
+    text = " ".join(capsys.readouterr().out.split())
+    summed = float(re.search(r"summed ([0-9.]+): sharding loss", text).group(1))
+    bound = re.search(
+        r"no split among 3 routers loses less than [0-9.]+% \((.*?); summed at most ([0-9.]+)\)",
+        text,
+    )
+    assert bound is not None, text
+    assert float(bound.group(2)) >= summed - 0.05
     split = load_inventory(out)
     dealt = [n for r in split.routers for n in r.nodes]
     assert sorted(dealt) == sorted(n.name for n in split.nodes)  # each node once

@@ -482,6 +482,17 @@ def cmd_shards(args: argparse.Namespace) -> int:
     console.print(
         f"summed {found.summed:.1f}: sharding loss {found.loss:.1%} of the whole", highlight=False
     )
+    if args.bound:
+        from poolpipe.planner.shards import shards_bound
+
+        with console.status(f"bounding every split among {k} routers (one MILP) ..."):
+            b = shards_bound(req, k, found.whole)
+        proven = "proven" if b.status == "optimal" else f"bound after {b.seconds:.0f} s"
+        console.print(
+            f"no split among {k} routers loses less than {b.least_loss:.1%} ({proven}; "
+            f"summed at most {b.bound:.1f})",
+            highlight=False,
+        )
     out = Path(args.out or args.inventory)
     out.write_text(inv.to_toml())
     console.print(f"wrote the routers' nodes to {out}", highlight=False)
@@ -510,6 +521,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     _planning_options(shards)
     shards.add_argument("-o", "--out", help="write the inventory here (default: in place)")
+    shards.add_argument(
+        "--bound",
+        action="store_true",
+        help="also bound the loss of any split: one MILP over every split at once (up to "
+        "--time-limit; per-position packing proves it in seconds, per-share may not)",
+    )
     shards.set_defaults(func=cmd_shards)
     plan = sub.add_parser("plan", help="plan a model group on a cluster (MILP)")
     _planning_options(plan)

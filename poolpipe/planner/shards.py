@@ -8,11 +8,16 @@ shards' summed objective against the whole cluster's, each planned exactly."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from poolpipe.domain.cluster import Cluster
-from poolpipe.errors import ClusterError, InfeasibleError
+from poolpipe.errors import ClusterError, InfeasibleError, PoolpipeError
+from poolpipe.planner.exact import enumerate_candidates, model_costs
+from poolpipe.planner.formulation import _add_packing, _add_pipelines
+from poolpipe.planner.request import PlanRequest
+from poolpipe.planner.solvers import Milp, solve
 
 SPLITS = ("gpu", "server", "search")
 # GPUs of one type search_split moves at once (a shard's objective moves in steps: one GPU
@@ -168,3 +173,87 @@ def sharding_loss(
     else:
         split = split_cluster(cluster, k, by)
     return ShardingLoss(whole, tuple(each(sh) for sh in split), tuple(split))
+
+
+# the least a shard serves per unit of weight in shards_bound: every router serves the mix
+_SERVES = 1e-3
+
+
+@dataclass(frozen=True)
+class ShardBound:
+    """What `k` shards of a cluster can serve at most, summed (each shard's objective:
+    req/s per unit of weight, every model served), over every split of its GPUs at once.
+    `found`: the best split the MILP met (`counts`, per shard GPUs per type, the shards in
+    falling objective), as it planned them; `bound`: no split's shards, each planned for
+    itself, sum more (never above the whole cluster's objective, `whole`)."""
+
+    k: int
+    whole: float
+    found: float
+    bound: float
+    counts: tuple[dict[str, int], ...]
+    status: str
+    seconds: float
+
+    @property
+    def least_loss(self) -> float:
+        """The least share of the whole cluster's objective any split of it loses."""
+        return max(0.0, 1.0 - self.bound / self.whole) if self.whole > 0 else 0.0
+
+
+def shards_bound(req: PlanRequest, k: int, whole: float) -> ShardBound:
+    """One MILP over `k` copies of the group MILP (formulation.py), one per shard, each
+    with its own GPU counts (variables summing to the cluster's), maximising the shards'
+    objectives summed, each shard serving every model (at least _SERVES per unit of
+    weight: a router whose shard serves nothing is no router); shards in falling
+    objective (they are alike: the order breaks the symmetry). `whole`: the cluster's own
+    objective, planned at once (a sum above it is no bound).
+
+    It bounds every split planned shard by shard (sharding_loss): a shard's candidate
+    pipelines are a subset of the ones here, which are enumerated without the batch-fill
+    wait (a shard's arrival estimate, lower than the cluster's, only lengthens that wait
+    and so drops pipelines); a shard's plan is one copy's solution, its GPU counts the
+    copy's. The bound is HiGHS's, at optimality or at the request's time limit."""
+    if k < 1:
+        raise ClusterError(f"shards: need at least 1, got {k}")
+    if req.strategy not in ("ppipe", "np") or req.objective != "maxmin":
+        raise PoolpipeError(
+            f"a bound on sharding covers the ppipe and np strategies' max-min objective, "
+            f"not {req.strategy} / {req.objective}"
+        )
+    whole_gpus = req.strategy == "np"
+    free = replace(req, batch_wait=False)
+    costs = model_costs(free, [None] * len(req.models), whole_gpus_only=whole_gpus)
+    cands = enumerate_candidates(free, costs, 1 if whole_gpus else req.max_partitions)[1]
+    count = {p.gpu: p.count for p in req.cluster.pools}
+    milp = Milp()
+    zs: list[int] = []
+    gpus: list[dict[str, int]] = []
+    for _ in range(k):
+        z = milp.add_var(cost=1.0, lower=_SERVES)
+        xs, _ns, buckets = _add_pipelines(milp, cands, count, req.packing)
+        for m, xm in enumerate(xs):
+            milp.add_row({z: req.weights[m], **{x: -1.0 for x in xm}}, upper=0.0)
+        mine = {g: milp.add_var(upper=n, integer=True) for g, n in count.items()}
+        for g, terms in _add_packing(milp, buckets, count, req.packing).items():
+            milp.add_row({**terms, mine[g]: -1.0}, upper=0.0)
+        milp.add_row(dict.fromkeys(mine.values(), 1.0), lower=1.0)  # a GPU at least
+        zs.append(z)
+        gpus.append(mine)
+    for g, n in count.items():
+        milp.add_row({shard[g]: 1.0 for shard in gpus}, upper=float(n))
+    for a, b in itertools.pairwise(zs):
+        milp.add_row({a: 1.0, b: -1.0}, lower=0.0)
+    r = solve(milp, req.solver, req.time_limit_s, req.mip_gap, req.threads)
+    if r.status == "infeasible":
+        raise InfeasibleError(
+            f"cluster {req.cluster.name}: {k} shards cannot each serve every model within "
+            "its SLO; use fewer shards"
+        )
+    counts: tuple[dict[str, int], ...] = ()
+    found = 0.0
+    if r.values is not None:
+        counts = tuple({g: round(r.values[v]) for g, v in shard.items()} for shard in gpus)
+        found = r.objective
+    bound = min(r.bound, whole) if math.isfinite(r.bound) else whole
+    return ShardBound(k, whole, found, bound, counts, r.status, r.seconds)
