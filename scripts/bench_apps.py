@@ -308,6 +308,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         serve_dilated,
     )
     from testbed.netns import unavailable
+    from testbed.predict import predict_apps
 
     why = unavailable()
     if why:
@@ -339,11 +340,15 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     t = Table(
         title=f"EMULATED {cluster.name} (shadow models, time scale D = {d:g}; figures "
         f"undilated): {args.live_spec}'s joint-split plan, attainment live (at the client) and "
-        f"simulated, {args.live_duration:g} s (dilated) a load",
+        f"simulated, {args.live_duration:g} s (dilated) a load. simulated: on the same trace, "
+        "the router's calibrated topology (inputs on the first NICs, its budgets, margin and "
+        "wake guard) and the stage times the live run measured (as the main job compares "
+        "them); plan alone: the plan simulated on a Poisson trace of its own, no inputs, "
+        "reserved stage times",
         title_justify="left",
     )
     for col in ("application", "load", "req/s", "sent", "live", "simulated", "points apart",
-                "live: parts dropped, by model"):  # fmt: skip
+                "plan alone", "live: parts dropped, by model"):  # fmt: skip
         t.add_column(
             col,
             justify="left" if col in ("application", "live: parts dropped, by model") else "right",
@@ -371,26 +376,33 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
                     rate = frac * joint.rates[app.name]  # undilated req/s
                     seed = 700 + 10 * k + j
                     before = {m: c.dropped for m, c in dep.core.stats.items()}
+                    dep.core.take_stage_factors()
                     with console.status(f"{app.name}: {rate:.0f} req/s live ..."):
                         times, shots = load.send(rate / d, args.live_duration, seed)
+                    factors = [list(f) for f in dep.core.take_stage_factors()]
                     lost = {
                         m.split(".", 1)[1]: c.dropped - before.get(m, 0)
                         for m, c in dep.core.stats.items()
                         if m.startswith(f"{app.name}.") and c.dropped > before.get(m, 0)
                     }
                     live = load.share_on_time(shots, len(times)) if len(times) else 1.0
-                    sim = simulate_apps(
+                    mine = np.full(len(times), dep.core.apps.index[app.name])
+                    sim = predict_apps(
+                        dep, times, mine, args.live_duration, factors
+                    ).attainment(app.name)  # fmt: skip
+                    alone = simulate_apps(
                         doc, parts, [app], {app.name: rate},
                         SimConfig(duration_s=args.live_duration / d, seed=seed),
                     ).attainment(app.name)  # fmt: skip
                     t.add_row(
                         app.name, f"{frac:g}", f"{rate:.0f}", str(len(times)), f"{live:.1%}",
-                        f"{sim:.1%}", f"{100 * (live - sim):+.1f}",
+                        f"{sim:.1%}", f"{100 * (live - sim):+.1f}", f"{alone:.1%}",
                         ", ".join(f"{m} {n}" for m, n in lost.items()) or "-",
                     )  # fmt: skip
                     config = f"{cluster.name}:D{d:g}:{app.name}:{frac:g}"
                     rows.record("apps-live", config, "live_attainment", live)
                     rows.record("apps-live", config, "sim_attainment", sim)
+                    rows.record("apps-live", config, "plan_sim_attainment", alone)
                     rows.record("apps-live", config, "rate", rate)
         finally:
             server.close()

@@ -11,6 +11,7 @@ import numpy as np
 
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology
+from poolpipe.sim.apps import AppSimResult, run_apps
 from poolpipe.sim.engine import SimConfig, Simulator
 from poolpipe.sim.metrics import SimResult
 from poolpipe.sim.scenario import Scenario
@@ -51,3 +52,33 @@ def predict(
         scenario,
         lambda t: make_data_plane(kind, t, wake_guard_us=guard),
     ).run()
+
+
+def predict_apps(
+    dep: Deployment,
+    arrivals_s: np.ndarray,
+    which: np.ndarray,
+    duration_s: float,
+    stage_factors: Sequence[Sequence[float]] = (),
+) -> AppSimResult:
+    """The simulator's result for application requests arriving at `arrivals_s` (seconds;
+    request i of the served application `which[i]`, in the router's order of them) on
+    what `dep` serves, as `predict` for models: the router's calibrated topology, its
+    applications' budgets (`dep.core.apps`), data plane, wake guard, reply margin and
+    recalibration, stage times drawn from `stage_factors`."""
+    if dep.core.apps is None:
+        raise ValueError("this deployment serves no application")
+    kind, guard = dep.options.plane, dep.options.wake_guard_us
+    return run_apps(
+        dep.core.topo,
+        dep.core.apps.served,
+        np.asarray(arrivals_s, dtype=float) * 1e6,
+        np.asarray(which, dtype=int),
+        SimConfig(
+            duration_s=duration_s,
+            stage_factors=tuple(tuple(f) for f in stage_factors),
+            reply_margin_us=dep.core.reply_margin_us,
+            recalibrate=dep.core.recalibrate,
+        ),
+        lambda t: make_data_plane(kind, t, wake_guard_us=guard),
+    )

@@ -82,6 +82,14 @@ def test_an_application_is_served_whole_through_the_router(onboarded_three):
         assert stats["scene.p"].on_time == 1 and stats["scene.q"].on_time == 2
         assert stats["scene.r"].on_time == 2  # made once, after both parents
         assert stats["scene"].arrivals == stats["scene"].on_time == 1  # the application
+        # the simulator on what the router serves (its calibrated topology and budgets),
+        # a trace of two requests of scene: both on time, as live
+        from testbed.predict import predict_apps
+
+        scene_at = dep.core.apps.index["scene"]
+        sim = predict_apps(dep, np.array([0.0, 1.0]), np.array([scene_at, scene_at]), 2.0)
+        assert sim.apps["scene"]["arrived"] == sim.apps["scene"]["on_time"] == 2
+        assert sim.apps["buggy"]["arrived"] == 0
         # a transform that makes the wrong tensors fails the request, explicitly and whole
         from tritonclient.utils import InferenceServerException
 

@@ -10,7 +10,7 @@ import pytest
 from poolpipe.domain.apps import parse_apps
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner.apps import AppPlanRequest, app_plan_document, part_name, plan_apps
-from poolpipe.sim.apps import simulate_apps
+from poolpipe.sim.apps import run_apps, served_apps, simulate_apps
 from poolpipe.sim.engine import SimConfig
 from tests.conftest import tiny_cluster, tiny_model
 
@@ -59,6 +59,26 @@ def test_a_chain_with_fan_out_two_makes_three_parts_a_request():
     # p's one vGPU at batch 4 drops a few in the simulator at any load (a plan batch of 4
     # held for its last moment on a lone vGPU): the data plane's, as for any model
     assert res.attainment("a") >= 0.9
+
+
+def test_a_trace_on_a_topology_of_ones_own_is_the_same_simulation():
+    """run_apps (a caller's topology, served applications and trace: the live comparison)
+    on what simulate_apps builds, its own trace: the same account, request for request."""
+    from poolpipe.scheduler import make_data_plane
+    from poolpipe.scheduler.topology import build_topology
+    from poolpipe.sim.arrivals import ArrivalSpec, generate
+
+    apps, plan, doc, profiles = _planned(_chain(2))
+    rate = 0.9 * plan.rates["a"]
+    config = SimConfig(duration_s=3.0, seed=7)
+    want = simulate_apps(doc, profiles, apps, {"a": rate}, config)
+    topo = build_topology(doc, profiles, larger_batches=True)
+    times, which = generate(ArrivalSpec("poisson"), [rate], 3.0, 7, ["a"])
+    served = served_apps(doc, apps, [m.name for m in topo.models])
+    got = run_apps(topo, served, times, which, config, lambda t: make_data_plane("reservation", t))
+    assert got.apps == want.apps and got.parts == want.parts
+    assert got.parts_made == want.parts_made
+    assert got.rates["a"] == pytest.approx(len(times) / 3.0)
 
 
 def test_fan_in_waits_for_every_parent_and_poisson_fan_out_draws():

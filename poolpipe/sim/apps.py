@@ -8,9 +8,11 @@ counters)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from poolpipe.domain.apps import App, part_name
 from poolpipe.domain.plan import Plan
@@ -18,8 +20,8 @@ from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.apps import AppCoordinator, AppRequest, ServedApp, served_app
 from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Entry, Outcome
-from poolpipe.scheduler import make_data_plane
-from poolpipe.scheduler.topology import build_topology
+from poolpipe.scheduler import DataPlane, make_data_plane
+from poolpipe.scheduler.topology import Topology, build_topology
 from poolpipe.sim.arrivals import ArrivalSpec, generate
 from poolpipe.sim.engine import SimConfig, Simulator
 from poolpipe.sim.scenario import Rollout, Scenario
@@ -106,10 +108,8 @@ def simulate_apps(
             "a scenario of applications may fail GPUs and bring them back; rolling out "
             "another application plan is not simulated yet: leave its rollout events out"
         )
-    wall0 = time.perf_counter()
     topo = build_topology(plan, profiles, larger_batches=True)
-    names = [m.name for m in topo.models]
-    served = served_apps(plan, apps, names)
+    served = served_apps(plan, apps, [m.name for m in topo.models])
     times, which = generate(
         arrivals or ArrivalSpec("poisson"),
         [rates[a.name] for a in apps],
@@ -117,7 +117,31 @@ def simulate_apps(
         config.seed,
         [a.name for a in apps],
     )
-    sim = Simulator(topo, make_data_plane(data_plane, topo), times, which, config, scenario)
+    result = run_apps(
+        topo, served, times, which, config, lambda t: make_data_plane(data_plane, t), scenario
+    )
+    result.rates = {a.name: float(rates[a.name]) for a in apps}
+    return result
+
+
+def run_apps(
+    topo: Topology,
+    served: Sequence[ServedApp],
+    arrival_us: np.ndarray,
+    which: np.ndarray,
+    config: SimConfig,
+    make_plane: Callable[[Topology], DataPlane],
+    scenario: Scenario | None = None,
+) -> AppSimResult:
+    """The applications `served` (their parts named as `topo`'s models) on `topo`, request
+    i of application `served[which[i]]` arriving at `arrival_us[i]`: simulate_apps's loop,
+    for a caller that has its own topology and trace (the live comparison: the router's
+    calibrated topology and budgets, the trace its clients sent). Rates: as arrived."""
+    wall0 = time.perf_counter()
+    names = [m.name for m in topo.models]
+    sim = Simulator(
+        topo, make_plane(topo), arrival_us, which, config, scenario, make_plane
+    )  # fmt: skip
     reasons: dict[str, int] = {}
     holder: list[AppCoordinator] = []
 
@@ -133,7 +157,7 @@ def simulate_apps(
             return rt.add(index[name], part, slo_us, arrived_us)
 
         coord = AppCoordinator(
-            served, sim.clock, add, rt.decide, answer, config.seed, keep_latencies=False
+            list(served), sim.clock, add, rt.decide, answer, config.seed, keep_latencies=False
         )
         holder.append(coord)
 
@@ -149,14 +173,15 @@ def simulate_apps(
 
     rt = sim.drive(start, busy=lambda: bool(holder) and holder[0].busy())
     stats = holder[0].stats
+    apps = [a.name for a in served]
     counts = {
-        a.name: {"arrived": stats[a.name].arrivals}
-        | {n: getattr(stats[a.name], n) for n in _NAMES.values()}
+        a: {"arrived": stats[a].arrivals} | {n: getattr(stats[a], n) for n in _NAMES.values()}
         for a in apps
     }
+    arrived = np.bincount(np.asarray(which, dtype=int), minlength=len(apps))
     return AppSimResult(
         config.duration_s,
-        {a.name: float(rates[a.name]) for a in apps},
+        {a: float(arrived[i]) / config.duration_s for i, a in enumerate(apps)},
         counts,
         {n: rt.stats[n].counts() for n in names if n in rt.stats},
         holder[0].parts if holder else 0,
