@@ -169,13 +169,15 @@ def plan_applications(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     label: str | None = None,
     out: str | None = None,
+    count_inputs: bool = False,
 ) -> int:
     """Plan the applications of SPEC (an apps.toml on the worker) on CLUSTER (a name) or
     the live nodes of INVENTORY: each model's latency budget chosen with the pooled
     pipelines (the joint split, docs/apps.md), beside the equal, proportional and Nexus
     splits; store the joint split's plan (and write it to OUT as JSON when given), which
     `poolpipe serve` serves. Returns the plan id. GRID: budgets per model; MARGIN: share
-    of a budget held back; TIME_LIMIT_S per MILP."""
+    of a budget held back; TIME_LIMIT_S per MILP; COUNT_INPUTS: each part's request
+    inputs counted on its first server's NIC."""
     warehouse = worker.warehouse(warehouse)
     target = _target(cluster, inventory)
     options = {
@@ -183,6 +185,7 @@ def plan_applications(
         "margin": margin,
         "max_partitions": max_partitions,
         "time_limit_s": time_limit_s,
+        "count_inputs": count_inputs,
     }
     request = load_apps_request(warehouse, spec, target, clusters_file, options)
     plan, served = solve_apps(request)

@@ -60,22 +60,28 @@ def predict_apps(
     which: np.ndarray,
     duration_s: float,
     stage_factors: Sequence[Sequence[float]] = (),
+    seed: int = 1,
+    topo: Topology | None = None,
 ) -> AppSimResult:
     """The simulator's result for application requests arriving at `arrivals_s` (seconds;
     request i of the served application `which[i]`, in the router's order of them) on
     what `dep` serves, as `predict` for models: the router's calibrated topology, its
     applications' budgets (`dep.core.apps`), data plane, wake guard, reply margin and
-    recalibration, stage times drawn from `stage_factors`."""
+    recalibration, stage times drawn from `stage_factors` (by `seed`); `topo`: the
+    router's topology taken before the run the factors come from (it may recalibrate
+    during it: the factors measured after that are against the new reservations, and the
+    simulator recalibrates as it did)."""
     if dep.core.apps is None:
         raise ValueError("this deployment serves no application")
     kind, guard = dep.options.plane, dep.options.wake_guard_us
     return run_apps(
-        dep.core.topo,
+        topo or dep.core.topo,
         dep.core.apps.served,
         np.asarray(arrivals_s, dtype=float) * 1e6,
         np.asarray(which, dtype=int),
         SimConfig(
             duration_s=duration_s,
+            seed=seed,
             stage_factors=tuple(tuple(f) for f in stage_factors),
             reply_margin_us=dep.core.reply_margin_us,
             recalibrate=dep.core.recalibrate,

@@ -249,3 +249,27 @@ def test_rates_beyond_the_cluster_and_bad_cost_inputs_are_named():
         cheapest_apps(req, {"b": 10.0}, {"A": 3.0, "B": 1.0})
     with pytest.raises(PoolpipeError, match="rates must be finite req/s > 0"):
         cheapest_apps(req, {"a": -1.0}, {"A": 3.0, "B": 1.0})
+
+
+def test_counted_inputs_hold_the_first_pools_to_their_nic():
+    """count_inputs: each part's request inputs cross its first server's NIC, as the live
+    router sends them. p's 0.5 MB at 1 Gbit/s take 4 ms a request on its one GPU's NIC:
+    at most 250/s where uncounted the chain serves 4 / 11 ms = 364/s; the plan document
+    says so and verifies with them counted. A model of unknown input size is named."""
+    from poolpipe.errors import ProfileError
+    from poolpipe.planner.apps import app_plan_document
+
+    sized = {"p": replace(P, input_bytes=5e5), "q": replace(Q, input_bytes=1e3)}
+    apps = parse_apps(CHAIN, "test", ["p", "q"])
+    cluster = tiny_cluster([("A", 2, 1, (1,))], bandwidth_gbps=1.0)
+    plain = AppPlanRequest(tuple(apps), sized, cluster, margin=0.0, mip_gap=1e-9)
+    counted = replace(plain, count_inputs=True)
+    assert plan_apps(plain).objective == pytest.approx(4 / 0.011)
+    got = plan_apps(counted)
+    assert 0 < got.objective <= 250.0 + 1e-6
+    doc, _ = app_plan_document(counted, got)  # verified, inputs counted
+    assert doc.counts_inputs and not app_plan_document(plain, plan_apps(plain))[0].counts_inputs
+    (p_part,) = [m for m in doc.models if m.name.endswith(".p")]
+    assert p_part.throughput <= 250.0 + 1e-6  # its NIC, not its compute
+    with pytest.raises(ProfileError, match="size of its inputs is not known"):
+        plan_apps(replace(counted, profiles={"p": P, "q": Q}))

@@ -93,6 +93,7 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
             margin=args.margin,
             max_partitions=args.max_partitions,
             time_limit_s=args.time_limit,
+            count_inputs=args.count_inputs,
         )
     apps, cluster = req.apps, req.cluster
     _writable(args.out)
@@ -334,6 +335,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--margin", type=float, default=0.4, help="share of a budget held back")
     plan.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (2)")
     plan.add_argument("--time-limit", type=float, default=60.0, help="seconds per MILP (60)")
+    plan.add_argument(
+        "--count-inputs",
+        action="store_true",
+        help="count each part's request inputs on its first server's NIC, as the live router "
+        "sends them (as poolpipe plan --count-inputs); needs each model's input size",
+    )
     plan.add_argument(
         "--out", help="write the joint split's plan here (JSON), to simulate or serve"
     )

@@ -93,6 +93,9 @@ class AppPlanRequest:
     solver: str = "highs"
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
     mip_gap: float = DEFAULT_MIP_GAP
+    # each part's request inputs counted on its first server's NIC, as for models
+    # (PlanRequest.count_inputs): the live router sends them there
+    count_inputs: bool = False
 
     def __post_init__(self) -> None:
         if not self.apps:
@@ -456,6 +459,7 @@ def _plan_split(
         time_limit_s=time_limit_s,
         mip_gap=req.mip_gap,
         warm_start=warm,
+        count_inputs=req.count_inputs,
     )
     costs = [_costs(req, p, s) for p, s in zip(models, slos, strict=True)]
     solved = solve_group(
@@ -554,7 +558,7 @@ class Option:
 def _costs(req: AppPlanRequest, profile: ModelProfile, budget: float) -> ModelCosts:
     """A model's costs at a budget, as for a model whose SLO it is (no batch-fill term: the
     margin holds back for queueing)."""
-    return ModelCosts(profile, req.cluster, budget, req.margin, None)
+    return ModelCosts(profile, req.cluster, budget, req.margin, None, inputs=req.count_inputs)
 
 
 def _candidate_fn(req: AppPlanRequest) -> Callable[[str, float], list[CandidatePipeline]]:
@@ -746,7 +750,8 @@ def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[st
             "split": plan.split,
             "apps_objective": plan.objective,
             "apps_rates": dict(plan.rates),  # req/s per application: load factor 1
-        },
+        }
+        | ({"inputs": "counted"} if req.count_inputs else {}),  # Plan.verify counts them
     )
     doc.verify(profiles)
     return doc, profiles
@@ -807,6 +812,7 @@ def replan_apps(
         max_partitions=current.max_partitions,
         packing=current.packing,
         time_limit_s=time_limit_s,
+        count_inputs=current.counts_inputs,
     )
     joint = plan_apps(req, start=plan_apps(req, "nexus"))
     return app_plan_document(req, joint)[0]
