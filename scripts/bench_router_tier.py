@@ -439,8 +439,8 @@ def sharding_part(args, record) -> None:
         "(objective: req/s per unit of weight, maf19 mix; loss: of the shards' objectives "
         "summed, what routers weighted by them serve; loss together: of the least over "
         "models of the summed req/s per weight, in brackets, an upper bound; least loss: "
-        "what no split can lose less than, every split bounded in one MILP, * where its "
-        "time ran out first)",
+        "what no split keeping each type's GPUs per server (by GPU, searched) can lose "
+        "less than, every such split bounded in one MILP, * where its time ran out first)",
         title_justify="left",
     )
     for col in (

@@ -13,6 +13,16 @@ from tests.conftest import tiny_cluster, tiny_model
 from tests.test_planner_tiny import A1, B1, SMALL_BOUNDARY, request
 
 HC2_LIKE = [("L4", 25, 4, (1, 2)), ("T4", 75, 2, (1,))]
+TINY = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
+
+
+def objective(cluster) -> float:
+    """The tiny model's objective planned on `cluster` (12 ms SLO); 0 where it cannot be
+    served."""
+    try:
+        return make_plan(request(TINY, cluster, 12000)).objective
+    except InfeasibleError:
+        return 0.0
 
 
 @pytest.mark.parametrize("by", ["gpu", "server"])
@@ -67,14 +77,6 @@ def test_a_searched_split_sums_at_least_the_even_one_and_keeps_every_gpu():
     """search_split starts from the even split and moves a GPU only where the shards'
     objectives sum higher; every GPU stays in some shard and no shard is left empty (its
     router would drive nothing)."""
-    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
-
-    def objective(cluster) -> float:
-        try:
-            return make_plan(request(m, cluster, 12000)).objective
-        except InfeasibleError:
-            return 0.0
-
     for pools in ([("A", 1, 1, (1,)), ("B", 2, 1, (1,))], [("A", 2, 1, (1,)), ("B", 3, 1, (1,))]):
         cluster = tiny_cluster(pools)
         even = sum(objective(sh) for sh in split_cluster(cluster, 2, "gpu"))
@@ -94,13 +96,7 @@ def test_the_joint_bound_is_the_best_split_found_by_brute_force():
     (three B feed two A). Two shards each need an A: (A, 2 B) 250 + (A, B) 200 = 450, the
     best of every split planned shard by shard (checked by enumerating them): 10% lost at
     least. Two A and two B split into halves lose nothing; one A cannot make two shards."""
-    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
-
-    def objective(cluster) -> float:
-        try:
-            return make_plan(request(m, cluster, 12000)).objective
-        except InfeasibleError:
-            return 0.0
+    m = TINY
 
     cluster = tiny_cluster([("A", 2, 1, (1,)), ("B", 3, 1, (1,))])
     whole = objective(cluster)

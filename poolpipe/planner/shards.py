@@ -209,11 +209,14 @@ def shards_bound(req: PlanRequest, k: int, whole: float) -> ShardBound:
     objective (they are alike: the order breaks the symmetry). `whole`: the cluster's own
     objective, planned at once (a sum above it is no bound).
 
-    It bounds every split planned shard by shard (sharding_loss): a shard's candidate
-    pipelines are a subset of the ones here, which are enumerated without the batch-fill
-    wait (a shard's arrival estimate, lower than the cluster's, only lengthens that wait
-    and so drops pipelines); a shard's plan is one copy's solution, its GPU counts the
-    copy's. The bound is HiGHS's, at optimality or at the request's time limit."""
+    It bounds every split planned shard by shard (sharding_loss) whose shards keep each
+    type's GPUs per server (split by GPU, searched): a shard's candidate pipelines are a
+    subset of the ones here, which are enumerated without the batch-fill wait (a shard's
+    arrival estimate, lower than the cluster's, only lengthens that wait and so drops
+    pipelines); a shard's plan is one copy's solution, its GPU counts the copy's. (A
+    shard of fewer GPUs than a server holds, split by whole servers, gets more of the NIC
+    per GPU, which this does not cover.) The bound is HiGHS's, at optimality or at the
+    request's time limit."""
     if k < 1:
         raise ClusterError(f"shards: need at least 1, got {k}")
     if req.strategy not in ("ppipe", "np") or req.objective != "maxmin":
