@@ -434,8 +434,9 @@ def sharding_part(args, record) -> None:
         return bounds[(c, gi, k)]
 
     t = Table(
-        title="sharding loss: each shard (whole servers, GPUs evenly, or the split searched "
-        "for the highest sum) planned for itself, against the whole cluster planned at once "
+        title="sharding loss: each shard (whole servers, GPUs evenly, the split searched "
+        "for the highest sum from the even one, or from the bound's own: joint) planned for "
+        "itself, against the whole cluster planned at once "
         "(objective: req/s per unit of weight, maf19 mix; loss: of the shards' objectives "
         "summed, what routers weighted by them serve; loss together: of the least over "
         "models of the summed req/s per weight, in brackets, an upper bound; least loss: "
@@ -465,8 +466,16 @@ def sharding_part(args, record) -> None:
         for k in (2, 4)
     ]
     with console.status(f"sharding loss: {len(configs)} configurations, each planned ..."):
-        for (c, gi, k), by in itertools.product(configs, SPLITS):
-            r = sharding_loss(clusters[c], k, objective(workloads["groups"][gi]), by)
+        for (c, gi, k), by in itertools.product(configs, (*SPLITS, "joint")):
+            if by == "joint":  # the search from shards_bound's own split
+                start = bounds[(c, gi, k)].counts  # (bounded on the first split's row)
+                if not start:
+                    continue
+                r = sharding_loss(
+                    clusters[c], k, objective(workloads["groups"][gi]), "search", start=start
+                )
+            else:
+                r = sharding_loss(clusters[c], k, objective(workloads["groups"][gi]), by)
             sizes = ", ".join(
                 "/".join(str({q.gpu: q.count for q in sh.pools}.get(p.gpu, 0)) for sh in r.split)
                 + f" {p.gpu}"

@@ -118,8 +118,18 @@ def test_the_joint_bound_is_the_best_split_found_by_brute_force():
             if all(v > 0 for v in served):  # every router serves
                 best = max(best, sum(served))
     assert best == pytest.approx(got.bound, rel=1e-6)
-    found = sharding_loss(cluster, 2, lambda c: (objective(c), (objective(c),)), by="search")
+    def plan(c):
+        return objective(c), (objective(c),)
+
+    found = sharding_loss(cluster, 2, plan, by="search")
     assert found.summed <= got.bound * (1 + 1e-9)
+    # the search from the bound's own split keeps it: nothing sums more
+    joint = sharding_loss(cluster, 2, plan, by="search", start=got.counts)
+    assert joint.summed == pytest.approx(got.bound, rel=1e-6)
+    with pytest.raises(ClusterError, match="the shards hold 3 A GPUs, it has 2"):
+        sharding_loss(cluster, 2, plan, by="search", start=[{"A": 2, "B": 1}, {"A": 1, "B": 2}])
+    with pytest.raises(ClusterError, match="each needs a GPU"):
+        sharding_loss(cluster, 2, plan, by="search", start=[{"A": 2, "B": 3}, {"A": 0}])
 
     even = tiny_cluster([("A", 2, 1, (1,)), ("B", 2, 1, (1,))])
     assert shards_bound(request(m, even, 12000), 2, 400.0).least_loss == pytest.approx(0.0)

@@ -456,6 +456,17 @@ def cmd_shards(args: argparse.Namespace) -> int:
             found = sharding_loss(req.cluster, k, plan, by="search")
         except InfeasibleError as exc:
             raise PoolpipeError(f"the whole inventory cannot serve the models: {exc}") from None
+    bound = None
+    if args.bound:
+        from poolpipe.planner.shards import shards_bound
+
+        with console.status(f"bounding every split among {k} routers (one MILP) ..."):
+            bound = shards_bound(req, k, found.whole)
+        if bound.counts:  # the search from the MILP's own split, the better one kept
+            with console.status("searching again from the bound's split ..."):
+                other = sharding_loss(req.cluster, k, plan, by="search", start=bound.counts)
+            if other.summed > found.summed + 1e-9:
+                found = other
     counts = [{p.gpu: p.count for p in sh.pools} for sh in found.split]
     live = [(n.name, n.device, n.server) for n in inv.nodes if n.name not in inv.down]
     shards = nodes_for_counts(live, counts)
@@ -482,11 +493,8 @@ def cmd_shards(args: argparse.Namespace) -> int:
     console.print(
         f"summed {found.summed:.1f}: sharding loss {found.loss:.1%} of the whole", highlight=False
     )
-    if args.bound:
-        from poolpipe.planner.shards import shards_bound
-
-        with console.status(f"bounding every split among {k} routers (one MILP) ..."):
-            b = shards_bound(req, k, found.whole)
+    if bound is not None:
+        b = bound
         proven = "proven" if b.status == "optimal" else f"bound after {b.seconds:.0f} s"
         console.print(
             f"no split among {k} routers loses less than {b.least_loss:.1%} ({proven}; "
@@ -525,7 +533,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--bound",
         action="store_true",
         help="also bound the loss of any split: one MILP over every split at once (up to "
-        "--time-limit; per-position packing proves it in seconds, per-share may not)",
+        "--time-limit; per-position packing proves it in seconds, per-share may not), and "
+        "search again from its split, keeping the better",
     )
     shards.set_defaults(func=cmd_shards)
     plan = sub.add_parser("plan", help="plan a model group on a cluster (MILP)")

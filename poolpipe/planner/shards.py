@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from poolpipe.domain.cluster import Cluster
@@ -74,7 +74,11 @@ def _shard(cluster: Cluster, counts: dict[str, int], i: int, k: int, keep_per_se
 
 
 def search_split(
-    cluster: Cluster, k: int, objective: Callable[[Cluster], float], max_moves: int = 200
+    cluster: Cluster,
+    k: int,
+    objective: Callable[[Cluster], float],
+    max_moves: int = 200,
+    start: Sequence[Mapping[str, int]] | None = None,
 ) -> list[Cluster]:
     """`k` shards of `cluster` whose objectives (`objective(shard)`: the planner's, req/s
     per unit of weight; 0 where it cannot serve the models) sum highest, found by local
@@ -83,8 +87,14 @@ def search_split(
     one that serves the mix keeps serving it: a router whose shard cannot is no router).
     With routers weighted by their shards' objectives (weight agents), that sum is what
     the tier serves; shards may then differ in size and mix of types. Each shard's
-    objective is asked once per GPU counts."""
-    counts = [{p.gpu: p.count for p in sh.pools} for sh in split_cluster(cluster, k, "gpu")]
+    objective is asked once per GPU counts. `start`: GPUs per type of each shard to search
+    from instead (shards_bound's split: a local search from the even split can stop far
+    from it)."""
+    if start is None:
+        counts = [{p.gpu: p.count for p in sh.pools} for sh in split_cluster(cluster, k, "gpu")]
+    else:
+        counts = [dict(c) for c in start]
+        _check_counts(cluster, k, counts)
     types = [p.gpu for p in cluster.pools]
     for c in counts:
         for t in types:
@@ -114,6 +124,21 @@ def search_split(
         a, b, ca, cb = move
         counts[a], counts[b] = ca, cb
     return [_shard(cluster, c, i, k, True) for i, c in enumerate(counts)]
+
+
+def _check_counts(cluster: Cluster, k: int, counts: Sequence[Mapping[str, int]]) -> None:
+    """GPU counts of `k` shards that hold every GPU of `cluster` once, each shard one at
+    least; ClusterError naming what is wrong."""
+    if len(counts) != k:
+        raise ClusterError(f"shards: {k} wanted, {len(counts)} GPU counts given")
+    for p in cluster.pools:
+        got = sum(c.get(p.gpu, 0) for c in counts)
+        if got != p.count:
+            raise ClusterError(
+                f"cluster {cluster.name}: the shards hold {got} {p.gpu} GPUs, it has {p.count}"
+            )
+    if any(not any(c.values()) for c in counts):
+        raise ClusterError("shards: each needs a GPU at least")
 
 
 @dataclass(frozen=True)
@@ -152,10 +177,12 @@ def sharding_loss(
     k: int,
     plan: Callable[[Cluster], tuple[float, tuple[float, ...]]],
     by: str = "gpu",
+    start: Sequence[Mapping[str, int]] | None = None,
 ) -> ShardingLoss:
     """`plan(cluster)`: the planner's objective for a cluster and each model's throughput
     per unit of weight under that plan (the caller plans). A shard on which the models
-    cannot be served within their SLOs (InfeasibleError) serves nothing."""
+    cannot be served within their SLOs (InfeasibleError) serves nothing. `start`: where
+    the search ("search") starts (search_split)."""
     whole, per_model = plan(cluster)
     planned: dict[tuple, tuple[float, ...]] = {}  # by GPU counts: the search asked already
 
@@ -169,7 +196,7 @@ def sharding_loss(
         return planned[key]
 
     if by == "search":
-        split = search_split(cluster, k, lambda sh: min(each(sh)))
+        split = search_split(cluster, k, lambda sh: min(each(sh)), start=start)
     else:
         split = split_cluster(cluster, k, by)
     return ShardingLoss(whole, tuple(each(sh) for sh in split), tuple(split))
