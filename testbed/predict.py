@@ -5,11 +5,11 @@ and the benchmarks put it beside what the clients measured."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from poolpipe.scheduler import make_data_plane
+from poolpipe.scheduler import DataPlane, make_data_plane
 from poolpipe.scheduler.topology import Topology
 from poolpipe.sim.apps import AppSimResult, run_apps
 from poolpipe.sim.engine import SimConfig, Simulator
@@ -35,23 +35,37 @@ def predict(
     names as the deployment's: `cpu-1t-0` is GPU 0 of type cpu-1t)."""
     topo = topo or dep.core.topo
     arrivals = np.asarray(arrivals_s, dtype=float)
-    kind, guard = dep.options.plane, dep.options.wake_guard_us
+    plane = _plane(dep)
     return Simulator(
         topo,
-        make_data_plane(kind, topo, wake_guard_us=guard),
+        plane(topo),
         arrivals * 1e6,
         np.zeros(len(arrivals), dtype=int) if models is None else models,
-        SimConfig(
-            duration_s=duration_s,
-            stage_factors=tuple(tuple(f) for f in stage_factors),
-            reply_margin_us=dep.core.reply_margin_us,
-            # as the router's runtime: stage times drawn off reservation recalibrate pools
-            # and feed the overrun held back from held batches
-            recalibrate=dep.core.recalibrate,
-        ),
+        _config(dep, duration_s, stage_factors),
         scenario,
-        lambda t: make_data_plane(kind, t, wake_guard_us=guard),
+        plane,
     ).run()
+
+
+def _plane(dep: Deployment) -> Callable[[Topology], DataPlane]:
+    """The router's data plane (its kind and wake guard) for a topology."""
+    kind, guard = dep.options.plane, dep.options.wake_guard_us
+    return lambda t: make_data_plane(kind, t, wake_guard_us=guard)
+
+
+def _config(
+    dep: Deployment, duration_s: float, stage_factors: Sequence[Sequence[float]], seed: int = 1
+) -> SimConfig:
+    """The simulator set as the router's runtime: its reply margin, and stage times drawn
+    off reservation (`stage_factors`, by `seed`) recalibrating pools and feeding the overrun
+    held back from held batches where the router recalibrates."""
+    return SimConfig(
+        duration_s=duration_s,
+        seed=seed,
+        stage_factors=tuple(tuple(f) for f in stage_factors),
+        reply_margin_us=dep.core.reply_margin_us,
+        recalibrate=dep.core.recalibrate,
+    )
 
 
 def predict_apps(
@@ -73,18 +87,11 @@ def predict_apps(
     simulator recalibrates as it did)."""
     if dep.core.apps is None:
         raise ValueError("this deployment serves no application")
-    kind, guard = dep.options.plane, dep.options.wake_guard_us
     return run_apps(
         topo or dep.core.topo,
         dep.core.apps.served,
         np.asarray(arrivals_s, dtype=float) * 1e6,
         np.asarray(which, dtype=int),
-        SimConfig(
-            duration_s=duration_s,
-            seed=seed,
-            stage_factors=tuple(tuple(f) for f in stage_factors),
-            reply_margin_us=dep.core.reply_margin_us,
-            recalibrate=dep.core.recalibrate,
-        ),
-        lambda t: make_data_plane(kind, t, wake_guard_us=guard),
+        _config(dep, duration_s, stage_factors, seed),
+        _plane(dep),
     )

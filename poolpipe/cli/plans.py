@@ -494,11 +494,10 @@ def cmd_shards(args: argparse.Namespace) -> int:
         f"summed {found.summed:.1f}: sharding loss {found.loss:.1%} of the whole", highlight=False
     )
     if bound is not None:
-        b = bound
-        proven = "proven" if b.status == "optimal" else f"bound after {b.seconds:.0f} s"
+        proven = "proven" if bound.status == "optimal" else f"bound after {bound.seconds:.0f} s"
         console.print(
-            f"no split among {k} routers loses less than {b.least_loss:.1%} ({proven}; "
-            f"summed at most {b.bound:.1f})",
+            f"no split among {k} routers loses less than {bound.least_loss:.1%} ({proven}; "
+            f"summed at most {bound.bound:.1f})",
             highlight=False,
         )
     out = Path(args.out or args.inventory)

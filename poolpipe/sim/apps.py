@@ -139,9 +139,7 @@ def run_apps(
     calibrated topology and budgets, the trace its clients sent). Rates: as arrived."""
     wall0 = time.perf_counter()
     names = [m.name for m in topo.models]
-    sim = Simulator(
-        topo, make_plane(topo), arrival_us, which, config, scenario, make_plane
-    )  # fmt: skip
+    sim = Simulator(topo, make_plane(topo), arrival_us, which, config, scenario, make_plane)
     reasons: dict[str, int] = {}
     holder: list[AppCoordinator] = []
 
