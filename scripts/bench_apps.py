@@ -44,6 +44,7 @@ from poolpipe.sim.apps import part_profiles, simulate_apps
 from poolpipe.sim.engine import SimConfig
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
+from testbed import teardown_on_sigterm
 
 console = Console()
 REPO = Path(__file__).resolve().parents[1]
@@ -72,6 +73,7 @@ MIXES = {"traffic": [TRAFFIC], "traffic+scene": [TRAFFIC, SCENE]}
 
 
 def main() -> int:
+    teardown_on_sigterm()
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

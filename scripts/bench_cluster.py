@@ -52,6 +52,7 @@ from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
+from testbed import teardown_on_sigterm
 from testbed.predict import predict
 
 console = Console(width=None if sys.stdout.isatty() else 170)
@@ -232,12 +233,8 @@ def capacity_table(capacity: dict[str, dict], args) -> None:
     console.print(t)
 
 
-def _terminated(*_: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM tears the cluster down as Ctrl-C does
-
-
 def main() -> int:
-    signal.signal(signal.SIGTERM, _terminated)
+    teardown_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")

@@ -52,6 +52,7 @@ from rich.table import Table
 
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
+from testbed import teardown_on_sigterm
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 PPIPE = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "ppipe-gpu"
@@ -93,6 +94,7 @@ def figures(over_ns: list[float], due_ns: float) -> dict[str, float]:
 
 
 def main() -> int:
+    teardown_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")

@@ -37,6 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from poolpipe.store.warehouse import Warehouse
+from testbed import teardown_on_sigterm
 from testbed.cpu import cpu_seconds
 from triton_backend.env import fix_this_process, free_ports
 
@@ -223,6 +224,7 @@ def burst(server, n: int, hold_ms: float) -> tuple[float, float]:
 
 
 def main() -> int:
+    teardown_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")

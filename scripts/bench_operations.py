@@ -52,13 +52,10 @@ from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
+from testbed import teardown_on_sigterm
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 LOSS_WINDOW_S = 3.0  # the requests sent this long after a kill are the ones it may cost
-
-
-def _terminated(*_: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM tears the cluster down as Ctrl-C does
 
 
 def _loaded(em, key: str) -> list[str]:
@@ -290,7 +287,7 @@ def _table(title: str, rows: list[dict], formats: dict[str, str]) -> None:
 
 
 def main() -> int:
-    signal.signal(signal.SIGTERM, _terminated)
+    teardown_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")

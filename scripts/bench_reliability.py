@@ -42,6 +42,7 @@ from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse, default_path
+from testbed import teardown_on_sigterm
 from testbed.holder import hold_elsewhere
 from triton_backend.nodes import descendants, is_running
 
@@ -50,6 +51,7 @@ CLUSTERS = REPO_ROOT / "local-clusters.toml"
 
 
 def main() -> int:
+    teardown_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")

@@ -50,12 +50,14 @@ from rich.table import Table
 from poolpipe.domain.inventory import parse_inventory
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
+from testbed import teardown_on_sigterm
 from testbed.cpu import cpu_seconds
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def main() -> int:
+    teardown_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")

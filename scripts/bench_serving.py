@@ -45,6 +45,7 @@ from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
+from testbed import teardown_on_sigterm
 from testbed.cpu import cpu_seconds
 from testbed.predict import predict
 
@@ -77,6 +78,7 @@ def onboard_bench_model(warehouse, tmp: Path) -> str:
 
 
 def main() -> int:
+    teardown_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")

@@ -6,3 +6,29 @@ process holding the warehouse (holder.py).
 
 Production adapters (triton_backend, flows) import none of it, nor the simulator: an import
 contract checks it (pyproject.toml, tests/test_import_contracts.py)."""
+
+import signal
+import sys
+from types import TracebackType
+
+
+def _terminated(*_: object) -> None:
+    raise KeyboardInterrupt  # unwinds every `with` and `finally` on the way out
+
+
+def _hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        print("interrupted: stopped, and what it had started torn down", file=sys.stderr)
+        return
+    _default_hook(kind, value, tb)
+
+
+_default_hook = sys.excepthook
+
+
+def teardown_on_sigterm() -> None:
+    """SIGTERM stops a benchmark as Ctrl-C does: its clusters, namespaces, servers and
+    routers are torn down on the way out (Python's default for SIGTERM is to die at once,
+    leaving them behind), and either ends with one line, not a traceback."""
+    signal.signal(signal.SIGTERM, _terminated)
+    sys.excepthook = _hook
