@@ -205,9 +205,10 @@ def attainment_at(dep, load: MixLoad, rates, duration_s: float, seed: int = 500)
     for k, rate in enumerate(rates):
         times, which = mix_times(rate, load.weights, duration_s, seed + k)
         dep.core.take_stage_factors()
+        topo = dep.core.topo  # as the run begins: the router may recalibrate during it
         live = load.run(rate, duration_s, seed + k)
         factors = [list(f) for f in dep.core.take_stage_factors()]
-        sim = predict(dep, times, duration_s, factors, models=which).attainment
+        sim = predict(dep, times, duration_s, factors, models=which, topo=topo).attainment
         out.append((rate, live, sim))
     return out
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from poolpipe.scheduler import DataPlane, make_data_plane
-from poolpipe.scheduler.topology import Topology
+from poolpipe.scheduler.topology import Pool, Topology
 from poolpipe.sim.apps import AppSimResult, run_apps
 from poolpipe.sim.engine import SimConfig, Simulator
 from poolpipe.sim.metrics import SimResult
@@ -30,9 +30,10 @@ def predict(
     """The simulator's result for these arrivals (seconds; model indexes, default all the
     first) on what `dep` serves: the router's calibrated topology (or `topo`, one taken
     from it earlier), the same data plane, wake guard and reply margin, stage times drawn
-    from `stage_factors` (per pool, measured / reserved, from `dep.take_stage_factors()`
-    of earlier runs), and the node failures, returns and rollouts of `scenario` (node
-    names as the deployment's: `cpu-1t-0` is GPU 0 of type cpu-1t)."""
+    from `stage_factors` (per pool, measured / latency as served, from
+    `dep.take_stage_factors()` of earlier runs: factors_on), and the node failures,
+    returns and rollouts of `scenario` (node names as the deployment's: `cpu-1t-0` is GPU
+    0 of type cpu-1t)."""
     topo = topo or dep.core.topo
     arrivals = np.asarray(arrivals_s, dtype=float)
     plane = _plane(dep)
@@ -41,7 +42,7 @@ def predict(
         plane(topo),
         arrivals * 1e6,
         np.zeros(len(arrivals), dtype=int) if models is None else models,
-        _config(dep, duration_s, stage_factors),
+        _config(dep, topo, duration_s, stage_factors),
         scenario,
         plane,
     ).run()
@@ -54,18 +55,48 @@ def _plane(dep: Deployment) -> Callable[[Topology], DataPlane]:
 
 
 def _config(
-    dep: Deployment, duration_s: float, stage_factors: Sequence[Sequence[float]], seed: int = 1
+    dep: Deployment,
+    topo: Topology,
+    duration_s: float,
+    stage_factors: Sequence[Sequence[float]],
+    seed: int = 1,
 ) -> SimConfig:
-    """The simulator set as the router's runtime: its reply margin, and stage times drawn
-    off reservation (`stage_factors`, by `seed`) recalibrating pools and feeding the overrun
-    held back from held batches where the router recalibrates."""
+    """The simulator set as the router's runtime on `topo`: its reply margin, and stage
+    times drawn off reservation (`stage_factors`, by `seed`) recalibrating pools and
+    feeding the overrun held back from held batches where the router recalibrates."""
     return SimConfig(
         duration_s=duration_s,
         seed=seed,
-        stage_factors=tuple(tuple(f) for f in stage_factors),
+        stage_factors=factors_on(stage_factors, dep.core.base_topo, topo),
         reply_margin_us=dep.core.reply_margin_us,
         recalibrate=dep.core.recalibrate,
     )
+
+
+def factors_on(
+    stage_factors: Sequence[Sequence[float]], base: Topology, topo: Topology
+) -> tuple[tuple[float, ...], ...]:
+    """Stage factors measured against the latencies as served (`base`: the router's
+    `base_topo`) as factors of `topo`'s, the topology the simulator runs: a pool that
+    recalibration had scaled by s in `topo` runs measured / (s x served), so its factors
+    are divided by s. The simulator's stage takes `topo`'s latency times a factor drawn;
+    factors taken after a live recalibration are then not counted against the old
+    latencies (nor the recalibration twice, where `topo` is the router's after the run)."""
+    out = []
+    for p, f in enumerate(stage_factors):
+        s = 1.0
+        if p < len(base.pools) and p < len(topo.pools) and _same(base.pools[p], topo.pools[p]):
+            was, now = base.pools[p].latency_us, topo.pools[p].latency_us
+            k = next((i for i, x in enumerate(was) if x > 0), None)
+            if k is not None and k < len(now) and now[k] > 0:
+                s = now[k] / was[k]
+        out.append(tuple(x / s for x in f))
+    return tuple(out)
+
+
+def _same(a: Pool, b: Pool) -> bool:
+    """One pool of one plan in two topologies (not a pool of another plan rolled out)."""
+    return (a.model, a.position, a.gpu, a.vgpus) == (b.model, b.position, b.gpu, b.vgpus)
 
 
 def predict_apps(
@@ -83,15 +114,15 @@ def predict_apps(
     applications' budgets (`dep.core.apps`), data plane, wake guard, reply margin and
     recalibration, stage times drawn from `stage_factors` (by `seed`); `topo`: the
     router's topology taken before the run the factors come from (it may recalibrate
-    during it: the factors measured after that are against the new reservations, and the
-    simulator recalibrates as it did)."""
+    during it; the simulator then recalibrates as it did, from the same truth: factors_on)."""
     if dep.core.apps is None:
         raise ValueError("this deployment serves no application")
+    topo = topo or dep.core.topo
     return run_apps(
-        topo or dep.core.topo,
+        topo,
         dep.core.apps.served,
         np.asarray(arrivals_s, dtype=float) * 1e6,
         np.asarray(which, dtype=int),
-        _config(dep, duration_s, stage_factors, seed),
+        _config(dep, topo, duration_s, stage_factors, seed),
         _plane(dep),
     )

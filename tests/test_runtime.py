@@ -298,6 +298,28 @@ def test_recalibration_can_be_turned_off_and_stage_factors_are_kept_when_asked()
     assert rt.take_stage_factors() == ((),)  # taken once
 
 
+def test_stage_factors_stay_against_the_latencies_served_across_a_recalibration():
+    """A stage that always takes 1.5x its served time: after the pool is recalibrated to
+    it the reservations are 15 µs and each call is measured 1.0 of them, but the factor
+    kept for the simulator (whose stage runs the served 10 µs times a factor) stays 1.5;
+    testbed.predict.factors_on turns them into factors of the scaled topology."""
+    from testbed.predict import factors_on
+
+    rt, clock, ex = runtime([([0], [10.0], 0.0)], record_stage_factors=True)
+    base = rt.topo
+    t = 0.0
+    for k in range(2 * RECALIBRATE_EVERY):
+        rt.submit(0, [k])
+        t = run_job(rt, ex.jobs[-1], t, [15.0]) + 1
+        clock.run_until(t)
+    assert rt.recalibrations == 1 and rt.topo.pools[0].latency_us[1] == 15.0
+    assert rt.base_topo is base and rt.base_topo.pools[0].latency_us[1] == 10.0
+    factors = rt.take_stage_factors()
+    assert factors == ((1.5,) * (2 * RECALIBRATE_EVERY),)
+    assert factors_on(factors, rt.base_topo, rt.topo) == ((1.0,) * (2 * RECALIBRATE_EVERY),)
+    assert factors_on(factors, rt.base_topo, base) == factors
+
+
 def test_a_stage_that_waited_behind_another_is_not_measured():
     rt, _, ex = runtime([([0], [10.0], 0.0)], recalibrate=False, record_stage_factors=True)
     rt.submit(0, [1])

@@ -485,8 +485,9 @@ class Deployment:
         return out
 
     def take_stage_factors(self) -> tuple[tuple[float, ...], ...]:
-        """Per pool of the plan served, measured / reserved time of the stage calls since
-        the last call that found their vGPU idle (RouterCore.take_stage_factors)."""
+        """Per pool of the plan served, measured time of the stage calls since the last
+        call that found their vGPU idle, over the pool's latency as served
+        (RouterCore.take_stage_factors)."""
         return self.core.take_stage_factors()
 
     def restart_node(self, name: str) -> None:

@@ -287,6 +287,11 @@ class RouterCore:
         return self.runtime.topo
 
     @property
+    def base_topo(self) -> Topology:
+        """The topology as served, before recalibration: stage factors are against it."""
+        return self.runtime.base_topo
+
+    @property
     def io(self) -> Mapping[str, ModelIO]:
         return self.runtime.served.adapter.io
 
@@ -489,8 +494,9 @@ class RouterCore:
         self._call(self.runtime.reset_stats)
 
     def take_stage_factors(self) -> tuple[tuple[float, ...], ...]:
-        """Per pool of the serving plan, measured over reserved compute time of the stage
-        calls since the last call that found their vGPU idle: what the simulator draws
+        """Per pool of the serving plan, measured compute time of the stage calls since the
+        last call that found their vGPU idle, over the pool's latency as served
+        (`base_topo`, before any recalibration): what the simulator draws
         execution times from to predict this router (SimConfig.stage_factors). Waiting in a
         node's queue is left to the simulator; what remains is how much slower stages run
         under load than when they were calibrated one at a time (on a shared host, mostly

@@ -234,6 +234,12 @@ class ServingRuntime:
         return self._plan.served.topo
 
     @property
+    def base_topo(self) -> Topology:
+        """The serving plan's topology as served, before recalibration scaled any pool's
+        latencies (`topo` is as scaled): what stage factors are measured against."""
+        return self._plan.recal.base
+
+    @property
     def plane(self) -> DataPlane:
         return self._plan.plane
 
@@ -772,8 +778,8 @@ class ServingRuntime:
     def _observe(self, plan: _Plan, pool: int, factor: float) -> None:
         """A stage's measured / reserved time: kept for the simulator, and when the pool's
         recent median leaves the band, its latencies are scaled by it (recalibration.py)."""
-        if self.config.record_stage_factors:
-            plan.stage_factors[pool].append(factor)
+        if self.config.record_stage_factors:  # against the latencies as served
+            plan.stage_factors[pool].append(factor * plan.recal.scale[pool])
         if not self.config.recalibrate:
             return
         new = plan.recal.observe(pool, factor)
@@ -784,9 +790,11 @@ class ServingRuntime:
         self.recalibrations += 1
 
     def take_stage_factors(self) -> tuple[tuple[float, ...], ...]:
-        """Per pool of the serving plan, measured / reserved compute time of the stages that
-        found their vGPU idle, since the last call (RuntimeConfig.record_stage_factors): what
-        the simulator draws execution times from to predict this runtime's driver."""
+        """Per pool of the serving plan, measured compute time of the stages that found
+        their vGPU idle, since the last call (RuntimeConfig.record_stage_factors), over the
+        pool's latency as the plan was served (`base_topo`: before recalibration scaled
+        it, so that factors taken before and after a recalibration describe one truth):
+        what the simulator draws execution times from to predict this runtime's driver."""
         plan = self._plan
         out = tuple(tuple(f) for f in plan.stage_factors)
         for f in plan.stage_factors:
