@@ -2,7 +2,8 @@
 MILP) against an equal split, a split in proportion to the models' latencies and Nexus's
 split-then-plan (each model's budget chosen by its cost alone), each of those planned with
 the same MILP; then the cost objective: the cheapest GPUs serving --rate-share of what the
-joint split serves, pooled (budgets chosen jointly) beside whole-model pipelines; then the
+joint split serves, pooled (budgets chosen jointly, from the cheapest of the fixed splits'
+plans) beside the fixed splits' and whole-model pipelines; then the
 joint split's plan simulated through the serving runtime at --loads x its planned rates
 (each application request answered once, on time only when all its parts were). Prints
 three tables and stores their rows in the warehouse (bench_serving, bench "apps").
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -34,7 +36,10 @@ from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.apps import parse_apps
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
+from poolpipe.errors import InfeasibleError
 from poolpipe.planner.apps import (
+    SPLITS,
+    AppPlan,
     AppPlanRequest,
     app_plan_document,
     cheapest_apps,
@@ -164,6 +169,7 @@ def main() -> int:
         "cluster",
         "mix",
         "rates req/s",
+        "best fixed split",
         "pooled",
         "GPUs",
         "whole-model",
@@ -241,13 +247,17 @@ def main() -> int:
             rows.record("apps", config, metric, v)
         rates = {a.name: args.rate_share * joint.rates[a.name] for a in apps}
         with console.status(f"{cname}, {mix}: the cheapest GPUs, pooled and whole-model ..."):
-            pooled = cheapest_apps(req, rates, prices)
+            # each fixed split's cheapest GPUs; the joint split's from the cheapest of them
+            fixed = {s: _fixed_cost(req, rates, prices, s) for s in SPLITS[1:]}
+            best = min(fixed, key=lambda s: _cost(fixed[s]))
+            pooled = cheapest_apps(req, rates, prices, start=fixed[best])
             whole = cheapest_apps(req, rates, prices, whole=True)
         assert pooled.cost_per_hour is not None and whole.cost_per_hour is not None
         c.add_row(
             cname,
             mix,
             ", ".join(f"{a} {r:.0f}" for a, r in rates.items()),
+            f"{_cost(fixed[best]):.2f} ({best})",
             f"{pooled.cost_per_hour:.2f}",
             _gpus(pooled.gpus_used),
             f"{whole.cost_per_hour:.2f}",
@@ -283,6 +293,7 @@ def main() -> int:
             )
         for metric, v in (
             ("cost_pooled", pooled.cost_per_hour),
+            *((f"cost_{k}", p.cost_per_hour) for k, p in fixed.items() if p is not None),
             ("cost_whole", whole.cost_per_hour),
             ("cost_seconds", pooled.seconds),
             ("cost_optimal", float(pooled.status == "optimal")),
@@ -427,6 +438,18 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         finally:
             server.close()
     console.print(t)
+
+
+def _fixed_cost(req, rates: dict, prices: dict, split: str) -> AppPlan | None:
+    """A fixed split's cheapest GPUs, or None where that split cannot serve the rates."""
+    try:
+        return cheapest_apps(req, rates, prices, split)
+    except InfeasibleError:
+        return None
+
+
+def _cost(plan: AppPlan | None) -> float:
+    return math.inf if plan is None or plan.cost_per_hour is None else plan.cost_per_hour
 
 
 def _gpus(used: dict[str, int]) -> str:

@@ -239,6 +239,27 @@ def test_the_cheapest_gpus_are_the_cheapest_counts_that_serve_the_rate(rate):
     assert whole.cost_per_hour >= cheapest.cost_per_hour - 1e-9
 
 
+def test_the_joint_cost_from_a_fixed_split_never_costs_more_than_it():
+    """On a grid of two budgets (10 or 20 ms: only 10 + 10 fits the 20 ms SLO) the joint
+    cost MILP finds 3 GPUs for 350 req/s (q at 10 ms: batch 3, 300/s a GPU); the
+    proportional split (4 + 16 ms, off that grid) needs 2 (p batch 3 in 4 ms, q batch 4 in
+    11 ms). Started from it the joint split returns it: never dearer than its start."""
+    req = _request(CHAIN, gpus=4, grid=2)
+    rates, prices = {"a": 350.0}, {"A": 1.0}
+    prop = cheapest_apps(req, rates, prices, "proportional")
+    assert prop.cost_per_hour == 2.0 and prop.budgets[("a", "q")] == 16_000
+    assert cheapest_apps(req, rates, prices).cost_per_hour == 3.0
+    joint = cheapest_apps(req, rates, prices, start=prop)
+    assert joint.split == "joint" and joint.cost_per_hour == 2.0
+    assert joint.budgets == prop.budgets and joint.pipelines == prop.pipelines
+    assert joint.status == "optimal" and joint.gap == 0.0  # nothing on the grid is cheaper
+    # a start on the grid is the MILP's own start: the same cost or less
+    equal = cheapest_apps(req, rates, prices, "equal")
+    assert cheapest_apps(req, rates, prices, start=equal).cost_per_hour <= equal.cost_per_hour
+    with pytest.raises(PoolpipeError, match="a plan of the cost objective"):
+        cheapest_apps(req, rates, prices, start=plan_apps(req))
+
+
 def test_rates_beyond_the_cluster_and_bad_cost_inputs_are_named():
     req = _two_types(1, 1)
     with pytest.raises(InfeasibleError, match=r"cannot serve these rates .* at most \d+\.\d% of"):
