@@ -247,7 +247,7 @@ def _plan(
     result = solve(milp, req.solver, req.time_limit_s, req.mip_gap, start=first)
     seconds = time.perf_counter() - t0
     if cost is not None and start is not None and budgets is None:  # the joint split's
-        kept = _cheaper_start(start, result, cost[1], seconds)
+        kept = _cheaper_start(start, result, cost[1], seconds, req.mip_gap)
         if kept is not None:
             return kept
     if result.values is None:
@@ -290,7 +290,11 @@ def _plan(
 
 
 def _cheaper_start(
-    start: AppPlan, result: MilpResult, prices: Mapping[str, float], seconds: float
+    start: AppPlan,
+    result: MilpResult,
+    prices: Mapping[str, float],
+    seconds: float,
+    mip_gap: float,
 ) -> AppPlan | None:
     """The cost objective's start when the MILP found nothing cheaper (its budgets off
     the grid, or the MILP out of time before a plan): the start, its gap against the
@@ -304,9 +308,9 @@ def _cheaper_start(
     return replace(
         start,
         split="joint",
-        status="optimal" if gap <= DEFAULT_MIP_GAP else "time_limit",
+        status="optimal" if gap <= mip_gap else "time_limit",
         seconds=start.seconds + seconds,
-        gap=0.0 if gap <= DEFAULT_MIP_GAP else gap,
+        gap=0.0 if gap <= mip_gap else gap,
     )
 
 
