@@ -240,6 +240,38 @@ def test_a_burst_through_the_balancer_is_counted_from_its_stamp(tier):
     assert win.dropped == len(dropped), win
 
 
+def test_a_grpc_clients_deadline_reaches_the_router_through_the_balancer(tier):
+    """A gRPC client's deadline (its time left as grpc-timeout) is copied by the balancer
+    beside its stamp: a deadline before the request's SLO ends it there (counted
+    shortened), one after leaves it (kept); both are served. A client's deadline already
+    spent is dropped by the router (an explicit answer, counted dropped), and one written
+    wrong is refused naming the header and its format."""
+    import tritonclient.grpc as tg
+
+    srv, lb = tier
+    core = srv.deployment.core
+    counts = core.client_deadlines
+    before = dict(counts)
+    client = tg.InferenceServerClient(lb.grpc_url)
+    x = tg.InferInput("input", [1, 3, 32, 32], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 3, 32, 32), np.float32))
+    slo = {"slo_ms": 10 * SLO_MS}
+    client.infer("tiny", [x], parameters=slo, client_timeout=30.0)  # after the SLO
+    client.infer("tiny", [x], parameters=slo, client_timeout=0.5)  # before it
+    client.infer("tiny", [x], parameters=slo)  # no deadline
+    client.close()
+    assert counts["kept"] == before["kept"] + 1, dict(counts)
+    assert counts["shortened"] == before["shortened"] + 1, dict(counts)
+
+    router = srv.deployment.http_url
+    core.take_window()
+    code, text = _answer(router, {"X-Poolpipe-Timeout": "1n"})
+    assert code == 503 and DROP_MARKER in text, (code, text)
+    assert core.take_window().models[0].dropped == 1
+    code, text = _answer(router, {"x-poolpipe-timeout": "100ms"})
+    assert code == 400 and "x-poolpipe-timeout" in text and "100ms" in text, (code, text)
+
+
 def test_lb_status_and_render_from_the_inventory(tier, tmp_path, capsys):
     from poolpipe.cli import main
 

@@ -9,7 +9,10 @@ What the rendered configuration does, and why:
   agent-check: the agent answers a percentage, e.g. 200% once it has adopted a lost
   router's nodes and re-planned, 50% with half its GPUs down).
 - Stamps the microsecond each request arrived (ARRIVAL_STAMP, overwriting any a client
-  sent): a router's Triton forwards it to the door, whose deadline runs from it.
+  sent): a router's Triton forwards it to the door, whose deadline runs from it. A gRPC
+  client's deadline (the time it had left, `grpc-timeout`) is copied beside it
+  (CLIENT_TIMEOUT): the router's gRPC server would consume it, and it ends the request's
+  SLO where it comes first.
 - Asks each router's readiness check (`GET /ready` on its ready port), not Triton's: a
   router without a live path gets no requests `fall` checks later (503: marked down); one
   stopping gets no new ones and finishes its own (404: HAProxy's disable-on-404).
@@ -30,7 +33,7 @@ from pathlib import Path
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.tier import BalancerSpec, split_address
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime import ARRIVAL_STAMP
+from poolpipe.runtime import ARRIVAL_STAMP, CLIENT_TIMEOUT
 from triton_backend.nodes import port_holder, refuse_taken_ports, spawn_tied
 from triton_backend.readiness import READY_PATH
 
@@ -39,6 +42,7 @@ INSTALL_HINT = (
     "where it can) or name its binary with --haproxy"
 )
 SERVER_TIMEOUT_S = 60  # the longest a router may take to answer one request
+H2_STREAMS = 1000  # requests one gRPC connection may have open at once
 
 
 class BalancerError(PoolpipeError):
@@ -74,6 +78,9 @@ def render(inv: Inventory) -> str:
         "# rendered by `poolpipe lb` from " + inv.source + "; edit the inventory, not this",
         "global",
         "    maxconn 8000",  # needs about twice as many open files (ulimit -n)
+        # one gRPC channel's burst at once: beyond the h2 default (100), a client that
+        # cancels streams at its deadline races HAProxy's count and gets REFUSED_STREAM
+        f"    tune.h2.max-concurrent-streams {H2_STREAMS}",
         "    log stdout format raw local0",
         "defaults",
         "    mode http",
@@ -96,6 +103,9 @@ def render(inv: Inventory) -> str:
         "frontend kserve_grpc",
         f"    bind {b.grpc} proto h2",
         stamp,
+        # the time a gRPC client with a deadline had left when its call went on the wire
+        f"    http-request set-header {CLIENT_TIMEOUT} %[req.hdr(grpc-timeout)] "
+        "if { req.hdr(grpc-timeout) -m found }",
         "    default_backend routers_grpc",
         "",
     ]

@@ -3,7 +3,8 @@ router's Triton): a Unix socket served on the router's event loop. Each frame fr
 instance is one client request; it goes to RouterCore.take on the spot, and the answer goes
 back down the same connection when the runtime gives it. A request stamped by a load
 balancer (ARRIVAL_STAMP, forwarded by the router's Triton) counts from that stamp where it
-is plausible (poolpipe.runtime.stamps), from the stub's arrival otherwise. Requests to
+is plausible (poolpipe.runtime.stamps), from the stub's arrival otherwise; a client's own
+deadline (CLIENT_TIMEOUT, the time it had left) counts from the same moment. Requests to
 `poolpipe_control` run their command on a worker thread (a rollout blocks until it is done).
 
 The frames are door_model.py's, named the same here (the stub imports nothing of ours, so
@@ -25,7 +26,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
-from poolpipe.runtime import ARRIVAL_STAMP, BadRequest, Unservable
+from poolpipe.runtime import (
+    ARRIVAL_STAMP,
+    CLIENT_TIMEOUT,
+    BadRequest,
+    Unservable,
+    client_timeout_us,
+)
 from triton_backend.router import BAD_REQUEST_MARKER, REFUSED_MARKER, RouterCore
 
 _LEN = struct.Struct("<I")
@@ -167,18 +174,22 @@ class Door:
         try:
             params = _parameters(req.parameters)
             arrived = req.arrived_ns
-            stamp = params.get(ARRIVAL_STAMP)
-            if stamp is None and params:  # a header as a client wrote its name
-                stamp = next((v for k, v in params.items() if k.lower() == ARRIVAL_STAMP), None)
-            if stamp is not None:  # the balancer's: where a burst waited counts too
-                at = core.stamps.arrival_ns(stamp, time.time_ns(), now)
-                arrived = arrived if at is None else at
+            deadline = None
+            if params:
+                stamp = _header(params, ARRIVAL_STAMP)
+                if stamp is not None:  # the balancer's: where a burst waited counts too
+                    at = core.stamps.arrival_ns(stamp, time.time_ns(), now)
+                    arrived = arrived if at is None else at
+                left = _header(params, CLIENT_TIMEOUT)
+                if left is not None:  # the client's own deadline, from the same moment
+                    deadline = arrived + int(client_timeout_us(left) * 1e3)
             core.take(
                 conn.model,
                 arrays,
                 params.get("slo_ms"),
                 arrived,
                 lambda outs, code, text: conn.answer(rid, outs, code, text),
+                deadline,
             )
         except BadRequest as exc:
             conn.answer(rid, None, "INVALID_ARG", f"{BAD_REQUEST_MARKER}: {exc}")
@@ -203,6 +214,15 @@ class Door:
             loop.call_soon_threadsafe(conn.answer, rid, [out], None, "")
 
         self._workers.submit(run)
+
+
+def _header(params: dict, name: str) -> object:
+    """A forwarded header's value among the request's parameters: as the balancer names it
+    (lower case) or as a client wrote its name."""
+    value = params.get(name)
+    if value is None:
+        value = next((v for k, v in params.items() if k.lower() == name), None)
+    return value
 
 
 def _parameters(raw: object) -> dict:

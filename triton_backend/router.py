@@ -41,6 +41,7 @@ from poolpipe.runtime import (
     ServingRuntime,
     SwitchResult,
     Window,
+    capped_slo_us,
     default_flush_timeout_us,
 )
 from poolpipe.scheduler.topology import Topology
@@ -202,6 +203,8 @@ class RouterCore:
         self.executor = NodeExecutor(self._loop, hops, client, stage_timeout_s)
         self.margin = margin or MarginMeter()
         self.stamps = stamps or ArrivalStamps()
+        # requests that carried their client's deadline, by whether it ended their SLO
+        self.client_deadlines: Counter[str] = Counter({"shortened": 0, "kept": 0})
         self.runtime = ServingRuntime(
             served,
             self.clock,
@@ -437,12 +440,15 @@ class RouterCore:
         slo_ms: object,
         arrived_ns: int,
         reply: Reply,
+        deadline_ns: int | None = None,
     ) -> None:
         """One client request, on the router's loop (the door's socket is served there):
         its input tensors in the model's input order, `slo_ms` as the client sent it (or
-        None for the model's SLO), when the door saw it (CLOCK_MONOTONIC ns). Answered
-        through `reply`, once. A request the runtime refuses at the door raises BadRequest
-        at once (nothing queued)."""
+        None for the model's SLO), when the door saw it (CLOCK_MONOTONIC ns), and the
+        client's own deadline where it sent one (same clock: the SLO ends there if that
+        comes first; an application's requests keep their plan's). Answered through
+        `reply`, once. A request the runtime refuses at the door raises BadRequest at once
+        (nothing queued)."""
         apps = self.apps
         if apps is not None and model in apps.ios:
             apps.take(model, arrays, slo_ms, self.clock.at(arrived_ns), reply)
@@ -453,6 +459,10 @@ class RouterCore:
         assert io is not None  # check() refuses unknown models
         if len(arrays) != len(io.inputs):
             raise BadRequest(f"{model}: expected {len(io.inputs)} input tensors")
+        if deadline_ns is not None:
+            own = self.runtime.topo.models[index].slo_us if slo_us is None else slo_us
+            slo_us = capped_slo_us(own, arrived_ns, deadline_ns)
+            self.client_deadlines["shortened" if slo_us < own else "kept"] += 1
         request = ClientRequest(io, n, reply)
         arrived = self.clock.at(arrived_ns)
         rt = self.runtime

@@ -114,6 +114,15 @@ class RouterCollector:
         for outcome, k in sorted(core.stamps.counts.items()):
             stamps.add_metric([outcome], k)
         yield stamps
+        deadlines = CounterMetricFamily(
+            "poolpipe_client_deadlines",
+            "Requests that carried their client's deadline (gRPC's, through the balancer), "
+            "by whether it ended their SLO (shortened) or left it as it was (kept)",
+            labels=["outcome"],
+        )
+        for outcome, k in sorted(core.client_deadlines.items()):
+            deadlines.add_metric([outcome], k)
+        yield deadlines
         rollouts = CounterMetricFamily(
             "poolpipe_rollouts",
             "Rollouts by result (done, rolled back, refused)",
@@ -458,6 +467,7 @@ class ServingProcess:
             "windows": windows,
             "reply_margin_ms": round(core.reply_margin_us / 1e3, 3),
             "arrival_stamps": dict(core.stamps.counts),
+            "client_deadlines": dict(core.client_deadlines),
             "tier": None
             if self.member is None
             else {

@@ -39,14 +39,18 @@ from poolpipe.runtime.ports import (
 from poolpipe.runtime.recalibration import RECALIBRATE_BAND, RECALIBRATE_EVERY, RECALIBRATE_MAX
 from poolpipe.runtime.stamps import (
     ARRIVAL_STAMP,
+    CLIENT_TIMEOUT,
     FORWARDED_HEADERS,
     STAMP_OUTCOMES,
     ArrivalStamps,
+    capped_slo_us,
+    client_timeout_us,
 )
 from poolpipe.runtime.stats import ModelStats, ModelWindow, PoolWindow, Window
 
 __all__ = [
     "ARRIVAL_STAMP",
+    "CLIENT_TIMEOUT",
     "DEFAULT_MARGIN_CEILING_US",
     "DEFAULT_MARGIN_FLOOR_US",
     "DEFAULT_REPLY_MARGIN_US",
@@ -81,6 +85,8 @@ __all__ = [
     "Timer",
     "Unservable",
     "Window",
+    "capped_slo_us",
+    "client_timeout_us",
     "default_flush_timeout_us",
     "slo_room_warnings",
 ]
