@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -526,7 +527,7 @@ import asyncio, json, sys, time
 import numpy as np
 import tritonclient.grpc as tg
 import tritonclient.grpc.aio as ta
-url, model, in_name, shape, n, slo_ms = json.loads(sys.argv[1])
+url, model, in_name, shape, n, slo_ms, deadline = json.loads(sys.argv[1])
 async def main():
     c = ta.InferenceServerClient(url)
     x = tg.InferInput(in_name, shape, "FP32")
@@ -534,11 +535,14 @@ async def main():
     async def one():
         t = time.perf_counter()
         try:
-            await c.infer(model, [x], parameters={"slo_ms": slo_ms}, client_timeout=30)
-            return [time.perf_counter() - t, "ok"]
+            await c.infer(model, [x], parameters={"slo_ms": slo_ms},
+                          client_timeout=slo_ms / 1e3 if deadline else 30)
+            return [time.perf_counter() - t, "ok", ""]
         except Exception as exc:
             dropped = "POOLPIPE_DROPPED" in str(exc)
-            return [time.perf_counter() - t, "dropped" if dropped else "error"]
+            expired = "DEADLINE_EXCEEDED" in str(exc) or "Deadline Exceeded" in str(exc)
+            out = "dropped" if dropped else "expired" if expired else "error"
+            return [time.perf_counter() - t, out, " ".join(str(exc).split())[:160]]
     out = await asyncio.gather(*(one() for _ in range(n)))
     await c.close()
     return out
@@ -546,13 +550,17 @@ print(json.dumps(asyncio.run(main())))
 """
 
 
-def grpc_burst(url: str, name: str, in_name: str, x: np.ndarray, n: int, slo_ms: float) -> list:
-    """n requests at once from one gRPC client (asyncio, one channel) in its own process:
-    (seconds from its call to its answer, outcome) each."""
+def grpc_burst(
+    url: str, name: str, in_name: str, x: np.ndarray, n: int, slo_ms: float, deadline: bool
+) -> list:
+    """n requests at once from one gRPC client (asyncio, one channel) in its own process,
+    each with a gRPC deadline of the SLO where `deadline` (30 s otherwise): (seconds from
+    its call to its answer, outcome: ok, dropped, expired (its deadline passed at the
+    client), error, and what the client was told where it was not ok) each."""
     import json
     import subprocess
 
-    spec = json.dumps([url, name, in_name, list(x.shape), n, slo_ms])
+    spec = json.dumps([url, name, in_name, list(x.shape), n, slo_ms, deadline])
     out = subprocess.run(
         [sys.executable, "-c", GRPC_BURST, spec], capture_output=True, text=True, check=False
     )
@@ -599,30 +607,46 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
     core = srv.deployment.core
     slo = args.burst_slo_ms / 1e3
     results = []
+    others: Counter[str] = Counter()
     with console.status(f"burst: {args.burst} requests at once, {args.rounds} round(s) ..."):
         client_run("closed", paths["router"][1], name, in_name, x, 30)  # warm, not counted
         for k in range(1, args.rounds + 1):
             for (via, (http_url, grpc_url)), proto in itertools.product(
-                paths.items(), ("http", "grpc")
+                paths.items(), ("http", "grpc", "grpc+deadline")
             ):
                 used = core.stamps.counts["used"]
+                shortened = core.client_deadlines["shortened"]
                 core.take_window()
                 if proto == "http":
-                    shots = client_run(
-                        "burst", http_url, name, in_name, x, args.burst, args.burst_slo_ms
-                    )
+                    shots = [
+                        (lat, o, "")
+                        for lat, o in client_run(
+                            "burst", http_url, name, in_name, x, args.burst, args.burst_slo_ms
+                        )
+                    ]
                 else:
-                    shots = grpc_burst(grpc_url, name, in_name, x, args.burst, args.burst_slo_ms)
+                    shots = grpc_burst(
+                        grpc_url,
+                        name,
+                        in_name,
+                        x,
+                        args.burst,
+                        args.burst_slo_ms,
+                        deadline=proto == "grpc+deadline",
+                    )
                 win = core.take_window().models[0]
-                ok = [lat for lat, o in shots if o == "ok"]
+                _until_answered(core)
+                ok = [lat for lat, o, _ in shots if o == "ok"]
                 # where the late ones were in the client's own order of calls (one gRPC
                 # channel sends the burst's requests one after another)
-                late_at = [i for i, (lat, o) in enumerate(shots) if o == "ok" and lat > slo]
+                late_at = [i for i, (lat, o, _) in enumerate(shots) if o == "ok" and lat > slo]
                 r = {
                     "client_on_time": sum(lat <= slo for lat in ok),
                     "client_late": sum(lat > slo for lat in ok),
-                    "client_dropped": sum(o == "dropped" for _, o in shots),
-                    "client_other": sum(o not in ("ok", "dropped") for _, o in shots),
+                    "client_dropped": sum(o == "dropped" for _, o, _ in shots),
+                    "client_expired": sum(o == "expired" for _, o, _ in shots),
+                    "client_other": sum(o not in ("ok", "dropped", "expired") for _, o, _ in shots),
+                    "deadlines_shortened": core.client_deadlines["shortened"] - shortened,
                     "client_max_ms": max(ok) * 1e3 if ok else float("nan"),
                     "late_first_call": min(late_at) if late_at else float("nan"),
                     "late_median_call": float(np.median(late_at)) if late_at else float("nan"),
@@ -633,13 +657,16 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
                     "reply_margin_ms": core.margin_figures()["reply_margin_ms"],
                 }
                 results.append((k, f"{proto} {via}", r))
+                others.update(why for _, o, why in shots if o == "error")
                 config = f"{proto}-{via}:{args.burst}x{args.burst_slo_ms:g}ms#{k}"
                 for metric, v in r.items():
                     record("router-tier-burst", config, metric, v)
     t = Table(
         title=f"burst: {args.burst} requests at once, SLO {args.burst_slo_ms:g} ms, straight to "
         "the router or through the balancer (client: its own process; HTTP: a connection "
-        "each, timed by the kernel; gRPC: one channel); late = answered after the SLO",
+        "each, timed by the kernel; gRPC: one channel, timed from its call; +deadline: each "
+        "call with a gRPC deadline of the SLO, which the balancer hands the router); late = "
+        "answered after the SLO; expired = the client's deadline passed first",
         title_justify="left",
     )
     for col in (
@@ -648,6 +675,8 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
         "client on time",
         "client late",
         "dropped (client / router)",
+        "expired",
+        "deadlines shortened",
         "other",
         "router on time",
         "router late",
@@ -665,6 +694,8 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
             str(r["client_on_time"]),
             f"{r['client_late']} ({r['client_late'] / args.burst:.1%})",
             f"{r['client_dropped']} / {r['router_dropped']}",
+            str(r["client_expired"]),
+            str(r["deadlines_shortened"]),
             str(r["client_other"]),
             str(r["router_on_time"]),
             str(r["router_late"]),
@@ -676,6 +707,18 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
             else f"{r['late_first_call']:.0f}, {r['late_median_call']:.0f}",
         )
     console.print(t)
+    for why, k in others.most_common(5):
+        console.print(f"  other: {k} x {why or '(no message)'}", highlight=False)
+
+
+def _until_answered(core, timeout_s: float = 30.0) -> None:
+    """Until the router has answered every request of the burst and no more come (a client
+    that gave up on some leaves them in flight, or still in its Triton's front end), so
+    that its window holds the whole burst."""
+    end, quiet = time.monotonic() + timeout_s, 0
+    while quiet < 4 and time.monotonic() < end:
+        quiet = 0 if core.in_flight() else quiet + 1
+        time.sleep(0.1)
 
 
 def cpu_part(args, srv, lb, paths, name, in_name, x, record) -> None:
