@@ -29,7 +29,14 @@ from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.inventory import Inventory, InventoryNode, InventoryServer
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import signals_held
-from triton_backend.nodes import RemoteNode, descendants, reap, shm_regions, still_running
+from triton_backend.nodes import (
+    RemoteNode,
+    descendants,
+    model_folders,
+    reap,
+    shm_regions,
+    still_running,
+)
 
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, a server's first node
 WATCH_PORT = 8003  # the node process's watch port (triton_backend.watch)
@@ -262,6 +269,7 @@ class EmulatedCluster:
             return
         below = descendants(s.node.pid)
         regions = shm_regions(below)  # a killed group's stubs no longer name them
+        folders = model_folders(below)
         with contextlib.suppress(ProcessLookupError):
             if sig == signal.SIGKILL:
                 os.killpg(s.node.pid, signal.SIGKILL)
@@ -273,7 +281,12 @@ class EmulatedCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(s.node.pid, signal.SIGKILL)
             s.node.wait()
-        reap(below, grace_s=0.0 if sig == signal.SIGKILL else 5.0, regions=regions)
+        reap(
+            below,
+            grace_s=0.0 if sig == signal.SIGKILL else 5.0,
+            regions=regions,
+            folders=folders,
+        )
 
     def kill_node_process(self, node: int, wait_s: float = 30.0) -> None:
         """SIGKILL node slot `node`'s `poolpipe node` process alone (as the OOM killer
@@ -283,14 +296,14 @@ class EmulatedCluster:
         if s.node is None or s.node.poll() is not None:
             return
         below = descendants(s.node.pid)
-        regions = shm_regions(below)
+        regions, folders = shm_regions(below), model_folders(below)
         with contextlib.suppress(ProcessLookupError):
             os.kill(s.node.pid, signal.SIGKILL)
         s.node.wait()
         deadline = time.monotonic() + wait_s
         while still_running(below) and time.monotonic() < deadline:
             time.sleep(0.05)
-        reap(below, grace_s=0.0, regions=regions)
+        reap(below, grace_s=0.0, regions=regions, folders=folders)
 
     def inventory(self) -> Inventory:
         return Inventory(

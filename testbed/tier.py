@@ -17,7 +17,7 @@ from pathlib import Path
 from poolpipe.client.control import new_token_file
 from poolpipe.domain.inventory import Inventory, parse_inventory
 from triton_backend.env import free_ports
-from triton_backend.nodes import RemoteNode, descendants, reap, shm_regions
+from triton_backend.nodes import RemoteNode, descendants, model_folders, reap, shm_regions
 
 POOLPIPE = [sys.executable, "-m", "poolpipe.cli"]
 
@@ -78,6 +78,7 @@ class ProcessTier:
         self._logs: list = []
         self.crashed: list[tuple[int, str]] = []  # processes a crash took down
         self._regions: list[str] = []  # and the shared memory they held
+        self._folders: list[Path] = []  # and their models' upload folders
 
     def _spawn(self, what: str, cmd: list[str]) -> None:
         log = open(self.workspace / f"{what}.log", "ab")  # noqa: SIM115 (the process keeps it)
@@ -139,6 +140,7 @@ class ProcessTier:
         procs = descendants(proc.pid)
         self.crashed += procs
         self._regions += shm_regions(procs)
+        self._folders += model_folders(procs)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
@@ -158,7 +160,7 @@ class ProcessTier:
             proc.wait()
         for log in self._logs:
             log.close()
-        reap(self.crashed, grace_s=5.0, regions=self._regions)
+        reap(self.crashed, grace_s=5.0, regions=self._regions, folders=self._folders)
 
     def __enter__(self) -> ProcessTier:
         return self

@@ -719,3 +719,45 @@ def test_a_plan_that_cannot_be_served_is_refused_and_forced_its_requests_are_ref
 def server_plan_id(wh: str) -> int:
     with Warehouse.open(wh) as w:
         return w.stored_plan_id(two_partition_plan(), label="test")
+
+
+ECHO_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_node_stopped_or_killed_leaves_no_uploaded_model_behind(tmp_path, how):
+    """Triton puts a model uploaded through the repository API in a folder of /tmp that it
+    removes on unload but leaves behind when it stops (or dies) with the model loaded: a
+    node's stop, or the kill a crash test makes, removes it (a host's /tmp filled up
+    with them, one per node and model, over days of runs)."""
+    import json
+
+    from triton_backend.nodes import TritonNode, descendants, model_folders
+
+    node = TritonNode("n", "cpu-1t", tmp_path / "repo", tmp_path).start()
+    try:
+        config = {
+            "name": "echo",
+            "backend": "python",
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [4]}],
+        }
+        node.load("echo", json.dumps(config), {"1/model.py": ECHO_MODEL.encode()})
+        assert node.process is not None
+        folders = model_folders(descendants(node.process.pid))
+        assert len(folders) == 1 and (folders[0] / "1" / "model.py").exists(), folders
+    finally:
+        node.stop() if how == "stop" else node.kill()
+    assert not folders[0].exists()

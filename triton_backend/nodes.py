@@ -13,6 +13,8 @@ import ctypes
 import logging
 import os
 import queue
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -329,13 +331,14 @@ class TritonNode(RepositoryAPI):
             reap(orphan_stubs(self.repo), grace_s=0.0)
             return
         stubs = descendants(self.process.pid)
+        folders = model_folders(stubs)
         self.process.terminate()
         try:
             self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        reap(stubs)
+        reap(stubs, folders=folders)
 
     def kill(self) -> None:
         """Die at once, as a crashed node does (fault tests): tritonserver and its backend
@@ -543,6 +546,27 @@ def _shm_regions(pids: list[int]) -> list[str]:
     return names
 
 
+# Where Triton puts a model loaded with its files (the repository API's uploads): a folder
+# of /tmp (whatever TMPDIR says) that it removes when the model is unloaded, and leaves
+# behind when the server stops with the model loaded (a shutdown, a crash).
+_UPLOAD_FOLDER = re.compile(r"/tmp/folder[A-Za-z0-9]{6}")
+
+
+def model_folders(procs: list[tuple[int, str]]) -> list[Path]:
+    """The upload folders of the models these (pid, start time) stubs run, while they run
+    (a stub's command line names its model file, e.g. /tmp/folderAb12Cd/1/model.py)."""
+    out = []
+    for p, _ in still_running(procs):
+        try:
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        m = _UPLOAD_FOLDER.match(argv[1].decode(errors="replace")) if len(argv) > 1 else None
+        if m and Path(m.group()) not in out:
+            out.append(Path(m.group()))
+    return out
+
+
 def still_running(procs: list[tuple[int, str]]) -> list[tuple[int, str]]:
     """Those of these (pid, start time) processes still running (not a later process that
     took the pid: its start time differs)."""
@@ -555,22 +579,31 @@ def shm_regions(procs: list[tuple[int, str]]) -> list[str]:
 
 
 def reap(
-    procs: list[tuple[int, str]], grace_s: float = 5.0, regions: list[str] | None = None
+    procs: list[tuple[int, str]],
+    grace_s: float = 5.0,
+    regions: list[str] | None = None,
+    folders: list[Path] | None = None,
 ) -> None:
     """Kill what is left of `procs` after `grace_s` (Triton's stubs exit on their own after
     a clean shutdown; after a crash they do not), and remove the shared memory they held
     that nobody removed (after a crash, Triton does not): `regions`, taken with shm_regions
-    before the stubs were killed, or else those the stubs still running name. A pid taken
-    by another process since is left alone (its start time differs)."""
+    before the stubs were killed, or else those the stubs still running name; and their
+    models' upload folders (a stopped Triton leaves them): `folders`, taken with
+    model_folders before the server was stopped, or else those of the stubs still running.
+    A pid taken by another process since is left alone (its start time differs)."""
 
     if regions is None:
         regions = shm_regions(procs)
+    if folders is None:
+        folders = model_folders(procs)
     try:
         _reap(lambda: still_running(procs), grace_s)
     finally:
         for name in regions:
             with contextlib.suppress(OSError):
                 (Path("/dev/shm") / name).unlink()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _reap(alive: Callable[[], list[tuple[int, str]]], grace_s: float) -> None:
@@ -588,6 +621,7 @@ def _reap(alive: Callable[[], list[tuple[int, str]]], grace_s: float) -> None:
 def stop_nodes(nodes: list[TritonNode], timeout_s: float = 10.0) -> None:
     """Stop several nodes at once (each takes up to its exit timeout)."""
     stubs = [s for n in nodes if n.alive and n.process for s in descendants(n.process.pid)]
+    folders = model_folders(stubs)
     for n in nodes:
         if n.alive and n.process is not None:
             n.process.terminate()
@@ -599,4 +633,4 @@ def stop_nodes(nodes: list[TritonNode], timeout_s: float = 10.0) -> None:
             except subprocess.TimeoutExpired:
                 n.process.kill()
                 n.process.wait()
-    reap(stubs)
+    reap(stubs, folders=folders)
