@@ -49,7 +49,7 @@ from poolpipe.sim.apps import part_profiles, simulate_apps
 from poolpipe.sim.engine import SimConfig
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
-from testbed import teardown_on_sigterm
+from testbed import scratch_dir, teardown_on_sigterm
 
 console = Console()
 REPO = Path(__file__).resolve().parents[1]
@@ -319,7 +319,6 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     models, one emulated GPU node per GPU in namespaces, time scale D), served live by the
     router, and its attainment at each load beside the simulator's on the same plan.
     Figures undilated."""
-    import tempfile
     import time
 
     from poolpipe.client.control import new_token_file
@@ -359,7 +358,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     with Warehouse.open(warehouse) as wh:
         plan_id = wh.store_plan(doc, label="bench-apps:live")
     parts = part_profiles(doc, profiles)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-apps-live-"))
+    tmp = scratch_dir("bench-apps-live-")
     token_file = tmp / "token"
     token = new_token_file(token_file)
     fractions = [float(x) for x in args.live_loads.split(",")]

@@ -33,7 +33,6 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from functools import partial
@@ -52,7 +51,7 @@ from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
-from testbed import teardown_on_sigterm
+from testbed import scratch_dir, teardown_on_sigterm
 from testbed.predict import predict
 
 console = Console(width=None if sys.stdout.isatty() else 170)
@@ -277,7 +276,7 @@ def main() -> int:
     rows = BenchRows(args.label)
     record = partial(rows.record, "cluster")
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    tmp = scratch_dir("bench-cluster-")
     name = "bench-cluster-resnet"
     path = make_model("resnet50", tmp / "m.onnx", width=0.5, image=64)
     with console.status("onboarding the benchmark model (cpu-1t) ..."):

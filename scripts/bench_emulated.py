@@ -37,7 +37,6 @@ import logging
 import os
 import re
 import sys
-import tempfile
 import threading
 from functools import partial
 from pathlib import Path
@@ -52,7 +51,7 @@ from rich.table import Table
 
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
-from testbed import teardown_on_sigterm
+from testbed import scratch_dir, teardown_on_sigterm
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 PPIPE = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "ppipe-gpu"
@@ -143,7 +142,7 @@ def accuracy(args: argparse.Namespace, rows: BenchRows) -> None:
 
     table, source = t4_table()
     record = partial(rows.record, "emulated")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-emulated-"))
+    tmp = scratch_dir("bench-emulated-")
     name = "bench-emu"
     path = make_model("resnet50", tmp / "m.onnx", width=0.125, image=32)
     with console.status("onboarding a small model (its CPU compute stands in) ..."):
@@ -254,7 +253,7 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
         plans = group_plans(warehouse, name)
         cluster = plans["ppipe"][0].cluster
         for transport in args.transport.split(","):
-            tmp = Path(tempfile.mkdtemp(prefix="bench-emulated-cluster-"))
+            tmp = scratch_dir("bench-emulated-cluster-")
             token_file = tmp / "token"
             token = new_token_file(token_file)
             t0 = time.perf_counter()

@@ -33,7 +33,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from functools import partial
@@ -52,7 +51,7 @@ from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
-from testbed import teardown_on_sigterm
+from testbed import scratch_dir, teardown_on_sigterm
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 LOSS_WINDOW_S = 3.0  # the requests sent this long after a kill are the ones it may cost
@@ -318,7 +317,7 @@ def main() -> int:
     args.warehouse_path = Path(args.warehouse) if args.warehouse else default_path()
     rows = BenchRows(args.label)
     record = partial(rows.record, "operations")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-operations-"))
+    tmp = scratch_dir("bench-operations-")
     name = "bench-ops"
     path = make_model("resnet50", tmp / "m.onnx", width=0.125, image=32)
     with console.status("onboarding the benchmark model (cpu-1t) ..."):

@@ -24,7 +24,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from functools import partial
@@ -42,7 +41,7 @@ from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse, default_path
-from testbed import teardown_on_sigterm
+from testbed import scratch_dir, teardown_on_sigterm
 from testbed.holder import hold_elsewhere
 from triton_backend.nodes import descendants, is_running
 
@@ -70,7 +69,7 @@ def main() -> int:
     rows = BenchRows(args.label)
     record = partial(rows.record, "reliability")
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-reliability-"))
+    tmp = scratch_dir("bench-reliability-")
     name = "bench-rel"
     path = make_model("resnet50", tmp / "m.onnx", width=0.25, image=32)
     with console.status("onboarding a small model (cpu-1t) ..."):

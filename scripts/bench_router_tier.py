@@ -33,7 +33,6 @@ import itertools
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -51,7 +50,7 @@ from rich.table import Table
 from poolpipe.domain.inventory import parse_inventory
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
-from testbed import teardown_on_sigterm
+from testbed import scratch_dir, teardown_on_sigterm
 from testbed.cpu import cpu_seconds
 
 console = Console(width=None if sys.stdout.isatty() else 150)
@@ -94,7 +93,7 @@ def main() -> int:
     if parts & {"burst", "cpu"}:
         live_parts(args, parts, rows)
     if parts & {"kill", "cap"}:  # tiers of processes, on a light model
-        tmp = Path(tempfile.mkdtemp(prefix="bench-router-tier-"))
+        tmp = scratch_dir("bench-router-tier-")
         model = onboard_tiny_model(args.warehouse, tmp)
         if "kill" in parts:
             kill_part(args, model, tmp, rows.record)
@@ -115,7 +114,7 @@ def live_parts(args, parts: set[str], rows: BenchRows) -> None:
     from triton_backend.serve import ServingProcess
 
     find_haproxy()  # before anything starts: the error says how to install it
-    tmp = Path(tempfile.mkdtemp(prefix="bench-router-tier-"))
+    tmp = scratch_dir("bench-router-tier-")
     name = onboard_bench_model(args.warehouse, tmp)
 
     plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.burst_slo_ms, args.warehouse)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan, manual_plan
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
-from testbed import teardown_on_sigterm
+from testbed import scratch_dir, teardown_on_sigterm
 from testbed.cpu import cpu_seconds
 from testbed.predict import predict
 
@@ -107,7 +106,7 @@ def main() -> int:
     rows = BenchRows(args.label)
     record = rows.record
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    tmp = scratch_dir("bench-serving-")
     name = onboard_bench_model(args.warehouse, tmp)
 
     if args.only_scenario:

@@ -7,8 +7,12 @@ process holding the warehouse (holder.py).
 Production adapters (triton_backend, flows) import none of it, nor the simulator: an import
 contract checks it (pyproject.toml, tests/test_import_contracts.py)."""
 
+import atexit
+import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
 from types import TracebackType
 
 
@@ -32,3 +36,12 @@ def teardown_on_sigterm() -> None:
     leaving them behind), and either ends with one line, not a traceback."""
     signal.signal(signal.SIGTERM, _terminated)
     sys.excepthook = _hook
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary folder for a benchmark's workspaces (models cut, servers' logs and
+    repositories: a few hundred MB), removed when the process exits however it exits
+    short of SIGKILL (with teardown_on_sigterm, SIGTERM too)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
