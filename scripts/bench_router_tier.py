@@ -615,7 +615,7 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
             ):
                 used = core.stamps.counts["used"]
                 shortened = core.client_deadlines["shortened"]
-                core.take_window()
+                before = _router_counts(core, name)
                 if proto == "http":
                     shots = [
                         (lat, o, "")
@@ -633,7 +633,8 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
                         args.burst_slo_ms,
                         deadline=proto == "grpc+deadline",
                     )
-                win = core.take_window().models[0]
+                after = _router_counts(core, name)
+                win = {k: after[k] - before[k] for k in after}
                 _until_answered(core)
                 ok = [lat for lat, o, _ in shots if o == "ok"]
                 # where the late ones were in the client's own order of calls (one gRPC
@@ -649,9 +650,9 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
                     "client_max_ms": max(ok) * 1e3 if ok else float("nan"),
                     "late_first_call": min(late_at) if late_at else float("nan"),
                     "late_median_call": float(np.median(late_at)) if late_at else float("nan"),
-                    "router_on_time": win.on_time,
-                    "router_late": win.late,
-                    "router_dropped": win.dropped,
+                    "router_on_time": win["on_time"],
+                    "router_late": win["late"],
+                    "router_dropped": win["dropped"],
                     "stamps_used": core.stamps.counts["used"] - used,
                     "reply_margin_ms": core.margin_figures()["reply_margin_ms"],
                 }
@@ -710,12 +711,17 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
         console.print(f"  other: {k} x {why or '(no message)'}", highlight=False)
 
 
+def _router_counts(core, model: str) -> dict[str, int]:
+    """The router's counters of `model` since it started (arrivals, on time, late, ...)."""
+    return core.stats[model].counts()
+
+
 def _until_answered(core, timeout_s: float = 30.0) -> None:
     """Until the router has answered every request of the burst and no more come (a client
     that gave up on some leaves them in flight, or still in its Triton's front end), so
-    that its window holds the whole burst."""
+    that its counters hold the whole burst."""
     end, quiet = time.monotonic() + timeout_s, 0
-    while quiet < 4 and time.monotonic() < end:
+    while quiet < 10 and time.monotonic() < end:
         quiet = 0 if core.in_flight() else quiet + 1
         time.sleep(0.1)
 

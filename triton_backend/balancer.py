@@ -11,8 +11,9 @@ What the rendered configuration does, and why:
 - Stamps the microsecond each request arrived (ARRIVAL_STAMP, overwriting any a client
   sent): a router's Triton forwards it to the door, whose deadline runs from it. A gRPC
   client's deadline (the time it had left, `grpc-timeout`) is copied beside it
-  (CLIENT_TIMEOUT): the router's gRPC server would consume it, and it ends the request's
-  SLO where it comes first.
+  (CLIENT_TIMEOUT) and taken off the request: the router's gRPC server would consume it
+  and reset the stream at the deadline; the router ends the request's SLO there where it
+  comes first, and drops what it cannot serve by then with an answer.
 - Asks each router's readiness check (`GET /ready` on its ready port), not Triton's: a
   router without a live path gets no requests `fall` checks later (503: marked down); one
   stopping gets no new ones and finishes its own (404: HAProxy's disable-on-404).
@@ -106,6 +107,9 @@ def render(inv: Inventory) -> str:
         # the time a gRPC client with a deadline had left when its call went on the wire
         f"    http-request set-header {CLIENT_TIMEOUT} %[req.hdr(grpc-timeout)] "
         "if { req.hdr(grpc-timeout) -m found }",
+        # ... and the router alone acts on it: a router's Triton that also did would reset
+        # streams at the deadline, racing the router's explicit drop
+        "    http-request del-header grpc-timeout",
         "    default_backend routers_grpc",
         "",
     ]
