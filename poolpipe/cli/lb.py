@@ -113,8 +113,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="the load balancer in front of the routers (HAProxy): render, run, status",
         description="HAProxy in front of several routers, from the inventory's [balancer] "
         "and [[routers]]: KServe v2 HTTP and gRPC front ends, each request stamped with its "
-        "arrival (the routers count deadlines from it), routers weighted and taken out by "
-        "their readiness check (poolpipe serve --ready-port).\n" + EXAMPLE,
+        "arrival (the routers count deadlines from it) and a gRPC client's own deadline "
+        "passed on (x-poolpipe-timeout), routers weighted and taken out by their readiness "
+        "check (poolpipe serve --ready-port).\n" + EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     lb = p.add_subparsers(dest="lb_command", required=True, metavar="COMMAND")
