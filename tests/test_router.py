@@ -144,6 +144,39 @@ def test_inputs_leave_at_their_reserved_slots_on_the_first_servers_downlink(tran
         core.stop()
 
 
+@pytest.mark.parametrize("transport", ["router", "chain"])
+def test_inputs_in_early_do_not_free_the_vgpu_before_its_turn_ends(transport):
+    """Stage 0 on one vGPU, 40 ms a batch, each request's inputs 10 ms on the link. Of two
+    requests at once the second's inputs are reserved at 10-20 ms (the link is free) but
+    its compute at 50-90 (the vGPU runs the first until 50), and the node keeps it queued
+    until then. Reported as started once its inputs were in (20 ms), the runtime moved its
+    reservation to 20-60 and a third request at 30 ms got the vGPU at 60-100 where it is
+    busy until 90: admitted on a finish of 103 ms and dropped as its batch ran past its
+    deadline (118 ms). Reported as started at its reserved start, the third is reserved
+    at 90-130: refused at once, its deadline out of reach."""
+    topo = make_topology(
+        [([0], [40_000.0], 0.0), ([1], [3_000.0], 0.0)], slo_us=2e6, inputs=10_000.0
+    )
+    core, _ = router(topo, transport, slow={"n0:8001": 0.038})  # p0: 2 + 38 ms
+    try:
+        first = [ask(core, np.full((1, 2), i, np.float32)) for i in range(2)]
+        time.sleep(0.030)
+        fut: cf.Future = cf.Future()
+        x = np.full((1, 2), 2, np.float32)
+
+        def take() -> None:
+            core.take("m", [x], 88.0, time.monotonic_ns(), lambda *a: fut.set_result(a))
+
+        core.loop.call_soon_threadsafe(take)
+        assert all(f.result(10)[1] is None for f in first)
+        _, code, message = fut.result(10)
+        assert code is not None and DROP_MARKER in message, (code, message)
+        reasons = dict(core.runtime.drop_reasons)
+        assert reasons == {"deadline cannot be met": 1}, reasons
+    finally:
+        core.stop()
+
+
 def test_calibration_times_a_pools_compute_apart_from_what_crossed_the_nic():
     """A call of 30 ms at batch 2 whose inputs are reserved at 5 ms a request on the link:
     20 ms of compute; less 4 ms more where its outputs took 2 ms a request back to the

@@ -62,6 +62,16 @@ def _inputs_us(hop: Any, h: int) -> float:
     return hop.transfer_end_us - hop.transfer_start_us if h == 0 else 0.0
 
 
+def _compute_start(hop: Any, sent: float, sending: float) -> float:
+    """When a hop sent at `sent` starts computing, as far as the router knows: at once
+    where nothing is timed on its way in; else once its inputs are in (`sending` after
+    `sent`), and not before its reserved start: inputs may be reserved to arrive while the
+    vGPU still runs the turn before (the node's queue keeps the order), and reporting the
+    inputs' arrival as the start would move the reservation earlier, freeing a slot the
+    vGPU does not have for the next batch (which then starts late by that much)."""
+    return max(sent + sending, hop.start_us) if sending else sent
+
+
 def _node_failed(exc: BaseException) -> bool:
     """A stage call that timed out leaves its node in service (too busy is not dead)."""
     return not isinstance(exc, StageTimeout)
@@ -116,10 +126,10 @@ class RelayTransport:
                     if sending:
                         await _until(clock, hop.transfer_start_us)
                     sent = clock.now()
-                    start = sent + sending  # the compute's start, as far as the router knows
+                    start = _compute_start(hop, sent, sending)
                     if start - hop.start_us > job.slack_us and not rt.hop_late(job, h, start):
                         return  # dropped: the rest of its path is released
-                    rt.hop_started(job, h, start, (sent, start) if sending else None)
+                    rt.hop_started(job, h, start, (sent, sent + sending) if sending else None)
                     if sending:
                         releasing = ex.loop.call_later(sending / 1e6, gate.release)
                     try:
@@ -217,7 +227,7 @@ class ChainTransport:
         if sending:
             await _until(rt.clock, hop0.transfer_start_us)
         sent = rt.clock.now()
-        start = sent + sending  # hop 0's compute, as reserved after its inputs
+        start = _compute_start(hop0, sent, sending)
         if start - hop0.start_us > job.slack_us and not rt.hop_late(job, 0, start):
             gate.release()
             if inbox is not None:
@@ -225,7 +235,7 @@ class ChainTransport:
             return  # dropped: the rest of its path is released
         turn_us = sending if sending else hop0.end_us - hop0.start_us
         ex.loop.call_later(max(0.0, turn_us / 1e6), gate.release)
-        rt.hop_started(job, 0, start, (sent, start) if sending else None)
+        rt.hop_started(job, 0, start, (sent, sent + sending) if sending else None)
         # the chain's time: until the last SLO of its requests runs out; nobody forwards
         # a feature map with none left
         params["poolpipe_budget_us"] = str(int(max(e.due_us for e in entries) - sent))
