@@ -515,6 +515,15 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return out
 
 
+def _argv(pid: int | str) -> list[bytes]:
+    """Process `pid`'s command line (Linux /proc), [] where it is gone or unreadable. A
+    Python-backend stub's names its model file, then its shared-memory region."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def orphan_stubs(repo: Path) -> list[tuple[int, str]]:
     """Python-backend stub processes still running models of `repo` (found by their
     command lines, which name the model file under it) whose server is gone."""
@@ -523,10 +532,7 @@ def orphan_stubs(repo: Path) -> list[tuple[int, str]]:
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+        argv = _argv(d.name)
         if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 1:
             model = Path(argv[1].decode(errors="replace"))
             if str(model.resolve()).startswith(where) and (st := _stat(int(d.name))):
@@ -538,11 +544,7 @@ def _shm_regions(pids: list[int]) -> list[str]:
     """The Python-backend shared-memory regions these stub processes name."""
     names = []
     for p in pids:
-        try:
-            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        names += [a.decode() for a in argv if a.startswith(b"triton_python_backend_shm_region")]
+        names += [a.decode() for a in _argv(p) if a.startswith(b"triton_python_backend_shm_region")]
     return names
 
 
@@ -557,10 +559,7 @@ def model_folders(procs: list[tuple[int, str]]) -> list[Path]:
     (a stub's command line names its model file, e.g. /tmp/folderAb12Cd/1/model.py)."""
     out = []
     for p, _ in still_running(procs):
-        try:
-            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+        argv = _argv(p)
         m = _UPLOAD_FOLDER.match(argv[1].decode(errors="replace")) if len(argv) > 1 else None
         if m and Path(m.group()) not in out:
             out.append(Path(m.group()))
