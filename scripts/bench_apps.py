@@ -36,13 +36,13 @@ from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.apps import parse_apps
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
-from poolpipe.errors import InfeasibleError
 from poolpipe.planner.apps import (
     SPLITS,
     AppPlan,
     AppPlanRequest,
     app_plan_document,
     cheapest_apps,
+    cheapest_by_split,
     plan_apps,
 )
 from poolpipe.sim.apps import part_profiles, simulate_apps
@@ -248,9 +248,10 @@ def main() -> int:
         rates = {a.name: args.rate_share * joint.rates[a.name] for a in apps}
         with console.status(f"{cname}, {mix}: the cheapest GPUs, pooled and whole-model ..."):
             # each fixed split's cheapest GPUs; the joint split's from the cheapest of them
-            fixed = {s: _fixed_cost(req, rates, prices, s) for s in SPLITS[1:]}
+            by_split = cheapest_by_split(req, rates, prices)
+            pooled = by_split.pop(SPLITS[0])
+            fixed = by_split
             best = min(fixed, key=lambda s: _cost(fixed[s]))
-            pooled = cheapest_apps(req, rates, prices, start=fixed[best])
             whole = cheapest_apps(req, rates, prices, whole=True)
         assert pooled.cost_per_hour is not None and whole.cost_per_hour is not None
         c.add_row(
@@ -437,14 +438,6 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         finally:
             server.close()
     console.print(t)
-
-
-def _fixed_cost(req, rates: dict, prices: dict, split: str) -> AppPlan | None:
-    """A fixed split's cheapest GPUs, or None where that split cannot serve the rates."""
-    try:
-        return cheapest_apps(req, rates, prices, split)
-    except InfeasibleError:
-        return None
 
 
 def _cost(plan: AppPlan | None) -> float:

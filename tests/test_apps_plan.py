@@ -12,10 +12,12 @@ from poolpipe.domain.apps import parse_apps
 from poolpipe.errors import InfeasibleError, PoolpipeError
 from poolpipe.planner import apps as apps_planner
 from poolpipe.planner.apps import (
+    SPLITS,
     AppPlanRequest,
     _alone,
     _candidate_fn,
     cheapest_apps,
+    cheapest_by_split,
     fixed_split,
     nexus_split,
     plan_apps,
@@ -258,12 +260,19 @@ def test_the_joint_cost_from_a_fixed_split_never_costs_more_than_it():
     assert cheapest_apps(req, rates, prices, start=equal).cost_per_hour <= equal.cost_per_hour
     with pytest.raises(PoolpipeError, match="a plan of the cost objective"):
         cheapest_apps(req, rates, prices, start=plan_apps(req))
+    # every split at once: the fixed ones, then the joint one from the cheapest of them
+    by_split = cheapest_by_split(req, rates, prices)
+    assert list(by_split) == list(SPLITS)
+    assert by_split["proportional"].budgets == prop.budgets
+    assert by_split["joint"].cost_per_hour == 2.0  # alone, the joint MILP's grid gives 3
 
 
 def test_rates_beyond_the_cluster_and_bad_cost_inputs_are_named():
     req = _two_types(1, 1)
     with pytest.raises(InfeasibleError, match=r"cannot serve these rates .* at most \d+\.\d% of"):
         cheapest_apps(req, {"a": 10_000.0}, {"A": 3.0, "B": 1.0})
+    with pytest.raises(InfeasibleError, match=r"cannot serve these rates .* at most \d+\.\d% of"):
+        cheapest_by_split(req, {"a": 10_000.0}, {"A": 3.0, "B": 1.0})  # no split can
     with pytest.raises(PoolpipeError, match="no price for GPU type"):
         cheapest_apps(req, {"a": 10.0}, {"A": 3.0})
     with pytest.raises(PoolpipeError, match=r"rates: give one per application .* missing: a"):

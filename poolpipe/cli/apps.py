@@ -235,7 +235,7 @@ def cmd_apps_simulate(args: argparse.Namespace) -> int:
 def _apps_cost(args: argparse.Namespace, req) -> int:
     """--objective cost: the cheapest GPUs serving --rates, per split, and whole-model."""
     from poolpipe.cli.plans import cluster_prices, parse_pairs
-    from poolpipe.planner.apps import SPLITS, AppPlan, cheapest_apps
+    from poolpipe.planner.apps import AppPlan, cheapest_apps, cheapest_by_split
 
     if not args.rates:
         raise PoolpipeError(
@@ -244,22 +244,13 @@ def _apps_cost(args: argparse.Namespace, req) -> int:
         )
     rates = parse_pairs(args.rates, "rates")
     prices = cluster_prices(req.cluster, args.prices)
-    plans: dict[str, AppPlan | None] = {}
-    for split in (*SPLITS[1:], SPLITS[0]):  # the joint split last, from the cheapest
-        fixed = [p for p in plans.values() if p is not None and p.cost_per_hour is not None]
-        start = None
-        if split == "joint" and fixed:
-            start = min(fixed, key=lambda p: p.cost_per_hour or 0.0)
-        with console.status(f"the cheapest GPUs, {split} split ..."):
-            plans[split] = _or_none(
-                lambda s=split, st=start: cheapest_apps(req, rates, prices, s, start=st)
-            )
-    plans = {split: plans[split] for split in SPLITS}
+    with console.status("the cheapest GPUs ...") as status:
+        plans: dict[str, AppPlan | None] = cheapest_by_split(
+            req, rates, prices, lambda split: status.update(f"the cheapest GPUs, {split} split ...")
+        )
     with console.status("the cheapest whole-model plan ..."):
         plans["whole-model"] = _or_none(lambda: cheapest_apps(req, rates, prices, whole=True))
     joint = plans["joint"]
-    if joint is None:  # the joint split serves whatever any split does: say why not
-        cheapest_apps(req, rates, prices)
     assert joint is not None and joint.cost_per_hour is not None
     t = Table(
         title=f"the cheapest GPUs of {req.cluster.name} serving "
