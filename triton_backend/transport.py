@@ -121,7 +121,7 @@ class RelayTransport:
                 await gate.turn(token)
                 taken = h + 1
                 sending = _inputs_us(hop, h)
-                releasing = None  # the gate's release at the compute's start (inputs sent)
+                released = False  # the gate's, at the compute's start (inputs sent)
                 try:
                     if sending:
                         await _until(clock, hop.transfer_start_us)
@@ -131,7 +131,8 @@ class RelayTransport:
                         return  # dropped: the rest of its path is released
                     rt.hop_started(job, h, start, (sent, sent + sending) if sending else None)
                     if sending:
-                        releasing = ex.loop.call_later(sending / 1e6, gate.release)
+                        gate.release_after(sending / 1e6)
+                        released = True
                     try:
                         call = StageCall(partition, inputs, timeout_s)
                         result = await stages.infer(served.vgpu_node[hop.vgpu], call)
@@ -141,7 +142,7 @@ class RelayTransport:
                     end = clock.now()
                     start = min(start, end)  # (inputs faster than their reservation)
                 finally:
-                    if releasing is None:
+                    if not released:
                         gate.release()
                 outs = _outputs(result, [t.name for t in io.outputs] if last else None)
                 for i, e in enumerate(entries):
@@ -234,7 +235,7 @@ class ChainTransport:
                 inbox.forget(answer_id)  # no answer comes
             return  # dropped: the rest of its path is released
         turn_us = sending if sending else hop0.end_us - hop0.start_us
-        ex.loop.call_later(max(0.0, turn_us / 1e6), gate.release)
+        gate.release_after(max(0.0, turn_us / 1e6))
         rt.hop_started(job, 0, start, (sent, sent + sending) if sending else None)
         # the chain's time: until the last SLO of its requests runs out; nobody forwards
         # a feature map with none left
