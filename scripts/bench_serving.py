@@ -393,6 +393,7 @@ def trivial_stage_check(args, tmp: Path, record) -> None:
     from flows.profile import profile_model
     from poolpipe.offline.zoo import make_model
     from triton_backend.serve import ServingProcess
+    from triton_backend.timers import loop_kind
 
     name = "bench-trivial"
     path = make_model("resnet50", tmp / "trivial.onnx", width=1 / 16, image=16)
@@ -425,6 +426,7 @@ def trivial_stage_check(args, tmp: Path, record) -> None:
     verdict = "met" if router_cpu <= 250 else "MISSED"
     t.add_row("router CPU µs per request (its process)", f"{router_cpu:.0f}", f"<= 250 ({verdict})")
     t.add_row("its Triton and door stubs, µs per request", f"{door_cpu:.0f}", "")
+    t.add_row("router's event loop", loop_kind(srv.deployment.core.loop), "")
     console.print(t)
     for k, v in (
         ("added_p50_ms", added50),
