@@ -22,6 +22,7 @@ from triton_backend.timers import (
     SELECT_LIMIT,
     PreciseEpollSelector,
     PreciseLoop,
+    coarse_call_later,
     loop_kind,
     precise_event_loop,
 )
@@ -74,6 +75,25 @@ def test_the_router_loop_is_uvloop_with_timerfd_timers():
         assert loop_kind(loop) == "uvloop, timerfd timers"
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("make", [precise_event_loop, asyncio.new_event_loop])
+def test_a_coarse_timer_fires_within_a_millisecond_of_its_time_and_a_cancelled_one_never(make):
+    loop = make()
+    fired: list[tuple[str, float]] = []
+    try:
+        start = loop.time()
+        coarse_call_later(loop, 0.02, lambda: fired.append(("a", loop.time())))
+        gone = coarse_call_later(loop, 0.01, lambda: fired.append(("gone", loop.time())))
+        coarse_call_later(loop, 0.005, lambda: fired.append(("b", loop.time())))
+        gone.cancel()
+        loop.call_at(start + 0.05, loop.stop)
+        loop.run_forever()
+    finally:
+        loop.close()
+    assert [k for k, _ in fired] == ["b", "a"]
+    for (_, at), delay in zip(fired, (0.005, 0.02), strict=True):
+        assert at - start >= delay - 0.0015, fired  # libuv's milliseconds, at most 1 early
 
 
 @needs_uvloop

@@ -232,6 +232,12 @@ class PreciseLoop(_Base):
         self._push(ns, timer)
         return timer
 
+    def coarse_call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Any:
+        """libuv's own timer, to the millisecond (it may fire up to 1 ms early or late): for
+        deadlines of seconds set and cancelled at every call (a stage call's timeout), in C
+        with no heap or timerfd of this loop."""
+        return super().call_later(delay, callback, *args)
+
     def _near(self, timer: PreciseTimer) -> None:
         timer._native = None
         self._push(int(timer._when * 1e9), timer)
@@ -277,6 +283,17 @@ class PreciseLoop(_Base):
             self.remove_reader(self._timerfd.fd)
             self._timerfd.close()
         super().close()
+
+
+def coarse_call_later(
+    loop: asyncio.AbstractEventLoop, delay: float, callback: Callable[..., Any], *args: Any
+) -> Any:
+    """`loop.call_later` where a millisecond either way does not matter (a timeout of
+    seconds): on `PreciseLoop` libuv's own timer, the cheapest this loop has."""
+    coarse = getattr(loop, "coarse_call_later", None)
+    if coarse is None:
+        return loop.call_later(delay, callback, *args)
+    return coarse(delay, callback, *args)
 
 
 def loop_kind(loop: asyncio.AbstractEventLoop) -> str:
