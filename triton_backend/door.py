@@ -227,7 +227,7 @@ def _header(params: dict, name: str) -> object:
 
 def _parameters(raw: object) -> dict:
     """A request's parameters as the backend hands them over (a JSON object string)."""
-    if not raw:
+    if not raw or raw == "{}":  # (what a request without parameters brings)
         return {}
     try:
         params = json.loads(raw) if isinstance(raw, str | bytes) else dict(raw)  # type: ignore[call-overload]

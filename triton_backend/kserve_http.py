@@ -35,9 +35,13 @@ from triton_backend.stages import (
     StageTimeout,
     StageUnreachable,
 )
+from triton_backend.timers import coarse_call_later
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
 _MAX_KEPT = 256  # request heads / answer layouts kept per node (by shapes), then forgotten
+# An answer's head: status, headers (names in lower case), body length, whether the node
+# closes the connection after it
+AnswerHead = tuple[int, dict[bytes, bytes], int, bool]
 # Per output of an answer: name, dtype, shape, binary size, JSON data (see _layout)
 AnswerLayout = list[tuple[str, np.dtype, list[int], int | None, Any]]
 
@@ -51,7 +55,7 @@ class _Connection(asyncio.Protocol):
         self.stage = stage
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        self.head: tuple[int, dict[bytes, bytes]] | None = None
+        self.head: AnswerHead | None = None
         self.need = 0
         self.fut: asyncio.Future | None = None
         self.closed = False
@@ -73,24 +77,30 @@ class _Connection(asyncio.Protocol):
                 if len(self.buf) > MAX_HEAD:
                     self._fail(StageCallError("the node's answer has no end of headers"))
                 return
-            try:
-                status, headers = parse_head(bytes(self.buf[:end]))
-                if headers.get(b"transfer-encoding", b"identity").lower() != b"identity":
-                    raise ValueError("chunked answers are not read here")
-                self.need = int(headers.get(b"content-length", b"0"))
-            except (ValueError, IndexError) as exc:
-                self._fail(StageCallError(f"the node's answer is not HTTP/1.1 as expected: {exc}"))
-                return
-            self.head = (status, headers)
+            raw = bytes(self.buf[:end])
+            kept = self.stage._answer_heads
+            known = kept.get(raw)
+            if known is None:  # a node's answers of one shape repeat their head: parsed once
+                try:
+                    known = _answer_head(raw)
+                except (ValueError, IndexError) as exc:
+                    why = f"the node's answer is not HTTP/1.1 as expected: {exc}"
+                    self._fail(StageCallError(why))
+                    return
+                if len(kept) >= _MAX_KEPT:
+                    kept.clear()
+                kept[raw] = known
+            self.head = known
+            self.need = known[2]
             del self.buf[: end + 4]
         if len(self.buf) < self.need:
             return
-        status, headers = self.head
+        status, headers, _, close = self.head
         body = bytes(self.buf[: self.need])
         del self.buf[: self.need]
         self.head = None
         fut, self.fut = self.fut, None
-        if headers.get(b"connection", b"").lower() == b"close":
+        if close:
             self._close()
         else:
             self.stage._idle.append(self)
@@ -128,6 +138,7 @@ class HttpStage:
         self._idle: list[_Connection] = []
         self._heads: dict[tuple, bytes] = {}  # request heads by (model, input shapes)
         self._layouts: dict[bytes, AnswerLayout] = {}  # answer layouts by their JSON header
+        self._answer_heads: dict[bytes, AnswerHead] = {}  # parsed answer heads by their bytes
 
     async def infer(self, call: StageCall) -> dict[str, np.ndarray]:
         """The call's outputs by name; StageCallError when the node answers with an error
@@ -210,8 +221,7 @@ class HttpStage:
     async def _call(
         self, conn: _Connection, parts: list, timeout_s: float
     ) -> tuple[int, dict[bytes, bytes], bytes]:
-        late = StageTimeout(f"no answer from {self.address} in {timeout_s:g} s")
-        timer = self.loop.call_later(timeout_s, conn._fail, late)
+        timer = coarse_call_later(self.loop, timeout_s, self._timed_out, conn, timeout_s)
         try:
             return await conn.call(parts)
         except asyncio.CancelledError:
@@ -219,6 +229,9 @@ class HttpStage:
             raise
         finally:
             timer.cancel()
+
+    def _timed_out(self, conn: _Connection, timeout_s: float) -> None:
+        conn._fail(StageTimeout(f"no answer from {self.address} in {timeout_s:g} s"))
 
     async def _connect(self, timeout_s: float) -> _Connection:
         try:
@@ -320,6 +333,17 @@ def parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:
         k, _, v = line.partition(b":")
         headers[k.strip().lower()] = v.strip()
     return status, headers
+
+
+def _answer_head(raw: bytes) -> AnswerHead:
+    """An answer's head parsed (see AnswerHead); ValueError when this client cannot read it."""
+    status, headers = parse_head(raw)
+    if headers.get(b"transfer-encoding", b"identity").lower() != b"identity":
+        raise ValueError("chunked answers are not read here")
+    need = int(headers.get(b"content-length", b"0"))
+    if need < 0:
+        raise ValueError(f"content-length {need}")
+    return status, headers, need, headers.get(b"connection", b"").lower() == b"close"
 
 
 def _error_text(status: int, body: bytes) -> str:
