@@ -318,6 +318,19 @@ class ReservationScheduler(DataPlane):
                 else:
                     self._later[pid] = True
                     self._inputs[pid] = d == 0
+        # Per pool and server group (a later pool's): a lower bound on when a transfer into
+        # the server can end (_touch_down), as a start bound of the group's vGPUs. A feature
+        # map's transfer starts no earlier than _offset[pool] after the probe (the earlier
+        # pools' shortest stages), where the downlink is booked ahead by the batches already
+        # sent: without it a busy downlink's server looked as good as its idle vGPUs, and a
+        # probe scanned a third of a 63-server pool for the earliest transfer.
+        self._dlb = [[-math.inf] * len(groups) for groups in self._groups]
+        self._down_groups: list[list[tuple[int, int]]] = [[] for _ in topo.servers]
+        for pid in range(len(topo.pools)):
+            if self._later[pid]:
+                for g, srv in enumerate(self._gsrv[pid]):
+                    self._down_groups[srv].append((pid, g))
+        self._offset = [0.0] * len(topo.pools)
         self._rr = [0] * len(topo.pools)
         # Per pool, from its last probe that found no vGPU free at once: no vGPU of the pool
         # can start a stage of _booked_lat µs at or after _booked_t before _booked_from.
@@ -433,6 +446,13 @@ class ReservationScheduler(DataPlane):
         self._lat = latency_tables(topo)
         self._tin = [float(pool.transfer_in_us) for pool in topo.pools]
         self._lat_min = [min(lat[1:], default=0.0) for lat in self._lat]
+        offset = [math.inf] * len(topo.pools)
+        for pipe in topo.pipelines:
+            ahead = 0.0
+            for pid in pipe.pools:
+                offset[pid] = min(offset[pid], ahead)
+                ahead += self._lat_min[pid]
+        self._offset = [x if x < math.inf else 0.0 for x in offset]
 
     def _touch(self, v: int, now: float) -> None:
         """vGPU v's table changed at `now`: its bound anew, and its pool's trees."""
@@ -444,13 +464,36 @@ class ReservationScheduler(DataPlane):
             if self._first[pid]:
                 self._ftree[pid].set(self._flat_index[v], x)
             if self._later[pid]:
-                g = self._group_of[v]
-                m = math.inf
-                for u in self._gvg[pid][g]:
-                    y = lbs[u]
-                    if y < m:
-                        m = y
-                self._gtree[pid].set(g, m)
+                self._group_bound(pid, self._group_of[v])
+        if now > self._bound_from:
+            self._bound_from = now
+
+    def _group_bound(self, pid: int, g: int) -> None:
+        """Server group g of pool pid: its bound anew (its vGPUs' least, or its downlink's)."""
+        lbs = self._lb
+        m = math.inf
+        for u in self._gvg[pid][g]:
+            y = lbs[u]
+            if y < m:
+                m = y
+        d = self._dlb[pid][g]
+        self._gtree[pid].set(g, d if d > m else m)
+
+    def _touch_down(self, srv: int, now: float) -> None:
+        """Server srv's downlink table changed at `now`: the bounds of its groups anew. A
+        transfer of at least one sample into pool pid starts no earlier than `now` plus
+        the pool's offset, so the vGPU's stage no earlier than its end."""
+        groups = self._down_groups[srv]
+        if not groups:
+            return
+        down = self.downlink[srv]
+        for pid, g in groups:
+            tin = self._tin[pid]
+            if tin > 0:
+                x = down.earliest_slot(now + self._offset[pid], tin) + tin
+                if x != self._dlb[pid][g]:
+                    self._dlb[pid][g] = x
+                    self._group_bound(pid, g)
         if now > self._bound_from:
             self._bound_from = now
 
@@ -467,8 +510,14 @@ class ReservationScheduler(DataPlane):
         if now == -math.inf:
             return  # nothing bounded yet
         self._bound_from = -math.inf
+        for srv in range(len(self.downlink)):
+            self._touch_down(srv, now)
         for v in range(len(self.vgpu_table)):
             self._touch(v, now)
+        for pid in range(len(self._groups)):
+            if self._later[pid]:
+                for g in range(len(self._groups[pid])):
+                    self._group_bound(pid, g)
 
     def set_vgpu_down(self, vgpu: int, down: bool, now: float) -> None:
         """Take a vGPU out of (or back into) service: while down it is reserved forever, so
@@ -490,6 +539,7 @@ class ReservationScheduler(DataPlane):
                 if x.src_vgpu >= 0:
                     self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
                 self.downlink[self.server_of[x.vgpu]].correct(key + 1, now, now, now)
+                self._touch_down(self.server_of[x.vgpu], now)
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -704,6 +754,7 @@ class ReservationScheduler(DataPlane):
                 down = self.downlink[server_of[v]]
                 down.forget_before(now)
                 down.reserve(ts, te, key + 1)
+                self._touch_down(server_of[v], now)
             # The next probe of this pool starts after the chosen vGPU / server.
             pid = hop.pool
             if src < 0 and not self._inputs[pid]:
@@ -733,6 +784,7 @@ class ReservationScheduler(DataPlane):
             if hop.src_vgpu >= 0:
                 self.uplink[self.server_of[hop.src_vgpu]].correct(key + 1, ts, te, now)
             self.downlink[self.server_of[hop.vgpu]].correct(key + 1, ts, te, now)
+            self._touch_down(self.server_of[hop.vgpu], now)
         return d
 
     # ------------------------------------------------------------------ batching loop
