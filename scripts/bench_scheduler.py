@@ -1,7 +1,11 @@
 """Scheduler benchmark: scheduling time and probes per dispatched batch, and simulator speed,
 for ppipe plans of the paper's groups on the 100-GPU hc2-large cluster near capacity, then
 group 2 planned for the cluster scaled to each of --sizes GPUs (same type ratio and GPUs
-per server) at load 0.9: how the hot path's cost grows with the pools. Prints which build
+per server) at load 0.9: how the hot path's cost grows with the pools. A plan made for a
+larger cluster has another shape (more pipelines per model, other batches: more probes and
+decisions per request), so the same rows follow for the smallest size's plan replicated
+(every pool k times the vGPUs on a cluster k times as large): the cost of size alone.
+Prints which build
 ran (the compiled hot path, or the sources and why), tables, and appends rows to the
 warehouse (bench_scheduler).
 
@@ -16,6 +20,7 @@ import socket
 import statistics
 import sys
 import tomllib
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from rich.table import Table
 from poolpipe import native
 from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.cluster import Cluster, load_clusters
+from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.planner import make_plan
 from poolpipe.planner.request import group_request
@@ -73,10 +79,15 @@ def main() -> int:
 
     laid_out: dict[tuple[tuple[str, ...], str], Topology] = {}  # planned once per cluster
 
-    def measure(table: Table, config: str, group: list[str], on: Cluster, lf: float) -> dict:
-        key = (tuple(group), on.name)
+    def measure(
+        table: Table, config: str, group: list[str], on: Cluster, lf: float, times: int = 0
+    ) -> dict:
+        key = (tuple(group), on.name, times)
         if key not in laid_out:
-            plan = make_plan(group_request(profiles, group, mix, on))
+            if times:  # the plan for `on`, replicated
+                plan = replicated(make_plan(group_request(profiles, group, mix, on)), times)
+            else:
+                plan = make_plan(group_request(profiles, group, mix, on))
             laid_out[key] = build_topology(plan, profiles, larger_batches=True)
         topo = laid_out[key]
         sim = SimConfig(duration, seed=1)
@@ -133,22 +144,48 @@ def main() -> int:
             f"group 2 on {args.cluster} scaled ({args.data_plane}, load 0.9, {duration:g} s "
             "simulated)"
         )
-        scaled = []
+        scaled, same = [], []
+        small = cluster if sizes[0] == cluster.total_gpus else cluster.scaled(sizes[0])
         for n in track(sizes, "planning and simulating each size", console=console, transient=True):
             on = cluster if n == cluster.total_gpus else cluster.scaled(n)
             scaled.append(measure(scaling, f"g2:{on.name}", group, on, 0.9))
+            if n != sizes[0] and n % sizes[0] == 0:
+                k = n // sizes[0]
+                same.append(measure(scaling, f"g2:{small.name} plan x{k}", group, small, 0.9, k))
         console.print(scaling)
         base = scaled[0]["sim_requests_per_wall_s"]
-        for r in scaled[1:]:
+        for r in scaled[1:] + same:
             console.print(
                 f"{r['config']}: {base / r['sim_requests_per_wall_s']:.2f}x the wall time per "
                 f"simulated request of {scaled[0]['config']}"
             )
-        rows += scaled
+        rows += scaled + same
     with Warehouse.open(args.warehouse) as wh:
         wh.store_rows("bench_scheduler", rows)
         console.print(f"stored {len(rows)} rows in {wh.path} (bench_scheduler)")
     return 0
+
+
+def replicated(plan: Plan, k: int) -> Plan:
+    """`plan` with every partition's vGPUs (and so every rate) k times, on its cluster
+    scaled k times (the same GPUs per server: the pools' servers k times as many)."""
+    models = tuple(
+        replace(
+            m,
+            throughput=m.throughput * k,
+            est_throughput=None if m.est_throughput is None else m.est_throughput * k,
+            pipelines=tuple(
+                replace(
+                    p,
+                    throughput=p.throughput * k,
+                    partitions=tuple(replace(q, vgpus=q.vgpus * k) for q in p.partitions),
+                )
+                for p in m.pipelines
+            ),
+        )
+        for m in plan.models
+    )
+    return replace(plan, cluster=plan.cluster.scaled(plan.cluster.total_gpus * k), models=models)
 
 
 def new_table(title: str) -> Table:
