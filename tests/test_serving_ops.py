@@ -396,13 +396,34 @@ def test_a_router_killed_outright_leaves_no_triton_behind(onboarded_tiny, tmp_pa
     http, grpc = free_ports(2)
     argv = ["--warehouse", wh, "serve", str(plan_file), "--http-port", str(http)]
     argv += ["--grpc-port", str(grpc), "--workspace", str(tmp_path / "ws")]
+    before = _leftovers()
     proc = _serving(argv, 180)
     # the router's and its nodes' tritonservers, at least
     left = _killed_outright(proc, at_least=3, within_s=30)
     assert not left, f"processes {left} outlived the router"
+    assert _leftovers() - before, "nothing left behind: the sweep below checks nothing"
     again = _serving(argv, 180)  # the same ports: nothing left holds them
     again.send_signal(signal.SIGTERM)
     assert again.wait(60) == 0
+    # what the killed router left, a router or node starting STALE_AFTER_S later sweeps
+    import time
+
+    from triton_backend.frontend import sweep_doors
+    from triton_backend.nodes import STALE_AFTER_S, sweep_uploads
+
+    later = time.time() + 2 * STALE_AFTER_S
+    sweep_uploads(now=later)
+    sweep_doors(now=later)
+    assert not _leftovers() - before, _leftovers() - before
+
+
+def _leftovers() -> set[str]:
+    """Triton's upload folders and routers' door folders in the temporary folders."""
+    import tempfile
+    from pathlib import Path
+
+    uploads = {str(p) for p in Path("/tmp").glob("folder??????")}
+    return uploads | {str(p) for p in Path(tempfile.gettempdir()).glob("poolpipe-door-*")}
 
 
 def test_a_port_another_process_holds_is_named_not_reused(onboarded_tiny, tmp_path, capsys):  # noqa: F811
@@ -761,3 +782,76 @@ def test_a_node_stopped_or_killed_leaves_no_uploaded_model_behind(tmp_path, how)
     finally:
         node.stop() if how == "stop" else node.kill()
     assert not folders[0].exists()
+
+
+def test_what_a_router_or_triton_killed_outright_left_is_swept_and_live_ones_kept(tmp_path):
+    """`kill -9` of a router or a node leaves its door folder and its Triton's upload
+    folders (Triton removes those only when it unloads). The next router or node removes
+    the stale ones: a door whose socket takes no connection, an upload folder no stub runs
+    and no running tritonserver made; not a live door, a model a stub runs, a folder
+    younger than STALE_AFTER_S or one a running Triton may have made."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from triton_backend.frontend import sweep_doors
+    from triton_backend.nodes import STALE_AFTER_S, TritonNode, stop_nodes, sweep_uploads
+
+    node = TritonNode("n", "cpu-1t", tmp_path / "repo", tmp_path).start()
+    stub = None
+    try:
+        started = time.time()
+        time.sleep(0.05)
+
+        def upload(name: str, mtime: float | None, model: bool = True):
+            d = tmp_path / name
+            (d / "1").mkdir(parents=True)
+            (d / "config.pbtxt").write_text(f'name: "{name}"\n')
+            if model:
+                (d / "1" / "model.py").write_text("import time\ntime.sleep(120)\n")
+            if mtime is not None:
+                os.utime(d, (mtime, mtime))
+            return d
+
+        old = started - 10 * STALE_AFTER_S  # before the running Triton started
+        dead = upload("folderDead01", old)
+        running = upload("folderRun001", old)
+        stub = subprocess.Popen([sys.executable, str(running / "1" / "model.py")])
+        onnx_only = upload("folderOnnx01", old, model=False)  # no stub tells if it is used
+        since = upload("folderSince1", None)  # made after the Triton started: maybe its
+        time.sleep(0.2)  # (the stub's command line in /proc)
+        later = time.time() + 2 * STALE_AFTER_S  # as if that much time had passed
+        assert sweep_uploads(tmp_path, now=later) == [dead]
+        assert running.exists() and onnx_only.exists() and since.exists()
+        young = upload("folderYoung1", None)
+        assert sweep_uploads(tmp_path) == [] and young.exists()
+    finally:
+        if stub is not None:
+            stub.kill()
+            stub.wait()
+        stop_nodes([node])
+
+    root = Path(tempfile.mkdtemp(prefix="pp"))  # a socket's path fits in 108 bytes
+    try:
+        gone, live, young = (root / f"poolpipe-door-{k}" for k in ("gone", "live", "young"))
+        for d in (gone, live, young):
+            d.mkdir()
+        with socket.socket(socket.AF_UNIX) as s:  # bound, then closed: nobody listens
+            s.bind(str(gone / "door.sock"))
+        listening = socket.socket(socket.AF_UNIX)
+        listening.bind(str(live / "door.sock"))
+        listening.listen()
+        for d in (gone, live):
+            os.utime(d, (time.time() - 2 * STALE_AFTER_S,) * 2)
+        try:
+            assert sweep_doors(root) == [gone]
+        finally:
+            listening.close()
+        assert live.exists() and young.exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

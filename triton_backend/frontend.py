@@ -12,8 +12,11 @@ own Python backend 0.66 ms, 540 µs and 0.47 s."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +26,7 @@ import numpy as np
 from poolpipe.client.control import CONTROL_MODEL
 from poolpipe.runtime import FORWARDED_HEADERS
 from triton_backend.door import Door
-from triton_backend.nodes import TritonNode
+from triton_backend.nodes import STALE_AFTER_S, TritonNode
 from triton_backend.repository import kserve_dtype, triton_dtype
 from triton_backend.router import ModelIO, RouterCore
 
@@ -76,6 +79,34 @@ def door_config(
             )
         )
     )
+
+
+DOOR_PREFIX = "poolpipe-door-"
+
+
+def sweep_doors(root: Path | None = None, now: float | None = None) -> list[Path]:
+    """Remove the door folders (`root`, default the temporary folder, /poolpipe-door-*) of
+    routers killed outright, and return them: this user's, untouched for STALE_AFTER_S,
+    whose socket takes no connection (a live router's does)."""
+    root = Path(tempfile.gettempdir()) if root is None else root
+    now = time.time() if now is None else now
+    removed = []
+    for d in root.glob(f"{DOOR_PREFIX}*"):
+        try:
+            st = d.stat()
+        except OSError:
+            continue
+        if st.st_uid != os.getuid() or now - st.st_mtime <= STALE_AFTER_S:
+            continue
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(str(d / "door.sock"))
+                continue  # a live router's
+            except OSError:
+                pass
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 class Frontend:
@@ -134,7 +165,8 @@ class Frontend:
         try:
             # The socket's path must fit in 108 bytes: a short private folder, not the
             # workspace (mkdtemp makes it 0700: only this user can reach the door).
-            self._dir = Path(tempfile.mkdtemp(prefix="poolpipe-door-"))
+            sweep_doors()
+            self._dir = Path(tempfile.mkdtemp(prefix=DOOR_PREFIX))
             sock = self._dir / "door.sock"
             self.door = Door(self.core, sock, self.control).open()
             self._render(sock)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import queue
 import re
@@ -259,6 +260,7 @@ class TritonNode(RepositoryAPI):
             *self.options,
         ]
         self._check_ports()
+        sweep_uploads()
         for attempt in (1, 2):
             log = open(self.log_path, "ab")  # noqa: SIM115 (the process keeps it)
             if self.die_with_parent:
@@ -552,6 +554,60 @@ def _shm_regions(pids: list[int]) -> list[str]:
 # of /tmp (whatever TMPDIR says) that it removes when the model is unloaded, and leaves
 # behind when the server stops with the model loaded (a shutdown, a crash).
 _UPLOAD_FOLDER = re.compile(r"/tmp/folder[A-Za-z0-9]{6}")
+
+
+# An upload folder or a router's door folder untouched this long, whose owner is gone, is
+# left over (a Triton, a router killed outright); younger ones may be being set up
+STALE_AFTER_S = 60.0
+
+
+def sweep_uploads(root: Path = Path("/tmp"), now: float | None = None) -> list[Path]:
+    """Remove the upload folders (`root`/folderXXXXXX) of Python-backend models that a
+    Triton killed outright left behind, and return them: this user's, untouched for
+    STALE_AFTER_S, run by no stub process (whose command line names the model file), and
+    made after every running tritonserver started (so none of them made it). Another
+    user's folders and those of any live server are left alone."""
+    now = time.time() if now is None else now
+    candidates = []
+    with contextlib.suppress(OSError):
+        for d in root.iterdir():
+            if not re.fullmatch(r"folder[A-Za-z0-9]{6}", d.name):
+                continue
+            with contextlib.suppress(OSError):
+                st = d.stat()
+                old = st.st_uid == os.getuid() and now - st.st_mtime > STALE_AFTER_S
+                if old and next(d.glob("*/model.py"), None) is not None:
+                    candidates.append((d, st.st_mtime))
+    if not candidates:
+        return []
+    in_use: set[str] = set()
+    servers_since = math.inf  # when the earliest running tritonserver started
+    boot, tick = _boot_time(), os.sysconf("SC_CLK_TCK")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        argv = _argv(proc.name)
+        if len(argv) > 1 and (m := re.match(rb"(.*/folder[A-Za-z0-9]{6})/", argv[1])):
+            in_use.add(m.group(1).decode(errors="replace"))
+        if argv and argv[0].endswith(b"tritonserver") and (ps := _stat(int(proc.name))):
+            servers_since = min(servers_since, boot + int(ps[1]) / tick)
+    removed = []
+    for d, mtime in candidates:
+        # (a process's start is known to a second here: /proc/stat's btime)
+        if str(d) not in in_use and mtime < servers_since - 2.0:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    if removed:
+        log_.info("removed %d upload folders a stopped Triton left in %s", len(removed), root)
+    return removed
+
+
+def _boot_time() -> float:
+    """When this machine booted (seconds since the epoch; /proc/stat's btime)."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def model_folders(procs: list[tuple[int, str]]) -> list[Path]:
