@@ -824,9 +824,16 @@ def test_what_a_router_or_triton_killed_outright_left_is_swept_and_live_ones_kep
         stub = subprocess.Popen([sys.executable, str(running / "1" / "model.py")])
         onnx_only = upload("folderOnnx01", old, model=False)  # no stub tells if it is used
         since = upload("folderSince1", None)  # made after the Triton started: maybe its
+        envs = [tmp_path / f"python_env_{k}Env12" for k in "ab"]  # the Python backend's
+        for e in envs:
+            e.mkdir()
+        (envs[1] / "x").mkdir()  # not empty: an environment in use
+        for e in envs:
+            os.utime(e, (old, old))
         time.sleep(0.2)  # (the stub's command line in /proc)
         later = time.time() + 2 * STALE_AFTER_S  # as if that much time had passed
-        assert sweep_uploads(tmp_path, now=later) == [dead]
+        assert sorted(sweep_uploads(tmp_path, now=later)) == sorted([dead, envs[0]])
+        assert envs[1].exists()
         assert running.exists() and onnx_only.exists() and since.exists()
         young = upload("folderYoung1", None)
         assert sweep_uploads(tmp_path) == [] and young.exists()

@@ -563,20 +563,27 @@ STALE_AFTER_S = 60.0
 
 def sweep_uploads(root: Path = Path("/tmp"), now: float | None = None) -> list[Path]:
     """Remove the upload folders (`root`/folderXXXXXX) of Python-backend models that a
-    Triton killed outright left behind, and return them: this user's, untouched for
-    STALE_AFTER_S, run by no stub process (whose command line names the model file), and
-    made after every running tritonserver started (so none of them made it). Another
-    user's folders and those of any live server are left alone."""
+    Triton killed outright left behind, and the empty folders its Python backend makes
+    for execution environments (`root`/python_env_XXXXXX, which we never use), and return
+    them: this user's, untouched for STALE_AFTER_S, run by no stub process (whose command
+    line names the model file), and made before every running tritonserver started (so
+    none of them made it). Another user's folders and those of any live server are left
+    alone."""
     now = time.time() if now is None else now
     candidates = []
     with contextlib.suppress(OSError):
         for d in root.iterdir():
-            if not re.fullmatch(r"folder[A-Za-z0-9]{6}", d.name):
+            upload = re.fullmatch(r"folder[A-Za-z0-9]{6}", d.name)
+            if not upload and not re.fullmatch(r"python_env_[A-Za-z0-9]{6}", d.name):
                 continue
             with contextlib.suppress(OSError):
                 st = d.stat()
                 old = st.st_uid == os.getuid() and now - st.st_mtime > STALE_AFTER_S
-                if old and next(d.glob("*/model.py"), None) is not None:
+                if old and (
+                    next(d.glob("*/model.py"), None) is not None
+                    if upload
+                    else next(d.iterdir(), None) is None
+                ):
                     candidates.append((d, st.st_mtime))
     if not candidates:
         return []
@@ -598,7 +605,7 @@ def sweep_uploads(root: Path = Path("/tmp"), now: float | None = None) -> list[P
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     if removed:
-        log_.info("removed %d upload folders a stopped Triton left in %s", len(removed), root)
+        log_.info("removed %d folders a stopped Triton left in %s", len(removed), root)
     return removed
 
 
