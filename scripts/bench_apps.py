@@ -45,6 +45,7 @@ from poolpipe.planner.apps import (
     cheapest_by_split,
     plan_apps,
 )
+from poolpipe.planner.solvers import SOLVERS, gurobi_available
 from poolpipe.sim.apps import part_profiles, simulate_apps
 from poolpipe.sim.engine import SimConfig
 from poolpipe.store.bench_rows import BenchRows
@@ -90,6 +91,13 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=0.4)
     ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per MILP (30)")
     ap.add_argument(
+        "--solver",
+        choices=SOLVERS,
+        default="highs",
+        help="MILP solver (highs; gurobi where gurobipy and a licence are installed: pip's "
+        "gurobipy brings a size-limited one these MILPs fit)",
+    )
+    ap.add_argument(
         "--rate-share",
         type=float,
         default=0.5,
@@ -132,6 +140,9 @@ def main() -> int:
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
     args = ap.parse_args()
+    if args.solver == "gurobi" and not (usable := gurobi_available())[0]:
+        ap.error(f"--solver gurobi: {usable[1]}")
+    console.print(f"MILP solver: {args.solver}")
     root = args.profiles or ppipe_dir()
     profiles = {p.name: p for p in load_ppipe_dir(root)}
     clusters = load_clusters(root / "clusters.toml")
@@ -207,6 +218,7 @@ def main() -> int:
             grid=args.grid,
             margin=args.margin,
             time_limit_s=args.time_limit,
+            solver=args.solver,
         )
         with console.status(f"{cname}, {mix}: equal, proportional, nexus ..."):
             equal = plan_apps(req, "equal")
@@ -351,7 +363,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     apps = load_apps(args.live_spec, known_models=profiles)
     req = AppPlanRequest(
         tuple(apps), profiles, cluster, grid=args.grid, margin=args.margin,
-        time_limit_s=args.time_limit, count_inputs=args.count_inputs,
+        time_limit_s=args.time_limit, count_inputs=args.count_inputs, solver=args.solver,
     )  # fmt: skip
     with console.status(f"planning {args.live_spec} for {cluster.name} ..."):
         joint = plan_apps(req, start=plan_apps(req, "nexus"))
