@@ -95,7 +95,7 @@ def main() -> int:
         choices=SOLVERS,
         default="highs",
         help="MILP solver (highs; gurobi where gurobipy and a licence are installed: pip's "
-        "gurobipy brings a size-limited one these MILPs fit)",
+        "gurobipy brings a size-limited one the max-min MILPs fit, not the cost MILP)",
     )
     ap.add_argument(
         "--rate-share",
