@@ -24,6 +24,7 @@ import argparse
 import itertools
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.apps import parse_apps
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
+from poolpipe.errors import SolverError
 from poolpipe.planner.apps import (
     SPLITS,
     AppPlan,
@@ -259,12 +261,15 @@ def main() -> int:
             rows.record("apps", config, metric, v)
         rates = {a.name: args.rate_share * joint.rates[a.name] for a in apps}
         with console.status(f"{cname}, {mix}: the cheapest GPUs, pooled and whole-model ..."):
-            # each fixed split's cheapest GPUs; the joint split's from the cheapest of them
-            by_split = cheapest_by_split(req, rates, prices)
-            pooled = by_split.pop(SPLITS[0])
-            fixed = by_split
+            try:
+                pooled, fixed, whole = _cheapest(req, rates, prices)
+            except SolverError as exc:
+                if req.solver == "highs":
+                    raise
+                # (the joint cost MILP is larger than gurobipy's size-limited licence takes)
+                console.print(f"{cname}, {mix}: the cost MILPs on HiGHS ({exc})")
+                pooled, fixed, whole = _cheapest(replace(req, solver="highs"), rates, prices)
             best = min(fixed, key=lambda s: _cost(fixed[s]))
-            whole = cheapest_apps(req, rates, prices, whole=True)
         assert pooled.cost_per_hour is not None and whole.cost_per_hour is not None
         c.add_row(
             cname,
@@ -450,6 +455,14 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         finally:
             server.close()
     console.print(t)
+
+
+def _cheapest(req, rates, prices):
+    """Each fixed split's cheapest GPUs, the joint split's from the cheapest of them, and
+    whole-model pipelines': (pooled, {split: plan}, whole)."""
+    by_split = cheapest_by_split(req, rates, prices)
+    pooled = by_split.pop(SPLITS[0])
+    return pooled, by_split, cheapest_apps(req, rates, prices, whole=True)
 
 
 def _cost(plan: AppPlan | None) -> float:
