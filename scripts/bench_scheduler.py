@@ -84,10 +84,9 @@ def main() -> int:
     ) -> dict:
         key = (tuple(group), on.name, times)
         if key not in laid_out:
+            plan = make_plan(group_request(profiles, group, mix, on))
             if times:  # the plan for `on`, replicated
-                plan = replicated(make_plan(group_request(profiles, group, mix, on)), times)
-            else:
-                plan = make_plan(group_request(profiles, group, mix, on))
+                plan = replicated(plan, times)
             laid_out[key] = build_topology(plan, profiles, larger_batches=True)
         topo = laid_out[key]
         sim = SimConfig(duration, seed=1)
@@ -144,10 +143,13 @@ def main() -> int:
             f"group 2 on {args.cluster} scaled ({args.data_plane}, load 0.9, {duration:g} s "
             "simulated)"
         )
+        def sized(n: int) -> Cluster:
+            return cluster if n == cluster.total_gpus else cluster.scaled(n)
+
         scaled, same = [], []
-        small = cluster if sizes[0] == cluster.total_gpus else cluster.scaled(sizes[0])
+        small = sized(sizes[0])
         for n in track(sizes, "planning and simulating each size", console=console, transient=True):
-            on = cluster if n == cluster.total_gpus else cluster.scaled(n)
+            on = sized(n)
             scaled.append(measure(scaling, f"g2:{on.name}", group, on, 0.9))
             if n != sizes[0] and n % sizes[0] == 0:
                 k = n // sizes[0]

@@ -553,7 +553,8 @@ def _shm_regions(pids: list[int]) -> list[str]:
 # Where Triton puts a model loaded with its files (the repository API's uploads): a folder
 # of /tmp (whatever TMPDIR says) that it removes when the model is unloaded, and leaves
 # behind when the server stops with the model loaded (a shutdown, a crash).
-_UPLOAD_FOLDER = re.compile(r"/tmp/folder[A-Za-z0-9]{6}")
+_UPLOAD_NAME = r"folder[A-Za-z0-9]{6}"
+_UPLOAD_FOLDER = re.compile(rf"/tmp/{_UPLOAD_NAME}")
 
 
 # An upload folder or a router's door folder untouched this long, whose owner is gone, is
@@ -573,7 +574,7 @@ def sweep_uploads(root: Path = Path("/tmp"), now: float | None = None) -> list[P
     candidates = []
     with contextlib.suppress(OSError):
         for d in root.iterdir():
-            upload = re.fullmatch(r"folder[A-Za-z0-9]{6}", d.name)
+            upload = re.fullmatch(_UPLOAD_NAME, d.name)
             if not upload and not re.fullmatch(r"python_env_[A-Za-z0-9]{6}", d.name):
                 continue
             with contextlib.suppress(OSError):
@@ -594,8 +595,9 @@ def sweep_uploads(root: Path = Path("/tmp"), now: float | None = None) -> list[P
         if not proc.name.isdigit():
             continue
         argv = _argv(proc.name)
-        if len(argv) > 1 and (m := re.match(rb"(.*/folder[A-Za-z0-9]{6})/", argv[1])):
-            in_use.add(m.group(1).decode(errors="replace"))
+        model = argv[1].decode(errors="replace") if len(argv) > 1 else ""
+        if m := re.match(rf"(.*/{_UPLOAD_NAME})/", model):
+            in_use.add(m.group(1))
         if argv and argv[0].endswith(b"tritonserver") and (ps := _stat(int(proc.name))):
             servers_since = min(servers_since, boot + int(ps[1]) / tick)
     removed = []
