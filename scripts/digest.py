@@ -55,6 +55,9 @@ SIM_WALL_FIELDS = {
     "sched_us_per_batch_median",
     "sched_us_per_batch_mean",
 }
+# What measures the data plane's work, not its decisions: kept, compared apart (a change
+# that prunes probes exactly leaves every decision as it was and lowers these).
+SIM_WORK_FIELDS = ("probes_per_batch",)
 PLAN_TIME_FIELDS = {"seconds", "milp_seconds", "wall_s", "solve_s", "created_at", "created"}
 LOAD_FACTOR = 0.9
 JITTERS = (0.0, 0.2)
@@ -230,10 +233,22 @@ def _unproven(doc: dict[str, Any]) -> bool:
     return "solver" in doc and (doc.get("solver") or {}).get("status") != "optimal"
 
 
+def _work_apart(doc: dict[str, Any] | None, work: dict[str, list[float]]) -> dict[str, Any] | None:
+    """`doc` less its SIM_WORK_FIELDS, whose values go to `work`."""
+    if doc is None or not any(f in doc for f in SIM_WORK_FIELDS):
+        return doc
+    for f in SIM_WORK_FIELDS:
+        if f in doc:
+            work.setdefault(f, []).append(doc[f])
+    return {k: v for k, v in doc.items() if k not in SIM_WORK_FIELDS}
+
+
 def compare(before: dict[str, Any], got: dict[str, Any]) -> int:
     differ, skipped, paths = [], [], []
+    work_a: dict[str, list[float]] = {}
+    work_b: dict[str, list[float]] = {}
     for key in sorted(set(before) | set(got)):
-        a, b = before.get(key), got.get(key)
+        a, b = _work_apart(before.get(key), work_a), _work_apart(got.get(key), work_b)
         if a is None or b is None:
             differ.append(f"{key}: only {'before' if b is None else 'now'}")
         elif _unproven(a) or _unproven(b):
@@ -248,7 +263,11 @@ def compare(before: dict[str, Any], got: dict[str, Any]) -> int:
         console.print(f"[yellow]{line}[/yellow]")
     n = len(set(before) | set(got))
     same = n - len(differ) - len(skipped) - len(paths)
-    console.print(f"{same} of {n} identical (every field but time)")
+    console.print(f"{same} of {n} identical (every field but time and the plane's work)")
+    for f in SIM_WORK_FIELDS:
+        xs, ys = work_a.get(f, []), work_b.get(f, [])
+        if xs and ys and xs != ys:
+            console.print(f"{f}: mean {sum(xs) / len(xs):.3f} -> {sum(ys) / len(ys):.3f}")
     if paths:
         console.print(
             f"{len(paths)} the same plan proven another way (a step's time limit met or not: "

@@ -339,6 +339,10 @@ class ReservationScheduler(DataPlane):
         self._booked_from = [-math.inf] * len(topo.pools)
         self._booked_t = [0.0] * len(topo.pools)
         self._booked_lat = [0.0] * len(topo.pools)
+        # Skip a pipeline whose pools' bounds put its wait above the best one's (False: probe
+        # every pipeline not skipped otherwise; the equivalence tests' plain rule).
+        self.skip_bounded = True
+        self._ahead: list[list[float]] = []  # _read_latencies
         self._pipes: list[list[int]] = [list(m.pipelines) for m in topo.models]
         self._pipe_pools = [list(pipe.pools) for pipe in topo.pipelines]
         self._pipe_batch = [pipe.batch for pipe in topo.pipelines]
@@ -353,6 +357,7 @@ class ReservationScheduler(DataPlane):
         # for its last moment (each arrival decides it again)
         self._until_start = [False] * M
         self._probes_since = [0] * M
+        self._lead = [0] * M  # per model: the index of its pipeline chosen last
         self._admitted = [-1] * M  # id of the head admitted at its planned batch (dataplane.md)
         self._rejected: list[Drop] = []
         self._inflight = _InFlight()
@@ -453,6 +458,21 @@ class ReservationScheduler(DataPlane):
                 offset[pid] = min(offset[pid], ahead)
                 ahead += self._lat_min[pid]
         self._offset = [x if x < math.inf else 0.0 for x in offset]
+        # Per pipeline and hop d at the planned batch b: the earlier pools' stages and the
+        # transfers up to d's. A probe's wait is its finish less `now` and every stage and
+        # transfer of the path, and it finishes no earlier than hop d's start (at or after
+        # its pool's least bound) plus the stages and transfers after it: so its wait is at
+        # least that bound less `now` and this (_wait_bound).
+        self._ahead = []
+        for pipe in topo.pipelines:
+            b = pipe.batch
+            before: list[float] = []
+            x = 0.0
+            for pid in pipe.pools:
+                x += b * self._tin[pid]
+                before.append(x)
+                x += self._lat[pid][b]
+            self._ahead.append(before)
 
     def _touch(self, v: int, now: float) -> None:
         """vGPU v's table changed at `now`: its bound anew, and its pool's trees."""
@@ -799,12 +819,22 @@ class ReservationScheduler(DataPlane):
                 q.popleft()
                 out.drops.append(Drop(head, DROP_DEADLINE_PASSED))
                 continue
-            # 1. the pipeline with the least waiting at its planned batch
-            pipe = pipes[0]
+            # 1. the pipeline with the least waiting at its planned batch (then the earliest
+            # finish, then the first in the model's list). The one chosen last is probed
+            # first: it is most often the best, and the best so far skips the others whose
+            # bounds say they wait longer.
+            K = len(pipes)
+            k0 = kb = self._lead[m]
+            pipe = pipes[kb]
             pr = self._probe(pipe, pipe_batch[pipe], now)
-            for k in range(1, len(pipes)):
+            for j in range(1, K):
+                k = k0 + j if k0 + j < K else k0 + j - K
                 other = pipes[k]
-                if pr.wait_us == 0.0 and pr.finish_us <= now + no_wait[other]:
+                if pr.wait_us == 0.0 and (
+                    pr.finish_us <= now + no_wait[other]
+                    if k > kb
+                    else pr.finish_us < now + no_wait[other]
+                ):
                     continue  # `other` cannot wait less, nor finish earlier without waiting
                 first = self._pipe_pools[other][0]
                 if (
@@ -813,11 +843,15 @@ class ReservationScheduler(DataPlane):
                     and self._lat[first][pipe_batch[other]] >= self._booked_lat[first]
                 ):
                     continue  # its first pool is booked past `pipe`'s wait: it must wait more
+                if self._wait_bound(other, now) > pr.wait_us + 1e-3 + abs(now) * 1e-12:
+                    continue  # a pool of it is booked past `pipe`'s wait (float margin)
                 po = self._probe(other, pipe_batch[other], now)
                 if po.wait_us < pr.wait_us or (
-                    po.wait_us == pr.wait_us and po.finish_us < pr.finish_us
+                    po.wait_us == pr.wait_us
+                    and (po.finish_us < pr.finish_us or (po.finish_us == pr.finish_us and k < kb))
                 ):
-                    pipe, pr = other, po
+                    pipe, pr, kb = other, po, k
+            self._lead[m] = kb
             # 2. the largest batch that meets the head's deadline
             planned = pipe_batch[pipe]
             b = planned
@@ -881,6 +915,25 @@ class ReservationScheduler(DataPlane):
                     b, pr = n, pn
                 # else latency is not monotone in b here: send the n on b's timing
             self._dispatch(m, pipe, b, pr, now, out)
+
+    def _wait_bound(self, pi: int, now: float) -> float:
+        """A lower bound on the wait of pipeline pi's probe at its planned batch at `now`
+        (-inf when the bounds may not hold at `now`, or are off)."""
+        if now < self._bound_from or not self.skip_bounded:
+            return -math.inf
+        pools = self._pipe_pools[pi]
+        ahead = self._ahead[pi]
+        most = -math.inf
+        for d in range(len(pools)):
+            pid = pools[d]
+            if d == 0 and not self._inputs[pid]:
+                x = self._ftree[pid].least()
+            else:
+                x = self._gtree[pid].least()
+            x = x - now - ahead[d]
+            if x > most:
+                most = x
+        return most
 
     def _rescue(
         self, m: int, chosen: int, deadline_us: float, queued: int, now: float
