@@ -63,6 +63,10 @@ class Probe:
         self.path = path  # the hops as they would be reserved (a dispatch takes them)
 
 
+# What a probe with a cut returns when the pipeline cannot finish before it.
+LOST: Final = Probe(math.inf, math.inf, math.inf, [])
+
+
 class _Queue:
     """A model's requests in deadline order: a list from `head` on (compiled, a deque's
     methods are Python calls); the taken ones at its front are dropped in batches."""
@@ -343,6 +347,7 @@ class ReservationScheduler(DataPlane):
         # every pipeline not skipped otherwise; the equivalence tests' plain rule).
         self.skip_bounded = True
         self._ahead: list[list[float]] = []  # _read_latencies
+        self._rest: list[list[float]] = []  # _read_latencies
         self._pipes: list[list[int]] = [list(m.pipelines) for m in topo.models]
         self._pipe_pools = [list(pipe.pools) for pipe in topo.pipelines]
         self._pipe_batch = [pipe.batch for pipe in topo.pipelines]
@@ -464,6 +469,7 @@ class ReservationScheduler(DataPlane):
         # its pool's least bound) plus the stages and transfers after it: so its wait is at
         # least that bound less `now` and this (_wait_bound).
         self._ahead = []
+        self._rest = []
         for pipe in topo.pipelines:
             b = pipe.batch
             before: list[float] = []
@@ -473,6 +479,14 @@ class ReservationScheduler(DataPlane):
                 before.append(x)
                 x += self._lat[pid][b]
             self._ahead.append(before)
+            # and what follows each hop: the later pools' transfers and stages
+            after = [0.0] * len(pipe.pools)
+            x = 0.0
+            for d in range(len(pipe.pools) - 1, 0, -1):
+                pid = pipe.pools[d]
+                x += self._lat[pid][b] + b * self._tin[pid]
+                after[d - 1] = x
+            self._rest.append(after)
 
     def _touch(self, v: int, now: float) -> None:
         """vGPU v's table changed at `now`: its bound anew, and its pool's trees."""
@@ -576,11 +590,18 @@ class ReservationScheduler(DataPlane):
 
     def probe(self, pipe: Pipeline, b: int, now: float) -> Probe:
         """Where and when a batch of b would run on `pipe` if dispatched now; no side effects."""
-        return self._probe(pipe.id, b, now)
+        return self._probe(pipe.id, b, now, math.inf)
 
-    def _probe(self, pi: int, b: int, now: float) -> Probe:
+    def _probe(self, pi: int, b: int, now: float, cut: float) -> Probe:
         """probe() of pipeline `pi`. The hot path: slot scans inlined, ranges of indexes
-        rather than slices, and typed locals (compiled, floats stay unboxed)."""
+        rather than slices, and typed locals (compiled, floats stay unboxed).
+
+        `cut` (at the planned batch only; inf: none): a finish the caller has no use for.
+        Where every choice of a hop would finish the path at or after it (the hop's end, or
+        the uplink slot for the next transfer, plus every later stage and transfer), the
+        probe stops and returns LOST. Otherwise each hop is chosen as without it: the
+        choice is the least (key, start) first in scan order, and `cut` only starts the
+        search lower."""
         self.probes += 1
         if now < self._bound_from:
             self._rebound(now)  # a probe of the past (tests): the bounds hold from `now` on
@@ -594,9 +615,12 @@ class ReservationScheduler(DataPlane):
         pipe_pools = self._pipe_pools[pi]
         npools = len(pipe_pools)
         uplink, server_of = self.uplink, self.server_of
+        rest = self._rest[pi]
         for d in range(npools):
             pid = pipe_pools[d]
             lat = lats[pid][b]
+            # no choice whose key is at or above this can finish before `cut`
+            cut_key = cut - rest[d] if cut < math.inf else math.inf
             # Look one transfer ahead: among vGPUs finishing equally early, prefer one whose
             # server can send the result on at once (the greedy rule would ignore the NIC).
             out = b * tin[pipe_pools[d + 1]] if d + 1 < npools else 0.0
@@ -604,7 +628,7 @@ class ReservationScheduler(DataPlane):
                 r = self._rr[pid]
                 flat = self._flat[pid]
                 tree = self._ftree[pid]
-                best_key, best_s, best_v = math.inf, math.inf, -1
+                best_key, best_s, best_v = cut_key, math.inf, -1
                 least = math.inf  # the earliest start of any vGPU of the pool
                 every = True
                 # A seed: the vGPU of the least bound, most likely the best. What it would
@@ -650,6 +674,8 @@ class ReservationScheduler(DataPlane):
                     self._booked_from[pid] = least
                     self._booked_t[pid] = t
                     self._booked_lat[pid] = lat
+                if best_v < 0 and cut < math.inf:
+                    return LOST
                 path.append(Hop(pid, best_v, -1, t, t, best_s, best_s + lat))
                 first_start = best_s
                 wait += best_s - t
@@ -665,7 +691,7 @@ class ReservationScheduler(DataPlane):
                 gsrv, gvg = self._gsrv[pid], self._gvg[pid]
                 tree = self._gtree[pid]
                 # the best so far: key, finish, vgpu, transfer start and end, start
-                bk, bf, bv, bts, bte, bs = math.inf, math.inf, -1, 0.0, 0.0, 0.0
+                bk, bf, bv, bts, bte, bs = cut_key, math.inf, -1, 0.0, 0.0, 0.0
                 n = len(gsrv)
                 p = 0
                 while True:  # the servers in scan order from r, as for a first hop
@@ -747,6 +773,8 @@ class ReservationScheduler(DataPlane):
                                 break
                     if bk <= floor:
                         break
+                if bv < 0 and cut < math.inf:
+                    return LOST
                 path.append(Hop(pid, bv, prev, bts, bte, bs, bf))
                 if prev < 0:
                     first_start = bts  # the batch leaves when its inputs are sent
@@ -824,9 +852,10 @@ class ReservationScheduler(DataPlane):
             # first: it is most often the best, and the best so far skips the others whose
             # bounds say they wait longer.
             K = len(pipes)
+            margin = 1e-3 + abs(now) * 1e-12  # above the round-off of a probe's sums (µs)
             k0 = kb = self._lead[m]
             pipe = pipes[kb]
-            pr = self._probe(pipe, pipe_batch[pipe], now)
+            pr = self._probe(pipe, pipe_batch[pipe], now, math.inf)
             for j in range(1, K):
                 k = k0 + j if k0 + j < K else k0 + j - K
                 other = pipes[k]
@@ -843,9 +872,13 @@ class ReservationScheduler(DataPlane):
                     and self._lat[first][pipe_batch[other]] >= self._booked_lat[first]
                 ):
                     continue  # its first pool is booked past `pipe`'s wait: it must wait more
-                if self._wait_bound(other, now) > pr.wait_us + 1e-3 + abs(now) * 1e-12:
-                    continue  # a pool of it is booked past `pipe`'s wait (float margin)
-                po = self._probe(other, pipe_batch[other], now)
+                if self._wait_bound(other, now) > pr.wait_us + margin:
+                    continue  # a pool of it is booked past `pipe`'s wait
+                # it wins only by finishing before this (its wait then below the best's)
+                cut = math.inf
+                if pr.wait_us < math.inf:
+                    cut = now + pr.wait_us + no_wait[other] + margin
+                po = self._probe(other, pipe_batch[other], now, cut)
                 if po.wait_us < pr.wait_us or (
                     po.wait_us == pr.wait_us
                     and (po.finish_us < pr.finish_us or (po.finish_us == pr.finish_us and k < kb))
@@ -872,7 +905,7 @@ class ReservationScheduler(DataPlane):
             self._admitted[m] = head.id  # from now on it may go in a smaller batch
             while pr.finish_us > head.deadline_us and b > 1:
                 b -= 1
-                pr = self._probe(pipe, b, now)
+                pr = self._probe(pipe, b, now, math.inf)
             if pr.finish_us > head.deadline_us:
                 rescued = self._rescue(m, pipe, head.deadline_us, len(q), now)
                 if rescued is None:
@@ -895,16 +928,16 @@ class ReservationScheduler(DataPlane):
                     self._until_start[m] = True
                     return
                 while n > b < top:
-                    grown = self._probe(pipe, b + 1, now)
+                    grown = self._probe(pipe, b + 1, now, math.inf)
                     if grown.finish_us > head.deadline_us:
                         break
                     b, pr = b + 1, grown
             if n < b:
-                pn = self._probe(pipe, n, now)
+                pn = self._probe(pipe, n, now, math.inf)
                 if self.policy != "eager" and pn.finish_us <= head.deadline_us:
                     if self.policy == "deferred":
                         # Symphony: go once a batch of n + 1 could no longer make it.
-                        slack = head.deadline_us - self._probe(pipe, n + 1, now).finish_us
+                        slack = head.deadline_us - self._probe(pipe, n + 1, now, math.inf).finish_us
                     else:
                         slack = head.deadline_us - pn.finish_us
                     if slack - self.wake_guard_us > MIN_HOLD_US:
@@ -949,7 +982,7 @@ class ReservationScheduler(DataPlane):
                 continue
             b = min(self._pipe_batch[pipe], queued)
             while b >= 1:
-                pr = self._probe(pipe, b, now)
+                pr = self._probe(pipe, b, now, math.inf)
                 if pr.finish_us <= deadline_us:
                     return pipe, b, pr
                 b -= 1
