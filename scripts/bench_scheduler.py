@@ -5,12 +5,15 @@ per server) at load 0.9: how the hot path's cost grows with the pools. A plan ma
 larger cluster has another shape (more pipelines per model, other batches: more probes and
 decisions per request), so the same rows follow for the smallest size's plan replicated
 (every pool k times the vGPUs on a cluster k times as large): the cost of size alone.
+The scaling runs go in --rounds rounds, every size once per round: a shared machine's speed
+moves between minutes, so each round's ratios come from runs back to back, and the table
+shows each configuration's median round and the median of the rounds' ratios.
 Prints which build
 ran (the compiled hot path, or the sources and why), tables, and appends rows to the
 warehouse (bench_scheduler).
 
     ./run bench-scheduler [--quick] [--load-factors 0.9,1.0] [--sizes 100,400,1000]
-                          [--data-plane reservation]
+                          [--rounds 3] [--data-plane reservation]
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ def main() -> int:
         help="GPU counts the scaling table plans group 2 for (100,400,1000; --quick: "
         "100,400; '' for none)",
     )
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="rounds of the scaling runs (3; --quick: 1)"
+    )
     ap.add_argument("--quick", action="store_true", help="2 groups, 10 s")
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default="bench")
@@ -67,6 +73,10 @@ def main() -> int:
     groups = workloads["groups"][:2] if args.quick else workloads["groups"]
     duration = 10.0 if args.quick else args.duration
     lfs = [float(x) for x in args.load_factors.split(",")]
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
     if args.sizes is None:
         args.sizes = "100,400" if args.quick else "100,400,1000"
     try:
@@ -80,7 +90,7 @@ def main() -> int:
     laid_out: dict[tuple[tuple[str, ...], str], Topology] = {}  # planned once per cluster
 
     def measure(
-        table: Table, config: str, group: list[str], on: Cluster, lf: float, times: int = 0
+        table: Table | None, config: str, group: list[str], on: Cluster, lf: float, times: int = 0
     ) -> dict:
         key = (tuple(group), on.name, times)
         if key not in laid_out:
@@ -108,18 +118,8 @@ def main() -> int:
             "host": socket.gethostname(),
             "build": build,
         }
-        table.add_row(
-            config,
-            f"{lf:g}",
-            str(row["vgpus"]),
-            f"{res.arrived:,}",
-            f"{res.batches:,}",
-            f"{res.probes_per_batch:.2f}",
-            f"{res.sched_us_per_batch_median:.1f}",
-            f"{res.sched_us_per_batch_mean:.1f}",
-            f"{res.requests_per_wall_s:,.0f}",
-            f"{res.attainment:.4f}",
-        )
+        if table is not None:
+            add_row(table, row)
         return row
 
     table = new_table(
@@ -146,26 +146,58 @@ def main() -> int:
         def sized(n: int) -> Cluster:
             return cluster if n == cluster.total_gpus else cluster.scaled(n)
 
-        scaled, same = [], []
         small = sized(sizes[0])
-        for n in track(sizes, "planning and simulating each size", console=console, transient=True):
+        configs = []  # (config, cluster, replicated k times or 0)
+        for n in sizes:
             on = sized(n)
-            scaled.append(measure(scaling, f"g2:{on.name}", group, on, 0.9))
+            configs.append((f"g2:{on.name}", on, 0))
             if n != sizes[0] and n % sizes[0] == 0:
                 k = n // sizes[0]
-                same.append(measure(scaling, f"g2:{small.name} plan x{k}", group, small, 0.9, k))
+                configs.append((f"g2:{small.name} plan x{k}", small, k))
+        runs: dict[str, list[dict]] = {c: [] for c, _, _ in configs}
+        in_rounds = [cfg for _ in range(args.rounds) for cfg in configs]
+        for c, on, k in track(
+            in_rounds,
+            f"planning and simulating each size, {args.rounds} round(s)",
+            console=console,
+            transient=True,
+        ):
+            runs[c].append(measure(None, c, group, on, 0.9, k))
+        base_config = configs[0][0]
+        for c, _, _ in configs:  # each configuration's median round
+            by_speed = sorted(runs[c], key=lambda r: r["sim_requests_per_wall_s"])
+            add_row(scaling, by_speed[(len(by_speed) - 1) // 2])
         console.print(scaling)
-        base = scaled[0]["sim_requests_per_wall_s"]
-        for r in scaled[1:] + same:
+        for c, _, _ in configs[1:]:
+            ratios = [
+                b["sim_requests_per_wall_s"] / r["sim_requests_per_wall_s"]
+                for b, r in zip(runs[base_config], runs[c], strict=True)
+            ]
+            each = f" (rounds: {' / '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
             console.print(
-                f"{r['config']}: {base / r['sim_requests_per_wall_s']:.2f}x the wall time per "
-                f"simulated request of {scaled[0]['config']}"
+                f"{c}: {statistics.median(ratios):.2f}x the wall time per simulated request of "
+                f"{base_config}{each}"
             )
-        rows += scaled + same
+        rows += [r for c, _, _ in configs for r in runs[c]]
     with Warehouse.open(args.warehouse) as wh:
         wh.store_rows("bench_scheduler", rows)
         console.print(f"stored {len(rows)} rows in {wh.path} (bench_scheduler)")
     return 0
+
+
+def add_row(table: Table, row: dict) -> None:
+    table.add_row(
+        row["config"],
+        f"{row['load_factor']:g}",
+        str(row["vgpus"]),
+        f"{row['requests']:,}",
+        f"{row['batches']:,}",
+        f"{row['probes_per_batch']:.2f}",
+        f"{row['sched_us_median']:.1f}",
+        f"{row['sched_us_mean']:.1f}",
+        f"{row['sim_requests_per_wall_s']:,.0f}",
+        f"{row['attainment']:.4f}",
+    )
 
 
 def replicated(plan: Plan, k: int) -> Plan:
