@@ -116,10 +116,11 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
 #
 # Choosing among a model's pipelines, the plane probes first the one it chose last, and
 # skips one whose first pool is booked past the best one's wait (_booked_from, kept from
-# earlier probes) or whose pools' bounds put its wait above it (_wait_bound). Check: on
-# random multi-pipeline topologies and request streams, with stages that run early or late
+# earlier probes) or whose pools' bounds put its wait above it (_wait_bound), and cuts a
+# compared pipeline's probe short where it cannot finish first. Check: on random
+# multi-pipeline topologies and request streams, with stages that run early or late
 # (feedback corrections), every decision equals that of a plane that probes every pipeline
-# in the model's order (its bounds forgotten and the skips off before each decision).
+# in full, in the model's order (its bounds forgotten and the skips off before each).
 
 
 def multi_pipeline_topology(
@@ -168,7 +169,7 @@ def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None
                 sch.on_stage_done(what, t)
         if forget:
             sch._booked_from = [-math.inf] * len(sch._booked_from)
-            sch.skip_bounded = False
+            sch.prune_pipelines = False
             sch._lead = [0] * len(sch._lead)
         out = sch.decide(t)
         if check is not None:
@@ -250,7 +251,7 @@ def test_a_pipeline_booked_at_a_later_pool_is_not_probed():
     arrivals = [0.5 * i for i in range(300)]
     fast, plain = ReservationScheduler(topo), ReservationScheduler(topo)
     booked_only = ReservationScheduler(topo)
-    booked_only.skip_bounded = False
+    booked_only.prune_pipelines = False
     log = drive(fast, arrivals, [1.0], False)
     assert log == drive(plain, arrivals, [1.0], True)
     assert log == drive(booked_only, arrivals, [1.0], False)

@@ -343,9 +343,10 @@ class ReservationScheduler(DataPlane):
         self._booked_from = [-math.inf] * len(topo.pools)
         self._booked_t = [0.0] * len(topo.pools)
         self._booked_lat = [0.0] * len(topo.pools)
-        # Skip a pipeline whose pools' bounds put its wait above the best one's (False: probe
-        # every pipeline not skipped otherwise; the equivalence tests' plain rule).
-        self.skip_bounded = True
+        # Skip a compared pipeline whose pools' bounds put its wait above the best one's, and
+        # cut its probe short where it cannot finish first (False: probe every pipeline not
+        # skipped otherwise, in full; the equivalence tests' plain rule).
+        self.prune_pipelines = True
         self._ahead: list[list[float]] = []  # _read_latencies
         self._rest: list[list[float]] = []  # _read_latencies
         self._pipes: list[list[int]] = [list(m.pipelines) for m in topo.models]
@@ -876,7 +877,7 @@ class ReservationScheduler(DataPlane):
                     continue  # a pool of it is booked past `pipe`'s wait
                 # it wins only by finishing before this (its wait then below the best's)
                 cut = math.inf
-                if pr.wait_us < math.inf:
+                if pr.wait_us < math.inf and self.prune_pipelines:
                     cut = now + pr.wait_us + no_wait[other] + margin
                 po = self._probe(other, pipe_batch[other], now, cut)
                 if po.wait_us < pr.wait_us or (
@@ -952,7 +953,7 @@ class ReservationScheduler(DataPlane):
     def _wait_bound(self, pi: int, now: float) -> float:
         """A lower bound on the wait of pipeline pi's probe at its planned batch at `now`
         (-inf when the bounds may not hold at `now`, or are off)."""
-        if now < self._bound_from or not self.skip_bounded:
+        if now < self._bound_from or not self.prune_pipelines:
             return -math.inf
         pools = self._pipe_pools[pi]
         ahead = self._ahead[pi]
