@@ -537,6 +537,7 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
         assert "handing node(s) n1 back" in srv0.member.reshards[-1]["trigger"]
         assert _held(nodes) == {"n0": ["tiny__b00-04__r0-g2"], "n1": ["tiny__b00-04__r1-g0"]}
         _until(lambda: servers[1].deployment.core.stamps.counts["used"] > 0, "r1 serves again")
+        served = time.monotonic() - t0
         # r1 weighs as at first; r0 as its agent says for its own node again (re-planned)
         back = int(srv0.weight_percent().rstrip("%"))
         assert 90 <= back < pct, (back, pct)
@@ -557,9 +558,16 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
     # Each router holds a batch until the last moment its deadline allows; on two cores a
     # router's Triton starting or a node loading beside it can make that batch run over,
     # and the router then drops it explicitly at the deadline (its answer says so): an
-    # overload answer, not a failure, and rare. Anything else fails the test.
+    # overload answer, not a failure. Only while a node was taken over and loaded (from the
+    # kill to the rollout's end) or a router started again (until it served), and a second
+    # after: a request explicitly dropped at any other time fails the test, as does
+    # anything else.
+    def starting(sent: float, took: float) -> bool:
+        windows = ((killed, killed + adopted + 1.0), (since, served + 1.0))
+        return any(sent <= end and start <= sent + took for start, end in windows)
+
     dropped = [r for r in results if r[2] == 503 and DROP_MARKER in r[3]]
-    assert len(dropped) <= max(2, len(results) // 50), dropped
+    assert all(starting(r[0], r[1]) for r in dropped), (dropped, killed, adopted, since, served)
     results = [r for r in results if r not in dropped]
     _only_in_flight_failed(results, killed)
     assert [r for r in results if r[0] > since and r[2] != 200] == []
