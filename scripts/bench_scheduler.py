@@ -89,9 +89,7 @@ def main() -> int:
 
     laid_out: dict[tuple[tuple[str, ...], str], Topology] = {}  # planned once per cluster
 
-    def measure(
-        table: Table | None, config: str, group: list[str], on: Cluster, lf: float, times: int = 0
-    ) -> dict:
+    def measure(config: str, group: list[str], on: Cluster, lf: float, times: int = 0) -> dict:
         key = (tuple(group), on.name, times)
         if key not in laid_out:
             plan = make_plan(group_request(profiles, group, mix, on))
@@ -118,18 +116,18 @@ def main() -> int:
             "host": socket.gethostname(),
             "build": build,
         }
-        if table is not None:
-            add_row(table, row)
         return row
 
     table = new_table(
         f"scheduler on {args.cluster} ({args.data_plane}, Poisson, {duration:g} s simulated)"
     )
     rows = [
-        measure(table, f"g{gi}:{args.cluster}", group, cluster, lf)
+        measure(f"g{gi}:{args.cluster}", group, cluster, lf)
         for gi, group in enumerate(groups)
         for lf in lfs
     ]
+    for row in rows:
+        add_row(table, row)
     console.print(table)
     console.print(
         f"median of medians {statistics.median(r['sched_us_median'] for r in rows):.1f} µs per "
@@ -162,7 +160,7 @@ def main() -> int:
             console=console,
             transient=True,
         ):
-            runs[c].append(measure(None, c, group, on, 0.9, k))
+            runs[c].append(measure(c, group, on, 0.9, k))
         base_config = configs[0][0]
         for c, _, _ in configs:  # each configuration's median round
             by_speed = sorted(runs[c], key=lambda r: r["sim_requests_per_wall_s"])

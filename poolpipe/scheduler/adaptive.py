@@ -853,7 +853,6 @@ class ReservationScheduler(DataPlane):
             # first: it is most often the best, and the best so far skips the others whose
             # bounds say they wait longer.
             K = len(pipes)
-            margin = 1e-3 + abs(now) * 1e-12  # above the round-off of a probe's sums (µs)
             k0 = kb = self._lead[m]
             pipe = pipes[kb]
             pr = self._probe(pipe, pipe_batch[pipe], now, math.inf)
@@ -867,6 +866,7 @@ class ReservationScheduler(DataPlane):
                 ):
                     continue  # `other` cannot wait less, nor finish earlier without waiting
                 first = self._pipe_pools[other][0]
+                margin = 1e-3 + abs(now) * 1e-12  # above the round-off of a probe's sums (µs)
                 if (
                     self._booked_from[first] - now > pr.wait_us
                     and now >= self._booked_t[first]
