@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from triton_backend.repository import HOPS_OUTPUT
+from triton_backend import HOPS_OUTPUT
 from triton_backend.stages import (
     Outputs,
     StageCall,

@@ -27,8 +27,8 @@ from tests.test_serving import (
     two_partition_plan,
     whole_model,
 )
+from triton_backend import HOPS_OUTPUT
 from triton_backend.nodes import NodeError, RemoteNode
-from triton_backend.repository import HOPS_OUTPUT
 
 pytestmark = [
     pytest.mark.integration,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -108,3 +110,25 @@ def test_gpu_stages_serve_the_whole_models_answers_through_the_router():
     finally:
         for w in workers:
             w.close()
+
+
+def test_the_gpu_run_imports_without_triton_or_the_warehouse():
+    """A lent GPU machine has PyTorch but neither tritonclient, PyTriton, DuckDB nor Prefect:
+    what `bench_gpu.py run` imports (the router's executor, the in-process stages) must load
+    there. Checked in a fresh interpreter where those packages cannot be imported."""
+    code = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("tritonclient", "pytriton", "duckdb", "prefect"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Absent())
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+import bench_gpu, testbed.fake_stages, triton_backend.router
+print("imported")
+"""
+    got = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120
+    )
+    assert got.returncode == 0 and "imported" in got.stdout, got.stderr[-2000:]

@@ -21,7 +21,6 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from tritonclient.utils import triton_to_np_dtype
 
 from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
@@ -380,6 +379,10 @@ def _outputs(
 def _layout(text: bytes) -> AnswerLayout:
     """Per output of an answer's JSON header: name, dtype, shape, binary size, and the data
     itself when it came in the JSON (binary size None)."""
+    # imported here (a header is parsed once): the router's executor runs without
+    # tritonclient too (bench_gpu's `run` on a GPU machine)
+    from tritonclient.utils import triton_to_np_dtype
+
     layout = []
     for o in json.loads(text).get("outputs", []):
         kind = triton_to_np_dtype(o["datatype"])

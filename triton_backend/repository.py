@@ -15,15 +15,19 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from google.protobuf import json_format, text_format
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from tritonclient.grpc import model_config_pb2
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.anchors import anchored_file
 from poolpipe.offline.partitions import PartitionFile, TensorSpec
+from triton_backend import HOPS_OUTPUT
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import model_config_pb2
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
 BACKENDS = ("python", "onnxruntime", "tensorrt")
@@ -66,9 +70,6 @@ def _env() -> Environment:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-
-
-HOPS_OUTPUT = "POOLPIPE_HOPS"  # per row: (start, end, sent) ns of each hop of a chain
 
 
 def render_config(
@@ -122,6 +123,10 @@ def render_config(
 
 def parse_config(text: str, what: str) -> model_config_pb2.ModelConfig:
     """Triton's own parser: a config it would refuse is refused here."""
+    # imported here: the stage and transport modules that use this module's names run on
+    # machines without tritonclient too (bench_gpu's `run` on a GPU machine)
+    from tritonclient.grpc import model_config_pb2
+
     try:
         return text_format.Parse(text, model_config_pb2.ModelConfig())
     except text_format.ParseError as exc:

@@ -25,8 +25,8 @@ import numpy as np
 
 from poolpipe.client.control import chain_signature
 from poolpipe.runtime import Job
+from triton_backend import HOPS_OUTPUT
 from triton_backend.answers import Answer, AnswerInbox
-from triton_backend.repository import HOPS_OUTPUT
 from triton_backend.served import RouterPlan
 from triton_backend.stages import Outputs, StageCall, StageCallError, StageClient, StageTimeout
 
