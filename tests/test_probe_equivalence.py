@@ -148,9 +148,10 @@ def multi_pipeline_topology(
     )
 
 
-def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None) -> list:
+def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None, fails=()) -> list:
     """Requests at `arrivals`; each stage runs stretch[k] x its reserved length (started on
-    time); returns every decision. `check(sch, t)` runs after each."""
+    time), the k-th hop in `fails` fails at its end instead (its dispatch's later hops
+    released); returns every decision. `check(sch, t)` runs after each."""
     events: list[tuple[float, int, int, object]] = []  # (time, order, seq, what)
     seq = 0
     for i, t in enumerate(arrivals):
@@ -162,6 +163,8 @@ def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None
         t, _, _, what = heapq.heappop(events)
         if isinstance(what, Request):
             sch.add_request(what, t)
+        elif isinstance(what, tuple):  # a hop failed
+            sch.on_dispatch_failed(what[0], what[1], t)
         elif isinstance(what, StageReport):
             if what.end_us is None:
                 sch.on_stage_started(what, t)
@@ -185,6 +188,9 @@ def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None
                 done = StageReport(
                     d.id, h, hop.start_us, end, hop.transfer_start_us, hop.transfer_end_us
                 )
+                if k - 1 in fails:
+                    heapq.heappush(events, (end, 0, seq := seq + 1, (d.id, h)))
+                    break
                 heapq.heappush(events, (end, 0, seq := seq + 1, done))
         if out.wake_at_us is not None and out.wake_at_us > t:
             heapq.heappush(events, (out.wake_at_us, 2, seq := seq + 1, None))
@@ -221,13 +227,18 @@ stretches = st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size
     transfer=st.integers(0, 3),
     inputs=st.sampled_from([0, 0, 2]),
     alike=st.booleans(),
+    fails=st.sets(st.integers(0, 40), max_size=3),
 )
 def test_pipeline_choice_equals_probing_every_pipeline(
-    shapes, gaps, stretch, transfer, inputs, alike
+    shapes, gaps, stretch, transfer, inputs, alike, fails
 ):
+    """Also with failed hops: what a failure releases (links included) is seen by the
+    probes of every pipeline that reads it, kept ones too."""
     topo, arrivals = scenario(shapes, gaps, transfer, inputs, alike)
     fast, plain = ReservationScheduler(topo), ReservationScheduler(topo)
-    assert drive(fast, arrivals, stretch, False) == drive(plain, arrivals, stretch, True)
+    assert drive(fast, arrivals, stretch, False, fails=fails) == drive(
+        plain, arrivals, stretch, True, fails=fails
+    )
     # (not always fewer probes: the order by the last choice may skip fewer than the model's)
 
 
@@ -333,3 +344,24 @@ def test_a_probe_of_the_past_sees_what_was_free_then():
     assert len(sch.decide(10.0).dispatches) == 2  # both vGPUs reserved from 10 on
     probes_match_the_plain_rule(sch, 0.0)
     probes_match_the_plain_rule(sch, 10.0)
+
+
+def test_a_kept_probe_sees_what_a_failure_releases_on_a_link():
+    """Pipeline 0 sends its feature map into server 1, as does pipeline 1 from server 2:
+    pipeline 1's probe finds server 1's downlink booked by pipeline 0's batch. That batch
+    fails before its transfer: pipeline 1's next probe (at the same time, its path not yet
+    started: a kept probe would be answered again) sends at once."""
+    topo = multi_pipeline_topology([[[0], [1]], [[2], [1]]], [8.0, 12.0], 6.0)
+    sch = ReservationScheduler(topo)
+    for i in range(2):
+        sch.add_request(Request(i, 0, 0.0, 60.0), 0.0)
+    (d,) = sch.decide(0.0).dispatches
+    assert d.pipeline == 0 and d.hops[1].transfer_start_us == 12.0
+    other = topo.pipelines[1]
+    before = sch.probe(other, 2, 1.0)
+    assert before.path[1].transfer_start_us == d.hops[1].transfer_end_us  # waits for it
+    probes_match_the_plain_rule(sch, 1.0)
+    sch.on_dispatch_failed(d.id, 0, 1.0)
+    after = sch.probe(other, 2, 1.0)
+    assert after.path[1].transfer_start_us < before.path[1].transfer_start_us
+    probes_match_the_plain_rule(sch, 1.0)

@@ -145,6 +145,22 @@ class _InFlight:
         return d
 
 
+class _Kept:
+    """A pipeline's last probe at its planned batch, kept to answer the next (_reuse), and
+    the count of changes to the tables its probes read (compiled, fields in place: lists of
+    ints and floats would box every write)."""
+
+    __slots__ = ("at", "b", "changes", "now", "path", "start")
+
+    def __init__(self) -> None:
+        self.changes = 0  # to the pipeline's vGPUs' tables and its servers' links
+        self.b = 0  # the kept probe's batch (0: none kept)
+        self.at = 0  # `changes` when it was made
+        self.now = 0.0  # when it was made
+        self.start = 0.0  # its path's start (its first transfer or stage)
+        self.path: list[Hop] = []
+
+
 @mypyc_attr(acyclic=True)
 class _Node:
     """A node of a _BoundTree: the least bound under it and the first member holding it
@@ -354,6 +370,27 @@ class ReservationScheduler(DataPlane):
         self._pipe_batch = [pipe.batch for pipe in topo.pipelines]
         self._lat: list[list[float]] = []  # per pool: its latency at batch b (set_latencies)
         self._tin: list[float] = []  # per pool: its transfer in, per sample
+        # A probe's answer kept per pipeline for a later probe at its planned batch
+        # (_reuse), with the count of changes to the tables its probes read: its vGPUs',
+        # the uplinks of its servers that send a feature map on (a pool with a next one),
+        # and the downlinks of those that receive one or the inputs (a later pool's).
+        pipe_of_pool = [0] * len(topo.pools)
+        for pipe in topo.pipelines:
+            for pid in pipe.pools:
+                pipe_of_pool[pid] = pipe.id
+        self._kept = [_Kept() for _ in topo.pipelines]
+        self._vkept = [self._kept[pipe_of_pool[v.pool]] for v in topo.vgpus]
+        self._upkept: list[list[_Kept]] = [[] for _ in topo.servers]  # per server
+        self._downkept: list[list[_Kept]] = [[] for _ in topo.servers]
+        for pipe in topo.pipelines:
+            kept = self._kept[pipe.id]
+            for d, pid in enumerate(pipe.pools):
+                for v in topo.pools[pid].vgpus:
+                    srv = topo.vgpus[v].server
+                    if d + 1 < len(pipe.pools) and kept not in self._upkept[srv]:
+                        self._upkept[srv].append(kept)
+                    if self._later[pid] and kept not in self._downkept[srv]:
+                        self._downkept[srv].append(kept)
         self._read_latencies(topo)
         M = len(topo.models)
         self.queues = [_Queue() for _ in range(M)]
@@ -449,6 +486,8 @@ class ReservationScheduler(DataPlane):
         self.topo = topo
         self._read_latencies(topo)
         self._rebound(self._bound_from)  # the shortest stages may be shorter now
+        for kept in self._kept:
+            kept.changes += 1  # no kept probe holds
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -537,6 +576,7 @@ class ReservationScheduler(DataPlane):
         a correction may free time, so v's bound is computed anew and its pool's booked
         record forgotten."""
         self.vgpu_table[v].correct(key, start, end, now)
+        self._vkept[v].changes += 1
         self._touch(v, now)
         self._booked_from[self._pool_of[v]] = -math.inf
 
@@ -573,7 +613,9 @@ class ReservationScheduler(DataPlane):
             if x.transfer_end_us > x.transfer_start_us:
                 if x.src_vgpu >= 0:
                     self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
+                    self._changed(self._upkept[self.server_of[x.src_vgpu]])
                 self.downlink[self.server_of[x.vgpu]].correct(key + 1, now, now, now)
+                self._changed(self._downkept[self.server_of[x.vgpu]])
                 self._touch_down(self.server_of[x.vgpu], now)
         for m in range(len(self.queues)):
             self._dirty[m] = True
@@ -602,7 +644,18 @@ class ReservationScheduler(DataPlane):
         the uplink slot for the next transfer, plus every later stage and transfer), the
         probe stops and returns LOST. Otherwise each hop is chosen as without it: the
         choice is the least (key, start) first in scan order, and `cut` only starts the
-        search lower."""
+        search lower.
+
+        A probe at the planned batch made earlier is answered again (_reuse) while no table
+        it reads has changed and its path starts no earlier than `now`."""
+        kept = self._kept[pi]
+        if (
+            kept.b == b
+            and kept.at == kept.changes
+            and kept.now <= now <= kept.start
+            and self.prune_pipelines
+        ):
+            return self._reuse(kept, now)
         self.probes += 1
         if now < self._bound_from:
             self._rebound(now)  # a probe of the past (tests): the bounds hold from `now` on
@@ -782,10 +835,52 @@ class ReservationScheduler(DataPlane):
                 wait += (bts - t) + (bs - bte)
                 t = bf
             prev = path[-1].vgpu  # the vGPU that holds the batch now
+        if self.prune_pipelines and b == self._pipe_batch[pi]:
+            kept.b = b
+            kept.at = kept.changes
+            kept.now = now
+            kept.start = first_start
+            kept.path = path
         return Probe(wait, t, first_start, path)
+
+    def _reuse(self, kept: _Kept, now: float) -> Probe:
+        """The probe kept from `kept.now`, as a probe made at `now` would answer: the same
+        path, its first hop's wait counted from `now`.
+
+        Exact while no table the probe reads has changed (`kept.changes`) and its path
+        starts at or after `now`: a first hop's earliest start (or transfer) on each
+        vGPU at or after `now` is the one at or after the earlier time wherever that one is
+        not before `now` (the chosen vGPU's), and no earlier elsewhere, so each vGPU's key
+        and start are where they were or later and the chosen one is still the least first
+        in scan order; the later hops follow from the first hop's end alone. A cut probe
+        gets the whole path where it might have been LOST: a path that could not finish
+        before the cut loses the comparison either way. The wait is summed as the probe
+        sums it (the same floats)."""
+        old = kept.path
+        h0 = old[0]
+        path: list[Hop] = []
+        if self._inputs[h0.pool]:
+            wait = (h0.transfer_start_us - now) + (h0.start_us - h0.transfer_end_us)
+            path.append(h0)
+        else:
+            wait = h0.start_us - now
+            path.append(Hop(h0.pool, h0.vgpu, -1, now, now, h0.start_us, h0.end_us))
+        t = h0.end_us
+        for d in range(1, len(old)):
+            x = old[d]
+            wait += (x.transfer_start_us - t) + (x.start_us - x.transfer_end_us)
+            t = x.end_us
+            path.append(x)
+        return Probe(wait, t, kept.start, path)
+
+    def _changed(self, readers: list[_Kept]) -> None:
+        """A link changed: the kept probes of the pipelines that read it may not hold."""
+        for kept in readers:
+            kept.changes += 1
 
     def _reserve(self, path: list[Hop], did: int, now: float) -> None:
         server_of = self.server_of
+        self._vkept[path[0].vgpu].changes += 1  # (every hop's vGPU is of one pipeline)
         for h in range(len(path)):
             hop = path[h]
             key = did * 64 + h * 2  # _reservation_key(did, h), inlined
@@ -800,9 +895,13 @@ class ReservationScheduler(DataPlane):
                     up = self.uplink[server_of[src]]
                     up.forget_before(now)
                     up.reserve(ts, te, key + 1)
+                    for kept in self._upkept[server_of[src]]:
+                        kept.changes += 1
                 down = self.downlink[server_of[v]]
                 down.forget_before(now)
                 down.reserve(ts, te, key + 1)
+                for kept in self._downkept[server_of[v]]:
+                    kept.changes += 1
                 self._touch_down(server_of[v], now)
             # The next probe of this pool starts after the chosen vGPU / server.
             pid = hop.pool
@@ -832,7 +931,9 @@ class ReservationScheduler(DataPlane):
             # the transfer ended before its reservation did: free the rest
             if hop.src_vgpu >= 0:
                 self.uplink[self.server_of[hop.src_vgpu]].correct(key + 1, ts, te, now)
+                self._changed(self._upkept[self.server_of[hop.src_vgpu]])
             self.downlink[self.server_of[hop.vgpu]].correct(key + 1, ts, te, now)
+            self._changed(self._downkept[self.server_of[hop.vgpu]])
             self._touch_down(self.server_of[hop.vgpu], now)
         return d
 
