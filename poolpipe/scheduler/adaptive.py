@@ -895,13 +895,11 @@ class ReservationScheduler(DataPlane):
                     up = self.uplink[server_of[src]]
                     up.forget_before(now)
                     up.reserve(ts, te, key + 1)
-                    for kept in self._upkept[server_of[src]]:
-                        kept.changes += 1
+                    self._changed(self._upkept[server_of[src]])
                 down = self.downlink[server_of[v]]
                 down.forget_before(now)
                 down.reserve(ts, te, key + 1)
-                for kept in self._downkept[server_of[v]]:
-                    kept.changes += 1
+                self._changed(self._downkept[server_of[v]])
                 self._touch_down(server_of[v], now)
             # The next probe of this pool starts after the chosen vGPU / server.
             pid = hop.pool
