@@ -118,6 +118,36 @@ def guard(root: Path = ROOT) -> None:
     _state["why"] = why
     if why is not None:  # (with nothing compiled, it finds what the path would)
         sys.meta_path.insert(0, _SourceFinder(root, HOT_PATH))
+        _vecs_or_lists()
+
+
+class _ListOf:
+    """`vec[T]` where librt is missing: a list (`vec[float]()`, `vec[float](items)`)."""
+
+    def __getitem__(self, item: object) -> type[list[object]]:
+        return list
+
+
+def _append(v: list[object], item: object) -> list[object]:
+    v.append(item)
+    return v
+
+
+def _vecs_or_lists() -> None:
+    """The sources use librt.vecs (mypyc's unboxed vectors; librt comes with mypy, which
+    the build needs). A machine that only runs the sources may lack it (a lent GPU
+    machine: PyTorch and what the run carries): there lists stand in, which behave alike
+    where the code only rebinds what `append` returns, as it does."""
+    try:
+        importlib.import_module("librt.vecs")
+    except ImportError:
+        librt = sys.modules.get("librt") or ModuleType("librt")
+        vecs = ModuleType("librt.vecs")
+        vecs.vec = _ListOf()  # type: ignore[attr-defined]
+        vecs.append = _append  # type: ignore[attr-defined]
+        librt.vecs = vecs  # type: ignore[attr-defined]
+        sys.modules.setdefault("librt", librt)
+        sys.modules["librt.vecs"] = vecs
 
 
 def status() -> str:

@@ -705,13 +705,12 @@ class ReservationScheduler(DataPlane):
                     p += 1
                     s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
                     tab = tables[v]
-                    busy = tab.busy
-                    for i in range(tab.head, len(busy)):
-                        iv = busy[i]
-                        e = iv.end
+                    iv = tab.iv
+                    for i in range(2 * tab.head, len(iv), 2):
+                        e = iv[i + 1]
                         if e <= s:
                             continue
-                        if iv.start >= s + lat:
+                        if iv[i] >= s + lat:
                             break
                         s = e
                     if s < least:
@@ -762,13 +761,12 @@ class ReservationScheduler(DataPlane):
                     for v in vgs:
                         s = floor - lat  # vgpu_table[v].earliest_slot(t_up + dur, lat)
                         tab = tables[v]
-                        busy = tab.busy
-                        for i in range(tab.head, len(busy)):
-                            iv = busy[i]
-                            e = iv.end
+                        iv = tab.iv
+                        for i in range(2 * tab.head, len(iv), 2):
+                            e = iv[i + 1]
                             if e <= s:
                                 continue
-                            if iv.start >= s + lat:
+                            if iv[i] >= s + lat:
                                 break
                             s = e
                         if s < lb:
@@ -796,16 +794,15 @@ class ReservationScheduler(DataPlane):
                             s = vte  # vgpu_table[v].earliest_slot(vte, lat), inlined
                             ps = -math.inf  # the latest start reserved on v before s
                             tab = tables[v]
-                            busy = tab.busy
-                            for i in range(tab.head, len(busy)):
-                                iv = busy[i]
-                                e = iv.end
+                            iv = tab.iv
+                            for i in range(2 * tab.head, len(iv), 2):
+                                e = iv[i + 1]
                                 if e <= s:
-                                    ps = iv.start
+                                    ps = iv[i]
                                     continue
-                                if iv.start >= s + lat:
+                                if iv[i] >= s + lat:
                                     break
-                                ps = iv.start
+                                ps = iv[i]
                                 s = e
                             if ps <= vte or prev < 0:
                                 break

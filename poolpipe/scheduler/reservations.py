@@ -9,24 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from mypy_extensions import mypyc_attr
+from librt.vecs import append, vec
+from mypy_extensions import i64
 
-# Ended intervals are dropped from the lists once this many have gathered at their front.
+# Ended intervals are dropped from the vectors once this many have gathered at their front.
 _DROP_AFTER: Final = 16
-
-
-@mypyc_attr(acyclic=True)
-class Busy:
-    """One reservation [start, end) of a table, `key` naming it for feedback correction (a
-    native class: compiled, its floats are read straight from the object, where a list of
-    floats boxes each one)."""
-
-    __slots__ = ("end", "key", "start")
-
-    def __init__(self, start: float, end: float, key: int) -> None:
-        self.start = start
-        self.end = end
-        self.key = key
 
 
 class ReservationTable:
@@ -35,17 +22,21 @@ class ReservationTable:
     Intervals may overlap after feedback correction (a stage that ran late); every query
     treats the table as the union of its intervals, so overlaps only make it conservative.
 
-    A list of `Busy` objects from `head` on: `forget_before` moves `head` past the intervals
-    that ended and drops them from the list in batches (a vGPU's table is a queue: one at a
-    time, they would cost a list shift and often a reallocation each). A hot loop may hold
-    on to the list and read it from `head` (it must not modify it).
+    Interval i (from `head` on) is `iv[2i]`, `iv[2i + 1]` (its start and end) with its key
+    at `keys[i]`: unboxed vectors (librt.vecs, compiled: the floats lie in one buffer,
+    where a list of interval objects put each in an object of its own, a cache miss apiece
+    once a thousand GPUs' tables outgrow the cache). `forget_before` moves `head` past the
+    intervals that ended and drops them in batches (a vGPU's table is a queue: one at a
+    time, each would cost a shift). A hot loop may read `iv` from `2 * head` on (it must
+    not modify it).
     """
 
-    __slots__ = ("busy", "head", "memo_at", "memo_dur", "memo_t", "name")
+    __slots__ = ("head", "iv", "keys", "memo_at", "memo_dur", "memo_t", "name")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
-        self.busy: list[Busy] = []
+        self.iv: vec[float] = vec[float]()
+        self.keys: vec[i64] = vec[i64]()
         self.head = 0
         # earliest_slot's last answer (memo_t, memo_dur) -> memo_at, while the table is
         # unchanged: any t in [memo_t, memo_at] gets memo_at for that duration (a free slot
@@ -55,24 +46,26 @@ class ReservationTable:
         self.memo_dur = -1.0
 
     def __len__(self) -> int:
-        return len(self.busy) - self.head
+        return len(self.keys) - self.head
 
     def intervals(self) -> list[tuple[float, float]]:
-        return [(b.start, b.end) for b in self.busy[self.head :]]
+        iv = self.iv
+        return [(iv[2 * i], iv[2 * i + 1]) for i in range(self.head, len(self.keys))]
 
     def forget_before(self, now: float) -> None:
         """Drop the intervals at the front that ended by `now`: they cannot matter to any
         later query. (One that ended behind a longer one goes once it reaches the front;
         queries skip it meanwhile, as they skip any interval over before their time.)"""
-        busy = self.busy
-        n = len(busy)
+        iv = self.iv
+        n = len(self.keys)
         h = self.head
-        while h < n and busy[h].end <= now:
+        while h < n and iv[2 * h + 1] <= now:
             h += 1
         if h != self.head:
             self.memo_at = -1.0  # (a query of the past would now find the dropped free)
         if h >= _DROP_AFTER:
-            del busy[:h]
+            self.iv = iv[2 * h :]
+            self.keys = self.keys[h:]
             h = 0
         self.head = h
 
@@ -81,13 +74,12 @@ class ReservationTable:
         if duration == self.memo_dur and self.memo_t <= t <= self.memo_at:
             return self.memo_at
         cand = t
-        busy = self.busy
-        for i in range(self.head, len(busy)):
-            b = busy[i]
-            e = b.end
+        iv = self.iv
+        for i in range(2 * self.head, len(iv), 2):
+            e = iv[i + 1]
             if e <= cand:
                 continue
-            if b.start >= cand + duration:
+            if iv[i] >= cand + duration:
                 break
             cand = e
         self.memo_t, self.memo_dur, self.memo_at = t, duration, cand
@@ -96,20 +88,34 @@ class ReservationTable:
     def reserve(self, start: float, end: float, key: int) -> None:
         """Insert in (start, end, key) order, after any equal one."""
         self.memo_at = -1.0
-        busy = self.busy
+        iv = self.iv
+        keys = self.keys
         h = self.head
-        i = len(busy)
+        n = len(keys)
+        i = n
         while i > h:  # from the end: new reservations mostly start after the others
-            b = busy[i - 1]
-            s = b.start
+            s = iv[2 * i - 2]
             if s < start:
                 break
             if s == start:
-                e = b.end
-                if e < end or (e == end and b.key <= key):
+                e = iv[2 * i - 1]
+                if e < end or (e == end and keys[i - 1] <= key):
                     break
             i -= 1
-        busy.insert(i, Busy(start, end, key))
+        iv = append(append(iv, start), end)
+        keys = append(keys, key)
+        if i < n:  # (rare: a reservation before the last one) shift the later ones up
+            j = n
+            while j > i:
+                iv[2 * j] = iv[2 * j - 2]
+                iv[2 * j + 1] = iv[2 * j - 1]
+                keys[j] = keys[j - 1]
+                j -= 1
+            iv[2 * i] = start
+            iv[2 * i + 1] = end
+            keys[i] = key
+        self.iv = iv
+        self.keys = keys
 
     def correct(self, key: int, start: float, end: float, now: float) -> bool:
         """Replace reservation `key` by what really happened (or is happening).
@@ -118,11 +124,18 @@ class ReservationTable:
         recorded when it reaches past `now`.
         """
         self.memo_at = -1.0
-        busy = self.busy
+        iv = self.iv
+        keys = self.keys
+        n = len(keys)
         found = False
-        for i in range(self.head, len(busy)):
-            if busy[i].key == key:
-                del busy[i]
+        for i in range(self.head, n):
+            if keys[i] == key:
+                for j in range(i, n - 1):  # shift the later ones down over it
+                    iv[2 * j] = iv[2 * j + 2]
+                    iv[2 * j + 1] = iv[2 * j + 3]
+                    keys[j] = keys[j + 1]
+                self.iv = iv[: 2 * n - 2]
+                self.keys = keys[: n - 1]
                 found = True
                 break
         if end > now:
