@@ -133,11 +133,15 @@ def _append(v: list[object], item: object) -> list[object]:
     return v
 
 
+def _pop(v: list[object], i: int = -1) -> tuple[list[object], object]:
+    return v, v.pop(i)
+
+
 def _vecs_or_lists() -> None:
     """The sources use librt.vecs (mypyc's unboxed vectors; librt comes with mypy, which
     the build needs). A machine that only runs the sources may lack it (a lent GPU
     machine: PyTorch and what the run carries): there lists stand in, which behave alike
-    where the code only rebinds what `append` returns, as it does."""
+    where the code only rebinds what `append` and `pop` return, as it does."""
     try:
         importlib.import_module("librt.vecs")
     except ImportError:
@@ -145,6 +149,7 @@ def _vecs_or_lists() -> None:
         vecs = ModuleType("librt.vecs")
         vecs.vec = _ListOf()  # type: ignore[attr-defined]
         vecs.append = _append  # type: ignore[attr-defined]
+        vecs.pop = _pop  # type: ignore[attr-defined]
         librt.vecs = vecs  # type: ignore[attr-defined]
         sys.modules.setdefault("librt", librt)
         sys.modules["librt.vecs"] = vecs

@@ -1,5 +1,5 @@
-"""A binary min-heap of keyed objects: the simulator's event queue and resource queues, and
-the overdue watch.
+"""Binary min-heaps: of keyed objects (the simulator's resource queues, the overdue watch),
+and of items under unboxed keys (EventHeap: the simulator's event queue).
 
 heapq on (time, tie-break, item) tuples made a tuple per entry and compared tuples through
 the interpreter's rich comparison; here each entry is a native object whose two keys are
@@ -9,6 +9,10 @@ one pops exactly what heapq did.
 """
 
 from __future__ import annotations
+
+from librt.vecs import append, vec
+from librt.vecs import pop as vpop
+from mypy_extensions import i64
 
 
 class Keyed:
@@ -72,3 +76,94 @@ def _sift_down(heap: list[Keyed], i: int, entry: Keyed) -> None:
 def heapify(heap: list[Keyed]) -> None:
     for i in range(len(heap) // 2 - 1, -1, -1):
         _sift_down(heap, i, heap[i])
+
+
+class EventHeap:
+    """A min-heap of items by unique (t, k) keys, the keys unboxed: entry i's are `ts[i]`
+    and `ks[i]`, its item `items[slots[i]]` (librt.vecs, compiled: one buffer each).
+
+    What a heap of Keyed does, without an object per entry: a sift moves numbers in three
+    buffers, where it read each Keyed it passed (the simulator's queue of a thousand GPUs
+    holds some 900 events, their entries long out of the cache by their turn), and an item
+    stays in its slot of `items` until it is popped (a free slot is taken again first).
+    With unique keys it pops exactly what heapq would."""
+
+    __slots__ = ("free", "items", "ks", "slots", "ts")
+
+    def __init__(self) -> None:
+        self.ts: vec[float] = vec[float]()
+        self.ks: vec[i64] = vec[i64]()
+        self.slots: vec[i64] = vec[i64]()
+        self.items: list[object] = []
+        self.free: vec[i64] = vec[i64]()  # slots of `items` not in use, the last freed last
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    def first_t(self) -> float:
+        """The least entry's t (the heap must not be empty)."""
+        return self.ts[0]
+
+    def push(self, t: float, k: int, item: object) -> None:
+        if len(self.free):
+            self.free, slot = vpop(self.free)
+            self.items[slot] = item
+        else:
+            slot = i64(len(self.items))
+            self.items.append(item)
+        ts = append(self.ts, t)
+        ks = append(self.ks, k)
+        slots = append(self.slots, slot)
+        i = len(ts) - 1
+        while i > 0:
+            parent = (i - 1) >> 1
+            pt = ts[parent]
+            if t > pt or (t == pt and k > ks[parent]):  # not before its parent
+                break
+            ts[i] = pt
+            ks[i] = ks[parent]
+            slots[i] = slots[parent]
+            i = parent
+        ts[i] = t
+        ks[i] = k
+        slots[i] = slot
+        self.ts, self.ks, self.slots = ts, ks, slots
+
+    def pop(self) -> object:
+        """Take the least entry's item (the heap must not be empty)."""
+        ts, ks, slots = self.ts, self.ks, self.slots
+        first = slots[0]
+        item = self.items[first]
+        self.items[first] = None
+        self.free = append(self.free, first)
+        ts, t = vpop(ts)
+        ks, k = vpop(ks)
+        slots, slot = vpop(slots)
+        n = len(ts)
+        if n:  # the last entry sifts down from the top
+            i = 0
+            while True:
+                child = 2 * i + 1
+                if child >= n:
+                    break
+                ct, ck = ts[child], ks[child]
+                right = child + 1
+                if right < n:
+                    rt, rk = ts[right], ks[right]
+                    if rt < ct or (rt == ct and rk < ck):
+                        child, ct, ck = right, rt, rk
+                if ct > t or (ct == t and ck > k):  # the entry goes here
+                    break
+                ts[i] = ct
+                ks[i] = ck
+                slots[i] = slots[child]
+                i = child
+            ts[i] = t
+            ks[i] = k
+            slots[i] = slot
+        self.ts, self.ks, self.slots = ts, ks, slots
+        return item
+
+    def pending(self) -> list[object]:
+        """The items in the heap, in no order."""
+        return [self.items[self.slots[i]] for i in range(len(self.slots))]

@@ -39,7 +39,7 @@ from poolpipe.runtime import (
     SwitchResult,
     default_flush_timeout_us,
 )
-from poolpipe.runtime.heap import Keyed, heapify, pop, push
+from poolpipe.runtime.heap import EventHeap, Keyed, heapify, pop, push
 from poolpipe.runtime.placement import vgpu_nodes
 from poolpipe.scheduler import DataPlane, Decisions, PlaneWrapper, Topology, make_data_plane
 from poolpipe.scheduler.topology import latency_tables
@@ -156,7 +156,7 @@ class VirtualClock(Clock):
 
     def __init__(self) -> None:
         self.t = 0.0
-        self._events: list[Keyed] = []  # heap.py's, each holding an _Event or a _Work
+        self._events = EventHeap()  # of _Event and _Work
         self._seq = 0
         # whose _end a _Work's end calls (a work's end is the commonest event: no object
         # of its own, and a direct call)
@@ -191,11 +191,11 @@ class VirtualClock(Clock):
         """`item` at `t`, keyed by its priority's `key` (priority * _PRIORITY), then the
         order scheduled."""
         self._seq += 1
-        push(self._events, Keyed(t, key + self._seq, item))
+        self._events.push(t, key + self._seq, item)
 
     def pending(self) -> list[object]:
         """What is still to come (events, works that end), in no order."""
-        return [e.item for e in self._events]
+        return self._events.pending()
 
     def _fire(self, item: object) -> None:
         if isinstance(item, _Work):
@@ -208,10 +208,9 @@ class VirtualClock(Clock):
     def run_until(self, t_us: float) -> None:
         """Fire every event due by `t_us` in order, then stand at `t_us`."""
         ev = self._events
-        while ev and ev[0].t <= t_us:
-            e = pop(ev)
-            self.t = e.t
-            self._fire(e.item)
+        while len(ev) and ev.first_t() <= t_us:
+            self.t = ev.first_t()
+            self._fire(ev.pop())
         self.t = max(self.t, t_us)
 
     def run(self, times: list[float], arrivals: Arrivals, done: Callable[[], bool]) -> None:
@@ -221,17 +220,16 @@ class VirtualClock(Clock):
         would run for ever (timers that only watch)."""
         ev = self._events
         i, n = 0, len(times)
-        while i < n or ev:
-            if i < n and (not ev or times[i] < ev[0].t):
+        while i < n or len(ev):
+            if i < n and (not len(ev) or times[i] < ev.first_t()):
                 self.t = times[i]
                 arrivals.arrive(i)
                 i += 1
                 continue
             if i == n and done():
                 return
-            e = pop(ev)
-            self.t = e.t
-            self._fire(e.item)
+            self.t = ev.first_t()
+            self._fire(ev.pop())
 
 
 # ---------------------------------------------------------------------------- the cluster
