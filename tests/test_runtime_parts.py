@@ -50,7 +50,10 @@ def test_the_overdue_watch_keeps_one_timer_and_skips_ended_jobs():
     watch.add(b, 20.0)
     watch.add(a, 10.0)
     watch.add(c, 25.0)
-    c.ended = True  # ended before its SLO: never looked at
+    c.ended = True  # ended before its SLO: never looked at, and let go at once
+    watch.ended(c)
+    assert c.watch_slot == -1 and all(j is not c for j in watch._heap.pending())
+    assert len(watch) == 3  # (its entry stays until its turn)
     clock.run_until(10.0)
     assert seen == []  # a batch is looked at just after its SLO end, never on it
     clock.run_until(10.0 + OVERDUE_AFTER_US)

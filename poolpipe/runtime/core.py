@@ -470,6 +470,8 @@ class ServingRuntime:
         """`job` reported its last hop (done, failed or let go). A plan switched away from
         is retired with its last job: the executor forgets it, and so does the runtime."""
         job.ended = True
+        if self._watch is not None:
+            self._watch.ended(job)
         plan: _Plan = job._plan
         plan.jobs -= 1
         vgpus = plan.vgpus

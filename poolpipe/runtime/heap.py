@@ -104,7 +104,8 @@ class EventHeap:
         """The least entry's t (the heap must not be empty)."""
         return self.ts[0]
 
-    def push(self, t: float, k: int, item: object) -> None:
+    def push(self, t: float, k: int, item: object) -> int:
+        """Add `item` under (t, k); returns its slot (see `release`)."""
         if len(self.free):
             self.free, slot = vpop(self.free)
             self.items[slot] = item
@@ -128,6 +129,16 @@ class EventHeap:
         ks[i] = k
         slots[i] = slot
         self.ts, self.ks, self.slots = ts, ks, slots
+        return slot
+
+    def first_item(self) -> object:
+        """The least entry's item (the heap must not be empty)."""
+        return self.items[self.slots[0]]
+
+    def release(self, slot: int) -> None:
+        """Let go of the item in `slot` (an entry still in the heap) ahead of its turn: its
+        entry stays, and pops None."""
+        self.items[slot] = None
 
     def pop(self) -> object:
         """Take the least entry's item (the heap must not be empty)."""

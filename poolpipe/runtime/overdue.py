@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Final, cast
 
-from poolpipe.runtime.heap import Keyed, pop, push
+from poolpipe.runtime.heap import EventHeap
 from poolpipe.runtime.ports import Clock, Job, Timer
 
 # A batch is looked at this long after its earliest SLO end: later than the SLO, never by
@@ -19,14 +19,16 @@ OVERDUE_AFTER_US: Final = 1.0
 class OverdueWatch:
     """Running jobs by their earliest SLO end. When that time has passed for a job still
     running, `overdue(job, now)` answers what has run out and returns the job's next SLO
-    end (inf: nothing left to watch). Jobs that ended meanwhile are skipped."""
+    end (inf: nothing left to watch). A job that ends is let go at once (`ended`): its
+    entry stays until its turn, holding nothing (a job held until its SLO end kept its
+    requests and hops in memory that long, and freed them cold)."""
 
     __slots__ = ("_at", "_clock", "_heap", "_overdue", "_seq", "_timer")
 
     def __init__(self, clock: Clock, overdue: Callable[[Job, float], float]):
         self._clock = clock
         self._overdue = overdue
-        self._heap: list[Keyed] = []  # running jobs by earliest SLO end, then when added
+        self._heap = EventHeap()  # running jobs by earliest SLO end, then when added
         self._seq = 0
         self._timer: Timer | None = None
         self._at = math.inf  # the due time the timer is set for
@@ -36,9 +38,15 @@ class OverdueWatch:
 
     def add(self, job: Job, due_us: float) -> None:
         self._seq += 1
-        push(self._heap, Keyed(due_us, self._seq, job))
+        job.watch_slot = self._heap.push(due_us, self._seq, job)
         if due_us < self._at:
             self._arm(due_us)
+
+    def ended(self, job: Job) -> None:
+        """`job` ended: nothing of it is watched any more."""
+        if job.watch_slot >= 0:
+            self._heap.release(job.watch_slot)
+            job.watch_slot = -1
 
     def _arm(self, due_us: float) -> None:
         if self._timer is not None:
@@ -50,17 +58,21 @@ class OverdueWatch:
         self._timer, self._at = None, math.inf
         now = self._clock.now()
         heap = self._heap
-        while heap:
-            head = heap[0]
-            job = cast(Job, head.item)
-            if not (job.ended or head.t < now):
+        while len(heap):
+            item = heap.first_item()
+            if item is not None and heap.first_t() >= now:
                 break
-            pop(heap)
-            if job.ended:
-                continue
+            heap.pop()
+            if item is None:
+                continue  # ended
+            job = cast(Job, item)
+            job.watch_slot = -1
             nxt = self._overdue(job, now)
             if nxt < math.inf:
                 self._seq += 1
-                push(heap, Keyed(nxt, self._seq, job))
-        if heap:
-            self._arm(heap[0].t)
+                if job.ended:  # (ended by its answers: watched no more, as `ended` does)
+                    heap.push(nxt, self._seq, None)
+                else:
+                    job.watch_slot = heap.push(nxt, self._seq, job)
+        if len(heap):
+            self._arm(heap.first_t())

@@ -154,6 +154,7 @@ class Job:
         "idle",
         "slack_us",
         "started",
+        "watch_slot",
     )
 
     def __init__(self, dispatch: Dispatch, entries: list[Entry], plan: Any, slack_us: float = 0.0):
@@ -169,6 +170,7 @@ class Job:
         # (the earliest SLO end, arrival + SLO, less the reserved end of the last hop).
         self.slack_us = slack_us
         self.ended = False  # the runtime's: its last hop reported (done, failed or let go)
+        self.watch_slot = -1  # the runtime's overdue watch's: its slot there (-1: none)
 
     @property
     def served(self) -> ServedPlan:
