@@ -171,7 +171,8 @@ def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None
             else:
                 sch.on_stage_done(what, t)
         if forget:
-            sch._booked_from = [-math.inf] * len(sch._booked_from)
+            for pid in range(len(sch._booked_from)):
+                sch._booked_from[pid] = -math.inf
             sch.prune_pipelines = False
             sch._lead = [0] * len(sch._lead)
         out = sch.decide(t)
@@ -297,7 +298,7 @@ def test_bound_tree_finds_what_a_scan_finds(vals, i, least, lat, best, seed):
     for p in range(n + 1):
         take = [q for q in range(p, n) if wants(vals[(r + q) % n], least, lat, best, seed)]
         assert tree.scan(p, r, least, lat, best, seed) == (take[0] if take else n)
-    assert tree.least() == min(vals)
+    assert tree.lowest() == min(vals)
     assert vals[tree.argmin()] == min(vals) and tree.argmin() == vals.index(min(vals))
 
 

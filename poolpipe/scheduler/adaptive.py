@@ -21,7 +21,8 @@ import math
 from collections.abc import Iterator
 from typing import Final
 
-from mypy_extensions import mypyc_attr
+from librt.vecs import vec
+from mypy_extensions import i64, mypyc_attr
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler.messages import (
@@ -162,18 +163,6 @@ class _Kept:
 
 
 @mypyc_attr(acyclic=True)
-class _Node:
-    """A node of a _BoundTree: the least bound under it and the first member holding it
-    (compiled, fields written in place: a list of floats would box every write)."""
-
-    __slots__ = ("arg", "least")
-
-    def __init__(self, least: float, arg: int) -> None:
-        self.least = least
-        self.arg = arg
-
-
-@mypyc_attr(acyclic=True)
 class _BoundTree:
     """Lower bounds of a pool's members (its vGPUs, or its servers' groups of them) in scan
     order, with every subtree's minimum: the probe skips, in O(log n), every run of members
@@ -182,9 +171,14 @@ class _BoundTree:
     A member's bound is when its vGPU (or the earliest of the group's) could start the
     pool's shortest stage at or after the time it was last computed (`_touch`): a probe at a
     later time, or of a longer stage, starts no earlier (reservations only push starts later,
-    and the scheduler recomputes a bound whenever a correction frees a table)."""
+    and the scheduler recomputes a bound whenever a correction frees a table).
 
-    __slots__ = ("n", "nodes", "size")
+    Node j (1 the root, 2j and 2j + 1 its children, the members' leaves from `size` on)
+    holds the least bound under it (`least[j]`) and the first member holding it
+    (`arg[j]`): unboxed vectors (librt.vecs, compiled: a thousand GPUs' trees in a few
+    buffers, where an object per node left each one cold)."""
+
+    __slots__ = ("arg", "least", "n", "size")
 
     def __init__(self, n: int) -> None:
         size = 1
@@ -193,36 +187,38 @@ class _BoundTree:
         self.n = n
         self.size = size
         # leaves from `size` on, a member's -inf (no bound yet); padding stays +inf
-        nodes = [_Node(math.inf, 0) for _ in range(2 * size)]
+        least = vec[float]([math.inf] * (2 * size))
+        arg = vec[i64]([0] * (2 * size))
         for i in range(size):
-            nodes[size + i] = _Node(-math.inf if i < n else math.inf, i)
+            least[size + i] = -math.inf if i < n else math.inf
+            arg[size + i] = i
         for j in range(size - 1, 0, -1):
-            a, b = nodes[2 * j], nodes[2 * j + 1]
-            c = b if b.least < a.least else a
-            nodes[j] = _Node(c.least, c.arg)
-        self.nodes = nodes
+            c = 2 * j + 1 if least[2 * j + 1] < least[2 * j] else 2 * j
+            least[j] = least[c]
+            arg[j] = arg[c]
+        self.least = least
+        self.arg = arg
 
     def set(self, i: int, x: float) -> None:
-        nodes = self.nodes
+        least, arg = self.least, self.arg
         j = i + self.size
-        nodes[j].least = x
+        least[j] = x
         j >>= 1
         while j >= 1:
-            a, b = nodes[2 * j], nodes[2 * j + 1]
-            c = b if b.least < a.least else a
-            node = nodes[j]
-            if node.least == c.least and node.arg == c.arg:
+            c = 2 * j + 1 if least[2 * j + 1] < least[2 * j] else 2 * j
+            x, a = least[c], arg[c]
+            if least[j] == x and arg[j] == a:
                 return  # the ancestors keep theirs
-            node.least = c.least
-            node.arg = c.arg
+            least[j] = x
+            arg[j] = a
             j >>= 1
 
-    def least(self) -> float:
-        return self.nodes[1].least
+    def lowest(self) -> float:
+        return self.least[1]
 
     def argmin(self) -> int:
         """The first member with the least bound."""
-        return self.nodes[1].arg
+        return self.arg[1]
 
     def scan(self, p: int, r: int, least: float, lat: float, best: float, seed: float) -> int:
         """The first member at or after offset p of the scan order that starts at member r
@@ -246,10 +242,10 @@ class _BoundTree:
         n = self.n
         if i >= n:
             return n
-        nodes, size = self.nodes, self.size
+        least_of, size = self.least, self.size
         j = i + size
         while True:
-            x = nodes[j].least
+            x = least_of[j]
             y = x + lat
             if x < least or (y < best and y <= seed):
                 break
@@ -260,7 +256,7 @@ class _BoundTree:
             j += 1
         while j < size:  # down to the first member that qualifies
             j *= 2
-            x = nodes[j].least
+            x = least_of[j]
             y = x + lat
             if not (x < least or (y < best and y <= seed)):
                 j += 1
@@ -296,7 +292,7 @@ class ReservationScheduler(DataPlane):
         self.vgpu_table = [ReservationTable(f"vgpu{v.id}") for v in topo.vgpus]
         self.uplink = [ReservationTable(f"up{s.id}") for s in topo.servers]
         self.downlink = [ReservationTable(f"down{s.id}") for s in topo.servers]
-        self.server_of = [v.server for v in topo.vgpus]
+        self.server_of = vec[i64]([v.server for v in topo.vgpus])
         # Per pool: its vGPUs grouped by server (one transfer slot per server), and a
         # rotating start so that equally good vGPUs and NICs take turns.
         self._groups: list[list[tuple[int, list[int]]]] = []
@@ -304,23 +300,25 @@ class ReservationScheduler(DataPlane):
         for pool in topo.pools:
             by_server: dict[int, list[int]] = {}
             for v in pool.vgpus:
-                by_server.setdefault(self.server_of[v], []).append(v)
+                by_server.setdefault(topo.vgpus[v].server, []).append(v)
             self._groups.append(list(by_server.items()))
             self._group_index.append({srv: i for i, srv in enumerate(by_server)})
-        self._flat = [list(pool.vgpus) for pool in topo.pools]
-        self._gsrv = [[srv for srv, _ in groups] for groups in self._groups]
-        self._gvg = [[vgs for _, vgs in groups] for groups in self._groups]
-        self._flat_index = [0] * len(topo.vgpus)  # per vGPU: its index in its pool's _flat
+        # (per vGPU, server and pool: unboxed vectors, librt.vecs: at a thousand GPUs a list's
+        # ints past 256 are objects of their own, each read a cache miss)
+        self._flat = [vec[i64](pool.vgpus) for pool in topo.pools]
+        self._gsrv = [vec[i64]([srv for srv, _ in groups]) for groups in self._groups]
+        self._gvg = [[vec[i64](vgs) for _, vgs in groups] for groups in self._groups]
+        self._flat_index = vec[i64]([0] * len(topo.vgpus))  # per vGPU: its index in _flat
         for flat in self._flat:
             for i, v in enumerate(flat):
                 self._flat_index[v] = i
-        self._pool_of = [v.pool for v in topo.vgpus]
-        self._group_of = [  # per vGPU: its server's index in its pool's _groups
-            self._group_index[v.pool][v.server] for v in topo.vgpus
-        ]
+        self._pool_of = vec[i64]([v.pool for v in topo.vgpus])
+        self._group_of = vec[i64](  # per vGPU: its server's index in its pool's _groups
+            [self._group_index[v.pool][v.server] for v in topo.vgpus]
+        )
         # Per vGPU a lower bound on when it can start a stage of its pool (_touch), and per
         # pool the bounds in scan order: of its vGPUs (a first hop) and its servers' groups.
-        self._lb = [-math.inf] * len(topo.vgpus)
+        self._lb = vec[float]([-math.inf] * len(topo.vgpus))
         self._ftree = [_BoundTree(len(flat)) for flat in self._flat]
         self._gtree = [_BoundTree(len(groups)) for groups in self._groups]
         self._bound_from = -math.inf  # every bound holds for probes from this time on
@@ -344,32 +342,33 @@ class ReservationScheduler(DataPlane):
         # pools' shortest stages), where the downlink is booked ahead by the batches already
         # sent: without it a busy downlink's server looked as good as its idle vGPUs, and a
         # probe scanned a third of a 63-server pool for the earliest transfer.
-        self._dlb = [[-math.inf] * len(groups) for groups in self._groups]
+        self._dlb = [vec[float]([-math.inf] * len(groups)) for groups in self._groups]
         self._down_groups: list[list[tuple[int, int]]] = [[] for _ in topo.servers]
         for pid in range(len(topo.pools)):
             if self._later[pid]:
                 for g, srv in enumerate(self._gsrv[pid]):
                     self._down_groups[srv].append((pid, g))
-        self._offset = [0.0] * len(topo.pools)
-        self._rr = [0] * len(topo.pools)
+        self._offset = vec[float]([0.0] * len(topo.pools))
+        self._rr = vec[i64]([0] * len(topo.pools))
         # Per pool, from its last probe that found no vGPU free at once: no vGPU of the pool
         # can start a stage of _booked_lat µs at or after _booked_t before _booked_from.
         # Reservations only push starts later, and later times or longer stages start no
         # earlier, so it holds until a correction frees a table of the pool (-inf: unknown).
-        self._booked_from = [-math.inf] * len(topo.pools)
-        self._booked_t = [0.0] * len(topo.pools)
-        self._booked_lat = [0.0] * len(topo.pools)
+        self._booked_from = vec[float]([-math.inf] * len(topo.pools))
+        self._booked_t = vec[float]([0.0] * len(topo.pools))
+        self._booked_lat = vec[float]([0.0] * len(topo.pools))
         # Skip a compared pipeline whose pools' bounds put its wait above the best one's, and
         # cut its probe short where it cannot finish first (False: probe every pipeline not
         # skipped otherwise, in full; the equivalence tests' plain rule).
         self.prune_pipelines = True
-        self._ahead: list[list[float]] = []  # _read_latencies
-        self._rest: list[list[float]] = []  # _read_latencies
+        self._ahead: list[vec[float]] = []  # _read_latencies
+        self._rest: list[vec[float]] = []  # _read_latencies
         self._pipes: list[list[int]] = [list(m.pipelines) for m in topo.models]
-        self._pipe_pools = [list(pipe.pools) for pipe in topo.pipelines]
-        self._pipe_batch = [pipe.batch for pipe in topo.pipelines]
-        self._lat: list[list[float]] = []  # per pool: its latency at batch b (set_latencies)
-        self._tin: list[float] = []  # per pool: its transfer in, per sample
+        self._pipe_pools = [vec[i64](pipe.pools) for pipe in topo.pipelines]
+        self._pipe_batch = vec[i64]([pipe.batch for pipe in topo.pipelines])
+        self._lat: list[vec[float]] = []  # per pool: its latency at batch b (set_latencies)
+        self._tin = vec[float]()  # per pool: its transfer in, per sample
+        self._lat_min = vec[float]()
         # A probe's answer kept per pipeline for a later probe at its planned batch
         # (_reuse), with the count of changes to the tables its probes read: its vGPUs',
         # the uplinks of its servers that send a feature map on (a pool with a next one),
@@ -493,16 +492,16 @@ class ReservationScheduler(DataPlane):
 
     def _read_latencies(self, topo: Topology) -> None:
         self._no_wait_us, self._grow_to = _per_pipeline(topo)
-        self._lat = latency_tables(topo)
-        self._tin = [float(pool.transfer_in_us) for pool in topo.pools]
-        self._lat_min = [min(lat[1:], default=0.0) for lat in self._lat]
+        self._lat = [vec[float](lat) for lat in latency_tables(topo)]
+        self._tin = vec[float]([float(pool.transfer_in_us) for pool in topo.pools])
+        self._lat_min = vec[float]([min(lat[1:], default=0.0) for lat in self._lat])
         offset = [math.inf] * len(topo.pools)
         for pipe in topo.pipelines:
             ahead = 0.0
             for pid in pipe.pools:
                 offset[pid] = min(offset[pid], ahead)
                 ahead += self._lat_min[pid]
-        self._offset = [x if x < math.inf else 0.0 for x in offset]
+        self._offset = vec[float]([x if x < math.inf else 0.0 for x in offset])
         # Per pipeline and hop d at the planned batch b: the earlier pools' stages and the
         # transfers up to d's. A probe's wait is its finish less `now` and every stage and
         # transfer of the path, and it finishes no earlier than hop d's start (at or after
@@ -518,7 +517,7 @@ class ReservationScheduler(DataPlane):
                 x += b * self._tin[pid]
                 before.append(x)
                 x += self._lat[pid][b]
-            self._ahead.append(before)
+            self._ahead.append(vec[float](before))
             # and what follows each hop: the later pools' transfers and stages
             after = [0.0] * len(pipe.pools)
             x = 0.0
@@ -526,7 +525,7 @@ class ReservationScheduler(DataPlane):
                 pid = pipe.pools[d]
                 x += self._lat[pid][b] + b * self._tin[pid]
                 after[d - 1] = x
-            self._rest.append(after)
+            self._rest.append(vec[float](after))
 
     def _touch(self, v: int, now: float) -> None:
         """vGPU v's table changed at `now`: its bound anew, and its pool's trees."""
@@ -688,7 +687,7 @@ class ReservationScheduler(DataPlane):
                 # A seed: the vGPU of the least bound, most likely the best. What it would
                 # give bounds the scan (which alone decides, ties in scan order included).
                 seed = math.inf
-                if tree.least() < math.inf:
+                if tree.lowest() < math.inf:
                     v = flat[tree.argmin()]
                     least = tables[v].earliest_slot(t, lat)
                     f = least + lat
@@ -903,7 +902,7 @@ class ReservationScheduler(DataPlane):
             if src < 0 and not self._inputs[pid]:
                 self._rr[pid] = (self._flat_index[v] + 1) % len(self._flat[pid])
             else:
-                idx = self._group_index[pid][server_of[v]]
+                idx = self._group_of[v]
                 self._rr[pid] = (idx + 1) % len(self._groups[pid])
 
     def _correct(self, report: StageReport, now: float) -> Dispatch | None:
@@ -1057,9 +1056,9 @@ class ReservationScheduler(DataPlane):
         for d in range(len(pools)):
             pid = pools[d]
             if d == 0 and not self._inputs[pid]:
-                x = self._ftree[pid].least()
+                x = self._ftree[pid].lowest()
             else:
-                x = self._gtree[pid].least()
+                x = self._gtree[pid].lowest()
             x = x - now - ahead[d]
             if x > most:
                 most = x
