@@ -147,19 +147,19 @@ class _InFlight:
 
 
 class _Kept:
-    """A pipeline's last probe at its planned batch, kept to answer the next (_reuse), and
-    the count of changes to the tables its probes read (compiled, fields in place: lists of
-    ints and floats would box every write)."""
+    """A pipeline's last probe at each batch size, kept to answer the next (_reuse), and
+    the count of changes to the tables its probes read (compiled: fields in place, the
+    per-batch ones unboxed vectors)."""
 
-    __slots__ = ("at", "b", "changes", "now", "path", "start")
+    __slots__ = ("at", "changes", "now", "path", "start")
 
-    def __init__(self) -> None:
+    def __init__(self, batches: int) -> None:
         self.changes = 0  # to the pipeline's vGPUs' tables and its servers' links
-        self.b = 0  # the kept probe's batch (0: none kept)
-        self.at = 0  # `changes` when it was made
-        self.now = 0.0  # when it was made
-        self.start = 0.0  # its path's start (its first transfer or stage)
-        self.path: list[Hop] = []
+        # per batch size b (1 to batches): the kept probe's
+        self.at = vec[i64]([-1] * (batches + 1))  # `changes` when it was made (-1: none)
+        self.now = vec[float]([0.0] * (batches + 1))  # when it was made
+        self.start = vec[float]([0.0] * (batches + 1))  # its path's start
+        self.path: list[list[Hop]] = [[] for _ in range(batches + 1)]
 
 
 @mypyc_attr(acyclic=True)
@@ -369,7 +369,7 @@ class ReservationScheduler(DataPlane):
         self._lat: list[vec[float]] = []  # per pool: its latency at batch b (set_latencies)
         self._tin = vec[float]()  # per pool: its transfer in, per sample
         self._lat_min = vec[float]()
-        # A probe's answer kept per pipeline for a later probe at its planned batch
+        # A probe's answer kept per pipeline and batch for a later probe at that batch
         # (_reuse), with the count of changes to the tables its probes read: its vGPUs',
         # the uplinks of its servers that send a feature map on (a pool with a next one),
         # and the downlinks of those that receive one or the inputs (a later pool's).
@@ -377,7 +377,8 @@ class ReservationScheduler(DataPlane):
         for pipe in topo.pipelines:
             for pid in pipe.pools:
                 pipe_of_pool[pid] = pipe.id
-        self._kept = [_Kept() for _ in topo.pipelines]
+        most = [len(lat) - 1 for lat in latency_tables(topo)]  # per pool: its largest batch
+        self._kept = [_Kept(min(most[pid] for pid in pipe.pools)) for pipe in topo.pipelines]
         self._vkept = [self._kept[pipe_of_pool[v.pool]] for v in topo.vgpus]
         self._upkept: list[list[_Kept]] = [[] for _ in topo.servers]  # per server
         self._downkept: list[list[_Kept]] = [[] for _ in topo.servers]
@@ -645,16 +646,15 @@ class ReservationScheduler(DataPlane):
         choice is the least (key, start) first in scan order, and `cut` only starts the
         search lower.
 
-        A probe at the planned batch made earlier is answered again (_reuse) while no table
-        it reads has changed and its path starts no earlier than `now`."""
+        A probe at the same batch made earlier is answered again (_reuse) while no table it
+        reads has changed and its path starts no earlier than `now`."""
         kept = self._kept[pi]
         if (
-            kept.b == b
-            and kept.at == kept.changes
-            and kept.now <= now <= kept.start
+            kept.at[b] == kept.changes
+            and kept.now[b] <= now <= kept.start[b]
             and self.prune_pipelines
         ):
-            return self._reuse(kept, now)
+            return self._reuse(kept, b, now)
         self.probes += 1
         if now < self._bound_from:
             self._rebound(now)  # a probe of the past (tests): the bounds hold from `now` on
@@ -831,17 +831,16 @@ class ReservationScheduler(DataPlane):
                 wait += (bts - t) + (bs - bte)
                 t = bf
             prev = path[-1].vgpu  # the vGPU that holds the batch now
-        if self.prune_pipelines and b == self._pipe_batch[pi]:
-            kept.b = b
-            kept.at = kept.changes
-            kept.now = now
-            kept.start = first_start
-            kept.path = path
+        if self.prune_pipelines:
+            kept.at[b] = kept.changes
+            kept.now[b] = now
+            kept.start[b] = first_start
+            kept.path[b] = path
         return Probe(wait, t, first_start, path)
 
-    def _reuse(self, kept: _Kept, now: float) -> Probe:
-        """The probe kept from `kept.now`, as a probe made at `now` would answer: the same
-        path, its first hop's wait counted from `now`.
+    def _reuse(self, kept: _Kept, b: int, now: float) -> Probe:
+        """The probe at batch b kept from `kept.now[b]`, as a probe made at `now` would
+        answer: the same path, its first hop's wait counted from `now`.
 
         Exact while no table the probe reads has changed (`kept.changes`) and its path
         starts at or after `now`: a first hop's earliest start (or transfer) on each
@@ -852,7 +851,7 @@ class ReservationScheduler(DataPlane):
         gets the whole path where it might have been LOST: a path that could not finish
         before the cut loses the comparison either way. The wait is summed as the probe
         sums it (the same floats)."""
-        old = kept.path
+        old = kept.path[b]
         h0 = old[0]
         path: list[Hop] = []
         if self._inputs[h0.pool]:
@@ -867,7 +866,7 @@ class ReservationScheduler(DataPlane):
             wait += (x.transfer_start_us - t) + (x.start_us - x.transfer_end_us)
             t = x.end_us
             path.append(x)
-        return Probe(wait, t, kept.start, path)
+        return Probe(wait, t, kept.start[b], path)
 
     def _changed(self, readers: list[_Kept]) -> None:
         """A link changed: the kept probes of the pipelines that read it may not hold."""
