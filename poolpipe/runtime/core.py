@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mypy_extensions import mypyc_attr
+from librt.vecs import vec
+from mypy_extensions import i64, mypyc_attr
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.guard import WakeGuard
@@ -104,19 +105,6 @@ class RuntimeConfig:
 
 
 @mypyc_attr(acyclic=True)
-class _VgpuUse:
-    """One vGPU's counters in a served plan (compiled: native fields, no boxed int or float
-    made per update, as a list's items were)."""
-
-    __slots__ = ("busy_us", "jobs", "running")
-
-    def __init__(self) -> None:
-        self.busy_us = 0.0  # stage time, since the plan began (or reset_stats)
-        self.jobs = 0  # jobs with a hop on it, not yet ended
-        self.running = 0  # hops started and not yet done (when observing)
-
-
-@mypyc_attr(acyclic=True)
 class _PoolUse:
     """One pool's counters in a served plan: batches run and the requests in them."""
 
@@ -144,7 +132,9 @@ class _Plan:
         "served",
         "slo_us",
         "stage_factors",
-        "vgpus",
+        "vgpu_busy_us",
+        "vgpu_jobs",
+        "vgpu_running",
     )
 
     def __init__(
@@ -159,7 +149,11 @@ class _Plan:
         self.plane = served.plane
         topo = served.topo
         V, P = len(topo.vgpus), len(topo.pools)
-        self.vgpus = [_VgpuUse() for _ in range(V)]
+        # per vGPU (unboxed vectors, librt.vecs: a thousand GPUs' counters in a few
+        # buffers, where an object per vGPU was read cold at each hop)
+        self.vgpu_busy_us = vec[float]([0.0] * V)  # stage time, since the plan began
+        self.vgpu_jobs = vec[i64]([0] * V)  # jobs with a hop on it, not yet ended
+        self.vgpu_running = vec[i64]([0] * V)  # hops started, not yet done (observing)
         self.pools = [_PoolUse() for _ in range(P)]
         self.stage_factors: list[list[float]] = [[] for _ in range(P)]
         self.node_vgpus: dict[str, list[int]] = {}
@@ -175,13 +169,13 @@ class _Plan:
 
     @property
     def pool_busy_us(self) -> list[float]:
-        return [sum(self.vgpus[v].busy_us for v in p.vgpus) for p in self.served.topo.pools]
+        return [sum(self.vgpu_busy_us[v] for v in p.vgpus) for p in self.served.topo.pools]
 
     def usage(self) -> PlanUsage:
         return PlanUsage(
             self.generation,
             self.served,
-            tuple(u.busy_us for u in self.vgpus),
+            tuple(self.vgpu_busy_us),
             tuple(u.batches for u in self.pools),
             tuple(u.requests for u in self.pools),
         )
@@ -441,12 +435,12 @@ class ServingRuntime:
         # a failure (its job ends there). Answers skip any entry that has one already.
         entries: list[Entry] = d.requests  # type: ignore[assignment]
         n = len(entries)
-        pools, vgpus = plan.pools, plan.vgpus  # native counters (_VgpuUse, _PoolUse)
+        pools, jobs = plan.pools, plan.vgpu_jobs
         for hop in d.hops:
             pu = pools[hop.pool]
             pu.batches += 1
             pu.requests += n
-            vgpus[hop.vgpu].jobs += 1
+            jobs[hop.vgpu] += 1
         if d.hops[0].pool == plan.first_pool[d.pipeline]:
             self.batches += 1
             stats = entries[0].stats
@@ -474,9 +468,9 @@ class ServingRuntime:
             self._watch.ended(job)
         plan: _Plan = job._plan
         plan.jobs -= 1
-        vgpus = plan.vgpus
+        jobs = plan.vgpu_jobs
         for hop in job.dispatch.hops:
-            vgpus[hop.vgpu].jobs -= 1
+            jobs[hop.vgpu] -= 1
         if plan.jobs == 0 and plan is not self._plan:
             self._retire(plan)
 
@@ -521,9 +515,9 @@ class ServingRuntime:
         job.started = h + 1
         if self._observing:
             v = d.hops[h].vgpu
-            use = plan.vgpus[v]
-            job.idle.append(use.running == 0)
-            use.running += 1
+            running = plan.vgpu_running
+            job.idle.append(running[v] == 0)
+            running[v] += 1
         if transfer is None:
             report = self._lend_report(d.id, h, start_us, None, None, None)
         else:
@@ -548,11 +542,10 @@ class ServingRuntime:
         plan: _Plan = job._plan
         d = job.dispatch
         hop = d.hops[h]
-        use = plan.vgpus[hop.vgpu]
-        use.busy_us += end_us - start_us
+        plan.vgpu_busy_us[hop.vgpu] += end_us - start_us
         current = plan is self._plan
         if self._observing:
-            use.running -= 1
+            plan.vgpu_running[hop.vgpu] -= 1
             if job.idle[h] and current:
                 reserved = max(1.0, hop.end_us - hop.start_us)
                 self._observe(plan, hop.pool, (end_us - start_us) / reserved)
@@ -602,7 +595,7 @@ class ServingRuntime:
             job.slack_us = first - d.hops[-1].end_us
             return True
         if job.started > h and self._observing:  # a hop given up on after it started
-            plan.vgpus[d.hops[h].vgpu].running -= 1
+            plan.vgpu_running[d.hops[h].vgpu] -= 1
         plan.plane.on_dispatch_failed(d.id, h, now)
         current = plan is self._plan
         self._ended(job)
@@ -622,7 +615,7 @@ class ServingRuntime:
         hop = d.hops[h]
         now = self.clock.now()
         if job.started > h and self._observing:
-            plan.vgpus[hop.vgpu].running -= 1
+            plan.vgpu_running[hop.vgpu] -= 1
         plan.plane.on_dispatch_failed(d.id, h, now)
         node = plan.served.vgpu_node[hop.vgpu]
         current = plan is self._plan
@@ -727,7 +720,7 @@ class ServingRuntime:
     def node_jobs(self, node: str) -> int:
         """Batches with a hop on `node` that have not ended, over every plan not retired."""
         plans = (*self._old, self._plan)
-        return sum(sum(p.vgpus[v].jobs for v in p.node_vgpus.get(node, ())) for p in plans)
+        return sum(sum(p.vgpu_jobs[v] for v in p.node_vgpus.get(node, ())) for p in plans)
 
     def _node_down(self, node: str, now: float, why: str = "") -> None:
         plan = self._plan
@@ -829,8 +822,8 @@ class ServingRuntime:
         for s in self.stats.values():
             s.clear()
         plan = self._plan
-        for use in plan.vgpus:
-            use.busy_us = 0.0
+        for v in range(len(plan.vgpu_busy_us)):
+            plan.vgpu_busy_us[v] = 0.0
         for f in plan.stage_factors:
             f.clear()
         self.drop_reasons.clear()

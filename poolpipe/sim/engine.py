@@ -21,6 +21,8 @@ from time import perf_counter
 from typing import Any, Final, cast
 
 import numpy as np
+from librt.vecs import vec
+from mypy_extensions import i64
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import (
@@ -277,8 +279,8 @@ class _Layout:
 
     topo: Topology  # the truth the executor runs by (latencies as profiled)
     base: int  # vGPU v is resource base + v; uplink of server s base + V + s; downlink + S
-    up: list[int]  # per vGPU: its server's uplink resource
-    down: list[int]  # per vGPU: its server's downlink resource
+    up: vec[i64]  # per vGPU: its server's uplink resource (unboxed: librt.vecs)
+    down: vec[i64]  # per vGPU: its server's downlink resource
     node_res: dict[str, list[int]]  # node -> its vGPUs' resources
     lat: list[list[float]]  # per pool: its latency at batch b (topo's, as typed floats)
 
@@ -326,8 +328,8 @@ class SimulatedCluster(Executor):
         lay = _Layout(
             truth,
             base,
-            [base + V + v.server for v in truth.vgpus],
-            [base + V + S + v.server for v in truth.vgpus],
+            vec[i64]([base + V + v.server for v in truth.vgpus]),
+            vec[i64]([base + V + S + v.server for v in truth.vgpus]),
             node_res,
             latency_tables(truth),
         )
