@@ -104,7 +104,7 @@ class EventHeap:
         """The least entry's t (the heap must not be empty)."""
         return self.ts[0]
 
-    def push(self, t: float, k: int, item: object) -> int:
+    def push(self, t: float, k: i64, item: object) -> int:
         """Add `item` under (t, k); returns its slot (see `release`)."""
         if len(self.free):
             self.free, slot = vpop(self.free)
@@ -115,7 +115,7 @@ class EventHeap:
         ts = append(self.ts, t)
         ks = append(self.ks, k)
         slots = append(self.slots, slot)
-        i = len(ts) - 1
+        i: i64 = len(ts) - 1
         while i > 0:
             parent = (i - 1) >> 1
             pt = ts[parent]
@@ -150,11 +150,11 @@ class EventHeap:
         ts, t = vpop(ts)
         ks, k = vpop(ks)
         slots, slot = vpop(slots)
-        n = len(ts)
+        n: i64 = len(ts)
         if n:  # the last entry sifts down from the top
-            i = 0
+            i: i64 = 0
             while True:
-                child = 2 * i + 1
+                child: i64 = 2 * i + 1
                 if child >= n:
                     break
                 ct, ck = ts[child], ks[child]

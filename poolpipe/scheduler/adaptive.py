@@ -181,11 +181,11 @@ class _BoundTree:
     __slots__ = ("arg", "least", "n", "size")
 
     def __init__(self, n: int) -> None:
-        size = 1
+        size: i64 = 1
         while size < n:
             size *= 2
-        self.n = n
-        self.size = size
+        self.n: i64 = n
+        self.size: i64 = size
         # leaves from `size` on, a member's -inf (no bound yet); padding stays +inf
         least = vec[float]([math.inf] * (2 * size))
         arg = vec[i64]([0] * (2 * size))
@@ -199,9 +199,9 @@ class _BoundTree:
         self.least = least
         self.arg = arg
 
-    def set(self, i: int, x: float) -> None:
+    def set(self, i: i64, x: float) -> None:
         least, arg = self.least, self.arg
-        j = i + self.size
+        j: i64 = i + self.size
         least[j] = x
         j >>= 1
         while j >= 1:
@@ -220,7 +220,7 @@ class _BoundTree:
         """The first member with the least bound."""
         return self.arg[1]
 
-    def scan(self, p: int, r: int, least: float, lat: float, best: float, seed: float) -> int:
+    def scan(self, p: i64, r: i64, least: float, lat: float, best: float, seed: float) -> i64:
         """The first member at or after offset p of the scan order that starts at member r
         ([r, n), then [0, r)) that next_below would take, as its offset in that order; n
         when none is left."""
@@ -235,7 +235,7 @@ class _BoundTree:
         j = self.next_below(p - (n - r), least, lat, best, seed)
         return j + n - r if j < r else n
 
-    def next_below(self, i: int, least: float, lat: float, best: float, seed: float) -> int:
+    def next_below(self, i: i64, least: float, lat: float, best: float, seed: float) -> i64:
         """The first member at or after i whose bound x has x < least, or x + lat < best and
         x + lat <= seed (floating-point addition is monotone, so a subtree's minimum answers
         for the subtree), or n."""
@@ -243,7 +243,7 @@ class _BoundTree:
         if i >= n:
             return n
         least_of, size = self.least, self.size
-        j = i + size
+        j: i64 = i + size
         while True:
             x = least_of[j]
             y = x + lat
@@ -660,10 +660,15 @@ class ReservationScheduler(DataPlane):
             self._rebound(now)  # a probe of the past (tests): the bounds hold from `now` on
         tables = self.vgpu_table
         lats, tin = self._lat, self._tin
+        # (machine integers, compiled: the indexes into the vectors, without a check of
+        # an arbitrary-precision int at every step)
+        i: i64
+        p: i64
+        g: i64
         t = now
         wait = 0.0
         path: list[Hop] = []
-        prev = -1
+        prev: i64 = -1
         first_start = now
         pipe_pools = self._pipe_pools[pi]
         npools = len(pipe_pools)

@@ -37,7 +37,7 @@ class ReservationTable:
         self.name = name
         self.iv: vec[float] = vec[float]()
         self.keys: vec[i64] = vec[i64]()
-        self.head = 0
+        self.head: i64 = 0
         # earliest_slot's last answer (memo_t, memo_dur) -> memo_at, while the table is
         # unchanged: any t in [memo_t, memo_at] gets memo_at for that duration (a free slot
         # earlier than memo_at and at least t would be at least memo_t too)
@@ -57,8 +57,8 @@ class ReservationTable:
         later query. (One that ended behind a longer one goes once it reaches the front;
         queries skip it meanwhile, as they skip any interval over before their time.)"""
         iv = self.iv
-        n = len(self.keys)
-        h = self.head
+        n: i64 = len(self.keys)
+        h: i64 = self.head
         while h < n and iv[2 * h + 1] <= now:
             h += 1
         if h != self.head:
@@ -75,6 +75,7 @@ class ReservationTable:
             return self.memo_at
         cand = t
         iv = self.iv
+        i: i64
         for i in range(2 * self.head, len(iv), 2):
             e = iv[i + 1]
             if e <= cand:
@@ -85,14 +86,14 @@ class ReservationTable:
         self.memo_t, self.memo_dur, self.memo_at = t, duration, cand
         return cand
 
-    def reserve(self, start: float, end: float, key: int) -> None:
+    def reserve(self, start: float, end: float, key: i64) -> None:
         """Insert in (start, end, key) order, after any equal one."""
         self.memo_at = -1.0
         iv = self.iv
         keys = self.keys
-        h = self.head
-        n = len(keys)
-        i = n
+        h: i64 = self.head
+        n: i64 = len(keys)
+        i: i64 = n
         while i > h:  # from the end: new reservations mostly start after the others
             s = iv[2 * i - 2]
             if s < start:
@@ -105,7 +106,7 @@ class ReservationTable:
         iv = append(append(iv, start), end)
         keys = append(keys, key)
         if i < n:  # (rare: a reservation before the last one) shift the later ones up
-            j = n
+            j: i64 = n
             while j > i:
                 iv[2 * j] = iv[2 * j - 2]
                 iv[2 * j + 1] = iv[2 * j - 1]
@@ -117,7 +118,7 @@ class ReservationTable:
         self.iv = iv
         self.keys = keys
 
-    def correct(self, key: int, start: float, end: float, now: float) -> bool:
+    def correct(self, key: i64, start: float, end: float, now: float) -> bool:
         """Replace reservation `key` by what really happened (or is happening).
 
         Returns False if the key is unknown (already forgotten); the actual interval is still
@@ -126,8 +127,10 @@ class ReservationTable:
         self.memo_at = -1.0
         iv = self.iv
         keys = self.keys
-        n = len(keys)
+        n: i64 = len(keys)
         found = False
+        i: i64
+        j: i64
         for i in range(self.head, n):
             if keys[i] == key:
                 for j in range(i, n - 1):  # shift the later ones down over it
