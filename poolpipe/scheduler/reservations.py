@@ -22,21 +22,20 @@ class ReservationTable:
     Intervals may overlap after feedback correction (a stage that ran late); every query
     treats the table as the union of its intervals, so overlaps only make it conservative.
 
-    Interval i (from `head` on) is `iv[2i]`, `iv[2i + 1]` (its start and end) with its key
-    at `keys[i]`: unboxed vectors (librt.vecs, compiled: the floats lie in one buffer,
-    where a list of interval objects put each in an object of its own, a cache miss apiece
-    once a thousand GPUs' tables outgrow the cache). `forget_before` moves `head` past the
-    intervals that ended and drops them in batches (a vGPU's table is a queue: one at a
-    time, each would cost a shift). A hot loop may read `iv` from `2 * head` on (it must
-    not modify it).
+    Interval i (from `head` on) is `iv[3i]`, `iv[3i + 1]` (its start and end) and its key
+    `iv[3i + 2]` (a float: keys stay below 2**53, exact), in one unboxed vector (librt.vecs,
+    compiled: a table's numbers lie in one buffer, where a list of interval objects put
+    each in an object of its own, a cache miss apiece once a thousand GPUs' tables outgrow
+    the cache). `forget_before` moves `head` past the intervals that ended and drops them
+    in batches (a vGPU's table is a queue: one at a time, each would cost a shift). A hot
+    loop may read `iv` from `3 * head` on (it must not modify it).
     """
 
-    __slots__ = ("head", "iv", "keys", "memo_at", "memo_dur", "memo_t", "name")
+    __slots__ = ("head", "iv", "memo_at", "memo_dur", "memo_t", "name")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.iv: vec[float] = vec[float]()
-        self.keys: vec[i64] = vec[i64]()
         self.head: i64 = 0
         # earliest_slot's last answer (memo_t, memo_dur) -> memo_at, while the table is
         # unchanged: any t in [memo_t, memo_at] gets memo_at for that duration (a free slot
@@ -46,26 +45,26 @@ class ReservationTable:
         self.memo_dur = -1.0
 
     def __len__(self) -> int:
-        return len(self.keys) - self.head
+        return len(self.iv) // 3 - self.head
 
     def intervals(self) -> list[tuple[float, float]]:
         iv = self.iv
-        return [(iv[2 * i], iv[2 * i + 1]) for i in range(self.head, len(self.keys))]
+        return [(iv[i], iv[i + 1]) for i in range(3 * self.head, len(iv), 3)]
 
     def forget_before(self, now: float) -> None:
         """Drop the intervals at the front that ended by `now`: they cannot matter to any
         later query. (One that ended behind a longer one goes once it reaches the front;
         queries skip it meanwhile, as they skip any interval over before their time.)"""
         iv = self.iv
-        n: i64 = len(self.keys)
-        h: i64 = self.head
-        while h < n and iv[2 * h + 1] <= now:
-            h += 1
+        n: i64 = len(iv)
+        i: i64 = 3 * self.head
+        while i < n and iv[i + 1] <= now:
+            i += 3
+        h: i64 = i // 3
         if h != self.head:
             self.memo_at = -1.0  # (a query of the past would now find the dropped free)
         if h >= _DROP_AFTER:
-            self.iv = iv[2 * h :]
-            self.keys = self.keys[h:]
+            self.iv = iv[i:]
             h = 0
         self.head = h
 
@@ -76,7 +75,7 @@ class ReservationTable:
         cand = t
         iv = self.iv
         i: i64
-        for i in range(2 * self.head, len(iv), 2):
+        for i in range(3 * self.head, len(iv), 3):
             e = iv[i + 1]
             if e <= cand:
                 continue
@@ -89,34 +88,30 @@ class ReservationTable:
     def reserve(self, start: float, end: float, key: i64) -> None:
         """Insert in (start, end, key) order, after any equal one."""
         self.memo_at = -1.0
+        k = float(key)
         iv = self.iv
-        keys = self.keys
-        h: i64 = self.head
-        n: i64 = len(keys)
+        h: i64 = 3 * self.head
+        n: i64 = len(iv)
         i: i64 = n
         while i > h:  # from the end: new reservations mostly start after the others
-            s = iv[2 * i - 2]
+            s = iv[i - 3]
             if s < start:
                 break
             if s == start:
-                e = iv[2 * i - 1]
-                if e < end or (e == end and keys[i - 1] <= key):
+                e = iv[i - 2]
+                if e < end or (e == end and iv[i - 1] <= k):
                     break
-            i -= 1
-        iv = append(append(iv, start), end)
-        keys = append(keys, key)
+            i -= 3
+        iv = append(append(append(iv, start), end), k)
         if i < n:  # (rare: a reservation before the last one) shift the later ones up
-            j: i64 = n
-            while j > i:
-                iv[2 * j] = iv[2 * j - 2]
-                iv[2 * j + 1] = iv[2 * j - 1]
-                keys[j] = keys[j - 1]
+            j: i64 = n + 2
+            while j >= i + 3:
+                iv[j] = iv[j - 3]
                 j -= 1
-            iv[2 * i] = start
-            iv[2 * i + 1] = end
-            keys[i] = key
+            iv[i] = start
+            iv[i + 1] = end
+            iv[i + 2] = k
         self.iv = iv
-        self.keys = keys
 
     def correct(self, key: i64, start: float, end: float, now: float) -> bool:
         """Replace reservation `key` by what really happened (or is happening).
@@ -125,20 +120,17 @@ class ReservationTable:
         recorded when it reaches past `now`.
         """
         self.memo_at = -1.0
+        k = float(key)
         iv = self.iv
-        keys = self.keys
-        n: i64 = len(keys)
+        n: i64 = len(iv)
         found = False
         i: i64
         j: i64
-        for i in range(self.head, n):
-            if keys[i] == key:
-                for j in range(i, n - 1):  # shift the later ones down over it
-                    iv[2 * j] = iv[2 * j + 2]
-                    iv[2 * j + 1] = iv[2 * j + 3]
-                    keys[j] = keys[j + 1]
-                self.iv = iv[: 2 * n - 2]
-                self.keys = keys[: n - 1]
+        for i in range(3 * self.head, n, 3):
+            if iv[i + 2] == k:
+                for j in range(i, n - 3):  # shift the later ones down over it
+                    iv[j] = iv[j + 3]
+                self.iv = iv[: n - 3]
                 found = True
                 break
         if end > now:
