@@ -125,11 +125,18 @@ class EventHeap:
             ks[i] = ks[parent]
             slots[i] = slots[parent]
             i = parent
+        self._settle(ts, ks, slots, i, t, k, slot)
+        return slot
+
+    def _settle(
+        self, ts: vec[float], ks: vec[i64], slots: vec[i64], i: i64, t: float, k: i64, slot: i64
+    ) -> None:
+        """Entry (t, k, slot) at i, and the vectors (a push or pop may have moved them)
+        kept."""
         ts[i] = t
         ks[i] = k
         slots[i] = slot
         self.ts, self.ks, self.slots = ts, ks, slots
-        return slot
 
     def first_item(self) -> object:
         """The least entry's item (the heap must not be empty)."""
@@ -169,10 +176,9 @@ class EventHeap:
                 ks[i] = ck
                 slots[i] = slots[child]
                 i = child
-            ts[i] = t
-            ks[i] = k
-            slots[i] = slot
-        self.ts, self.ks, self.slots = ts, ks, slots
+            self._settle(ts, ks, slots, i, t, k, slot)
+        else:
+            self.ts, self.ks, self.slots = ts, ks, slots
         return item
 
     def pending(self) -> list[object]:
