@@ -167,6 +167,14 @@ def status() -> str:
     return f"pure Python ({why})"
 
 
+def unasked_sources() -> str | None:
+    """Why the sources run though nobody asked (POOLPIPE_PURE), or None: a build older
+    than an edit, or none, runs the simulator and the router several times slower."""
+    guard()
+    why = _state["why"]
+    return None if why is None or pure_requested() else why
+
+
 def is_compiled() -> bool:
     guard()
     return _state["why"] is None

@@ -127,7 +127,8 @@ def test_a_compiled_module_older_than_its_source_is_not_run(tmp_path):
     probe = (
         "from poolpipe import native; import poolpipe.scheduler.adaptive as a, "
         "poolpipe.runtime.core as c, poolpipe.sim.engine as e; "
-        "print(native.status()); print(a.__file__, c.__file__, e.__file__)"
+        "print(native.status()); print(a.__file__, c.__file__, e.__file__); "
+        "print(native.unasked_sources())"
     )
     env = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
     env["PYTHONPATH"] = str(root)
@@ -144,6 +145,26 @@ def test_a_compiled_module_older_than_its_source_is_not_run(tmp_path):
     )
     files = out[1].split()
     assert all(f.startswith(str(root)) and f.endswith(".py") for f in files), files
+    assert out[2] == f"{native.HOT_PATH[2]} changed since the build; rebuild with ./run build"
+
+
+def test_a_command_says_when_the_sources_run_unasked(tmp_path, monkeypatch, capsys):
+    """What `poolpipe` prints on stderr before a command where the sources run though
+    nobody asked (a build older than an edit: the simulator several times slower), and
+    that it says nothing where they run on purpose or the build is current."""
+    from poolpipe.cli import main
+
+    missing = str(tmp_path / "no-plan.json")  # (a command that stops at once, on an error)
+    monkeypatch.setattr(native, "unasked_sources", lambda: "x.py changed since the build")
+    assert main(["simulate", "--plan", missing]) == 2
+    err = capsys.readouterr().err
+    assert "warning: the hot path runs from its sources, several times slower" in err
+    assert "x.py changed since the build" in err and "does not exist" in err
+    monkeypatch.undo()
+    monkeypatch.setenv(native.PURE_ENV, "1")
+    assert native.unasked_sources() is None  # asked for (or compiled and current)
+    assert main(["simulate", "--plan", missing]) == 2
+    assert "hot path" not in capsys.readouterr().err
 
 
 def test_why_the_sources_run(tmp_path, monkeypatch):

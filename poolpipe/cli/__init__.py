@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from poolpipe import __version__
+from poolpipe import __version__, native
 from poolpipe.cli.common import err_console
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import ENV_VAR, default_path
@@ -56,6 +56,13 @@ def _terminated(*_: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)  # commands that serve set their own
+    slow = native.unasked_sources()
+    if slow is not None:
+        err_console.print(
+            f"[yellow]warning:[/] the hot path runs from its sources, several times slower: "
+            f"{slow}",
+            highlight=False,
+        )
     try:
         return int(args.func(args))
     except PoolpipeError as e:
