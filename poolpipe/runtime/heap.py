@@ -1,5 +1,6 @@
-"""Binary min-heaps: of keyed objects (the simulator's resource queues, the overdue watch),
-and of items under unboxed keys (EventHeap: the simulator's event queue).
+"""Binary min-heaps: of keyed objects (the simulator's resource queues: its works are
+Keyed), and of items under unboxed keys (EventHeap: the simulator's event queue, the
+overdue watch).
 
 heapq on (time, tie-break, item) tuples made a tuple per entry and compared tuples through
 the interpreter's rich comparison; here each entry is a native object whose two keys are
@@ -16,16 +17,14 @@ from mypy_extensions import i64
 
 
 class Keyed:
-    """An entry of a heap: ordered by `t`, then by `k` (a sequence number, unique); `item`
-    is what it holds. (Entries of exactly this class are the cheapest to check when read
-    back from a list; a subclass may be an entry too.)"""
+    """An entry of a heap: ordered by `t`, then by `k` (a sequence number, unique). What it
+    stands for is a subclass's (the simulator's _Work)."""
 
-    __slots__ = ("item", "k", "t")
+    __slots__ = ("k", "t")
 
-    def __init__(self, t: float, k: int, item: object = None) -> None:
+    def __init__(self, t: float, k: int) -> None:
         self.t = t
         self.k = k
-        self.item = item
 
 
 def push(heap: list[Keyed], entry: Keyed) -> None:

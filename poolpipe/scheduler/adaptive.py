@@ -296,13 +296,13 @@ class ReservationScheduler(DataPlane):
         # Per pool: its vGPUs grouped by server (one transfer slot per server), and a
         # rotating start so that equally good vGPUs and NICs take turns.
         self._groups: list[list[tuple[int, list[int]]]] = []
-        self._group_index: list[dict[int, int]] = []  # per pool: server -> index in _groups
+        group_index: list[dict[int, int]] = []  # per pool: server -> index in _groups
         for pool in topo.pools:
             by_server: dict[int, list[int]] = {}
             for v in pool.vgpus:
                 by_server.setdefault(topo.vgpus[v].server, []).append(v)
             self._groups.append(list(by_server.items()))
-            self._group_index.append({srv: i for i, srv in enumerate(by_server)})
+            group_index.append({srv: i for i, srv in enumerate(by_server)})
         # (per vGPU, server and pool: unboxed vectors, librt.vecs: at a thousand GPUs a list's
         # ints past 256 are objects of their own, each read a cache miss)
         self._flat = [vec[i64](pool.vgpus) for pool in topo.pools]
@@ -314,7 +314,7 @@ class ReservationScheduler(DataPlane):
                 self._flat_index[v] = i
         self._pool_of = vec[i64]([v.pool for v in topo.vgpus])
         self._group_of = vec[i64](  # per vGPU: its server's index in its pool's _groups
-            [self._group_index[v.pool][v.server] for v in topo.vgpus]
+            [group_index[v.pool][v.server] for v in topo.vgpus]
         )
         # Per vGPU a lower bound on when it can start a stage of its pool (_touch), and per
         # pool the bounds in scan order: of its vGPUs (a first hop) and its servers' groups.
@@ -377,7 +377,9 @@ class ReservationScheduler(DataPlane):
         for pipe in topo.pipelines:
             for pid in pipe.pools:
                 pipe_of_pool[pid] = pipe.id
-        most = [len(lat) - 1 for lat in latency_tables(topo)]  # per pool: its largest batch
+        self._read_latencies(topo)
+        # (sized by the largest batch all of its pools have a latency for)
+        most = [len(lat) - 1 for lat in self._lat]
         self._kept = [_Kept(min(most[pid] for pid in pipe.pools)) for pipe in topo.pipelines]
         self._vkept = [self._kept[pipe_of_pool[v.pool]] for v in topo.vgpus]
         self._upkept: list[list[_Kept]] = [[] for _ in topo.servers]  # per server
@@ -391,7 +393,6 @@ class ReservationScheduler(DataPlane):
                         self._upkept[srv].append(kept)
                     if self._later[pid] and kept not in self._downkept[srv]:
                         self._downkept[srv].append(kept)
-        self._read_latencies(topo)
         M = len(topo.models)
         self.queues = [_Queue() for _ in range(M)]
         self._dirty = [False] * M
@@ -632,7 +633,8 @@ class ReservationScheduler(DataPlane):
     # ------------------------------------------------------------------ probe / reserve
 
     def probe(self, pipe: Pipeline, b: int, now: float) -> Probe:
-        """Where and when a batch of b would run on `pipe` if dispatched now; no side effects."""
+        """Where and when a batch of b would run on `pipe` if dispatched now. Nothing is
+        reserved; the answer is kept to answer a later probe the same (_reuse)."""
         return self._probe(pipe.id, b, now, math.inf)
 
     def _probe(self, pi: int, b: int, now: float, cut: float) -> Probe:
