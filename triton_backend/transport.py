@@ -129,7 +129,10 @@ class RelayTransport:
                     start = _compute_start(hop, sent, sending)
                     if start - hop.start_us > job.slack_us and not rt.hop_late(job, h, start):
                         return  # dropped: the rest of its path is released
-                    rt.hop_started(job, h, start, (sent, sent + sending) if sending else None)
+                    if sending:
+                        rt.hop_started(job, h, start, sent, sent + sending)
+                    else:
+                        rt.hop_started(job, h, start)
                     if sending:
                         gate.release_after(sending / 1e6)
                         released = True
@@ -236,7 +239,10 @@ class ChainTransport:
             return  # dropped: the rest of its path is released
         turn_us = sending if sending else hop0.end_us - hop0.start_us
         gate.release_after(max(0.0, turn_us / 1e6))
-        rt.hop_started(job, 0, start, (sent, sent + sending) if sending else None)
+        if sending:
+            rt.hop_started(job, 0, start, sent, sent + sending)
+        else:
+            rt.hop_started(job, 0, start)
         # the chain's time: until the last SLO of its requests runs out; nobody forwards
         # a feature map with none left
         params["poolpipe_budget_us"] = str(int(max(e.due_us for e in entries) - sent))

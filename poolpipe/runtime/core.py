@@ -453,8 +453,6 @@ class ServingRuntime:
             if e.due_us < due:
                 due = e.due_us
         job = Job(d, entries, plan, due - d.hops[-1].end_us)
-        if self._observing:
-            job.idle = []
         plan.jobs += 1
         if self._watch is not None:
             self._watch.add(job, due)
@@ -507,21 +505,25 @@ class ServingRuntime:
     # ------------------------------------------------------------------ reports
 
     def hop_started(
-        self, job: Job, h: int, start_us: float, transfer: tuple[float, float] | None = None
+        self,
+        job: Job,
+        h: int,
+        start_us: float,
+        transfer_start_us: float | None = None,
+        transfer_end_us: float | None = None,
     ) -> None:
-        """Hop `h` of `job` started computing at `start_us` (after its transfer, if any)."""
+        """Hop `h` of `job` started computing at `start_us` (after its transfer from
+        `transfer_start_us` to `transfer_end_us`, if it had one)."""
         plan: _Plan = job._plan
         d = job.dispatch
         job.started = h + 1
         if self._observing:
             v = d.hops[h].vgpu
             running = plan.vgpu_running
-            job.idle.append(running[v] == 0)
+            if running[v] == 0:
+                job.idle |= i64(1) << h
             running[v] += 1
-        if transfer is None:
-            report = self._lend_report(d.id, h, start_us, None, None, None)
-        else:
-            report = self._lend_report(d.id, h, start_us, None, transfer[0], transfer[1])
+        report = self._lend_report(d.id, h, start_us, None, transfer_start_us, transfer_end_us)
         plan.plane.on_stage_started(report, start_us)
 
     def _lend_report(
@@ -546,7 +548,7 @@ class ServingRuntime:
         current = plan is self._plan
         if self._observing:
             plan.vgpu_running[hop.vgpu] -= 1
-            if job.idle[h] and current:
+            if job.idle >> h & 1 and current:
                 reserved = max(1.0, hop.end_us - hop.start_us)
                 self._observe(plan, hop.pool, (end_us - start_us) / reserved)
         report = self._lend_report(d.id, h, start_us, end_us, None, None)
@@ -555,7 +557,7 @@ class ServingRuntime:
         if last:
             if (
                 self._observing
-                and all(job.idle)
+                and job.idle == (i64(1) << job.started) - 1  # every hop on an idle vGPU
                 and current
                 and self._guard.overrun_seen(end_us - hop.end_us)
             ):

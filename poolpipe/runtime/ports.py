@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Final, Protocol
 
-from mypy_extensions import mypyc_attr
+from mypy_extensions import i64, mypyc_attr
 
 from poolpipe.runtime.stats import EpochStats, ModelStats
 from poolpipe.scheduler import DataPlane, Dispatch, Request, Topology
@@ -136,7 +136,6 @@ def count_answer(stats: ModelStats, outcome: Outcome, latency_us: float | None) 
         stats.latency_us.append(latency_us)
 
 
-_NOT_OBSERVED: Final[list[bool]] = []
 
 
 class Job:
@@ -163,9 +162,9 @@ class Job:
         self._plan = plan  # the runtime's own bookkeeping of the plan it runs on
         self.generation: int = plan.generation
         self.started = 0  # hops reported started so far
-        # per started hop: its vGPU had nothing else running (a runtime that observes
-        # stage times gives each job a list of its own; shared and empty otherwise)
-        self.idle: list[bool] = _NOT_OBSERVED
+        # bit h: hop h started on a vGPU that had nothing else running (kept by a runtime
+        # that observes stage times; a list per job was one more object to make and free)
+        self.idle: i64 = 0
         # How much later than reserved a hop may start with every request still on time
         # (the earliest SLO end, arrival + SLO, less the reserved end of the last hop).
         self.slack_us = slack_us
@@ -196,8 +195,9 @@ class Executor:
     runtime it reports to, once, before anything runs).
 
     `run(job)` runs the job's hops in order and reports each through the runtime:
-    `hop_started(job, h, start_us, transfer)`, `hop_done(job, h, start_us, end_us)`, or
-    `hop_failed(job, h, why, node_failed)` (no later hop of the job is then reported).
+    `hop_started(job, h, start_us, transfer_start_us, transfer_end_us)`,
+    `hop_done(job, h, start_us, end_us)`, or `hop_failed(job, h, why, node_failed)` (no later
+    hop of the job is then reported).
     Before it reports the last hop done, it leaves each entry's result in `entry.result`.
 
     A vGPU runs one hop at a time, in the order of their reserved starts. When hop `h`

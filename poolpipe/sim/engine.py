@@ -254,7 +254,8 @@ class _Work(Keyed):
         "ready_at",
         "succ",
         "t0",
-        "tr",
+        "tr_end",
+        "tr_start",
     )
 
     def __init__(self, key: float, r0: int, r1: int, dur: float, job: Job, hop: int, compute: bool):
@@ -269,7 +270,10 @@ class _Work(Keyed):
         self.compute = compute
         self.ready_at = 0.0
         self.t0 = 0.0  # actual start
-        self.tr: tuple[float, float] | None = None  # actual transfer into a compute
+        # the actual transfer into a compute (-inf: none; two floats, not a tuple of them:
+        # an object less to make and free per hop)
+        self.tr_start = -math.inf
+        self.tr_end = -math.inf
         self.dead = False  # killed while running: its end is not reported
 
 
@@ -439,7 +443,10 @@ class SimulatedCluster(Executor):
         work.t0 = now
         self.clock.end_at(now + work.dur, work)
         if work.compute:
-            self.rt.hop_started(work.job, work.hop, now, work.tr)
+            if work.tr_start == -math.inf:
+                self.rt.hop_started(work.job, work.hop, now)
+            else:
+                self.rt.hop_started(work.job, work.hop, now, work.tr_start, work.tr_end)
         else:
             self.transfer_wait_us += now - work.ready_at
             self.transfers += 1
@@ -456,7 +463,8 @@ class SimulatedCluster(Executor):
         succ = work.succ
         if succ is not None:
             if not work.compute:
-                succ.tr = (work.t0, now)
+                succ.tr_start = work.t0
+                succ.tr_end = now
             succ.ready = True
             succ.ready_at = now
             self._try_start(succ, now)
