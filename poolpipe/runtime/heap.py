@@ -157,24 +157,33 @@ class EventHeap:
         ks, k = vpop(ks)
         slots, slot = vpop(slots)
         n: i64 = len(ts)
-        if n:  # the last entry sifts down from the top
+        if n:
+            # The last entry goes in the top's place, bottom-up: the hole moves down to a
+            # leaf along the lesser children (one comparison a level, not two), and the
+            # entry rises from there (an event queue's last entry, among the latest, rarely
+            # rises far).
             i: i64 = 0
-            while True:
-                child: i64 = 2 * i + 1
-                if child >= n:
-                    break
-                ct, ck = ts[child], ks[child]
+            child: i64 = 1
+            while child < n:
                 right = child + 1
                 if right < n:
-                    rt, rk = ts[right], ks[right]
-                    if rt < ct or (rt == ct and rk < ck):
-                        child, ct, ck = right, rt, rk
-                if ct > t or (ct == t and ck > k):  # the entry goes here
-                    break
-                ts[i] = ct
-                ks[i] = ck
+                    ct, rt = ts[child], ts[right]
+                    if rt < ct or (rt == ct and ks[right] < ks[child]):
+                        child = right
+                ts[i] = ts[child]
+                ks[i] = ks[child]
                 slots[i] = slots[child]
                 i = child
+                child = 2 * i + 1
+            while i > 0:
+                parent = (i - 1) >> 1
+                pt = ts[parent]
+                if t > pt or (t == pt and k > ks[parent]):  # not before its parent
+                    break
+                ts[i] = pt
+                ks[i] = ks[parent]
+                slots[i] = slots[parent]
+                i = parent
             self._settle(ts, ks, slots, i, t, k, slot)
         else:
             self.ts, self.ks, self.slots = ts, ks, slots
