@@ -136,8 +136,6 @@ def count_answer(stats: ModelStats, outcome: Outcome, latency_us: float | None) 
         stats.latency_us.append(latency_us)
 
 
-
-
 class Job:
     """A dispatched batch as the executor runs it: its hops in order, on its plan.
 
