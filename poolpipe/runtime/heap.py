@@ -114,7 +114,14 @@ class EventHeap:
         ts = append(self.ts, t)
         ks = append(self.ks, k)
         slots = append(self.slots, slot)
-        i: i64 = len(ts) - 1
+        self._settle(ts, ks, slots, i64(len(ts) - 1), t, k, slot)
+        return slot
+
+    def _settle(
+        self, ts: vec[float], ks: vec[i64], slots: vec[i64], i: i64, t: float, k: i64, slot: i64
+    ) -> None:
+        """Entry (t, k, slot) at i or above it (it rises past every parent it goes before),
+        and the vectors (a push or pop may have moved them) kept."""
         while i > 0:
             parent = (i - 1) >> 1
             pt = ts[parent]
@@ -124,14 +131,6 @@ class EventHeap:
             ks[i] = ks[parent]
             slots[i] = slots[parent]
             i = parent
-        self._settle(ts, ks, slots, i, t, k, slot)
-        return slot
-
-    def _settle(
-        self, ts: vec[float], ks: vec[i64], slots: vec[i64], i: i64, t: float, k: i64, slot: i64
-    ) -> None:
-        """Entry (t, k, slot) at i, and the vectors (a push or pop may have moved them)
-        kept."""
         ts[i] = t
         ks[i] = k
         slots[i] = slot
@@ -175,15 +174,6 @@ class EventHeap:
                 slots[i] = slots[child]
                 i = child
                 child = 2 * i + 1
-            while i > 0:
-                parent = (i - 1) >> 1
-                pt = ts[parent]
-                if t > pt or (t == pt and k > ks[parent]):  # not before its parent
-                    break
-                ts[i] = pt
-                ks[i] = ks[parent]
-                slots[i] = slots[parent]
-                i = parent
             self._settle(ts, ks, slots, i, t, k, slot)
         else:
             self.ts, self.ks, self.slots = ts, ks, slots
