@@ -426,6 +426,42 @@ def _leftovers() -> set[str]:
     return uploads | {str(p) for p in Path(tempfile.gettempdir()).glob("poolpipe-door-*")}
 
 
+def test_a_port_holder_is_named_while_its_other_threads_open_and_close_files():
+    """The holder's descriptors closing while /proc is read (its other threads at work)
+    used to hide it: one descriptor gone skipped the whole process, and the refusal said
+    "another process" (a CI run of the test below)."""
+    import os
+    import socket
+    import tempfile
+    import threading
+
+    from triton_backend.nodes import port_holder
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "f")
+            while not stop.is_set():
+                for fd in [os.open(path, os.O_CREAT | os.O_RDWR) for _ in range(50)]:
+                    os.close(fd)
+
+    threads = [threading.Thread(target=churn) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            named = [port_holder("127.0.0.1", port) for _ in range(30)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert all(h is not None and h.endswith(f"(pid {os.getpid()})") for h in named), named
+
+
 def test_a_port_another_process_holds_is_named_not_reused(onboarded_tiny, tmp_path, capsys):  # noqa: F811
     """A leftover Triton on the router's port used to answer for the new router (which
     printed "serving" while its own Triton had failed to bind): a taken port is refused

@@ -483,16 +483,22 @@ def _listening(port: int) -> set[str] | None:
 
 
 def _socket_pid(inodes: set[str]) -> int | None:
-    """A process holding one of these sockets (Linux /proc), if found."""
+    """A process holding one of these sockets (Linux /proc), if found. A descriptor closed
+    while it is read is passed over, not the process that had it (the holder's other
+    threads open and close descriptors meanwhile)."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            for fd in (d / "fd").iterdir():
+            fds = list((d / "fd").iterdir())
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
                 if os.readlink(fd) in inodes:
                     return int(d.name)
-        except OSError:
-            continue
+            except OSError:
+                continue
     return None
 
 
