@@ -131,11 +131,10 @@ class RelayTransport:
                         return  # dropped: the rest of its path is released
                     if sending:
                         rt.hop_started(job, h, start, sent, sent + sending)
-                    else:
-                        rt.hop_started(job, h, start)
-                    if sending:
                         gate.release_after(sending / 1e6)
                         released = True
+                    else:
+                        rt.hop_started(job, h, start)
                     try:
                         call = StageCall(partition, inputs, timeout_s)
                         result = await stages.infer(served.vgpu_node[hop.vgpu], call)
