@@ -10,11 +10,11 @@ import itertools
 import math
 from dataclasses import astuple
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from poolpipe.scheduler import ReservationScheduler, earliest_common_slot
-from poolpipe.scheduler.adaptive import _BoundTree
+from poolpipe.scheduler.adaptive import CUT_SLACK_US, LOST, _BoundTree
 from poolpipe.scheduler.messages import Request, StageReport
 from poolpipe.scheduler.topology import Topology
 from tests.factories import make_pipelines, make_topology
@@ -110,6 +110,68 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
     assert (got.wait_us, got.finish_us, [astuple(h) for h in got.path]) == (wait, finish, path)
     # when the batch leaves: its inputs' transfer, or its start on its first vGPU
     assert got.start_us == (path[0][3] if inputs else path[0][5])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    servers=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=2, max_size=3),
+    transfer=st.integers(1, 4),
+    vgpu_busy=st.lists(busy, min_size=12, max_size=12),
+    link_busy=st.lists(busy, min_size=8, max_size=8),
+    now=st.integers(0, 30),
+    b=st.integers(1, 2),
+    short=st.integers(0, 20),
+    later=st.integers(0, 40),
+    less=st.integers(0, 3),
+)
+@example(  # (found by a random search: the first hop moves to vGPU 1, its path is faster)
+    servers=[[0, 1], [2], [1]],
+    transfer=3,
+    vgpu_busy=[[], [(32, 14), (57, 24), (42, 17)], [(6, 23), (51, 22)], []],
+    link_busy=[
+        [(22, 25), (23, 7), (32, 6)],
+        [(44, 15), (57, 3), (5, 22), (32, 24)],
+        [],
+        [(36, 11), (15, 7)],
+        [(47, 1)],
+        [(16, 14), (38, 6), (18, 17), (38, 12)],
+        [(42, 6), (25, 10), (5, 1), (60, 23)],
+        [(56, 21), (52, 1), (44, 22), (23, 3)],
+    ],
+    now=5,
+    b=2,
+    short=19,
+    later=6,
+    less=3,
+)
+def test_a_kept_lost_probe_answers_only_what_a_probe_would(
+    servers, transfer, vgpu_busy, link_busy, now, b, short, later, less
+):
+    """A probe cut short (LOST) is kept to answer later probes of the same tables with an
+    earlier cut: each must be one a probe made then would cut short too (or finish after
+    the cut). A first hop's choice can change with time (another vGPU, sending on another
+    uplink), and with it the later hops'."""
+    used = sorted({s for on in servers for s in on})
+    stages = [([used.index(s) for s in on], [7.0, 11.0], float(transfer)) for on in servers]
+    sch = ReservationScheduler(make_topology(stages, batch=2))
+    key = 0
+    for v, table in enumerate(sch.vgpu_table):
+        for s, n in vgpu_busy[v]:
+            table.reserve(s, s + n, key := key + 1)
+    for i, table in enumerate(sch.uplink + sch.downlink):
+        for s, n in link_busy[i % len(link_busy)]:
+            table.reserve(s, s + n // 5 + 1, key := key + 1)
+    pipe = sch.topo.pipelines[0]
+    kept = sch._kept[pipe.id]
+    full = sch.probe(pipe, b, float(now))
+    kept.at[b] = -1  # (not answered again by the full probe)
+    cut = full.finish_us - CUT_SLACK_US - short
+    assert sch._probe(pipe.id, b, float(now), cut) is LOST
+    t, cut_then = float(now + later), cut - less
+    answered = sch._probe(pipe.id, b, t, cut_then)
+    kept.lost[b] = kept.at[b] = -1  # nothing kept: a probe made then
+    made = sch._probe(pipe.id, b, t, cut_then)
+    assert answered is not LOST or made is LOST or made.finish_us >= cut_then
 
 
 # ---------------------------------------------------------------------------- pipelines

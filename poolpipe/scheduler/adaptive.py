@@ -48,6 +48,11 @@ WAKE_GUARD_US: Final = 1.0
 # round-off of the last wake (now + slack - guard == now in floating point), and a hold
 # for it would wake the driver at the same instant for ever (a virtual clock never moves).
 MIN_HOLD_US: Final = 1e-3
+# A probe cut short cuts this much later than asked (µs), so that its LOST, kept, answers
+# the model's next decisions too: their cuts move by round-off where the lead pipeline's
+# kept probe answers them at a later time. (A path that finishes between the two cuts
+# loses the comparison all the same.)
+CUT_SLACK_US: Final = 1e-3
 
 
 @mypyc_attr(acyclic=True)
@@ -147,11 +152,12 @@ class _InFlight:
 
 
 class _Kept:
-    """A pipeline's last probe at each batch size, kept to answer the next (_reuse), and
-    the count of changes to the tables its probes read (compiled: fields in place, the
-    per-batch ones unboxed vectors)."""
+    """A pipeline's last probe at each batch size, kept to answer the next (_reuse), its
+    last probe cut short (LOST), kept to answer the next cut as short, and the count of
+    changes to the tables its probes read (compiled: fields in place, the per-batch ones
+    unboxed vectors)."""
 
-    __slots__ = ("at", "changes", "now", "path", "start")
+    __slots__ = ("at", "changes", "cut", "lost", "lost_now", "lost_until", "now", "path", "start")
 
     def __init__(self, batches: int) -> None:
         self.changes = 0  # to the pipeline's vGPUs' tables and its servers' links
@@ -160,6 +166,12 @@ class _Kept:
         self.now = vec[float]([0.0] * (batches + 1))  # when it was made
         self.start = vec[float]([0.0] * (batches + 1))  # its path's start
         self.path: list[list[Hop]] = [[] for _ in range(batches + 1)]
+        # its last probe that came back LOST: `changes` then (-1: none), when, until when
+        # it holds, its cut
+        self.lost = vec[i64]([-1] * (batches + 1))
+        self.lost_now = vec[float]([0.0] * (batches + 1))
+        self.lost_until = vec[float]([0.0] * (batches + 1))
+        self.cut = vec[float]([0.0] * (batches + 1))
 
 
 @mypyc_attr(acyclic=True)
@@ -649,14 +661,24 @@ class ReservationScheduler(DataPlane):
         search lower.
 
         A probe at the same batch made earlier is answered again (_reuse) while no table it
-        reads has changed and its path starts no earlier than `now`."""
+        reads has changed and its path starts no earlier than `now`. So is one that came
+        back LOST, for a cut no later than its own: at a later time every choice of the
+        first hop starts, ends and sends on no earlier, so where none could finish before
+        the cut, none can; and where a later hop's could not, the first hop's choice is
+        the same while it starts no earlier than `now` (_reuse), and so are the later
+        hops' choices, none of which can finish before the cut."""
         kept = self._kept[pi]
-        if (
-            kept.at[b] == kept.changes
-            and kept.now[b] <= now <= kept.start[b]
-            and self.prune_pipelines
-        ):
-            return self._reuse(kept, b, now)
+        if self.prune_pipelines:
+            changes = kept.changes
+            if kept.at[b] == changes and kept.now[b] <= now <= kept.start[b]:
+                return self._reuse(kept, b, now)
+            if (
+                kept.lost[b] == changes
+                and kept.lost_now[b] <= now <= kept.lost_until[b]
+                and cut <= kept.cut[b]
+            ):
+                return LOST
+            cut += CUT_SLACK_US  # (inf stays inf)
         self.probes += 1
         if now < self._bound_from:
             self._rebound(now)  # a probe of the past (tests): the bounds hold from `now` on
@@ -734,7 +756,7 @@ class ReservationScheduler(DataPlane):
                     self._booked_t[pid] = t
                     self._booked_lat[pid] = lat
                 if best_v < 0 and cut < math.inf:
-                    return LOST
+                    return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start)
                 path.append(Hop(pid, best_v, -1, t, t, best_s, best_s + lat))
                 first_start = best_s
                 wait += best_s - t
@@ -831,7 +853,7 @@ class ReservationScheduler(DataPlane):
                     if bk <= floor:
                         break
                 if bv < 0 and cut < math.inf:
-                    return LOST
+                    return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start)
                 path.append(Hop(pid, bv, prev, bts, bte, bs, bf))
                 if prev < 0:
                     first_start = bts  # the batch leaves when its inputs are sent
@@ -844,6 +866,15 @@ class ReservationScheduler(DataPlane):
             kept.start[b] = first_start
             kept.path[b] = path
         return Probe(wait, t, first_start, path)
+
+    def _lost(self, kept: _Kept, b: int, now: float, cut: float, until: float) -> Probe:
+        """LOST, kept to answer probes at `until` at the latest (see _probe)."""
+        if self.prune_pipelines:
+            kept.lost[b] = kept.changes
+            kept.lost_now[b] = now
+            kept.lost_until[b] = until
+            kept.cut[b] = cut
+        return LOST
 
     def _reuse(self, kept: _Kept, b: int, now: float) -> Probe:
         """The probe at batch b kept from `kept.now[b]`, as a probe made at `now` would
