@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from librt.vecs import append, vec
 from librt.vecs import pop as vpop
-from mypy_extensions import i64
+from mypy_extensions import i64, mypyc_attr
 
 
+@mypyc_attr(acyclic=True)
 class Keyed:
     """An entry of a heap: ordered by `t`, then by `k` (a sequence number, unique). What it
-    stands for is a subclass's (the simulator's _Work)."""
+    stands for is a subclass's (the simulator's _Work). `acyclic` (compiled: not tracked by
+    the cyclic garbage collector): a subclass must never be part of a reference cycle."""
 
     __slots__ = ("k", "t")
 

@@ -22,7 +22,7 @@ from typing import Any, Final, cast
 
 import numpy as np
 from librt.vecs import vec
-from mypy_extensions import i64
+from mypy_extensions import i64, mypyc_attr
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import (
@@ -237,10 +237,13 @@ class VirtualClock(Clock):
 # ---------------------------------------------------------------------------- the cluster
 
 
+@mypyc_attr(acyclic=True)
 class _Work(Keyed):
     """One transfer or one compute of a dispatched batch; in its resources' queues by its
     reserved start (t: the order in which each resource runs its work), then the order it
-    was queued in (k)."""
+    was queued in (k). Acyclic (Keyed): it refers to its job and the work after it, and
+    neither refers back (a thousand GPUs' works in flight no longer enter and leave the
+    collector's lists, whose neighbours were cold)."""
 
     __slots__ = (
         "compute",
