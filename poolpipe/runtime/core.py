@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from librt.vecs import vec
+from librt.vecs import append, vec
+from librt.vecs import pop as vpop
 from mypy_extensions import i64, mypyc_attr
 
 from poolpipe.errors import PoolpipeError
@@ -200,7 +201,12 @@ class ServingRuntime:
         self._observing = self.config.recalibrate or self.config.record_stage_factors
         self._keep_latencies = self.config.keep_latencies
         self._watch = OverdueWatch(clock, self._overdue) if self.config.drop_overdue else None
-        self._live: dict[int, Entry] = {}
+        # The requests taken and not yet answered, each at its slot (Entry.slot; None: a
+        # free slot, in _free). A dict by request id made an int object per request, and
+        # at each answer read it back cold (nine hundred in flight at 1,000 GPUs).
+        self._live: list[Entry | None] = []
+        self._free = vec[i64]()
+        self._n_live = 0
         self._next_id = 0
         self._wake: Timer | None = None
         self._wake_at = math.inf
@@ -244,12 +250,12 @@ class ServingRuntime:
 
     def in_flight(self) -> int:
         """Requests taken and not yet answered (held ones excluded)."""
-        return len(self._live)
+        return self._n_live
 
     def idle(self) -> bool:
         """Nothing taken, held or switching: what is left on the clock is only watching."""
         m = self._migration
-        return not self._live and not m.held and m.switch is None
+        return not self._n_live and not m.held and m.switch is None
 
     def down_nodes(self) -> set[str]:
         """Nodes out of service because they failed (watched until they answer)."""
@@ -365,7 +371,7 @@ class ServingRuntime:
         if no_path and model in no_path:
             self._end(entry, FAILED, self._health.no_path_reason(plan.served, model), now)
             return
-        self._live[rid] = entry
+        self._take(entry)
         if plan.plane.add_request(entry, now):
             self._decide(now)
 
@@ -388,7 +394,7 @@ class ServingRuntime:
         if no_path and model in no_path:
             self._end(entry, FAILED, self._health.no_path_reason(plan.served, model), now)
             return entry
-        self._live[rid] = entry
+        self._take(entry)
         plan.plane.add_request(entry, now)  # the caller decides
         return entry
 
@@ -398,11 +404,11 @@ class ServingRuntime:
         plan = self._plan
         dec = plan.plane.decide(now)
         if dec.drops:
-            live = self._live
             no_path = self._health.no_path
             for drop in dec.drops:
-                entry = live.pop(drop.request.id, None)
-                if entry is None:
+                # (the plane's requests are the runtime's entries)
+                entry: Entry = drop.request  # type: ignore[assignment]
+                if not self._release(entry):
                     continue
                 if no_path and entry.model in no_path:  # its path went with a node: failed
                     reason = self._health.no_path_reason(plan.served, entry.model)
@@ -490,13 +496,12 @@ class ServingRuntime:
     def _drop_due_before(self, job: Job, limit: float, reason: str, now: float) -> float:
         """Answer, dropped for `reason`, the requests of `job` still waiting whose SLO ends
         before `limit`; the earliest SLO end among those left (inf: none left)."""
-        live = self._live
         first = math.inf
         for entry in job.entries:
             if entry.outcome is not PENDING:
                 continue
             if entry.due_us < limit:
-                if live.pop(entry.id, None) is not None:
+                if self._release(entry):
                     self._end(entry, DROPPED, reason, now)
             elif entry.due_us < first:
                 first = entry.due_us
@@ -563,11 +568,10 @@ class ServingRuntime:
             ):
                 self._plan.plane.set_wake_lateness(self._guard.extra_us)
             if d.final:
-                live = self._live
                 for entry in job.entries:
                     if entry.outcome is not PENDING:
                         continue
-                    del live[entry.id]
+                    self._release(entry)
                     if end_us <= entry.due_us:
                         self._end(entry, ON_TIME, "", end_us)
                     elif self._watch is not None:  # past its SLO before the watch answered
@@ -763,12 +767,34 @@ class ServingRuntime:
         if outcome is DROPPED:
             self.drop_reasons[reason] += 1
         self.executor.answer(entry, outcome, reason)
-        if not self._live and self._migration.finishing:
+        if not self._n_live and self._migration.finishing:
             self.clock.call_at(t, self._complete_switch)
 
     def _fail(self, entry: Entry, why: str, now: float) -> None:
-        if self._live.pop(entry.id, None) is not None:
+        if self._release(entry):
             self._end(entry, FAILED, why, now)
+
+    def _take(self, entry: Entry) -> None:
+        """`entry` is in flight until it is released (answered)."""
+        if len(self._free):
+            self._free, slot = vpop(self._free)
+            self._live[slot] = entry
+        else:
+            slot = len(self._live)
+            self._live.append(entry)
+        entry.slot = slot
+        self._n_live += 1
+
+    def _release(self, entry: Entry) -> bool:
+        """`entry` answered: out of flight. False where it was already (answered before)."""
+        slot = entry.slot
+        if slot < 0:
+            return False
+        self._live[slot] = None
+        self._free = append(self._free, slot)
+        entry.slot = -1
+        self._n_live -= 1
+        return True
 
     # ------------------------------------------------------------------ recalibration
 
@@ -852,7 +878,7 @@ class ServingRuntime:
         sw = self._migration.begin(served, now, on_done)
         self._plan.plane.drain()
         self._decide(now)
-        if not self._live:
+        if not self._n_live:
             self._complete_switch()
         elif not sw.done:
             sw.timer = self.clock.call_at(now + flush_timeout_us, self._complete_switch)
@@ -862,7 +888,8 @@ class ServingRuntime:
         if sw is None:
             return
         now = self.clock.now()
-        left = list(self._live.values())
+        left = [entry for entry in self._live if entry is not None]
+        left.sort(key=_taken)  # in the order they were taken
         for entry in left:
             self._fail(entry, SWITCHED_AWAY, now)
         if self._wake is not None:
@@ -887,3 +914,8 @@ class ServingRuntime:
             self._admit(topo.model_index(r.model), r.payload, r.slo_us, r.arrived_us, now)
         self._decide(now)
         sw.on_done(SwitchResult(now - sw.t0, len(held), len(left)))
+
+
+def _taken(entry: Entry) -> int:
+    """The order in which the runtime took its requests (their ids count up)."""
+    return entry.id

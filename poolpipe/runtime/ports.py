@@ -96,6 +96,7 @@ class Entry(Request):
     attempts: int
     result: Any  # set by the executor before it reports the last hop done
     outcome: Outcome
+    slot: int  # the runtime's: its place among the requests in flight (-1: none)
 
     def __init__(
         self,
@@ -119,6 +120,7 @@ class Entry(Request):
         self.attempts = attempts
         self.result = result
         self.outcome = outcome
+        self.slot = -1
 
 
 def count_answer(stats: ModelStats, outcome: Outcome, latency_us: float | None) -> None:
