@@ -45,9 +45,15 @@ def push(heap: list[Keyed], entry: Keyed) -> None:
 
 def pop(heap: list[Keyed]) -> Keyed:
     """Take the least entry (the heap must not be empty)."""
-    last = heap.pop()
-    if not heap:
+    if len(heap) == 1:
+        # (a list popped empty reallocates its items to 0 bytes, which pymalloc leaves
+        # to the C library, and so the next push's too: the simulator's resource queues,
+        # empty and one long by turns, lived in malloc's heap. Cleared, the list frees
+        # its items and takes new ones from pymalloc.)
+        last = heap[0]
+        heap.clear()
         return last
+    last = heap.pop()
     first = heap[0]
     _sift_down(heap, 0, last)
     return first
