@@ -79,18 +79,19 @@ busy = st.lists(
 )  # (start, length) of reservations made before the probe
 
 
-@settings(max_examples=300, deadline=None)
-@given(
+# A pipeline of 2-3 pools on servers 0-3, and busy tables: the probe's at `now`, batch b.
+booked = dict(
     servers=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=2, max_size=3),
-    transfer=st.integers(0, 4),
     vgpu_busy=st.lists(busy, min_size=12, max_size=12),
     link_busy=st.lists(busy, min_size=8, max_size=8),
-    rr=st.lists(st.integers(0, 11), min_size=3, max_size=3),
     now=st.integers(0, 30),
     b=st.integers(1, 2),
-    inputs=st.integers(0, 3),
 )
-def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr, now, b, inputs):
+
+
+def booked_plane(servers, transfer: int, vgpu_busy, link_busy, inputs: int = 0):
+    """The plane of `servers` (a pool per entry, a vGPU per server in it) with its vGPUs'
+    and links' tables booked as drawn."""
     used = sorted({s for on in servers for s in on})  # servers are numbered 0..k-1
     stages = [([used.index(s) for s in on], [7.0, 11.0], float(transfer)) for on in servers]
     sch = ReservationScheduler(make_topology(stages, batch=2, inputs=float(inputs)))
@@ -98,10 +99,21 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
     for v, table in enumerate(sch.vgpu_table):
         for s, n in vgpu_busy[v]:
             table.reserve(s, s + n, key := key + 1)
-    links = sch.uplink + sch.downlink
-    for i, table in enumerate(links):
+    for i, table in enumerate(sch.uplink + sch.downlink):
         for s, n in link_busy[i % len(link_busy)]:
             table.reserve(s, s + n // 5 + 1, key := key + 1)
+    return sch
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    **booked,
+    transfer=st.integers(0, 4),
+    rr=st.lists(st.integers(0, 11), min_size=3, max_size=3),
+    inputs=st.integers(0, 3),
+)
+def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr, now, b, inputs):
+    sch = booked_plane(servers, transfer, vgpu_busy, link_busy, inputs)
     for pid in range(len(sch._rr)):
         sch._rr[pid] = rr[pid] % len(sch._groups[pid] if pid or inputs else sch._flat[pid])
     pipe = sch.topo.pipelines[0]
@@ -114,12 +126,8 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
 
 @settings(max_examples=300, deadline=None)
 @given(
-    servers=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=2, max_size=3),
+    **booked,
     transfer=st.integers(1, 4),
-    vgpu_busy=st.lists(busy, min_size=12, max_size=12),
-    link_busy=st.lists(busy, min_size=8, max_size=8),
-    now=st.integers(0, 30),
-    b=st.integers(1, 2),
     short=st.integers(0, 20),
     later=st.integers(0, 40),
     less=st.integers(0, 3),
@@ -151,16 +159,7 @@ def test_a_kept_lost_probe_answers_only_what_a_probe_would(
     earlier cut: each must be one a probe made then would cut short too (or finish after
     the cut). A first hop's choice can change with time (another vGPU, sending on another
     uplink), and with it the later hops'."""
-    used = sorted({s for on in servers for s in on})
-    stages = [([used.index(s) for s in on], [7.0, 11.0], float(transfer)) for on in servers]
-    sch = ReservationScheduler(make_topology(stages, batch=2))
-    key = 0
-    for v, table in enumerate(sch.vgpu_table):
-        for s, n in vgpu_busy[v]:
-            table.reserve(s, s + n, key := key + 1)
-    for i, table in enumerate(sch.uplink + sch.downlink):
-        for s, n in link_busy[i % len(link_busy)]:
-            table.reserve(s, s + n // 5 + 1, key := key + 1)
+    sch = booked_plane(servers, transfer, vgpu_busy, link_busy)
     pipe = sch.topo.pipelines[0]
     kept = sch._kept[pipe.id]
     full = sch.probe(pipe, b, float(now))
