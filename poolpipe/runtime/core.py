@@ -28,15 +28,15 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
-from librt.vecs import append, vec
-from librt.vecs import pop as vpop
+from librt.vecs import vec
 from mypy_extensions import i64, mypyc_attr
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.guard import WakeGuard
 from poolpipe.runtime.health import NODE_CHECK_EVERY_US, NodeHealth
+from poolpipe.runtime.heap import Slots
 from poolpipe.runtime.intake import MAX_SLO_MS, RowBounds, Unservable, check_request
 from poolpipe.runtime.migration import (
     SWITCHED_AWAY,
@@ -201,12 +201,10 @@ class ServingRuntime:
         self._observing = self.config.recalibrate or self.config.record_stage_factors
         self._keep_latencies = self.config.keep_latencies
         self._watch = OverdueWatch(clock, self._overdue) if self.config.drop_overdue else None
-        # The requests taken and not yet answered, each at its slot (Entry.slot; None: a
-        # free slot, in _free). A dict by request id made an int object per request, and
-        # at each answer read it back cold (nine hundred in flight at 1,000 GPUs).
-        self._live: list[Entry | None] = []
-        self._free = vec[i64]()
-        self._n_live = 0
+        # The requests taken and not yet answered, each at its slot (Entry.slot). A dict by
+        # request id made an int object per request, and at each answer read it back cold
+        # (nine hundred in flight at 1,000 GPUs).
+        self._live = Slots()
         self._next_id = 0
         self._wake: Timer | None = None
         self._wake_at = math.inf
@@ -250,12 +248,12 @@ class ServingRuntime:
 
     def in_flight(self) -> int:
         """Requests taken and not yet answered (held ones excluded)."""
-        return self._n_live
+        return len(self._live)
 
     def idle(self) -> bool:
         """Nothing taken, held or switching: what is left on the clock is only watching."""
         m = self._migration
-        return not self._n_live and not m.held and m.switch is None
+        return not len(self._live) and not m.held and m.switch is None
 
     def down_nodes(self) -> set[str]:
         """Nodes out of service because they failed (watched until they answer)."""
@@ -767,7 +765,7 @@ class ServingRuntime:
         if outcome is DROPPED:
             self.drop_reasons[reason] += 1
         self.executor.answer(entry, outcome, reason)
-        if not self._n_live and self._migration.finishing:
+        if not len(self._live) and self._migration.finishing:
             self.clock.call_at(t, self._complete_switch)
 
     def _fail(self, entry: Entry, why: str, now: float) -> None:
@@ -776,24 +774,15 @@ class ServingRuntime:
 
     def _take(self, entry: Entry) -> None:
         """`entry` is in flight until it is released (answered)."""
-        if len(self._free):
-            self._free, slot = vpop(self._free)
-            self._live[slot] = entry
-        else:
-            slot = len(self._live)
-            self._live.append(entry)
-        entry.slot = slot
-        self._n_live += 1
+        entry.slot = self._live.take(entry)
 
     def _release(self, entry: Entry) -> bool:
         """`entry` answered: out of flight. False where it was already (answered before)."""
         slot = entry.slot
         if slot < 0:
             return False
-        self._live[slot] = None
-        self._free = append(self._free, slot)
+        self._live.release(slot)
         entry.slot = -1
-        self._n_live -= 1
         return True
 
     # ------------------------------------------------------------------ recalibration
@@ -878,7 +867,7 @@ class ServingRuntime:
         sw = self._migration.begin(served, now, on_done)
         self._plan.plane.drain()
         self._decide(now)
-        if not self._n_live:
+        if not len(self._live):
             self._complete_switch()
         elif not sw.done:
             sw.timer = self.clock.call_at(now + flush_timeout_us, self._complete_switch)
@@ -888,7 +877,7 @@ class ServingRuntime:
         if sw is None:
             return
         now = self.clock.now()
-        left = [entry for entry in self._live if entry is not None]
+        left = [cast(Entry, e) for e in self._live.items if e is not None]
         left.sort(key=_taken)  # in the order they were taken
         for entry in left:
             self._fail(entry, SWITCHED_AWAY, now)

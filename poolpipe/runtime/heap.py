@@ -85,6 +85,37 @@ def heapify(heap: list[Keyed]) -> None:
         _sift_down(heap, i, heap[i])
 
 
+class Slots:
+    """Items that keep their index (slot) while they are held: a free slot (None in
+    `items`) is taken again first, the last freed first, so `items` stays as long as the
+    most ever held at once (compiled: no dict, no int object per item). The event heap's
+    items (EventHeap, written out); the runtime's requests in flight."""
+
+    __slots__ = ("free", "items")
+
+    def __init__(self) -> None:
+        self.items: list[object] = []
+        self.free: vec[i64] = vec[i64]()  # slots of `items` not in use
+
+    def __len__(self) -> int:
+        """How many are held."""
+        return len(self.items) - len(self.free)
+
+    def take(self, item: object) -> i64:
+        """Hold `item`; its slot."""
+        if len(self.free):
+            self.free, slot = vpop(self.free)
+            self.items[slot] = item
+            return slot
+        self.items.append(item)
+        return i64(len(self.items) - 1)
+
+    def release(self, slot: i64) -> None:
+        """Let go of the item in `slot`; the slot is free."""
+        self.items[slot] = None
+        self.free = append(self.free, slot)
+
+
 class EventHeap:
     """A min-heap of items by unique (t, k) keys, the keys unboxed: entry i's are `ts[i]`
     and `ks[i]`, its item `items[slots[i]]` (librt.vecs, compiled: one buffer each).
@@ -113,6 +144,8 @@ class EventHeap:
 
     def push(self, t: float, k: i64, item: object) -> int:
         """Add `item` under (t, k); returns its slot (see `release`)."""
+        # (Slots.take, written out: a Slots of its own cost the event loop about 250
+        # instructions per simulated request, 0.8%)
         if len(self.free):
             self.free, slot = vpop(self.free)
             self.items[slot] = item
