@@ -157,7 +157,17 @@ class _Kept:
     changes to the tables its probes read (compiled: fields in place, the per-batch ones
     unboxed vectors)."""
 
-    __slots__ = ("at", "changes", "cut", "lost", "lost_now", "lost_until", "now", "path", "start")
+    __slots__ = (
+        "at",
+        "changes",
+        "lost",
+        "lost_cut",
+        "lost_now",
+        "lost_until",
+        "now",
+        "path",
+        "start",
+    )
 
     def __init__(self, batches: int) -> None:
         self.changes = 0  # to the pipeline's vGPUs' tables and its servers' links
@@ -171,7 +181,7 @@ class _Kept:
         self.lost = vec[i64]([-1] * (batches + 1))
         self.lost_now = vec[float]([0.0] * (batches + 1))
         self.lost_until = vec[float]([0.0] * (batches + 1))
-        self.cut = vec[float]([0.0] * (batches + 1))
+        self.lost_cut = vec[float]([0.0] * (batches + 1))
 
 
 @mypyc_attr(acyclic=True)
@@ -675,7 +685,7 @@ class ReservationScheduler(DataPlane):
             if (
                 kept.lost[b] == changes
                 and kept.lost_now[b] <= now <= kept.lost_until[b]
-                and cut <= kept.cut[b]
+                and cut <= kept.lost_cut[b]
             ):
                 return LOST
             cut += CUT_SLACK_US  # (inf stays inf)
@@ -873,7 +883,7 @@ class ReservationScheduler(DataPlane):
             kept.lost[b] = kept.changes
             kept.lost_now[b] = now
             kept.lost_until[b] = until
-            kept.cut[b] = cut
+            kept.lost_cut[b] = cut
         return LOST
 
     def _reuse(self, kept: _Kept, b: int, now: float) -> Probe:
