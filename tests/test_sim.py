@@ -219,3 +219,29 @@ def test_small_capacity_search_on_real_profiles(plans):
         assert bis.capacity[name] == pytest.approx(step.capacity[name], abs=0.1 + 1e-9)
     assert bis.simulations <= step.simulations + 2
     assert sum(step.capacity.values()) >= sum(base.capacity.values())
+
+
+def test_the_cluster_reads_its_answers_back_by_request() -> None:
+    """The simulated cluster logs its answers as they come; read back by request, each
+    request has its last answer's outcome (PENDING where none came) and, where that was on
+    time or late, its time."""
+    from poolpipe.runtime.ports import PENDING, Entry
+    from poolpipe.runtime.stats import EpochStats
+    from poolpipe.sim.engine import SimulatedCluster, VirtualClock
+
+    clock = VirtualClock()
+    cluster = SimulatedCluster(clock, SimConfig(1.0), 5)
+    stats = EpochStats()
+
+    def answer(i: int, outcome, at: float) -> None:
+        clock.t = at
+        cluster.answer(Entry(i, 0, 0.0, 1.0, 1.0, i, stats), outcome, "")
+
+    answer(3, LATE, 7.0)
+    answer(0, ON_TIME, 2.0)
+    answer(4, DROPPED, 3.0)
+    answer(3, DROPPED, 9.0)  # (an answer again: the last one counts)
+    assert cluster.outcome.tolist() == [ON_TIME, PENDING, PENDING, DROPPED, DROPPED]
+    finish = cluster.finish_us
+    assert finish[0] == 2.0 and finish[3] == 7.0
+    assert np.isnan(finish[[1, 2, 4]]).all()

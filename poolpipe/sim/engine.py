@@ -21,7 +21,7 @@ from time import perf_counter
 from typing import Any, Final, cast
 
 import numpy as np
-from librt.vecs import vec
+from librt.vecs import append, vec
 from mypy_extensions import i64, mypyc_attr
 
 from poolpipe.errors import PoolpipeError
@@ -133,7 +133,7 @@ class Arrivals:
 class _Requests(Arrivals):
     """Arrival k: one request of its model, at the model's SLO (compiled: native calls)."""
 
-    def __init__(self, rt: ServingRuntime, models: list[int], model_map: list[int]):
+    def __init__(self, rt: ServingRuntime, models: vec[i64], model_map: list[int]):
         self.rt = rt
         self.models = models
         self.model_map = model_map  # arrival model -> the served plan's model index
@@ -215,7 +215,7 @@ class VirtualClock(Clock):
             self._fire(ev.pop())
         self.t = max(self.t, t_us)
 
-    def run(self, times: list[float], arrivals: Arrivals, done: Callable[[], bool]) -> None:
+    def run(self, times: vec[float], arrivals: Arrivals, done: Callable[[], bool]) -> None:
         """Fire the events and the arrivals (arrival k at `times[k]` calls
         `arrivals.arrive(k)`; `times` ascending) in time order, events first at equal
         times, until none is left or, every arrival in, `done()` says that what is left
@@ -309,8 +309,14 @@ class SimulatedCluster(Executor):
         self._qseq = 0
         self.dead_nodes: list[str] = []  # in the order they failed
         self._dead_res: set[int] = set()
-        self.outcome = [PENDING] * n_requests
-        self.finish_us = [math.nan] * n_requests
+        self.n_requests = n_requests
+        # The answers in the order given: each one's request index times 8 plus its
+        # outcome, and its time (`outcome` and `finish_us` read them back by request).
+        # Appended, unboxed: two lists by request and a float object per answer kept to
+        # the end took a million requests' answers some 40 MB, and a thousand GPUs' 30 s
+        # run (983k requests) ran 3% slower per request than its first 3 s.
+        self._answers = vec[i64]()
+        self._answered_at = vec[float]()
         self.transfer_wait_us = 0.0
         self.transfers = 0
         self.retired: list[PlanUsage] = []  # what the plans served before did
@@ -400,10 +406,31 @@ class SimulatedCluster(Executor):
         if self.on_answer is not None:  # a driver of its own (applications: sim/apps.py)
             self.on_answer(entry, outcome, reason)
             return
-        i = entry.payload
-        self.outcome[i] = outcome
-        if outcome is ON_TIME or outcome is LATE:
-            self.finish_us[i] = self.clock.t
+        i: int = entry.payload
+        self._answers = append(self._answers, i * 8 + int(outcome))
+        self._answered_at = append(self._answered_at, self.clock.t)
+
+    @property
+    def outcome(self) -> np.ndarray:
+        """Each request's outcome (its last answer's; PENDING where none came)."""
+        out = np.full(self.n_requests, int(PENDING), dtype=np.int8)
+        a = np.asarray(self._answers)
+        last = _last_of_each(a >> 3)
+        out[(a >> 3)[last]] = (a & 7)[last]
+        return out
+
+    @property
+    def finish_us(self) -> np.ndarray:
+        """When each request was answered on time or late (its last such answer; nan
+        where none)."""
+        out = np.full(self.n_requests, math.nan)
+        a = np.asarray(self._answers)
+        code = a & 7
+        served = (code == int(ON_TIME)) | (code == int(LATE))
+        idx, at = (a >> 3)[served], np.asarray(self._answered_at)[served]
+        last = _last_of_each(idx)
+        out[idx[last]] = at[last]
+        return out
 
     def check_node(self, node: str, served: ServedPlan) -> None:
         self.rt.node_checked(node, node not in self.dead_nodes)
@@ -544,6 +571,12 @@ class SimulatedCluster(Executor):
                         self._try_start(cast(_Work, self._queue[r][0]), now)
 
 
+def _last_of_each(idx: np.ndarray) -> np.ndarray:
+    """The positions in `idx` of each value's last occurrence."""
+    _, first_from_end = np.unique(idx[::-1], return_index=True)
+    return len(idx) - 1 - first_from_end
+
+
 def why_node(work: _Work) -> str:
     served = work.job.served
     return f"node {served.vgpu_node[work.job.dispatch.hops[work.hop].vgpu]}"
@@ -559,7 +592,7 @@ class MeteredPlane(PlaneWrapper):
     def __init__(self, plane: DataPlane):
         super().__init__(plane)
         self.seconds = 0.0
-        self.per_batch: list[float] = []  # wall s per dispatched batch, per decide call
+        self.per_batch = vec[float]()  # wall s per dispatched batch, per decide call
 
     def decide(self, now: float) -> Decisions:
         t0 = _wall_s()
@@ -567,7 +600,7 @@ class MeteredPlane(PlaneWrapper):
         dt = _wall_s() - t0
         self.seconds += dt
         if dec.dispatches:
-            self.per_batch.append(dt / len(dec.dispatches))
+            self.per_batch = append(self.per_batch, dt / len(dec.dispatches))
         return dec
 
 
@@ -592,8 +625,9 @@ class Simulator:
     ):
         self.topo = topo  # the truth of the first plan (a test may swap it before run())
         self.dp = data_plane
-        self.arrival_us = [float(t) for t in arrival_us]
-        self.arrival_model = [int(m) for m in arrival_model]
+        # (unboxed: read one after another; a float object each took 4 times the memory)
+        self.arrival_us = vec[float]([float(t) for t in arrival_us])
+        self.arrival_model = vec[i64]([int(m) for m in arrival_model])
         self.config = config
         self.scenario = scenario or Scenario(())
         late = [e for e in self.scenario.events if e.at_s > config.duration_s]
@@ -617,11 +651,11 @@ class Simulator:
         self._rng = random.Random(config.seed * 104729 + 3)
 
     @property
-    def outcome(self) -> list[Outcome]:
+    def outcome(self) -> np.ndarray:
         return self.cluster.outcome
 
     @property
-    def finish_us(self) -> list[float]:
+    def finish_us(self) -> np.ndarray:
         return self.cluster.finish_us
 
     @property
