@@ -427,3 +427,33 @@ def test_a_kept_probe_sees_what_a_failure_releases_on_a_link():
     after = sch.probe(other, 2, 1.0)
     assert after.path[1].transfer_start_us < before.path[1].transfer_start_us
     probes_match_the_plain_rule(sch, 1.0)
+
+
+def test_a_kept_probe_holds_through_reservations_off_its_path():
+    """A reservation on a link only delays what uses it: a pipeline's kept probe whose path
+    does not come in by that link is answered again (no probe made), one whose path does
+    is made anew; either answers what the plain rule does. Pipeline 0 sends into server 1
+    or 3 by turns, as pipeline 1 does; pipeline 1 is booked, its kept path starts later."""
+    topo = multi_pipeline_topology([[[0], [1, 3]], [[2], [3, 1]]], [8.0, 12.0], 6.0)
+    sch = ReservationScheduler(topo)
+    p0, p1 = topo.pipelines
+    sch._reserve(sch.probe(p1, 1, 0.0).path, 0, 0.0)
+    held = sch.probe(p1, 1, 0.0)
+    assert held.start_us > 0.0
+    seen = set()
+    for did in range(1, 7):
+        on = sch.server_of[held.path[1].vgpu]
+        sent = sch.probe(p0, 1, 0.0)
+        sch._reserve(sent.path, did, 0.0)
+        before = sch.probes
+        held = sch.probe(p1, 1, 0.0)
+        made = sch.probes > before
+        assert made == (sch.server_of[sent.path[1].vgpu] == on)
+        seen.add(made)
+        wait, finish, path = reference_probe(sch, p1, 1, 0.0)
+        assert (held.wait_us, held.finish_us, [astuple(h) for h in held.path]) == (
+            wait,
+            finish,
+            path,
+        )
+    assert seen == {True, False}

@@ -153,13 +153,15 @@ class _InFlight:
 
 class _Kept:
     """A pipeline's last probe at each batch size, kept to answer the next (_reuse), its
-    last probe cut short (LOST), kept to answer the next cut as short, and the count of
+    last probe cut short (LOST), kept to answer the next cut as short, and the counts of
     changes to the tables its probes read (compiled: fields in place, the per-batch ones
     unboxed vectors)."""
 
     __slots__ = (
         "at",
         "changes",
+        "freed",
+        "links",
         "lost",
         "lost_cut",
         "lost_now",
@@ -171,8 +173,12 @@ class _Kept:
 
     def __init__(self, batches: int) -> None:
         self.changes = 0  # to the pipeline's vGPUs' tables and its servers' links
+        # of those, the ones that may have freed time (corrections) or changed a pool's
+        # scan (its own dispatches)
+        self.freed = 0
         # per batch size b (1 to batches): the kept probe's
-        self.at = vec[i64]([-1] * (batches + 1))  # `changes` when it was made (-1: none)
+        self.at = vec[i64]([-1] * (batches + 1))  # `freed` when it was made (-1: none)
+        self.links = vec[i64]([0] * (batches + 1))  # its path's links' versions then
         self.now = vec[float]([0.0] * (batches + 1))  # when it was made
         self.start = vec[float]([0.0] * (batches + 1))  # its path's start
         self.path: list[list[Hop]] = [[] for _ in range(batches + 1)]
@@ -394,7 +400,8 @@ class ReservationScheduler(DataPlane):
         # A probe's answer kept per pipeline and batch for a later probe at that batch
         # (_reuse), with the count of changes to the tables its probes read: its vGPUs',
         # the uplinks of its servers that send a feature map on (a pool with a next one),
-        # and the downlinks of those that receive one or the inputs (a later pool's).
+        # and the downlinks of those that receive one or the inputs (a later pool's); and
+        # per link, the reservations made on it (the links a kept path uses: _path_links).
         pipe_of_pool = [0] * len(topo.pools)
         for pipe in topo.pipelines:
             for pid in pipe.pools:
@@ -406,6 +413,9 @@ class ReservationScheduler(DataPlane):
         self._vkept = [self._kept[pipe_of_pool[v.pool]] for v in topo.vgpus]
         self._upkept: list[list[_Kept]] = [[] for _ in topo.servers]  # per server
         self._downkept: list[list[_Kept]] = [[] for _ in topo.servers]
+        # per server: reservations made on its uplink, and on its downlink
+        self._up_version = vec[i64]([0] * len(topo.servers))
+        self._down_version = vec[i64]([0] * len(topo.servers))
         for pipe in topo.pipelines:
             kept = self._kept[pipe.id]
             for d, pid in enumerate(pipe.pools):
@@ -511,6 +521,7 @@ class ReservationScheduler(DataPlane):
         self._rebound(self._bound_from)  # the shortest stages may be shorter now
         for kept in self._kept:
             kept.changes += 1  # no kept probe holds
+            kept.freed += 1
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -599,7 +610,9 @@ class ReservationScheduler(DataPlane):
         a correction may free time, so v's bound is computed anew and its pool's booked
         record forgotten."""
         self.vgpu_table[v].correct(key, start, end, now)
-        self._vkept[v].changes += 1
+        kept = self._vkept[v]
+        kept.changes += 1
+        kept.freed += 1
         self._touch(v, now)
         self._booked_from[self._pool_of[v]] = -math.inf
 
@@ -636,9 +649,9 @@ class ReservationScheduler(DataPlane):
             if x.transfer_end_us > x.transfer_start_us:
                 if x.src_vgpu >= 0:
                     self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
-                    self._changed(self._upkept[self.server_of[x.src_vgpu]])
+                    self._freed(self._upkept[self.server_of[x.src_vgpu]])
                 self.downlink[self.server_of[x.vgpu]].correct(key + 1, now, now, now)
-                self._changed(self._downkept[self.server_of[x.vgpu]])
+                self._freed(self._downkept[self.server_of[x.vgpu]])
                 self._touch_down(self.server_of[x.vgpu], now)
         for m in range(len(self.queues)):
             self._dirty[m] = True
@@ -670,8 +683,10 @@ class ReservationScheduler(DataPlane):
         choice is the least (key, start) first in scan order, and `cut` only starts the
         search lower.
 
-        A probe at the same batch made earlier is answered again (_reuse) while no table it
-        reads has changed and its path starts no earlier than `now`. So is one that came
+        A probe at the same batch made earlier is answered again (_reuse) while its path
+        starts no earlier than `now`, no table it reads has been corrected nor its pipeline
+        dispatched, and the links its path uses have no new reservation (others' only
+        delay choices that lost). So is one that came
         back LOST, for a cut no later than its own: at a later time every choice of the
         first hop starts, ends and sends on no earlier, so where none could finish before
         the cut, none can; and where a later hop's could not, the first hop's choice is
@@ -680,7 +695,11 @@ class ReservationScheduler(DataPlane):
         kept = self._kept[pi]
         if self.prune_pipelines:
             changes = kept.changes
-            if kept.at[b] == changes and kept.now[b] <= now <= kept.start[b]:
+            if (
+                kept.at[b] == kept.freed
+                and kept.now[b] <= now <= kept.start[b]
+                and kept.links[b] == self._path_links(kept.path[b])
+            ):
                 return self._reuse(kept, b, now)
             if (
                 kept.lost[b] == changes
@@ -704,6 +723,7 @@ class ReservationScheduler(DataPlane):
         path: list[Hop] = []
         prev: i64 = -1
         first_start = now
+        versions: i64 = 0  # the versions of the links its choices read (_path_links)
         pipe_pools = self._pipe_pools[pi]
         npools = len(pipe_pools)
         uplink, server_of = self.uplink, self.server_of
@@ -865,13 +885,18 @@ class ReservationScheduler(DataPlane):
                 if bv < 0 and cut < math.inf:
                     return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start)
                 path.append(Hop(pid, bv, prev, bts, bte, bs, bf))
+                # (_path_links, summed as the path is made)
+                if prev >= 0:
+                    versions += self._up_version[server_of[prev]]
+                versions += self._down_version[server_of[bv]]
                 if prev < 0:
                     first_start = bts  # the batch leaves when its inputs are sent
                 wait += (bts - t) + (bs - bte)
                 t = bf
             prev = path[-1].vgpu  # the vGPU that holds the batch now
         if self.prune_pipelines:
-            kept.at[b] = kept.changes
+            kept.at[b] = kept.freed
+            kept.links[b] = versions
             kept.now[b] = now
             kept.start[b] = first_start
             kept.path[b] = path
@@ -890,8 +915,10 @@ class ReservationScheduler(DataPlane):
         """The probe at batch b kept from `kept.now[b]`, as a probe made at `now` would
         answer: the same path, its first hop's wait counted from `now`.
 
-        Exact while no table the probe reads has changed (`kept.changes`) and its path
-        starts at or after `now`: a first hop's earliest start (or transfer) on each
+        Exact while no table the probe reads has been corrected nor its pipeline dispatched
+        (`kept.freed`), no link its path uses has a new reservation (`kept.links`), and its
+        path starts at or after `now`. A reservation on any other table can only move a
+        losing choice's slots later. And a first hop's earliest start (or transfer) on each
         vGPU at or after `now` is the one at or after the earlier time wherever that one is
         not before `now` (the chosen vGPU's), and no earlier elsewhere, so each vGPU's key
         and start are where they were or later and the chosen one is still the least first
@@ -916,14 +943,39 @@ class ReservationScheduler(DataPlane):
             path.append(x)
         return Probe(wait, t, kept.start[b], path)
 
+    def _path_links(self, path: list[Hop]) -> i64:
+        """The versions of the links a path's choices read, summed (versions only grow:
+        the sum is the same while each is): the uplink each hop's feature map leaves by
+        (the one the hop before chose to send on) and the downlink it comes in by."""
+        server_of = self.server_of
+        n: i64 = 0
+        for h in range(len(path)):
+            hop = path[h]
+            src = hop.src_vgpu
+            if src >= 0:
+                n += self._up_version[server_of[src]] + self._down_version[server_of[hop.vgpu]]
+            elif self._inputs[hop.pool]:
+                n += self._down_version[server_of[hop.vgpu]]
+        return n
+
     def _changed(self, readers: list[_Kept]) -> None:
-        """A link changed: the kept probes of the pipelines that read it may not hold."""
+        """A link was reserved: the kept LOST of the pipelines that read it may not hold
+        (a kept path holds while its own links are as they were: _path_links)."""
         for kept in readers:
             kept.changes += 1
 
+    def _freed(self, readers: list[_Kept]) -> None:
+        """A link was corrected (it may have freed time): no kept probe of the pipelines
+        that read it holds."""
+        for kept in readers:
+            kept.changes += 1
+            kept.freed += 1
+
     def _reserve(self, path: list[Hop], did: int, now: float) -> None:
         server_of = self.server_of
-        self._vkept[path[0].vgpu].changes += 1  # (every hop's vGPU is of one pipeline)
+        own = self._vkept[path[0].vgpu]  # (every hop's vGPU is of one pipeline)
+        own.changes += 1
+        own.freed += 1  # (its pools' scans start elsewhere now)
         for h in range(len(path)):
             hop = path[h]
             key = did * 64 + h * 2  # _reservation_key(did, h), inlined
@@ -938,10 +990,12 @@ class ReservationScheduler(DataPlane):
                     up = self.uplink[server_of[src]]
                     up.forget_before(now)
                     up.reserve(ts, te, key + 1)
+                    self._up_version[server_of[src]] += 1
                     self._changed(self._upkept[server_of[src]])
                 down = self.downlink[server_of[v]]
                 down.forget_before(now)
                 down.reserve(ts, te, key + 1)
+                self._down_version[server_of[v]] += 1
                 self._changed(self._downkept[server_of[v]])
                 self._touch_down(server_of[v], now)
             # The next probe of this pool starts after the chosen vGPU / server.
@@ -972,9 +1026,9 @@ class ReservationScheduler(DataPlane):
             # the transfer ended before its reservation did: free the rest
             if hop.src_vgpu >= 0:
                 self.uplink[self.server_of[hop.src_vgpu]].correct(key + 1, ts, te, now)
-                self._changed(self._upkept[self.server_of[hop.src_vgpu]])
+                self._freed(self._upkept[self.server_of[hop.src_vgpu]])
             self.downlink[self.server_of[hop.vgpu]].correct(key + 1, ts, te, now)
-            self._changed(self._downkept[self.server_of[hop.vgpu]])
+            self._freed(self._downkept[self.server_of[hop.vgpu]])
             self._touch_down(self.server_of[hop.vgpu], now)
         return d
 
