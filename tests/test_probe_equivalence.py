@@ -173,6 +173,93 @@ def test_a_kept_lost_probe_answers_only_what_a_probe_would(
     assert answered is not LOST or made is LOST or made.finish_us >= cut_then
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    **booked,
+    transfer=st.integers(1, 4),
+    short=st.integers(0, 20),
+    later=st.integers(0, 10),
+    less=st.integers(0, 3),
+    more=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 60), st.integers(1, 30)),
+        min_size=1,
+        max_size=3,
+    ),
+)
+@example(  # (found by a search: the uplink the hop before the one that lost sends on is
+    # booked, another vGPU wins that hop, and the path finishes before the cut)
+    servers=[[1, 2, 0, 3], [1, 3], [0, 3, 3]],
+    transfer=4,
+    vgpu_busy=[
+        [(13, 2), (19, 7), (46, 23), (20, 3), (28, 20)],
+        [],
+        [(20, 9), (51, 3), (38, 2), (10, 8)],
+        [(52, 8), (10, 3), (2, 10)],
+        [(57, 9), (39, 2)],
+        [(33, 6), (57, 15), (7, 24), (27, 4), (37, 24)],
+        [(29, 5), (54, 8), (41, 3), (60, 7), (46, 9)],
+        [(46, 7)],
+        [(13, 18)],
+        [(37, 19), (21, 20)],
+        [(40, 9), (16, 23), (54, 5), (45, 17)],
+        [(11, 3), (12, 18), (2, 22)],
+    ],
+    link_busy=[
+        [(43, 17), (49, 9), (35, 12), (21, 5), (32, 19)],
+        [(20, 6)],
+        [(24, 3), (23, 1), (34, 24), (35, 20), (24, 12)],
+        [(28, 5), (22, 8), (17, 12), (57, 21), (36, 13)],
+        [(45, 1), (20, 25), (36, 12)],
+        [(8, 18), (55, 6), (5, 16), (31, 4), (36, 4)],
+        [(36, 7), (51, 8), (51, 17), (37, 4), (56, 23)],
+        [(22, 22), (36, 25)],
+    ],
+    now=27,
+    b=2,
+    short=2,
+    later=0,
+    less=0,
+    more=[(True, 3, 10, 10)],
+)
+def test_a_kept_answer_holds_through_reservations_on_links_only_as_a_probe_would(
+    servers, transfer, vgpu_busy, link_busy, now, b, short, later, less, more
+):
+    """Reservations on links (another pipeline's transfers) end a kept path only where
+    it uses the link, and a kept LOST only where the hops before the one that lost used
+    it: each answer kept through them is one a probe made then would give (a LOST one
+    would be cut short too, or finish after the cut)."""
+    sch = booked_plane(servers, transfer, vgpu_busy, link_busy)
+    pipe = sch.topo.pipelines[0]
+    kept = sch._kept[pipe.id]
+    full = sch.probe(pipe, b, float(now))
+    cut = full.finish_us - CUT_SLACK_US - short
+    kept.at[b] = -1
+    assert sch._probe(pipe.id, b, float(now), cut) is LOST
+    sch.probe(pipe, b, float(now))  # (the full path kept again)
+    key = 1000
+    for up, srv, s, n in more:  # as _reserve writes them (its versions counted)
+        srv %= len(sch.uplink)
+        table, versions = (
+            (sch.uplink[srv], sch._up_version) if up else (sch.downlink[srv], sch._down_version)
+        )
+        table.reserve(float(now + s), float(now + s + n), key := key + 1)
+        versions[srv] += 1
+    t, cut_then = float(now + later), cut - less
+    kept_path = sch.probe(pipe, b, float(now))  # the kept path, where it holds
+    kept.at[b] = -1
+    kept_lost = sch._probe(pipe.id, b, t, cut_then)  # the kept LOST, where it holds
+    kept.at[b] = kept.lost[b] = -1  # nothing kept: probes made then
+    path = sch.probe(pipe, b, float(now))
+    kept.at[b] = kept.lost[b] = -1
+    made = sch._probe(pipe.id, b, t, cut_then)
+    assert (kept_path.wait_us, kept_path.finish_us, [astuple(h) for h in kept_path.path]) == (
+        path.wait_us,
+        path.finish_us,
+        [astuple(h) for h in path.path],
+    )
+    assert kept_lost is not LOST or made is LOST or made.finish_us >= cut_then
+
+
 # ---------------------------------------------------------------------------- pipelines
 #
 # Choosing among a model's pipelines, the plane probes first the one it chose last, and

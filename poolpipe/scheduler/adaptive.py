@@ -153,18 +153,19 @@ class _InFlight:
 
 class _Kept:
     """A pipeline's last probe at each batch size, kept to answer the next (_reuse), its
-    last probe cut short (LOST), kept to answer the next cut as short, and the counts of
-    changes to the tables its probes read (compiled: fields in place, the per-batch ones
-    unboxed vectors)."""
+    last probe cut short (LOST), kept to answer the next cut as short, and the count of
+    the changes that end them (compiled: fields in place, the per-batch ones unboxed
+    vectors)."""
 
     __slots__ = (
         "at",
         "changes",
-        "freed",
         "links",
         "lost",
         "lost_cut",
+        "lost_links",
         "lost_now",
+        "lost_path",
         "lost_until",
         "now",
         "path",
@@ -172,22 +173,25 @@ class _Kept:
     )
 
     def __init__(self, batches: int) -> None:
-        self.changes = 0  # to the pipeline's vGPUs' tables and its servers' links
-        # of those, the ones that may have freed time (corrections) or changed a pool's
-        # scan (its own dispatches)
-        self.freed = 0
+        # corrections of the tables its probes read (they may free time), its own
+        # dispatches (its pools' scans start elsewhere), new latencies; reservations on
+        # its links end a kept answer only where it used the link (_path_links)
+        self.changes = 0
         # per batch size b (1 to batches): the kept probe's
-        self.at = vec[i64]([-1] * (batches + 1))  # `freed` when it was made (-1: none)
+        self.at = vec[i64]([-1] * (batches + 1))  # `changes` when it was made (-1: none)
         self.links = vec[i64]([0] * (batches + 1))  # its path's links' versions then
         self.now = vec[float]([0.0] * (batches + 1))  # when it was made
         self.start = vec[float]([0.0] * (batches + 1))  # its path's start
         self.path: list[list[Hop]] = [[] for _ in range(batches + 1)]
         # its last probe that came back LOST: `changes` then (-1: none), when, until when
-        # it holds, its cut
+        # it holds, its cut, the hops chosen before the one that lost and their links'
+        # versions then (_prefix_links)
         self.lost = vec[i64]([-1] * (batches + 1))
         self.lost_now = vec[float]([0.0] * (batches + 1))
         self.lost_until = vec[float]([0.0] * (batches + 1))
         self.lost_cut = vec[float]([0.0] * (batches + 1))
+        self.lost_links = vec[i64]([0] * (batches + 1))
+        self.lost_path: list[list[Hop]] = [[] for _ in range(batches + 1)]
 
 
 @mypyc_attr(acyclic=True)
@@ -398,10 +402,10 @@ class ReservationScheduler(DataPlane):
         self._tin = vec[float]()  # per pool: its transfer in, per sample
         self._lat_min = vec[float]()
         # A probe's answer kept per pipeline and batch for a later probe at that batch
-        # (_reuse), with the count of changes to the tables its probes read: its vGPUs',
-        # the uplinks of its servers that send a feature map on (a pool with a next one),
-        # and the downlinks of those that receive one or the inputs (a later pool's); and
-        # per link, the reservations made on it (the links a kept path uses: _path_links).
+        # (_reuse), with the count of corrections to the tables its probes read (_Kept):
+        # its vGPUs', the uplinks of its servers that send a feature map on (a pool with a
+        # next one), and the downlinks of those that receive one or the inputs (a later
+        # pool's); and per link, the reservations made on it (_path_links).
         pipe_of_pool = [0] * len(topo.pools)
         for pipe in topo.pipelines:
             for pid in pipe.pools:
@@ -521,7 +525,6 @@ class ReservationScheduler(DataPlane):
         self._rebound(self._bound_from)  # the shortest stages may be shorter now
         for kept in self._kept:
             kept.changes += 1  # no kept probe holds
-            kept.freed += 1
         for m in range(len(self.queues)):
             self._dirty[m] = True
 
@@ -610,9 +613,7 @@ class ReservationScheduler(DataPlane):
         a correction may free time, so v's bound is computed anew and its pool's booked
         record forgotten."""
         self.vgpu_table[v].correct(key, start, end, now)
-        kept = self._vkept[v]
-        kept.changes += 1
-        kept.freed += 1
+        self._vkept[v].changes += 1
         self._touch(v, now)
         self._booked_from[self._pool_of[v]] = -math.inf
 
@@ -649,9 +650,9 @@ class ReservationScheduler(DataPlane):
             if x.transfer_end_us > x.transfer_start_us:
                 if x.src_vgpu >= 0:
                     self.uplink[self.server_of[x.src_vgpu]].correct(key + 1, now, now, now)
-                    self._freed(self._upkept[self.server_of[x.src_vgpu]])
+                    self._changed(self._upkept[self.server_of[x.src_vgpu]])
                 self.downlink[self.server_of[x.vgpu]].correct(key + 1, now, now, now)
-                self._freed(self._downkept[self.server_of[x.vgpu]])
+                self._changed(self._downkept[self.server_of[x.vgpu]])
                 self._touch_down(self.server_of[x.vgpu], now)
         for m in range(len(self.queues)):
             self._dirty[m] = True
@@ -686,17 +687,19 @@ class ReservationScheduler(DataPlane):
         A probe at the same batch made earlier is answered again (_reuse) while its path
         starts no earlier than `now`, no table it reads has been corrected nor its pipeline
         dispatched, and the links its path uses have no new reservation (others' only
-        delay choices that lost). So is one that came
-        back LOST, for a cut no later than its own: at a later time every choice of the
-        first hop starts, ends and sends on no earlier, so where none could finish before
-        the cut, none can; and where a later hop's could not, the first hop's choice is
-        the same while it starts no earlier than `now` (_reuse), and so are the later
-        hops' choices, none of which can finish before the cut."""
+        delay choices that lost). So is one that came back LOST, for a cut no later than
+        its own, while no table it reads has been corrected nor its pipeline dispatched:
+        at a later time, or with more reserved, every choice of the first hop starts, ends
+        and sends on no earlier, so where none could finish before the cut, none can; and
+        where a later hop's could not, the hops before it are chosen the same while the
+        first starts no earlier than `now` and their links (and the uplink the last of
+        them sends on) have no new reservation (_reuse), and every choice of the hop that
+        lost finishes no earlier."""
         kept = self._kept[pi]
         if self.prune_pipelines:
             changes = kept.changes
             if (
-                kept.at[b] == kept.freed
+                kept.at[b] == changes
                 and kept.now[b] <= now <= kept.start[b]
                 and kept.links[b] == self._path_links(kept.path[b])
             ):
@@ -705,6 +708,7 @@ class ReservationScheduler(DataPlane):
                 kept.lost[b] == changes
                 and kept.lost_now[b] <= now <= kept.lost_until[b]
                 and cut <= kept.lost_cut[b]
+                and kept.lost_links[b] == self._prefix_links(kept.lost_path[b])
             ):
                 return LOST
             cut += CUT_SLACK_US  # (inf stays inf)
@@ -786,7 +790,9 @@ class ReservationScheduler(DataPlane):
                     self._booked_t[pid] = t
                     self._booked_lat[pid] = lat
                 if best_v < 0 and cut < math.inf:
-                    return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start)
+                    return self._lost(
+                        kept, b, now, cut, math.inf if d == 0 else first_start, path, versions
+                    )
                 path.append(Hop(pid, best_v, -1, t, t, best_s, best_s + lat))
                 first_start = best_s
                 wait += best_s - t
@@ -883,7 +889,9 @@ class ReservationScheduler(DataPlane):
                     if bk <= floor:
                         break
                 if bv < 0 and cut < math.inf:
-                    return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start)
+                    return self._lost(
+                        kept, b, now, cut, math.inf if d == 0 else first_start, path, versions
+                    )
                 path.append(Hop(pid, bv, prev, bts, bte, bs, bf))
                 # (_path_links, summed as the path is made)
                 if prev >= 0:
@@ -895,16 +903,31 @@ class ReservationScheduler(DataPlane):
                 t = bf
             prev = path[-1].vgpu  # the vGPU that holds the batch now
         if self.prune_pipelines:
-            kept.at[b] = kept.freed
+            kept.at[b] = kept.changes
             kept.links[b] = versions
             kept.now[b] = now
             kept.start[b] = first_start
             kept.path[b] = path
         return Probe(wait, t, first_start, path)
 
-    def _lost(self, kept: _Kept, b: int, now: float, cut: float, until: float) -> Probe:
-        """LOST, kept to answer probes at `until` at the latest (see _probe)."""
+    def _lost(
+        self,
+        kept: _Kept,
+        b: int,
+        now: float,
+        cut: float,
+        until: float,
+        path: list[Hop],
+        versions: i64,
+    ) -> Probe:
+        """LOST, kept to answer probes at `until` at the latest (see _probe), while the
+        hops chosen before the one that lost (`path`, their links' versions summed as
+        _path_links does) hold."""
         if self.prune_pipelines:
+            if len(path):
+                versions += self._up_version[self.server_of[path[-1].vgpu]]
+            kept.lost_links[b] = versions
+            kept.lost_path[b] = path
             kept.lost[b] = kept.changes
             kept.lost_now[b] = now
             kept.lost_until[b] = until
@@ -916,7 +939,7 @@ class ReservationScheduler(DataPlane):
         answer: the same path, its first hop's wait counted from `now`.
 
         Exact while no table the probe reads has been corrected nor its pipeline dispatched
-        (`kept.freed`), no link its path uses has a new reservation (`kept.links`), and its
+        (`kept.changes`), no link its path uses has a new reservation (`kept.links`), and its
         path starts at or after `now`. A reservation on any other table can only move a
         losing choice's slots later. And a first hop's earliest start (or transfer) on each
         vGPU at or after `now` is the one at or after the earlier time wherever that one is
@@ -958,24 +981,23 @@ class ReservationScheduler(DataPlane):
                 n += self._down_version[server_of[hop.vgpu]]
         return n
 
-    def _changed(self, readers: list[_Kept]) -> None:
-        """A link was reserved: the kept LOST of the pipelines that read it may not hold
-        (a kept path holds while its own links are as they were: _path_links)."""
-        for kept in readers:
-            kept.changes += 1
+    def _prefix_links(self, path: list[Hop]) -> i64:
+        """_path_links of the hops before one that lost, and the uplink the last of them
+        chose to send on (a reservation there may move that choice)."""
+        if not len(path):
+            return 0
+        return self._path_links(path) + self._up_version[self.server_of[path[-1].vgpu]]
 
-    def _freed(self, readers: list[_Kept]) -> None:
+    def _changed(self, readers: list[_Kept]) -> None:
         """A link was corrected (it may have freed time): no kept probe of the pipelines
         that read it holds."""
         for kept in readers:
             kept.changes += 1
-            kept.freed += 1
 
     def _reserve(self, path: list[Hop], did: int, now: float) -> None:
         server_of = self.server_of
-        own = self._vkept[path[0].vgpu]  # (every hop's vGPU is of one pipeline)
-        own.changes += 1
-        own.freed += 1  # (its pools' scans start elsewhere now)
+        # (every hop's vGPU is of the one pipeline; its pools' scans start elsewhere now)
+        self._vkept[path[0].vgpu].changes += 1
         for h in range(len(path)):
             hop = path[h]
             key = did * 64 + h * 2  # _reservation_key(did, h), inlined
@@ -991,12 +1013,10 @@ class ReservationScheduler(DataPlane):
                     up.forget_before(now)
                     up.reserve(ts, te, key + 1)
                     self._up_version[server_of[src]] += 1
-                    self._changed(self._upkept[server_of[src]])
                 down = self.downlink[server_of[v]]
                 down.forget_before(now)
                 down.reserve(ts, te, key + 1)
                 self._down_version[server_of[v]] += 1
-                self._changed(self._downkept[server_of[v]])
                 self._touch_down(server_of[v], now)
             # The next probe of this pool starts after the chosen vGPU / server.
             pid = hop.pool
@@ -1026,9 +1046,9 @@ class ReservationScheduler(DataPlane):
             # the transfer ended before its reservation did: free the rest
             if hop.src_vgpu >= 0:
                 self.uplink[self.server_of[hop.src_vgpu]].correct(key + 1, ts, te, now)
-                self._freed(self._upkept[self.server_of[hop.src_vgpu]])
+                self._changed(self._upkept[self.server_of[hop.src_vgpu]])
             self.downlink[self.server_of[hop.vgpu]].correct(key + 1, ts, te, now)
-            self._freed(self._downkept[self.server_of[hop.vgpu]])
+            self._changed(self._downkept[self.server_of[hop.vgpu]])
             self._touch_down(self.server_of[hop.vgpu], now)
         return d
 
