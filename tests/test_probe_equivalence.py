@@ -124,14 +124,17 @@ def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr
     assert got.start_us == (path[0][3] if inputs else path[0][5])
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    **booked,
+# ... with a transfer per sample, and a probe cut `short` of the full one's finish, then
+# one `later`, cut `less` earlier again
+cut_short = dict(
     transfer=st.integers(1, 4),
     short=st.integers(0, 20),
-    later=st.integers(0, 40),
     less=st.integers(0, 3),
 )
+
+
+@settings(max_examples=300, deadline=None)
+@given(**booked, **cut_short, later=st.integers(0, 40))
 @example(  # (found by a random search: the first hop moves to vGPU 1, its path is faster)
     servers=[[0, 1], [2], [1]],
     transfer=3,
@@ -176,10 +179,8 @@ def test_a_kept_lost_probe_answers_only_what_a_probe_would(
 @settings(max_examples=300, deadline=None)
 @given(
     **booked,
-    transfer=st.integers(1, 4),
-    short=st.integers(0, 20),
+    **cut_short,
     later=st.integers(0, 10),
-    less=st.integers(0, 3),
     more=st.lists(
         st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 60), st.integers(1, 30)),
         min_size=1,
