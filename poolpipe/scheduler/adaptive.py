@@ -790,9 +790,7 @@ class ReservationScheduler(DataPlane):
                     self._booked_t[pid] = t
                     self._booked_lat[pid] = lat
                 if best_v < 0 and cut < math.inf:
-                    return self._lost(
-                        kept, b, now, cut, math.inf if d == 0 else first_start, path, versions
-                    )
+                    return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start, path)
                 path.append(Hop(pid, best_v, -1, t, t, best_s, best_s + lat))
                 first_start = best_s
                 wait += best_s - t
@@ -889,9 +887,7 @@ class ReservationScheduler(DataPlane):
                     if bk <= floor:
                         break
                 if bv < 0 and cut < math.inf:
-                    return self._lost(
-                        kept, b, now, cut, math.inf if d == 0 else first_start, path, versions
-                    )
+                    return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start, path)
                 path.append(Hop(pid, bv, prev, bts, bte, bs, bf))
                 # (_path_links, summed as the path is made)
                 if prev >= 0:
@@ -911,22 +907,12 @@ class ReservationScheduler(DataPlane):
         return Probe(wait, t, first_start, path)
 
     def _lost(
-        self,
-        kept: _Kept,
-        b: int,
-        now: float,
-        cut: float,
-        until: float,
-        path: list[Hop],
-        versions: i64,
+        self, kept: _Kept, b: int, now: float, cut: float, until: float, path: list[Hop]
     ) -> Probe:
         """LOST, kept to answer probes at `until` at the latest (see _probe), while the
-        hops chosen before the one that lost (`path`, their links' versions summed as
-        _path_links does) hold."""
+        hops chosen before the one that lost (`path`) hold (_prefix_links)."""
         if self.prune_pipelines:
-            if len(path):
-                versions += self._up_version[self.server_of[path[-1].vgpu]]
-            kept.lost_links[b] = versions
+            kept.lost_links[b] = self._prefix_links(path)
             kept.lost_path[b] = path
             kept.lost[b] = kept.changes
             kept.lost_now[b] = now
