@@ -3,6 +3,7 @@ the drop / wait / dispatch branches, feedback correction, overload rejection."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import astuple, replace
 
@@ -130,6 +131,38 @@ def test_earliest_slot_remembers_its_last_answer_only_while_the_table_is_unchang
                 assert got == _plain_slot(t.intervals(), q, float(d))
             asked, last = float(a) + n / 2, got
 
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_a_table_keeps_what_a_sorted_list_keeps(ops):
+    """A table's buffer is reused in place (ended intervals moved out at the front, room
+    left at the back for later reservations): under any sequence of reservations,
+    corrections and forgetting it holds exactly what a sorted list of (start, end, key)
+    holds, kept the plain way."""
+    t = ReservationTable()
+    plain: list[tuple[float, float, int]] = []
+    keys = 0
+    for op, a, n, d in ops:
+        if op == "reserve" or (not plain and op == "correct"):
+            keys += 1
+            t.reserve(float(a), float(a + n), keys)
+            bisect.insort_right(plain, (float(a), float(a + n), keys))
+        elif op == "correct":
+            key = plain[a % len(plain)][2]
+            now = float(a + n) if d == 7 else 0.0  # half of them: over before now, gone
+            assert t.correct(key, float(a), float(a + n), now=now)
+            plain = [x for x in plain if x[2] != key]
+            if a + n > now:
+                bisect.insort_right(plain, (float(a), float(a + n), key))
+        elif op == "forget":
+            t.forget_before(float(a))
+            while plain and plain[0][1] <= a:
+                plain.pop(0)
+        assert t.intervals() == [(s, e) for s, e, _ in plain]
+        assert len(t) == len(plain)
+        for q in (float(a), float(a + n)):
+            assert t.earliest_slot(q, float(d)) == _plain_slot(t.intervals(), q, float(d))
 
 # ----------------------------------------------------------------------------- probe
 

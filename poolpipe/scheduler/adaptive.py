@@ -768,7 +768,7 @@ class ReservationScheduler(DataPlane):
                     s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
                     tab = tables[v]
                     iv = tab.iv
-                    for i in range(3 * tab.head, len(iv), 3):
+                    for i in range(3 * tab.head, tab.end, 3):
                         e = iv[i + 1]
                         if e <= s:
                             continue
@@ -824,7 +824,7 @@ class ReservationScheduler(DataPlane):
                         s = floor - lat  # vgpu_table[v].earliest_slot(t_up + dur, lat)
                         tab = tables[v]
                         iv = tab.iv
-                        for i in range(3 * tab.head, len(iv), 3):
+                        for i in range(3 * tab.head, tab.end, 3):
                             e = iv[i + 1]
                             if e <= s:
                                 continue
@@ -857,7 +857,7 @@ class ReservationScheduler(DataPlane):
                             ps = -math.inf  # the latest start reserved on v before s
                             tab = tables[v]
                             iv = tab.iv
-                            for i in range(3 * tab.head, len(iv), 3):
+                            for i in range(3 * tab.head, tab.end, 3):
                                 e = iv[i + 1]
                                 if e <= s:
                                     ps = iv[i]

@@ -12,8 +12,10 @@ from typing import Final
 from librt.vecs import append, vec
 from mypy_extensions import i64
 
-# Ended intervals are dropped from the vectors once this many have gathered at their front.
-_DROP_AFTER: Final = 16
+# Ended intervals are moved out of a table's buffer once this many have gathered at its
+# front, or sooner, once they are as many as the live ones (the move then copies no more
+# than it drops, and a vGPU's few live intervals stay in the same lines of its buffer).
+_DROP_AFTER: Final = 4
 
 
 class ReservationTable:
@@ -22,21 +24,25 @@ class ReservationTable:
     Intervals may overlap after feedback correction (a stage that ran late); every query
     treats the table as the union of its intervals, so overlaps only make it conservative.
 
-    Interval i (from `head` on) is `iv[3i]`, `iv[3i + 1]` (its start and end) and its key
-    `iv[3i + 2]` (a float: keys stay below 2**53, exact), in one unboxed vector (librt.vecs,
-    compiled: a table's numbers lie in one buffer, where a list of interval objects put
-    each in an object of its own, a cache miss apiece once a thousand GPUs' tables outgrow
-    the cache). `forget_before` moves `head` past the intervals that ended and drops them
-    in batches (a vGPU's table is a queue: one at a time, each would cost a shift). A hot
-    loop may read `iv` from `3 * head` on (it must not modify it).
+    Interval i (from `head` on, below `end` // 3) is `iv[3i]`, `iv[3i + 1]` (its start and
+    end) and its key `iv[3i + 2]` (a float: keys stay below 2**53, exact), in one unboxed
+    vector (librt.vecs, compiled: a table's numbers lie in one buffer, where a list of
+    interval objects put each in an object of its own, a cache miss apiece once a thousand
+    GPUs' tables outgrow the cache). `forget_before` moves `head` past the intervals that
+    ended and, every few, moves the rest to the front of the buffer, in place. The buffer
+    is never cut: what lies from `end` on is room, written over by later reservations (a
+    slice made an exact copy that the next reservations outgrew and copied again; a
+    thousand GPUs' tables, each a buffer moving through memory, were a few cold lines per
+    request). A hot loop may read `iv` from `3 * head` to `end` (it must not modify it).
     """
 
-    __slots__ = ("head", "iv", "memo_at", "memo_dur", "memo_t", "name")
+    __slots__ = ("end", "head", "iv", "memo_at", "memo_dur", "memo_t", "name")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.iv: vec[float] = vec[float]()
         self.head: i64 = 0
+        self.end: i64 = 0  # the numbers in use: iv[:end] (from 3 * head on, the live ones)
         # earliest_slot's last answer (memo_t, memo_dur) -> memo_at, while the table is
         # unchanged: any t in [memo_t, memo_at] gets memo_at for that duration (a free slot
         # earlier than memo_at and at least t would be at least memo_t too)
@@ -45,26 +51,29 @@ class ReservationTable:
         self.memo_dur = -1.0
 
     def __len__(self) -> int:
-        return len(self.iv) // 3 - self.head
+        return self.end // 3 - self.head
 
     def intervals(self) -> list[tuple[float, float]]:
         iv = self.iv
-        return [(iv[i], iv[i + 1]) for i in range(3 * self.head, len(iv), 3)]
+        return [(iv[i], iv[i + 1]) for i in range(3 * self.head, self.end, 3)]
 
     def forget_before(self, now: float) -> None:
         """Drop the intervals at the front that ended by `now`: they cannot matter to any
         later query. (One that ended behind a longer one goes once it reaches the front;
         queries skip it meanwhile, as they skip any interval over before their time.)"""
         iv = self.iv
-        n: i64 = len(iv)
+        n: i64 = self.end
         i: i64 = 3 * self.head
         while i < n and iv[i + 1] <= now:
             i += 3
         h: i64 = i // 3
         if h != self.head:
             self.memo_at = -1.0  # (a query of the past would now find the dropped free)
-        if h >= _DROP_AFTER:
-            self.iv = iv[i:]
+        if h >= _DROP_AFTER or (h > 0 and i >= n - i):
+            j: i64
+            for j in range(i, n):  # the rest to the front
+                iv[j - i] = iv[j]
+            self.end = n - i
             h = 0
         self.head = h
 
@@ -75,7 +84,7 @@ class ReservationTable:
         cand = t
         iv = self.iv
         i: i64
-        for i in range(3 * self.head, len(iv), 3):
+        for i in range(3 * self.head, self.end, 3):
             e = iv[i + 1]
             if e <= cand:
                 continue
@@ -91,7 +100,7 @@ class ReservationTable:
         k = float(key)
         iv = self.iv
         h: i64 = 3 * self.head
-        n: i64 = len(iv)
+        n: i64 = self.end
         i: i64 = n
         while i > h:  # from the end: new reservations mostly start after the others
             s = iv[i - 3]
@@ -102,7 +111,14 @@ class ReservationTable:
                 if e < end or (e == end and iv[i - 1] <= k):
                     break
             i -= 3
-        iv = append(append(append(iv, start), end), k)
+        if n + 3 <= len(iv):  # room in the buffer
+            iv[n] = start
+            iv[n + 1] = end
+            iv[n + 2] = k
+        else:
+            iv = append(append(append(iv, start), end), k)
+            self.iv = iv
+        self.end = n + 3
         if i < n:  # (rare: a reservation before the last one) shift the later ones up
             j: i64 = n + 2
             while j >= i + 3:
@@ -111,7 +127,6 @@ class ReservationTable:
             iv[i] = start
             iv[i + 1] = end
             iv[i + 2] = k
-        self.iv = iv
 
     def correct(self, key: i64, start: float, end: float, now: float) -> bool:
         """Replace reservation `key` by what really happened (or is happening).
@@ -122,7 +137,7 @@ class ReservationTable:
         self.memo_at = -1.0
         k = float(key)
         iv = self.iv
-        n: i64 = len(iv)
+        n: i64 = self.end
         found = False
         i: i64
         j: i64
@@ -130,7 +145,7 @@ class ReservationTable:
             if iv[i + 2] == k:
                 for j in range(i, n - 3):  # shift the later ones down over it
                     iv[j] = iv[j + 3]
-                self.iv = iv[: n - 3]
+                self.end = n - 3
                 found = True
                 break
         if end > now:
