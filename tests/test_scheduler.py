@@ -132,7 +132,6 @@ def test_earliest_slot_remembers_its_last_answer_only_while_the_table_is_unchang
             asked, last = float(a) + n / 2, got
 
 
-
 @settings(max_examples=300, deadline=None)
 @given(_OPS)
 def test_a_table_keeps_what_a_sorted_list_keeps(ops):
@@ -163,6 +162,7 @@ def test_a_table_keeps_what_a_sorted_list_keeps(ops):
         assert len(t) == len(plain)
         for q in (float(a), float(a + n)):
             assert t.earliest_slot(q, float(d)) == _plain_slot(t.intervals(), q, float(d))
+
 
 # ----------------------------------------------------------------------------- probe
 
