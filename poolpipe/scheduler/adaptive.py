@@ -37,7 +37,7 @@ from poolpipe.scheduler.messages import (
     Request,
     StageReport,
 )
-from poolpipe.scheduler.reservations import ReservationTable, earliest_common_slot
+from poolpipe.scheduler.reservations import LastEnds, ReservationTable, earliest_common_slot
 from poolpipe.scheduler.topology import Pipeline, Topology, latency_tables
 
 POLICIES: Final = ("adaptive", "eager", "deferred")
@@ -321,9 +321,19 @@ class ReservationScheduler(DataPlane):
         # fire late by up to about a millisecond, the simulator's never do.
         self.wake_guard_us = wake_guard_us
         self.wake_guard_floor_us = wake_guard_us  # set_wake_lateness adds to it
-        self.vgpu_table = [ReservationTable(f"vgpu{v.id}") for v in topo.vgpus]
-        self.uplink = [ReservationTable(f"up{s.id}") for s in topo.servers]
-        self.downlink = [ReservationTable(f"down{s.id}") for s in topo.servers]
+        # (with each set's latest ends in one vector: a probe skips a table free from then)
+        self._vend = LastEnds(len(topo.vgpus))
+        self._upend = LastEnds(len(topo.servers))
+        self._downend = LastEnds(len(topo.servers))
+        self.vgpu_table = [
+            ReservationTable(f"vgpu{v.id}", self._vend, i) for i, v in enumerate(topo.vgpus)
+        ]
+        self.uplink = [
+            ReservationTable(f"up{s.id}", self._upend, i) for i, s in enumerate(topo.servers)
+        ]
+        self.downlink = [
+            ReservationTable(f"down{s.id}", self._downend, i) for i, s in enumerate(topo.servers)
+        ]
         self.server_of = vec[i64]([v.server for v in topo.vgpus])
         # Per pool: its vGPUs grouped by server (one transfer slot per server), and a
         # rotating start so that equally good vGPUs and NICs take turns.
@@ -731,6 +741,8 @@ class ReservationScheduler(DataPlane):
         pipe_pools = self._pipe_pools[pi]
         npools = len(pipe_pools)
         uplink, server_of = self.uplink, self.server_of
+        # a table whose latest end is at or before a time is free from it (LastEnds)
+        vend, upend, downend = self._vend.v, self._upend.v, self._downend.v
         rest = self._rest[pi]
         for d in range(npools):
             pid = pipe_pools[d]
@@ -752,9 +764,10 @@ class ReservationScheduler(DataPlane):
                 seed = math.inf
                 if tree.lowest() < math.inf:
                     v = flat[tree.argmin()]
-                    least = tables[v].earliest_slot(t, lat)
+                    least = tables[v].earliest_slot(t, lat) if vend[v] > t else t
                     f = least + lat
-                    seed = uplink[server_of[v]].earliest_slot(f, out) if out else f
+                    srv = server_of[v]
+                    seed = uplink[srv].earliest_slot(f, out) if out and upend[srv] > f else f
                 # The vGPUs in scan order from r; the tree skips those whose bound says they
                 # can neither beat the seed or the best so far nor lower `least`.
                 n = len(flat)
@@ -766,20 +779,23 @@ class ReservationScheduler(DataPlane):
                     v = flat[r + p if r + p < n else r + p - n]
                     p += 1
                     s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
-                    tab = tables[v]
-                    iv = tab.iv
-                    for i in range(3 * tab.head, tab.end, 3):
-                        e = iv[i + 1]
-                        if e <= s:
-                            continue
-                        if iv[i] >= s + lat:
-                            break
-                        s = e
+                    if vend[v] > s:
+                        tab = tables[v]
+                        iv = tab.iv
+                        for i in range(3 * tab.head, tab.end, 3):
+                            e = iv[i + 1]
+                            if e <= s:
+                                continue
+                            if iv[i] >= s + lat:
+                                break
+                            s = e
                     if s < least:
                         least = s
                     if s + lat >= best_key:  # key >= s + lat: cannot win, not even a tie
                         continue
-                    key = uplink[server_of[v]].earliest_slot(s + lat, out) if out else s + lat
+                    f = s + lat
+                    srv = server_of[v]
+                    key = uplink[srv].earliest_slot(f, out) if out and upend[srv] > f else f
                     if key < best_key or (key == best_key and s < best_s):
                         best_key, best_s, best_v = key, s, v
                         if key <= t + lat:
@@ -800,7 +816,9 @@ class ReservationScheduler(DataPlane):
                 # outside the cluster: the receiving server's downlink alone
                 dur = b * tin[pid]
                 up: ReservationTable | None = uplink[server_of[prev]] if prev >= 0 else None
-                t_up = up.earliest_slot(t, dur) if up is not None and dur > 0 else t
+                t_up = t
+                if up is not None and dur > 0 and upend[server_of[prev]] > t:
+                    t_up = up.earliest_slot(t, dur)
                 floor = t_up + dur + lat  # nothing can finish earlier
                 r = self._rr[pid]
                 gsrv, gvg = self._gsrv[pid], self._gvg[pid]
@@ -822,15 +840,16 @@ class ReservationScheduler(DataPlane):
                     lb = math.inf
                     for v in vgs:
                         s = floor - lat  # vgpu_table[v].earliest_slot(t_up + dur, lat)
-                        tab = tables[v]
-                        iv = tab.iv
-                        for i in range(3 * tab.head, tab.end, 3):
-                            e = iv[i + 1]
-                            if e <= s:
-                                continue
-                            if iv[i] >= s + lat:
-                                break
-                            s = e
+                        if vend[v] > s:
+                            tab = tables[v]
+                            iv = tab.iv
+                            for i in range(3 * tab.head, tab.end, 3):
+                                e = iv[i + 1]
+                                if e <= s:
+                                    continue
+                                if iv[i] >= s + lat:
+                                    break
+                                s = e
                         if s < lb:
                             lb = s
                     if lb + lat >= bk:
@@ -839,11 +858,11 @@ class ReservationScheduler(DataPlane):
                     # earliest_common_slot((up, down), t_up, dur): `up` is free at t_up
                     ts = t_up
                     while dur > 0:
-                        x = down.earliest_slot(ts, dur)
+                        x = down.earliest_slot(ts, dur) if downend[srv] > ts else ts
                         if x == ts or up is None:
                             ts = x
                             break
-                        ts = up.earliest_slot(x, dur)
+                        ts = up.earliest_slot(x, dur) if upend[server_of[prev]] > x else x
                         if ts == x:
                             break
                     te = ts + dur
@@ -855,6 +874,8 @@ class ReservationScheduler(DataPlane):
                         while True:
                             s = vte  # vgpu_table[v].earliest_slot(vte, lat), inlined
                             ps = -math.inf  # the latest start reserved on v before s
+                            if vend[v] <= s:
+                                break  # free from s on (and any ps is before vte)
                             tab = tables[v]
                             iv = tab.iv
                             for i in range(3 * tab.head, tab.end, 3):
@@ -879,7 +900,7 @@ class ReservationScheduler(DataPlane):
                         f = s + lat
                         if f >= bk:
                             continue
-                        key = srv_up.earliest_slot(f, out) if out else f
+                        key = srv_up.earliest_slot(f, out) if out and upend[srv] > f else f
                         if key < bk or (key == bk and f < bf):
                             bk, bf, bv, bts, bte, bs = key, f, v, vts, vte, s
                             if s <= te:

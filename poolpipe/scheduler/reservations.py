@@ -6,6 +6,7 @@ short (intervals that ended before `now` are forgotten), so linear scans are the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Final
 
@@ -16,6 +17,20 @@ from mypy_extensions import i64
 # front, or sooner, once they are as many as the live ones (the move then copies no more
 # than it drops, and a vGPU's few live intervals stay in the same lines of its buffer).
 _DROP_AFTER: Final = 4
+
+
+class LastEnds:
+    """For each table of a set (a scheduler's vGPUs, uplinks or downlinks): no interval
+    it holds ends after `v[i]` (the latest end it was given; corrections and forgetting
+    leave it, so it only ever errs late). Where `v[i]` is at or before t, the table is
+    free from t on, and a scan knows so without reading the table: at a thousand GPUs each
+    table is a cold object with a cold buffer, and this vector, one per set, stays in the
+    cache (compiled: librt.vecs, unboxed)."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, n: int) -> None:
+        self.v: vec[float] = vec[float]([-math.inf] * n)
 
 
 class ReservationTable:
@@ -36,10 +51,12 @@ class ReservationTable:
     request). A hot loop may read `iv` from `3 * head` to `end` (it must not modify it).
     """
 
-    __slots__ = ("end", "head", "iv", "memo_at", "memo_dur", "memo_t", "name")
+    __slots__ = ("end", "ends", "head", "index", "iv", "memo_at", "memo_dur", "memo_t", "name")
 
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", ends: LastEnds | None = None, index: int = 0) -> None:
         self.name = name
+        self.ends = ends  # (optional) where this table's latest end is kept, at `index`
+        self.index: i64 = index
         self.iv: vec[float] = vec[float]()
         self.head: i64 = 0
         self.end: i64 = 0  # the numbers in use: iv[:end] (from 3 * head on, the live ones)
@@ -97,6 +114,9 @@ class ReservationTable:
     def reserve(self, start: float, end: float, key: i64) -> None:
         """Insert in (start, end, key) order, after any equal one."""
         self.memo_at = -1.0
+        ends = self.ends
+        if ends is not None and end > ends.v[self.index]:
+            ends.v[self.index] = end
         k = float(key)
         iv = self.iv
         h: i64 = 3 * self.head
