@@ -908,6 +908,8 @@ class ReservationScheduler(DataPlane):
                     if bk <= floor:
                         break
                 if bv < 0 and cut < math.inf:
+                    if d == 1 and self._lost_whatever_first(pid, b, t_up, dur, cut_key):
+                        return self._lost(kept, b, now, cut, math.inf, [])
                     return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start, path)
                 path.append(Hop(pid, bv, prev, bts, bte, bs, bf))
                 # (_path_links, summed as the path is made)
@@ -940,6 +942,33 @@ class ReservationScheduler(DataPlane):
             kept.lost_until[b] = until
             kept.lost_cut[b] = cut
         return LOST
+
+    def _lost_whatever_first(
+        self, pid: int, b: int, sent: float, dur: float, cut_key: float
+    ) -> bool:
+        """A probe that lost at its second hop (pool `pid`, the feature map sent at `sent` on
+        the uplink its first hop chose) would lose whatever its first hop: no vGPU of the
+        pool could finish a stage before `cut_key` even with the map sent at `sent` and that
+        uplink free from then on. Then it loses at any later time while no table it reads is
+        corrected (kept as LOST until then, not only until its first hop would start):
+
+        `sent` is the least of the first hop's choices' uplink slots (its key: the choice
+        is the least key); later, or with more reserved, each choice's stage and uplink slot
+        are no earlier, so every first hop sends at or after `sent`. The map then comes in
+        on the receiving server's downlink no earlier than this downlink's slot from `sent`,
+        and its stage starts no earlier than the vGPU's slot from there (a common slot with
+        the sending uplink, or a transfer put after a stage reserved ahead of it, starts no
+        earlier). Every slot found from `sent` is one a later probe's starts at or after
+        (from at least `now` then, where forgetting the past changes nothing)."""
+        lat = self._lat[pid][b]
+        server_of, tables = self.server_of, self.vgpu_table
+        for v in self._flat[pid]:
+            x = sent
+            if dur > 0:
+                x = self.downlink[server_of[v]].earliest_slot(sent, dur) + dur
+            if tables[v].earliest_slot(x, lat) + lat < cut_key:
+                return False
+        return True
 
     def _reuse(self, kept: _Kept, b: int, now: float) -> Probe:
         """The probe at batch b kept from `kept.now[b]`, as a probe made at `now` would
