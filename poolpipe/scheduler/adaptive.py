@@ -103,7 +103,7 @@ class _Queue:
         req = items[self.head]
         h = self.head + 1
         if h == len(items):
-            del items[:]
+            items.clear()  # (compiled: a call, where `del items[:]` made a slice object)
             h = 0
         elif h >= 64:
             del items[:h]
@@ -143,7 +143,9 @@ class _InFlight:
         h, n = self.head, len(items)
         while h < n and items[h] is None:
             h += 1
-        if h >= 64:
+        # (dropped once they are half the list: a thousand GPUs' nine hundred dispatches in
+        # flight, moved down every 64 that ended, were 124 instructions per request)
+        if h >= 64 and 2 * h >= n:
             del items[:h]
             self.base += h
             h = 0
