@@ -60,13 +60,23 @@ class Probe:
     """Where and when a batch would run if dispatched now (a native class: probe() is the
     hot path, and a compiled class's float fields are unboxed)."""
 
-    __slots__ = ("finish_us", "path", "start_us", "wait_us")
+    __slots__ = ("finish_us", "kept_from", "path", "start_us", "wait_us")
 
-    def __init__(self, wait_us: float, finish_us: float, start_us: float, path: list[Hop]):
+    def __init__(
+        self,
+        wait_us: float,
+        finish_us: float,
+        start_us: float,
+        path: list[Hop],
+        kept_from: float = -math.inf,
+    ):
         self.wait_us = wait_us  # time spent waiting for resources along the path
         self.finish_us = finish_us
         self.start_us = start_us  # when it would start on its first vGPU
         self.path = path  # the hops as they would be reserved (a dispatch takes them)
+        # (the scheduler's own: a kept path answered again at this time, its hops not yet
+        # copied (ReservationScheduler._hops); -inf: `path` is the probe's)
+        self.kept_from = kept_from
 
 
 # What a probe with a cut returns when the pipeline cannot finish before it.
@@ -683,7 +693,10 @@ class ReservationScheduler(DataPlane):
     def probe(self, pipe: Pipeline, b: int, now: float) -> Probe:
         """Where and when a batch of b would run on `pipe` if dispatched now. Nothing is
         reserved; the answer is kept to answer a later probe the same (_reuse)."""
-        return self._probe(pipe.id, b, now, math.inf)
+        pr = self._probe(pipe.id, b, now, math.inf)
+        if pr.kept_from == -math.inf:
+            return pr
+        return Probe(pr.wait_us, pr.finish_us, pr.start_us, self._hops(pr))
 
     def _probe(self, pi: int, b: int, now: float, cut: float) -> Probe:
         """probe() of pipeline `pi`. The hot path: slot scans inlined, ranges of indexes
@@ -986,23 +999,38 @@ class ReservationScheduler(DataPlane):
         in scan order; the later hops follow from the first hop's end alone. A cut probe
         gets the whole path where it might have been LOST: a path that could not finish
         before the cut loses the comparison either way. The wait is summed as the probe
-        sums it (the same floats)."""
+        sums it (the same floats). Its hops are copied only for a dispatch (_hops): most
+        answers kept are compared and let go."""
         old = kept.path[b]
         h0 = old[0]
-        path: list[Hop] = []
         if self._inputs[h0.pool]:
             wait = (h0.transfer_start_us - now) + (h0.start_us - h0.transfer_end_us)
-            path.append(h0)
         else:
             wait = h0.start_us - now
-            path.append(Hop(h0.pool, h0.vgpu, -1, now, now, h0.start_us, h0.end_us))
         t = h0.end_us
         for d in range(1, len(old)):
             x = old[d]
             wait += (x.transfer_start_us - t) + (x.start_us - x.transfer_end_us)
             t = x.end_us
-            path.append(x)
-        return Probe(wait, t, kept.start[b], path)
+        return Probe(wait, t, kept.start[b], old, now)
+
+    def _hops(self, pr: Probe) -> list[Hop]:
+        """The hops of probe `pr` as a dispatch takes them: a kept path answered again at
+        `kept_from` is the same path, its first hop (a vGPU's, whose batch leaves as it
+        starts) made at that time."""
+        old = pr.path
+        if pr.kept_from == -math.inf:
+            return old
+        h0 = old[0]
+        path: list[Hop] = []
+        if self._inputs[h0.pool]:
+            path.append(h0)
+        else:
+            now = pr.kept_from
+            path.append(Hop(h0.pool, h0.vgpu, -1, now, now, h0.start_us, h0.end_us))
+        for d in range(1, len(old)):
+            path.append(old[d])
+        return path
 
     def _path_links(self, path: list[Hop]) -> i64:
         """The versions of the links a path's choices read, summed (versions only grow:
@@ -1247,10 +1275,11 @@ class ReservationScheduler(DataPlane):
         q = self.queues[m]
         did = self._next_dispatch
         self._next_dispatch += 1
-        self._reserve(pr.path, did, now)
+        path = self._hops(pr)
+        self._reserve(path, did, now)
         reqs = [q.popleft() for _ in range(min(b, len(q)))]
         # the probe's hops are the dispatch's: a probe is made fresh and used once
-        d = Dispatch(did, m, pipe, b, reqs, pr.path, True, self.probes - self._probes_since[m])
+        d = Dispatch(did, m, pipe, b, reqs, path, True, self.probes - self._probes_since[m])
         self._probes_since[m] = self.probes
         self._inflight.add(d)
         out.dispatches.append(d)
