@@ -37,7 +37,7 @@ from poolpipe.scheduler.messages import (
     Request,
     StageReport,
 )
-from poolpipe.scheduler.reservations import LastEnds, ReservationTable, earliest_common_slot
+from poolpipe.scheduler.reservations import LastEnds, ReservationTable
 from poolpipe.scheduler.topology import Pipeline, Topology, latency_tables
 
 POLICIES: Final = ("adaptive", "eager", "deferred")
@@ -420,6 +420,14 @@ class ReservationScheduler(DataPlane):
         self._pipes: list[list[int]] = [list(m.pipelines) for m in topo.models]
         self._pipe_pools = [vec[i64](pipe.pools) for pipe in topo.pipelines]
         self._pipe_batch = vec[i64]([pipe.batch for pipe in topo.pipelines])
+        # per pipeline, the bound tree its probe scans at each hop (_wait_bound)
+        self._hop_trees = [
+            [
+                self._ftree[pid] if d == 0 and not self._inputs[pid] else self._gtree[pid]
+                for d, pid in enumerate(pipe.pools)
+            ]
+            for pipe in topo.pipelines
+        ]
         self._lat: list[vec[float]] = []  # per pool: its latency at batch b (set_latencies)
         self._tin = vec[float]()  # per pool: its transfer in, per sample
         self._lat_min = vec[float]()
@@ -908,9 +916,8 @@ class ReservationScheduler(DataPlane):
                             # is due to start could overtake that one's (a node runs its
                             # queue in arrival order): it arrives once that one starts.
                             vts = max(t, ps - dur)
-                            if dur > 0:
-                                links = (down,) if up is None else (up, down)
-                                vts = earliest_common_slot(links, vts, dur)
+                            if dur > 0 and up is not None:  # (prev >= 0: it is not None)
+                                vts = self._common_slot(up, server_of[prev], down, srv, vts, dur)
                             vte = vts + dur
                         f = s + lat
                         if f >= bk:
@@ -957,6 +964,27 @@ class ReservationScheduler(DataPlane):
             kept.lost_until[b] = until
             kept.lost_cut[b] = cut
         return LOST
+
+    def _common_slot(
+        self,
+        up: ReservationTable,
+        up_srv: i64,
+        down: ReservationTable,
+        down_srv: i64,
+        t: float,
+        dur: float,
+    ) -> float:
+        """earliest_common_slot((up, down), t, dur), written out: a slot on the uplink, then
+        on each in turn until both agree (a table free from its latest end on not read)."""
+        upend, downend = self._upend.v, self._downend.v
+        t = up.earliest_slot(t, dur) if upend[up_srv] > t else t
+        while True:
+            x = down.earliest_slot(t, dur) if downend[down_srv] > t else t
+            if x == t:
+                return t
+            t = up.earliest_slot(x, dur) if upend[up_srv] > x else x
+            if t == x:
+                return t
 
     def _lost_whatever_first(
         self, pid: int, b: int, sent: float, dur: float, cut_key: float
@@ -1237,16 +1265,11 @@ class ReservationScheduler(DataPlane):
         (-inf when the bounds may not hold at `now`, or are off)."""
         if now < self._bound_from or not self.prune_pipelines:
             return -math.inf
-        pools = self._pipe_pools[pi]
+        trees = self._hop_trees[pi]
         ahead = self._ahead[pi]
         most = -math.inf
-        for d in range(len(pools)):
-            pid = pools[d]
-            if d == 0 and not self._inputs[pid]:
-                x = self._ftree[pid].lowest()
-            else:
-                x = self._gtree[pid].lowest()
-            x = x - now - ahead[d]
+        for d in range(len(trees)):
+            x = trees[d].lowest() - now - ahead[d]
             if x > most:
                 most = x
         return most
