@@ -462,13 +462,16 @@ class ReservationScheduler(DataPlane):
         M = len(topo.models)
         self.queues = [_Queue() for _ in range(M)]
         self._dirty = [False] * M
-        self._wake = [math.inf] * M  # the model's batch is held until then, ...
+        # (per model: unboxed vectors, librt.vecs: a list's floats and large ints were
+        # objects made at every write)
+        self._wake = vec[float]([math.inf] * M)  # the model's batch is held until then, ...
         # ... for its vGPUs to be free (a backlog: arrivals alone do not end the hold), or
         # for its last moment (each arrival decides it again)
         self._until_start = [False] * M
-        self._probes_since = [0] * M
+        self._probes_since = vec[i64]([0] * M)
         self._lead = [0] * M  # per model: the index of its pipeline chosen last
-        self._admitted = [-1] * M  # id of the head admitted at its planned batch (dataplane.md)
+        # id of the head admitted at its planned batch (dataplane.md)
+        self._admitted = vec[i64]([-1] * M)
         self._rejected: list[Drop] = []
         self._inflight = _InFlight()
         self._next_dispatch = 0
