@@ -797,12 +797,19 @@ class ReservationScheduler(DataPlane):
                 # The vGPUs in scan order from r; the tree skips those whose bound says they
                 # can neither beat the seed or the best so far nor lower `least`.
                 n = len(flat)
+                bounds, leaves = tree.least, tree.size
                 p = 0
-                while True:
-                    p = tree.scan(p, r, least, lat, best_key, seed)
-                    if p >= n:
-                        break
-                    v = flat[r + p if r + p < n else r + p - n]
+                while p < n:
+                    # (the next member read here: where it qualifies, it is what tree.scan
+                    # would answer; a run of idle vGPUs at a thousand GPUs did not need it)
+                    i = r + p if r + p < n else r + p - n
+                    x = bounds[leaves + i]
+                    if not (x < least or (x + lat < best_key and x + lat <= seed)):
+                        p = tree.scan(p, r, least, lat, best_key, seed)
+                        if p >= n:
+                            break
+                        i = r + p if r + p < n else r + p - n
+                    v = flat[i]
                     p += 1
                     s = t  # vgpu_table[v].earliest_slot(t, lat), inlined: the hot path
                     if vend[v] > s:
@@ -852,12 +859,15 @@ class ReservationScheduler(DataPlane):
                 # the best so far: key, finish, vgpu, transfer start and end, start
                 bk, bf, bv, bts, bte, bs = cut_key, math.inf, -1, 0.0, 0.0, 0.0
                 n = len(gsrv)
+                bounds, leaves = tree.least, tree.size
                 p = 0
-                while True:  # the servers in scan order from r, as for a first hop
-                    p = tree.scan(p, r, -math.inf, lat, bk, math.inf)
-                    if p >= n:
-                        break
+                while p < n:  # the servers in scan order from r, as for a first hop
                     g = r + p if r + p < n else r + p - n
+                    if not bounds[leaves + g] + lat < bk:  # (tree.scan's test, read here)
+                        p = tree.scan(p, r, -math.inf, lat, bk, math.inf)
+                        if p >= n:
+                            break
+                        g = r + p if r + p < n else r + p - n
                     p += 1
                     srv = gsrv[g]
                     vgs = gvg[g]
