@@ -545,3 +545,27 @@ def test_a_kept_probe_holds_through_reservations_off_its_path():
             path,
         )
     assert seen == {True, False}
+
+
+def test_a_transfer_put_after_an_overtaken_stage_ends_as_it_starts():
+    """A feature map that would arrive before a stage reserved ahead of it on the vGPU is
+    sent to arrive as that stage starts. (ps - dur) + dur can round below ps: the probe
+    then found the same stage ahead again and looped for ever (g3 on hc1-large planned by
+    dart-r, at 2.5 times its load: the times below are that probe's)."""
+    import faulthandler
+
+    ps, end = 152319.83498237628, 176874.83498237628
+    dur, lat = 4214.784, 24555.0
+    assert (ps - dur) + dur < ps  # the rounding this is about
+    first = 133066.0509823763  # the first hop's stage, from 0
+    topo = make_topology([([0], [first], 0.0), ([1], [lat], dur)], batch=1)
+    sch = ReservationScheduler(topo)
+    sch.vgpu_table[1].reserve(ps, end, 1)
+    faulthandler.dump_traceback_later(60, exit=True)  # (a loop in compiled code: no signal)
+    try:
+        got = sch.probe(topo.pipelines[0], 1, 0.0)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    hop = got.path[1]
+    assert (hop.transfer_start_us, hop.transfer_end_us) == (max(first, ps - dur), ps)
+    assert (hop.start_us, hop.end_us) == (end, end + lat)

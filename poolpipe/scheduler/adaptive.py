@@ -931,7 +931,9 @@ class ReservationScheduler(DataPlane):
                             vts = max(t, ps - dur)
                             if dur > 0 and up is not None:  # (prev >= 0: it is not None)
                                 vts = self._common_slot(up, server_of[prev], down, srv, vts, dur)
-                            vte = vts + dur
+                            # (at least then: (ps - dur) + dur may round below ps, and the
+                            # same stage overtaken again for ever; g3 on hc1-large, dart-r)
+                            vte = max(vts + dur, ps)
                         f = s + lat
                         if f >= bk:
                             continue
