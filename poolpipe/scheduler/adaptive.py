@@ -1017,15 +1017,22 @@ class ReservationScheduler(DataPlane):
         and its stage starts no earlier than the vGPU's slot from there (a common slot with
         the sending uplink, or a transfer put after a stage reserved ahead of it, starts no
         earlier). Every slot found from `sent` is one a later probe's starts at or after
-        (from at least `now` then, where forgetting the past changes nothing)."""
+        (from at least `now` then, where forgetting the past changes nothing). A server's
+        vGPUs whose group bound already ends a stage at or after the cut are not read (the
+        scan's own test: the bound is below each slot found from `sent`)."""
         lat = self._lat[pid][b]
         server_of, tables = self.server_of, self.vgpu_table
-        for v in self._flat[pid]:
-            x = sent
-            if dur > 0:
-                x = self.downlink[server_of[v]].earliest_slot(sent, dur) + dur
-            if tables[v].earliest_slot(x, lat) + lat < cut_key:
-                return False
+        tree, gvg = self._gtree[pid], self._gvg[pid]
+        n = len(gvg)
+        g = tree.next_below(0, -math.inf, lat, cut_key, math.inf)
+        while g < n:
+            for v in gvg[g]:
+                x = sent
+                if dur > 0:
+                    x = self.downlink[server_of[v]].earliest_slot(sent, dur) + dur
+                if tables[v].earliest_slot(x, lat) + lat < cut_key:
+                    return False
+            g = tree.next_below(g + 1, -math.inf, lat, cut_key, math.inf)
         return True
 
     def _reuse(self, kept: _Kept, b: int, now: float) -> Probe:
