@@ -12,7 +12,8 @@ from rich.table import Table
 from poolpipe.cli.common import console
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.scheduler import DATA_PLANES, Topology, build_topology
+from poolpipe.scheduler import DATA_PLANES, Topology
+from poolpipe.scheduler.topology import simulated_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, load_scenario, run_once
 from poolpipe.sim.capacity import SEARCHES, CapacityResult, search_capacity
 from poolpipe.sim.records import capacity_rows, sim_rows
@@ -28,7 +29,8 @@ def _read_plan(path: str | Path) -> Plan:
 
 
 def _lay_out(plans: list[Plan], warehouse: str | None, where: list[str]) -> list[Topology]:
-    """The plans' topologies (each checked against the profiles first, named by `where`),
+    """The plans' topologies as the simulator runs them (each checked against the profiles
+    first, named by `where`; a plan's counted inputs on its NICs: simulated_topology),
     with the profiles read in one short warehouse session (the warehouse is not held while
     the simulator computes)."""
     names = sorted({m.name for plan in plans for m in plan.models})
@@ -36,7 +38,7 @@ def _lay_out(plans: list[Plan], warehouse: str | None, where: list[str]) -> list
         profiles = {name: wh.load_profile(name) for name in names}
         for plan, name in zip(plans, where, strict=True):
             check_plan(wh, plan, name)
-    return [build_topology(plan, profiles, larger_batches=True) for plan in plans]
+    return [simulated_topology(plan, profiles) for plan in plans]
 
 
 def _store(warehouse: str | None, table: str, rows: list[dict]) -> None:

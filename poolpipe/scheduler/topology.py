@@ -260,3 +260,16 @@ def with_inputs(
             tau = transfer_us_per_sample(float(input_bytes[name]), bandwidth_gbps)
             pools[i] = replace(p, transfer_in_us=tau)
     return replace(topo, pools=tuple(pools))
+
+
+def simulated_topology(plan: Plan, profiles: Mapping[str, ModelProfile]) -> Topology:
+    """The topology the simulator runs `plan` on: latencies above the plan's batch too (the
+    data plane may grow batches under a backlog), and where the plan counts each request's
+    inputs on its first server's NIC (Plan.counts_inputs), those inputs on that server's
+    downlink, as the planner counted them."""
+    topo = build_topology(plan, profiles, larger_batches=True)
+    if not plan.counts_inputs:
+        return topo
+    sizes = {m.name: profiles[m.name].input_bytes for m in plan.models}
+    known = {name: size for name, size in sizes.items() if size is not None}
+    return with_inputs(topo, known, plan.cluster.bandwidth_gbps)
