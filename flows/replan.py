@@ -207,12 +207,14 @@ def nightly_replan(
         candidate = new_plan(
             warehouse, current, weights, cluster, clusters_file, target, down, shares
         )
+        # compared by what they deliver where both state it, else by their fluid figures
+        both_stated = current.deliverable is not None and candidate.deliverable is not None
         if down:  # what the serving plan still serves on the nodes in service
             live = health["live_throughput"]
             old_obj = min(live[m] / w for m, w in zip(names, weights, strict=True))
         else:
-            old_obj = objective_under(current, names, weights)
-        new_obj = objective_under(candidate, names, weights)
+            old_obj = objective_under(current, names, weights, both_stated)
+        new_obj = objective_under(candidate, names, weights, both_stated)
         decision |= {
             "weights": dict(zip(names, weights, strict=True)),
             "serving_objective": old_obj,
@@ -278,6 +280,7 @@ def reshard(
     names = [m.name for m in current.models]
     weights = [m.weight for m in current.models]
     candidate = new_plan(warehouse, current, weights, None, None, shard, down)
+    both_stated = current.deliverable is not None and candidate.deliverable is not None
     plan_id = store(warehouse, candidate)
     result = switch(router, plan_id, token_file)
     decision: dict = {
@@ -285,8 +288,8 @@ def reshard(
         "nodes": ", ".join(n.name for n in shard.nodes),
         "down": ", ".join(d["node"] for d in down) or "none",
         "from_plan": current_id,
-        "serving_objective": objective_under(current, names, weights),
-        "new_objective": objective_under(candidate, names, weights),
+        "serving_objective": objective_under(current, names, weights, both_stated),
+        "new_objective": objective_under(candidate, names, weights, both_stated),
         "rolled_out": bool(result.get("ok")),
         "plan_id": plan_id,
         **result,

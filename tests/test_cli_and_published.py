@@ -188,6 +188,7 @@ def _group_request(
 ) -> PlanRequest:
     """A main configuration of the paper: maf19 mix, SLO 5x reference, P=2, margin 0.4."""
     return PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=tuple(profiles[n] for n in group),
         weights=MAF19,
         slos_us=tuple(5 * profiles[n].reference_latency_us for n in group),
@@ -260,6 +261,7 @@ def test_single_model_p3_plan_is_proven_by_the_knapsack(ppipe_profiles):
 
     model = ppipe_profiles["rtmdet_x_8xb32-300e_coco"]
     req = PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(model,),
         weights=(1.0,),
         slos_us=(5 * model.reference_latency_us,),

@@ -30,6 +30,7 @@ def model(boundary=(1000.0,)):
 
 def cost_request(m, slo_us, rate, strategy="ppipe", bandwidth_gbps=10.0, prices=PRICES, **kw):
     return PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(m,),
         weights=(1.0,),
         slos_us=(slo_us,),
@@ -93,6 +94,7 @@ def test_rates_beyond_the_cluster_name_the_model_and_its_most():
     # each, so 500 req/s at most (the max-min plan of the model alone says how much).
     most = make_plan(
         PlanRequest(
+            delivery="off",  # the fluid MILP alone
             models=(model(),),
             weights=(1.0,),
             slos_us=(12_000,),
@@ -110,6 +112,7 @@ def test_rates_each_servable_alone_but_not_together():
     m1, m2 = model(), tiny_model("n", {("A", 1): A1, ("B", 1): B1}, [1000.0])
     req = cost_request(m1, 12_000, 1.0)
     both = PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(m1, m2),
         weights=(1.0, 1.0),
         slos_us=(12_000, 12_000),
@@ -186,6 +189,7 @@ def test_cost_matches_the_cheapest_sub_cluster_found_by_brute_force(inst):
             price = sum(prices[p.gpu] * n for p, n in zip(cluster.pools, counts, strict=True))
             best = price if best is None else min(best, price)
     req = PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(m,),
         weights=(1.0,),
         slos_us=(slo,),
@@ -213,6 +217,7 @@ def test_exclude_plans_for_the_surviving_gpus_and_names_bad_counts():
     less = cluster.without({"A": 1})
     assert [(p.gpu, p.count) for p in less.pools] == [("A", 1), ("B", 4)]
     req = PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(model(),),
         weights=(1.0,),
         slos_us=(12_000,),
@@ -289,6 +294,7 @@ def _cost_request(inst, one_type: bool, fraction: float, step: float, **options)
             cluster.bandwidth_gbps,
         )
     base = PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=tuple(models),
         weights=(0.4, 0.6),
         slos_us=tuple(slos),

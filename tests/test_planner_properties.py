@@ -181,6 +181,7 @@ def check_invariants(plan, models, slos):
 def single_request(model, cluster, slo: float, packing: str, **options) -> PlanRequest:
     """One model alone, planned without margin or batch wait (what the brute force scores)."""
     return PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(model,), weights=(1.0,), slos_us=(slo,), cluster=cluster, margin=0.0,
         batch_wait=False, packing=packing, **options,
     )  # fmt: skip
@@ -189,7 +190,12 @@ def single_request(model, cluster, slo: float, packing: str, **options) -> PlanR
 def pair_request(inst, **options) -> PlanRequest:
     models, cluster, slos = inst
     return PlanRequest(
-        models=tuple(models), weights=(0.4, 0.6), slos_us=tuple(slos), cluster=cluster, **options
+        delivery="off",  # the fluid MILP alone
+        models=tuple(models),
+        weights=(0.4, 0.6),
+        slos_us=tuple(slos),
+        cluster=cluster,
+        **options,
     )
 
 

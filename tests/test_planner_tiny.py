@@ -18,6 +18,7 @@ SMALL_BOUNDARY = [1000.0]  # 0.8 µs at 10 Gbit/s: the network does not matter
 
 def request(model, cluster, slo_us, strategy="ppipe", packing="per-share", **kw):
     return PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(model,),
         weights=(1.0,),
         slos_us=(slo_us,),
@@ -164,6 +165,7 @@ def test_max_min_over_weighted_models():
     a = tiny_model("a", {("A", 1): A1}, SMALL_BOUNDARY)
     b = tiny_model("b", {("A", 1): A1}, SMALL_BOUNDARY)
     req = PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(a, b),
         weights=(1.0, 2.0),
         slos_us=(9000.0, 9000.0),
@@ -180,6 +182,7 @@ def test_batch_wait_term_uses_np_throughput():
     # λ̂ = NP throughput of batch-1-only... with batch 2 available the NP estimate is 2/6 ms.
     m = tiny_model("m", {("A", 1): [[3000.0, 3000.0], [3000.0, 3000.0]]}, SMALL_BOUNDARY)
     req = PlanRequest(
+        delivery="off",  # the fluid MILP alone
         models=(m,),
         weights=(1.0,),
         slos_us=(100000.0,),

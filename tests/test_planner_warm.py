@@ -107,6 +107,7 @@ def tiny_pair():
     def request(prefix: str) -> PlanRequest:
         models = tuple(tiny_model(f"{prefix}{i}", tables, [1000.0]) for i in range(2))
         return PlanRequest(
+            delivery="off",  # the fluid MILP alone
             models=models,
             weights=(0.5, 0.5),
             slos_us=(30_000.0, 30_000.0),

@@ -31,6 +31,7 @@ def plans(ppipe_profiles, ppipe_dir):
     out = {}
     for strategy in ("ppipe", "np"):
         req = PlanRequest(
+            delivery="off",  # the fluid MILP alone
             models=tuple(ppipe_profiles[n] for n in GROUP),
             weights=MAF19,
             slos_us=tuple(5 * ppipe_profiles[n].reference_latency_us for n in GROUP),

@@ -21,10 +21,10 @@ from poolpipe.cli.common import (
 )
 from poolpipe.cli.profiles import cmd_import_ppipe
 from poolpipe.domain.cluster import Cluster
-from poolpipe.domain.plan import PACKINGS, STRATEGIES, PipelinePlan, Plan
+from poolpipe.domain.plan import PACKINGS, STRATEGIES, ModelPlan, PipelinePlan, Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
-from poolpipe.planner.request import OBJECTIVES
+from poolpipe.planner.request import DELIVERY, OBJECTIVES
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
 from poolpipe.runtime import DEFAULT_REPLY_MARGIN_US
 from poolpipe.store.plan_inputs import plan_request
@@ -47,42 +47,80 @@ def print_plan(plan: Plan) -> None:
         f"{', inputs counted on the NICs' if plan.counts_inputs else ''})",
         title_justify="left",
     )
+    stated = plan.deliverable is not None
     for col, just in (
         ("model", "left"),
-        ("req/s", "right"),
+        ("req/s (fluid)", "right"),
+        *((("deliverable req/s", "right"),) if stated else ()),
         ("batch", "right"),
         ("latency ms", "right"),
         ("SLO ms", "right"),
         ("partitions: blocks GPU/share×vGPUs", "left"),
     ):
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
+        t.add_column(col, justify=just)
     for m in plan.models:
+        dlv = [_deliverable_cell(m)] if stated else []
         if not m.pipelines:
-            t.add_row(m.name, "0", "", "", f"{m.slo_us / 1e3:.1f}", "(nothing fits)")
+            t.add_row(m.name, "0", *dlv, "", "", f"{m.slo_us / 1e3:.1f}", "(nothing fits)")
         for i, p in enumerate(m.pipelines):
             t.add_row(
                 m.name if i == 0 else "",
                 f"{p.throughput:,.1f}",
+                *(dlv if i == 0 and len(m.pipelines) == 1 else [""] if stated else []),
                 str(p.batch),
                 f"{p.latency_us / 1e3:.2f}",
                 f"{m.slo_us / 1e3:.1f}" if i == 0 else "",
                 describe_pipeline(p),
             )
         if len(m.pipelines) > 1:
-            t.add_row("", f"[bold]{m.throughput:,.1f}[/]", "", "", "", "[dim]model total[/]")
+            t.add_row("", f"[bold]{m.throughput:,.1f}[/]", *dlv, "", "", "", "[dim]model total[/]")
     console.print(t)
     used = plan.gpus_used()
     gpus = ", ".join(f"{p.gpu} {used.get(p.gpu, 0)}/{p.count}" for p in plan.cluster.pools)
     s = plan.solver
-    head = f"objective {plan.objective:,.2f}"
+    head = f"objective {plan.objective:,.2f} (fluid)"
     if plan.meta.get("objective") == "cost":
         head = f"cost {plan.meta['cost_per_hour']:,.2f}/h"
     console.print(
         f"{head}  |  GPUs {gpus}  |  {s.name} {s.status}, "
         f"gap {s.gap:.1e}, {s.seconds:.2f} s ({s.candidates} candidate pipelines)"
     )
+    if stated:
+        console.print(delivery_line(plan), highlight=False)
     if plan.meta.get("objective") == "cost":
         print_costs(plan)
+
+
+def _deliverable_cell(m: ModelPlan) -> str:
+    if m.deliverable is None:
+        return ""
+    share = f" ({m.deliverable / m.throughput:.0%})" if m.throughput > 0 else ""
+    return f"{m.deliverable:,.1f}{share}"
+
+
+def delivery_line(plan: Plan) -> str:
+    """What the plan delivers, in a line: the objective as delivered beside the fluid one
+    and the fluid optimum, and how it was measured."""
+    d = plan.meta.get("delivery") or {}
+    delivered = plan.deliverable or 0.0
+    parts = [f"delivers {delivered:,.1f} (objective at >= {d.get('target', 0.99):.0%} on time"]
+    parts[0] += (
+        f", {delivered / plan.objective:.0%} of its fluid {plan.objective:,.1f})"
+        if plan.objective > 0
+        else ")"
+    )
+    bound = d.get("fluid_bound")
+    if d.get("mode") == "maximise" and bound:
+        parts.append(
+            f"the fluid optimum is {bound:,.1f}; chosen: {d.get('variant')} of "
+            f"{len(d.get('variants', []))} plans simulated"
+        )
+    seeds = ",".join(str(x) for x in d.get("seeds", []))
+    parts.append(
+        f"simulated: Poisson, seeds {seeds}, {d.get('duration_s', 0):.1f} s per run, "
+        f"{d.get('simulations', 0)} runs"
+    )
+    return "  |  ".join(parts)
 
 
 def print_costs(plan: Plan) -> None:
@@ -119,24 +157,35 @@ def print_side_by_side(plans: list[Plan]) -> None:
         f"{' (inputs counted on the NICs)' if plans[0].counts_inputs else ''}",
         title_justify="left",
     )
+    stated = all(p.deliverable is not None for p in plans)
     t.add_column("model")
     for p in plans:
-        t.add_column(f"{p.strategy} req/s", justify="right")
+        t.add_column(
+            f"{p.strategy} req/s" + (" fluid / deliverable" if stated else ""), justify="right"
+        )
         t.add_column(f"{p.strategy} pipelines")
     for i, m in enumerate(plans[0].models):
         row = [m.name]
         for p in plans:
             pm = p.models[i]
+            thr = f"{pm.throughput:,.1f}"
+            if stated:
+                thr += f" / {pm.deliverable:,.1f}"
             row += [
-                f"{pm.throughput:,.1f}",
+                thr,
                 "\n".join(f"b{pp.batch} {describe_pipeline(pp)}" for pp in pm.pipelines) or "-",
             ]
         t.add_row(*row)
     t.add_section()
     t.add_row(
-        "objective (max-min req/s ÷ weight)",
+        "objective, fluid (max-min req/s ÷ weight)",
         *[x for p in plans for x in (f"{p.objective:,.1f}", "")],
     )
+    if stated:
+        t.add_row(
+            "objective, delivered (>= 99% on time)",
+            *[x for p in plans for x in (f"{p.deliverable:,.1f}", "")],
+        )
     t.add_row(
         "GPUs used",
         *[
@@ -157,10 +206,21 @@ def print_side_by_side(plans: list[Plan]) -> None:
     base = {p.strategy: p for p in plans}
     if "ppipe" in base:
         for other in ("np", "dart-r"):
-            if other in base and base[other].objective > 0:
-                console.print(
-                    f"ppipe / {other}: {base['ppipe'].objective / base[other].objective:.2f}x"
-                )
+            if other not in base:
+                continue
+            console.print(ratio_line(base["ppipe"], base[other]), highlight=False)
+
+
+def ratio_line(plan: Plan, other: Plan) -> str:
+    """ppipe / other: the ratio of what they deliver, with the fluid ratio beside it."""
+    fluid = f"{plan.objective / other.objective:.2f}x" if other.objective > 0 else "n/a"
+    if plan.deliverable is None or other.deliverable is None:
+        return f"{plan.strategy} / {other.strategy}: {fluid} (fluid; not simulated)"
+    delivered = f"{plan.deliverable / other.deliverable:.2f}x" if other.deliverable > 0 else "n/a"
+    return (
+        f"{plan.strategy} / {other.strategy}: {delivered} delivered at >= 99% on time "
+        f"(fluid: {fluid})"
+    )
 
 
 def _cluster_arg(args: argparse.Namespace):
@@ -270,6 +330,7 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
         time_limit_s=args.time_limit,
         mip_gap=args.mip_gap,
         count_inputs=getattr(args, "count_inputs", False),
+        delivery=getattr(args, "delivery", "maximise"),
     )
     if getattr(args, "exclude", None):
         req = dataclasses.replace(req, cluster=req.cluster.without(parse_exclude(args.exclude)))
@@ -415,7 +476,20 @@ def _planning_options(p: argparse.ArgumentParser) -> None:
         "model counts feature maps only): plans a live cluster can carry when inputs are "
         "large; needs each model's input size (imported with the artifact's layers/ files)",
     )
+    _delivery_option(p)
     p.add_argument("--label", help="free-text label stored with the plan")
+
+
+def _delivery_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--delivery",
+        choices=DELIVERY,
+        default="maximise",
+        help="maximise (default): the plan that serves the most with >= 99%% of requests on "
+        "time, chosen among plans made from the MILP's by simulating each, its deliverable "
+        "req/s stated; state: the MILP's (fluid) plan, its deliverable req/s simulated; off: "
+        "the fluid MILP alone, nothing simulated",
+    )
 
 
 def cmd_shards(args: argparse.Namespace) -> int:
@@ -447,7 +521,8 @@ def cmd_shards(args: argparse.Namespace) -> int:
         req = build_request(whole, wh, "ppipe")
 
     def plan(cluster):
-        made = make_plan(dataclasses.replace(req, cluster=cluster))
+        # (a split is scored by its shards' fluid plans: each router plans its own again)
+        made = make_plan(dataclasses.replace(req, cluster=cluster, delivery="off"))
         return made.objective, tuple(m.throughput / m.weight for m in made.models)
 
     k = len(tables)
@@ -519,6 +594,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--solver", choices=SOLVERS, default="highs")
     demo.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S)
     demo.add_argument("--mip-gap", type=float, default=DEFAULT_MIP_GAP)
+    _delivery_option(demo)
     demo.add_argument("--label", default="paper-plans")
     demo.set_defaults(func=cmd_paper_plans)
     shards = sub.add_parser(

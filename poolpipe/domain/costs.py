@@ -51,6 +51,9 @@ class ModelCosts:
     # does not): its vGPU throughput limited by its share of that NIC, b x tau_in added to
     # every pipeline's latency
     inputs: bool = False
+    # headroom planning (planner/headroom.py): the req/s a pool of this model is sized for,
+    # its vGPUs then planned at the utilisation that leaves room for queueing; None: fluid
+    headroom_rate: float | None = None
     kvs: list[tuple[str, int]] = field(init=False)
     tau_us: np.ndarray = field(init=False)  # per boundary i (leaving block i), per sample
     tau_in_us: float = field(init=False)  # the request's inputs, per sample (0: not counted)

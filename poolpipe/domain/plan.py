@@ -67,6 +67,9 @@ class ModelPlan:
     throughput: float
     pipelines: tuple[PipelinePlan, ...]
     est_throughput: float | None = None  # λ̂ used for the batch-wait term
+    # req/s served with >= 99% on time under Poisson arrivals at the plan's throughputs,
+    # found by simulating the plan (sim/deliverable.py); None: not measured
+    deliverable: float | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,14 @@ class Plan:
     objective: float
     solver: SolverInfo
     meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def deliverable(self) -> float | None:
+        """The objective as delivered: the least deliverable req/s per weight over the
+        models (None where the plan was not simulated)."""
+        if not self.models or any(m.deliverable is None for m in self.models):
+            return None
+        return min(float(m.deliverable or 0.0) / m.weight for m in self.models)
 
     def model(self, name: str) -> ModelPlan:
         for m in self.models:
@@ -244,6 +255,13 @@ class Plan:
             if p.throughput > capacity * (1 + VERIFY_RTOL) + 1e-9:
                 problems.append(f"{where}: throughput {p.throughput:.3f} > capacity {capacity:.3f}")
             total += p.throughput
+        if m.deliverable is not None and not (
+            0 <= m.deliverable <= m.throughput * (1 + VERIFY_RTOL) + 1e-6
+        ):
+            problems.append(
+                f"{m.name}: deliverable {m.deliverable:.3f} req/s is not within 0 and its "
+                f"throughput {m.throughput:.3f}"
+            )
         if abs(total - m.throughput) > VERIFY_RTOL * max(1.0, total) + 1e-6:
             problems.append(
                 f"{m.name}: throughput {m.throughput:.3f} != sum of pipelines {total:.3f}"
@@ -260,6 +278,7 @@ class Plan:
             "max_partitions": self.max_partitions,
             "cluster": self.cluster.to_dict(),
             "objective": self.objective,
+            "deliverable": self.deliverable,
             "solver": {k: _json_float(v) for k, v in asdict(self.solver).items()},
             "models": [
                 {
@@ -268,6 +287,7 @@ class Plan:
                     "slo_us": m.slo_us,
                     "est_throughput": m.est_throughput,
                     "throughput": m.throughput,
+                    "deliverable": m.deliverable,
                     "pipelines": [
                         {
                             "throughput": p.throughput,
@@ -352,6 +372,7 @@ class Plan:
                     )
                 )
             est = m.get("est_throughput") if isinstance(m, Mapping) else None
+            dlv = m.get("deliverable") if isinstance(m, Mapping) else None
             models.append(
                 ModelPlan(
                     name=f.text(m, "name", at),
@@ -360,6 +381,7 @@ class Plan:
                     est_throughput=None if est is None else f.number(m, "est_throughput", at),
                     throughput=f.number(m, "throughput", at),
                     pipelines=tuple(pipes),
+                    deliverable=None if dlv is None else f.number(m, "deliverable", at),
                 )
             )
         meta = d.get("meta", {})

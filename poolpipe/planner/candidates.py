@@ -26,9 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from poolpipe.domain.costs import US_PER_S, ModelCosts
+from poolpipe.planner.headroom import utilisation
 
 # Relative tolerance under which two vGPU throughputs count as equal for dominance.
 DOMINANCE_RTOL = 1e-12
+# The least share of a vGPU's throughput headroom planning plans for (a pool whose slack
+# the table puts below it is still worth a little).
+MIN_HEADROOM = 0.01
 # Rows per block of the cross-share dominance test (its arrays are rows x group size x D).
 _DOM_CHUNK = 512
 
@@ -42,7 +46,15 @@ class CandidatePartition:
     end: int
     latency_us: float  # compute latency at the pipeline's batch
     transfer_us: float  # time to send the batch's output feature map (0 for the last)
-    vgpu_throughput: float  # samples/s one vGPU sustains, NIC limits included
+    vgpu_throughput: float  # samples/s one vGPU is planned for, NIC limits included
+    # the share of its fluid throughput that vGPU throughput is (headroom planning,
+    # headroom.py: < 1 where the pool needs room for queueing; 1: fluid)
+    headroom: float = 1.0
+
+    @property
+    def fluid_throughput(self) -> float:
+        """Samples/s one vGPU sustains at 100% busy, NIC limits included."""
+        return self.vgpu_throughput / self.headroom
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,8 @@ def enumerate_pipelines(
             lat_parts = np.stack([lat_seg[:, k, :, d] for d, k in enumerate(sig)], axis=-1)
             thr_parts = np.stack([thr_seg[:, k, :, d] for d, k in enumerate(sig)], axis=-1)
             e2e = lat_parts.sum(axis=-1) + fixed  # [nb, C]; NaN where a batch is missing
+            room = _headroom(costs, batches, thr_parts, e2e)  # [nb, C, D]
+            thr_parts = thr_parts * room
             valid = np.isfinite(e2e)
             considered += int(valid.sum())
             if valid.any():
@@ -143,9 +157,27 @@ def enumerate_pipelines(
                         lat_parts[b_idx, c_idx],
                         thr_parts[b_idx, c_idx],
                         float(e2e[b_idx, c_idx]),
+                        room[b_idx, c_idx],
                     )
                 )
     return Enumeration(out, considered, feasible_count, best_latency)
+
+
+def _headroom(
+    costs: ModelCosts, batches: np.ndarray, thr: np.ndarray, e2e: np.ndarray
+) -> np.ndarray:
+    """Per partition [nb, C, D], the share of its vGPU throughput planned for: 1 (fluid),
+    or with `costs.headroom_rate` (req/s) the utilisation a pool sized for that rate keeps
+    with 99% of requests within the slack the SLO leaves the pipeline (headroom.py: the
+    pool's vGPUs at the rate, its batch time at its throughput, slack SLO - latency)."""
+    if costs.headroom_rate is None:
+        return np.ones_like(thr)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        service_us = batches[:, None, None] * US_PER_S / thr
+        slack = (costs.slo_us - e2e)[..., None] / service_us
+        pool = np.maximum(1.0, costs.headroom_rate / thr)
+    room = utilisation(np.where(np.isfinite(pool), pool, 1.0), np.nan_to_num(slack, nan=0.0))
+    return np.where(thr > 0, np.maximum(room, MIN_HEADROOM), 1.0)
 
 
 def drop_share_dominated(pipelines: list[CandidatePipeline]) -> list[CandidatePipeline]:
@@ -187,6 +219,7 @@ def _make_pipeline(
     lats: np.ndarray,
     thrs: np.ndarray,
     e2e: float,
+    room: np.ndarray,
 ) -> CandidatePipeline:
     parts = []
     for d, kv in enumerate(sig):
@@ -202,6 +235,7 @@ def _make_pipeline(
                 latency_us=float(lats[d]),
                 transfer_us=costs.transfer_out_us(batch, end),
                 vgpu_throughput=float(thrs[d]),
+                headroom=float(room[d]),
             )
         )
     return CandidatePipeline(batch=batch, partitions=tuple(parts), latency_us=e2e)

@@ -19,10 +19,18 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from poolpipe.domain.cluster import Cluster
-from poolpipe.domain.plan import Plan
+from poolpipe.domain.plan import Plan, SolverInfo
 from poolpipe.errors import InfeasibleError, SolverError
 from poolpipe.planner.candidates import CandidatePipeline, Enumeration
 from poolpipe.planner.decompose import cheapest_split, decomposable
+from poolpipe.planner.deliverable import (
+    ATTAINMENT_TARGET,
+    PLANNING_SEEDS,
+    Delivery,
+    attainment_at,
+    deliverable,
+    stated,
+)
 from poolpipe.planner.exact import (
     Solved,
     enumerate_candidates,
@@ -36,20 +44,25 @@ from poolpipe.planner.pruning import candidate_bounds
 from poolpipe.planner.readback import assemble, pipeline_plan, solver_info
 from poolpipe.planner.request import PlanRequest
 from poolpipe.planner.solvers import MilpResult, solve
+from poolpipe.scheduler.topology import simulated_topology
 
 COST_TRY_S = 1.0  # cost MILP time before the proof by GPU counts (one or two types)
 COST_RTOL = 1e-9  # a plan cheaper by less than this is not cheaper
 REACH_RTOL = 1e-9  # max-min objective within this of 1 serves the rates (VERIFY_RTOL is 1e-6)
 MAX_IMPROVEMENTS = 20  # cheaper plans found by the counts before giving up
+SIZING_ROUNDS = 6  # cost plans simulated at most while sizing one on what it delivers
+SIZING_RAISE = 0.05  # the least a short model's rate asked of the MILP grows per round
 
 
 @dataclass
 class Cheapest:
-    """A solved cost MILP: its pipelines and vGPU counts, cost per hour, GPUs per type."""
+    """A solved cost MILP: its pipelines and vGPU counts, cost per hour, GPUs per type, and
+    how it was sized on what it delivers (None: on the fluid plan)."""
 
     solved: Solved
     cost_per_hour: float
     gpus: dict[str, int]
+    sizing: Sizing | None = None
 
 
 def rate_shares(req: PlanRequest) -> PlanRequest:
@@ -67,13 +80,14 @@ def make_cost_plan(
     compare: bool = True,
 ) -> Plan:
     """The cheapest plan of `req.strategy` (ppipe or np) serving `req.rates` (req's weights
-    their shares, λ̂ estimated with them); verified. With `compare`, its meta also holds the
-    cheapest np plan's and each single GPU type's cost for the same rates (None where none
-    serves them)."""
+    their shares, λ̂ estimated with them); verified. Unless `req.delivery` is "off", it
+    serves them with >= 99% of requests on time in simulation (`sized`), and states what it
+    delivers. With `compare`, its meta also holds the cheapest np plan's and each single
+    GPU type's cost for the same rates, sized the same way (None where none serves them)."""
     assert req.rates is not None
     whole = req.strategy == "np"
     P = 1 if whole else req.max_partitions
-    best = cheapest(req, lam, P, whole, req.cluster, required=True)
+    best = cheapest_sized(req, lam, P, whole, req.cluster, required=True)
     if best is None:
         raise _rates_infeasible(req, lam)
     meta: dict = {
@@ -83,19 +97,107 @@ def make_cost_plan(
         "cost_per_hour": best.cost_per_hour,
     }
     if compare:
-        np_best = best if whole else cheapest(req, lam, 1, True, req.cluster)
+        np_best = best if whole else cheapest_sized(req, lam, 1, True, req.cluster)
         meta["np_cost_per_hour"] = None if np_best is None else np_best.cost_per_hour
         single: dict[str, float | None] = {}
         for pool in req.cluster.pools:
             only = Cluster(req.cluster.name, req.cluster.bandwidth_gbps, (pool,))
-            alone = cheapest(req, lam, P, whole, only)
+            alone = cheapest_sized(req, lam, P, whole, only)
             single[pool.gpu] = None if alone is None else alone.cost_per_hour
         meta["single_type_cost_per_hour"] = single
-    pipelines = [[pipeline_plan(c, n) for c, n in picked] for picked in best.solved.chosen]
     runs = [s for s in (lam_solved, best.solved) if s is not None]
-    plan = assemble(req, req.strategy, P, pipelines, lam, solver_info(runs, started), meta)
+    plan = _as_plan(req, best, lam, P, solver_info(runs, started), meta)
     plan.verify({m.name: m for m in req.models})
+    if best.sizing is not None:
+        s = best.sizing
+        plan = stated(plan, s.delivery, s.describe(req))
     return plan
+
+
+def _as_plan(
+    req: PlanRequest,
+    best: Cheapest,
+    lam: list[float | None],
+    P: int,
+    info: SolverInfo,
+    meta: dict | None = None,
+) -> Plan:
+    pipelines = [[pipeline_plan(c, n) for c, n in picked] for picked in best.solved.chosen]
+    return assemble(req, req.strategy, P, pipelines, lam, info, meta)
+
+
+@dataclass
+class Sizing:
+    """How a cost plan was sized on what it delivers: the rates each round asked of the
+    cost MILP, its cost, and each model's share on time at the user's rates then."""
+
+    rounds: list[dict]
+    delivery: Delivery  # the chosen plan's deliverable figures
+    on_time: tuple[float, ...]  # its share on time per model at the user's rates
+
+    def describe(self, req: PlanRequest) -> dict:
+        names = [m.name for m in req.models]
+        return {
+            "mode": "sized",
+            "on_time_at_rates": dict(zip(names, self.on_time, strict=True)),
+            "sizing_rounds": self.rounds,
+            "simulations": self.delivery.simulations + len(self.rounds) * len(PLANNING_SEEDS),
+        }
+
+
+def cheapest_sized(
+    req: PlanRequest,
+    lam: list[float | None],
+    P: int,
+    whole: bool,
+    cluster: Cluster,
+    required: bool = False,
+) -> Cheapest | None:
+    """`cheapest`, and unless `req.delivery` is "off", sized on what it delivers: the cost
+    MILP plans each model's pools with queueing headroom at its rate (headroom.py), the plan
+    is simulated at the rates, and where a model keeps less than 99% on time its rate asked
+    of the MILP grows (to the rate over what it delivers, at least by SIZING_RAISE) until
+    every model keeps 99% (at most SIZING_ROUNDS plans). None where no plan serves them."""
+    assert req.rates is not None
+    if req.delivery == "off":
+        return cheapest(req, lam, P, whole, cluster, required)
+    rates = tuple(req.rates)
+    profiles = {m.name: m for m in req.models}
+    asked = list(rates)
+    rounds: list[dict] = []
+    for k in range(SIZING_ROUNDS):
+        sub = replace(req, cluster=cluster, rates=tuple(asked), headroom_rates=rates)
+        found = cheapest(sub, lam, P, whole, cluster, required and k == 0)
+        if found is None:
+            return None
+        plan = _as_plan(sub, found, lam, P, SolverInfo(req.solver, "sized", 0.0, 0.0))
+        topo = simulated_topology(plan, profiles)
+        on_time = attainment_at(topo, rates)
+        rounds.append(
+            {
+                "asked": dict(zip(profiles, asked, strict=True)),
+                "cost_per_hour": found.cost_per_hour,
+                "on_time": dict(zip(profiles, on_time, strict=True)),
+            }
+        )
+        if all(a >= ATTAINMENT_TARGET for a in on_time):
+            found.sizing = Sizing(rounds, deliverable(topo), on_time)
+            return found
+        delivered = deliverable(topo).rates
+        for i, a in enumerate(on_time):
+            if a < ATTAINMENT_TARGET:
+                short = rates[i] / delivered[i] if delivered[i] > 0 else 2.0
+                asked[i] *= max(short, 1 + SIZING_RAISE)
+    if required:
+        raise InfeasibleError(
+            f"no plan of {req.strategy} on cluster {cluster.name} was found to serve the rates "
+            f"with >= {ATTAINMENT_TARGET:.0%} of requests on time in {SIZING_ROUNDS} tries "
+            f"(the last one asked the MILP for "
+            + ", ".join(f"{n} {a:,.1f}" for n, a in zip(profiles, asked, strict=True))
+            + " req/s); lower --rates, loosen the SLOs, plan on a larger cluster, or size "
+            "on the fluid plan with --delivery off"
+        )
+    return None
 
 
 def cheapest(

@@ -81,9 +81,17 @@ def model_costs(
     allowed: dict[str, tuple[int, ...]] | None = (
         {p.gpu: (1,) for p in req.cluster.pools} if whole_gpus_only else None
     )
+    room = req.headroom_rates or (None,) * len(req.models)
     return [
         ModelCosts(
-            m, req.cluster, slo, req.margin, lam[i], allowed_shares=allowed, inputs=req.count_inputs
+            m,
+            req.cluster,
+            slo,
+            req.margin,
+            lam[i],
+            allowed_shares=allowed,
+            inputs=req.count_inputs,
+            headroom_rate=room[i],
         )
         for i, (m, slo) in enumerate(zip(req.models, req.slos_us, strict=True))
     ]

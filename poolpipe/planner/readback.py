@@ -18,6 +18,8 @@ from poolpipe.planner.request import PlanRequest
 
 
 def pipeline_plan(cand: CandidatePipeline, counts: list[int]) -> PipelinePlan:
+    """A candidate with its vGPU counts as a plan's pipeline, at its fluid throughputs (a
+    candidate planned with headroom keeps its pools and paths, not its reduced figures)."""
     parts = tuple(
         PartitionPlan(
             start=p.start,
@@ -27,7 +29,7 @@ def pipeline_plan(cand: CandidatePipeline, counts: list[int]) -> PipelinePlan:
             vgpus=n,
             latency_us=p.latency_us,
             transfer_us=p.transfer_us,
-            vgpu_throughput=p.vgpu_throughput,
+            vgpu_throughput=p.fluid_throughput,
         )
         for p, n in zip(cand.partitions, counts, strict=True)
     )

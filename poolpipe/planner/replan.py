@@ -19,11 +19,15 @@ def observed_weights(arrivals: Mapping[str, float], models: Sequence[str]) -> li
     return [max(arrivals.get(m, 0.0) / total, floor) for m in models]
 
 
-def objective_under(plan: Plan, models: Sequence[str], weights: Sequence[float]) -> float:
-    """The planner's objective (max-min throughput / weight) of `plan` for this mix."""
+def objective_under(
+    plan: Plan, models: Sequence[str], weights: Sequence[float], delivered: bool = True
+) -> float:
+    """The planner's objective (max-min req/s / weight) of `plan` for this mix: of what the
+    plan delivers where it states it and `delivered`, else of its fluid throughputs."""
     if len(models) != len(weights):
         raise PoolpipeError("one weight per model")
-    thr = {m.name: m.throughput for m in plan.models}
+    use = delivered and plan.deliverable is not None
+    thr = {m.name: float(m.deliverable or 0.0) if use else m.throughput for m in plan.models}
     missing = [m for m in models if m not in thr]
     if missing:
         raise PoolpipeError(f"the plan does not serve {missing}")

@@ -14,6 +14,8 @@ from poolpipe.errors import PoolpipeError
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
 
 OBJECTIVES = ("maxmin", "cost")
+# planner/deliverable.py: plan for what is delivered, state it only, or neither
+DELIVERY = ("maximise", "state", "off")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,13 @@ class PlanRequest:
     # max-min: an earlier plan (the serving one) fitted to this cluster is the first plan
     # the search starts from (warm.py); the result is the same, found sooner
     warm_start: Plan | None = field(default=None, compare=False)
+    # headroom planning (planner/deliverable.py): per model the req/s its pools are sized
+    # for, each vGPU planned at the utilisation that leaves room for queueing; None: fluid
+    headroom_rates: tuple[float, ...] | None = None
+    # what the plan delivers (planner/deliverable.py): "maximise" chooses the plan that
+    # serves the most with >= 99% on time, by simulation, and states it; "state" states
+    # the fluid plan's; "off" plans fluid only (no simulation)
+    delivery: str = "maximise"
 
     def __post_init__(self) -> None:
         n = len(self.models)
@@ -76,6 +85,14 @@ class PlanRequest:
             raise PoolpipeError(f"max partitions must be >= 1, got {self.max_partitions}")
         if self.solver not in SOLVERS:
             raise PoolpipeError(f"unknown solver {self.solver!r}; choose {', '.join(SOLVERS)}")
+        if self.delivery not in DELIVERY:
+            raise PoolpipeError(f"unknown delivery {self.delivery!r}; choose {', '.join(DELIVERY)}")
+        if self.headroom_rates is not None and (
+            len(self.headroom_rates) != n or not all(_positive(r) for r in self.headroom_rates)
+        ):
+            raise PoolpipeError(
+                f"headroom rates must be one req/s > 0 per model, got {self.headroom_rates}"
+            )
         if self.objective not in OBJECTIVES:
             raise PoolpipeError(
                 f"unknown objective {self.objective!r}; choose {', '.join(OBJECTIVES)}"

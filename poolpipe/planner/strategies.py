@@ -14,6 +14,7 @@ from poolpipe.domain.plan import Plan
 from poolpipe.planner.baselines import plan_dart_r
 from poolpipe.planner.candidates import enumerate_pipelines
 from poolpipe.planner.cost import make_cost_plan, rate_shares
+from poolpipe.planner.deliverable import maximise, state
 from poolpipe.planner.exact import Solved, model_costs, solve_group
 from poolpipe.planner.readback import assemble, pipeline_plan, solver_info
 from poolpipe.planner.request import PlanRequest
@@ -48,7 +49,9 @@ def estimate_arrival_rates(req: PlanRequest) -> tuple[list[float | None], Solved
 
 
 def make_plan(req: PlanRequest) -> Plan:
-    """Plan the group with the request's strategy and objective; the result is verified."""
+    """Plan the group with the request's strategy and objective; the result is verified and,
+    unless `req.delivery` is "off", states what it delivers (deliverable.py): ppipe and np
+    plans chosen for it ("maximise"), dart-r's as its heuristic makes it."""
     started = time.perf_counter()
     if req.objective == "cost":
         req = rate_shares(req)
@@ -58,15 +61,30 @@ def make_plan(req: PlanRequest) -> Plan:
     if req.strategy == "dart-r":
         plan = plan_dart_r(req, lam, lam_solved, started)
     else:
-        whole = req.strategy == "np"
-        P = 1 if whole else req.max_partitions
-        costs = model_costs(req, lam, whole_gpus_only=whole)
-        solved = solve_group(req, costs, P, "whole-GPU" if whole else f"{P}-partition")
-        pipelines = [[pipeline_plan(c, n) for c, n in picked] for picked in solved.chosen]
-        runs = [s for s in (lam_solved, solved) if s is not None]
-        meta = {}
-        if solved.warm_objective is not None:
-            meta["warm_start_objective"] = solved.warm_objective
-        plan = assemble(req, req.strategy, P, pipelines, lam, solver_info(runs, started), meta)
+        plan = _maxmin(req, lam, lam_solved, started)
+        if req.delivery == "maximise":
+
+            def again(asked: PlanRequest) -> Plan:
+                return _maxmin(replace(asked, warm_start=None), lam, None, time.perf_counter())
+
+            plan = maximise(req, plan, again)
+    if req.delivery == "state" or (req.delivery == "maximise" and req.strategy == "dart-r"):
+        plan = state(req, plan)
     plan.verify({m.name: m for m in req.models})
     return plan
+
+
+def _maxmin(
+    req: PlanRequest, lam: list[float | None], lam_solved: Solved | None, started: float
+) -> Plan:
+    """The fluid max-min plan of a ppipe or np request (the MILP, proven within its gap)."""
+    whole = req.strategy == "np"
+    P = 1 if whole else req.max_partitions
+    costs = model_costs(req, lam, whole_gpus_only=whole)
+    solved = solve_group(req, costs, P, "whole-GPU" if whole else f"{P}-partition")
+    pipelines = [[pipeline_plan(c, n) for c, n in picked] for picked in solved.chosen]
+    runs = [s for s in (lam_solved, solved) if s is not None]
+    meta = {}
+    if solved.warm_objective is not None:
+        meta["warm_start_objective"] = solved.warm_objective
+    return assemble(req, req.strategy, P, pipelines, lam, solver_info(runs, started), meta)

@@ -770,8 +770,8 @@ class Warehouse:
             pid = con.execute(
                 """INSERT INTO plans (created_at, strategy, packing, cluster, margin,
                    max_partitions,
-                   objective, solver_run_id, label, plan_json)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING plan_id""",
+                   objective, solver_run_id, label, plan_json, deliverable)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING plan_id""",
                 [
                     _now(),
                     plan.strategy,
@@ -783,14 +783,24 @@ class Warehouse:
                     run[0],
                     label,
                     plan.to_json(),
+                    plan.deliverable,
                 ],
             ).fetchone()
             assert pid is not None
             plan_id = int(pid[0])
             for pos, m in enumerate(plan.models):
                 con.execute(
-                    "INSERT INTO plan_models VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [plan_id, m.name, pos, m.weight, m.slo_us, m.est_throughput, m.throughput],
+                    "INSERT INTO plan_models VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        plan_id,
+                        m.name,
+                        pos,
+                        m.weight,
+                        m.slo_us,
+                        m.est_throughput,
+                        m.throughput,
+                        m.deliverable,
+                    ],
                 )
                 for pi, p in enumerate(m.pipelines):
                     con.execute(

@@ -1,0 +1,250 @@
+"""Plans chosen for what they deliver: the fluid MILP's plan is the bound, and the plan the
+planner returns is the one, among a few made from it, that serves the most at the plan's mix
+with >= 99% of requests on time, as measured by simulating each (sim/deliverable.py).
+
+The MILP plans every pool at 100% of its vGPUs' throughput. A pool of one or two vGPUs at
+full load cannot keep 99% of a Poisson stream within the SLO's slack, so where pools are
+small the fluid optimum is not the plan that delivers the most. The variants, in order:
+
+- `fluid`: the MILP's plan (exact, proven within its gap);
+- `+fill`: GPUs (and GPU shares) the plan leaves idle given to the pools that need them
+  most (fill.py: the least deliverable model's pool with the least queueing headroom);
+- `headroom`: the MILP again with each vGPU planned at the utilisation a pool of its size
+  keeps within its slack (headroom.py), pools sized for the fluid plan's rates: it prefers
+  fewer, larger pools and pipelines with more slack;
+- `rebalanced`: the MILP again (with the best variant's headroom setting) at weights
+  divided by how much of its throughput each model of the best plan so far delivers, so
+  that the models' deliverable rates, not their fluid ones, meet the mix; twice, each
+  from the best plan found by then.
+
+Every variant is simulated with the same seeds; the best deliverable objective (least
+deliverable req/s per weight) wins, the fluid plan on ties. The plan keeps its fluid
+figures (throughput, objective) beside the deliverable ones, and meta["delivery"] says
+how they were found. The search is deterministic: the same request gives the same plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from poolpipe.domain.plan import Plan
+from poolpipe.domain.profiles import ModelProfile
+from poolpipe.errors import PoolpipeError
+from poolpipe.planner.fill import fill_idle
+from poolpipe.planner.request import PlanRequest
+from poolpipe.scheduler.topology import simulated_topology
+from poolpipe.sim.deliverable import (
+    PLANNING_SEEDS,
+    SCREENING_REQUESTS,
+    SCREENING_SEEDS,
+    SCREENING_STEP,
+    Delivery,
+    attainment_at,
+    deliverable,
+)
+from poolpipe.sim.metrics import ATTAINMENT_TARGET
+
+__all__ = [
+    "ATTAINMENT_TARGET",
+    "PLANNING_SEEDS",
+    "Delivery",
+    "attainment_at",
+    "deliverable",
+    "maximise",
+    "measure",
+    "state",
+    "stated",
+]
+
+REBALANCE_ROUNDS = 2
+# Variants screened within this share of the best screened one are measured again at the
+# precision of a stated figure (at most FINALISTS of them), the best of those chosen.
+FINALIST_WITHIN = 0.03
+FINALISTS = 2
+# The variants' MILPs are heuristics judged by simulation: solved to this gap, in at most
+# this many seconds (the fluid plan, the bound, keeps the request's).
+VARIANT_GAP = 0.01
+VARIANT_TIME_S = 1.0
+# A model that delivers less than this share of its throughput counts as delivering it
+# when weights are rebalanced (so that one starved model does not take every GPU).
+MIN_DELIVERED_SHARE = 0.05
+
+Solve = Callable[[PlanRequest], Plan]
+
+
+@dataclass
+class Variant:
+    name: str
+    plan: Plan
+    delivery: Delivery
+    request: PlanRequest  # what the MILP was asked (weights, headroom)
+    final: bool = False  # `delivery` measured at a stated figure's precision (else screened)
+
+    @property
+    def objective(self) -> float:
+        return self.delivery.objective
+
+
+def profiles_of(req: PlanRequest) -> dict[str, ModelProfile]:
+    return {m.name: m for m in req.models}
+
+
+def measure(plan: Plan, profiles: Mapping[str, ModelProfile], **kw: Any) -> Delivery:
+    """The plan's deliverable figures, by simulation (sim/deliverable.py)."""
+    return deliverable(simulated_topology(plan, profiles), **kw)
+
+
+def stated(plan: Plan, delivery: Delivery, search: Mapping[str, Any] | None = None) -> Plan:
+    """`plan` with its deliverable figures (per model, and how they were measured)."""
+    rates = dict(zip(delivery.models, delivery.rates, strict=True))
+    models = tuple(replace(m, deliverable=rates[m.name]) for m in plan.models)
+    doc = {**delivery.to_dict(), **(search or {})}
+    return replace(plan, models=models, meta={**plan.meta, "delivery": doc})
+
+
+def reweighted(plan: Plan, weights: Sequence[float]) -> Plan:
+    """A plan solved at other weights, stated at the user's: its models' weights and its
+    (fluid) objective, the least throughput per weight."""
+    models = tuple(replace(m, weight=w) for m, w in zip(plan.models, weights, strict=True))
+    objective = min(m.throughput / m.weight for m in models) if models else 0.0
+    return replace(plan, models=models, objective=objective)
+
+
+def _layout(plan: Plan) -> tuple:
+    """What a plan runs: its pipelines and vGPU counts (two variants with one layout are
+    one plan)."""
+    return tuple(
+        (
+            m.name,
+            tuple(
+                sorted(
+                    (
+                        p.batch,
+                        tuple((q.start, q.end, q.gpu, q.share, q.vgpus) for q in p.partitions),
+                    )
+                    for p in m.pipelines
+                )
+            ),
+        )
+        for m in plan.models
+    )
+
+
+def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
+    """The variant of `fluid` (the MILP's plan for `req`) that delivers the most; stated.
+
+    `solve(request)` plans a modified request (other weights, headroom rates) as the fluid
+    plan was planned."""
+    started = time.perf_counter()
+    profiles = profiles_of(req)
+    weights = list(req.weights)
+    tried: list[Variant] = []
+    seen: dict[tuple, Variant] = {}
+    simulations = 0
+
+    def consider(name: str, plan: Plan, asked: PlanRequest) -> Variant:
+        nonlocal simulations
+        plan = reweighted(plan, weights)
+        key = _layout(plan)
+        if key in seen:
+            return seen[key]
+        screened = measure(
+            plan,
+            profiles,
+            seeds=SCREENING_SEEDS,
+            requests=SCREENING_REQUESTS,
+            step=SCREENING_STEP,
+        )
+        v = Variant(name, plan, screened, asked)
+        simulations += v.delivery.simulations
+        seen[key] = v
+        tried.append(v)
+        return v
+
+    def with_fill(name: str, plan: Plan, asked: PlanRequest) -> None:
+        consider(name, plan, asked)
+        filled = fill_idle(plan)
+        if filled is not None:
+            consider(name + "+fill", filled, asked)
+
+    def best() -> Variant:
+        return max(tried, key=lambda v: v.objective)  # the first of equals: fluid first
+
+    quick = replace(
+        req,
+        mip_gap=max(req.mip_gap, VARIANT_GAP),
+        time_limit_s=min(req.time_limit_s, VARIANT_TIME_S),
+    )
+    with_fill("fluid", fluid, quick)
+    rates = tuple(m.throughput for m in fluid.models)
+    if all(r > 0 for r in rates):
+        room = replace(quick, headroom_rates=rates)
+        with_fill("headroom", solve(room), room)
+    for k in range(REBALANCE_ROUNDS):
+        b = best()
+        share = [max(x, MIN_DELIVERED_SHARE) for x in _delivered_share(b)]
+        asked = replace(
+            b.request,
+            weights=tuple(w / s for w, s in zip(weights, share, strict=True)),
+        )
+        try:
+            plan = solve(asked)
+        except PoolpipeError:
+            break  # (a model without any pipeline at these weights: keep what there is)
+        with_fill(f"rebalanced{k + 1}", plan, asked)
+    chosen = _final(tried, profiles)
+    simulations += sum(v.delivery.simulations for v in tried if v.final)
+    seconds = time.perf_counter() - started
+    search = {
+        "mode": "maximise",
+        "variant": chosen.name,
+        "fluid_bound": fluid.objective,
+        "simulations": simulations,
+        "search_seconds": seconds,
+        "variants": [
+            {
+                "name": v.name,
+                "objective": v.plan.objective,
+                "deliverable": v.objective,
+                "measured": "stated" if v.final else "screened",
+            }
+            for v in tried
+        ],
+    }
+    plan = chosen.plan
+    solver = replace(plan.solver, seconds=fluid.solver.seconds + seconds)
+    return stated(replace(plan, solver=solver), chosen.delivery, search)
+
+
+def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Variant:
+    """The best of the screened variants, measured again at a stated figure's precision
+    with the others close to it (FINALIST_WITHIN, FINALISTS): the chosen plan's figures are
+    the precise ones, and a screening's luck does not choose it alone."""
+    top = max(v.objective for v in tried)
+    close = sorted(
+        (v for v in tried if v.objective >= top * (1 - FINALIST_WITHIN)),
+        key=lambda v: -v.objective,
+    )[:FINALISTS]
+    for v in close:
+        v.delivery, v.final = measure(v.plan, profiles, near=v.delivery), True
+    return max(close, key=lambda v: v.objective)
+
+
+def _delivered_share(v: Variant) -> list[float]:
+    """Per model, the share of its (fluid) throughput it delivers in variant `v`: its fluid
+    weight should grow by the inverse for its deliverable rate to meet the mix."""
+    return list(v.delivery.load)
+
+
+def state(req: PlanRequest, plan: Plan) -> Plan:
+    """`plan` (as planned) with its deliverable figures; its planning time counts the
+    simulations."""
+    started = time.perf_counter()
+    d = measure(plan, profiles_of(req))
+    seconds = time.perf_counter() - started
+    solver = replace(plan.solver, seconds=plan.solver.seconds + seconds)
+    search = {"mode": "state", "simulations": d.simulations, "search_seconds": seconds}
+    return stated(replace(plan, solver=solver), d, search)

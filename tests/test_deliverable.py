@@ -1,0 +1,172 @@
+"""Plans that state and maximise what they deliver (planner/deliverable.py): the queueing
+headroom table, the deliverable figures against independent simulations, idle GPUs given to
+pools, cost plans sized on what they deliver, and the figures kept in JSON and the
+warehouse."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from poolpipe.domain.plan import Plan
+from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner.deliverable import measure
+from poolpipe.planner.fill import fill_idle, fits
+from poolpipe.planner.headroom import POOL_SIZES, SLACKS, _table, simulate_utilisation
+from poolpipe.scheduler.topology import simulated_topology
+from poolpipe.sim import ArrivalSpec
+from poolpipe.sim.capacity import search_capacity
+from poolpipe.sim.deliverable import attainment_at
+from poolpipe.store.warehouse import Warehouse
+from tests.conftest import tiny_cluster, tiny_model
+
+# Two blocks; A is four times as fast as B, the map between them small.
+A1 = [[2000.0, 3000.0], [2000.0, 3000.0]]
+B1 = [[8000.0, 12000.0], [8000.0, 12000.0]]
+
+
+def request(models, cluster, slo_us, **kw) -> PlanRequest:
+    return PlanRequest(
+        models=tuple(models),
+        weights=tuple(1.0 for _ in models),
+        slos_us=tuple(slo_us for _ in models),
+        cluster=cluster,
+        margin=0.0,
+        batch_wait=False,
+        **kw,
+    )
+
+
+def test_the_headroom_table_is_what_the_queue_gives():
+    # two cells simulated again with other random numbers: the table is the queue's
+    u = _table()[2]
+    for c, r in ((1, 1.0), (4, 2.0)):
+        i, j = POOL_SIZES.index(c), SLACKS.index(r)
+        assert simulate_utilisation(c, r, seed=1) == pytest.approx(u[i, j], abs=0.03)
+    # more vGPUs and more slack never leave less room (within the simulation's noise)
+    assert (np.diff(u, axis=0) >= -0.005).all() and (np.diff(u, axis=1) >= -0.005).all()
+    assert u[0, 3] < 0.2 < 0.9 < u[-1, 4]  # one vGPU, one stage of slack: under 20%
+
+
+def test_a_one_vgpu_pool_is_never_stated_deliverable_at_its_fluid_load():
+    # One A GPU, the whole model at batch 1 (4 ms) within a 10 ms SLO: 250 req/s fluid.
+    m = tiny_model("m", {("A", 1): A1}, [1000.0])
+    plan = make_plan(request([m], tiny_cluster([("A", 1, 1, (1,))]), 10_000, delivery="state"))
+    (pm,) = plan.models
+    assert [q.vgpus for p in pm.pipelines for q in p.partitions] == [1]
+    assert pm.deliverable is not None and pm.deliverable < 0.9 * pm.throughput
+    assert plan.deliverable == pytest.approx(pm.deliverable / pm.weight)
+    # an independent capacity search (other seeds, longer runs) finds it within 10%
+    d = plan.meta["delivery"]
+    assert d["seeds"] != [31, 32] and d["duration_s"] < 90
+    cap = search_capacity(
+        simulated_topology(plan, {"m": m}),
+        ArrivalSpec.parse("poisson"),
+        duration_s=90.0,
+        seeds=(31, 32),
+        method="bisect",
+        step=0.01,
+    )
+    assert cap.capacity["m"] * pm.throughput == pytest.approx(pm.deliverable, rel=0.10)
+
+
+def two_models():
+    """Two models that share a cluster of 2 A and 6 B; one runs whole on B only slowly."""
+    a = tiny_model("a", {("A", 1): A1, ("B", 1): B1, ("B", 2): B1}, [1000.0])
+    b = tiny_model("b", {("A", 1): A1, ("B", 1): B1, ("B", 2): B1}, [1000.0])
+    return [a, b], tiny_cluster([("A", 2, 1, (1,)), ("B", 6, 2, (1, 2))])
+
+
+def test_maximise_delivers_at_least_the_fluid_plan_and_is_deterministic():
+    models, cluster = two_models()
+    req = request(models, cluster, 30_000)
+    planned = make_plan(req)
+    again = make_plan(req)
+    assert planned.to_dict()["models"] == again.to_dict()["models"]
+    d = planned.meta["delivery"]
+    assert d["mode"] == "maximise" and d["variants"][0]["name"] == "fluid"
+    assert d["fluid_bound"] >= planned.objective >= planned.deliverable > 0
+    # the fluid plan, stated the same way (same seeds), delivers no more
+    fluid = make_plan(replace(req, delivery="state"))
+    assert fluid.objective == pytest.approx(d["fluid_bound"])
+    assert planned.deliverable >= fluid.deliverable * (1 - 1e-9)
+    # every model's figures: deliverable within its fluid throughput
+    for m in planned.models:
+        assert m.deliverable is not None and 0 < m.deliverable <= m.throughput
+
+
+def test_idle_gpus_go_to_pools_and_never_beyond_the_cluster():
+    # "a" runs on A only (250 req/s on the one A), "b" whole on a B (125 req/s each): the
+    # max-min plan gives b the two B it needs to match a, and leaves four idle
+    a = tiny_model("a", {("A", 1): A1}, [1000.0])
+    b = tiny_model("b", {("A", 1): A1, ("B", 1): B1}, [1000.0])
+    cluster = tiny_cluster([("A", 1, 1, (1,)), ("B", 6, 2, (1,))])
+    plan = make_plan(request([a, b], cluster, 30_000, delivery="off"))
+    (pb,) = plan.models[1].pipelines
+    (q,) = pb.partitions
+    assert q.gpu == "B"
+    two = replace(pb, partitions=(replace(q, vgpus=2),), throughput=2 * q.vgpu_throughput)
+    mb = replace(plan.models[1], pipelines=(two,), throughput=two.throughput)
+    plan = replace(plan, models=(plan.models[0], mb))  # (the MILP may give b all six)
+    assert plan.gpus_used() == {"A": 1, "B": 2}
+    filled = fill_idle(plan)
+    assert filled is not None and fits(filled)
+    before = {(m.name, i, d): q.vgpus for m in plan.models for i, p in enumerate(m.pipelines)
+              for d, q in enumerate(p.partitions)}  # fmt: skip
+    after = {(m.name, i, d): q.vgpus for m in filled.models for i, p in enumerate(m.pipelines)
+             for d, q in enumerate(p.partitions)}  # fmt: skip
+    assert before.keys() == after.keys() and all(after[k] >= before[k] for k in before)
+    assert sum(after.values()) > sum(before.values())
+    assert all(
+        fm.throughput >= pm.throughput for fm, pm in zip(filled.models, plan.models, strict=True)
+    )
+    assert filled.gpus_used() == {"A": 1, "B": 6}  # b's pool took the idle B
+    # a full cluster has nothing to give
+    full = fill_idle(filled)
+    assert full is None or fits(full)
+    assert fill_idle(full or filled) is None
+
+
+def test_a_cost_plan_serves_its_rates_in_simulation():
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, [1000.0])
+    cluster = tiny_cluster([("A", 4, 1, (1,)), ("B", 8, 1, (1,))])
+    rates = (600.0,)
+    kw = {"objective": "cost", "rates": rates, "prices": {"A": 3.0, "B": 0.5}}
+    sized = make_plan(request([m], cluster, 12_000, **kw))
+    fluid = make_plan(request([m], cluster, 12_000, delivery="off", **kw))
+    assert sized.meta["cost_per_hour"] >= fluid.meta["cost_per_hour"]
+    assert min(sized.meta["delivery"]["on_time_at_rates"].values()) >= 0.99
+    # checked by runs the planner did not make
+    topo = simulated_topology(sized, {"m": m})
+    assert min(attainment_at(topo, rates, seeds=(41, 42), duration_s=40.0)) >= 0.99
+    assert sized.models[0].deliverable >= rates[0] * 0.97
+
+
+def test_the_figures_are_kept_in_json_and_the_warehouse(tmp_path):
+    m = tiny_model("m", {("A", 1): A1}, [1000.0])
+    plan = make_plan(request([m], tiny_cluster([("A", 2, 1, (1,))]), 10_000, delivery="state"))
+    back = Plan.from_dict(json.loads(plan.to_json()))
+    assert back.models[0].deliverable == plan.models[0].deliverable
+    assert back.deliverable == plan.deliverable and back.meta["delivery"]["mode"] == "state"
+    with Warehouse.open(tmp_path / "wh.duckdb") as wh:
+        pid = wh.store_plan(plan)
+        row = wh.con.execute(
+            "SELECT p.deliverable, m.deliverable FROM plans p JOIN plan_models m USING "
+            "(plan_id) WHERE plan_id = ?",
+            [pid],
+        ).fetchone()
+    assert row == (pytest.approx(plan.deliverable), pytest.approx(plan.models[0].deliverable))
+    off = make_plan(request([m], tiny_cluster([("A", 2, 1, (1,))]), 10_000, delivery="off"))
+    assert off.deliverable is None and "delivery" not in off.meta
+    assert Plan.from_dict(json.loads(off.to_json())).models[0].deliverable is None
+
+
+def test_a_measurement_names_seeds_and_runs():
+    m = tiny_model("m", {("A", 1): A1}, [1000.0])
+    plan = make_plan(request([m], tiny_cluster([("A", 2, 1, (1,))]), 10_000, delivery="off"))
+    d = measure(plan, {"m": m}, seeds=(5,), requests=500)
+    assert d.seeds == (5,) and d.simulations > 0 and d.arrivals == "poisson"
+    assert 0 < d.load[0] <= 1 and d.rates[0] == pytest.approx(d.load[0] * plan.models[0].throughput)
