@@ -36,6 +36,8 @@ def planned(ppipe_dir, warehouse_path, tmp_path):
             strategy,
             "--packing",
             "per-position",
+            "--delivery",
+            "off",  # the MILP's plans: these tests are about simulating given plans
             "--out",
             str(out),
         ]
@@ -125,6 +127,41 @@ def test_capacity_json_with_a_baseline(planned, capsys, warehouse_path):
     con = duckdb.connect(str(warehouse_path))
     assert con.execute("SELECT count(*) FROM capacity_results").fetchone() == (6,)
     con.close()
+
+
+def test_capacity_explains_where_requests_wait(planned, capsys):
+    wh, paths = planned
+    capsys.readouterr()
+    argv = [*wh, "capacity", "--plan", str(paths["ppipe"]), "--duration", "4"]
+    argv += ["--search", "bisect", "--step", "0.1", "--explain"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    ex = doc["explain"]
+    caps = doc["plans"][0]["models"]
+    planned_rate = {
+        m["name"]: m["throughput"] for m in json.loads(paths["ppipe"].read_text())["models"]
+    }
+    assert [m["name"] for m in ex["models"]] == list(caps)
+    for m in ex["models"]:
+        assert m["limit"] and m["why"]
+        assert 0 <= m["on_time"] <= 1 and m["arrived"] > 0
+        assert m["queue_p50_us"] <= m["queue_p99_us"]
+        cap = caps[m["name"]]["capacity"]  # explained at its capacity (or at 5%)
+        assert m["rate"] == pytest.approx((cap or 0.05) * planned_rate[m["name"]])
+    pools = ex["pools"]
+    assert pools and all(0 < p["utilisation"] <= 1 and p["batches"] > 0 for p in pools)
+    assert all(0 <= p["wait_p50_us"] <= p["wait_p99_us"] for p in pools)
+    assert all(0 <= x["utilisation"] <= 1 for x in ex["links"])
+    # a model limited by a pool names one of its own pipelines' pools
+    for m in ex["models"]:
+        if m["limit"].startswith("pipeline"):
+            assert any(
+                p["model"] == m["name"] and m["limit"].startswith(f"pipeline {p['pipeline']} ")
+                for p in pools
+            )
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "what limits it" in out and "busiest links" in out and "wait p99 ms" in out
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.progress import Progress, TaskID
@@ -16,6 +17,7 @@ from poolpipe.scheduler import DATA_PLANES, Topology
 from poolpipe.scheduler.topology import simulated_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, load_scenario, run_once
 from poolpipe.sim.capacity import SEARCHES, CapacityResult, search_capacity
+from poolpipe.sim.explain import explain
 from poolpipe.sim.records import capacity_rows, sim_rows
 from poolpipe.store.plan_inputs import check_plan
 from poolpipe.store.warehouse import Warehouse
@@ -304,6 +306,14 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                 for path, p, cap in results
             ],
         }
+        if args.explain:
+            ex = explain(topos[0], _explained_rates(results[0][1], results[0][2], runs[0][3]),
+                         duration_s=args.duration, seed=seeds[0])  # fmt: skip
+            doc["explain"] = {
+                "models": [asdict(m) for m in ex.models],
+                "pools": [asdict(p) for p in ex.pools],
+                "links": [asdict(x) for x in ex.links],
+            }
         print(json.dumps(doc, indent=2))
         return 0
     table = Table(
@@ -323,7 +333,84 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         *[f"{sum(c.capacity.values()) / len(c.capacity):.3f}" for _, _, c in results],
     )
     console.print(table)
+    if args.explain:
+        _, p, cap = results[0]
+        rates = _explained_rates(p, cap, runs[0][3])
+        print_explanation(p, topos[0], rates, args.duration, seeds[0])
     return 0
+
+
+# a model that keeps no load at all is explained at this share of its planned rate
+EXPLAIN_FLOOR = 0.05
+
+
+def _explained_rates(plan: Plan, cap: CapacityResult, reference: list[float]) -> list[float]:
+    """Each model at its capacity (of the reference rates); one that keeps none at a small
+    share of its planned rate."""
+    return [
+        cap.capacity[m.name] * r if cap.capacity[m.name] > 0 else EXPLAIN_FLOOR * m.throughput
+        for m, r in zip(plan.models, reference, strict=True)
+    ]
+
+
+def print_explanation(
+    plan: Plan, topo: Topology, rates: list[float], duration_s: float, seed: int
+) -> None:
+    """Where the plan's requests wait at its deliverable load (sim/explain.py): per model,
+    its drops and what limits it; per pool, how busy and how long batches waited; the
+    busiest links."""
+    with console.status("simulating at the deliverable load ..."):
+        ex = explain(topo, rates, duration_s=duration_s, seed=seed)
+    t = Table(
+        title=f"{plan.strategy} on {plan.cluster.name} at each model's deliverable load "
+        f"(Poisson, seed {seed}, {duration_s:g} s): what limits it",
+        title_justify="left",
+    )
+    for col in ("model", "req/s", "on time", "dropped / late", "queued p50/p99 ms", "limited by"):
+        t.add_column(col, justify="left" if col in ("model", "limited by") else "right")
+    for m in ex.models:
+        lost = ", ".join(f"{n:,} {why}" for why, n in sorted(m.drops.items())) or "none"
+        t.add_row(
+            m.name,
+            f"{m.rate:,.1f}",
+            f"{m.on_time:.4f}",
+            lost,
+            f"{m.queue_p50_us / 1e3:.2f} / {m.queue_p99_us / 1e3:.2f}",
+            f"{m.limit}: {m.why}",
+        )
+    console.print(t)
+    t = Table(title="pools", title_justify="left")
+    for col in ("model", "pipeline", "blocks", "GPU", "vGPUs", "busy", "batches", "mean batch",
+                "wait p50 ms", "wait p99 ms"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("model", "GPU") else "right")
+    for p in ex.pools:
+        t.add_row(
+            p.model,
+            str(p.pipeline),
+            f"[{p.blocks[0]},{p.blocks[1]})",
+            p.gpu if p.share == 1 else f"{p.gpu}/{p.share}",
+            str(p.vgpus),
+            f"{p.utilisation:.0%}",
+            f"{p.batches:,}",
+            f"{p.mean_batch:.2f}",
+            f"{p.wait_p50_us / 1e3:.2f}",
+            f"{p.wait_p99_us / 1e3:.2f}",
+        )
+    console.print(t)
+    busiest = sorted(ex.links, key=lambda x: -x.utilisation)[:LINKS_SHOWN]
+    if busiest:
+        console.print(
+            "busiest links: "
+            + "; ".join(
+                f"{x.direction}link of server {x.server} ({x.gpu}) {x.utilisation:.0%} busy, "
+                f"waits p99 {x.wait_p99_us / 1e3:.2f} ms"
+                for x in busiest
+            ),
+            highlight=False,
+        )
+
+
+LINKS_SHOWN = 4
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -374,4 +461,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="step: down from 1.0 (the paper's); bisect: fewer simulations",
     )
     cap.add_argument("--step", type=float, default=0.05, help="load-factor grid (0.05)")
+    cap.add_argument(
+        "--explain",
+        action="store_true",
+        help="then simulate the plan once at each model's capacity and say where its "
+        "requests wait: per model its drops and the pool or link that limits it, per pool "
+        "how busy and how long batches wait for a vGPU, the busiest links",
+    )
     cap.set_defaults(func=cmd_capacity)
