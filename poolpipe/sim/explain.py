@@ -121,12 +121,12 @@ def explain(
     result = Simulator(topo, watch, times, which, SimConfig(duration_s, seed=seed)).run()
     span_us = max(result.makespan_s, duration_s) * 1e6
 
-    busy = defaultdict(float)  # pool -> busy µs
-    batches = defaultdict(int)
-    requests = defaultdict(int)
+    busy: dict[int, float] = defaultdict(float)  # pool -> busy µs
+    batches: dict[int, int] = defaultdict(int)
+    requests: dict[int, int] = defaultdict(int)
     waits: dict[int, list[float]] = defaultdict(list)  # pool -> waits for a vGPU
-    link_busy = defaultdict(float)  # (server, dir) -> µs
-    link_n = defaultdict(int)
+    link_busy: dict[tuple[int, str], float] = defaultdict(float)  # (server, dir) -> µs
+    link_n: dict[tuple[int, str], int] = defaultdict(int)
     link_waits: dict[tuple[int, str], list[float]] = defaultdict(list)
     queued: dict[int, list[float]] = defaultdict(list)  # model -> request waits
     by_model_waits: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
