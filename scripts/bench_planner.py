@@ -1,4 +1,8 @@
-"""Planner benchmark: the paper's 24 main configurations with every strategy, and the 18
+"""Planner benchmark. The delivery part (scripts/bench_delivery.py): what plans deliver at
+>= 99% on time, the planner's stated figures checked by simulations it did not make, and
+ppipe / np as a ratio of what they deliver (its `large` and `costs` parts: 100 GPUs, and cost
+plans simulated at their rates). The max-min part: the fluid MILP (the bound plans are
+chosen under) on the paper's 24 main configurations with every strategy and the 18
 single-model configurations; prints objective, per-model throughput, status, gap and solve
 time, and stores one row per (configuration, strategy, model) in the warehouse.
 
@@ -8,8 +12,9 @@ plans for the same rates. With the replan part: the max-min plan again after los
 20% of one GPU type (each type in turn), as `poolpipe plan --exclude TYPE:N` does, cold and
 warm-started from the main plan (`--warm-start PLAN`).
 
-    ./run bench-planner [--parts maxmin,cost,replan] [--packing per-position] [--quick]
-                        [--prices L4=0.56,...] [--warehouse FILE]
+    ./run bench-planner [--parts delivery,maxmin,large,costs,types,cost,replan]
+                        [--packing per-position] [--quick] [--prices L4=0.56,...]
+                        [--warehouse FILE]
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ MAIN_CLUSTERS = ("hc1-large", "hc2-large", "hc3-large", "hc4-large")
 # Example prices per GPU-hour (USD, on-demand list prices of one cloud's GPUs, 2025): the
 # shipped clusters carry none. Pass --prices to use your own.
 PRICES = {"L4": 0.56, "T4": 0.35, "P4": 0.60, "V100": 2.48}
-PARTS = ("maxmin", "types", "cost", "replan")
+PARTS = ("delivery", "large", "costs", "maxmin", "types", "cost", "replan")
+DELIVERY_PARTS = ("delivery", "large", "costs")  # bench_delivery.py
 # Clusters of three and four GPU types from the shipped profiles' types (NICs and shares as
 # in clusters.toml: P4 whole GPUs only), in several proportions of new to old GPUs.
 MANY_TYPES = {
@@ -70,8 +76,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 groups x 2 clusters, 4 single models")
     ap.add_argument(
         "--parts",
-        default="maxmin",
-        help=f"comma-separated, of {', '.join(PARTS)} (default maxmin; types takes ~25 min)",
+        default="delivery,maxmin",
+        help=f"comma-separated, of {', '.join(PARTS)} (default delivery,maxmin; delivery "
+        "takes ~15 min, large ~10, types ~25)",
     )
     ap.add_argument(
         "--prices",
@@ -110,8 +117,22 @@ def main() -> int:
             margin=0.4,
             max_partitions=2,
             time_limit_s=args.time_limit,
+            delivery="off",  # the fluid MILP: what its solve costs and proves
         )
 
+    if set(parts) & set(DELIVERY_PARTS):
+        import bench_delivery
+
+        bench_delivery.run(
+            [p for p in parts if p in DELIVERY_PARTS],
+            args.quick,
+            args.profiles,
+            args.warehouse,
+            args.label,
+        )
+        parts = [p for p in parts if p not in DELIVERY_PARTS]
+        if not parts:
+            return 0
     for gi, group in enumerate(groups):
         for cname in main_clusters:
             for strategy in main_strategies:
@@ -137,6 +158,7 @@ def main() -> int:
                     margin=0.1,
                     max_partitions=3,
                     time_limit_s=args.time_limit,
+                    delivery="off",
                 ),
             )
         )

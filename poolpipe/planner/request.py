@@ -161,10 +161,12 @@ def group_request(
     margin: float = 0.4,
     max_partitions: int = 2,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    delivery: str = "off",
 ) -> PlanRequest:
     """A configuration as the paper's main results plan it: the models of `group` at the
     mix `weights`, each with an SLO of `slo_scale` times its reference latency, planned
-    with `margin` held back and pipelines of at most `max_partitions` partitions."""
+    with `margin` held back and pipelines of at most `max_partitions` partitions, by the
+    fluid MILP as published (`delivery` "off"; "maximise" plans for what is delivered)."""
     slos = []
     for n in group:
         ref = profiles[n].reference_latency_us
@@ -181,4 +183,5 @@ def group_request(
         margin=margin,
         max_partitions=max_partitions,
         time_limit_s=time_limit_s,
+        delivery=delivery,
     )

@@ -6,3 +6,23 @@
 
 ALTER TABLE plans ADD COLUMN deliverable DOUBLE;
 ALTER TABLE plan_models ADD COLUMN deliverable DOUBLE;
+
+-- ./run bench-planner's delivery parts (scripts/bench_delivery.py): per plan and model, its
+-- fluid req/s, the deliverable req/s it states, and the same checked by simulations the
+-- planner did not make (cost plans: the share of requests on time at `rate`).
+CREATE TABLE bench_delivery (
+    run_at         TIMESTAMP NOT NULL,
+    run_label      VARCHAR NOT NULL,
+    config         VARCHAR NOT NULL,     -- e.g. delivery:g2:hc2-small, large:g0:hc1-large
+    strategy       VARCHAR NOT NULL,
+    packing        VARCHAR NOT NULL,
+    model          VARCHAR NOT NULL,
+    fluid          DOUBLE NOT NULL,      -- the plan's (fluid) req/s
+    stated         DOUBLE,               -- its deliverable req/s as planned
+    checked        DOUBLE,               -- the same, checked (cost plans: share on time)
+    rate           DOUBLE,               -- cost plans: the rate asked
+    cost_per_hour  DOUBLE,
+    variant        VARCHAR,              -- the plan chosen (planner/deliverable.py)
+    seconds        DOUBLE NOT NULL,      -- planning time
+    host           VARCHAR
+);
