@@ -215,6 +215,9 @@ def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
     objective = {k: float(v[0]) for k, v in rows.items()}
     assert objective["joint"] >= max(objective["equal"], objective["proportional"]) - 0.05
     assert objective["joint"] > 0 and "the joint split" in out
+    # what each split's plan delivers with >= 99% on time, simulated: below its fluid figure
+    delivered = {k: float(v[1]) for k, v in rows.items()}
+    assert all(0 < delivered[k] <= objective[k] for k in rows), (delivered, objective)
 
 
 def test_apps_plan_writes_a_plan_that_apps_simulate_serves(tmp_path, capsys):
@@ -228,13 +231,14 @@ def test_apps_plan_writes_a_plan_that_apps_simulate_serves(tmp_path, capsys):
     base = ["--warehouse", str(wh), "apps"]
     where = ["--cluster", "hc2-small", "--clusters-file", str(GROUP2 / "clusters.toml")]
     out = tmp_path / "apps-plan.json"
-    assert main([*base, "plan", str(spec), *where, "--out", str(out)]) == 0
+    assert main([*base, "plan", str(spec), *where, "--out", str(out), "--delivery", "off"]) == 0
     text = capsys.readouterr().out
     assert "nexus" in text and f"written to {out}" in " ".join(text.split())
     plan = Plan.load(out)
     assert [m.name for m in plan.models] == [f"cars.{DET}", f"cars.{CLS}"]
     budgets = plan.meta["apps"]["cars"]["budgets_us"]
     assert sum(budgets.values()) == pytest.approx(80_000)
+    assert "deliverable" not in plan.meta["apps"]["cars"]  # --delivery off: not simulated
     assert main([*base, "simulate", str(spec), "--plan", str(out), "--duration", "3"]) == 0
     text = capsys.readouterr().out
     row = next(line for line in text.splitlines() if line.count("│") > 6 and "cars" in line)

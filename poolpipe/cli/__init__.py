@@ -59,8 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     slow = native.unasked_sources()
     if slow is not None:
         err_console.print(
-            f"[yellow]warning:[/] the hot path runs from its sources, several times slower: "
-            f"{slow}",
+            f"[yellow]warning:[/] the hot path runs from its sources, several times slower: {slow}",
             highlight=False,
         )
     try:

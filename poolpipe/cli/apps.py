@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from poolpipe.cli.common import console
 from poolpipe.domain.apps import fastest_latencies, load_apps
 from poolpipe.errors import InfeasibleError, PoolpipeError
-
-console = Console()
 
 
 def cmd_apps_check(args: argparse.Namespace) -> int:
@@ -108,24 +106,44 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
             plans[split] = plan_apps(req, split, start=start)
     plans = {split: plans[split] for split in SPLITS}
     joint = plans["joint"]
+    docs = {}
+    if args.delivery != "off":
+        from poolpipe.planner.apps import app_plan_document
+        from poolpipe.planner.deliverable import state_apps
+
+        for split, p in plans.items():
+            with console.status(f"simulating what the {split} split delivers ..."):
+                doc, profiles = app_plan_document(req, p)
+                docs[split] = state_apps(doc, profiles, apps)
     t = Table(
         title=f"{len(apps)} application(s) on {cluster.name}: req/s of the least served per "
-        f"unit of weight (budgets: a grid of {args.grid} per model, margin {args.margin})",
+        f"unit of weight (budgets: a grid of {args.grid} per model, margin {args.margin})"
+        + ("; delivered: with >= 99% of requests on time, simulated" if docs else ""),
         title_justify="left",
     )
-    for col in ("split", "objective", "joint / this", "each application req/s", "MILP s"):
+    cols = ["split", "objective (fluid)", "joint / this", "each application req/s"]
+    if docs:
+        cols[2:2] = ["delivered"]
+        cols[3] = "joint / this (delivered)"
+        cols.append("each delivers")
+    for col in (*cols, "MILP s"):
         t.add_column(col, justify="left" if col in ("split",) else "right")
     for split, p in plans.items():
-        t.add_row(
-            split,
-            f"{p.objective:.1f}",
-            f"{joint.objective / p.objective:.2f}" if p.objective > 0 else "-",
-            ", ".join(f"{a} {r:.1f}" for a, r in p.rates.items()),
-            f"{p.seconds:.2f} ({p.status})",
-        )
+        row = [split, f"{p.objective:.1f}"]
+        if docs:
+            got, best = docs[split].meta["apps_deliverable"], docs["joint"].meta["apps_deliverable"]
+            row += [f"{got:.1f}", f"{best / got:.2f}" if got > 0 else "-"]
+        else:
+            row.append(f"{joint.objective / p.objective:.2f}" if p.objective > 0 else "-")
+        row.append(", ".join(f"{a} {r:.1f}" for a, r in p.rates.items()))
+        if docs:
+            recorded = docs[split].meta["apps"]
+            row.append(", ".join(f"{a} {recorded[a]['deliverable']:.1f}" for a in p.rates))
+        row.append(f"{p.seconds:.2f} ({p.status})")
+        t.add_row(*row)
     console.print(t)
     _print_split(joint)
-    _write(args.out, req, joint)
+    _write(args.out, req, joint, docs.get("joint"))
     return 0
 
 
@@ -134,13 +152,14 @@ def _writable(out: str | None) -> None:
         raise PoolpipeError(f"--out {out}: folder {Path(out).parent} does not exist")
 
 
-def _write(out: str | None, req, plan) -> None:
-    """The joint split's plan document (what the simulator and the router serve)."""
+def _write(out: str | None, req, plan, stated=None) -> None:
+    """The joint split's plan document (what the simulator and the router serve), with
+    what it delivers where `stated` has it."""
     if not out:
         return
     from poolpipe.planner.apps import app_plan_document
 
-    doc, _ = app_plan_document(req, plan)
+    doc = stated if stated is not None else app_plan_document(req, plan)[0]
     doc.save(Path(out))
     console.print(
         f"the joint split's plan written to {out} ({len(doc.models)} models, "
@@ -341,6 +360,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     plan.add_argument(
         "--out", help="write the joint split's plan here (JSON), to simulate or serve"
+    )
+    plan.add_argument(
+        "--delivery",
+        choices=("state", "off"),
+        default="state",
+        help="state (default): simulate what each split's plan delivers, each application's "
+        "req/s with >= 99%% of its requests on time, and compare splits by it; off: the "
+        "MILP's (fluid) figures alone",
     )
     plan.add_argument(
         "--objective",

@@ -30,12 +30,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from poolpipe.domain.apps import App
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner.fill import fill_idle
 from poolpipe.planner.request import PlanRequest
 from poolpipe.scheduler.topology import simulated_topology
+from poolpipe.sim.apps import app_deliverable
 from poolpipe.sim.deliverable import (
     PLANNING_SEEDS,
     SCREENING_REQUESTS,
@@ -56,6 +58,7 @@ __all__ = [
     "maximise",
     "measure",
     "state",
+    "state_apps",
     "stated",
 ]
 
@@ -248,3 +251,26 @@ def state(req: PlanRequest, plan: Plan) -> Plan:
     solver = replace(plan.solver, seconds=plan.solver.seconds + seconds)
     search = {"mode": "state", "simulations": d.simulations, "search_seconds": seconds}
     return stated(replace(plan, solver=solver), d, search)
+
+
+def state_apps(doc: Plan, profiles: Mapping[str, ModelProfile], apps: Sequence[App]) -> Plan:
+    """An application plan (planner.apps.app_plan_document; `profiles` under its model
+    names) with what it delivers: per application (meta["apps"][name]["deliverable"]) the
+    req/s with >= 99% of its requests on time, by simulating it (sim/apps.py), and the
+    least of those per weight (meta["apps_deliverable"]); how, in meta["delivery"]."""
+    d = app_deliverable(doc, profiles, apps)
+    recorded = {
+        name: {**rec, "deliverable": d.rates.get(name)}
+        for name, rec in (doc.meta.get("apps") or {}).items()
+    }
+    how = {
+        "mode": "state",
+        "target": ATTAINMENT_TARGET,
+        "arrivals": "poisson",
+        "seeds": list(d.seeds),
+        "duration_s": d.duration_s,
+        "simulations": d.simulations,
+        "load": d.load,
+    }
+    meta = {**doc.meta, "apps": recorded, "apps_deliverable": d.objective, "delivery": how}
+    return replace(doc, meta=meta)

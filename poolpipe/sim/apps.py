@@ -21,9 +21,11 @@ from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.apps import AppCoordinator, AppRequest, ServedApp, served_app
 from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Entry, Outcome
 from poolpipe.scheduler import DataPlane, make_data_plane
-from poolpipe.scheduler.topology import Topology, build_topology
+from poolpipe.scheduler.topology import Topology, simulated_topology
 from poolpipe.sim.arrivals import ArrivalSpec, generate
+from poolpipe.sim.deliverable import PLANNING_SEEDS, STATED_REQUESTS, STEP, run_length_s
 from poolpipe.sim.engine import SimConfig, Simulator
+from poolpipe.sim.metrics import ATTAINMENT_TARGET
 from poolpipe.sim.scenario import Rollout, Scenario
 
 _NAMES = {ON_TIME: "on_time", LATE: "late", DROPPED: "dropped", FAILED: "failed"}
@@ -108,7 +110,7 @@ def simulate_apps(
             "a scenario of applications may fail GPUs and bring them back; rolling out "
             "another application plan is not simulated yet: leave its rollout events out"
         )
-    topo = build_topology(plan, profiles, larger_batches=True)
+    topo = simulated_topology(plan, profiles)
     served = served_apps(plan, apps, [m.name for m in topo.models])
     times, which = generate(
         arrivals or ArrivalSpec("poisson"),
@@ -186,3 +188,90 @@ def run_apps(
         time.perf_counter() - wall0,
         reasons,
     )
+
+
+@dataclass(frozen=True)
+class AppDelivery:
+    """What an application plan delivers: per application, the req/s it serves with >=
+    `target` of its requests on time (every part of a request by the application's SLO)."""
+
+    rates: dict[str, float]
+    load: dict[str, float]  # the same as a share of the rate it was planned for
+    objective: float  # min over applications of rate / weight
+    seeds: tuple[int, ...]
+    duration_s: float
+    simulations: int
+
+
+def app_deliverable(
+    plan: Plan,
+    profiles: Mapping[str, ModelProfile],
+    apps: Sequence[App],
+    *,
+    seeds: Sequence[int] = PLANNING_SEEDS,
+    requests: int = STATED_REQUESTS,
+    step: float = STEP,
+) -> AppDelivery:
+    """Each application's deliverable rate: its planned rate (plan.meta["apps_rates"]) times
+    the largest load factor (all applications at that factor, Poisson arrivals, `seeds`
+    pooled, grid `step`, bisection as in capacity.py) at which >= 99% of its requests are
+    on time. `profiles` under the plan's model names (part_profiles)."""
+    planned = plan.meta.get("apps_rates") or {}
+    names = [a.name for a in apps]
+    base = [float(planned.get(n, 0.0)) for n in names]
+    duration = run_length_s(base, requests)
+    top = round(1.0 / step)
+    seen: dict[int, dict[str, float]] = {}
+
+    def attainment(i: int) -> dict[str, float]:
+        if i not in seen:
+            lf = i * step
+            runs = [
+                simulate_apps(
+                    plan,
+                    profiles,
+                    apps,
+                    {n: lf * r for n, r in zip(names, base, strict=True)},
+                    SimConfig(duration_s=duration, seed=s),
+                )
+                for s in seeds
+            ]
+            seen[i] = {n: _pooled_attainment(runs, n) if lf > 0 else 1.0 for n in names}
+        return seen[i]
+
+    load = {}
+    for n, r in zip(names, base, strict=True):
+        if r <= 0:
+            load[n] = 0.0
+            continue
+        if attainment(top)[n] >= ATTAINMENT_TARGET:
+            load[n] = 1.0
+            continue
+        lo, hi = 0, top
+        for i, att in seen.items():
+            if att[n] >= ATTAINMENT_TARGET:
+                lo = max(lo, i)
+            else:
+                hi = min(hi, i)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if attainment(mid)[n] >= ATTAINMENT_TARGET:
+                lo = mid
+            else:
+                hi = mid
+        load[n] = round(lo * step, 10)
+    rates = {n: load[n] * r for n, r in zip(names, base, strict=True)}
+    weight = {a.name: a.weight for a in apps}
+    return AppDelivery(
+        rates=rates,
+        load=load,
+        objective=min(rates[n] / weight[n] for n in names),
+        seeds=tuple(seeds),
+        duration_s=duration,
+        simulations=len(seen) * len(seeds),
+    )
+
+
+def _pooled_attainment(runs: Sequence[AppSimResult], app: str) -> float:
+    arrived = sum(r.apps[app]["arrived"] for r in runs)
+    return sum(r.apps[app]["on_time"] for r in runs) / arrived if arrived else 1.0

@@ -19,8 +19,8 @@ from poolpipe.scheduler import Topology
 from poolpipe.sim.arrivals import ArrivalSpec
 from poolpipe.sim.capacity import search_capacity
 from poolpipe.sim.engine import SimConfig
-from poolpipe.sim.runner import run_once
 from poolpipe.sim.metrics import ATTAINMENT_TARGET
+from poolpipe.sim.runner import run_once
 
 # Seeds the planner simulates with (a stated figure's, a screening's); checks of a stated
 # figure use others.
