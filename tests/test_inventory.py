@@ -168,3 +168,42 @@ def test_the_transport_follows_where_the_nodes_are():
     assert resolve_transport("router", ["10.77.0.2:8001"]) == "router"
     with pytest.raises(PoolpipeError, match="unknown transport 'nccl'; choose auto, router"):
         resolve_transport("nccl", local)
+
+
+def test_whether_models_may_share_a_gpu_is_the_clusters_and_inventorys_to_say(tmp_path):
+    """mixed_model_interference (a latency factor >= 1): in a clusters file, an inventory
+    (its cluster, its TOML again) and the warehouse; absent, models keep GPUs of their own;
+    a bad one is named with the fix."""
+    import tomllib
+
+    from poolpipe.domain.cluster import Cluster, load_clusters
+    from poolpipe.errors import ClusterError
+    from poolpipe.store.warehouse import Warehouse
+
+    inv = parse_inventory(tomllib.loads("mixed_model_interference = 1.15\n" + GOOD), "inv.toml")
+    cluster = inv.cluster()
+    assert cluster.mixed_model_interference == 1.15 and cluster.mixes_models
+    again = parse_inventory(tomllib.loads(inv.to_toml()), "again.toml")
+    assert again.mixed_model_interference == 1.15
+    assert not parse_inventory(tomllib.loads(GOOD), "inv.toml").cluster().mixes_models
+    with pytest.raises(InventoryError, match="mixed_model_interference = 'yes' is not a number"):
+        parse_inventory(tomllib.loads('mixed_model_interference = "yes"\n' + GOOD), "inv.toml")
+    path = tmp_path / "clusters.toml"
+    path.write_text(
+        "[mix]\nbandwidth_gbps = 10\nmixed_model_interference = 1.3\n"
+        'gpus = [ { type = "T4", count = 2, shares = [1, 2] } ]\n'
+        '[own]\nbandwidth_gbps = 10\ngpus = [ { type = "T4", count = 2 } ]\n'
+    )
+    clusters = load_clusters(path)
+    assert clusters["mix"].mixed_model_interference == 1.3
+    assert clusters["own"].mixed_model_interference is None
+    assert Cluster.from_dict("mix", clusters["mix"].to_dict()) == clusters["mix"]
+    assert (
+        clusters["mix"].scaled(4).mixes_models and clusters["mix"].without({"T4": 1}).mixes_models
+    )
+    with Warehouse.open(tmp_path / "wh.duckdb") as wh:
+        wh.store_clusters(list(clusters.values()), "test")
+        assert wh.load_cluster("mix") == clusters["mix"]
+        assert wh.load_cluster("own").mixed_model_interference is None
+    with pytest.raises(ClusterError, match="latency factor >= 1"):
+        Cluster.from_dict("bad", {**clusters["mix"].to_dict(), "mixed_model_interference": 0.5})

@@ -130,7 +130,7 @@ def check_invariants(plan, models, slos):
     by_name = {m.name: m for m in models}
     cluster = plan.cluster
     pools = {p.gpu: p for p in cluster.pools}
-    per_share: dict[tuple[str, int], int] = {}
+    per_share: dict[tuple[str, int, str], int] = {}  # (GPU, share, model: "" if they mix)
     per_pos: dict[tuple[str, int, str], float] = {}
     for mp, slo in zip(plan.models, slos, strict=True):
         model = by_name[mp.name]
@@ -157,7 +157,9 @@ def check_invariants(plan, models, slos):
                 lat = float(np.maximum(table[q.start : q.end, p.batch - 1], 1).sum())
                 e2e += lat + (p.batch * tau[q.end - 1] if d < len(parts) - 1 else 0.0)
                 cap = min(cap, q.vgpus * p.batch * 1e6 / lat)
-                per_share[(q.gpu, q.share)] = per_share.get((q.gpu, q.share), 0) + q.vgpus
+                owner = "" if cluster.mixes_models else mp.name  # a GPU holds one model's
+                share_key = (q.gpu, q.share, owner)
+                per_share[share_key] = per_share.get(share_key, 0) + q.vgpus
                 key = (mp.name, d, q.gpu)
                 per_pos[key] = per_pos.get(key, 0.0) + q.vgpus / q.share
             if mp.est_throughput and p.batch > 1:
@@ -168,7 +170,7 @@ def check_invariants(plan, models, slos):
         assert mp.throughput == pytest.approx(total)
     if plan.packing == "per-share":
         used: dict[str, int] = {}
-        for (g, v), n in per_share.items():
+        for (g, v, _), n in per_share.items():
             used[g] = used.get(g, 0) + math.ceil(n / v - 1e-9)
     else:
         used = {}

@@ -319,3 +319,61 @@ def test_swaps_repeat_until_the_plan_fits():
     fixed = fit_by_swaps(chosen, [[two, one]] * 2, cluster, "per-position")
     assert fixed == [[(one, [1])], [(one, [1])]]
     assert chosen_objective(fixed, [1.0, 1.0]) == 10.0
+
+
+def _two_half_models():
+    # Half an A runs each block in 6 ms (166.7/s for two halves), a whole A 8 ms (125/s).
+    tables = {("A", 1): A1, ("A", 2): [[6000.0], [6000.0]]}
+    return [tiny_model(n, tables, SMALL_BOUNDARY) for n in ("a", "b")]
+
+
+def _holders(plan, profiles) -> list[set[int]]:
+    """Per physical GPU, the models whose vGPUs it holds."""
+    from poolpipe.scheduler import build_topology
+
+    topo = build_topology(plan, profiles)
+    holders: dict[int, set[int]] = {}
+    for v in topo.vgpus:
+        holders.setdefault(v.physical, set()).add(topo.pools[v.pool].model)
+    return list(holders.values())
+
+
+def test_models_never_share_a_gpu_unless_the_cluster_says_at_what_cost():
+    """Per-share packing counts each model's vGPUs on GPUs of its own: two models on three
+    A GPUs cannot split the third GPU into a half for each (a share's profile is the same
+    block run twice at once; what another model does beside it is in no profile). With the
+    cluster's interference factor they may, at that factor on the shared GPUs' latency."""
+    from dataclasses import replace
+
+    from poolpipe.domain.costs import ModelCosts
+
+    a, b = _two_half_models()
+    profiles = {"a": a, "b": b}
+    own = tiny_cluster([("A", 3, 1, (1, 2))])
+    req = PlanRequest(
+        delivery="off",  # the fluid MILP alone
+        models=(a, b),
+        weights=(1.0, 1.0),
+        slos_us=(13000.0, 13000.0),
+        cluster=own,
+        margin=0.0,
+        batch_wait=False,
+    )
+    plan = make_plan(req)
+    # a GPU of halves each (166.7/s), the third whole or halved for one of them
+    assert plan.objective == pytest.approx(2e6 / 12000, rel=1e-6)
+    assert all(len(models) == 1 for models in _holders(plan, profiles))
+    # sharing at no cost: three halves each, one GPU split between the two models (250/s)
+    free = make_plan(replace(req, cluster=replace(own, mixed_model_interference=1.0)))
+    assert free.objective == pytest.approx(3e6 / 12000, rel=1e-6)
+    assert any(len(models) == 2 for models in _holders(free, profiles))
+    # at 1.2x a half takes 14.4 ms for the two blocks, past the 13 ms SLO: a half serves
+    # one block only now, beside a whole GPU, and the shared plan serves less
+    costly = replace(own, mixed_model_interference=1.2)
+    costs = ModelCosts(a, costly, 13000.0, 0.0, None)
+    assert costs.partition_latency_us(costs.kv_index("A", 2), 1, 0, 2) == pytest.approx(14400.0)
+    assert costs.partition_latency_us(costs.kv_index("A", 1), 1, 0, 2) == pytest.approx(8000.0)
+    dear = make_plan(replace(req, cluster=costly))
+    assert dear.objective < free.objective
+    halves = [q for m in dear.models for p in m.pipelines for q in p.partitions if q.share == 2]
+    assert halves and all(q.latency_us == pytest.approx(7200.0 * (q.end - q.start)) for q in halves)

@@ -186,6 +186,9 @@ def test_poolpipe_shards_writes_each_routers_nodes_into_the_inventory(tmp_path, 
                 f'grpc = "10.0.0.1:{port}"\nshares = [1, 2]'
             ]
     lines += ['[balancer]\nhttp = "127.0.0.1:8000"\ngrpc = "127.0.0.1:8001"']
+    # a shard of two L4s serves the three models only where they may share a GPU (this test
+    # is about the split: sharing at no cost; by default each model needs an L4 of its own)
+    lines.insert(0, "mixed_model_interference = 1.0\n")
     for r in range(3):
         lines += [
             f'[[routers]]\nname = "r{r}"\nhttp = "10.0.1.{r}:8000"\ngrpc = "10.0.1.{r}:8001"\n'

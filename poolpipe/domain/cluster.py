@@ -40,15 +40,31 @@ class Cluster:
     name: str
     bandwidth_gbps: float  # effective NIC bandwidth per server
     pools: tuple[GpuPool, ...]
+    # Different models' vGPUs may share a physical GPU only with this factor on the
+    # latency of every vGPU of a shared (1/v, v > 1) GPU: a profile of share v is the same
+    # block run v times at once, and what other models do to it was not measured. None
+    # (default): a physical GPU holds one model's vGPUs only.
+    mixed_model_interference: float | None = None
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps <= 0:
             raise ClusterError(f"cluster {self.name}: bandwidth_gbps must be > 0")
+        f = self.mixed_model_interference
+        if f is not None and not (1.0 <= f < float("inf")):
+            raise ClusterError(
+                f"cluster {self.name}: mixed_model_interference must be a latency factor >= 1 "
+                f"(e.g. 1.2), got {f}; leave it out to keep models on GPUs of their own"
+            )
         names = [p.gpu for p in self.pools]
         if len(set(names)) != len(names):
             raise ClusterError(f"cluster {self.name}: a GPU type is listed twice ({names})")
         if not self.pools:
             raise ClusterError(f"cluster {self.name}: no GPU pools")
+
+    @property
+    def mixes_models(self) -> bool:
+        """May vGPUs of different models share a physical GPU (per-share packing)?"""
+        return self.mixed_model_interference is not None
 
     def pool(self, gpu: str) -> GpuPool:
         for p in self.pools:
@@ -69,10 +85,8 @@ class Cluster:
                 raise ClusterError(
                     f"cannot exclude {n} {gpu} GPUs: cluster {self.name} has {have} of them"
                 )
-        return Cluster(
-            self.name,
-            self.bandwidth_gbps,
-            tuple(replace(p, count=p.count - lost.get(p.gpu, 0)) for p in self.pools),
+        return replace(
+            self, pools=tuple(replace(p, count=p.count - lost.get(p.gpu, 0)) for p in self.pools)
         )
 
     def with_counts(self, counts: dict[str, int]) -> Cluster:
@@ -99,10 +113,10 @@ class Cluster:
             if counts[i] + step >= 1:
                 counts[i] += step
             k += 1
-        return Cluster(
-            f"{self.name}@{gpus}",
-            self.bandwidth_gbps,
-            tuple(replace(p, count=n) for p, n in zip(self.pools, counts, strict=True)),
+        return replace(
+            self,
+            name=f"{self.name}@{gpus}",
+            pools=tuple(replace(p, count=n) for p, n in zip(self.pools, counts, strict=True)),
         )
 
     @property
@@ -123,6 +137,11 @@ class Cluster:
                 }
                 for p in self.pools
             ],
+            **(
+                {}
+                if self.mixed_model_interference is None
+                else {"mixed_model_interference": self.mixed_model_interference}
+            ),
         }
 
     @classmethod
@@ -141,12 +160,18 @@ class Cluster:
                 )
                 for g in data["gpus"]
             )
-            return cls(name=name, bandwidth_gbps=float(data["bandwidth_gbps"]), pools=pools)
+            mixed = data.get("mixed_model_interference")
+            return cls(
+                name=name,
+                bandwidth_gbps=float(data["bandwidth_gbps"]),
+                pools=pools,
+                mixed_model_interference=None if mixed is None else float(mixed),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(
                 f"{where}: malformed cluster entry ({type(e).__name__}: {e}); each cluster "
                 "needs bandwidth_gbps and gpus = [{type, count, gpus_per_server, shares, "
-                "price_per_hour (optional)}]"
+                "price_per_hour (optional)}], and may give mixed_model_interference"
             ) from None
 
 

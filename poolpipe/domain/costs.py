@@ -90,8 +90,13 @@ class ModelCosts:
         self.lat_prefix = np.full((K, max(self.max_batch, 1), B + 1), np.nan)
         self.down = np.full((K, B + 1), np.inf)
         self.up = np.full((K, B + 1), np.inf)
+        # where models may share a GPU, a shared GPU's vGPUs run slower by the cluster's
+        # interference factor (Cluster.mixed_model_interference)
+        mixed = self.cluster.mixed_model_interference or 1.0
         for k, (gpu, v) in enumerate(self.kvs):
             table = np.maximum(p.tables[(gpu, v)].latency_us, MIN_BLOCK_LATENCY_US)
+            if v > 1:
+                table = table * mixed
             nb = table.shape[1]
             self.lat_prefix[k, :nb, 0] = 0.0
             self.lat_prefix[k, :nb, 1:] = np.cumsum(table.T, axis=1)

@@ -71,6 +71,9 @@ class Inventory:
     down: frozenset[str] = field(default_factory=frozenset)  # node names marked down
     routers: tuple[InventoryRouter, ...] = ()  # the router tier (tier.py), where given
     balancer: BalancerSpec | None = None
+    # different models may share a physical GPU, at this latency factor on a shared GPU's
+    # vGPUs (Cluster.mixed_model_interference; None: never)
+    mixed_model_interference: float | None = None
 
     def __post_init__(self) -> None:
         where = self.source
@@ -133,7 +136,12 @@ class Inventory:
                 per_server[n.server] += 1
             pools.append(GpuPool(device, len(nodes), max(per_server.values()), nodes[0].shares))
         bandwidth = min(s.bandwidth_gbps for s in self.servers)
-        return Cluster(name or Path(self.source).stem, bandwidth, tuple(pools))
+        return Cluster(
+            name or Path(self.source).stem,
+            bandwidth,
+            tuple(pools),
+            mixed_model_interference=self.mixed_model_interference,
+        )
 
     def mark_down(self, names: set[str]) -> Inventory:
         return replace(self, down=self.down | frozenset(names))
@@ -173,6 +181,8 @@ class Inventory:
 
     def to_toml(self) -> str:
         lines = []
+        if self.mixed_model_interference is not None:
+            lines += [f"mixed_model_interference = {self.mixed_model_interference:g}", ""]
         if self.down:
             names = ", ".join(f'"{d}"' for d in sorted(self.down))
             lines += [f"down = [{names}]", ""]
@@ -216,7 +226,11 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
     def known(entry: dict, keys: set[str], what: str) -> None:
         only_known(entry, keys, what, source, InventoryError)
 
-    known(data, {"servers", "nodes", "down", "routers", "balancer"}, "top level")
+    known(
+        data,
+        {"servers", "nodes", "down", "routers", "balancer", "mixed_model_interference"},
+        "top level",
+    )
     servers, nodes = [], []
     for i, s in enumerate(_tables(data, "servers", source)):
         what = f"[[servers]] #{i + 1}"
@@ -249,7 +263,21 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
     if not nodes:
         raise InventoryError(f"{source}: no [[nodes]]")
     routers, balancer = parse_tier(data, source, need, known, _tables)
-    return Inventory(tuple(servers), tuple(nodes), source, frozenset(down), routers, balancer)
+    mixed = data.get("mixed_model_interference")
+    if mixed is not None and (isinstance(mixed, bool) or not isinstance(mixed, int | float)):
+        raise InventoryError(
+            f"{source}: mixed_model_interference = {mixed!r} is not a number (a latency factor "
+            ">= 1 for vGPUs of GPUs that different models share)"
+        )
+    return Inventory(
+        tuple(servers),
+        tuple(nodes),
+        source,
+        frozenset(down),
+        routers,
+        balancer,
+        None if mixed is None else float(mixed),
+    )
 
 
 def _is_address(address: str) -> bool:

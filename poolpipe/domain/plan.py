@@ -120,13 +120,15 @@ class Plan:
     def gpus_used(self) -> dict[str, int]:
         """Physical GPUs per type under the plan's packing rule."""
         if self.packing == "per-share":
-            vgpus: dict[tuple[str, int], int] = defaultdict(int)
+            # a GPU carved into `share` vGPUs; each model's own unless models may share
+            vgpus: dict[tuple[str, int, str], int] = defaultdict(int)
             for m in self.models:
+                owner = "" if self.cluster.mixes_models else m.name
                 for p in m.pipelines:
                     for part in p.partitions:
-                        vgpus[(part.gpu, part.share)] += part.vgpus
+                        vgpus[(part.gpu, part.share, owner)] += part.vgpus
             used: dict[str, int] = defaultdict(int)
-            for (gpu, share), n in vgpus.items():
+            for (gpu, share, _), n in vgpus.items():
                 used[gpu] += math.ceil(n / share - 1e-9)
             return dict(used)
         per_pos: dict[tuple[str, int, str], float] = defaultdict(float)

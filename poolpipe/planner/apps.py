@@ -540,7 +540,7 @@ def _plan_split(
         a.name: min(served[(a.name, m)] / a.multiplicity()[m] for m in a.models) for a in req.apps
     }
     result = solved.result
-    used = gpus_used(solved.chosen, req.packing)
+    used = gpus_used(solved.chosen, req.packing, req.cluster.mixes_models)
     plan = AppPlan(
         "joint",
         min(rates[a.name] / a.weight for a in req.apps),
@@ -703,7 +703,9 @@ def _build(
     else:
         z = milp.add_var(upper=0.0)
         rates = [milp.add_var(lower=cost[0][a.name], upper=cost[0][a.name]) for a in req.apps]
-    xs, ns, buckets = _add_pipelines(milp, [o.candidates for o in options], count, req.packing)
+    xs, ns, buckets = _add_pipelines(
+        milp, [o.candidates for o in options], count, req.packing, req.cluster.mixes_models
+    )
     gpu_terms = _add_packing(milp, buckets, count, req.packing)
     units = price_units(dict(cost[1]))[0] if cost is not None else {}
     for gpu, terms in gpu_terms.items():  # (c) physical GPUs of each type

@@ -101,7 +101,7 @@ def make_cost_plan(
         meta["np_cost_per_hour"] = None if np_best is None else np_best.cost_per_hour
         single: dict[str, float | None] = {}
         for pool in req.cluster.pools:
-            only = Cluster(req.cluster.name, req.cluster.bandwidth_gbps, (pool,))
+            only = replace(req.cluster, pools=(pool,))
             alone = cheapest_sized(req, lam, P, whole, only)
             single[pool.gpu] = None if alone is None else alone.cost_per_hour
         meta["single_type_cost_per_hour"] = single
@@ -316,7 +316,7 @@ def _prove_by_counts(
             if found is False:
                 refuted.append(counts)
             else:
-                gpus = _nonzero(gpus_used(found.chosen, req.packing))
+                gpus = _nonzero(gpus_used(found.chosen, req.packing, cluster.mixes_models))
                 cost = sum(req.prices[g] * n for g, n in gpus.items())
                 if cost < best.cost_per_hour * (1 - COST_RTOL):
                     result = replace(best.solved.result, objective=cost, bound=cost)

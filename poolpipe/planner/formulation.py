@@ -11,6 +11,8 @@ Constraints
     (b) w[m] * z <= sum_c x[c]                         max-min over models
         (cost objective: sum_c x[c] >= rate[m], minimise sum of price[k] x GPUs of k)
     (c) per-share:    sum n[c,d] over bucket (k,v) <= v * G[k, v];  sum_v G[k, v] <= N[k]
+                      (a bucket per model, (k, v, m), where models may not share a GPU:
+                      Cluster.mixed_model_interference unset, the default)
         per-position: sum n[c,d] / v over (m, d, k) <= C[m, d, k];  sum C[., ., k] <= N[k]
     Whole-GPU buckets (v = 1) use the n's directly instead of a G / C variable.
 """
@@ -67,7 +69,7 @@ def build_group_milp(
     milp = Milp()
     count = {p.gpu: min(p.count, (budgets or {}).get(p.gpu, p.count)) for p in cluster.pools}
     z = milp.add_var(cost=1.0)
-    xs, ns, buckets = _add_pipelines(milp, candidates, count, packing)
+    xs, ns, buckets = _add_pipelines(milp, candidates, count, packing, cluster.mixes_models)
     for m, xm in enumerate(xs):
         # (b) w z - sum x <= 0
         milp.add_row({z: weights[m], **{x: -1.0 for x in xm}}, upper=0.0)
@@ -91,7 +93,7 @@ def build_cost_milp(
     milp = Milp()
     count = {p.gpu: p.count for p in cluster.pools}
     z = milp.add_var(upper=0.0)
-    xs, ns, buckets = _add_pipelines(milp, candidates, count, packing)
+    xs, ns, buckets = _add_pipelines(milp, candidates, count, packing, cluster.mixes_models)
     for m, xm in enumerate(xs):
         milp.add_row({x: 1.0 for x in xm}, lower=rates[m])
     units, _ = price_units(prices)
@@ -117,10 +119,24 @@ def price_units(prices: dict[str, float]) -> tuple[dict[str, float], float]:
     return dict(prices), 1.0
 
 
+def bucket_key(gpu: str, share: int, model: int, position: int, packing: str, mixes: bool) -> tuple:
+    """The GPU bucket of the packing rule a partition's vGPUs take from: per-share, the
+    GPUs of a type carved into `share` (each model's own unless models may share a GPU);
+    per-position, a model's GPUs of a type at a position."""
+    if packing == "per-share":
+        return (gpu, share) if mixes else (gpu, share, model)
+    return (gpu, model, position)
+
+
 def _add_pipelines(
-    milp: Milp, candidates: list[list[CandidatePipeline]], count: dict[str, int], packing: str
+    milp: Milp,
+    candidates: list[list[CandidatePipeline]],
+    count: dict[str, int],
+    packing: str,
+    mixes: bool = False,
 ) -> tuple[list[list[int]], list[list[list[int]]], dict[tuple, dict[int, float]]]:
-    """x and n variables and rows (a) of every candidate; the n's by GPU bucket."""
+    """x and n variables and rows (a) of every candidate; the n's by GPU bucket (`mixes`:
+    models may share a physical GPU)."""
     xs: list[list[int]] = []
     ns: list[list[list[int]]] = []
     # bucket -> {n var: coefficient}, per packing mode
@@ -134,7 +150,7 @@ def _add_pipelines(
             for d, p in enumerate(c.partitions):
                 n = milp.add_var(upper=p.share * count[p.gpu], integer=True)
                 milp.add_row({x: 1.0, n: -p.vgpu_throughput}, upper=0.0)  # (a)
-                key = (p.gpu, p.share) if packing == "per-share" else (p.gpu, m, d)
+                key = bucket_key(p.gpu, p.share, m, d, packing, mixes)
                 buckets[key][n] = 1.0 / p.share if packing == "per-position" else 1.0
                 n_vars.append(n)
             xm.append(x)
@@ -191,32 +207,33 @@ def chosen_objective(chosen: list[Chosen], weights: list[float]) -> float:
 
 def chosen_fits(chosen: list[Chosen], cluster: Cluster, packing: str) -> bool:
     """Do these vGPU counts fit the cluster's GPUs under the packing rule (constraint (c))?"""
-    return _overshoot(_buckets(chosen, packing), cluster) == 0
+    return _overshoot(_buckets(chosen, packing, cluster.mixes_models), cluster) == 0
 
 
-def _buckets(chosen: list[Chosen], packing: str) -> dict[tuple, Fraction]:
+def _buckets(chosen: list[Chosen], packing: str, mixes: bool) -> dict[tuple, Fraction]:
     """The GPUs (fractional) the pipelines take from each GPU bucket of the packing rule."""
     buckets: dict[tuple, Fraction] = defaultdict(Fraction)
     for m, picked in enumerate(chosen):
         for c, counts in picked:
-            for key, n in _bucket_terms(c, counts, m, packing):
+            for key, n in _bucket_terms(c, counts, m, packing, mixes):
                 buckets[key] += n
     return buckets
 
 
 def _bucket_terms(
-    cand: CandidatePipeline, counts: list[int], m: int, packing: str
+    cand: CandidatePipeline, counts: list[int], m: int, packing: str, mixes: bool
 ) -> list[tuple[tuple, Fraction]]:
     """The GPUs a pipeline's partitions take from each GPU bucket of the packing rule."""
     return [
-        ((p.gpu, p.share) if packing == "per-share" else (p.gpu, m, d), Fraction(n, p.share))
+        (bucket_key(p.gpu, p.share, m, d, packing, mixes), Fraction(n, p.share))
         for d, (p, n) in enumerate(zip(cand.partitions, counts, strict=True))
     ]
 
 
-def gpus_used(chosen: list[Chosen], packing: str) -> dict[str, int]:
-    """Whole GPUs of each type the pipelines take (each bucket of the packing rounded up)."""
-    return _used(_buckets(chosen, packing))
+def gpus_used(chosen: list[Chosen], packing: str, mixes: bool = False) -> dict[str, int]:
+    """Whole GPUs of each type the pipelines take (each bucket of the packing rounded up;
+    `mixes`: models may share a GPU)."""
+    return _used(_buckets(chosen, packing, mixes))
 
 
 def _used(buckets: dict[tuple, Fraction]) -> dict[str, int]:
@@ -249,7 +266,8 @@ def fit_by_swaps(
     partly used buckets where a slightly costlier share would have filled one.
     """
     plan = [list(picked) for picked in chosen]
-    buckets = _buckets(plan, packing)
+    mixes = cluster.mixes_models
+    buckets = _buckets(plan, packing, mixes)
     over = _overshoot(buckets, cluster)
     for _ in range(rounds):
         if over == 0:
@@ -258,13 +276,13 @@ def fit_by_swaps(
         for m, picked in enumerate(plan):
             for i, (c, counts) in enumerate(picked):
                 x = served(c, counts)
-                old = _bucket_terms(c, counts, m, packing)
+                old = _bucket_terms(c, counts, m, packing, mixes)
                 _shift(buckets, old, -1)
                 for alt in candidates[m]:
                     if alt is c:
                         continue
                     need = [math.ceil(x / p.vgpu_throughput * (1 - 1e-12)) for p in alt.partitions]
-                    new = _bucket_terms(alt, need, m, packing)
+                    new = _bucket_terms(alt, need, m, packing, mixes)
                     _shift(buckets, new, 1)
                     left = _overshoot(buckets, cluster)
                     _shift(buckets, new, -1)
@@ -275,8 +293,8 @@ def fit_by_swaps(
             return None
         over, m, i, alt, need = best
         c, counts = plan[m].pop(i)
-        _shift(buckets, _bucket_terms(c, counts, m, packing), -1)
-        _shift(buckets, _bucket_terms(alt, need, m, packing), 1)
+        _shift(buckets, _bucket_terms(c, counts, m, packing, mixes), -1)
+        _shift(buckets, _bucket_terms(alt, need, m, packing, mixes), 1)
         same = next((j for j, (c2, _) in enumerate(plan[m]) if c2 is alt), None)
         if same is None:
             plan[m].append((alt, need))

@@ -261,7 +261,7 @@ def shards_bound(req: PlanRequest, k: int, whole: float) -> ShardBound:
     gpus: list[dict[str, int]] = []
     for _ in range(k):
         z = milp.add_var(cost=1.0, lower=_SERVES)
-        xs, _ns, buckets = _add_pipelines(milp, cands, count, req.packing)
+        xs, _ns, buckets = _add_pipelines(milp, cands, count, req.packing, req.cluster.mixes_models)
         for m, xm in enumerate(xs):
             milp.add_row({z: req.weights[m], **{x: -1.0 for x in xm}}, upper=0.0)
         mine = {g: milp.add_var(upper=n, integer=True) for g, n in count.items()}

@@ -80,7 +80,7 @@ def _trimmed(cand: CandidatePipeline, counts: list[int]) -> list[int]:
 
 def _short(chosen: list[Chosen], cluster: Cluster, packing: str) -> set[str]:
     """GPU types whose buckets, each rounded up to whole GPUs, take more than the cluster has."""
-    used = gpus_used(chosen, packing)
+    used = gpus_used(chosen, packing, cluster.mixes_models)
     have = {p.gpu: p.count for p in cluster.pools}
     return {gpu for gpu, n in used.items() if n > have.get(gpu, 0)}
 

@@ -183,20 +183,29 @@ def build_topology(
             continue
         unit = math.lcm(*(share for _, share, _ in demand))  # capacity of one GPU, in units
         free: list[int] = []  # remaining units per physical GPU opened so far
+        owner: list[tuple[int, ...]] = []  # per physical GPU: the group whose vGPUs it holds
         placed: list[tuple[int, int, int]] = []  # (pool, share, physical gpu)
-        # Whole GPUs first, then halves, ...: first-fit decreasing keeps shares together.
-        for pid, share, n in sorted(demand, key=lambda d: (d[1], d[0])):
+        # GPUs go to one group of pools each, as the plan's packing rule counts them
+        # (_gpu_group); within a group, whole GPUs first, then halves, ...: first-fit
+        # decreasing keeps shares together.
+        for pid, share, n in sorted(
+            demand, key=lambda d: (_gpu_group(plan, pools[d[0]]), d[1], d[0])
+        ):
             size = unit // share
+            group = _gpu_group(plan, pools[pid])
             for _ in range(n):
-                g = next((i for i, f in enumerate(free) if f >= size), None)
+                g = next((i for i, f in enumerate(free) if f >= size and owner[i] == group), None)
                 if g is None:
                     if len(free) < cpool.count:
                         free.append(unit)
+                        owner.append(group)
                         g = len(free) - 1
                     else:
                         # The per-position rule rounds each position's GPUs separately, so
-                        # mixed shares may not pack; run on the least-loaded GPU instead.
-                        g = max(range(len(free)), key=lambda i: free[i])
+                        # mixed shares may not pack; run on the group's least-loaded GPU
+                        # instead (any GPU's, where the group has none).
+                        mine = [i for i in range(len(free)) if owner[i] == group]
+                        g = max(mine or range(len(free)), key=lambda i: free[i])
                         if free[g] >= 0:
                             overcommitted += 1
                 free[g] -= size
@@ -224,6 +233,15 @@ def build_topology(
         gpu_counts={p.gpu: p.count for p in cluster.pools},
         overcommitted_gpus=overcommitted,
     )
+
+
+def _gpu_group(plan: Plan, pool: Pool) -> tuple[int, ...]:
+    """Which pools' vGPUs may share a physical GPU, as the plan's packing counts GPUs:
+    per-position, a model's partitions at one position; per-share, a model's (every
+    pool's, where the cluster lets models share GPUs: Cluster.mixed_model_interference)."""
+    if plan.packing == "per-position":
+        return (pool.model, pool.position)
+    return () if plan.cluster.mixes_models else (pool.model,)
 
 
 def latency_tables(topo: Topology) -> list[list[float]]:

@@ -690,7 +690,9 @@ class Warehouse:
                 con.execute("DELETE FROM cluster_pools WHERE cluster = ?", [c.name])
                 con.execute("DELETE FROM clusters WHERE name = ?", [c.name])
                 con.execute(
-                    "INSERT INTO clusters VALUES (?, ?, ?)", [c.name, c.bandwidth_gbps, source]
+                    "INSERT INTO clusters (name, bandwidth_gbps, source, mixed_model_interference) "
+                    "VALUES (?, ?, ?, ?)",
+                    [c.name, c.bandwidth_gbps, source, c.mixed_model_interference],
                 )
                 for p in c.pools:
                     con.execute(
@@ -708,7 +710,7 @@ class Warehouse:
 
     def load_cluster(self, name: str) -> Cluster:
         row = self.con.execute(
-            "SELECT bandwidth_gbps FROM clusters WHERE name = ?", [name]
+            "SELECT bandwidth_gbps, mixed_model_interference FROM clusters WHERE name = ?", [name]
         ).fetchone()
         if row is None:
             known = [
@@ -727,7 +729,9 @@ class Warehouse:
                 [name],
             ).fetchall()
         )
-        return Cluster(name=name, bandwidth_gbps=row[0], pools=pools)
+        return Cluster(
+            name=name, bandwidth_gbps=row[0], pools=pools, mixed_model_interference=row[1]
+        )
 
     # ------------------------------------------------------------------ plans
 

@@ -26,3 +26,8 @@ CREATE TABLE bench_delivery (
     seconds        DOUBLE NOT NULL,      -- planning time
     host           VARCHAR
 );
+
+-- Models on GPUs of their own: different models' vGPUs share
+-- a physical GPU only where the cluster gives the latency factor their interference costs
+-- (NULL: never).
+ALTER TABLE clusters ADD COLUMN mixed_model_interference DOUBLE;
