@@ -165,11 +165,14 @@ def cheapest_sized(
     profiles = {m.name: m for m in req.models}
     asked = list(rates)
     rounds: list[dict] = []
+    on_time: tuple[float, ...] = ()
     for k in range(SIZING_ROUNDS):
         sub = replace(req, cluster=cluster, rates=tuple(asked), headroom_rates=rates)
         found = cheapest(sub, lam, P, whole, cluster, required and k == 0)
+        if found is None and k == 0:
+            return None  # not even the fluid plan serves them
         if found is None:
-            return None
+            break  # what each model needs for 99% on time is more than the GPUs give
         plan = _as_plan(sub, found, lam, P, SolverInfo(req.solver, "sized", 0.0, 0.0))
         topo = simulated_topology(plan, profiles)
         on_time = attainment_at(topo, rates)
@@ -189,13 +192,15 @@ def cheapest_sized(
                 short = rates[i] / delivered[i] if delivered[i] > 0 else 2.0
                 asked[i] *= max(short, 1 + SIZING_RAISE)
     if required:
+        kept = ", ".join(f"{n} {a:.1%}" for n, a in zip(profiles, on_time, strict=True))
         raise InfeasibleError(
-            f"no plan of {req.strategy} on cluster {cluster.name} was found to serve the rates "
-            f"with >= {ATTAINMENT_TARGET:.0%} of requests on time in {SIZING_ROUNDS} tries "
-            f"(the last one asked the MILP for "
-            + ", ".join(f"{n} {a:,.1f}" for n, a in zip(profiles, asked, strict=True))
-            + " req/s); lower --rates, loosen the SLOs, plan on a larger cluster, or size "
-            "on the fluid plan with --delivery off"
+            f"cluster {cluster.name} serves these rates on the fluid plan, but no {req.strategy} "
+            f"plan of it was found to keep >= {ATTAINMENT_TARGET:.0%} of requests on time at "
+            f"them ({len(rounds)} plans simulated; the last kept {kept} on time, and serving "
+            "more of each model's rate than it asks takes more GPUs than the cluster has). "
+            "Lower --rates (poolpipe plan --objective maxmin --weights RATES states what the "
+            "cluster delivers at their mix), loosen the SLOs, plan on a larger cluster, or "
+            "size on the fluid plan with --delivery off"
         )
     return None
 

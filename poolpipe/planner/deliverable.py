@@ -17,10 +17,12 @@ small the fluid optimum is not the plan that delivers the most. The variants, in
   that the models' deliverable rates, not their fluid ones, meet the mix; twice, each
   from the best plan found by then.
 
-Every variant is simulated with the same seeds; the best deliverable objective (least
-deliverable req/s per weight) wins, the fluid plan on ties. The plan keeps its fluid
-figures (throughput, objective) beside the deliverable ones, and meta["delivery"] says
-how they were found. The search is deterministic: the same request gives the same plan.
+Every variant is simulated with the same seeds (one, then the best ones and the fluid plan
+again with two); the best deliverable objective (least deliverable req/s per weight) wins
+where it beats the fluid plan's by FLUID_EDGE, else the fluid plan does. The plan keeps
+its fluid figures (throughput, objective) beside the deliverable ones, and
+meta["delivery"] says how they were found. The search is deterministic: the same request
+gives the same plan.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ REBALANCE_ROUNDS = 2
 # precision of a stated figure (at most FINALISTS of them), the best of those chosen.
 FINALIST_WITHIN = 0.03
 FINALISTS = 2
+# A variant replaces the fluid plan only where it delivers this much more (both measured
+# at a stated figure's precision): less is within the measurement's noise.
+FLUID_EDGE = 0.02
 # The variants' MILPs are heuristics judged by simulation: solved to this gap, in at most
 # this many seconds (the fluid plan, the bound, keeps the request's).
 VARIANT_GAP = 0.01
@@ -223,17 +228,24 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
 
 
 def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Variant:
-    """The best of the screened variants, measured again at a stated figure's precision
-    with the others close to it (FINALIST_WITHIN, FINALISTS): the chosen plan's figures are
-    the precise ones, and a screening's luck does not choose it alone."""
+    """The plan chosen: the best screened variants (FINALIST_WITHIN of the best, at most
+    FINALISTS) and the fluid plan measured again at a stated figure's precision, and the
+    best of them, where it delivers FLUID_EDGE more than the fluid plan (else the fluid
+    plan): the chosen plan's figures are the precise ones, a screening's luck does not
+    choose it alone, and a variant replaces the exact plan only for a gain the noise of
+    the measurement does not explain."""
+    fluid = tried[0]
     top = max(v.objective for v in tried)
     close = sorted(
         (v for v in tried if v.objective >= top * (1 - FINALIST_WITHIN)),
         key=lambda v: -v.objective,
     )[:FINALISTS]
+    if fluid not in close:
+        close.append(fluid)
     for v in close:
         v.delivery, v.final = measure(v.plan, profiles, near=v.delivery), True
-    return max(close, key=lambda v: v.objective)
+    best = max(close, key=lambda v: v.objective)
+    return best if best.objective > fluid.objective * (1 + FLUID_EDGE) else fluid
 
 
 def _delivered_share(v: Variant) -> list[float]:
