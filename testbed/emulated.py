@@ -410,6 +410,9 @@ def compare_plans(
                 **found,
                 "loads": at,
                 "planned": plan.objective,
+                # what the planner states it delivers (>= 99% on time, simulated; None:
+                # planned without it)
+                "deliverable": plan.deliverable,
                 "ready_s": ready_s,
                 "cpu_us": {k: (c1[k] - c0[k]) / max(1, sent) * 1e6 for k in c0},
                 "cores": {k: (c1[k] - c0[k]) / wall for k in c0},
