@@ -72,10 +72,13 @@ FINALISTS = 2
 # A variant replaces the fluid plan only where it delivers this much more (both measured
 # at a stated figure's precision): less is within the measurement's noise.
 FLUID_EDGE = 0.02
+# ... and is measured again only where its screening came within this share of the best's
+# (further below, the variants win by more than any noise).
+FLUID_CLOSE = 0.1
 # The variants' MILPs are heuristics judged by simulation: solved to this gap, in at most
 # this many seconds (the fluid plan, the bound, keeps the request's).
 VARIANT_GAP = 0.01
-VARIANT_TIME_S = 1.0
+VARIANT_TIME_S = 0.5
 # A model that delivers less than this share of its throughput counts as delivering it
 # when weights are rebalanced (so that one starved model does not take every GPU).
 MIN_DELIVERED_SHARE = 0.05
@@ -229,23 +232,25 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
 
 def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Variant:
     """The plan chosen: the best screened variants (FINALIST_WITHIN of the best, at most
-    FINALISTS) and the fluid plan measured again at a stated figure's precision, and the
-    best of them, where it delivers FLUID_EDGE more than the fluid plan (else the fluid
-    plan): the chosen plan's figures are the precise ones, a screening's luck does not
-    choose it alone, and a variant replaces the exact plan only for a gain the noise of
-    the measurement does not explain."""
+    FINALISTS) and the fluid plan (where it screened within FLUID_CLOSE of the best)
+    measured again at a stated figure's precision, and the best of them, where it delivers
+    FLUID_EDGE more than the fluid plan (else the fluid plan): the chosen plan's figures are
+    the precise ones, a screening's luck does not choose it alone, and a variant replaces
+    the exact plan only for a gain the noise of the measurement does not explain."""
     fluid = tried[0]
     top = max(v.objective for v in tried)
     close = sorted(
         (v for v in tried if v.objective >= top * (1 - FINALIST_WITHIN)),
         key=lambda v: -v.objective,
     )[:FINALISTS]
-    if fluid not in close:
+    if fluid not in close and fluid.objective >= top * (1 - FLUID_CLOSE):
         close.append(fluid)
     for v in close:
         v.delivery, v.final = measure(v.plan, profiles, near=v.delivery), True
     best = max(close, key=lambda v: v.objective)
-    return best if best.objective > fluid.objective * (1 + FLUID_EDGE) else fluid
+    if fluid.final and best.objective <= fluid.objective * (1 + FLUID_EDGE):
+        return fluid
+    return best
 
 
 def _delivered_share(v: Variant) -> list[float]:

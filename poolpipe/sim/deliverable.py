@@ -29,7 +29,7 @@ SCREENING_SEEDS = (101,)
 # Simulated requests per model and seed at the plan's throughput: sets each run's length.
 # A stated figure is found with STATED (a 1% miss rate is about 30 requests per seed at
 # half the plan's throughput); plans are compared with SCREENING first.
-STATED_REQUESTS = 4000
+STATED_REQUESTS = 5000
 SCREENING_REQUESTS = 1500
 # Bounds on one run's simulated seconds (µs-scale batches need little; a slow model's
 # stream needs the longer runs), and on its requests, all models together, at the plan's
