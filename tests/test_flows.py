@@ -98,6 +98,8 @@ def test_onboard_flow_stores_blocks_latencies_and_provenance(onboarded):
     table = profile.tables[("cpu-1t", 1)]
     assert table.latency_us.shape == (4, 3)
     assert profile.boundary_bytes == tuple(bytes_)
+    # what a vGPU holds of it, from the ONNX model (domain/memory.py)
+    assert (profile.weight_bytes or 0) > 0 and (profile.activation_bytes or 0) > 0
 
 
 def test_onboard_artifact_holds_the_block_table(onboarded):

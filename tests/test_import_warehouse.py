@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 from pathlib import Path
 
@@ -53,12 +55,20 @@ def test_each_models_input_size_comes_from_the_layers_files_and_is_kept(tmp_path
         "googlenet-v3-pytorch": 3 * 598 * 598 * 4,
         "repvgg-b3": 3 * 448 * 448 * 4,
     }
+    # and twice the largest tensor per sample: what a batch's activations hold of a GPU
+    acts = {p.name: p.activation_bytes for p in load_ppipe_dir(group2)}
+    shapes = json.loads((group2 / "layers" / "repvgg-b3" / "shapes.json").read_text())
+    largest = max(math.prod(e["shape"][1:]) * 4 for e in shapes.values())  # all float32
+    assert acts["repvgg-b3"] == 2 * largest
     with Warehouse.open(warehouse_path) as wh:
         wh.store_profiles(load_ppipe_dir(group2))
-        assert wh.load_profile("repvgg-b3").input_bytes == 3 * 448 * 448 * 4
+        back = wh.load_profile("repvgg-b3")
+        assert back.input_bytes == 3 * 448 * 448 * 4
+        assert back.activation_bytes == acts["repvgg-b3"] and back.weight_bytes is None
     bare = tmp_path / "bare"
     shutil.copytree(group2, bare, ignore=shutil.ignore_patterns("layers"))
     assert {p.input_bytes for p in load_ppipe_dir(bare)} == {None}
+    assert {p.activation_bytes for p in load_ppipe_dir(bare)} == {None}
     broken = tmp_path / "broken"
     shutil.copytree(group2, broken)
     (broken / "layers" / "repvgg-b3" / "shapes.json").write_text('{"input": {"dtype": "<f4"}}')

@@ -207,3 +207,33 @@ def test_whether_models_may_share_a_gpu_is_the_clusters_and_inventorys_to_say(tm
         assert wh.load_cluster("own").mixed_model_interference is None
     with pytest.raises(ClusterError, match="latency factor >= 1"):
         Cluster.from_dict("bad", {**clusters["mix"].to_dict(), "mixed_model_interference": 0.5})
+
+
+def test_a_gpus_memory_is_given_or_its_types(tmp_path):
+    """memory_gb per GPU type (clusters file, inventory node, warehouse), else the type's
+    specification, else unknown; nodes of one device agree."""
+    import tomllib
+
+    from poolpipe.domain.cluster import load_clusters
+    from poolpipe.store.warehouse import Warehouse
+
+    path = tmp_path / "clusters.toml"
+    path.write_text(
+        '[c]\nbandwidth_gbps = 10\ngpus = [ { type = "V100", count = 2, memory_gb = 32 },'
+        ' { type = "T4", count = 2 }, { type = "X9", count = 1 } ]\n'
+    )
+    c = load_clusters(path)["c"]
+    assert [p.memory for p in c.pools] == [32.0, 16.0, None]
+    with Warehouse.open(tmp_path / "wh.duckdb") as wh:
+        wh.store_clusters([c], "test")
+        assert wh.load_cluster("c") == c
+    text = GOOD.replace('device = "L4"\n', 'device = "L4"\nmemory_gb = 48\n')
+    inv = parse_inventory(tomllib.loads(text), "inv.toml")
+    pools = {p.gpu: p for p in inv.cluster().pools}
+    assert pools["L4"].memory == 48.0 and pools["T4"].memory == 16.0
+    assert parse_inventory(tomllib.loads(inv.to_toml()), "inv.toml") == inv
+    with pytest.raises(InventoryError, match="memory_gb = 0 is not a number > 0"):
+        parse_inventory(
+            tomllib.loads(GOOD.replace('device = "L4"\n', 'device = "L4"\nmemory_gb = 0\n')),
+            "inv.toml",
+        )

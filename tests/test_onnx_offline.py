@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -173,3 +174,21 @@ def test_shipped_layer_data_prepartitions(ppipe_dir):
         part = prepartition(table, 10)
         assert len(part.block_us) == 10 and part.balance < 3, model
         assert sum(part.block_us) == pytest.approx(sum(table.latency_us))
+
+
+def test_a_models_memory_is_its_weights_and_its_largest_tensors(small_model):
+    """What a vGPU holds of a model (memory_of): its initializers' bytes, and twice its
+    largest tensor per sample, each counted by hand from the file."""
+    from poolpipe.offline.onnxgraph import memory_of, tensor_infos
+
+    name, model, _ = small_model
+    weights, activations = memory_of(model)
+    by_hand = sum(
+        int(np.prod(t.dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+        for t in model.graph.initializer
+    )
+    assert weights == by_hand > 0, name
+    largest = max(
+        b for b in (i.bytes_at_batch1() for i in tensor_infos(model).values()) if np.isfinite(b)
+    )
+    assert activations == 2 * largest > 0, name

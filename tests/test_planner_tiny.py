@@ -377,3 +377,40 @@ def test_models_never_share_a_gpu_unless_the_cluster_says_at_what_cost():
     assert dear.objective < free.objective
     halves = [q for m in dear.models for p in m.pipelines for q in p.partitions if q.share == 2]
     assert halves and all(q.latency_us == pytest.approx(7200.0 * (q.end - q.start)) for q in halves)
+
+
+def test_what_a_plan_runs_fits_the_gpus_memory():
+    """A vGPU holds the model's weights, a batch of its activations and its runtime; it
+    gets 1/v of its GPU's memory. The planner leaves out what does not fit (here batch 2,
+    and halves at all), and a plan that does not fit is refused, naming the GPU and the
+    figures."""
+    from dataclasses import replace
+
+    from poolpipe.domain.plan import Plan
+    from poolpipe.errors import PlanVerificationError
+
+    tables = {("A", 1): [[4000.0, 6000.0], [4000.0, 6000.0]], ("A", 2): [[6000.0], [6000.0]]}
+    big = replace(tiny_model("m", tables, SMALL_BOUNDARY), weight_bytes=1e9, activation_bytes=3e9)
+    cluster = tiny_cluster([("A", 2, 1, (1, 2))])
+
+    def with_memory(gb: float):
+        return replace(cluster, pools=(replace(cluster.pools[0], memory_gb=gb),))
+
+    # 16 GB: halves (8 GB each) hold a vGPU at batch 1 (1 + 3 + 0.5 = 4.5 GB): four of them
+    # at 12 ms serve 333.3/s, as do the whole GPUs at batch 2 (12 ms, 7.5 GB)
+    assert make_plan(request(big, with_memory(16.0), 13000)).objective == pytest.approx(1e6 / 3000)
+    # 8 GB: no halves (4 GB each); whole GPUs at batch 2 (7.5 GB) serve as much
+    plan = make_plan(request(big, with_memory(8.0), 13000))
+    assert plan.objective == pytest.approx(1e6 / 3000)
+    assert [(q.share, p.batch) for p in plan.models[0].pipelines for q in p.partitions] == [(1, 2)]
+    # 7 GB: batch 2 no longer fits: batch 1 (125/s a GPU), though batch 2 would serve more
+    plan = make_plan(request(big, with_memory(7.0), 13000))
+    assert plan.objective == pytest.approx(250.0)
+    assert {(q.share, p.batch) for p in plan.models[0].pipelines for q in p.partitions} == {(1, 1)}
+    # a plan written for 8 GB, given a 7-GB GPU: refused with the GPU and the figures
+    written = make_plan(request(big, with_memory(8.0), 13000)).to_dict()
+    written["cluster"]["gpus"][0]["memory_gb"] = 7.0
+    with pytest.raises(PlanVerificationError, match=r"A/1 at batch 2 needs 7\.50 GB.*7\.00 GB"):
+        Plan.from_dict(written).verify({"m": big})
+    # unknown memory (a type with no specification, none given) is not checked
+    assert make_plan(request(big, cluster, 13000)).objective == pytest.approx(1e6 / 3000)

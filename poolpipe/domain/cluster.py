@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from poolpipe.domain.memory import DEFAULT_MEMORY_GB
 from poolpipe.domain.tomlfile import read_toml
 from poolpipe.errors import ClusterError, UnknownNameError
 
@@ -22,6 +23,8 @@ class GpuPool:
     gpus_per_server: int  # these GPUs share one server NIC
     shares: tuple[int, ...] = (1,)  # v values the planner may use (1 = whole GPU)
     price_per_hour: float | None = None  # for the cost objective (any currency)
+    # GPU memory (GB); None: the type's specification (memory.DEFAULT_MEMORY_GB), where known
+    memory_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.count < 0:
@@ -33,6 +36,15 @@ class GpuPool:
         p = self.price_per_hour
         if p is not None and not (p > 0 and p < float("inf")):
             raise ClusterError(f"GPU pool {self.gpu}: price_per_hour must be > 0, got {p}")
+        g = self.memory_gb
+        if g is not None and not (g > 0 and g < float("inf")):
+            raise ClusterError(f"GPU pool {self.gpu}: memory_gb must be > 0, got {g}")
+
+    @property
+    def memory(self) -> float | None:
+        """Its GPUs' memory (GB): as given, else the type's specification, else None (not
+        known: not checked)."""
+        return self.memory_gb if self.memory_gb is not None else DEFAULT_MEMORY_GB.get(self.gpu)
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,7 @@ class Cluster:
                     "gpus_per_server": p.gpus_per_server,
                     "shares": list(p.shares),
                     **({} if p.price_per_hour is None else {"price_per_hour": p.price_per_hour}),
+                    **({} if p.memory_gb is None else {"memory_gb": p.memory_gb}),
                 }
                 for p in self.pools
             ],
@@ -157,6 +170,7 @@ class Cluster:
                     price_per_hour=(
                         None if g.get("price_per_hour") is None else float(g["price_per_hour"])
                     ),
+                    memory_gb=None if g.get("memory_gb") is None else float(g["memory_gb"]),
                 )
                 for g in data["gpus"]
             )
@@ -171,7 +185,8 @@ class Cluster:
             raise ClusterError(
                 f"{where}: malformed cluster entry ({type(e).__name__}: {e}); each cluster "
                 "needs bandwidth_gbps and gpus = [{type, count, gpus_per_server, shares, "
-                "price_per_hour (optional)}], and may give mixed_model_interference"
+                "price_per_hour and memory_gb (optional)}], and may give "
+                "mixed_model_interference"
             ) from None
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.memory import fits
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import ProfileError
 
@@ -60,6 +61,8 @@ class ModelCosts:
     lat_prefix: np.ndarray = field(init=False)  # [kv, b-1, i]: Σ_{x<i} max(L,1); NaN if no b
     down: np.ndarray = field(init=False)  # [kv, i]: vGPU samples/s receiving into block i
     up: np.ndarray = field(init=False)  # [kv, j]: vGPU samples/s sending after block j-1
+    # [kv, b-1]: a vGPU of any partition at batch b fits its share of the GPU's memory
+    fits_memory: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.profile
@@ -107,6 +110,14 @@ class ModelCosts:
             self.up[k, 1:B] = per_vgpu  # partition ending at j < B sends boundary j-1
             if self.tau_in_us > 0:  # block 0 receives the request's inputs
                 self.down[k, 0] = US_PER_S / (self.tau_in_us * v * h)
+        memory = [self.cluster.pool(gpu).memory for gpu, _ in self.kvs]
+        self.fits_memory = np.array(
+            [
+                [fits(p, memory[k], v, b) for b in range(1, max(self.max_batch, 1) + 1)]
+                for k, (_, v) in enumerate(self.kvs)
+            ],
+            dtype=bool,
+        ).reshape(K, max(self.max_batch, 1))
 
     # ------------------------------------------------------------------ scalar accessors
 

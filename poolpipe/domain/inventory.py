@@ -61,6 +61,7 @@ class InventoryNode:
     shares: tuple[int, ...] = (1,)
     http: str | None = None  # host:port of its KServe v2 HTTP endpoint, where given
     watch: str | None = None  # host:port of its process's watch port, where given
+    memory_gb: float | None = None  # its GPU's memory, where given (else the device's spec)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,11 @@ class Inventory:
         for device, nodes in self.by_device().items():
             if len({n.shares for n in nodes}) > 1:
                 raise InventoryError(f"{where}: nodes of device {device} list different shares")
+            if len({n.memory_gb for n in nodes}) > 1:
+                raise InventoryError(
+                    f"{where}: nodes of device {device} give different memory_gb (a device "
+                    "type is one GPU model: name the larger ones another device)"
+                )
         check_tier(self.routers, self.balancer, seen, where, _is_address)
         unknown = self.down - set(seen)
         if unknown:
@@ -134,7 +140,15 @@ class Inventory:
             per_server: dict[str, int] = defaultdict(int)
             for n in nodes:
                 per_server[n.server] += 1
-            pools.append(GpuPool(device, len(nodes), max(per_server.values()), nodes[0].shares))
+            pools.append(
+                GpuPool(
+                    device,
+                    len(nodes),
+                    max(per_server.values()),
+                    nodes[0].shares,
+                    memory_gb=nodes[0].memory_gb,
+                )
+            )
         bandwidth = min(s.bandwidth_gbps for s in self.servers)
         return Cluster(
             name or Path(self.source).stem,
@@ -207,6 +221,8 @@ class Inventory:
                 lines.append(f'watch = "{n.watch}"')
             if n.shares != (1,):
                 lines.append(f"shares = [{', '.join(str(v) for v in n.shares)}]")
+            if n.memory_gb is not None:
+                lines.append(f"memory_gb = {n.memory_gb:g}")
             lines.append("")
         lines += tier_toml(self.routers, self.balancer)
         return "\n".join(lines)
@@ -242,7 +258,14 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
         what = f"[[nodes]] #{i + 1}"
         name = need(n, "name", what, str)
         what = f"node {name}"
-        known(n, {"name", "server", "device", "grpc", "http", "watch", "shares"}, what)
+        known(
+            n, {"name", "server", "device", "grpc", "http", "watch", "shares", "memory_gb"}, what
+        )
+        memory = n.get("memory_gb")
+        if memory is not None and (
+            isinstance(memory, bool) or not isinstance(memory, int | float) or not memory > 0
+        ):
+            raise InventoryError(f"{source}: {what}: memory_gb = {memory!r} is not a number > 0")
         shares = n.get("shares", [1])
         if not isinstance(shares, list) or not all(isinstance(v, int) for v in shares):
             raise InventoryError(f"{source}: {what}: shares = {shares!r} is not a list of integers")
@@ -255,6 +278,7 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
                 tuple(shares),
                 _optional(n, "http", what, source),
                 _optional(n, "watch", what, source),
+                None if memory is None else float(memory),
             )
         )
     down = data.get("down", [])

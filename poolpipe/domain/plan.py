@@ -17,6 +17,7 @@ from typing import Any
 
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.costs import ModelCosts
+from poolpipe.domain.memory import GB, fits, share_bytes, vgpu_bytes
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import (
     PlanFormatError,
@@ -246,6 +247,15 @@ class Plan:
                     )
                     capacity = 0.0
                     continue
+                memory = self.cluster.pool(q.gpu).memory
+                if not fits(profile, memory, q.share, p.batch):
+                    problems.append(
+                        f"{where} partition {d}: a vGPU on {q.gpu}/{q.share} at batch {p.batch} "
+                        f"needs {vgpu_bytes(profile, p.batch) / GB:.2f} GB, more than its share "
+                        f"of the GPU's memory ({share_bytes(memory, q.share) / GB:.2f} GB of "
+                        f"{memory:g} GB); give the GPU's memory_gb in the cluster if it has "
+                        "more, or plan with it (the planner leaves such partitions out)"
+                    )
                 parts.append((kv, q.start, q.end))
                 capacity = min(
                     capacity, q.vgpus * costs.vgpu_throughput(kv, p.batch, q.start, q.end)

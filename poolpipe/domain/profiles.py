@@ -80,6 +80,10 @@ class ModelProfile:
     # bytes of one request's inputs as a client sends them (None: not known); what the
     # planner counts on the first server's NIC where asked (PlanRequest.count_inputs)
     input_bytes: float | None = None
+    # GPU memory (domain/memory.py; None: not known): the model's weights, and its largest
+    # tensor in and out per sample (the activations a batch holds at once)
+    weight_bytes: float | None = None
+    activation_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -96,6 +100,11 @@ class ModelProfile:
                 f"model {self.name}: input size must be a positive number of bytes, got "
                 f"{self.input_bytes}"
             )
+        for what, value in (("weights", self.weight_bytes), ("activations", self.activation_bytes)):
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ProfileError(
+                    f"model {self.name}: {what} must be a number of bytes >= 0, got {value}"
+                )
         for key, table in self.tables.items():
             if table.latency_us.shape[0] != self.num_blocks:
                 raise ProfileError(
@@ -227,6 +236,7 @@ def load_ppipe_dir(root: Path) -> list[ModelProfile]:
                 slo_us=reference * DEFAULT_SLO_SCALE,
                 meta={"source": "ppipe-artifact", "path": str(root)},
                 input_bytes=ppipe_input_bytes(root, model),
+                activation_bytes=ppipe_activation_bytes(root, model),
             )
         )
     return profiles
@@ -258,6 +268,25 @@ def ppipe_input_bytes(root: Path, model: str) -> float | None:
     if not total > 0:
         raise ProfileError(f"{cuts_file}: the first cut names no input tensor")
     return float(total)
+
+
+def ppipe_activation_bytes(root: Path, model: str) -> float | None:
+    """Twice the model's largest tensor per sample (an input and an output held at once)
+    from the artifact's `layers/<model>/shapes.json`; None where the folder has none."""
+    shapes_file = Path(root) / "layers" / model / "shapes.json"
+    if not shapes_file.is_file():
+        return None
+    try:
+        shapes = json.loads(shapes_file.read_text())
+        largest = 0.0
+        for entry in shapes.values():
+            dims = [int(d) for d in entry["shape"][1:]]
+            if any(d < 1 for d in dims):
+                continue  # (a shape tensor's unknown length: no activation of note)
+            largest = max(largest, math.prod(dims) * np.dtype(entry["dtype"]).itemsize)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"{shapes_file}: cannot read the tensors' sizes ({exc})") from None
+    return 2.0 * largest
 
 
 def _read_reference_latency(path: Path) -> dict[str, float]:

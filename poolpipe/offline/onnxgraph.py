@@ -102,6 +102,19 @@ def tensor_infos(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     return out
 
 
+def memory_of(model: onnx.ModelProto) -> tuple[float, float]:
+    """The model's weights (its initializers' bytes) and twice its largest tensor of known
+    size per sample (an input and an output held at once): what a vGPU's memory must hold
+    beside its runtime (poolpipe/domain/memory.py)."""
+    weights = 0.0
+    for t in model.graph.initializer:
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+        weights += float(np.prod(t.dims, dtype=float)) * dtype.itemsize
+    sizes = [info.bytes_at_batch1() for info in tensor_infos(model).values()]
+    largest = max((x for x in sizes if np.isfinite(x)), default=0.0)
+    return weights, 2.0 * largest
+
+
 def node_names(model: onnx.ModelProto) -> list[str]:
     """Node names in graph order, made unique where the file leaves them empty."""
     names = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from poolpipe.offline.onnxgraph import (
     cut_table,
     extract_block,
     load_model,
+    memory_of,
     profile_layers,
     random_inputs,
     session,
@@ -59,6 +60,10 @@ class SplitResult:
     layers: int
     partitioning: Partitioning
     blocks: tuple[BlockFile, ...]
+    # what a vGPU holds of it (onnxgraph.memory_of): its weights, and its largest tensor in
+    # and out per sample
+    weight_bytes: float | None = None
+    activation_bytes: float | None = None
 
     @property
     def whole_path(self) -> Path:
@@ -69,9 +74,7 @@ class SplitResult:
         blocks = tuple(
             BlockFile(**{**b.__dict__, "path": folder / b.path.name}) for b in self.blocks
         )
-        return SplitResult(
-            self.model, self.source, self.sha256, folder, self.layers, self.partitioning, blocks
-        )
+        return replace(self, folder=folder, blocks=blocks)
 
 
 def sha256_of(path: Path) -> str:
@@ -139,6 +142,7 @@ def split_model(
         )
     if progress:
         progress("split: extract blocks", len(part.blocks), len(part.blocks))
+    weights, activations = memory_of(model)
     return SplitResult(
         model=name,
         source=path.resolve(),
@@ -147,6 +151,8 @@ def split_model(
         layers=len(table.layers),
         partitioning=part,
         blocks=tuple(blocks),
+        weight_bytes=weights,
+        activation_bytes=activations,
     )
 
 

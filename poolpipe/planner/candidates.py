@@ -141,6 +141,9 @@ def enumerate_pipelines(
             if valid.any():
                 best_latency = min(best_latency, float(e2e[valid].min()))
             ok = valid & (e2e <= budget) & (thr_parts > 0).all(axis=-1)
+            # every partition's vGPU fits its share of the GPU's memory at the batch
+            fit = np.stack([costs.fits_memory[k, batches - 1] for k in sig], axis=-1).all(-1)
+            ok &= fit[:, None]
             if not ok.any():
                 continue
             bi, ci = np.nonzero(ok)

@@ -429,7 +429,8 @@ class Warehouse:
             for p in profiles:
                 con.execute(
                     "INSERT INTO models (name, num_blocks, reference_latency_us, slo_us, source,"
-                    " updated_at, input_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    " updated_at, input_bytes, weight_bytes, activation_bytes)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [
                         p.name,
                         p.num_blocks,
@@ -438,6 +439,8 @@ class Warehouse:
                         p.meta.get("source", "unknown"),
                         now,
                         p.input_bytes,
+                        p.weight_bytes,
+                        p.activation_bytes,
                     ],
                 )
                 _insert_columns(
@@ -478,7 +481,7 @@ class Warehouse:
             _delete_models(con, [split.model])
             con.execute(
                 "INSERT INTO models (name, num_blocks, reference_latency_us, slo_us, source,"
-                " updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+                " updated_at, weight_bytes, activation_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     split.model,
                     len(split.blocks),
@@ -486,6 +489,8 @@ class Warehouse:
                     slo_us if slo_us is not None else (ref * DEFAULT_SLO_SCALE if ref else None),
                     f"onboard:{split.source}",
                     now,
+                    split.weight_bytes,
+                    split.activation_bytes,
                 ],
             )
             _insert_columns(
@@ -574,12 +579,16 @@ class Warehouse:
             _insert_columns(con, "block_boundaries", _boundary_columns([profile]))
             con.execute(
                 "UPDATE models SET reference_latency_us = ?, slo_us = ?, source = ?,"
-                " input_bytes = coalesce(?, input_bytes) WHERE name = ?",
+                " input_bytes = coalesce(?, input_bytes),"
+                " weight_bytes = coalesce(?, weight_bytes),"
+                " activation_bytes = coalesce(?, activation_bytes) WHERE name = ?",
                 [
                     profile.reference_latency_us,
                     profile.slo_us,
                     f"shadow of {profile.meta.get('source', 'profile')}",
                     profile.input_bytes,
+                    profile.weight_bytes,
+                    profile.activation_bytes,
                     profile.name,
                 ],
             )
@@ -622,8 +631,8 @@ class Warehouse:
 
     def load_profile(self, name: str) -> ModelProfile:
         row = self.con.execute(
-            "SELECT num_blocks, reference_latency_us, slo_us, source, input_bytes FROM models "
-            "WHERE name = ?",
+            "SELECT num_blocks, reference_latency_us, slo_us, source, input_bytes, weight_bytes,"
+            " activation_bytes FROM models WHERE name = ?",
             [name],
         ).fetchone()
         if row is None:
@@ -635,7 +644,7 @@ class Warehouse:
                 "../shared/profiles/ppipe-gpu"
             )
             raise UnknownNameError(f"model {name!r} is not in warehouse {self.path}; {hint}")
-        num_blocks, ref, slo, source, input_bytes = row
+        num_blocks, ref, slo, source, input_bytes, weight_bytes, activation_bytes = row
         rows = self.con.execute(
             "SELECT gpu_type, share, block_index, batch, latency_us, source FROM block_latency "
             "WHERE model = ? ORDER BY gpu_type, share, block_index, batch",
@@ -671,6 +680,8 @@ class Warehouse:
             slo_us=slo,
             meta={"source": source},
             input_bytes=input_bytes,
+            weight_bytes=weight_bytes,
+            activation_bytes=activation_bytes,
         )
 
     def profile_summary(self) -> list[tuple]:
@@ -697,7 +708,7 @@ class Warehouse:
                 for p in c.pools:
                     con.execute(
                         "INSERT INTO cluster_pools (cluster, gpu_type, count, gpus_per_server, "
-                        "shares, price_per_hour) VALUES (?, ?, ?, ?, ?, ?)",
+                        "shares, price_per_hour, memory_gb) VALUES (?, ?, ?, ?, ?, ?, ?)",
                         [
                             c.name,
                             p.gpu,
@@ -705,6 +716,7 @@ class Warehouse:
                             p.gpus_per_server,
                             list(p.shares),
                             p.price_per_hour,
+                            p.memory_gb,
                         ],
                     )
 
@@ -721,9 +733,9 @@ class Warehouse:
                 "pass --clusters-file FILE.toml or import one"
             )
         pools = tuple(
-            GpuPool(gpu, count, gps, tuple(shares), price)
-            for gpu, count, gps, shares, price in self.con.execute(
-                "SELECT gpu_type, count, gpus_per_server, shares, price_per_hour "
+            GpuPool(gpu, count, gps, tuple(shares), price, memory)
+            for gpu, count, gps, shares, price, memory in self.con.execute(
+                "SELECT gpu_type, count, gpus_per_server, shares, price_per_hour, memory_gb "
                 "FROM cluster_pools "
                 "WHERE cluster = ? ORDER BY rowid",
                 [name],

@@ -31,3 +31,10 @@ CREATE TABLE bench_delivery (
 -- a physical GPU only where the cluster gives the latency factor their interference costs
 -- (NULL: never).
 ALTER TABLE clusters ADD COLUMN mixed_model_interference DOUBLE;
+
+-- What a plan's partitions need of a GPU's memory (poolpipe/domain/memory.py): the model's
+-- weights and its largest tensor in and out per sample (NULL: not known), and each GPU
+-- type's memory where the cluster gives it (NULL: the type's specification, or unchecked).
+ALTER TABLE models ADD COLUMN weight_bytes DOUBLE;
+ALTER TABLE models ADD COLUMN activation_bytes DOUBLE;
+ALTER TABLE cluster_pools ADD COLUMN memory_gb DOUBLE;
