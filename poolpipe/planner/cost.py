@@ -153,24 +153,71 @@ def cheapest_sized(
     cluster: Cluster,
     required: bool = False,
 ) -> Cheapest | None:
-    """`cheapest`, and unless `req.delivery` is "off", sized on what it delivers: the cost
-    MILP plans each model's pools with queueing headroom at its rate (headroom.py), the plan
+    """`cheapest`, and unless `req.delivery` is "off", sized on what it delivers: the plan
     is simulated at the rates, and where a model keeps less than 99% on time its rate asked
-    of the MILP grows (to the rate over what it delivers, at least by SIZING_RAISE) until
-    every model keeps 99% (at most SIZING_ROUNDS plans). None where no plan serves them."""
+    of the cost MILP grows (to the rate over what it delivers, at least by SIZING_RAISE)
+    until every model keeps 99% (at most SIZING_ROUNDS plans). Sized twice, from the fluid
+    cost plan and from the cost MILP with each model's pools planned with queueing headroom
+    at its rate (headroom.py): the cheaper plan that serves. None where no plan serves the
+    rates even fluid; InfeasibleError (where `required`) when none keeps 99%."""
     assert req.rates is not None
     if req.delivery == "off":
         return cheapest(req, lam, P, whole, cluster, required)
+    served: list[Cheapest] = []
+    tried: list[dict] = []
+    last: tuple[float, ...] = ()
+    for headroom in (False, True):
+        found, rounds, last = _sized(req, lam, P, whole, cluster, headroom, required)
+        if found is False:
+            return None  # not even the fluid plan serves them
+        tried += rounds
+        if found is not None:
+            served.append(found)
+    if served:
+        best = min(served, key=lambda c: c.cost_per_hour)  # the fluid start on equal cost
+        assert best.sizing is not None
+        best.sizing.rounds = tried
+        return best
+    if required:
+        names = [m.name for m in req.models]
+        kept = ", ".join(f"{n} {a:.1%}" for n, a in zip(names, last, strict=True))
+        raise InfeasibleError(
+            f"cluster {cluster.name} serves these rates on the fluid plan, but no {req.strategy} "
+            f"plan of it was found to keep >= {ATTAINMENT_TARGET:.0%} of requests on time at "
+            f"them ({len(tried)} plans simulated; the last kept {kept} on time, and serving "
+            "more of each model's rate than it asks takes more GPUs than the cluster has). "
+            "Lower --rates (poolpipe plan --objective maxmin --weights RATES states what the "
+            "cluster delivers at their mix), loosen the SLOs, plan on a larger cluster, or "
+            "size on the fluid plan with --delivery off"
+        )
+    return None
+
+
+def _sized(
+    req: PlanRequest,
+    lam: list[float | None],
+    P: int,
+    whole: bool,
+    cluster: Cluster,
+    headroom: bool,
+    required: bool,
+) -> tuple[Cheapest | Literal[False] | None, list[dict], tuple[float, ...]]:
+    """One sizing (cheapest_sized), from the fluid cost plan or the headroom one: the plan
+    that keeps 99% on time (None: none found; False: the rates are not served even fluid),
+    the rounds, and the share on time of the last plan simulated."""
+    assert req.rates is not None
     rates = tuple(req.rates)
     profiles = {m.name: m for m in req.models}
     asked = list(rates)
     rounds: list[dict] = []
     on_time: tuple[float, ...] = ()
     for k in range(SIZING_ROUNDS):
-        sub = replace(req, cluster=cluster, rates=tuple(asked), headroom_rates=rates)
+        sub = replace(
+            req, cluster=cluster, rates=tuple(asked), headroom_rates=rates if headroom else None
+        )
         found = cheapest(sub, lam, P, whole, cluster, required and k == 0)
-        if found is None and k == 0:
-            return None  # not even the fluid plan serves them
+        if found is None and k == 0 and not headroom:
+            return False, rounds, on_time
         if found is None:
             break  # what each model needs for 99% on time is more than the GPUs give
         plan = _as_plan(sub, found, lam, P, SolverInfo(req.solver, "sized", 0.0, 0.0))
@@ -178,6 +225,7 @@ def cheapest_sized(
         on_time = attainment_at(topo, rates)
         rounds.append(
             {
+                "start": "headroom" if headroom else "fluid",
                 "asked": dict(zip(profiles, asked, strict=True)),
                 "cost_per_hour": found.cost_per_hour,
                 "on_time": dict(zip(profiles, on_time, strict=True)),
@@ -185,24 +233,13 @@ def cheapest_sized(
         )
         if all(a >= ATTAINMENT_TARGET for a in on_time):
             found.sizing = Sizing(rounds, deliverable(topo), on_time)
-            return found
+            return found, rounds, on_time
         delivered = deliverable(topo).rates
         for i, a in enumerate(on_time):
             if a < ATTAINMENT_TARGET:
                 short = rates[i] / delivered[i] if delivered[i] > 0 else 2.0
                 asked[i] *= max(short, 1 + SIZING_RAISE)
-    if required:
-        kept = ", ".join(f"{n} {a:.1%}" for n, a in zip(profiles, on_time, strict=True))
-        raise InfeasibleError(
-            f"cluster {cluster.name} serves these rates on the fluid plan, but no {req.strategy} "
-            f"plan of it was found to keep >= {ATTAINMENT_TARGET:.0%} of requests on time at "
-            f"them ({len(rounds)} plans simulated; the last kept {kept} on time, and serving "
-            "more of each model's rate than it asks takes more GPUs than the cluster has). "
-            "Lower --rates (poolpipe plan --objective maxmin --weights RATES states what the "
-            "cluster delivers at their mix), loosen the SLOs, plan on a larger cluster, or "
-            "size on the fluid plan with --delivery off"
-        )
-    return None
+    return None, rounds, on_time
 
 
 def cheapest(
