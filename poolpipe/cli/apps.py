@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from rich.table import Table
@@ -107,6 +108,7 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
     plans = {split: plans[split] for split in SPLITS}
     joint = plans["joint"]
     docs = {}
+    chosen = "joint"
     if args.delivery != "off":
         from poolpipe.planner.apps import app_plan_document
         from poolpipe.planner.deliverable import state_apps
@@ -115,6 +117,10 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
             with console.status(f"simulating what the {split} split delivers ..."):
                 doc, profiles = app_plan_document(req, p)
                 docs[split] = state_apps(doc, profiles, apps)
+        if args.delivery == "maximise":
+            # the split whose plan delivers most (the joint split on equal figures): the
+            # fluid optimum is not always the one that keeps the most on time
+            chosen = max(SPLITS, key=lambda s: (docs[s].meta["apps_deliverable"], s == "joint"))
     t = Table(
         title=f"{len(apps)} application(s) on {cluster.name}: req/s of the least served per "
         f"unit of weight (budgets: a grid of {args.grid} per model, margin {args.margin})"
@@ -124,14 +130,14 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
     cols = ["split", "objective (fluid)", "joint / this", "each application req/s"]
     if docs:
         cols[2:2] = ["delivered"]
-        cols[3] = "joint / this (delivered)"
+        cols[3] = f"{chosen} / this (delivered)"
         cols.append("each delivers")
     for col in (*cols, "MILP s"):
         t.add_column(col, justify="left" if col in ("split",) else "right")
     for split, p in plans.items():
         row = [split, f"{p.objective:.1f}"]
         if docs:
-            got, best = docs[split].meta["apps_deliverable"], docs["joint"].meta["apps_deliverable"]
+            got, best = docs[split].meta["apps_deliverable"], docs[chosen].meta["apps_deliverable"]
             row += [f"{got:.1f}", f"{best / got:.2f}" if got > 0 else "-"]
         else:
             row.append(f"{joint.objective / p.objective:.2f}" if p.objective > 0 else "-")
@@ -142,8 +148,15 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
         row.append(f"{p.seconds:.2f} ({p.status})")
         t.add_row(*row)
     console.print(t)
-    _print_split(joint)
-    _write(args.out, req, joint, docs.get("joint"))
+    if chosen != "joint":
+        got, joint_got = (docs[s].meta["apps_deliverable"] for s in (chosen, "joint"))
+        console.print(
+            f"chosen: the {chosen} split, which delivers {got:.1f} with >= 99% on time "
+            f"against the joint split's {joint_got:.1f} (--delivery state keeps the joint split)",
+            highlight=False,
+        )
+    _print_split(plans[chosen], chosen)
+    _write(args.out, req, plans[chosen], docs.get(chosen), chosen)
     return 0
 
 
@@ -152,17 +165,21 @@ def _writable(out: str | None) -> None:
         raise PoolpipeError(f"--out {out}: folder {Path(out).parent} does not exist")
 
 
-def _write(out: str | None, req, plan, stated=None) -> None:
-    """The joint split's plan document (what the simulator and the router serve), with
-    what it delivers where `stated` has it."""
+def _write(
+    out: str | None, req, plan, stated=None, split: str = "joint", meta: dict | None = None
+) -> None:
+    """The `split` split's plan document (what the simulator and the router serve), with
+    what it delivers where `stated` has it, and `meta` (how a cost plan was sized)."""
     if not out:
         return
     from poolpipe.planner.apps import app_plan_document
 
     doc = stated if stated is not None else app_plan_document(req, plan)[0]
+    if meta:
+        doc = replace(doc, meta={**doc.meta, **meta})
     doc.save(Path(out))
     console.print(
-        f"the joint split's plan written to {out} ({len(doc.models)} models, "
+        f"the {split} split's plan written to {out} ({len(doc.models)} models, "
         f"budgets filled to each SLO): poolpipe apps simulate SPEC --plan {out}",
         highlight=False,
     )
@@ -254,7 +271,14 @@ def cmd_apps_simulate(args: argparse.Namespace) -> int:
 def _apps_cost(args: argparse.Namespace, req) -> int:
     """--objective cost: the cheapest GPUs serving --rates, per split, and whole-model."""
     from poolpipe.cli.plans import cluster_prices, parse_pairs
-    from poolpipe.planner.apps import AppPlan, cheapest_apps, cheapest_by_split
+    from poolpipe.planner.apps import (
+        AppPlan,
+        app_plan_document,
+        cheapest_apps,
+        cheapest_by_split,
+        cheapest_by_split_sized,
+    )
+    from poolpipe.planner.deliverable import app_attainment_at
 
     if not args.rates:
         raise PoolpipeError(
@@ -263,12 +287,23 @@ def _apps_cost(args: argparse.Namespace, req) -> int:
         )
     rates = parse_pairs(args.rates, "rates")
     prices = cluster_prices(req.cluster, args.prices)
+    sizing = None
     with console.status("the cheapest GPUs ...") as status:
-        plans: dict[str, AppPlan | None] = cheapest_by_split(
-            req, rates, prices, lambda split: status.update(f"the cheapest GPUs, {split} split ...")
-        )
+
+        def on_split(split: str) -> None:
+            status.update(f"the cheapest GPUs, {split} split ...")
+
+        plans: dict[str, AppPlan | None]
+        if args.delivery == "off":
+            plans = cheapest_by_split(req, rates, prices, on_split)
+        else:
+            plans, sizing = cheapest_by_split_sized(req, rates, prices, on_split)
     with console.status("the cheapest whole-model plan ..."):
         plans["whole-model"] = _or_none(lambda: cheapest_apps(req, rates, prices, whole=True))
+        whole = plans["whole-model"]
+        if sizing is not None and whole is not None:
+            doc, profiles = app_plan_document(req, whole)
+            sizing.on_time["whole-model"] = app_attainment_at(doc, profiles, req.apps, rates)
     joint = plans["joint"]
     assert joint is not None and joint.cost_per_hour is not None
     t = Table(
@@ -279,23 +314,60 @@ def _apps_cost(args: argparse.Namespace, req) -> int:
         + ")",
         title_justify="left",
     )
-    for col in ("plan", "cost / hour", "this / joint", "GPUs", "MILP s"):
+    cols = ["plan", "cost / hour", "this / joint", "GPUs", "MILP s"]
+    if sizing is not None:
+        cols.insert(4, "on time at the rates (simulated)")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("plan", "GPUs") else "right")
     for name, p in plans.items():
         if p is None or p.cost_per_hour is None:
-            t.add_row(name, "cannot serve them", "-", "-", "-")
+            t.add_row(name, "cannot serve them", *["-"] * (len(cols) - 2))
             continue
-        t.add_row(
+        row = [
             name,
             f"{p.cost_per_hour:.2f}",
             f"{p.cost_per_hour / joint.cost_per_hour:.2f}",
             ", ".join(f"{n} {g}" for g, n in sorted(p.gpus_used.items()) if n),
             f"{p.seconds:.2f} ({p.status})",
-        )
+        ]
+        if sizing is not None:
+            kept = sizing.on_time.get(name, {})
+            row.insert(4, ", ".join(f"{a} {x:.1%}" for a, x in kept.items()))
+        t.add_row(*row)
     console.print(t)
+    meta = {}
+    if sizing is not None:
+        meta = {
+            "on_time_at_rates": sizing.on_time["joint"],
+            "sizing_rounds": sizing.rounds,
+            "sized_for_rates": dict(rates),
+        }
+        _print_sizing(sizing, joint, rates)
     _print_split(joint)
-    _write(args.out, req, joint)
+    _write(args.out, req, joint, meta=meta)
     return 0
+
+
+def _print_sizing(sizing, joint, rates) -> None:
+    """How the joint split's cost plan was sized on what it delivers."""
+    kept = ", ".join(f"{a} {x:.1%}" for a, x in sizing.on_time["joint"].items())
+    n = len(sizing.rounds)
+    if sizing.served:
+        more = ", ".join(
+            f"{a} {joint.rates[a]:.1f}" for a in rates if joint.rates[a] > rates[a] * (1 + 1e-9)
+        )
+        console.print(
+            f"sized on what it delivers: the joint split keeps {kept} on time at the rates "
+            f"(simulated, {n} plan(s))" + (f"; planned for {more} req/s" if more else ""),
+            highlight=False,
+        )
+    else:
+        console.print(
+            f"[yellow]warning:[/] no joint-split plan of the cluster found to keep >= 99% on "
+            f"time at these rates ({n} plan(s) simulated); the one planned at them keeps "
+            f"{kept}: lower the rates, loosen the SLOs or plan on a larger cluster",
+            highlight=False,
+        )
 
 
 def _or_none(plan):
@@ -306,8 +378,8 @@ def _or_none(plan):
         return None
 
 
-def _print_split(joint) -> None:
-    b = Table(title="the joint split", title_justify="left")
+def _print_split(joint, split: str = "joint") -> None:
+    b = Table(title=f"the {split} split", title_justify="left")
     for col in ("application", "model", "budget ms", "req/s served", "pipelines (batch: GPUs)"):
         b.add_column(col, justify="right" if col in ("budget ms", "req/s served") else "left")
     for (a, m), budget in joint.budgets.items():
@@ -363,11 +435,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     plan.add_argument(
         "--delivery",
-        choices=("state", "off"),
-        default="state",
-        help="state (default): simulate what each split's plan delivers, each application's "
-        "req/s with >= 99%% of its requests on time, and compare splits by it; off: the "
-        "MILP's (fluid) figures alone",
+        choices=("maximise", "state", "off"),
+        default="maximise",
+        help="maximise (default): simulate what each split's plan delivers, each "
+        "application's req/s with >= 99%% of its requests on time, compare the splits by it "
+        "and keep (print, --out) the split that delivers most; state: the same, keeping the "
+        "joint split; off: the MILP's (fluid) figures alone, the joint split. With "
+        "--objective cost, maximise and state both simulate each plan at --rates and size "
+        "the joint split's until each application keeps 99%% on time",
     )
     plan.add_argument(
         "--objective",

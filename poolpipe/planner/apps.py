@@ -235,6 +235,61 @@ def cheapest_by_split(
     return {SPLITS[0]: joint, **plans}
 
 
+@dataclass(frozen=True)
+class AppSizing:
+    """How the joint split's cost plan was sized on what it delivers: each application's
+    share on time at the user's rates, simulated, per split (the joint split's as sized),
+    the rates asked of the joint MILP per round, and whether every application keeps 99%."""
+
+    on_time: dict[str, dict[str, float]]
+    rounds: list[dict]
+    served: bool
+
+
+def cheapest_by_split_sized(
+    req: AppPlanRequest,
+    rates: Mapping[str, float],
+    prices: Mapping[str, float],
+    on_split: Callable[[str], None] = lambda split: None,
+) -> tuple[dict[str, AppPlan | None], AppSizing]:
+    """cheapest_by_split, each plan simulated at `rates` (its applications' shares on time
+    by their SLOs), and the joint split's sized on it: where an application keeps less than
+    99% on time, the rate asked of the MILPs for it grows (by three times its shortfall, at
+    least twice SIZING_RAISE) and all splits are planned again, until every application
+    keeps 99% or SIZING_ROUNDS plans were simulated, or the cluster serves no more. The
+    joint split's plan returned is the first that keeps 99% (else the one planned at the
+    user's rates). Equal-cost plans differ in what they deliver, so the share on time need
+    not grow with every round."""
+    from poolpipe.planner.cost import SIZING_RAISE, SIZING_ROUNDS
+    from poolpipe.planner.deliverable import ATTAINMENT_TARGET, app_attainment_at
+
+    def on_time(p: AppPlan) -> dict[str, float]:
+        doc, profiles = app_plan_document(req, p)
+        return app_attainment_at(doc, profiles, req.apps, rates)
+
+    plans = cheapest_by_split(req, rates, prices, on_split)
+    kept = {split: on_time(p) for split, p in plans.items() if p is not None}
+    joint = plans[SPLITS[0]]
+    assert joint is not None
+    asked, got = dict(rates), kept[SPLITS[0]]
+    rounds = [{"asked": dict(asked), "cost_per_hour": joint.cost_per_hour, "on_time": got}]
+    while min(got.values()) < ATTAINMENT_TARGET and len(rounds) < SIZING_ROUNDS:
+        for a, share in got.items():
+            if share < ATTAINMENT_TARGET:
+                asked[a] *= 1 + max(2 * SIZING_RAISE, 3 * (ATTAINMENT_TARGET - share))
+        try:
+            sized = cheapest_by_split(req, asked, prices, on_split)[SPLITS[0]]
+        except InfeasibleError:
+            break  # what each application needs for 99% on time is more than the cluster has
+        assert sized is not None
+        got = on_time(sized)
+        rounds.append({"asked": dict(asked), "cost_per_hour": sized.cost_per_hour, "on_time": got})
+        if min(got.values()) >= ATTAINMENT_TARGET:
+            plans[SPLITS[0]], kept[SPLITS[0]] = sized, got
+    served = min(kept[SPLITS[0]].values()) >= ATTAINMENT_TARGET
+    return plans, AppSizing(kept, rounds, served)
+
+
 def _split_budgets(
     req: AppPlanRequest, split: str, budgets: Mapping[tuple[str, str], float] | None
 ) -> Mapping[tuple[str, str], float] | None:

@@ -40,7 +40,7 @@ from poolpipe.errors import PoolpipeError
 from poolpipe.planner.fill import fill_idle
 from poolpipe.planner.request import PlanRequest
 from poolpipe.scheduler.topology import simulated_topology
-from poolpipe.sim.apps import app_deliverable
+from poolpipe.sim.apps import app_attainment_at, app_deliverable
 from poolpipe.sim.deliverable import (
     PLANNING_SEEDS,
     SCREENING_REQUESTS,
@@ -56,6 +56,7 @@ __all__ = [
     "ATTAINMENT_TARGET",
     "PLANNING_SEEDS",
     "Delivery",
+    "app_attainment_at",
     "attainment_at",
     "deliverable",
     "maximise",
