@@ -145,15 +145,23 @@ def load_apps_request(
 
 
 @task(name="solve-apps", cache_policy=NO_CACHE)
-def solve_apps(request: AppPlanRequest) -> tuple[Plan, dict[str, float]]:
-    """The joint split (started from Nexus's plan) as a plan document, and what each split
-    serves (req/s per unit of weight of the least served application)."""
+def solve_apps(
+    request: AppPlanRequest, delivery: str = "maximise"
+) -> tuple[Plan, dict[str, float]]:
+    """The split kept as a plan document, and what each split serves (req/s per unit of
+    weight of the least served application). `delivery` "maximise": each split's plan
+    stated with what it delivers and the one that delivers most kept; "state": the joint
+    split (started from Nexus's plan), stated; "off": the joint split, fluid figures only."""
     from poolpipe.planner.apps import SPLITS, app_plan_document, plan_apps
+    from poolpipe.planner.deliverable import choose_apps
 
     plans = {s: plan_apps(request, s) for s in SPLITS[1:]}
     plans["joint"] = plan_apps(request, start=plans["nexus"])
-    doc, _ = app_plan_document(request, plans["joint"])
-    return doc, {s: p.objective for s, p in plans.items()}
+    served = {s: p.objective for s, p in plans.items()}
+    if delivery == "off":
+        return app_plan_document(request, plans["joint"])[0], served
+    chosen, docs = choose_apps(request, plans, delivery)
+    return docs[chosen], served
 
 
 @flow(name="plan-apps", log_prints=True)
@@ -170,14 +178,16 @@ def plan_applications(
     label: str | None = None,
     out: str | None = None,
     count_inputs: bool = False,
+    delivery: str = "maximise",
 ) -> int:
     """Plan the applications of SPEC (an apps.toml on the worker) on CLUSTER (a name) or
     the live nodes of INVENTORY: each model's latency budget chosen with the pooled
     pipelines (the joint split, docs/apps.md), beside the equal, proportional and Nexus
-    splits; store the joint split's plan (and write it to OUT as JSON when given), which
-    `poolpipe serve` serves. Returns the plan id. GRID: budgets per model; MARGIN: share
-    of a budget held back; TIME_LIMIT_S per MILP; COUNT_INPUTS: each part's request
-    inputs counted on its first server's NIC."""
+    splits; store the plan of the split that delivers most (DELIVERY "maximise"; "state":
+    the joint split's, stated; "off": the joint split's, not simulated) and write it to
+    OUT as JSON when given, which `poolpipe serve` serves. Returns the plan id. GRID:
+    budgets per model; MARGIN: share of a budget held back; TIME_LIMIT_S per MILP;
+    COUNT_INPUTS: each part's request inputs counted on its first server's NIC."""
     warehouse = worker.warehouse(warehouse)
     target = _target(cluster, inventory)
     options = {
@@ -188,7 +198,9 @@ def plan_applications(
         "count_inputs": count_inputs,
     }
     request = load_apps_request(warehouse, spec, target, clusters_file, options)
-    plan, served = solve_apps(request)
+    if delivery not in ("maximise", "state", "off"):
+        raise PoolpipeError(f"delivery: 'maximise', 'state' or 'off', not {delivery!r}")
+    plan, served = solve_apps(request, delivery)
     plan_id = store_plan(warehouse, plan, label)
     if out:
         plan.save(Path(out))
@@ -201,6 +213,14 @@ def plan_applications(
         key=artifact_key("plan-apps", plan.cluster.name, "joint"),
         description=f"plan {plan_id}: applications on {plan.cluster.name}",
         markdown=f"# plan {plan_id}: applications on {plan.cluster.name}\n\n"
+        + f"the {plan.meta['split']} split"
+        + (
+            f", which delivers {plan.meta['apps_deliverable']:,.1f} req/s per weight with "
+            ">= 99% on time (simulated)"
+            if plan.meta.get("apps_deliverable") is not None
+            else ""
+        )
+        + "\n\n"
         + markdown_table(
             ["split", "req/s per weight"], [[s, f"{v:,.1f}"] for s, v in served.items()]
         )

@@ -210,7 +210,8 @@ def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
     rows = {
         line.split("│")[1].strip(): line.split("│")[2:]
         for line in out.splitlines()
-        if line.count("│") > 4 and line.split("│")[1].strip() in ("joint", "equal", "proportional")
+        if line.count("│") > 4
+        and line.split("│")[1].strip() in ("joint", "equal", "proportional", "nexus")
     }
     objective = {k: float(v[0]) for k, v in rows.items()}
     assert objective["joint"] >= max(objective["equal"], objective["proportional"]) - 0.05
@@ -218,6 +219,9 @@ def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
     # what each split's plan delivers with >= 99% on time, simulated: below its fluid figure
     delivered = {k: float(v[1]) for k, v in rows.items()}
     assert all(0 < delivered[k] <= objective[k] for k in rows), (delivered, objective)
+    # the split kept (its budgets printed) is the one that delivers most
+    kept = max(delivered, key=lambda k: (delivered[k], k == "joint"))
+    assert f"the {kept} split" in out and f"{kept} / this (delivered)" in out
 
 
 def test_apps_plan_writes_a_plan_that_apps_simulate_serves(tmp_path, capsys):

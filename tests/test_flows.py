@@ -165,6 +165,9 @@ def test_plan_apps_flow_stores_the_joint_split_of_an_application(prefect_api, tm
     assert sum(rec["cars"]["budgets_us"].values()) == pytest.approx(80_000)
     assert {m.name for m in plan.models} == {"cars.colorization-v2", "cars.repvgg-b3"}
     assert json.loads(out.read_text())["meta"]["apps"]["cars"]["slo_us"] == 80_000
+    # the split kept is the one that delivers most, stated
+    assert plan.meta["split"] in ("joint", "equal", "proportional", "nexus")
+    assert 0 < plan.meta["apps_deliverable"] <= plan.meta["apps_objective"] * (1 + 1e-9)
 
 
 def test_profile_flow_adds_a_device_and_keeps_the_others(onboarded):

@@ -107,20 +107,18 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
             plans[split] = plan_apps(req, split, start=start)
     plans = {split: plans[split] for split in SPLITS}
     joint = plans["joint"]
-    docs = {}
+    docs: dict = {}
     chosen = "joint"
     if args.delivery != "off":
-        from poolpipe.planner.apps import app_plan_document
-        from poolpipe.planner.deliverable import state_apps
+        from poolpipe.planner.deliverable import choose_apps
 
-        for split, p in plans.items():
-            with console.status(f"simulating what the {split} split delivers ..."):
-                doc, profiles = app_plan_document(req, p)
-                docs[split] = state_apps(doc, profiles, apps)
-        if args.delivery == "maximise":
-            # the split whose plan delivers most (the joint split on equal figures): the
-            # fluid optimum is not always the one that keeps the most on time
-            chosen = max(SPLITS, key=lambda s: (docs[s].meta["apps_deliverable"], s == "joint"))
+        with console.status("simulating what each split delivers ...") as status:
+            chosen, docs = choose_apps(
+                req,
+                plans,
+                args.delivery,
+                lambda split: status.update(f"simulating what the {split} split delivers ..."),
+            )
     t = Table(
         title=f"{len(apps)} application(s) on {cluster.name}: req/s of the least served per "
         f"unit of weight (budgets: a grid of {args.grid} per model, margin {args.margin})"
