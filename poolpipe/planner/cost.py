@@ -167,7 +167,8 @@ def cheapest_sized(
     tried: list[dict] = []
     last: tuple[float, ...] = ()
     for headroom in (False, True):
-        found, rounds, last = _sized(req, lam, P, whole, cluster, headroom, required)
+        found, rounds, on_time = _sized(req, lam, P, whole, cluster, headroom, required)
+        last = on_time or last  # (the headroom MILP may have no plan at all)
         if found is False:
             return None  # not even the fluid plan serves them
         tried += rounds
@@ -184,7 +185,8 @@ def cheapest_sized(
         raise InfeasibleError(
             f"cluster {cluster.name} serves these rates on the fluid plan, but no {req.strategy} "
             f"plan of it was found to keep >= {ATTAINMENT_TARGET:.0%} of requests on time at "
-            f"them ({len(tried)} plans simulated; the last kept {kept} on time, and serving "
+            f"them ({len(tried)} plan{'s' if len(tried) != 1 else ''} simulated; the last kept "
+            f"{kept} on time, and serving "
             "more of each model's rate than it asks takes more GPUs than the cluster has). "
             "Lower --rates (poolpipe plan --objective maxmin --weights RATES states what the "
             "cluster delivers at their mix), loosen the SLOs, plan on a larger cluster, or "
@@ -215,7 +217,7 @@ def _sized(
         sub = replace(
             req, cluster=cluster, rates=tuple(asked), headroom_rates=rates if headroom else None
         )
-        found = cheapest(sub, lam, P, whole, cluster, required and k == 0)
+        found = cheapest(sub, lam, P, whole, cluster, required and k == 0 and not headroom)
         if found is None and k == 0 and not headroom:
             return False, rounds, on_time
         if found is None:
