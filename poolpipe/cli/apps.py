@@ -429,7 +429,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "sends them (as poolpipe plan --count-inputs); needs each model's input size",
     )
     plan.add_argument(
-        "--out", help="write the joint split's plan here (JSON), to simulate or serve"
+        "--out",
+        help="write the plan of the split kept here (JSON; see --delivery), to simulate or "
+        "serve",
     )
     plan.add_argument(
         "--delivery",

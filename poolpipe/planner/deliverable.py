@@ -22,8 +22,9 @@ Every variant is simulated with the same seeds (one, then the best ones and the 
 again with two); the best deliverable objective (least deliverable req/s per weight) wins
 where it beats the fluid plan's by FLUID_EDGE, else the fluid plan does. The plan keeps
 its fluid figures (throughput, objective) beside the deliverable ones, and
-meta["delivery"] says how they were found. The search is deterministic: the same request
-gives the same plan.
+meta["delivery"] says how they were found. The search is deterministic (the same request
+gives the same plan) where the variants' MILPs end within VARIANT_GAP; one stopped by
+VARIANT_TIME_S depends on the machine's speed.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from poolpipe.runtime.ports import DROPPED, FAILED, LATE, ON_TIME, Entry, Outcom
 from poolpipe.scheduler import DataPlane, make_data_plane
 from poolpipe.scheduler.topology import Topology, simulated_topology
 from poolpipe.sim.arrivals import ArrivalSpec, generate
+from poolpipe.sim.capacity import bisect_grid
 from poolpipe.sim.deliverable import PLANNING_SEEDS, STATED_REQUESTS, STEP, run_length_s
 from poolpipe.sim.engine import SimConfig, Simulator
 from poolpipe.sim.metrics import ATTAINMENT_TARGET
@@ -214,7 +215,7 @@ def app_deliverable(
 ) -> AppDelivery:
     """Each application's deliverable rate: its planned rate (plan.meta["apps_rates"]) times
     the largest load factor (all applications at that factor, Poisson arrivals, `seeds`
-    pooled, grid `step`, bisection as in capacity.py) at which >= 99% of its requests are
+    pooled, grid `step`, capacity.bisect_grid) at which >= 99% of its requests are
     on time. `profiles` under the plan's model names (part_profiles)."""
     planned = plan.meta.get("apps_rates") or {}
     names = [a.name for a in apps]
@@ -226,17 +227,12 @@ def app_deliverable(
     def attainment(i: int) -> dict[str, float]:
         if i not in seen:
             lf = i * step
-            runs = [
-                simulate_apps(
-                    plan,
-                    profiles,
-                    apps,
-                    {n: lf * r for n, r in zip(names, base, strict=True)},
-                    SimConfig(duration_s=duration, seed=s),
-                )
-                for s in seeds
-            ]
-            seen[i] = {n: _pooled_attainment(runs, n) if lf > 0 else 1.0 for n in names}
+            rates = {n: lf * r for n, r in zip(names, base, strict=True)}
+            seen[i] = (
+                app_attainment_at(plan, profiles, apps, rates, seeds=seeds, duration_s=duration)
+                if lf > 0
+                else dict.fromkeys(names, 1.0)
+            )
         return seen[i]
 
     load = {}
@@ -244,22 +240,8 @@ def app_deliverable(
         if r <= 0:
             load[n] = 0.0
             continue
-        if attainment(top)[n] >= ATTAINMENT_TARGET:
-            load[n] = 1.0
-            continue
-        lo, hi = 0, top
-        for i, att in seen.items():
-            if att[n] >= ATTAINMENT_TARGET:
-                lo = max(lo, i)
-            else:
-                hi = min(hi, i)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if attainment(mid)[n] >= ATTAINMENT_TARGET:
-                lo = mid
-            else:
-                hi = mid
-        load[n] = round(lo * step, 10)
+        i = bisect_grid(attainment, n, top, ATTAINMENT_TARGET, dict(seen))
+        load[n] = round(i * step, 10)
     rates = {n: load[n] * r for n, r in zip(names, base, strict=True)}
     weight = {a.name: a.weight for a in apps}
     return AppDelivery(
@@ -280,11 +262,17 @@ def app_attainment_at(
     *,
     seeds: Sequence[int] = PLANNING_SEEDS,
     requests: int = STATED_REQUESTS,
+    duration_s: float | None = None,
 ) -> dict[str, float]:
     """Each application's share of requests on time by its SLO with every application at
-    `rates[name]` req/s (Poisson, `seeds` pooled, runs as long as a stated figure's)."""
+    `rates[name]` req/s (Poisson, `seeds` pooled, runs as long as a stated figure's at
+    these rates, or `duration_s`)."""
     names = [a.name for a in apps]
-    duration = run_length_s([float(rates[n]) for n in names], requests)
+    duration = (
+        run_length_s([float(rates[n]) for n in names], requests)
+        if duration_s is None
+        else duration_s
+    )
     runs = [
         simulate_apps(plan, profiles, apps, rates, SimConfig(duration_s=duration, seed=s))
         for s in seeds

@@ -107,30 +107,45 @@ def search_capacity(
             out.capacity.setdefault(name, 0.0)
     else:
         for name in names:
-            if attainment(top)[name] >= target:
-                out.capacity[name] = 1.0
-                continue
-            lo, hi = 0, top  # attainment(lo) passes (0 load), attainment(hi) fails
-            # Reuse what other models' searches already simulated.
-            for lf, att in out.attainment.items():
-                i = round(lf / step)
-                if att[name] >= target:
-                    lo = max(lo, i)
-                else:
-                    hi = min(hi, i)
-            if around is not None and name in around:
-                g = round(around[name] / step)
-                for i in (min(g + AROUND_STEPS, top), max(g - AROUND_STEPS, 0)):
-                    if lo < i < hi:
-                        if attainment(i)[name] >= target:
-                            lo = i
-                        else:
-                            hi = i
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if attainment(mid)[name] >= target:
-                    lo = mid
-                else:
-                    hi = mid
-            out.capacity[name] = round(lo * step, 10)
+            hint = round(around[name] / step) if around is not None and name in around else None
+            tried = {round(lf / step): att for lf, att in out.attainment.items()}
+            i = bisect_grid(attainment, name, top, target, tried, hint)
+            out.capacity[name] = round(i * step, 10)
     return out
+
+
+def bisect_grid(
+    attainment: Callable[[int], Mapping[str, float]],
+    name: str,
+    top: int,
+    target: float,
+    tried: Mapping[int, Mapping[str, float]],
+    hint: int | None = None,
+) -> int:
+    """The largest grid point in [0, top] at which `name`'s attainment (`attainment(i)`,
+    every name's at grid point i) meets `target`, by bisection, assuming it falls with load
+    (point 0 passes): `top` where that passes; else from the bracket the points already
+    simulated give (`tried`, other names' searches), narrowed first to AROUND_STEPS points
+    either side of `hint` (a coarser search's answer) where one is given."""
+    if attainment(top)[name] >= target:
+        return top
+    lo, hi = 0, top  # attainment(lo) passes (0 load), attainment(hi) fails
+    for i, att in tried.items():
+        if att[name] >= target:
+            lo = max(lo, i)
+        else:
+            hi = min(hi, i)
+    if hint is not None:
+        for i in (min(hint + AROUND_STEPS, top), max(hint - AROUND_STEPS, 0)):
+            if lo < i < hi:
+                if attainment(i)[name] >= target:
+                    lo = i
+                else:
+                    hi = i
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if attainment(mid)[name] >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
