@@ -11,7 +11,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from poolpipe.cli.plans import delivery_line
 from poolpipe.domain.plan import Plan
+from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.deliverable import measure
 from poolpipe.planner.fill import fill_idle, fits
@@ -98,6 +100,29 @@ def test_maximise_delivers_at_least_the_fluid_plan_and_is_deterministic():
     # every model's figures: deliverable within its fluid throughput
     for m in planned.models:
         assert m.deliverable is not None and 0 < m.deliverable <= m.throughput
+
+
+def test_a_searched_margin_is_kept_only_where_it_delivers_more():
+    # Whole models (np) on one A (4 ms) and four B (16 ms), SLO 24 ms: holding back 40% of
+    # it (14.4 ms left) rules the B out; holding back 20% (19.2 ms) lets them serve too
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, [1000.0])
+    cluster = tiny_cluster([("A", 1, 1, (1,)), ("B", 4, 2, (1,))])
+    req = replace(request([m], cluster, 24_000, strategy="np"), margin=0.4)
+    alone = make_plan(req)
+    assert alone.gpus_used() == {"A": 1} and alone.margin == 0.4
+    searched = make_plan(replace(req, search_margins=(0.2,)))
+    d = searched.meta["delivery"]
+    assert searched.margin == 0.2 and d["variant"].startswith("margin0.2")
+    assert searched.gpus_used().get("B", 0) > 0
+    assert searched.deliverable > 1.2 * alone.deliverable
+    # the bound stated is the request margin's, and the line printed says so
+    assert d["fluid_bound"] == pytest.approx(alone.meta["delivery"]["fluid_bound"])
+    assert d["fluid_margin"] == 0.4 and searched.objective > d["fluid_bound"]
+    assert "at margin 0.4" in delivery_line(searched)
+    # a margin that cannot make any plan is passed over; one out of range is refused
+    assert make_plan(replace(req, search_margins=(0.95,))).margin == 0.4
+    with pytest.raises(PoolpipeError, match="search margins"):
+        replace(req, search_margins=(1.0,))
 
 
 def test_idle_gpus_go_to_pools_and_never_beyond_the_cluster():

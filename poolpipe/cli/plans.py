@@ -111,9 +111,11 @@ def delivery_line(plan: Plan) -> str:
     )
     bound = d.get("fluid_bound")
     if d.get("mode") == "maximise" and bound:
+        at = d.get("fluid_margin", plan.margin)
         parts.append(
-            f"the fluid optimum is {bound:,.1f}; chosen: {d.get('variant')} of "
-            f"{len(d.get('variants', []))} plans simulated"
+            f"the fluid optimum is {bound:,.1f}"
+            + (f" at margin {at:g}" if at != plan.margin else "")
+            + f"; chosen: {d.get('variant')} of {len(d.get('variants', []))} plans simulated"
         )
     seeds = ",".join(str(x) for x in d.get("seeds", []))
     parts.append(
@@ -331,6 +333,11 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
         mip_gap=args.mip_gap,
         count_inputs=getattr(args, "count_inputs", False),
         delivery=getattr(args, "delivery", "maximise"),
+        search_margins=tuple(
+            parse_floats(args.search_margins, "search-margins")
+            if getattr(args, "search_margins", None)
+            else ()
+        ),
     )
     if getattr(args, "exclude", None):
         req = dataclasses.replace(req, cluster=req.cluster.without(parse_exclude(args.exclude)))
@@ -489,6 +496,14 @@ def _delivery_option(p: argparse.ArgumentParser) -> None:
         "time, chosen among plans made from the MILP's by simulating each, its deliverable "
         "req/s stated; state: the MILP's (fluid) plan, its deliverable req/s simulated; off: "
         "the fluid MILP alone, nothing simulated",
+    )
+    p.add_argument(
+        "--search-margins",
+        metavar="M,M",
+        help="with --delivery maximise, also plan holding back these fractions of the SLO "
+        "(e.g. 0.3,0.2) and keep the plan that delivers the most: a smaller margin admits "
+        "larger batches and slower GPUs, and the simulation measures the waiting it leaves "
+        "room for (default: --margin alone)",
     )
 
 

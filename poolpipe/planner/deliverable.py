@@ -12,6 +12,12 @@ small the fluid optimum is not the plan that delivers the most. The variants, in
 - `headroom`: the MILP again with each vGPU planned at the utilisation a pool of its size
   keeps within its slack (headroom.py), pools sized for the fluid plan's rates: it prefers
   fewer, larger pools and pipelines with more slack;
+- `margin<m>` and `margin<m>+headroom` (for each of `req.search_margins`, where asked): the
+  MILP and its headroom variant holding back m of the SLO instead of `req.margin`. The
+  margin is the published rule's allowance for what the MILP leaves out (waiting, transfers,
+  batches that fill late); the simulation measures those, so a smaller margin, which admits
+  larger batches and slower GPUs for whole models, is kept where it delivers more. The
+  fluid bound stays the request margin's (a smaller margin's fluid optimum is larger);
 - `rebalanced`: the MILP again (with the best variant's headroom setting) at weights
   divided by how much of its throughput each model of the best plan so far delivers, so
   that the models' deliverable rates, not their fluid ones, meet the mix (REBALANCE_ROUNDS
@@ -29,6 +35,7 @@ VARIANT_TIME_S depends on the machine's speed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -191,6 +198,14 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
         if filled is not None:
             consider(name + "+fill", filled, asked)
 
+    def with_headroom(name: str, plan: Plan, asked: PlanRequest) -> None:
+        rates = tuple(m.throughput for m in plan.models)
+        if all(r > 0 for r in rates):
+            room = replace(asked, headroom_rates=rates)
+            # (where no plan sizes the pools so, the variants found stand)
+            with contextlib.suppress(PoolpipeError):
+                with_fill(name, solve(room), room)
+
     def best() -> Variant:
         return max(tried, key=lambda v: v.objective)  # the first of equals: fluid first
 
@@ -200,10 +215,17 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
         time_limit_s=min(req.time_limit_s, VARIANT_TIME_S),
     )
     with_fill("fluid", fluid, quick)
-    rates = tuple(m.throughput for m in fluid.models)
-    if all(r > 0 for r in rates):
-        room = replace(quick, headroom_rates=rates)
-        with_fill("headroom", solve(room), room)
+    with_headroom("headroom", fluid, quick)
+    for margin in req.search_margins:
+        if margin == req.margin:
+            continue
+        asked = replace(quick, margin=margin)
+        try:
+            plan = solve(asked)
+        except PoolpipeError:
+            continue  # (no pipeline meets some model's SLO at this margin either)
+        with_fill(f"margin{margin:g}", plan, asked)
+        with_headroom(f"margin{margin:g}+headroom", plan, asked)
     for k in range(REBALANCE_ROUNDS):
         b = best()
         share = [max(x, MIN_DELIVERED_SHARE) for x in _delivered_share(b)]
@@ -222,7 +244,10 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
     search = {
         "mode": "maximise",
         "variant": chosen.name,
-        "fluid_bound": fluid.objective,
+        "margin": chosen.plan.margin,
+        "fluid_bound": fluid.objective,  # at the request's margin
+        "fluid_margin": req.margin,
+        "search_margins": list(req.search_margins),
         "simulations": simulations,
         "search_seconds": seconds,
         "variants": [

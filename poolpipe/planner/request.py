@@ -56,6 +56,10 @@ class PlanRequest:
     # serves the most with >= 99% on time, by simulation, and states it; "state" states
     # the fluid plan's; "off" plans fluid only (no simulation)
     delivery: str = "maximise"
+    # "maximise" also plans at these margins (each a fraction of the SLO held back, as
+    # `margin`) and keeps the plan that delivers the most: a smaller margin admits larger
+    # batches and slower GPUs, whose waiting the simulation then measures
+    search_margins: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.models)
@@ -81,6 +85,10 @@ class PlanRequest:
             raise PoolpipeError(f"unknown packing {self.packing!r}; choose {', '.join(PACKINGS)}")
         if not 0 <= self.margin < 1:
             raise PoolpipeError(f"margin must be in [0, 1), got {self.margin}")
+        if any(not 0 <= m < 1 for m in self.search_margins):
+            raise PoolpipeError(
+                f"search margins must be in [0, 1), got {list(self.search_margins)}"
+            )
         if self.max_partitions < 1:
             raise PoolpipeError(f"max partitions must be >= 1, got {self.max_partitions}")
         if self.solver not in SOLVERS:
