@@ -18,7 +18,11 @@ with >= 99% of requests on time (Poisson, all models at one load factor of their
 throughputs) per weight. "sum" is the sum of the models' deliverable req/s, whatever the
 mix (off the mix, a model given more than its share adds to it).
 
+With --search-margins M,M the delivery part plans both strategies also at those margins
+(PlanRequest.search_margins; the chosen plan's margin is in its variant's name).
+
     .venv/bin/python scripts/bench_delivery.py [--parts delivery,large,costs] [--quick]
+        [--search-margins 0.3,0.2]
 """
 
 from __future__ import annotations
@@ -70,12 +74,29 @@ def main() -> int:
     ap.add_argument("--profiles", type=Path, default=ppipe_dir())
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default=None)
+    ap.add_argument(
+        "--search-margins",
+        default="",
+        help="delivery part: plan also at these margins and keep what delivers most (0.3,0.2)",
+    )
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not parts or set(parts) - set(PARTS):
         ap.error(f"--parts: choose among {', '.join(PARTS)}")
-    run(parts, args.quick, args.profiles, args.warehouse, args.label)
+    margins = parse_margins(ap, args.search_margins)
+    run(parts, args.quick, args.profiles, args.warehouse, args.label, margins)
     return 0
+
+
+def parse_margins(ap: argparse.ArgumentParser, text: str) -> tuple[float, ...]:
+    """--search-margins 0.3,0.2 as a tuple (empty: the margin 0.4 alone)."""
+    try:
+        margins = tuple(float(m) for m in text.split(",") if m.strip())
+    except ValueError:
+        ap.error(f"--search-margins: {text!r} is not a list of numbers")
+    if not all(0 <= m < 1 for m in margins):
+        ap.error(f"--search-margins: each margin must be in [0, 1), got {text}")
+    return margins
 
 
 def run(
@@ -84,8 +105,9 @@ def run(
     profiles_dir: Path,
     warehouse: str | None,
     label: str | None,
+    search_margins: tuple[float, ...] = (),
 ) -> None:
-    bench = Bench(profiles_dir, quick)
+    bench = Bench(profiles_dir, quick, search_margins)
     rows: list[dict] = []
     if "delivery" in parts:
         rows += bench.delivery()
@@ -103,7 +125,8 @@ def run(
 
 
 class Bench:
-    def __init__(self, root: Path, quick: bool):
+    def __init__(self, root: Path, quick: bool, search_margins: tuple[float, ...] = ()):
+        self.search_margins = search_margins
         self.profiles = {p.name: p for p in load_ppipe_dir(root)}
         self.clusters = load_clusters(root / "clusters.toml")
         wl = tomllib.loads((root / "workloads.toml").read_text())
@@ -148,8 +171,10 @@ class Bench:
                     row = {}
                     for strategy in ("ppipe", "np"):
                         progress.update(task, description=f"g{gi} {cname} {strategy}")
-                        req = self.request(
-                            group, self.clusters[cname], strategy, "per-share", inputs
+                        cluster = self.clusters[cname]
+                        req = replace(
+                            self.request(group, cluster, strategy, "per-share", inputs),
+                            search_margins=self.search_margins,
                         )
                         started = time.perf_counter()
                         plan = make_plan(req)
@@ -157,6 +182,8 @@ class Bench:
                         checked = self.check(plan, CHECK_DURATION_S)
                         row[strategy] = (plan, checked, seconds)
                         config = f"delivery:g{gi}:{cname}{':inputs' if inputs else ''}"
+                        if self.search_margins:
+                            config += ":margins" + ",".join(f"{m:g}" for m in self.search_margins)
                         out += _rows(config, plan, checked, seconds)
                         progress.advance(task)
                     results.append((cname, inputs, gi, row))

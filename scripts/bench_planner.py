@@ -85,6 +85,11 @@ def main() -> int:
         default=",".join(f"{g}={p}" for g, p in PRICES.items()),
         help="price per GPU-hour per type for the cost part",
     )
+    ap.add_argument(
+        "--search-margins",
+        default="",
+        help="delivery part: plan also at these margins, keep what delivers most (e.g. 0.3,0.2)",
+    )
     ap.add_argument("--warehouse", default=None)
     ap.add_argument("--label", default=None, help="run label stored with the rows")
     args = ap.parse_args()
@@ -129,6 +134,7 @@ def main() -> int:
             args.profiles,
             args.warehouse,
             args.label,
+            bench_delivery.parse_margins(ap, args.search_margins),
         )
         parts = [p for p in parts if p not in DELIVERY_PARTS]
         if not parts:
