@@ -682,6 +682,31 @@ def test_the_sweep_takes_a_node_that_is_not_ready_out_and_leaves_a_busy_one_in()
     assert len(ex.checks) == n
 
 
+def test_a_check_of_a_plan_rolled_away_says_nothing_of_the_plan_served_now():
+    # A sweep's check in flight while a rollout ends: it looked for the old plan's models,
+    # which the rollout unloaded; its "not ready" must not take the node out of the new
+    # plan (whose models it holds), nor its "ready" put a down node back.
+    rt, clock, _ = runtime([([0], [10.0], 0.0)], slo_us=1000.0)
+    old = rt.served
+    (node,) = set(old.vgpu_node.values())
+    new = ServedPlan(rt.topo, make_data_plane("eager", rt.topo), vgpu_nodes(rt.topo))
+    rt.switch(new, 1e6, lambda res: None)
+    clock.run_until(1.0)
+    assert rt.served is new and set(new.vgpu_node.values()) == {node}
+    assert rt.node_checked(node, False, "its models are not loaded", old) is False
+    assert rt.down_nodes() == set()
+    # the plan served now: its check counts, and a stale one cannot bring the node back
+    assert rt.node_checked(node, False, "its models are not loaded", new) is False
+    assert rt.down_nodes() == {node}
+    rt.node_watched(node)
+    assert rt.node_checked(node, True, "", old) is False and rt.down_nodes() == {node}
+    assert rt.node_checked(node, True, "", new) is True and rt.down_nodes() == set()
+    # a recalibration keeps the plan (its plane): a check made before it still counts
+    recal = replace(new, topo=new.topo)
+    assert rt.node_checked(node, False, "no answer", recal) is False
+    assert rt.down_nodes() == {node}
+
+
 def test_a_window_counts_the_outcomes_of_its_own_arrivals_never_more():
     """A request in flight when its window closes used to be counted as arrived in that
     window and answered in the next (a row with more on time than arrivals). Its window is

@@ -164,7 +164,7 @@ class NodeExecutor(Executor):
             for v, url in served.vgpu_node.items()
             if url == node
         }
-        task = self.loop.create_task(self._check(node, models))
+        task = self.loop.create_task(self._check(node, models, served))
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
 
@@ -173,14 +173,18 @@ class NodeExecutor(Executor):
 
     # ------------------------------------------------------------------ node checks
 
-    async def _check(self, node: str, models: set[str]) -> None:
+    async def _check(self, node: str, models: set[str], served: ServedPlan) -> None:
         """Is the node live with its models ready? One live without them is refilled; one
-        that gave no answer in time is reported as such (None: busy is not dead)."""
+        that gave no answer in time is reported as such (None: busy is not dead). A check
+        that outlived its plan (a rollout ended and unloaded the models it looked for) is
+        dropped: the plan served now is checked by its own sweep."""
         live, ready = await self.stages.ready(node, sorted(models))
+        if served.plane is not self.rt.served.plane:
+            return
         if live and not ready and self.on_empty_node and node not in self._refilling:
             self._refilling.add(node)
             refill = self.loop.run_in_executor(None, self.on_empty_node, node)
             refill.add_done_callback(lambda f: self._refilling.discard(node))
         why = "no answer" if not live else "its models are not loaded" if not ready else ""
-        if self.rt.node_checked(node, None if live is None else ready, why):
+        if self.rt.node_checked(node, None if live is None else ready, why, served):
             self.stages.forget(node)  # its old connections went with its failure

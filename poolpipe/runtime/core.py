@@ -647,11 +647,18 @@ class ServingRuntime:
                 self._fail(entry, f"no live path for this model: {why} (node {node})", now)
         self._decide(now)
 
-    def node_checked(self, node: str, ok: bool | None, why: str = "") -> bool:
+    def node_checked(
+        self, node: str, ok: bool | None, why: str = "", served: ServedPlan | None = None
+    ) -> bool:
         """The executor's answer to check_node (ok None: no answer in time). A down node
         that serves again returns (True); a node in service that does not serve (the
         sweep's check) leaves service at once; one that was only slow to answer stays (a
-        busy node is not a dead one)."""
+        busy node is not a dead one). The answer of a check of a plan no longer served
+        (`served`, where given) is dropped: a rollout that ended while it ran unloaded
+        the models it looked for, and says nothing of the plan served now (whose sweep
+        checks the node again)."""
+        if served is not None and served.plane is not self._plan.served.plane:
+            return False  # (a recalibration keeps the plan's plane; a rollout makes one)
         health = self._health
         now = self.clock.now()
         if node not in health.down:

@@ -217,9 +217,9 @@ class Executor:
         raise NotImplementedError
 
     def check_node(self, node: str, served: ServedPlan) -> None:
-        """Find out whether a node serves (a failed one, or one in service when the runtime
-        sweeps); report runtime.node_checked(node, ok, why): ok None when it gave no answer
-        in time."""
+        """Find out whether a node serves `served`'s models (a failed one, or one in service
+        when the runtime sweeps); report runtime.node_checked(node, ok, why, served): ok
+        None when it gave no answer in time."""
         raise NotImplementedError
 
     def retire(self, usage: PlanUsage) -> None:
