@@ -75,10 +75,12 @@ def group_plans(
     weights=MAF19,
     clusters_file=None,
     count_inputs: bool = True,
+    search_margins: tuple[float, ...] = (),
 ) -> dict[str, tuple[Plan, int]]:
     """The ppipe and np plans of `models` at the paper's SLOs (5x reference) on `cluster`
     (stored; with their ids), each request's inputs counted on its first server's NIC
-    (`count_inputs`: served live, they cross it; the paper's model leaves them out)."""
+    (`count_inputs`: served live, they cross it; the paper's model leaves them out), also
+    planned at `search_margins` (PlanRequest.search_margins)."""
     from poolpipe.planner import make_plan
     from poolpipe.store.plan_inputs import plan_request
 
@@ -92,6 +94,7 @@ def group_plans(
             weights=list(weights),
             slo_scale=5.0,
             count_inputs=count_inputs,
+            search_margins=tuple(search_margins),
         )
         for strategy in ("ppipe", "np"):
             plan = make_plan(replace(req, strategy=strategy))

@@ -487,4 +487,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--cpu: nodes on loopback even where an emulated cluster (network namespaces) "
         "is possible",
     )
+    p.add_argument(
+        "--search-margins",
+        metavar="M,M",
+        help="emulated cluster: plan both strategies also holding back these fractions of the "
+        "SLO (e.g. 0.3,0.2; poolpipe plan --search-margins) and serve what delivers most",
+    )
     add_router_arguments(p)
