@@ -123,6 +123,8 @@ def test_a_searched_margin_is_kept_only_where_it_delivers_more():
     assert make_plan(replace(req, search_margins=(0.95,))).margin == 0.4
     with pytest.raises(PoolpipeError, match="search margins"):
         replace(req, search_margins=(1.0,))
+    with pytest.raises(PoolpipeError, match="--delivery maximise"):
+        replace(req, search_margins=(0.2,), delivery="state")
 
 
 def test_idle_gpus_go_to_pools_and_never_beyond_the_cluster():

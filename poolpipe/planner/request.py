@@ -58,7 +58,8 @@ class PlanRequest:
     delivery: str = "maximise"
     # "maximise" also plans at these margins (each a fraction of the SLO held back, as
     # `margin`) and keeps the plan that delivers the most: a smaller margin admits larger
-    # batches and slower GPUs, whose waiting the simulation then measures
+    # batches and slower GPUs, whose waiting the simulation then measures (max-min
+    # ppipe and np; dart-r plans as its heuristic does)
     search_margins: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
@@ -88,6 +89,13 @@ class PlanRequest:
         if any(not 0 <= m < 1 for m in self.search_margins):
             raise PoolpipeError(
                 f"search margins must be in [0, 1), got {list(self.search_margins)}"
+            )
+        if self.search_margins and (self.delivery != "maximise" or self.objective != "maxmin"):
+            raise PoolpipeError(
+                "search margins are tried by the max-min planner's search for what plans "
+                f"deliver; not with delivery {self.delivery!r} and objective "
+                f"{self.objective!r}: use --delivery maximise and --objective maxmin, or "
+                "drop --search-margins"
             )
         if self.max_partitions < 1:
             raise PoolpipeError(f"max partitions must be >= 1, got {self.max_partitions}")
