@@ -179,7 +179,7 @@ class NodeExecutor(Executor):
         that outlived its plan (a rollout ended and unloaded the models it looked for) is
         dropped: the plan served now is checked by its own sweep."""
         live, ready = await self.stages.ready(node, sorted(models))
-        if served.plane is not self.rt.served.plane:
+        if not self.rt.serves(served):
             return
         if live and not ready and self.on_empty_node and node not in self._refilling:
             self._refilling.add(node)

@@ -46,6 +46,11 @@ def parse_floats(text: str, what: str) -> list[float]:
     return out
 
 
+def parse_margins(text: str | None) -> tuple[float, ...]:
+    """--search-margins 0.3,0.2 as a tuple (none given: empty)."""
+    return tuple(parse_floats(text, "search-margins")) if text else ()
+
+
 def add_reply_margin_argument(
     p: argparse.ArgumentParser, help_text: str, default_us: float
 ) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from poolpipe.cli.common import parse_floats
+from poolpipe.cli.common import parse_margins
 from poolpipe.cli.demo import _step, console
 from poolpipe.errors import PoolpipeError
 
@@ -74,8 +74,8 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
         f"planning {args.cluster} for the maf19 mix ({', '.join(f'{w:.2f}' for w in emu.MAF19)}), "
         "SLO 5x each model's reference latency: ppipe and whole-model serving (np)"
     )
-    margins = parse_floats(args.search_margins, "search-margins") if args.search_margins else []
-    plans = emu.group_plans(warehouse, args.cluster, search_margins=tuple(margins))
+    margins = parse_margins(args.search_margins)
+    plans = emu.group_plans(warehouse, args.cluster, search_margins=margins)
     _plans_table(plans)
     for plan, _ in plans.values():
         check_serves_all(plan)

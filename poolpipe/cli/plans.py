@@ -16,6 +16,7 @@ from poolpipe.cli.common import (
     open_warehouse,
     parse_floats,
     parse_list,
+    parse_margins,
     ppipe_dir,
     warn_slo_room,
 )
@@ -333,11 +334,7 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
         mip_gap=args.mip_gap,
         count_inputs=getattr(args, "count_inputs", False),
         delivery=getattr(args, "delivery", "maximise"),
-        search_margins=tuple(
-            parse_floats(args.search_margins, "search-margins")
-            if getattr(args, "search_margins", None)
-            else ()
-        ),
+        search_margins=parse_margins(getattr(args, "search_margins", None)),
     )
     if getattr(args, "exclude", None):
         req = dataclasses.replace(req, cluster=req.cluster.without(parse_exclude(args.exclude)))

@@ -244,7 +244,6 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
     search = {
         "mode": "maximise",
         "variant": chosen.name,
-        "margin": chosen.plan.margin,
         "fluid_bound": fluid.objective,  # at the request's margin
         "fluid_margin": req.margin,
         "search_margins": list(req.search_margins),

@@ -657,8 +657,8 @@ class ServingRuntime:
         (`served`, where given) is dropped: a rollout that ended while it ran unloaded
         the models it looked for, and says nothing of the plan served now (whose sweep
         checks the node again)."""
-        if served is not None and served.plane is not self._plan.served.plane:
-            return False  # (a recalibration keeps the plan's plane; a rollout makes one)
+        if served is not None and not self.serves(served):
+            return False
         health = self._health
         now = self.clock.now()
         if node not in health.down:
@@ -677,6 +677,11 @@ class ServingRuntime:
         self.recoveries += 1
         self._decide(now)
         return True
+
+    def serves(self, served: ServedPlan) -> bool:
+        """Is `served` the plan served now? (A recalibration keeps the plan's plane, which
+        it rescales; a rollout brings another.)"""
+        return served.plane is self._plan.served.plane
 
     def node_lost(self, node: str, why: str) -> None:
         """`node` is gone (its watch connection broke: its process died or is stopping):

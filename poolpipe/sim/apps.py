@@ -240,7 +240,7 @@ def app_deliverable(
         if r <= 0:
             load[n] = 0.0
             continue
-        i = bisect_grid(attainment, n, top, ATTAINMENT_TARGET, dict(seen))
+        i = bisect_grid(attainment, n, top, ATTAINMENT_TARGET, seen)
         load[n] = round(i * step, 10)
     rates = {n: load[n] * r for n, r in zip(names, base, strict=True)}
     weight = {a.name: a.weight for a in apps}
