@@ -75,3 +75,56 @@ def make_pipelines(
 
 def make_requests(n: int, *, start_us: float = 0.0, gap_us: float = 0.0, slo_us: float = 100.0):
     return [Request(i, 0, start_us + i * gap_us, start_us + i * gap_us + slo_us) for i in range(n)]
+
+
+def dynamic_classifier(path, *, convs: int = 4, batch: int | str = "N", fixed_reshape=False):
+    """An ONNX classifier as exporters write one with a dynamic image size: x [N, 3, H, W];
+    the batch is read with Shape/Gather into a Reshape target that stays alive across the
+    convolutions (every cut among them is crossed by that shape tensor), then Reshape to
+    [N, 8, H*W], a mean, a MatMul and a Softmax. `fixed_reshape` writes the target as the
+    constant [1, 8, -1], so that the model runs at batch 1 only."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits: list = []
+
+    def init(name: str, arr) -> str:
+        inits.append(numpy_helper.from_array(arr, name))
+        return name
+
+    if fixed_reshape:
+        nodes = [helper.make_node("Identity", [init("t", np.array([1, 8, -1]))], ["target"])]
+    else:
+        nodes = [
+            helper.make_node("Shape", ["x"], ["s"], name="shape"),
+            helper.make_node("Gather", ["s", init("i0", np.array([0]))], ["n"], name="gather"),
+            helper.make_node(
+                "Concat", ["n", init("rest", np.array([8, -1]))], ["target"], name="concat", axis=0
+            ),
+        ]
+    y, c = "x", 3
+    for k in range(convs):
+        w = init(f"w{k}", (rng.standard_normal((8, c, 3, 3)) / np.sqrt(9 * c)).astype(np.float32))
+        nodes.append(helper.make_node("Conv", [y, w], [f"c{k}"], name=f"conv{k}", pads=[1] * 4))
+        nodes.append(helper.make_node("Relu", [f"c{k}"], [f"r{k}"], name=f"relu{k}"))
+        y, c = f"r{k}", 8
+    fc = init("fc", rng.standard_normal((8, 4)).astype(np.float32))
+    nodes += [
+        helper.make_node("Reshape", [y, "target"], ["flat"], name="reshape"),
+        helper.make_node("ReduceMean", ["flat"], ["mean"], name="mean", axes=[2], keepdims=0),
+        helper.make_node("MatMul", ["mean", fc], ["logits"], name="fc"),
+        helper.make_node("Softmax", ["logits"], ["probs"], name="softmax", axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "dynamic-classifier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, "H", "W"])],
+        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [batch, 4])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path

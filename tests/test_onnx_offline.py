@@ -19,11 +19,15 @@ from poolpipe.offline.onnxgraph import (
     cut_table,
     extract_block,
     load_model,
+    measure_shapes,
+    parse_input_shapes,
     profile_layers,
     random_inputs,
     session,
 )
+from poolpipe.offline.split import split_model, verify_split
 from poolpipe.offline.zoo import ZOO, make_model
+from tests.factories import dynamic_classifier
 
 SMALL = {"resnet50": (0.125, 32), "efficientnet": (0.25, 32), "unet": (0.125, 32)}
 
@@ -192,3 +196,88 @@ def test_a_models_memory_is_its_weights_and_its_largest_tensors(small_model):
         b for b in (i.bytes_at_batch1() for i in tensor_infos(model).values()) if np.isfinite(b)
     )
     assert activations == 2 * largest > 0, name
+
+
+def test_a_dynamic_image_size_is_refused_at_load_and_given_with_input_shape(tmp_path: Path):
+    path = dynamic_classifier(tmp_path / "cls.onnx")
+    with pytest.raises(ModelError, match=r"input 'x' has dimensions \?x3x\?x\?.*--input-shape x="):
+        load_model(path, "cls")
+    with pytest.raises(
+        ModelError, match="'images', which is not an input of the model; its inputs: x"
+    ):
+        load_model(path, "cls", parse_input_shapes(["images=3x32x32"]))
+    with pytest.raises(ModelError, match=r"gives 2 dimension.* the input has 3"):
+        load_model(path, "cls", parse_input_shapes(["x=32x32"]))
+    with pytest.raises(ModelError, match="fixes dimension 1 at 3"):
+        load_model(path, "cls", parse_input_shapes(["x=4x32x32"]))
+    for bad in ("x", "x=", "x=3x0x32", "x=3xax32", "=3x32x32"):
+        with pytest.raises(ModelError, match="write NAME=DIMS"):
+            parse_input_shapes([bad])
+    split = split_model(
+        path, "cls", tmp_path / "blocks", n_blocks=3, input_shapes=parse_input_shapes(["x=3x24x20"])
+    )
+    verify_split(split)
+    # the blocks in sequence answer as the original file does at that size, at any batch
+    original = session(onnx.load(str(path)))
+    for batch in (1, 3):
+        x = np.random.default_rng(batch).standard_normal((batch, 3, 24, 20)).astype(np.float32)
+        values = {"x": x}
+        for b in split.blocks:
+            block = onnx.load(str(b.path))
+            outs = session(block).run(None, {i.name: values[i.name] for i in block.graph.input})
+            values.update(zip([o.name for o in block.graph.output], outs, strict=True))
+        want = original.run(None, {"x": x})[0]
+        assert values["probs"].shape == (batch, 4)
+        assert np.abs(values["probs"] - want).max() <= 1e-5
+
+
+def test_cuts_never_cross_a_shape_tensor(tmp_path: Path):
+    path = dynamic_classifier(tmp_path / "cls.onnx")
+    model = measure_shapes(load_model(path, "cls", {"x": (3, 16, 16)}), "cls")
+    table = cut_table(model, "cls", profile_layers(model, "cls", runs=2))
+    convs = range(4, 12)  # positions among the convolutions: the Reshape target crosses them
+    assert all(table.not_data[i] == ("target",) for i in convs)
+    part = prepartition(table, 3)  # relaxed to more tensors per cut, as onboarding does
+    assert not set(part.cuts) & set(convs)
+    assert all(table.carries_data(c) for c in part.cuts)
+    with pytest.raises(ModelError, match=r"11 of its 14 positions are crossed by a shape or index"):
+        prepartition(table, 5)
+    # without the rule, the relaxed search would cut among the convolutions
+    blind = CutTable(
+        table.model, table.layers, table.latency_us, table.crossing, table.crossing_bytes
+    )
+    assert set(prepartition(blind, 3).cuts) & set(convs)
+
+
+def test_a_fixed_batch_dimension_is_freed_or_refused_at_load(tmp_path: Path):
+    freed = measure_shapes(
+        load_model(dynamic_classifier(tmp_path / "b1.onnx", batch=1), "b1", {"x": (3, 8, 8)}), "b1"
+    )
+    dim = freed.graph.input[0].type.tensor_type.shape.dim[0]
+    assert dim.dim_param == "batch" and not dim.HasField("dim_value")
+    fixed = load_model(
+        dynamic_classifier(tmp_path / "r.onnx", batch=1, fixed_reshape=True), "r", {"x": (3, 8, 8)}
+    )
+    with pytest.raises(
+        ModelError, match=r"input 'x' has a fixed batch dimension of 1, .*output 'probs' does not"
+    ):
+        measure_shapes(fixed, "r")
+
+
+def test_cli_checks_a_model_before_prefect_starts_and_cuts_it_with_input_shape(
+    tmp_path: Path, capsys
+):
+    from poolpipe.cli import main as cli_main
+
+    path = dynamic_classifier(tmp_path / "cls.onnx")
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not a protobuf")
+    wh = str(tmp_path / "wh.duckdb")
+    for model, says in ((junk, "not a valid ONNX model"), (path, "--input-shape x=3x640x640")):
+        assert cli_main(["--warehouse", wh, "onboard", str(model)]) == 2
+        assert says in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "wh.duckdb").exists()  # refused before anything was opened
+    rc = cli_main(["models", "cuts", str(path), "--input-shape", "x=3x16x16", "--blocks", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "mean" in out and "fc" in out  # blocks start at shape, mean and fc
+    assert "conv" not in out and "relu" not in out  # never among the convolutions

@@ -8,6 +8,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from rich.markup import escape
+
 from poolpipe import __version__, native
 from poolpipe.cli.common import err_console
 from poolpipe.errors import PoolpipeError
@@ -65,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except PoolpipeError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         return 2
     except KeyboardInterrupt:  # what the command started was stopped on the way out
         err_console.print("interrupted", highlight=False)

@@ -51,6 +51,17 @@ def parse_margins(text: str | None) -> tuple[float, ...]:
     return tuple(parse_floats(text, "search-margins")) if text else ()
 
 
+def add_input_shape_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="NAME=DIMS",
+        help="an input's dimensions after the batch, where the file leaves them to run time "
+        "(images=3x320x320; repeat per input); each size is a model of its own",
+    )
+
+
 def add_reply_margin_argument(
     p: argparse.ArgumentParser, help_text: str, default_us: float
 ) -> None:

@@ -8,8 +8,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from poolpipe.cli.common import add_input_shape_option
 from poolpipe.offline.cuts import METHODS, CutPolicy, prepartition
-from poolpipe.offline.onnxgraph import cut_table, load_model, profile_layers
+from poolpipe.offline.onnxgraph import (
+    cut_table,
+    load_model,
+    measure_shapes,
+    parse_input_shapes,
+    profile_layers,
+)
 from poolpipe.offline.zoo import ZOO, make_model
 
 console = Console()
@@ -25,7 +32,7 @@ def cmd_models_cuts(args: argparse.Namespace) -> int:
     path = Path(args.model)
     name = args.name or path.stem
     with console.status(f"{name}: loading and profiling layers with ONNX Runtime (CPU) ..."):
-        model = load_model(path, name)
+        model = measure_shapes(load_model(path, name, parse_input_shapes(args.input_shape)), name)
         table = cut_table(model, name, profile_layers(model, name, runs=args.runs))
     part = prepartition(
         table,
@@ -76,4 +83,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--max-cut-bytes", type=float, default=float("inf"), help="bytes per cut at batch 1"
     )
     cuts.add_argument("--runs", type=int, default=5, help="profiled runs per layer (5)")
+    add_input_shape_option(cuts)
     cuts.set_defaults(func=cmd_models_cuts)

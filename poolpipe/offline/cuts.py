@@ -40,6 +40,10 @@ class CutTable:
     latency_us: tuple[float, ...]  # per layer (batch 1)
     crossing: tuple[tuple[str, ...], ...]  # [i]: tensors crossing position i (0..N)
     crossing_bytes: tuple[float, ...]  # [i]: their total size at batch 1 (nan: unknown)
+    # [i]: tensors crossing position i that are no feature maps (shapes, indices, tensors
+    # without the batch first): no cut is made there, since stages pass only feature maps.
+    # Empty: all are feature maps (tables without tensor types).
+    not_data: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.layers)
@@ -48,6 +52,12 @@ class CutTable:
                 f"{self.model}: cut table is inconsistent ({n} layers, {len(self.latency_us)} "
                 f"latencies, {len(self.crossing)} cut positions; expected N, N and N + 1)"
             )
+        if self.not_data and len(self.not_data) != n + 1:
+            raise ModelError(f"{self.model}: cut table is inconsistent (not_data per position)")
+
+    def carries_data(self, i: int) -> bool:
+        """Only feature maps cross position i."""
+        return not self.not_data or not self.not_data[i]
 
     def valid_cuts(self, policy: CutPolicy) -> list[int]:
         """Internal positions 1..N-1 where the policy allows a cut."""
@@ -56,7 +66,12 @@ class CutTable:
             for i in range(1, len(self.layers))
             if 0 < len(self.crossing[i]) <= policy.max_tensors
             and self.crossing_bytes[i] <= policy.max_bytes
+            and self.carries_data(i)
         ]
+
+    def shape_cuts(self) -> int:
+        """Internal positions crossed by a tensor that is no feature map."""
+        return sum(not self.carries_data(i) for i in range(1, len(self.layers)))
 
 
 @dataclass(frozen=True)
@@ -114,11 +129,22 @@ def prepartition(
             break
         policy = CutPolicy(policy.max_tensors + 1, policy.max_bytes)
     if best is None:
+        shapes = table.shape_cuts()
+        why = (
+            f"; {shapes} of its {len(table.layers) - 1} positions are crossed by a shape or "
+            "index tensor (or one without the batch first), which stages cannot pass"
+            if shapes
+            else ""
+        )
+        more = (
+            "allow more tensors or bytes per cut, or ask for fewer blocks"
+            if policy.max_tensors < widest or math.isfinite(policy.max_bytes)
+            else "ask for fewer blocks"
+        )
         raise ModelError(
             f"{table.model}: pre-partitioning needs {n_blocks - 1} valid cuts but only "
             f"{len(cuts)} exist with at most {policy.max_tensors} crossing tensor(s) and "
-            f"{policy.max_bytes:g} bytes; allow more tensors or bytes per cut, or ask for "
-            "fewer blocks"
+            f"{policy.max_bytes:g} bytes{why}; {more}"
         )
     return best
 
@@ -140,6 +166,13 @@ def given_cuts(table: CutTable, cuts: Sequence[int]) -> Partitioning:
     empty = [c for c in cuts[1:-1] if not table.crossing[c]]
     if empty:
         raise ModelError(f"{table.model}: no tensor crosses cut position {empty[0]}")
+    shaped = [c for c in cuts[1:-1] if not table.carries_data(c)]
+    if shaped:
+        raise ModelError(
+            f"{table.model}: cut position {shaped[0]} is crossed by "
+            f"{', '.join(repr(t) for t in table.not_data[shaped[0]])}, which is no feature "
+            "map (a shape or index tensor, or one without the batch first); cut elsewhere"
+        )
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(table.latency_us, dtype=float))])
     widest = max((len(table.crossing[c]) for c in cuts[1:-1]), default=1)
     block_us = tuple(float(prefix[b] - prefix[a]) for a, b in itertools.pairwise(cuts))

@@ -30,6 +30,14 @@ class TensorInfo:
     dtype: np.dtype
     shape: tuple[int | str | None, ...]  # first dimension: the batch
 
+    @property
+    def feature_map(self) -> bool:
+        """A tensor that may cross a cut between stages: floats with the batch first (a
+        shape or index tensor, or one whose first dimension is fixed, may not)."""
+        return (
+            self.dtype.kind == "f" and len(self.shape) >= 1 and not isinstance(self.shape[0], int)
+        )
+
     def bytes_at_batch1(self) -> float:
         dims = [d for d in self.shape[1:] if isinstance(d, int) and d >= 0]
         if len(dims) != len(self.shape) - 1:
@@ -37,8 +45,14 @@ class TensorInfo:
         return float(math.prod(dims) * self.dtype.itemsize)
 
 
-def load_model(path: Path, name: str | None = None) -> onnx.ModelProto:
-    """Read and check an ONNX file; Constant nodes become initializers (they never cross)."""
+def load_model(
+    path: Path, name: str | None = None, input_shapes: InputShapes | None = None
+) -> onnx.ModelProto:
+    """Read and check an ONNX file; Constant nodes become initializers (they never cross).
+
+    `input_shapes` gives inputs' non-batch dimensions (`--input-shape`); every input must
+    end with all of them known, else the model is refused naming the input and the option.
+    """
     name = name or Path(path).stem
     try:
         model = onnx.load(str(path))
@@ -46,15 +60,214 @@ def load_model(path: Path, name: str | None = None) -> onnx.ModelProto:
     except FileNotFoundError:
         raise ModelError(f"{name}: load: {path} does not exist") from None
     except Exception as exc:  # protobuf decode errors, checker errors
-        raise ModelError(f"{name}: load: {path} is not a valid ONNX model ({exc})") from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelError(f"{name}: load: {path} is not a valid ONNX model ({first})") from None
     if not model.graph.node:
         raise ModelError(f"{name}: load: {path} has no nodes")
     _constants_to_initializers(model)
+    _set_input_shapes(model, name, input_shapes or {})
     try:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception as exc:
         raise ModelError(f"{name}: shape inference failed ({exc})") from None
     return model
+
+
+# an input's dimensions after the batch, by input name (`--input-shape images=3x320x320`)
+InputShapes = dict[str, tuple[int, ...]]
+
+
+def parse_input_shapes(items: list[str] | tuple[str, ...]) -> InputShapes:
+    """'images=3x320x320' (repeatable): the dimensions after the batch, by input name."""
+    out: InputShapes = {}
+    for item in items:
+        key, sep, dims = item.partition("=")
+        try:
+            shape = tuple(int(d) for d in dims.lower().split("x")) if sep and dims else ()
+        except ValueError:
+            shape = ()
+        if not key.strip() or not shape or min(shape) < 1:
+            raise ModelError(
+                f"--input-shape {item!r}: write NAME=DIMS, the input's dimensions after the "
+                "batch as positive integers joined by 'x' (images=3x320x320)"
+            )
+        out[key.strip()] = shape
+    return out
+
+
+def _dims_text(dims: list) -> str:
+    return "x".join(str(d) if isinstance(d, int) else "?" for d in dims) or "(scalar)"
+
+
+def _set_input_shapes(model: onnx.ModelProto, name: str, shapes: InputShapes) -> None:
+    """Give the inputs their dimensions after the batch, and refuse any left unknown."""
+    consts = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in consts]
+    names = [i.name for i in inputs]
+    unknown = sorted(set(shapes) - set(names))
+    if unknown:
+        raise ModelError(
+            f"{name}: --input-shape names {unknown[0]!r}, which is not an input of the model; "
+            f"its inputs: {', '.join(names)}"
+        )
+    for vi in inputs:
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type"):
+            raise ModelError(f"{name}: load: input {vi.name!r} is not a tensor")
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+        given = shapes.get(vi.name)
+        if given is not None:
+            if tt.HasField("shape") and len(dims) != len(given) + 1:
+                raise ModelError(
+                    f"{name}: --input-shape {vi.name}={_dims_text(list(given))} gives "
+                    f"{len(given)} dimension(s) after the batch, but the input has "
+                    f"{max(len(dims) - 1, 0)} ({_dims_text(dims)})"
+                )
+            for k, d in enumerate(given):
+                if k + 1 < len(tt.shape.dim) and dims[k + 1] not in (None, d):
+                    raise ModelError(
+                        f"{name}: --input-shape {vi.name}={_dims_text(list(given))}: the model "
+                        f"fixes dimension {k + 1} at {dims[k + 1]}"
+                    )
+            batch = tt.shape.dim[0] if tt.shape.dim else None
+            batch_dim = onnx.TensorShapeProto.Dimension()
+            if batch is not None:
+                batch_dim.CopyFrom(batch)
+            else:
+                batch_dim.dim_param = BATCH_DIM
+            del tt.shape.dim[:]
+            tt.shape.dim.append(batch_dim)
+            for d in given:
+                tt.shape.dim.add().dim_value = d
+            dims = [None, *given]
+        if not tt.HasField("shape") or not dims:
+            raise ModelError(
+                f"{name}: load: input {vi.name!r} has no batch dimension (its shape is "
+                f"{'unknown' if not tt.HasField('shape') else 'a scalar'}); give its "
+                f"dimensions after the batch with --input-shape {vi.name}=DIMS"
+            )
+        if any(d is None or d <= 0 for d in dims[1:]):
+            raise ModelError(
+                f"{name}: load: input {vi.name!r} has dimensions {_dims_text(dims)} "
+                "(? = decided at run time); blocks are cut and profiled at one size, so give "
+                f"it with --input-shape {vi.name}={_dims_text([d or 640 for d in dims[1:]])} "
+                "(the dimensions after the batch, each ? replaced by the size you serve); "
+                "onboard each size you serve as a model of its own"
+            )
+
+
+def measure_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """The model with every tensor's shape as ONNX Runtime makes it at batch 1 and 2.
+
+    Shape inference cannot follow shapes computed at run time (Shape -> Gather -> Concat ->
+    Reshape, as exporters write them), so the model is run once per batch size with every
+    tensor as an output: a tensor whose first dimension follows the batch gets the symbolic
+    batch there and its other dimensions as measured; one that does not (a shape, an index)
+    keeps its measured shape, so no cut is placed across it (`TensorInfo.feature_map`). An
+    input with a fixed batch dimension is freed to run at any batch, and refused if the
+    model then does not run at batch 2. Outputs must have the batch first: answers are
+    split per request along it.
+    """
+    import onnxruntime as ort  # noqa: F401 (imported here: a clear error if it is missing)
+
+    model_copy = onnx.ModelProto()
+    model_copy.CopyFrom(model)
+    g = model_copy.graph
+    consts = {t.name for t in g.initializer}
+    fixed: dict[str, int] = {}
+    for vi in g.input:
+        if vi.name in consts:
+            continue
+        first = vi.type.tensor_type.shape.dim[0]
+        if first.HasField("dim_value"):
+            fixed[vi.name] = first.dim_value
+            first.Clear()
+            first.dim_param = BATCH_DIM
+    known = {o.name for o in g.output}
+    tensors = [t for node in g.node for t in node.output if t and t not in consts]
+    for t in tensors:
+        if t not in known:
+            g.output.append(onnx.ValueInfoProto(name=t))
+            known.add(t)
+    names = [o.name for o in g.output]
+    try:
+        sess = session(model_copy, optimize=False)
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelError(
+            f"{name}: load: ONNX Runtime cannot run this model ({first_line}); replace the "
+            "ops it lacks or register a custom-op library"
+        ) from None
+    runs: list[dict[str, np.ndarray]] = []
+    for batch in (1, 2):
+        try:
+            values = sess.run(names, random_inputs(model_copy, batch, seed=batch))
+        except Exception as exc:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            if batch == 1:
+                raise ModelError(
+                    f"{name}: load: the model fails on random inputs at batch 1 ({first_line})"
+                ) from None
+            where = (
+                f"input {next(iter(fixed))!r} has a fixed batch dimension of "
+                f"{next(iter(fixed.values()))}, and freed of it the model"
+                if fixed
+                else "the model runs at batch 1 but"
+            )
+            raise ModelError(
+                f"{name}: load: {where} does not run at batch 2 ({first_line}): something in "
+                "it fixes the batch size (a Reshape to a constant shape, say); export it with "
+                "a dynamic batch axis (torch.onnx.export(..., dynamic_axes={INPUT: {0: "
+                "'batch'}})), since pooled serving runs requests in batches"
+            ) from None
+        runs.append(dict(zip(names, values, strict=True)))
+    one, two = runs
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    for vi in g.input:
+        if vi.name in fixed:
+            first = vi.type.tensor_type.shape.dim[0]
+            first.Clear()
+            first.dim_param = BATCH_DIM
+    shapes: dict[str, list[int | str | None]] = {}
+    for t, a in one.items():
+        b = two[t]
+        if a.ndim >= 1 and a.ndim == b.ndim and 2 * a.shape[0] == b.shape[0] > 0:
+            rest: list[int | str | None] = [
+                x if x == y else None for x, y in zip(a.shape[1:], b.shape[1:], strict=True)
+            ]
+            shapes[t] = [BATCH_DIM, *rest]
+        else:
+            shapes[t] = [int(x) if a.shape == b.shape else None for x in a.shape]
+    outputs = {o.name for o in g.output}
+    for o in g.output:
+        shape = shapes[o.name]
+        if not shape or shape[0] != BATCH_DIM:
+            why = (
+                f"input {next(iter(fixed))!r} has a fixed batch dimension of "
+                f"{next(iter(fixed.values()))}, and freed of it the model's "
+                if fixed
+                else ""
+            )
+            raise ModelError(
+                f"{name}: load: {why}output {o.name!r} does not have the batch as its first "
+                f"dimension (shape {list(one[o.name].shape)} at batch 1, "
+                f"{list(two[o.name].shape)} at batch 2); a batch's answers are split per "
+                "request along it, so export the model with a dynamic batch axis first in "
+                "every input and output"
+            )
+        o.CopyFrom(_value_info(o.name, one[o.name].dtype, shape))
+    del g.value_info[:]
+    for t in tensors:
+        if t not in outputs:
+            g.value_info.append(_value_info(t, one[t].dtype, shapes[t]))
+    return out
+
+
+def _value_info(name: str, dtype: np.dtype, shape: list[int | str | None]) -> onnx.ValueInfoProto:
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return onnx.helper.make_tensor_value_info(name, elem, shape)
 
 
 _CONSTANT_VALUES = {  # Constant's value attributes other than a tensor, as numpy dtypes
@@ -166,6 +379,9 @@ def cut_table(
         latency_us=tuple(float(lat.get(x, 0.0)) for x in names),
         crossing=crossing,
         crossing_bytes=sizes,
+        not_data=tuple(
+            tuple(t for t in c if t in infos and not infos[t].feature_map) for c in crossing
+        ),
     )
 
 

@@ -19,9 +19,11 @@ import onnx
 from poolpipe.errors import ModelError
 from poolpipe.offline.cuts import CutPolicy, Partitioning, given_cuts, prepartition
 from poolpipe.offline.onnxgraph import (
+    InputShapes,
     cut_table,
     extract_block,
     load_model,
+    measure_shapes,
     memory_of,
     profile_layers,
     random_inputs,
@@ -97,11 +99,16 @@ def split_model(
     threads: int = 1,
     progress: Progress | None = None,
     cuts: Sequence[int] | None = None,
+    input_shapes: InputShapes | None = None,
 ) -> SplitResult:
     """Cut the model at `path` into `n_blocks` block files written to `folder` (at the
-    layer positions `cuts`, 0 and N included, where given: then `n_blocks` is unused)."""
+    layer positions `cuts`, 0 and N included, where given: then `n_blocks` is unused),
+    its inputs' non-batch dimensions set from `input_shapes` where given."""
     path = Path(path)
-    model = load_model(path, name)
+    model = load_model(path, name, input_shapes)
+    if progress:
+        progress("split: tensor shapes", 0, 1)
+    model = measure_shapes(model, name)
     if len(model.graph.node) < 2:
         raise ModelError(
             f"{name}: split: the model has {len(model.graph.node)} layer(s), so there is no "
