@@ -38,11 +38,35 @@ class OnboardResult:
     measurements: list[Measurement]
     verify_errors: tuple[float, float]
     seconds: dict[str, float] = field(default_factory=dict)
+    # stored plans that served the model this onboarding replaced: made for its old blocks
+    outdated_plans: list[int] = field(default_factory=list)
 
 
 def blocks_root(warehouse: str | None) -> Path:
     with Warehouse.open(warehouse) as wh:
         return wh.path.parent / "blocks"
+
+
+def check_name_free(warehouse: str | None, name: str, replace: bool) -> list[int]:
+    """Refuse to onboard over a model the warehouse holds unless `replace`; the stored plans
+    that serve it (which the new blocks outdate) where it is replaced."""
+    with Warehouse.open(warehouse) as wh:
+        origin = wh.model_origin(name)
+        plans = wh.plans_using(name) if origin else []
+    if origin is None:
+        return []
+    if not replace:
+        used = (
+            f"; plans {', '.join(map(str, plans))} serve it and would need planning again"
+            if plans
+            else ""
+        )
+        raise ModelError(
+            f"{name}: the warehouse holds a model of this name already (from "
+            f"{origin[0].removeprefix('onboard:')}, {origin[1]:%Y-%m-%d %H:%M}){used}; onboard "
+            "it under another --name, or pass --replace to replace it"
+        )
+    return plans
 
 
 @task(name="split", cache_policy=NO_CACHE)
@@ -55,6 +79,7 @@ def split_task(
     max_cut_tensors: int,
     threads: int,
     cuts: list[int] | None = None,
+    input_shapes: dict[str, list[int]] | None = None,
 ) -> SplitResult:
     return split_model(
         Path(model_path),
@@ -66,6 +91,7 @@ def split_task(
         threads=threads,
         progress=report,
         cuts=cuts,
+        input_shapes={k: tuple(v) for k, v in (input_shapes or {}).items()},
     )
 
 
@@ -180,10 +206,14 @@ def onboard_model(
     reps: int = 15,
     slo_ms: float | None = None,
     cuts: list[int] | None = None,
+    input_shapes: dict[str, list[int]] | None = None,
+    replace: bool = False,
 ) -> OnboardResult:
-    """Split MODEL into blocks (at the layer positions `cuts` where given), build them on
-    this machine's engine, check that they reproduce the model, profile them at every batch
-    size and store everything."""
+    """Split MODEL into blocks (at the layer positions `cuts` where given; its inputs'
+    dimensions after the batch from `input_shapes` where the file leaves them to run time),
+    build them on this machine's engine, check that they reproduce the model, profile them
+    at every batch size and store everything. A model of the same name is replaced only
+    with `replace`."""
     warehouse = worker.warehouse(warehouse)
     if not NAME_RE.match(name):
         raise ModelError(
@@ -193,12 +223,13 @@ def onboard_model(
     if method not in METHODS:
         raise ModelError(f"{name}: unknown pre-partitioning method {method!r}; choose {METHODS}")
     batches = sorted(set(batches))
+    outdated = check_name_free(warehouse, name, replace)
     staging = blocks_root(warehouse) / ".staging" / f"{name}-{uuid.uuid4().hex[:8]}"
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     try:
         split = split_task(
-            model_path, name, staging, blocks, method, max_cut_tensors, threads, cuts
+            model_path, name, staging, blocks, method, max_cut_tensors, threads, cuts, input_shapes
         )
         seconds["split"] = time.perf_counter() - t0
         t = time.perf_counter()
@@ -215,12 +246,14 @@ def onboard_model(
         seconds["profile"] = time.perf_counter() - t
         t = time.perf_counter()
         settings = {"warmup": warmup, "reps": reps, "batches": batches}
+        if input_shapes:
+            settings["input_shapes"] = {k: list(v) for k, v in input_shapes.items()}
         slo_us = slo_ms * 1e3 if slo_ms is not None else None
         split = store_task(warehouse, split, info, measurements, errors, slo_us, settings)
         seconds["store"] = time.perf_counter() - t
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    result = OnboardResult(split, info, measurements, errors, seconds)
+    result = OnboardResult(split, info, measurements, errors, seconds, outdated)
     part = split.partitioning
     create_markdown_artifact(
         key=artifact_key("onboard", name),

@@ -24,7 +24,7 @@ def resolve_plan(warehouse: str | None, plan: str) -> int:
     """A plan id in the warehouse, or a plan JSON file (stored, to get an id)."""
     if plan.isdigit():
         with Warehouse.open(warehouse) as wh:
-            check_plan(wh, wh.load_plan(int(plan)), f"plan {plan}")
+            check_plan(wh, wh.load_plan(int(plan)), f"plan {plan}", int(plan))
         return int(plan)
     path = Path(plan)
     if not path.is_file():

@@ -89,6 +89,7 @@ def onboard_shadow(
             warmup=1,
             slo_ms=profile.slo_us / 1e3 if profile.slo_us else None,
             cuts=list(shadow.cuts),
+            replace=True,  # a shadow stands in for the profile of that name
         )
     store_tables_task(warehouse, profile, str(profiles))
     create_markdown_artifact(

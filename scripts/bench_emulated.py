@@ -146,7 +146,10 @@ def accuracy(args: argparse.Namespace, rows: BenchRows) -> None:
     name = "bench-emu"
     path = make_model("resnet50", tmp / "m.onnx", width=0.125, image=32)
     with console.status("onboarding a small model (its CPU compute stands in) ..."):
-        onboard_model(str(path), name, warehouse=args.warehouse, blocks=2, batches=[1, 2], reps=3)
+        onboard_model(
+            str(path), name, warehouse=args.warehouse, blocks=2, batches=[1, 2], reps=3,
+            replace=True,
+        )  # fmt: skip
     with Warehouse.open(args.warehouse) as wh:
         whole, layers = wh.whole_model_file(name), wh.block_layers(name)
     part = make_partition(whole, name, layers, 0, 2, tmp)

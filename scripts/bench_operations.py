@@ -323,7 +323,7 @@ def main() -> int:
     with console.status("onboarding the benchmark model (cpu-1t) ..."):
         onboard_model(
             str(path), name, warehouse=str(args.warehouse_path), blocks=2, batches=[1, 2, 3, 4],
-            reps=3,
+            reps=3, replace=True,
         )  # fmt: skip
     with Warehouse.open(args.warehouse_path) as wh:
         profile = wh.load_profile(name)

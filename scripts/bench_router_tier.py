@@ -300,7 +300,10 @@ def onboard_tiny_model(warehouse, tmp: Path) -> tuple[str, str, tuple[int, ...]]
     name = "bench-tiny"
     path = make_model("resnet50", tmp / "tiny.onnx", width=0.125, image=32)
     with console.status("onboarding a light model (cpu-1t) ..."):
-        onboard_model(str(path), name, warehouse=warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5)
+        onboard_model(
+            str(path), name, warehouse=warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5,
+            replace=True,
+        )  # fmt: skip
     first = onnx.load(str(path)).graph.input[0]
     dims = tuple(max(1, d.dim_value) for d in first.type.tensor_type.shape.dim)
     return name, first.name, dims

@@ -71,7 +71,10 @@ def onboard_bench_model(warehouse, tmp: Path) -> str:
     name = "bench-resnet"
     path = make_model("resnet50", tmp / "m.onnx", width=1.0, image=64)
     with console.status("onboarding the benchmark model (cpu-1t, cpu-2t) ..."):
-        onboard_model(str(path), name, warehouse=warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5)
+        onboard_model(
+            str(path), name, warehouse=warehouse, blocks=4, batches=[1, 2, 3, 4], reps=5,
+            replace=True,
+        )  # fmt: skip
         profile_model(name, warehouse=warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
     return name
 
@@ -398,7 +401,10 @@ def trivial_stage_check(args, tmp: Path, record) -> None:
     name = "bench-trivial"
     path = make_model("resnet50", tmp / "trivial.onnx", width=1 / 16, image=16)
     with console.status("trivial stage: onboarding, then a 1-partition deployment ..."):
-        onboard_model(str(path), name, warehouse=args.warehouse, blocks=2, batches=[1, 2], reps=3)
+        onboard_model(
+            str(path), name, warehouse=args.warehouse, blocks=2, batches=[1, 2], reps=3,
+            replace=True,
+        )  # fmt: skip
         profile_model(name, warehouse=args.warehouse, batches=[1, 2], threads=1, reps=3)
         plan = hand_plan(name, [(0, 2, "cpu-1t", 1)], 1, args.slo_ms, args.warehouse)
         srv = ServingProcess(

@@ -18,9 +18,10 @@ from flows.onboard import onboard_model
 from flows.plan import plan_models
 from flows.profile import profile_model
 from poolpipe.cli import main as cli_main
-from poolpipe.errors import ModelError
+from poolpipe.errors import ModelError, PlanVerificationError
 from poolpipe.offline.profiler import WHOLE
 from poolpipe.offline.zoo import make_model
+from poolpipe.store.plan_inputs import check_plan
 from poolpipe.store.warehouse import Warehouse
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,10 +186,33 @@ def test_profile_flow_adds_a_device_and_keeps_the_others(onboarded):
     assert [r for r in snapshot(wh)["block_latency"] if "cpu-1t" in r] == before
 
 
-def test_onboarding_again_replaces_the_model(prefect_api, small_resnet, tmp_path):
+def test_onboarding_again_replaces_the_model_only_when_asked(prefect_api, small_resnet, tmp_path):
     wh = str(tmp_path / "wh.duckdb")
     onboard_model(str(small_resnet), "again", warehouse=wh, **SMALL)
-    r = onboard_model(str(small_resnet), "again", warehouse=wh, **{**SMALL, "blocks": 3})
+    clusters = tmp_path / "clusters.toml"
+    clusters.write_text(
+        "[local]\nbandwidth_gbps = 10\n"
+        'gpus = [ { type = "cpu-1t", count = 2, gpus_per_server = 1, shares = [1] } ]\n'
+    )
+    plan_id = plan_models(["again"], "local", warehouse=wh, clusters_file=str(clusters))
+    with Warehouse.open(wh) as w:
+        check_plan(w, w.load_plan(plan_id), "plan", plan_id)  # served as it is
+    before = snapshot(wh)
+    with pytest.raises(ModelError, match=rf"again: the warehouse holds .* plans {plan_id} serve"):
+        onboard_model(str(small_resnet), "again", warehouse=wh, **{**SMALL, "blocks": 3})
+    assert snapshot(wh) == before
+    r = onboard_model(
+        str(small_resnet), "again", warehouse=wh, replace=True, **{**SMALL, "blocks": 3}
+    )
+    assert r.outdated_plans == [plan_id]
+    with (
+        Warehouse.open(wh) as w,
+        pytest.raises(
+            PlanVerificationError,
+            match=rf"plan {plan_id} was made for an earlier onboarding of 'again'",
+        ),
+    ):
+        check_plan(w, w.load_plan(plan_id), f"plan {plan_id}", plan_id)
     with Warehouse.open(wh) as w:
         assert w.con.execute("SELECT count(*) FROM blocks WHERE model='again'").fetchone() == (3,)
         assert w.con.execute(
@@ -236,9 +260,23 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str, dict]]:
             "ONNX Runtime cannot run",
             {"blocks": 2},
         ),
-        "fixed-batch": (
-            _tiny_graph(tmp / "fixed.onnx", [relu("x", "a"), relu("a", "b"), relu("b", "y")], 1),
-            "profile",
+        "fixed-batch": (  # a Reshape to [1, 8]: batch 1 only, found at load
+            _tiny_graph(
+                tmp / "fixed.onnx",
+                [
+                    relu("x", "a"),
+                    helper.make_node(
+                        "Constant",
+                        [],
+                        ["shape"],
+                        value=helper.make_tensor("s", TensorProto.INT64, [2], [1, 8]),
+                    ),
+                    helper.make_node("Reshape", ["a", "shape"], ["b"]),
+                    relu("b", "y"),
+                ],
+                1,
+            ),
+            "load: input 'x' has a fixed batch dimension of 1",
             {"blocks": 2, "batches": [1, 2]},
         ),
     }

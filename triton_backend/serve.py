@@ -552,4 +552,4 @@ def _load_plan(warehouse: str | Path | None, plan_id: int) -> Plan:
     from poolpipe.store.plan_inputs import check_plan
 
     with Warehouse.open(warehouse) as wh:
-        return check_plan(wh, wh.load_plan(plan_id), f"plan {plan_id}")
+        return check_plan(wh, wh.load_plan(plan_id), f"plan {plan_id}", plan_id)

@@ -86,7 +86,13 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
     _step("onboarding: split, build, verify, profile on cpu-1t (Prefect flow)")
     with progress_bar(name):
         r = onboard_model(
-            str(path), name, warehouse=args.warehouse, blocks=6, batches=[1, 2, 3, 4], reps=5
+            str(path),
+            name,
+            warehouse=args.warehouse,
+            blocks=6,
+            batches=[1, 2, 3, 4],
+            reps=5,
+            replace=True,
         )
     _step("profiling the same blocks on cpu-2t (Prefect flow)")
     with progress_bar(name):

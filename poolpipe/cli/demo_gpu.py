@@ -54,7 +54,9 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
     )
     path = make_model("resnet50", out / f"{name}.onnx", width=args.width, image=args.image)
     with progress_bar(name):
-        r = onboard_model(str(path), name, warehouse=warehouse, blocks=6, batches=[1, 2], reps=3)
+        r = onboard_model(
+            str(path), name, warehouse=warehouse, blocks=6, batches=[1, 2], reps=3, replace=True
+        )
     console.print(
         f"  {r.split.layers} layers in {len(r.split.blocks)} blocks, each checked against the "
         f"whole model; whole model at batch 1: {sum_vs_whole(r.measurements)[1][1] / 1e3:.1f} "

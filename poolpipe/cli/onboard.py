@@ -13,9 +13,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from poolpipe.cli.common import add_input_shape_option
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.cuts import METHODS
 from poolpipe.offline.engines import ENGINES
+from poolpipe.offline.onnxgraph import load_model, parse_input_shapes
 
 console = Console()
 
@@ -71,11 +73,13 @@ def progress_bar(title: str) -> Iterator[None]:
 
 
 def cmd_onboard(args: argparse.Namespace) -> int:
+    path = Path(args.model)
+    name = args.name or path.stem
+    shapes = parse_input_shapes(args.input_shape)
+    load_model(path, name, shapes)  # what a file says of itself, before Prefect starts
     _quiet_prefect(args.verbose)
     from flows.onboard import block_header, block_rows, onboard_model
 
-    path = Path(args.model)
-    name = args.name or path.stem
     with progress_bar(name):
         result = onboard_model(
             str(path),
@@ -90,6 +94,8 @@ def cmd_onboard(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             reps=args.reps,
             slo_ms=args.slo_ms,
+            input_shapes={k: list(v) for k, v in shapes.items()},
+            replace=args.replace,
         )
     part = result.split.partitioning
     table = Table(
@@ -114,6 +120,12 @@ def cmd_onboard(args: argparse.Namespace) -> int:
         f"{e16:.1e} with fp16 boundaries  |  {steps}\n"
         f"stored in the warehouse; blocks in {result.split.folder}"
     )
+    if result.outdated_plans:
+        console.print(
+            f"[yellow]replaced {name}:[/] plans {', '.join(map(str, result.outdated_plans))} "
+            "were made for its old blocks and are refused from now on; plan again",
+            highlight=False,
+        )
     return 0
 
 
@@ -190,6 +202,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="tensors allowed to cross a cut, widened when too few cuts qualify (1)",
     )
     p.add_argument("--slo-ms", type=float, help="SLO (default: 5 x the whole model at batch 1)")
+    add_input_shape_option(p)
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace a model of the same name (its stored plans are refused from then on)",
+    )
     _profiling_options(p)
     p.set_defaults(func=cmd_onboard)
 

@@ -35,7 +35,7 @@ def _plan_arg(args: argparse.Namespace):
     if args.plan.isdigit():
         with Warehouse.open(args.warehouse) as wh:
             plan = wh.load_plan(int(args.plan))
-            return check_plan(wh, plan, f"plan {args.plan}"), int(args.plan)
+            return check_plan(wh, plan, f"plan {args.plan}", int(args.plan)), int(args.plan)
     path = Path(args.plan)
     if not path.is_file():
         raise PoolpipeError(f"--plan {args.plan!r} is neither a plan id nor a plan JSON file")

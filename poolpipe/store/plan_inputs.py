@@ -107,13 +107,25 @@ def resolve_cluster(
     return wh.load_cluster(cluster)
 
 
-def check_plan(wh: Warehouse, plan: Plan, where: str = "the plan") -> Plan:
+def check_plan(
+    wh: Warehouse, plan: Plan, where: str = "the plan", plan_id: int | None = None
+) -> Plan:
     """`plan` if it can be served or simulated: every model profiled in the warehouse, and
     every constraint re-derived from the profiles (Plan.verify: blocks 0..B contiguous,
     shares and batch sizes profiled, GPUs per type within the cluster, latencies within
     the SLO, throughputs within capacity); else a PlanVerificationError naming `where`.
-    Call it before storing or starting anything."""
+    A stored plan (`plan_id`) whose models were onboarded again after it was made is
+    refused naming them. Call it before storing or starting anything."""
     from poolpipe.errors import PlanVerificationError
+
+    outdated = wh.outdated_models(plan_id) if plan_id is not None else []
+    if outdated:
+        model, when = outdated[0]
+        raise PlanVerificationError(
+            f"{where} was made for an earlier onboarding of {model!r} (onboarded again "
+            f"{when:%Y-%m-%d %H:%M:%S}, whose blocks and latencies may differ); plan again "
+            "(poolpipe plan ...) and serve the new plan"
+        )
 
     known = set(wh.model_names())
     missing = [m.name for m in plan.models if m.name not in known]

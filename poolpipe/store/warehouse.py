@@ -629,6 +629,31 @@ class Warehouse:
     def model_names(self) -> list[str]:
         return [r[0] for r in self.con.execute("SELECT name FROM models ORDER BY name").fetchall()]
 
+    def model_origin(self, model: str) -> tuple[str, datetime] | None:
+        """Where `model`'s entry came from (onboard:<file>, an import, ...) and when."""
+        row = self.con.execute(
+            "SELECT source, updated_at FROM models WHERE name = ?", [model]
+        ).fetchone()
+        return (str(row[0]), row[1]) if row else None
+
+    def plans_using(self, model: str) -> list[int]:
+        """Ids of the stored plans that serve `model`, oldest first."""
+        rows = self.con.execute(
+            "SELECT plan_id FROM plan_models WHERE model = ? ORDER BY plan_id", [model]
+        ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def outdated_models(self, plan_id: int) -> list[tuple[str, datetime]]:
+        """The models of plan `plan_id` onboarded again after it was made (their blocks may
+        differ from those it was planned on), with when."""
+        rows = self.con.execute(
+            "SELECT m.name, m.updated_at FROM plan_models pm JOIN plans p USING (plan_id) "
+            "JOIN models m ON m.name = pm.model WHERE pm.plan_id = ? "
+            "AND m.updated_at > p.created_at AND m.source LIKE 'onboard:%' ORDER BY m.name",
+            [plan_id],
+        ).fetchall()
+        return [(str(r[0]), r[1]) for r in rows]
+
     def load_profile(self, name: str) -> ModelProfile:
         row = self.con.execute(
             "SELECT num_blocks, reference_latency_us, slo_us, source, input_bytes, weight_bytes,"
