@@ -4,6 +4,7 @@ flow, and the nightly re-planning flow deciding from the observed mix."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -711,6 +712,7 @@ def test_a_plan_that_cannot_be_served_is_refused_and_forced_its_requests_are_ref
     prefect_api,
     server,
     onboarded_tiny,  # noqa: F811
+    capsys,
 ):
     """A plan whose SLO, less the router's measured reply margin, is shorter than its
     fastest pipeline used to be rolled out ("ok": true) and then have every request refused
@@ -766,6 +768,18 @@ def test_a_plan_that_cannot_be_served_is_refused_and_forced_its_requests_are_ref
             "SELECT arrivals, refused FROM serving_stats ORDER BY minute DESC LIMIT 1"
         ).fetchone()
     assert refused_rows == 4 and arrivals == 4
+    # what a person reads shows them (`stats` and `status` used to show 0 of everything)
+    from poolpipe.cli import main as cli_main
+
+    capsys.readouterr()
+    assert cli_main(["--warehouse", wh, "stats", "--json", "--last", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)[-1]["refused"] == 4
+    assert cli_main(["--warehouse", wh, "stats", "--last", "1"]) == 0
+    assert "refused" in capsys.readouterr().out
+    s = server.status()
+    assert (
+        s["models"]["tiny"]["refused"] >= 4 and s["windows"][-1]["models"]["tiny"]["refused"] == 4
+    )
 
     # a plan that fits again (the rest of the module serves on it)
     back = rollout_plan(str(server_plan_id(wh)), dep.grpc_url, warehouse=wh)
@@ -898,3 +912,4 @@ def test_what_a_router_or_triton_killed_outright_left_is_swept_and_live_ones_kep
         assert live.exists() and young.exists()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+

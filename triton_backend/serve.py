@@ -440,6 +440,7 @@ class ServingProcess:
                         else None,
                         "dropped": r["dropped"],
                         "failed": r["failed"],
+                        "refused": r["refused"],
                         "p99_ms": r["p99_ms"],
                     }
                     for name, r in rows.items()

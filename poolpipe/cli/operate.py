@@ -63,13 +63,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         )  # fmt: skip
     console.print(nodes)
     models = Table(title="models (since the start; then the last windows written)")
-    for col in ("model", "when", "req/s", "arrivals", "on time", "dropped", "failed", "p99 ms"):
+    cols = ("model", "when", "req/s", "arrivals", "on time", "refused", "dropped", "failed")
+    for col in (*cols, "p99 ms"):
         models.add_column(col, justify="left" if col in ("model", "when") else "right")
     for name, m in s["models"].items():
         plan_rps = s["live_throughput"].get(name)
         models.add_row(
             name, "since start", f"{m['req_s']:.1f}", str(m["arrivals"]),
-            _pct(m["attainment"]), str(m["dropped"]), str(m["failed"]), "-",
+            _pct(m["attainment"]), str(m["refused"]), str(m["dropped"]), str(m["failed"]), "-",
         )  # fmt: skip
         for w in s["windows"][-3:]:
             r = w["models"].get(name)
@@ -77,11 +78,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 continue
             models.add_row(
                 "", f"{w['start']} ({w['seconds']:g} s)", f"{r['req_s']:.1f}",
-                str(r["arrivals"]), _pct(r["attainment"]), str(r["dropped"]), str(r["failed"]),
+                str(r["arrivals"]), _pct(r["attainment"]), str(r["refused"]),
+                str(r["dropped"]), str(r["failed"]),
                 "-" if r["p99_ms"] is None else f"{r['p99_ms']:.1f}",
             )  # fmt: skip
         if plan_rps is not None:
-            models.add_row("", "planned on the nodes in service", f"{plan_rps:.1f}", *[""] * 5)
+            models.add_row("", "planned on the nodes in service", f"{plan_rps:.1f}", *[""] * 6)
     console.print(models)
     if s["node_changes"] or s["rollouts"]:
         console.print(
@@ -123,13 +125,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
             where, params = "WHERE deployment = ?", [args.deployment]
         rows = wh.con.execute(
             "SELECT minute, seconds, deployment, plan_id, model, arrivals, on_time, late, "
-            f"dropped, failed, p50_ms, p99_ms, mean_batch FROM serving_stats {where} "
+            f"refused, dropped, failed, p50_ms, p99_ms, mean_batch FROM serving_stats {where} "
             "ORDER BY minute DESC, deployment, model LIMIT ?",
             [*params, args.last],
         ).fetchall()
     cols = (
         "minute", "seconds", "deployment", "plan_id", "model", "arrivals", "on_time", "late",
-        "dropped", "failed", "p50_ms", "p99_ms", "mean_batch",
+        "refused", "dropped", "failed", "p50_ms", "p99_ms", "mean_batch",
     )  # fmt: skip
     records = [dict(zip(cols, r, strict=True)) for r in reversed(rows)]
     if args.json:
@@ -146,7 +148,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     t = Table(title=f"serving statistics, the last {len(records)} row(s)")
     for c in ("window", "deployment", "plan", "model", "req/s", "arrivals", "on time",
-              "late", "dropped", "failed", "p50 ms", "p99 ms", "batch"):  # fmt: skip
+              "late", "refused", "dropped", "failed", "p50 ms", "p99 ms",
+              "batch"):  # fmt: skip
         t.add_column(c, justify="left" if c in ("window", "deployment", "model") else "right")
 
     def num(x: object, f: str = ".1f") -> str:
@@ -157,8 +160,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         t.add_row(
             f"{r['minute']:%Y-%m-%d %H:%M:%S} ({r['seconds']:.0f} s)", r["deployment"],
             num(r["plan_id"], "d"), r["model"], num(n / r["seconds"] if r["seconds"] else None),
-            str(n), _pct(r["on_time"] / n if n else None), str(r["late"]), str(r["dropped"]),
-            str(r["failed"]), num(r["p50_ms"]), num(r["p99_ms"]), num(r["mean_batch"], ".2f"),
+            str(n), _pct(r["on_time"] / n if n else None), str(r["late"]), str(r["refused"]),
+            str(r["dropped"]), str(r["failed"]), num(r["p50_ms"]), num(r["p99_ms"]),
+            num(r["mean_batch"], ".2f"),
         )  # fmt: skip
     console.print(t)
     return 0
