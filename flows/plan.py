@@ -110,6 +110,7 @@ def plan_models(
         warehouse, models, target, clusters_file, weights, slo_ms, slo_scale, options
     )
     plan = solve(request)
+    unserved = list(plan.meta.get("unserved") or [])
     plan_id = store_plan(warehouse, plan, label)
     if out:
         plan.save(Path(out))
@@ -125,8 +126,14 @@ def plan_models(
         description=f"plan {plan_id}: {strategy} on {plan.cluster.name}",
         markdown=f"# plan {plan_id}: {strategy} on {plan.cluster.name}, "
         f"objective {plan.objective:,.2f}\n\n"
-        + markdown_table(["model", "req/s", "batch", "partitions"], rows),
+        + markdown_table(["model", "req/s", "batch", "partitions"], rows)
+        + (f"\n\n**Not served**: {', '.join(unserved)}" if unserved else ""),
     )
+    if unserved:
+        print(
+            f"plan {plan_id} leaves out {', '.join(unserved)}: cluster {plan.cluster.name} "
+            "cannot hold a pipeline of every model at its SLO at once"
+        )
     return plan_id
 
 

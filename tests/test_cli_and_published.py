@@ -424,3 +424,26 @@ def test_cost_objective_errors_name_the_bad_input(imported, capsys, extra, messa
     assert main([*argv, "--models", "repvgg-b3", *extra]) == 2
     printed = capsys.readouterr()
     assert message in " ".join(printed.err.split()) and not printed.out
+
+
+def test_more_models_than_the_cluster_holds_plans_the_others_and_says_so(
+    imported, tmp_path, capsys
+):
+    """Three models, one whole L4: the plan used to serve none ("nothing fits", exit 0) and
+    `serve` refused it after it was stored."""
+    clusters = tmp_path / "one.toml"
+    clusters.write_text(
+        '[one-l4]\nbandwidth_gbps = 10\ngpus = [ { type = "L4", count = 1, shares = [1] } ]\n'
+    )
+    argv = ["--warehouse", str(imported), "plan", "--clusters-file", str(clusters)]
+    argv += ["--cluster", "one-l4", "--models", ",".join(GROUP), "--delivery", "off"]
+    rc = main(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 1 and "not served: " in out and "cannot hold a pipeline of every model" in out
+    assert "(nothing fits)" not in out
+    with Warehouse.open(imported) as wh:
+        plan_id = wh.con.execute("SELECT max(plan_id) FROM plans").fetchone()[0]
+        plan = wh.load_plan(plan_id)
+    served = [m.name for m in plan.models]
+    assert len(served) == 1 and plan.models[0].pipelines and plan.objective > 0
+    assert sorted(served + plan.meta["unserved"]) == sorted(GROUP)

@@ -414,3 +414,24 @@ def test_what_a_plan_runs_fits_the_gpus_memory():
         Plan.from_dict(written).verify({"m": big})
     # unknown memory (a type with no specification, none given) is not checked
     assert make_plan(request(big, cluster, 13000)).objective == pytest.approx(1e6 / 3000)
+
+
+def test_more_models_than_the_cluster_holds_serves_those_it_can_and_names_the_rest():
+    """Three models that each need a whole A on a cluster of two: the max-min optimum is 0
+    (every plan as good), which used to return a plan serving none ("nothing fits"); now
+    the two it can serve are planned and the third is named."""
+    models = [tiny_model(n, {("A", 1): A1}, SMALL_BOUNDARY) for n in ("a", "b", "c")]
+    cluster = tiny_cluster([("A", 2, 1, (1,))])
+    req = dataclasses.replace(
+        request(models[0], cluster, 12000),
+        models=tuple(models),
+        weights=(1.0, 1.0, 1.0),
+        slos_us=(12000.0,) * 3,
+    )
+    plan = make_plan(req)
+    assert len(plan.models) == 2 and all(m.pipelines for m in plan.models)
+    assert plan.objective == pytest.approx(125.0)
+    (left,) = plan.meta["unserved"]
+    assert left in {"a", "b", "c"} and left not in {m.name for m in plan.models}
+    one = dataclasses.replace(req, cluster=tiny_cluster([("A", 1, 1, (1,))]))
+    assert len(make_plan(one).models) == 1 and len(make_plan(one).meta["unserved"]) == 2

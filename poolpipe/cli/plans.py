@@ -7,12 +7,14 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from poolpipe.cli.common import (
     PPIPE_DIR_ENV,
     add_reply_margin_argument,
     console,
+    err_console,
     open_warehouse,
     parse_floats,
     parse_list,
@@ -90,6 +92,21 @@ def print_plan(plan: Plan) -> None:
         console.print(delivery_line(plan), highlight=False)
     if plan.meta.get("objective") == "cost":
         print_costs(plan)
+    unserved = unserved_line(plan)
+    if unserved:
+        console.print(f"[yellow]{escape(unserved)}[/]", highlight=False)
+
+
+def unserved_line(plan: Plan) -> str | None:
+    """The models a plan leaves out because the cluster cannot serve them beside the rest."""
+    left = plan.meta.get("unserved") or []
+    if not left:
+        return None
+    return (
+        f"not served: {', '.join(left)}: cluster {plan.cluster.name} cannot hold a pipeline "
+        "of every model at its SLO at once, so the plan serves the others; plan those on a "
+        "larger cluster, with looser SLOs, or apart"
+    )
 
 
 def _deliverable_cell(m: ModelPlan) -> str:
@@ -369,7 +386,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
         warn_slo_room(plan, args.reply_margin_ms * 1e3)
-        return 0
+        unserved = unserved_line(plan)
+        if unserved:
+            err_console.print(unserved, highlight=False, markup=False)
+        return 1 if unserved else 0
     print_plan(plan)
     if args.warm_start:
         start = plan.meta.get("warm_start_objective")
@@ -383,7 +403,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(
         f"stored as plan {plan_id} in {wh.path}" + (f"; written to {args.out}" if args.out else "")
     )
-    return 0
+    return 1 if unserved_line(plan) else 0
 
 
 def _warm_start(wh: Warehouse, ref: str) -> Plan:

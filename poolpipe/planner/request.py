@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import PACKINGS, STRATEGIES, Plan
@@ -61,6 +61,10 @@ class PlanRequest:
     # batches and slower GPUs, whose waiting the simulation then measures (max-min
     # ppipe and np; dart-r plans as its heuristic does)
     search_margins: tuple[float, ...] = ()
+    # where the cluster cannot hold a pipeline of every model at once (the max-min optimum
+    # is 0): plan the models it can serve together and name the others in
+    # meta["unserved"]; False: the max-min plan of them all, which serves some nothing
+    leave_out: bool = True
 
     def __post_init__(self) -> None:
         n = len(self.models)
@@ -123,6 +127,22 @@ class PlanRequest:
                     f"model {m.name} has no profile for any GPU type of cluster "
                     f"{self.cluster.name} ({[p.gpu for p in self.cluster.pools]}); it has {m.gpus}"
                 )
+
+    def only(self, keep: list[int]) -> PlanRequest:
+        """The same request for the models at positions `keep` (in that order)."""
+
+        def pick(values: tuple | None) -> tuple | None:
+            return None if values is None else tuple(values[i] for i in keep)
+
+        return replace(
+            self,
+            models=tuple(self.models[i] for i in keep),
+            weights=tuple(self.weights[i] for i in keep),
+            slos_us=tuple(self.slos_us[i] for i in keep),
+            rates=pick(self.rates),
+            headroom_rates=pick(self.headroom_rates),
+            warm_start=None,
+        )
 
     def _check_cost_inputs(self) -> None:
         names = [m.name for m in self.models]

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 from poolpipe.domain.plan import Plan
+from poolpipe.errors import InfeasibleError
 from poolpipe.planner.baselines import plan_dart_r
 from poolpipe.planner.candidates import enumerate_pipelines
 from poolpipe.planner.cost import make_cost_plan, rate_shares
@@ -62,6 +63,8 @@ def make_plan(req: PlanRequest) -> Plan:
         plan = plan_dart_r(req, lam, lam_solved, started)
     else:
         plan = _maxmin(req, lam, lam_solved, started)
+        if plan.objective <= 0 and len(req.models) > 1 and req.leave_out:
+            return _servable_ones(req)
         if req.delivery == "maximise":
 
             def again(asked: PlanRequest) -> Plan:
@@ -72,6 +75,34 @@ def make_plan(req: PlanRequest) -> Plan:
         plan = state(req, plan)
     plan.verify({m.name: m for m in req.models})
     return plan
+
+
+def _servable_ones(req: PlanRequest) -> Plan:
+    """The plan of the models the cluster can serve together, where it cannot hold a
+    pipeline of every model at once (the max-min optimum is 0, and every plan as good):
+    models are left out one at a time, each time the one whose absence leaves the best
+    fluid max-min plan, until the rest are all served; the plan of those, with the models
+    left out in `meta["unserved"]`."""
+    keep = list(range(len(req.models)))
+    while len(keep) > 1:
+        best: tuple[float, list[int]] | None = None
+        for drop in keep:
+            rest = [i for i in keep if i != drop]
+            sub = req.only(rest)
+            lam, _ = estimate_arrival_rates(sub)
+            objective = _maxmin(sub, lam, None, time.perf_counter()).objective
+            if best is None or objective > best[0]:
+                best = (objective, rest)
+        assert best is not None
+        keep = best[1]
+        if best[0] > 0:
+            plan = make_plan(req.only(keep))
+            left = [m.name for i, m in enumerate(req.models) if i not in keep]
+            return replace(plan, meta={**plan.meta, "unserved": left})
+    raise InfeasibleError(
+        f"cluster {req.cluster.name} cannot serve any of {', '.join(m.name for m in req.models)}"
+        " with a pipeline of its own; plan a larger cluster or looser SLOs"
+    )
 
 
 def _maxmin(
