@@ -104,6 +104,7 @@ def plan_models(
         "solver": solver,
         "time_limit_s": time_limit_s,
         "mip_gap": mip_gap,
+        "leave_out": True,  # models the cluster cannot serve beside the others: named
     }
     target = _target(cluster, inventory)
     request = load_request(

@@ -308,8 +308,8 @@ def _cost_request(inst, one_type: bool, fraction: float, step: float, **options)
         most = make_plan(base)
     except PoolpipeError:
         return None
-    if most.objective <= 0 or most.meta.get("unserved"):
-        return None  # some model cannot be served at all, or not beside the other
+    if most.objective <= 0:
+        return None  # some model cannot be served at all
     return dataclasses.replace(
         base,
         objective="cost",

@@ -197,7 +197,7 @@ def pair_request(inst, **options) -> PlanRequest:
         weights=(0.4, 0.6),
         slos_us=tuple(slos),
         cluster=cluster,
-        **{"leave_out": False, **options},  # the plan of both, also where its optimum is 0
+        **options,
     )
 
 

@@ -427,7 +427,9 @@ def test_more_models_than_the_cluster_holds_serves_those_it_can_and_names_the_re
         models=tuple(models),
         weights=(1.0, 1.0, 1.0),
         slos_us=(12000.0,) * 3,
+        leave_out=True,
     )
+    assert make_plan(dataclasses.replace(req, leave_out=False)).objective == 0  # as it was
     plan = make_plan(req)
     assert len(plan.models) == 2 and all(m.pipelines for m in plan.models)
     assert plan.objective == pytest.approx(125.0)

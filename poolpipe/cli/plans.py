@@ -374,6 +374,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # other processes (a router writing statistics) need it meanwhile
     with open_warehouse(args) as wh:
         req = with_objective(args, build_request(args, wh, args.strategy))
+        req = dataclasses.replace(req, leave_out=True)  # serve those that fit, name the rest
         if args.warm_start:
             req = dataclasses.replace(req, warm_start=_warm_start(wh, args.warm_start))
     what = "the cheapest " if req.objective == "cost" else ""

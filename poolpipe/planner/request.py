@@ -63,8 +63,10 @@ class PlanRequest:
     search_margins: tuple[float, ...] = ()
     # where the cluster cannot hold a pipeline of every model at once (the max-min optimum
     # is 0): plan the models it can serve together and name the others in
-    # meta["unserved"]; False: the max-min plan of them all, which serves some nothing
-    leave_out: bool = True
+    # meta["unserved"] (what a user planning a group asks for: `poolpipe plan`, the plan
+    # flow); False: the max-min plan of them all, which serves some nothing (what
+    # comparisons of strategies, shards and bounds need)
+    leave_out: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.models)
