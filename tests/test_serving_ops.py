@@ -383,41 +383,6 @@ def test_a_node_killed_outright_takes_its_tritonserver_along(tmp_path):
     assert not left, f"the node's tritonserver {left} outlived it"
 
 
-def test_a_router_killed_outright_leaves_no_triton_behind(onboarded_tiny, tmp_path):  # noqa: F811
-    """`kill -9` of `poolpipe serve` used to leave its tritonserver serving 503s, healthy to
-    any probe, on the router's ports: every tritonserver it started (its own and its local
-    nodes') now goes with it, and a new router gets the same ports."""
-    import signal
-
-    from triton_backend.env import free_ports
-
-    wh, _ = onboarded_tiny
-    plan_file = tmp_path / "plan.json"
-    two_partition_plan().save(plan_file)
-    http, grpc = free_ports(2)
-    argv = ["--warehouse", wh, "serve", str(plan_file), "--http-port", str(http)]
-    argv += ["--grpc-port", str(grpc), "--workspace", str(tmp_path / "ws")]
-    before = _leftovers()
-    proc = _serving(argv, 180)
-    # the router's and its nodes' tritonservers, at least
-    left = _killed_outright(proc, at_least=3, within_s=30)
-    assert not left, f"processes {left} outlived the router"
-    assert _leftovers() - before, "nothing left behind: the sweep below checks nothing"
-    again = _serving(argv, 180)  # the same ports: nothing left holds them
-    again.send_signal(signal.SIGTERM)
-    assert again.wait(60) == 0
-    # what the killed router left, a router or node starting STALE_AFTER_S later sweeps
-    import time
-
-    from triton_backend.frontend import sweep_doors
-    from triton_backend.nodes import STALE_AFTER_S, sweep_uploads
-
-    later = time.time() + 2 * STALE_AFTER_S
-    sweep_uploads(now=later)
-    sweep_doors(now=later)
-    assert not _leftovers() - before, _leftovers() - before
-
-
 def _leftovers() -> set[str]:
     """Triton's upload folders and routers' door folders in the temporary folders."""
     import tempfile
