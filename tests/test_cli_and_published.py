@@ -101,6 +101,24 @@ def test_slo_us_and_json_output(imported, capsys):
     assert "warning" not in capsys.readouterr().err  # 18 ms are room enough
 
 
+def test_plan_checks_slos_against_the_reply_margin_a_router_measured(imported, capsys):
+    """A router serving from the warehouse measured 24 ms of the reply's way out beyond its
+    1 ms floor: a 20 ms SLO planned later is warned of before it is stored (it used to be
+    checked against 3 ms whatever the routers had measured)."""
+    from datetime import datetime
+
+    argv = ["--warehouse", str(imported), "plan", "--cluster", "hc2-large", "--json"]
+    argv += ["--models", "googlenet-v3-pytorch", "--slo-us", "googlenet-v3-pytorch=20000"]
+    assert main(argv) == 0 and "warning" not in capsys.readouterr().err
+    row = dict.fromkeys(("arrivals", "on_time", "late", "dropped", "failed", "refused"), 0)
+    row |= {"minute": datetime.now(), "seconds": 60.0, "deployment": "d", "plan_id": None}
+    with Warehouse.open(imported) as wh:
+        wh.store_rows("serving_stats", [{**row, "model": "m", "reply_measured_ms": 24.0}])
+    assert main(argv) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "googlenet-v3-pytorch: SLO 20 ms less the router's reply margin 25 ms" in err, err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -233,7 +233,8 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
 def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsys, monkeypatch):  # noqa: F811
     """`poolpipe serve PLAN.json` in its own process, a request to it, `poolpipe rollout`
     from this one, and a clean stop on SIGTERM. Its reply margin is the plan's whole SLO:
-    it warns, and requests that bring their own SLO are served."""
+    serve refuses the plan (as a rollout does) unless --force, then warns, and requests
+    that bring their own SLO are served."""
     import os
     import signal
     import subprocess
@@ -247,6 +248,14 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
     wh, _ = onboarded_tiny
     plan_file = tmp_path / "plan.json"
     two_partition_plan().save(plan_file)
+    refused = tmp_path / "refused"
+    argv = ["--warehouse", wh, "serve", str(plan_file), "--reply-margin-ms", "300"]
+    assert cli_main([*argv, "--workspace", str(refused)]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    # (300 ms, plus what the module's router measured beyond its floor, if anything)
+    margin = r"reply margin 3[0-9][0-9](\.[0-9]+)? ms"
+    assert re.search(rf"refused: tiny: SLO 300 ms less the router's {margin}", said), said
+    assert "--force serves it anyway" in said and not refused.exists()
     env = {**os.environ, "COLUMNS": "300"}
     proc = subprocess.Popen(
         [
@@ -263,6 +272,7 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
             "2",
             "--reply-margin-ms",
             "300",
+            "--force",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -283,7 +293,7 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         while "Ctrl-C" not in seen[-1]:  # the rest of what serve says on start
             seen.append(proc.stdout.readline())
         said = " ".join("".join(seen).split())
-        assert "tiny: SLO 300 ms less the router's reply margin 300 ms leaves less" in said
+        assert re.search(rf"tiny: SLO 300 ms less the router's {margin} leaves less", said)
         assert "every request at that SLO will be dropped" in said
         import tritonclient.grpc as tg
 
@@ -745,11 +755,15 @@ def test_a_plan_that_cannot_be_served_is_refused_and_forced_its_requests_are_ref
     assert (
         s["models"]["tiny"]["refused"] >= 4 and s["windows"][-1]["models"]["tiny"]["refused"] == 4
     )
+    # and a load balancer is told: not ready while every request of a model is refused
+    state, why, _ = server.readiness()
+    assert state == "not ready" and "the plan cannot serve tiny" in why, why
 
     # a plan that fits again (the rest of the module serves on it)
     back = rollout_plan(str(server_plan_id(wh)), dep.grpc_url, warehouse=wh)
     assert back["status"] == "done"
     _send(server, 1)
+    assert server.readiness()[0] == "ready"
 
 
 def server_plan_id(wh: str) -> int:

@@ -343,6 +343,12 @@ class RouterCore:
         topo = self.topo
         return sorted(topo.models[i].name for i in self._call(self.runtime.without_path, timeout_s))
 
+    def models_unservable(self, timeout_s: float = 1.0) -> list[str]:
+        """Models of the plan whose SLO, less the measured reply margin, leaves no time to
+        serve a request in (their requests are refused; asked on the loop)."""
+        topo = self.topo
+        return sorted(topo.models[i].name for i in self._call(self.runtime.unservable, timeout_s))
+
     def in_flight(self) -> int:
         return self.runtime.in_flight()
 

@@ -231,6 +231,7 @@ class ServingProcess:
         self.rollouts: Counter[str] = Counter()  # by result: done, rolled back, refused
         # the last windows flushed: (start, seconds, {model: its row}), newest last
         self.recent: deque[tuple[datetime, float, dict[str, dict]]] = deque(maxlen=5)
+        self._unservable_said = -1e18  # when the log last said the plan cannot serve
         self._stats_thread = threading.Thread(target=self._stats_loop, daemon=True)
         self._stats_thread.start()
         self.replans: list[dict] = []  # decisions of the re-plans after failures
@@ -279,6 +280,9 @@ class ServingProcess:
         without = dep.core.models_without_path()
         if without:
             return NOT_READY, f"no live path for model(s) {', '.join(without)}", more
+        refused = dep.core.models_unservable()
+        if refused:
+            return NOT_READY, unservable_reason(refused, dep.core.reply_margin_us), more
         return READY, "a live path for every model", more
 
     def weight_percent(self) -> str:
@@ -300,6 +304,21 @@ class ServingProcess:
         while not self._stop.wait(self.stats_interval_s):
             with contextlib.suppress(Exception):
                 self.flush_stats()
+            with contextlib.suppress(Exception):
+                self._say_unservable()
+
+    def _say_unservable(self) -> None:
+        """A log line a minute at most (with each statistics window) while the plan served
+        refuses every request of a model (rolled out by force, or a reply margin grown
+        since)."""
+        dep = self.deployment
+        now = time.monotonic()
+        if dep is None or now - self._unservable_said < UNSERVABLE_EVERY_S:
+            return
+        refused = dep.core.models_unservable()
+        if refused:
+            log.warning("%s", unservable_reason(refused, dep.core.reply_margin_us))
+            self._unservable_said = now
 
     def flush_stats(self) -> int:
         """Write the window since the last flush to the warehouse; returns rows written."""
@@ -314,7 +333,9 @@ class ServingProcess:
             "deployment": self.name,
             "plan_id": self.plan_id,
         }
-        rows = [{**base, **asdict(m)} for m in window.models]
+        measured = max(0.0, core.reply_margin_us - core.margin.floor_us)  # beyond its floor
+        margin = {"reply_measured_ms": measured / 1e3}
+        rows = [{**base, **asdict(m), **margin} for m in window.models]
         busy = [{**base, **asdict(p)} for p in window.pools]
         self.recent.append((start, seconds, {m.model: asdict(m) for m in window.models}))
 
@@ -547,6 +568,17 @@ class ServingProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+UNSERVABLE_EVERY_S = 60.0  # how often the log says that the plan refuses a model's requests
+
+
+def unservable_reason(models: list[str], reply_margin_us: float) -> str:
+    return (
+        f"the plan cannot serve {', '.join(models)}: the SLO less the measured reply margin "
+        f"({reply_margin_us / 1e3:.2f} ms) leaves no pipeline time to serve a request in, so "
+        "every request is refused; roll out a plan that fits"
+    )
 
 
 def _load_plan(warehouse: str | Path | None, plan_id: int) -> Plan:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
@@ -81,7 +82,15 @@ def warn_slo_room(plan, reply_margin_us: float) -> None:
     from poolpipe.runtime import slo_room_warnings
 
     for w in slo_room_warnings(plan, reply_margin_us):
-        err_console.print(f"[yellow]warning:[/] {w}", highlight=False, markup=True)
+        err_console.print(f"[yellow]warning:[/] {escape(str(w))}", highlight=False)
+
+
+def reply_margin_to_check(wh: Warehouse, given_us: float, floor_us: float) -> float:
+    """The reply margin a plan's SLOs are checked against: the one given, or a router's
+    `floor_us` plus what a router serving from this warehouse measured last beyond its
+    floor, where that is larger."""
+    measured = wh.measured_reply_margin_us()
+    return max(given_us, floor_us + measured) if measured is not None else given_us
 
 
 def log_events() -> None:

@@ -20,6 +20,7 @@ from poolpipe.cli.common import (
     parse_list,
     parse_margins,
     ppipe_dir,
+    reply_margin_to_check,
     warn_slo_room,
 )
 from poolpipe.cli.profiles import cmd_import_ppipe
@@ -29,7 +30,7 @@ from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.request import DELIVERY, OBJECTIVES
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
-from poolpipe.runtime import DEFAULT_REPLY_MARGIN_US
+from poolpipe.runtime import DEFAULT_MARGIN_FLOOR_US, DEFAULT_REPLY_MARGIN_US
 from poolpipe.store.plan_inputs import plan_request
 from poolpipe.store.warehouse import Warehouse
 
@@ -375,18 +376,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with open_warehouse(args) as wh:
         req = with_objective(args, build_request(args, wh, args.strategy))
         req = dataclasses.replace(req, leave_out=True)  # serve those that fit, name the rest
+        margin_us = reply_margin_to_check(wh, args.reply_margin_ms * 1e3, DEFAULT_MARGIN_FLOOR_US)
         if args.warm_start:
             req = dataclasses.replace(req, warm_start=_warm_start(wh, args.warm_start))
     what = "the cheapest " if req.objective == "cost" else ""
     with console.status(f"planning {what}{args.strategy} with {args.solver} ..."):
         plan = make_plan(req)
+    warn_slo_room(plan, margin_us)  # before it is stored
     with open_warehouse(args) as wh:
         plan_id = wh.store_plan(plan, label=args.label)
     if args.out:
         plan.save(Path(args.out))
     if args.json:
         print(plan.to_json())
-        warn_slo_room(plan, args.reply_margin_ms * 1e3)
         unserved = unserved_line(plan)
         if unserved:
             err_console.print(unserved, highlight=False, markup=False)
@@ -400,7 +402,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
             else f"warm start: nothing of plan {args.warm_start} fits (other models, or "
             "none of its pipelines within the SLOs now); planned cold"
         )
-    warn_slo_room(plan, args.reply_margin_ms * 1e3)
     console.print(
         f"stored as plan {plan_id} in {wh.path}" + (f"; written to {args.out}" if args.out else "")
     )
@@ -681,7 +682,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_reply_margin_argument(
         plan,
         "the reply margin to expect of the router that will serve the plan (what one "
-        "measures with its nodes idle): SLOs it leaves no room in are warned of",
+        "measures with its nodes idle; a larger one a router of this warehouse measured "
+        "last is used instead): SLOs it leaves no room in are warned of",
         DEFAULT_REPLY_MARGIN_US,
     )
     plan.set_defaults(func=cmd_plan)

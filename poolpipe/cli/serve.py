@@ -14,7 +14,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from poolpipe.cli.common import add_reply_margin_argument, err_console, log_events, warn_slo_room
+from poolpipe.cli.common import (
+    add_reply_margin_argument,
+    err_console,
+    log_events,
+    reply_margin_to_check,
+    warn_slo_room,
+)
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
@@ -25,6 +31,26 @@ from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
 from triton_backend.env import is_loopback
 
 console = Console()
+
+
+def _check_slo_room(args: argparse.Namespace, plan) -> None:
+    """Refuse, as a rollout does, a plan whose SLOs the reply margin leaves no room in
+    (every request of such a model would be refused), unless --force: then it is served,
+    not ready to a load balancer and said in the log every minute."""
+    from poolpipe.runtime import slo_room_warnings
+    from poolpipe.store.warehouse import Warehouse
+
+    with Warehouse.open(args.warehouse) as wh:
+        floor_us = args.reply_margin_ms * 1e3
+        margin_us = reply_margin_to_check(wh, floor_us, floor_us)
+    no_room = slo_room_warnings(plan, margin_us)
+    if no_room and not args.force:
+        raise PoolpipeError(
+            "refused: "
+            + "; ".join(str(w) for w in no_room)
+            + " --force serves it anyway (reported not ready, and said every minute)"
+        )
+    warn_slo_room(plan, margin_us)
 
 
 def _plan_arg(args: argparse.Namespace):
@@ -86,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # SQLite file, which printed "database is locked" tracebacks beside serving
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     plan, plan_id = _plan_arg(args)
-    warn_slo_room(plan, args.reply_margin_ms * 1e3)
+    _check_slo_room(args, plan)
     workspace = Path(args.workspace)
     token_file = args.token_file or os.environ.get(TOKEN_FILE_VAR)
     if token_file:
@@ -447,6 +473,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workspace", default="out/serve", help="working folder (out/serve)")
     p.add_argument("--name", default="local", help="deployment name in the statistics")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="serve a plan whose SLOs the reply margin leaves no room in (refused without): "
+        "its requests are refused and the router reports not ready",
+    )
     p.add_argument("--plane", choices=DATA_PLANES, default="reservation")
     add_router_arguments(p)
     _token_argument(

@@ -276,6 +276,13 @@ class ServingRuntime:
         """Models (indexes) with no live path now: their requests fail at the door."""
         return set(self._health.no_path)
 
+    def unservable(self) -> list[int]:
+        """Models (indexes) whose own SLO, less the reply margin, leaves no pipeline time
+        to serve a request in: the door refuses all of them (see check)."""
+        topo, bounds = self._plan.recal.base, self._plan.row_bounds
+        margin = self.reply_margin_us
+        return [i for i, m in enumerate(topo.models) if bounds.most(i, m.slo_us - margin) < 1]
+
     def has_live_path(self, model: int) -> bool:
         """Whether some pipeline of `model` has a vGPU in service in every pool."""
         return self._health.has_live_path(self._plan.served, model)

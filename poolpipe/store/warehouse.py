@@ -629,6 +629,15 @@ class Warehouse:
     def model_names(self) -> list[str]:
         return [r[0] for r in self.con.execute("SELECT name FROM models ORDER BY name").fetchall()]
 
+    def measured_reply_margin_us(self) -> float | None:
+        """What the router serving from this warehouse last measured of the reply's way out
+        (its reply margin beyond its floor, µs), or None where none has written it."""
+        row = self.con.execute(
+            "SELECT reply_measured_ms FROM serving_stats WHERE reply_measured_ms IS NOT NULL "
+            "ORDER BY minute DESC LIMIT 1"
+        ).fetchone()
+        return float(row[0]) * 1e3 if row else None
+
     def model_origin(self, model: str) -> tuple[str, datetime] | None:
         """Where `model`'s entry came from (onboard:<file>, an import, ...) and when."""
         row = self.con.execute(
