@@ -155,8 +155,7 @@ def store_task(
 
 def block_rows(result: OnboardResult) -> list[list[str]]:
     """The block table: layers, boundary, latency at the smallest and largest batch."""
-    batches = sorted({m.batch for m in result.measurements})
-    lo, hi = batches[0], batches[-1]
+    shown = _shown_batches(result)
     rows = []
     for b in result.split.blocks:
         rows.append(
@@ -166,28 +165,29 @@ def block_rows(result: OnboardResult) -> list[list[str]]:
                 b.first_layer,
                 str(len(b.outputs)),
                 f"{b.out_bytes / 1024:,.1f}",
-                f"{latency_of(result.measurements, b.index, lo) / 1e3:.3f}",
-                f"{latency_of(result.measurements, b.index, hi) / 1e3:.3f}",
+                *(f"{latency_of(result.measurements, b.index, x) / 1e3:.3f}" for x in shown),
             ]
         )
     sums = sum_vs_whole(result.measurements)
     for label, pick in (("sum of blocks", 0), ("whole model", 1)):
-        rows.append(
-            ["", "", label, "", "", f"{sums[lo][pick] / 1e3:.3f}", f"{sums[hi][pick] / 1e3:.3f}"]
-        )
+        rows.append(["", "", label, "", "", *(f"{sums[x][pick] / 1e3:.3f}" for x in shown)])
     return rows
 
 
-def block_header(result: OnboardResult) -> list[str]:
+def _shown_batches(result: OnboardResult) -> list[int]:
+    """The smallest and the largest batch profiled (one column where they are the same)."""
     batches = sorted({m.batch for m in result.measurements})
+    return sorted({batches[0], batches[-1]})
+
+
+def block_header(result: OnboardResult) -> list[str]:
     return [
         "block",
         "layers",
         "first layer",
         "tensors out",
         "KiB out (b=1)",
-        f"ms b={batches[0]}",
-        f"ms b={batches[-1]}",
+        *(f"ms b={x}" for x in _shown_batches(result)),
     ]
 
 

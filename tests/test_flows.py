@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from pathlib import Path
 
 import onnx
@@ -368,6 +369,10 @@ def test_cli_onboard_prints_the_block_table(prefect_api, small_resnet, tmp_path,
     )
     out = capsys.readouterr().out
     assert rc == 0 and "whole model" in out and "sum of" in out and "cli-resnet" in out
+    # without a terminal, a line per step as it starts and ends (it printed nothing until
+    # the end, and the bar read "0/None" before the first step)
+    assert "cli-resnet: starting Prefect" in out and "None" not in out
+    assert re.search(r"cli-resnet: verify 1/1 \([0-9.]+ s\)", out), out
     rc = cli_main(["--warehouse", wh, "onboard", str(tmp_path / "missing.onnx")])
     out = capsys.readouterr().err
     assert rc == 2 and "missing: load:" in out and "does not exist" in out
@@ -449,3 +454,25 @@ def test_replanning_leaves_out_the_nodes_that_are_down(tmp_path):
     assert surviving_cluster(None, None, None, str(inv), down).pool("cpu-1t").count == 2
     with pytest.raises(PoolpipeError, match="give the cluster"):
         surviving_cluster(None, None, None, None, down)
+
+
+def test_cli_onboards_a_model_of_dynamic_size_with_input_shape(prefect_api, tmp_path, capsys):
+    """An exporter-style classifier (dynamic H and W, its batch read into a Reshape target
+    with Shape/Gather/Concat) onboarded as a user would with --input-shape: the flow stores
+    the shape, the cuts stay off the shape tensor, and one batch size gives one column."""
+    from tests.factories import dynamic_classifier
+
+    wh = str(tmp_path / "wh.duckdb")
+    path = dynamic_classifier(tmp_path / "cls.onnx")
+    argv = ["--warehouse", wh, "onboard", str(path), "--input-shape", "x=3x16x16"]
+    rc = cli_main([*argv, "--blocks", "3", "--batches", "1", "--reps", "2", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("ms b=1") == 1 and "nan" not in out
+    with Warehouse.open(wh) as w:
+        layers = w.block_layers("cls")
+        (provenance,) = w.con.execute(
+            "SELECT provenance FROM block_latency WHERE model = 'cls' LIMIT 1"
+        ).fetchone()
+    assert [a for a, _ in layers][1:] == [12, 13]  # after the Reshape, never among the convs
+    assert json.loads(provenance)["input_shapes"] == {"x": [3, 16, 16]}

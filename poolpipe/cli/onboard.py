@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,8 +48,14 @@ def _quiet_prefect(verbose: bool) -> None:
 
 @contextmanager
 def progress_bar(title: str) -> Iterator[None]:
+    """A bar per step on a terminal; elsewhere (a pipe, a CI log, a journal) a line per step
+    as it starts and ends, with its time, printed at once."""
     from flows.common import reporting
 
+    if not console.is_terminal:
+        with reporting(_progress_lines(title)):
+            yield
+        return
     bars: dict[str, TaskID] = {}
     with Progress(
         TextColumn("[bold]{task.description:<28}"),
@@ -58,7 +65,7 @@ def progress_bar(title: str) -> Iterator[None]:
         console=console,
         transient=False,
     ) as progress:
-        start = progress.add_task(f"{title}: starting Prefect", total=None)
+        start = progress.add_task(f"{title}: starting Prefect", total=1)
 
         def update(step: str, done: int, total: int) -> None:
             if start in progress.task_ids:
@@ -70,6 +77,26 @@ def progress_bar(title: str) -> Iterator[None]:
 
         with reporting(update):
             yield
+
+
+def _progress_lines(title: str):
+    """progress(step, done, total) as plain lines: one as a step starts, one as it ends."""
+    t0 = time.perf_counter()
+    console.print(f"{title}: starting Prefect", highlight=False)
+    seen: set[str] = set()
+
+    def update(step: str, done: int, total: int) -> None:
+        key = step.split(":")[0] if step.startswith("profile") else step
+        if key not in seen or done >= total:
+            seen.add(key)
+            console.print(
+                f"{title}: {step} {done}/{total} ({time.perf_counter() - t0:.1f} s)",
+                highlight=False,
+                markup=False,
+            )
+        console.file.flush()
+
+    return update
 
 
 def cmd_onboard(args: argparse.Namespace) -> int:
@@ -145,20 +172,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             reps=args.reps,
         )
-    lo, hi = batches[0], batches[-1]
+    shown = sorted({batches[0], batches[-1]})  # one column where they are the same
     table = Table(title=f"{args.name} on {info.device} ({info.engine})", title_justify="left")
-    for col in ("block", f"ms b={lo}", f"ms b={hi}"):
+    for col in ("block", *(f"ms b={x}" for x in shown)):
         table.add_column(col, justify="right")
     for k in sorted({m.block for m in ms if m.block >= 0}):
-        table.add_row(
-            str(k),
-            f"{latency_of(ms, k, lo) / 1e3:.3f}",
-            f"{latency_of(ms, k, hi) / 1e3:.3f}",
-        )
+        table.add_row(str(k), *(f"{latency_of(ms, k, x) / 1e3:.3f}" for x in shown))
     sums = sum_vs_whole(ms)
     table.add_section()
-    table.add_row("sum", f"{sums[lo][0] / 1e3:.3f}", f"{sums[hi][0] / 1e3:.3f}")
-    table.add_row("whole", f"{sums[lo][1] / 1e3:.3f}", f"{sums[hi][1] / 1e3:.3f}")
+    table.add_row("sum", *(f"{sums[x][0] / 1e3:.3f}" for x in shown))
+    table.add_row("whole", *(f"{sums[x][1] / 1e3:.3f}" for x in shown))
     console.print(table)
     return 0
 
