@@ -247,7 +247,7 @@ def onboard_model(
         t = time.perf_counter()
         settings = {"warmup": warmup, "reps": reps, "batches": batches}
         if input_shapes:
-            settings["input_shapes"] = {k: list(v) for k, v in input_shapes.items()}
+            settings["input_shapes"] = input_shapes
         slo_us = slo_ms * 1e3 if slo_ms is not None else None
         split = store_task(warehouse, split, info, measurements, errors, slo_us, settings)
         seconds["store"] = time.perf_counter() - t

@@ -60,8 +60,9 @@ def load_model(
     except FileNotFoundError:
         raise ModelError(f"{name}: load: {path} does not exist") from None
     except Exception as exc:  # protobuf decode errors, checker errors
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ModelError(f"{name}: load: {path} is not a valid ONNX model ({first})") from None
+        raise ModelError(
+            f"{name}: load: {path} is not a valid ONNX model ({_first_line(exc)})"
+        ) from None
     if not model.graph.node:
         raise ModelError(f"{name}: load: {path} has no nodes")
     _constants_to_initializers(model)
@@ -168,11 +169,9 @@ def measure_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
     model then does not run at batch 2. Outputs must have the batch first: answers are
     split per request along it.
     """
-    import onnxruntime as ort  # noqa: F401 (imported here: a clear error if it is missing)
-
-    model_copy = onnx.ModelProto()
-    model_copy.CopyFrom(model)
-    g = model_copy.graph
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
     consts = {t.name for t in g.initializer}
     fixed: dict[str, int] = {}
     for vi in g.input:
@@ -183,53 +182,41 @@ def measure_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
             fixed[vi.name] = first.dim_value
             first.Clear()
             first.dim_param = BATCH_DIM
-    known = {o.name for o in g.output}
+    freed = (
+        f"input {next(iter(fixed))!r} has a fixed batch dimension of "
+        f"{next(iter(fixed.values()))}, and freed of it the model"
+        if fixed
+        else ""
+    )
+    probe = onnx.ModelProto()  # the model with every tensor as an output
+    probe.CopyFrom(out)
+    known = {o.name for o in probe.graph.output}
     tensors = [t for node in g.node for t in node.output if t and t not in consts]
     for t in tensors:
         if t not in known:
-            g.output.append(onnx.ValueInfoProto(name=t))
+            probe.graph.output.append(onnx.ValueInfoProto(name=t))
             known.add(t)
-    names = [o.name for o in g.output]
-    try:
-        sess = session(model_copy, optimize=False)
-    except Exception as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ModelError(
-            f"{name}: load: ONNX Runtime cannot run this model ({first_line}); replace the "
-            "ops it lacks or register a custom-op library"
-        ) from None
+    names = [o.name for o in probe.graph.output]
+    sess = _session_or_refuse(probe, f"{name}: load", optimize=False)
     runs: list[dict[str, np.ndarray]] = []
     for batch in (1, 2):
         try:
-            values = sess.run(names, random_inputs(model_copy, batch, seed=batch))
+            values = sess.run(names, random_inputs(probe, batch, seed=batch))
         except Exception as exc:
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             if batch == 1:
                 raise ModelError(
-                    f"{name}: load: the model fails on random inputs at batch 1 ({first_line})"
+                    f"{name}: load: the model fails on random inputs at batch 1 "
+                    f"({_first_line(exc)})"
                 ) from None
-            where = (
-                f"input {next(iter(fixed))!r} has a fixed batch dimension of "
-                f"{next(iter(fixed.values()))}, and freed of it the model"
-                if fixed
-                else "the model runs at batch 1 but"
-            )
             raise ModelError(
-                f"{name}: load: {where} does not run at batch 2 ({first_line}): something in "
-                "it fixes the batch size (a Reshape to a constant shape, say); export it with "
-                "a dynamic batch axis (torch.onnx.export(..., dynamic_axes={INPUT: {0: "
-                "'batch'}})), since pooled serving runs requests in batches"
+                f"{name}: load: {freed or 'the model runs at batch 1 but'} does not run at "
+                f"batch 2 ({_first_line(exc)}): something in it fixes the batch size (a "
+                "Reshape to a constant shape, say); export it with a dynamic batch axis "
+                "(torch.onnx.export(..., dynamic_axes={INPUT: {0: 'batch'}})), since pooled "
+                "serving runs requests in batches"
             ) from None
         runs.append(dict(zip(names, values, strict=True)))
     one, two = runs
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    for vi in g.input:
-        if vi.name in fixed:
-            first = vi.type.tensor_type.shape.dim[0]
-            first.Clear()
-            first.dim_param = BATCH_DIM
     shapes: dict[str, list[int | str | None]] = {}
     for t, a in one.items():
         b = two[t]
@@ -241,17 +228,12 @@ def measure_shapes(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
         else:
             shapes[t] = [int(x) if a.shape == b.shape else None for x in a.shape]
     outputs = {o.name for o in g.output}
+    whose = f"{freed}'s " if freed else ""
     for o in g.output:
         shape = shapes[o.name]
         if not shape or shape[0] != BATCH_DIM:
-            why = (
-                f"input {next(iter(fixed))!r} has a fixed batch dimension of "
-                f"{next(iter(fixed.values()))}, and freed of it the model's "
-                if fixed
-                else ""
-            )
             raise ModelError(
-                f"{name}: load: {why}output {o.name!r} does not have the batch as its first "
+                f"{name}: load: {whose}output {o.name!r} does not have the batch as its first "
                 f"dimension (shape {list(one[o.name].shape)} at batch 1, "
                 f"{list(two[o.name].shape)} at batch 2); a batch's answers are split per "
                 "request along it, so export the model with a dynamic batch axis first in "
@@ -451,6 +433,22 @@ def session(
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
+def _session_or_refuse(model: onnx.ModelProto, where: str, **options):
+    """An ONNX Runtime session of `model`, or a ModelError saying `where` it cannot run."""
+    try:
+        return session(model, **options)
+    except Exception as exc:
+        raise ModelError(
+            f"{where}: ONNX Runtime cannot run this model ({_first_line(exc)}); replace the "
+            "ops it lacks or register a custom-op library"
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error's text (ONNX Runtime's and protobuf's run to pages)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def random_inputs(model: onnx.ModelProto, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     consts = {t.name for t in model.graph.initializer}
@@ -475,14 +473,13 @@ def profile_layers(
     the optimized engine.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            sess = session(model, threads=threads, optimize=False, profile_prefix=f"{tmp}/prof")
-        except Exception as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ModelError(
-                f"{name}: split (layer profile): ONNX Runtime cannot run this model ({first}); "
-                "replace the ops it lacks or register a custom-op library"
-            ) from None
+        sess = _session_or_refuse(
+            model,
+            f"{name}: split (layer profile)",
+            threads=threads,
+            optimize=False,
+            profile_prefix=f"{tmp}/prof",
+        )
         feeds = random_inputs(model, batch)
         try:
             for _ in range(runs + 1):
