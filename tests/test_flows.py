@@ -474,5 +474,6 @@ def test_cli_onboards_a_model_of_dynamic_size_with_input_shape(prefect_api, tmp_
         (provenance,) = w.con.execute(
             "SELECT provenance FROM block_latency WHERE model = 'cls' LIMIT 1"
         ).fetchone()
-    assert [a for a, _ in layers][1:] == [12, 13]  # after the Reshape, never among the convs
+    # after the Reshape (positions 12-14, chosen by the measured times), never among the convs
+    assert set([a for a, _ in layers][1:]) <= {12, 13, 14}
     assert json.loads(provenance)["input_shapes"] == {"x": [3, 16, 16]}
