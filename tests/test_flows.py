@@ -360,7 +360,7 @@ def test_cli_onboard_prints_the_block_table(prefect_api, small_resnet, tmp_path,
             "--blocks",
             "3",
             "--batches",
-            "1-2",
+            "1-3",
             "--reps",
             "2",
             "--warmup",
@@ -373,6 +373,9 @@ def test_cli_onboard_prints_the_block_table(prefect_api, small_resnet, tmp_path,
     # the end, and the bar read "0/None" before the first step)
     assert "cli-resnet: starting Prefect" in out and "None" not in out
     assert re.search(r"cli-resnet: verify 1/1 \([0-9.]+ s\)", out), out
+    # a line as each batch size's profiling starts (a long profile printed nothing between
+    # its first and its last)
+    assert re.search(r"cli-resnet: profile: batch 2 \d+/\d+", out), out
     rc = cli_main(["--warehouse", wh, "onboard", str(tmp_path / "missing.onnx")])
     out = capsys.readouterr().err
     assert rc == 2 and "missing: load:" in out and "does not exist" in out

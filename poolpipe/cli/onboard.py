@@ -79,18 +79,23 @@ def progress_bar(title: str) -> Iterator[None]:
             yield
 
 
+_EVERY_S = 10.0  # a progress line at least this often without a terminal
+
+
 def _progress_lines(title: str):
-    """progress(step, done, total) as plain lines: one as a step starts, one as it ends."""
+    """progress(step, done, total) as plain lines: one as a step (a phase, a batch size)
+    starts, one as it ends, and one every `_EVERY_S` seconds between."""
     t0 = time.perf_counter()
     console.print(f"{title}: starting Prefect", highlight=False)
-    seen: set[str] = set()
+    last_step, last_at = "", t0
 
     def update(step: str, done: int, total: int) -> None:
-        key = step.split(":")[0] if step.startswith("profile") else step
-        if key not in seen or done >= total:
-            seen.add(key)
+        nonlocal last_step, last_at
+        now = time.perf_counter()
+        if step != last_step or done >= total or now - last_at >= _EVERY_S:
+            last_step, last_at = step, now
             console.print(
-                f"{title}: {step} {done}/{total} ({time.perf_counter() - t0:.1f} s)",
+                f"{title}: {step} {done}/{total} ({now - t0:.1f} s)",
                 highlight=False,
                 markup=False,
             )
