@@ -167,6 +167,18 @@ class Deployment:
         """host:port of the router's KServe v2 gRPC endpoint."""
         return self.frontend.node.grpc_url if self.frontend else ""
 
+    def call_overhead_us(self) -> float | None:
+        """What a stage call on the nodes took beyond its blocks' profiled run: the live
+        stage time at a batch of one less the profiled one, the least over the pools (µs);
+        None where neither is known."""
+        gaps = [
+            live.latency_us[1] - planned.latency_us[1]
+            for live, planned in zip(self.core.topo.pools, self.topo.pools, strict=True)
+            if len(live.latency_us) > 1 and len(planned.latency_us) > 1
+            and live.latency_us[1] > 0 and planned.latency_us[1] > 0
+        ]  # fmt: skip
+        return max(0.0, min(gaps)) if gaps else None
+
     def down_nodes(self) -> list[dict[str, str]]:
         """The nodes the router has taken out of service (failed, not back yet: it keeps
         checking them, also once a rollout has left them out), as {node, device, grpc}."""
@@ -319,6 +331,7 @@ class Deployment:
             if local is None:  # attached nodes: what an earlier router of these models left
                 cleaned = _unload_left_behind(nodes, [m.name for m in plan.models], owner)
             load_layout(lay, parts, nodes, max_batch, loaded)
+            log.info("loaded %d partition model(s) on %d node(s)", len(loaded), len(nodes))
             fenced = fence_off(nodes, [m.name for m in plan.models], owner)
             warm(lay, nodes, parts)
             known: dict[tuple, float] = {}
@@ -326,6 +339,7 @@ class Deployment:
             live = with_latencies(
                 topo, calibrate(topo, lay, nodes, parts, known=known, bandwidth_gbps=bandwidth)
             )
+            log.info("measured the stage times on the nodes; starting the router")
             core = RouterCore(
                 _served(live, lay, nodes, ios, options),
                 margin=margin,
@@ -559,15 +573,17 @@ class Deployment:
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.frontend is not None:
-            self.frontend.stop()
+            self.frontend.stop()  # clients are answered no more
             self.frontend = None
         self.core.stop()
+        log.info("router stopped")
         if self.local is not None:
             self.local.stop()
         else:  # attached nodes keep running: take this deployment's models off them
             for p in self.layout.placements:
                 with contextlib.suppress(Exception):
                     self.nodes[p.node].unload(p.partition)
+            log.info("unloaded this router's models from %d attached node(s)", len(self.nodes))
 
     def __enter__(self) -> Deployment:
         return self

@@ -261,6 +261,7 @@ class TritonNode(RepositoryAPI):
         ]
         self._check_ports()
         sweep_uploads()
+        t0 = time.monotonic()
         for attempt in (1, 2):
             log = open(self.log_path, "ab")  # noqa: SIM115 (the process keeps it)
             if self.die_with_parent:
@@ -280,6 +281,15 @@ class TritonNode(RepositoryAPI):
                 log_.warning("%s; starting it once more", exc)
         # the gRPC endpoint answers too (the HTTP one can be up a moment before it)
         self._wait(lambda _: self.live(1.0), timeout_s, "start (gRPC)")
+        log_.info(
+            "%s (%s) up in %.1f s at %s (gRPC) and %s (HTTP); its log: %s",
+            self.name,
+            self.device,
+            time.monotonic() - t0,
+            self.grpc_url,
+            self.http_url,
+            self.log_path,
+        )
         return self
 
     def _check_ports(self) -> None:
@@ -341,6 +351,7 @@ class TritonNode(RepositoryAPI):
             self.process.kill()
             self.process.wait()
         reap(stubs, folders=folders)
+        log_.info("stopped %s", self.name)
 
     def kill(self) -> None:
         """Die at once, as a crashed node does (fault tests): tritonserver and its backend
@@ -704,3 +715,5 @@ def stop_nodes(nodes: list[TritonNode], timeout_s: float = 10.0) -> None:
                 n.process.kill()
                 n.process.wait()
     reap(stubs, folders=folders)
+    if nodes:
+        log_.info("stopped %s", ", ".join(n.name for n in nodes))

@@ -334,7 +334,11 @@ class ServingProcess:
             "plan_id": self.plan_id,
         }
         measured = max(0.0, core.reply_margin_us - core.margin.floor_us)  # beyond its floor
-        margin = {"reply_measured_ms": measured / 1e3}
+        overhead = self.deployment.call_overhead_us()
+        margin = {
+            "reply_measured_ms": measured / 1e3,
+            "call_overhead_ms": None if overhead is None else overhead / 1e3,
+        }
         rows = [{**base, **asdict(m), **margin} for m in window.models]
         busy = [{**base, **asdict(p)} for p in window.pools]
         self.recent.append((start, seconds, {m.model: asdict(m) for m in window.models}))
@@ -550,12 +554,18 @@ class ServingProcess:
                 self.agent.close()
             with contextlib.suppress(Exception):
                 self.flush_stats()
+                log.info("stopping: the last statistics are in the warehouse")
             self.deployment.down()
 
     def _drain(self) -> None:
         """Serve on for the grace (a balancer's checks see it draining and send nothing
         new), then until the requests it has are answered: each is within its SLO."""
         core = self.deployment.core
+        log.info(
+            "stopping: not ready for %.1f s (a load balancer sends elsewhere), then answering "
+            "what is in flight",
+            self.stop_grace_s,
+        )
         time.sleep(self.stop_grace_s)
         longest_s = max(m.slo_us for m in core.topo.models) / 1e6
         deadline = time.monotonic() + longest_s + 1.0
