@@ -4,8 +4,10 @@ flow, and the nightly re-planning flow deciding from the observed mix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -96,6 +98,12 @@ def test_statistics_land_in_the_warehouse(server, onboarded_tiny):  # noqa: F811
     assert row[:4] == (6, 6, 0, 0)
     assert 0 < row[4] <= row[5] and row[6] >= 1 and row[7] == server.plan_id
     assert busy[0] >= 2 and busy[1] > 0
+    # what a stage call took on the nodes beyond the profiled run, for plan and serve
+    with Warehouse.open(wh) as w:
+        assert w.measured_call_overhead_us(["tiny"]) == pytest.approx(
+            server.deployment.call_overhead_us()
+        )
+        assert w.measured_call_overhead_us(["another"]) is None
 
 
 def test_router_metrics_for_prometheus(server):
@@ -295,6 +303,9 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         said = " ".join("".join(seen).split())
         assert re.search(rf"tiny: SLO 300 ms less the router's {margin} leaves less", said)
         assert "every request at that SLO will be dropped" in said
+        # each node and the router's Triton as they come up (serve was silent until all were)
+        assert re.search(r"\(cpu-\dt\) up in [0-9.]+ s at 127\.0\.0\.1:\d+ \(gRPC\)", said)
+        assert re.search(r"router-triton \(router\) up in [0-9.]+ s", said), said
         import tritonclient.grpc as tg
 
         client = tg.InferenceServerClient(f"127.0.0.1:{port}")
@@ -322,8 +333,61 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         ).shape == (1, 1000)
     finally:
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(60)
-    assert rc == 0
+        rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0
+    # each stopping step (a stop printed nothing for seconds)
+    assert "the last statistics are in the warehouse" in rest and "router stopped" in rest, rest
+    assert re.search(r"stopped \S+, \S+", rest), rest  # the two nodes it started
+
+
+def test_serve_refuses_a_plan_the_nodes_measure_too_slow_for_its_slo(
+    onboarded_tiny,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    """A plan whose SLO, less the reply margin, leaves a little more than its planned
+    latency passes the check on the plan, but a stage call on a node costs more than the
+    block's profiled run: serve checks again on the stage times it measured on the nodes
+    and refuses what the door would refuse every request of (it served such a plan,
+    refusing every request, while ready), and stops the nodes it started."""
+    import shutil
+
+    import duckdb
+
+    from poolpipe.cli import main as cli_main
+    from poolpipe.client.control import TOKEN_FILE_VAR
+
+    monkeypatch.delenv(TOKEN_FILE_VAR, raising=False)
+    wh, _ = onboarded_tiny
+    fresh = str(Path(wh).with_name("wh-unserved.duckdb"))  # no router's margin measured
+    shutil.copy(wh, fresh)
+    with duckdb.connect(fresh) as db:
+        db.execute("DELETE FROM serving_stats")
+    plan = two_partition_plan(batch=1)
+    planned_ms = plan.models[0].pipelines[0].latency_us / 1e3
+    margin_ms = plan.models[0].slo_us / 1e3 - 1.05 * planned_ms
+    plan_file = tmp_path / "plan.json"
+    plan.save(plan_file)
+    argv = ["--warehouse", fresh, "serve", str(plan_file), "--reply-margin-ms", f"{margin_ms}"]
+    assert cli_main([*argv, "--workspace", str(tmp_path / "ws")]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"refused: tiny: its SLO 300 ms less .* less than its fastest pipeline's "
+                     r"measured latency", said), said  # fmt: skip
+    assert "--force serves it anyway" in said
+    left = [
+        p.name
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and str(tmp_path / "ws").encode() in _cmdline(p)
+    ]
+    assert not left, f"processes of the refused serve still run: {left}"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:  # it ended meanwhile
+        return b""
 
 
 def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_path):  # noqa: F811
@@ -891,4 +955,3 @@ def test_what_a_router_or_triton_killed_outright_left_is_swept_and_live_ones_kep
         assert live.exists() and young.exists()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-

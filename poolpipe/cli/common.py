@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -76,21 +77,34 @@ def add_reply_margin_argument(
     )
 
 
-def warn_slo_room(plan, reply_margin_us: float) -> None:
+def warn_slo_room(plan, reply_margin_us: float, call_overhead_us: float = 0.0) -> None:
     """Warn (on stderr) for each model of `plan` whose SLO the router's reply margin leaves
     no room in."""
     from poolpipe.runtime import slo_room_warnings
 
-    for w in slo_room_warnings(plan, reply_margin_us):
+    warn_each(slo_room_warnings(plan, reply_margin_us, call_overhead_us))
+
+
+def warn_each(warnings) -> None:
+    """Each warning on stderr, as written (no console markup taken from its text)."""
+    for w in warnings:
         err_console.print(f"[yellow]warning:[/] {escape(str(w))}", highlight=False)
 
 
-def reply_margin_to_check(wh: Warehouse, given_us: float, floor_us: float) -> float:
+def reply_margin_to_check(
+    wh: Warehouse, given_us: float, floor_us: float, models: Sequence[str]
+) -> float:
     """The reply margin a plan's SLOs are checked against: the one given, or a router's
     `floor_us` plus what a router serving from this warehouse measured last beyond its
-    floor, where that is larger."""
-    measured = wh.measured_reply_margin_us()
+    floor (serving these models, where one did), where that is larger."""
+    measured = wh.measured_reply_margin_us(models)
     return max(given_us, floor_us + measured) if measured is not None else given_us
+
+
+def call_overhead_to_check(wh: Warehouse, models: Sequence[str]) -> float:
+    """What a stage call on the nodes takes beyond its blocks' profiled run, as a router
+    serving these models from this warehouse last measured (µs; 0 where none did)."""
+    return wh.measured_call_overhead_us(models) or 0.0
 
 
 def log_events() -> None:

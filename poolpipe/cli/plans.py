@@ -13,6 +13,7 @@ from rich.table import Table
 from poolpipe.cli.common import (
     PPIPE_DIR_ENV,
     add_reply_margin_argument,
+    call_overhead_to_check,
     console,
     err_console,
     open_warehouse,
@@ -376,13 +377,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with open_warehouse(args) as wh:
         req = with_objective(args, build_request(args, wh, args.strategy))
         req = dataclasses.replace(req, leave_out=True)  # serve those that fit, name the rest
-        margin_us = reply_margin_to_check(wh, args.reply_margin_ms * 1e3, DEFAULT_MARGIN_FLOOR_US)
+        names = [m.name for m in req.models]
+        margin_us = reply_margin_to_check(
+            wh, args.reply_margin_ms * 1e3, DEFAULT_MARGIN_FLOOR_US, names
+        )
+        overhead_us = call_overhead_to_check(wh, names)
         if args.warm_start:
             req = dataclasses.replace(req, warm_start=_warm_start(wh, args.warm_start))
     what = "the cheapest " if req.objective == "cost" else ""
     with console.status(f"planning {what}{args.strategy} with {args.solver} ..."):
         plan = make_plan(req)
-    warn_slo_room(plan, margin_us)  # before it is stored
+    warn_slo_room(plan, margin_us, overhead_us)  # before it is stored
     with open_warehouse(args) as wh:
         plan_id = wh.store_plan(plan, label=args.label)
     if args.out:

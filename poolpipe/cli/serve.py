@@ -16,9 +16,11 @@ from rich.console import Console
 
 from poolpipe.cli.common import (
     add_reply_margin_argument,
+    call_overhead_to_check,
     err_console,
     log_events,
     reply_margin_to_check,
+    warn_each,
     warn_slo_room,
 )
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
@@ -33,24 +35,45 @@ from triton_backend.env import is_loopback
 console = Console()
 
 
-def _check_slo_room(args: argparse.Namespace, plan) -> None:
+def _check_slo_room(args: argparse.Namespace, plan) -> float:
     """Refuse, as a rollout does, a plan whose SLOs the reply margin leaves no room in
     (every request of such a model would be refused), unless --force: then it is served,
-    not ready to a load balancer and said in the log every minute."""
+    not ready to a load balancer and said in the log every minute. Returns the margin it
+    checked with (the one given, or what a router measured on this warehouse's nodes)."""
     from poolpipe.runtime import slo_room_warnings
     from poolpipe.store.warehouse import Warehouse
 
     with Warehouse.open(args.warehouse) as wh:
         floor_us = args.reply_margin_ms * 1e3
-        margin_us = reply_margin_to_check(wh, floor_us, floor_us)
-    no_room = slo_room_warnings(plan, margin_us)
+        names = [m.name for m in plan.models]
+        margin_us = reply_margin_to_check(wh, floor_us, floor_us, names)
+        overhead_us = call_overhead_to_check(wh, names)
+    no_room = slo_room_warnings(plan, margin_us, overhead_us)
     if no_room and not args.force:
         raise PoolpipeError(
             "refused: "
             + "; ".join(str(w) for w in no_room)
             + " --force serves it anyway (reported not ready, and said every minute)"
         )
-    warn_slo_room(plan, margin_us)
+    warn_slo_room(plan, margin_us, overhead_us)
+    return margin_us
+
+
+def _check_live_room(args: argparse.Namespace, server, margin_us: float) -> None:
+    """The same check once the nodes run, on the stage times the router measured there
+    (a stage call costs more than the block's profiled run, most of all for fast models):
+    what the door would refuse every request of is refused here, unless --force."""
+    from poolpipe.runtime import live_room_warnings
+
+    no_room = live_room_warnings(server.deployment.core.topo, margin_us)
+    if no_room and not args.force:
+        raise PoolpipeError(
+            "refused: "
+            + "; ".join(w.refusal() for w in no_room)
+            + ". Plan it with a longer SLO (plan --slo-ms or a larger --slo-scale); "
+            "--force serves it anyway (reported not ready, and said every minute)"
+        )
+    warn_each(no_room)
 
 
 def _plan_arg(args: argparse.Namespace):
@@ -112,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # SQLite file, which printed "database is locked" tracebacks beside serving
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     plan, plan_id = _plan_arg(args)
-    _check_slo_room(args, plan)
+    margin_us = _check_slo_room(args, plan)
     workspace = Path(args.workspace)
     token_file = args.token_file or os.environ.get(TOKEN_FILE_VAR)
     if token_file:
@@ -147,6 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             **router_options(args),
         )
     try:
+        _check_live_room(args, server, margin_us)
         _serve_until_stopped(server, plan, plan_id, token_file)
     finally:  # whatever ends it, the nodes this started are stopped
         with console.status("stopping ..."):

@@ -17,6 +17,7 @@ from poolpipe.runtime.intake import (
     BadRequest,
     MarginMeter,
     Unservable,
+    live_room_warnings,
     slo_room_warnings,
 )
 from poolpipe.runtime.migration import SwitchResult, default_flush_timeout_us
@@ -88,5 +89,6 @@ __all__ = [
     "capped_slo_us",
     "client_timeout_us",
     "default_flush_timeout_us",
+    "live_room_warnings",
     "slo_room_warnings",
 ]

@@ -191,6 +191,11 @@ class RowBounds:
             total += int(bound)
         return total
 
+    def fastest_us(self, model: int) -> float:
+        """The least time one row of `model` takes through any of its pipelines (every
+        pool's fastest single-row time and the transfers); inf without a pipeline."""
+        return min((outside for outside, _ in self.models[model]), default=math.inf)
+
 
 def check_request(
     topo: Topology,
@@ -241,6 +246,17 @@ class RoomWarning:
     slo_ms: float
     margin_ms: float
     fastest_ms: float  # the plan's fastest pipeline, planned end-to-end latency
+    # fastest_ms as measured on the serving nodes (one row, stage calls and transfers)
+    measured: bool = False
+    overhead_ms: float = 0.0  # of fastest_ms: the stage calls' overhead measured on the nodes
+
+    @property
+    def _fastest(self) -> str:
+        if self.measured:
+            return "measured"
+        if self.overhead_ms > 0:
+            return f"planned (with {self.overhead_ms:.2g} ms of stage calls measured on the nodes)"
+        return "planned"
 
     def __str__(self) -> str:
         room = self.slo_ms - self.margin_ms
@@ -250,8 +266,8 @@ class RoomWarning:
             what = f"{room:g} ms are left, and most requests at that SLO will be dropped"
         return (
             f"{self.model}: SLO {self.slo_ms:g} ms less the router's reply margin "
-            f"{self.margin_ms:g} ms leaves less than its fastest pipeline's planned latency "
-            f"{self.fastest_ms:.1f} ms: {what}. Lower the reply margin (--reply-margin-ms) "
+            f"{self.margin_ms:g} ms leaves less than its fastest pipeline's {self._fastest} "
+            f"latency {self.fastest_ms:.1f} ms: {what}. Lower the reply margin (--reply-margin-ms) "
             "or give the model a longer SLO."
         )
 
@@ -262,20 +278,58 @@ class RoomWarning:
             f"{self.model}: its SLO {self.slo_ms:g} ms less the router's measured reply margin "
             f"{self.margin_ms:.2f} ms leaves {room:.2f} ms"
             + (
-                f", less than its fastest pipeline's planned latency {self.fastest_ms:.3g} ms"
+                f", less than its fastest pipeline's {self._fastest} latency "
+                f"{self.fastest_ms:.3g} ms"
                 if room > 0
                 else ": no time to serve a request in"
             )
         )
 
 
-def slo_room_warnings(plan: Plan, reply_margin_us: float) -> list[RoomWarning]:
+def live_room_warnings(topo: Topology, reply_margin_us: float) -> list[RoomWarning]:
+    """The models of a served topology (its stage times measured on the nodes) whose SLO,
+    less the reply margin, leaves less than one row takes: the door refuses every request
+    of theirs (check_request). What a plan's latencies leave out (each stage call's
+    overhead, a batch of one where the plan batches more) is in these."""
+    bounds = RowBounds(topo)
+    return [
+        RoomWarning(
+            m.name,
+            m.slo_us / 1e3,
+            reply_margin_us / 1e3,
+            bounds.fastest_us(i) / 1e3,
+            measured=True,
+        )
+        for i, m in enumerate(topo.models)
+        if bounds.most(i, m.slo_us - reply_margin_us) < 1
+    ]
+
+
+def slo_room_warnings(
+    plan: Plan, reply_margin_us: float, call_overhead_us: float = 0.0
+) -> list[RoomWarning]:
     """The plan's models whose SLO, less the reply margin, is shorter than their fastest
-    planned pipeline: the router drops most or all of their requests."""
+    planned pipeline: the router drops most or all of their requests. `call_overhead_us`:
+    what a stage call on the nodes takes beyond its blocks' profiled run (measured by a
+    router), added per partition."""
     out = []
     for m in plan.models:
-        fastest = min((p.latency_us for p in m.pipelines), default=math.inf)
-        if not m.pipelines or m.slo_us - reply_margin_us >= fastest:
+        if not m.pipelines:
             continue
-        out.append(RoomWarning(m.name, m.slo_us / 1e3, reply_margin_us / 1e3, fastest / 1e3))
+        fastest, calls = min(
+            (p.latency_us + len(p.partitions) * call_overhead_us, len(p.partitions))
+            for p in m.pipelines
+        )
+        if m.slo_us - reply_margin_us >= fastest:
+            continue
+        overhead = calls * call_overhead_us / 1e3
+        out.append(
+            RoomWarning(
+                m.name,
+                m.slo_us / 1e3,
+                reply_margin_us / 1e3,
+                fastest / 1e3,
+                overhead_ms=overhead,
+            )
+        )
     return out

@@ -629,12 +629,35 @@ class Warehouse:
     def model_names(self) -> list[str]:
         return [r[0] for r in self.con.execute("SELECT name FROM models ORDER BY name").fetchall()]
 
-    def measured_reply_margin_us(self) -> float | None:
+    def measured_reply_margin_us(self, models: Sequence[str] = ()) -> float | None:
         """What the router serving from this warehouse last measured of the reply's way out
-        (its reply margin beyond its floor, µs), or None where none has written it."""
+        (its reply margin beyond its floor, µs), or None where none has written it. Given
+        `models`: the largest of what routers last measured while serving each of them (a
+        reply's way out grows with its outputs), what any router last measured where none
+        served them."""
+        return self._last_measured("reply_measured_ms", models, any_model=True)
+
+    def measured_call_overhead_us(self, models: Sequence[str]) -> float | None:
+        """What a stage call on the nodes took beyond its blocks' profiled run, as routers
+        last measured while serving each of `models` (µs, the largest), or None where none
+        served them (it depends on the models' devices and tensors: another's says nothing)."""
+        return self._last_measured("call_overhead_ms", models, any_model=False)
+
+    def _last_measured(self, column: str, models: Sequence[str], any_model: bool) -> float | None:
+        measured = f"{column} IS NOT NULL"
+        if models:
+            row = self.con.execute(
+                f"SELECT max(ms) FROM (SELECT arg_max({column}, minute) AS ms "
+                f"FROM serving_stats WHERE {measured} AND model IN "
+                f"({', '.join('?' * len(models))}) GROUP BY model)",
+                list(models),
+            ).fetchone()
+            if row and row[0] is not None:
+                return float(row[0]) * 1e3
+        if not any_model:
+            return None
         row = self.con.execute(
-            "SELECT reply_measured_ms FROM serving_stats WHERE reply_measured_ms IS NOT NULL "
-            "ORDER BY minute DESC LIMIT 1"
+            f"SELECT {column} FROM serving_stats WHERE {measured} ORDER BY minute DESC LIMIT 1"
         ).fetchone()
         return float(row[0]) * 1e3 if row else None
 
