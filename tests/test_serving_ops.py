@@ -106,6 +106,38 @@ def test_statistics_land_in_the_warehouse(server, onboarded_tiny):  # noqa: F811
         assert w.measured_call_overhead_us(["another"]) is None
 
 
+def test_requests_with_nan_or_infinite_inputs_are_counted(server):
+    """An all-NaN input is served as sent (the model's answer to it is the client's), but
+    counted by model for Prometheus and logged with the statistics window: it was served
+    and counted on time without a word."""
+    import logging
+
+    mod, client = _grpc(server.deployment)
+    before = server.deployment.core.nonfinite["tiny"]
+    for value in (np.nan, np.inf):
+        x = np.zeros((1, 3, 32, 32), np.float32)
+        x[0, 1, 2, 3] = value
+        with contextlib.suppress(Exception):  # served or dropped: counted at the door
+            _infer(mod, client, x)
+    _send(server, 1)  # finite: not counted
+    assert server.deployment.core.nonfinite["tiny"] == before + 2
+    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
+    m = re.search(r'poolpipe_nonfinite_inputs_total\{model="tiny"\} (\S+)', text)
+    assert m and float(m.group(1)) == before + 2, text[-2000:]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("poolpipe.serve")
+    logger.addHandler(handler)
+    try:
+        server._say_nonfinite()
+        server._say_nonfinite()  # nothing new since: said once
+    finally:
+        logger.removeHandler(handler)
+    said = [r.getMessage() for r in records]
+    assert len(said) == 1 and "NaN or infinite" in said[0] and "tiny 2" in said[0], said
+
+
 def test_router_metrics_for_prometheus(server):
     _send(server, 2)
     text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text

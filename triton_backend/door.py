@@ -183,6 +183,8 @@ class Door:
                 left = _header(params, CLIENT_TIMEOUT)
                 if left is not None:  # the client's own deadline, from the same moment
                     deadline = arrived + int(client_timeout_us(left) * 1e3)
+            if not _finite(arrays):
+                core.nonfinite[conn.model] += 1
             core.take(
                 conn.model,
                 arrays,
@@ -223,6 +225,15 @@ def _header(params: dict, name: str) -> object:
     if value is None:
         value = next((v for k, v in params.items() if k.lower() == name), None)
     return value
+
+
+def _finite(arrays: list[np.ndarray]) -> bool:
+    """Whether every floating-point value of the inputs is finite (a sum in float64: one
+    pass, no temporary; a NaN or an infinity anywhere makes it so)."""
+    for a in arrays:
+        if a.dtype.kind == "f" and a.size and not np.isfinite(a.sum(dtype=np.float64)):
+            return False
+    return True
 
 
 def _parameters(raw: object) -> dict:

@@ -205,6 +205,8 @@ class RouterCore:
         self.stamps = stamps or ArrivalStamps()
         # requests that carried their client's deadline, by whether it ended their SLO
         self.client_deadlines: Counter[str] = Counter({"shortened": 0, "kept": 0})
+        # requests with a NaN or infinite input value, by model (served as sent: counted)
+        self.nonfinite: Counter[str] = Counter()
         self.runtime = ServingRuntime(
             served,
             self.clock,

@@ -123,6 +123,14 @@ class RouterCollector:
         for outcome, k in sorted(core.client_deadlines.items()):
             deadlines.add_metric([outcome], k)
         yield deadlines
+        nonfinite = CounterMetricFamily(
+            "poolpipe_nonfinite_inputs",
+            "Requests whose inputs held a NaN or an infinite value (served as sent), by model",
+            labels=["model"],
+        )
+        for name in core.stats:
+            nonfinite.add_metric([name], core.nonfinite[name])
+        yield nonfinite
         rollouts = CounterMetricFamily(
             "poolpipe_rollouts",
             "Rollouts by result (done, rolled back, refused)",
@@ -232,6 +240,7 @@ class ServingProcess:
         # the last windows flushed: (start, seconds, {model: its row}), newest last
         self.recent: deque[tuple[datetime, float, dict[str, dict]]] = deque(maxlen=5)
         self._unservable_said = -1e18  # when the log last said the plan cannot serve
+        self._nonfinite_said: dict[str, int] = {}  # requests with NaN inputs, as last logged
         self._stats_thread = threading.Thread(target=self._stats_loop, daemon=True)
         self._stats_thread.start()
         self.replans: list[dict] = []  # decisions of the re-plans after failures
@@ -306,6 +315,24 @@ class ServingProcess:
                 self.flush_stats()
             with contextlib.suppress(Exception):
                 self._say_unservable()
+            with contextlib.suppress(Exception):
+                self._say_nonfinite()
+
+    def _say_nonfinite(self) -> None:
+        """A log line with each statistics window in which requests brought NaN or infinite
+        input values (served as sent: a model's answer to them is the client's business,
+        but an operator sees a client sending them)."""
+        dep = self.deployment
+        if dep is None:
+            return
+        now = dict(dep.core.nonfinite)
+        new = {m: k - self._nonfinite_said.get(m, 0) for m, k in now.items()}
+        self._nonfinite_said = now
+        if any(new.values()):
+            log.warning(
+                "requests with NaN or infinite input values (served as sent): %s",
+                ", ".join(f"{m} {k}" for m, k in sorted(new.items()) if k),
+            )
 
     def _say_unservable(self) -> None:
         """A log line a minute at most (with each statistics window) while the plan served
@@ -494,6 +521,7 @@ class ServingProcess:
             "reply_margin_ms": round(core.reply_margin_us / 1e3, 3),
             "arrival_stamps": dict(core.stamps.counts),
             "client_deadlines": dict(core.client_deadlines),
+            "nonfinite_inputs": dict(core.nonfinite),
             "tier": None
             if self.member is None
             else {
