@@ -318,6 +318,7 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        start_new_session=True,  # a process group of its own, as in a terminal
     )
     try:
         port, seen = None, []
@@ -363,13 +364,15 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         assert client.infer("tiny", [i], parameters={"slo_ms": 1000}).as_numpy(
             client.get_model_metadata("tiny").outputs[0].name
         ).shape == (1, 1000)
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    finally:  # a terminal's Ctrl-C: SIGINT to serve and the nodes it started alike
+        os.killpg(proc.pid, signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0
     # each stopping step (a stop printed nothing for seconds)
     assert "the last statistics are in the warehouse" in rest and "router stopped" in rest, rest
     assert re.search(r"stopped \S+, \S+", rest), rest  # the two nodes it started
+    # the nodes ending with it are no warning, and none is restarted (both were, on Ctrl-C)
+    assert not re.search(r"WARNING .*node .*(down|restart|exited)", rest), rest
 
 
 def test_serve_refuses_a_plan_the_nodes_measure_too_slow_for_its_slo(

@@ -370,7 +370,9 @@ class Deployment:
                 triton_metrics_port,
             ).start()
             if supervise and local is not None:
-                dep.supervisor = Supervisor(lambda: local.nodes, dep._restart_dead).start()
+                dep.supervisor = Supervisor(
+                    lambda: local.nodes, dep._restart_dead, stopping=lambda: core.stopping
+                ).start()
             return dep
         except BaseException:
             if dep is not None:

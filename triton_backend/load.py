@@ -164,16 +164,19 @@ class Supervisor:
     an OOM kill): checks every `every_s`; a node that was seen running and is gone is
     restarted through `restart(name)` (start and load its models), and after a failed
     try waits 1, 2, 4 ... RESTART_BACKOFF_MAX_S before the next. Restarts and failed tries
-    are counted per node and logged."""
+    are counted per node and logged. While `stopping()` says so (the deployment is told to
+    stop: a terminal's Ctrl-C reaches its nodes too) nothing is restarted."""
 
     def __init__(
         self,
         nodes: Callable[[], dict[str, TritonNode]],
         restart: Callable[[str], None],
         every_s: float = 0.5,
+        stopping: Callable[[], bool] = lambda: False,
     ):
         self._nodes = nodes
         self._restart = restart
+        self._stopping = stopping
         self.every_s = every_s
         self.restarts: Counter[str] = Counter()
         self.failed_tries: Counter[str] = Counter()
@@ -196,8 +199,8 @@ class Supervisor:
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
             for name, node in list(self._nodes().items()):
-                if self._stop.is_set():
-                    return
+                if self._stop.is_set() or self._stopping():
+                    break
                 if node.alive:
                     self._seen.add(name)
                     continue

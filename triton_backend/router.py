@@ -207,6 +207,8 @@ class RouterCore:
         self.client_deadlines: Counter[str] = Counter({"shortened": 0, "kept": 0})
         # requests with a NaN or infinite input value, by model (served as sent: counted)
         self.nonfinite: Counter[str] = Counter()
+        # set (from any thread) once the router is told to stop: nodes leaving are expected
+        self.stopping = False
         self.runtime = ServingRuntime(
             served,
             self.clock,
@@ -363,6 +365,9 @@ class RouterCore:
         self.node_changes[state] += 1
         name = self.node_names.get(node, node)
         where = f"node {name}" + (f" ({node})" if name != node else "")
+        if self.stopping:  # a Ctrl-C reaches the nodes too: their end is expected
+            log.info("%s %s as the router stops%s", where, state, f": {why}" if why else "")
+            return
         log.warning("%s %s%s", where, state, f": {why}" if why else "")
 
     def watch(self, addresses: Mapping[str, str]) -> None:

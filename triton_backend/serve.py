@@ -573,6 +573,7 @@ class ServingProcess:
     def close(self) -> None:
         with signals_held():  # the last statistics and every node, whatever arrives
             self._closing = True  # a balancer's next health check sends requests elsewhere
+            self.deployment.core.stopping = True  # nodes leaving from now on are expected
             self._stop.set()
             if self.ready is not None:
                 if self.stop_grace_s > 0:

@@ -94,13 +94,21 @@ def _plan_arg(args: argparse.Namespace):
         return plan, wh.stored_plan_id(plan, label=f"serve:{path.name}")
 
 
-def _stop_on_signals() -> threading.Event:
+def _stop_on_signals(also=None) -> threading.Event:
     """From now on SIGTERM and Ctrl-C set the returned event instead of raising: installed
     before "Ctrl-C stops" is printed, so that no signal can land between that line and
-    the wait (one that did left the nodes running) or in the teardown after it."""
+    the wait (one that did left the nodes running) or in the teardown after it. `also()`
+    is called at once with the signal (before anything notices the nodes a terminal's
+    Ctrl-C reaches as well)."""
     stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        stop.set()
+        if also is not None:
+            also()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     return stop
 
 
@@ -238,8 +246,8 @@ def _resharder(args: argparse.Namespace, token_file: str):
 
 
 def _serve_until_stopped(server, plan, plan_id, token_file: str) -> None:
-    stop = _stop_on_signals()
     dep = server.deployment
+    stop = _stop_on_signals(also=lambda: setattr(dep.core, "stopping", True))
     if dep.cleaned:
         console.print(
             f"unloaded {len(dep.cleaned)} partition model(s) an earlier router of these "
