@@ -480,3 +480,23 @@ def test_cli_onboards_a_model_of_dynamic_size_with_input_shape(prefect_api, tmp_
     # after the Reshape (positions 12-14, chosen by the measured times), never among the convs
     assert set([a for a, _ in layers][1:]) <= {12, 13, 14}
     assert json.loads(provenance)["input_shapes"] == {"x": [3, 16, 16]}
+
+
+def test_onboard_says_when_it_starts_prefects_temporary_api(tmp_path, monkeypatch):
+    """Prefect's temporary API costs seconds on every onboard/profile where no server is
+    configured: the first line says so, and how to skip it; where one is configured (the
+    environment or the active profile), it does not."""
+    from poolpipe.cli.onboard import _starting_prefect
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("PREFECT_PROFILE", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    assert "set PREFECT_API_URL to a running `prefect server`" in _starting_prefect()
+    (tmp_path / "profiles.toml").write_text(
+        'active = "ops"\n[profiles.ops]\nPREFECT_API_URL = "http://10.0.0.9:4200/api"\n'
+    )
+    assert _starting_prefect() == "starting Prefect"
+    monkeypatch.setenv("PREFECT_PROFILE", "other")
+    assert "temporary API" in _starting_prefect()
+    monkeypatch.setenv("PREFECT_API_URL", "http://10.0.0.9:4200/api")
+    assert _starting_prefect() == "starting Prefect"
