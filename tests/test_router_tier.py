@@ -192,6 +192,27 @@ def test_requests_through_the_balancer_carry_its_stamp_over_http_and_grpc(tier):
     assert sum(v for k, v in counts.items() if k != "used") == 0, dict(counts)
 
 
+def test_a_body_triton_cannot_parse_is_a_400_through_the_balancer(tier):
+    """Triton's own front end answers a body it cannot parse with 500 (it files JSON errors
+    as internal ones); through the balancer the client's mistake is a 400, its message
+    kept, and the router's own answers keep their status."""
+    srv, lb = tier
+    one = {"name": "input", "shape": [1, 3, 32, 32], "datatype": "FP32"}
+    for body, says in [
+        (b"{not json", "failed to parse"),
+        (b'{"inputs": [{"name": "input"', "failed to parse"),
+        (b"{}", "Unable to parse"),
+        (json.dumps({"inputs": [{**one, "data": [1.0, 2.0]}]}).encode(), "Unable to parse"),
+    ]:
+        for url, status in ((srv.deployment.frontend.node.http_url, 500), (lb.http_url, 400)):
+            req = urllib.request.Request(f"http://{url}/v2/models/tiny/infer", data=body)
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=10)
+            text = err.value.read().decode()
+            assert err.value.code == status and says in text, (url, body, text)
+    assert _answer(lb.http_url) == (200, "")
+
+
 def test_a_stamp_outside_the_clock_bound_is_ignored_counted_and_exported(tier):
     """A stamp the balancer's host could not have made with clocks in sync (sent straight
     to the router here, its header name capitalised as urllib sends it): the request is

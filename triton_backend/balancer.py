@@ -71,6 +71,10 @@ def balancer_spec(inv: Inventory) -> BalancerSpec:
     return inv.balancer
 
 
+# how the messages of Triton's JSON parser begin (answered 500 by Triton's front end)
+UNPARSED = '"failed to parse" "Unable to parse"'
+
+
 def render(inv: Inventory) -> str:
     """haproxy.cfg for the inventory's [balancer] and [[routers]]."""
     b = balancer_spec(inv)
@@ -99,6 +103,11 @@ def render(inv: Inventory) -> str:
         "frontend kserve_http",
         f"    bind {b.http}",
         stamp,
+        # Triton's HTTP front end files a body it cannot parse (not JSON, cut short, no
+        # inputs, data of the wrong count or type) as an internal error: the client's
+        # mistake is answered 400 here, its message kept (only 500s are waited for)
+        "    http-response wait-for-body time 1s if { status 500 }",
+        f"    http-response set-status 400 if {{ status 500 }} {{ res.body -m sub {UNPARSED} }}",
         "    default_backend routers_http",
         "",
         "frontend kserve_grpc",
