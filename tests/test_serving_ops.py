@@ -373,6 +373,9 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
     assert re.search(r"stopped \S+, \S+", rest), rest  # the two nodes it started
     # the nodes ending with it are no warning, and none is restarted (both were, on Ctrl-C)
     assert not re.search(r"WARNING .*node .*(down|restart|exited)", rest), rest
+    # a rollout refused is a warning; one done is news (it was logged as a warning too)
+    assert re.search(r"WARNING poolpipe.serve: rollout of plan \d+: refused", rest), rest
+    assert re.search(r"INFO poolpipe.serve: rollout of plan \d+: done", rest), rest
 
 
 def test_serve_refuses_a_plan_the_nodes_measure_too_slow_for_its_slo(

@@ -552,7 +552,8 @@ class ServingProcess:
             self.flush_stats()  # the old plan's figures end here
             result = self.deployment.rollout(plan, self.warehouse, force=force)
             self.rollouts[result.status] += 1
-            log.warning(
+            log.log(  # an operator's rollout done is news, not a warning
+                logging.INFO if result.status == "done" else logging.WARNING,
                 "rollout of plan %s: %s%s",
                 plan_id if plan_id is not None else "(unstored)",
                 result.status,
