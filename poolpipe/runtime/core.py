@@ -37,7 +37,13 @@ from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.guard import WakeGuard
 from poolpipe.runtime.health import NODE_CHECK_EVERY_US, NodeHealth
 from poolpipe.runtime.heap import Slots
-from poolpipe.runtime.intake import MAX_SLO_MS, RowBounds, Unservable, check_request
+from poolpipe.runtime.intake import (
+    MAX_SLO_MS,
+    RowBounds,
+    Unservable,
+    check_request,
+    unservable,
+)
 from poolpipe.runtime.migration import (
     SWITCHED_AWAY,
     FlushMigration,
@@ -279,9 +285,7 @@ class ServingRuntime:
     def unservable(self) -> list[int]:
         """Models (indexes) whose own SLO, less the reply margin, leaves no pipeline time
         to serve a request in: the door refuses all of them (see check)."""
-        topo, bounds = self._plan.recal.base, self._plan.row_bounds
-        margin = self.reply_margin_us
-        return [i for i, m in enumerate(topo.models) if bounds.most(i, m.slo_us - margin) < 1]
+        return unservable(self._plan.row_bounds, self.reply_margin_us)
 
     def has_live_path(self, model: int) -> bool:
         """Whether some pipeline of `model` has a vGPU in service in every pool."""

@@ -286,22 +286,30 @@ class RoomWarning:
         )
 
 
+def unservable(bounds: RowBounds, reply_margin_us: float) -> list[int]:
+    """Models (indexes) of the bounds' topology whose own SLO, less the reply margin, leaves
+    less than one row takes: the door refuses every request of theirs (check_request)."""
+    return [
+        i
+        for i, m in enumerate(bounds.topo.models)
+        if bounds.most(i, m.slo_us - reply_margin_us) < 1
+    ]
+
+
 def live_room_warnings(topo: Topology, reply_margin_us: float) -> list[RoomWarning]:
-    """The models of a served topology (its stage times measured on the nodes) whose SLO,
-    less the reply margin, leaves less than one row takes: the door refuses every request
-    of theirs (check_request). What a plan's latencies leave out (each stage call's
-    overhead, a batch of one where the plan batches more) is in these."""
+    """The models of a served topology (its stage times measured on the nodes) that the
+    door would refuse every request of (unservable). What a plan's latencies leave out
+    (each stage call's overhead, a batch of one where the plan batches more) is in these."""
     bounds = RowBounds(topo)
     return [
         RoomWarning(
-            m.name,
-            m.slo_us / 1e3,
+            topo.models[i].name,
+            topo.models[i].slo_us / 1e3,
             reply_margin_us / 1e3,
             bounds.fastest_us(i) / 1e3,
             measured=True,
         )
-        for i, m in enumerate(topo.models)
-        if bounds.most(i, m.slo_us - reply_margin_us) < 1
+        for i in unservable(bounds, reply_margin_us)
     ]
 
 
