@@ -21,7 +21,6 @@ from poolpipe.cli.common import (
     log_events,
     reply_margin_to_check,
     warn_each,
-    warn_slo_room,
 )
 from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
 from poolpipe.domain.tier import split_address
@@ -49,13 +48,7 @@ def _check_slo_room(args: argparse.Namespace, plan) -> float:
         margin_us = reply_margin_to_check(wh, floor_us, floor_us, names)
         overhead_us = call_overhead_to_check(wh, names)
     no_room = slo_room_warnings(plan, margin_us, overhead_us)
-    if no_room and not args.force:
-        raise PoolpipeError(
-            "refused: "
-            + "; ".join(str(w) for w in no_room)
-            + " --force serves it anyway (reported not ready, and said every minute)"
-        )
-    warn_slo_room(plan, margin_us, overhead_us)
+    _refuse_unless_forced(args, no_room, "; ".join(str(w) for w in no_room) + " ")
     return margin_us
 
 
@@ -66,12 +59,20 @@ def _check_live_room(args: argparse.Namespace, server, margin_us: float) -> None
     from poolpipe.runtime import live_room_warnings
 
     no_room = live_room_warnings(server.deployment.core.topo, margin_us)
+    _refuse_unless_forced(
+        args,
+        no_room,
+        "; ".join(w.refusal() for w in no_room)
+        + ". Plan it with a longer SLO (plan --slo-ms or a larger --slo-scale); ",
+    )
+
+
+def _refuse_unless_forced(args: argparse.Namespace, no_room: list, why: str) -> None:
+    """A PoolpipeError saying `why` where models have no room, unless --force: then each
+    is warned of."""
     if no_room and not args.force:
         raise PoolpipeError(
-            "refused: "
-            + "; ".join(w.refusal() for w in no_room)
-            + ". Plan it with a longer SLO (plan --slo-ms or a larger --slo-scale); "
-            "--force serves it anyway (reported not ready, and said every minute)"
+            f"refused: {why}--force serves it anyway (reported not ready, and said every minute)"
         )
     warn_each(no_room)
 
