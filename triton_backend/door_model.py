@@ -56,6 +56,7 @@ class RequestFrame(NamedTuple):  # stub -> router, per client request
     parameters: str  # the request's parameters, a JSON object
     arrays: list  # its input tensors, packed
     egress_ns: list  # egress of the answers sent since the last request
+    nonfinite: bool  # a NaN or an infinite value among its floating-point inputs
 
 
 class AnswerFrame(NamedTuple):  # router -> stub, per request
@@ -75,6 +76,15 @@ def _frame(obj: tuple) -> bytes:
 def _pack(arrays: list) -> list:
     """Arrays as (dtype, shape, bytes): numpy's own pickling costs several times more."""
     return [a if a.dtype.hasobject else (a.dtype.str, a.shape, a.tobytes()) for a in arrays]
+
+
+def _nonfinite(arrays: list) -> bool:
+    """Whether a floating-point input holds a NaN or an infinity (a sum in float64: one
+    pass, no temporary; either anywhere makes it so). Here, not on the router's loop: the
+    stubs share that work, and it grows with the inputs (0.4 ms for 4.3 MB)."""
+    return any(
+        a.dtype.kind == "f" and a.size and not np.isfinite(a.sum(dtype=np.float64)) for a in arrays
+    )
 
 
 def _unpack(packed: list) -> list:
@@ -147,7 +157,11 @@ class TritonPythonModel:
             self.pending[rid] = sender
             arrays = [pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs]
             egress, self.egress = self.egress, []
-            frames.append(RequestFrame("req", rid, arrived, r.parameters(), _pack(arrays), egress))
+            frames.append(
+                RequestFrame(
+                    "req", rid, arrived, r.parameters(), _pack(arrays), egress, _nonfinite(arrays)
+                )
+            )
         if frames:
             try:  # the only writer after initialize (one execute at a time per instance)
                 self.sock.sendall(b"".join(_frame(tuple(f)) for f in frames))
