@@ -1,7 +1,8 @@
-"""Serving on an emulated multi-host cluster (cluster.md): `--servers` network namespaces with
-`--bandwidth-gbps` NICs limited by tc in both directions, a `poolpipe node` (cpu-1t) in
-each, the router in the root namespace attached by their inventory. A generated ResNet-50
-and a 2-partition plan (each partition on half the nodes) are served with both transports:
+"""Serving on an emulated multi-host cluster (docs/design/cluster.md): `--servers` network
+namespaces with `--bandwidth-gbps` NICs limited by tc in both directions, a `poolpipe node`
+(cpu-1t) in each, the router in the root namespace attached by their inventory. A generated
+ResNet-50 and a 2-partition plan (each partition on half the nodes) are served with both
+transports:
 
 - `router`: every stage called from the router (feature maps go node -> router -> node);
 - `chain`:  the first node sends its feature map straight to the next.

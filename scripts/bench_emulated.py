@@ -1,4 +1,4 @@
-"""Emulated GPU nodes (../shared/docs/emulation.md). EMULATED: not GPU measurements.
+"""Emulated GPU nodes (docs/design/emulation.md). EMULATED: not GPU measurements.
 
 Part 1 (`--only accuracy`): how exactly an emulated node keeps its profiled stage times.
 One node (`tritonserver` with POOLPIPE_EMULATE_TIME_SCALE, as `poolpipe node --emulate`

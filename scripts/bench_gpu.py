@@ -1,4 +1,4 @@
-"""The emulation checked against a real GPU (../shared/docs/emulation.md): where a machine
+"""The emulation checked against a real GPU (docs/design/emulation.md): where a machine
 with an NVIDIA GPU is lent, profile a model's blocks there, then serve it both really and
 emulated from those profiles, and report the difference.
 

@@ -1,4 +1,4 @@
-"""What an operator meets on real hosts, measured on the emulated cluster (cluster.md):
+"""What an operator meets on real hosts, measured on the emulated cluster (docs/design/cluster.md):
 `--servers` network namespaces, a `poolpipe node` (cpu-1t) in each with fixed ports and a
 watch port, the router in the root namespace attached by their inventory. A small
 generated ResNet-50 is served whole on every node (one pool of `--servers` vGPUs) at

@@ -1,5 +1,5 @@
 """A fixed CPU for a set of processes: a cgroup CPU quota, so that one host with few cores
-can compare one router with two at the same CPU each (../shared/docs/router-tier.md).
+can compare one router with two at the same CPU each (docs/design/router-tier.md).
 
 cgroup v1 (a `cpu` hierarchy: /sys/fs/cgroup/cpu/NAME, `cpu.cfs_quota_us` over
 `cpu.cfs_period_us`) and v2 (the unified hierarchy: /sys/fs/cgroup/NAME, `cpu.max` =

@@ -1,4 +1,4 @@
-"""The paper's models live on emulated GPUs (../shared/docs/emulation.md): shadows of the
+"""The paper's models live on emulated GPUs (docs/design/emulation.md): shadows of the
 profiled models onboarded from the shipped profiles (data/ppipe-gpu-group2), a clusters-file
 preset as network namespaces with one emulated GPU node per GPU, a plan served there at
 time scale D (the router sees the dilated plan: SLOs x D, NICs / D; the nodes stretch the

@@ -1,5 +1,5 @@
 """A real GPU behind the router's executor, to check the emulation against it
-(scripts/bench_gpu.py; ../shared/docs/emulation.md). Needs PyTorch; runs where a GPU is.
+(scripts/bench_gpu.py; docs/design/emulation.md). Needs PyTorch; runs where a GPU is.
 
 - `resnet50_blocks`: a ResNet-50 written in PyTorch (random weights: times, not answers,
   are what is checked), cut into six blocks: the stem, its four stages, the head.

@@ -1,4 +1,4 @@
-"""A multi-host cluster on one machine (docs: cluster.md, "The emulated cluster"): one Linux
+"""A multi-host cluster on one machine (docs/design/cluster.md, "The emulated cluster"): one Linux
 network namespace per server, each with its own address on a private bridge and a NIC
 limited by `tc` in both directions (the namespace end limits the server's uplink, the
 bridge end its downlink: the NIC model of the planner and the scheduler made physical),
@@ -136,7 +136,7 @@ class EmulatedCluster:
     ) -> EmulatedCluster:
         """A server per `gpus_per_server` GPUs of each pool of `cluster` (a clusters-file
         preset), a node slot per GPU (`devices` says its type), NICs at the cluster's
-        bandwidth / `time_scale` (time-dilated emulation: ../shared/docs/emulation.md)."""
+        bandwidth / `time_scale` (time-dilated emulation: docs/design/emulation.md)."""
         if time_scale <= 0:
             raise EmulationError(f"the time scale must be > 0, got {time_scale:g}")
         slots: list[int] = []

@@ -1,8 +1,8 @@
-"""Serving on an emulated multi-host cluster (cluster.md): each server a network namespace
-with its own address and a 1 Gbit/s `tc`-limited NIC, a `poolpipe node` in each, the router
-in the root namespace attaching to them by an inventory and uploading its partition models
-through Triton's model repository API. Skipped, with the reason, where namespaces cannot be
-made."""
+"""Serving on an emulated multi-host cluster (docs/design/cluster.md): each server a network
+namespace with its own address and a 1 Gbit/s `tc`-limited NIC, a `poolpipe node` in each,
+the router in the root namespace attaching to them by an inventory and uploading its
+partition models through Triton's model repository API. Skipped, with the reason, where
+namespaces cannot be made."""
 
 from __future__ import annotations
 

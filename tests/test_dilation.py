@@ -1,4 +1,4 @@
-"""Time-dilated emulation (../shared/docs/emulation.md): a plan dilated by D (latencies and
+"""Time-dilated emulation (docs/design/emulation.md): a plan dilated by D (latencies and
 SLOs x D, throughputs and NICs / D), and an emulated cluster built from a clusters-file
 preset (servers of gpus_per_server GPUs, a node slot per GPU, NICs / D)."""
 

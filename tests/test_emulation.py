@@ -1,4 +1,4 @@
-"""Emulated GPU nodes (../shared/docs/emulation.md): `poolpipe node --device T4 --emulate`
+"""Emulated GPU nodes (docs/design/emulation.md): `poolpipe node --device T4 --emulate`
 runs partitions of a GPU device type on this CPU host, each batch completing at its start
 + the profiled latency of its block range at that batch size x the time scale, never
 earlier. The latency table travels with the partition (1/emulation.json); the node reads

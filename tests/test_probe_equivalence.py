@@ -1,6 +1,6 @@
 """The probe's hot loop is hand-optimized (inlined slot scans, pruning by lower bounds, early
 exits). Property test: on random pools, servers and busy tables it returns exactly what the
-plain rule of dataplane.md returns, computed here with nothing but `earliest_slot` and
+plain rule of docs/design/dataplane.md returns, computed here with nothing but `earliest_slot` and
 `earliest_common_slot` over every candidate, ties included."""
 
 from __future__ import annotations

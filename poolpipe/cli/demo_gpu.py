@@ -1,4 +1,4 @@
-"""`poolpipe demo` on emulated GPUs (the main job's default; ../shared/docs/emulation.md).
+"""`poolpipe demo` on emulated GPUs (the main job's default; docs/design/emulation.md).
 
 1. Offline, on real compute: a generated ResNet-50 is split into blocks, built and profiled
    on this CPU (Prefect flow onboard-model) into the warehouse.

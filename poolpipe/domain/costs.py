@@ -1,4 +1,4 @@
-"""planner.md's derived quantities for one model on one cluster, as precomputed arrays.
+"""docs/design/planner.md's derived quantities for one model on one cluster, as precomputed arrays.
 
 Everything that prices a partition or a pipeline (latency, vGPU throughput with NIC limits,
 transfer time, batch wait, SLO budget) is computed here once, so that the enumeration
@@ -21,7 +21,7 @@ US_PER_S = 1e6
 # The published planner's estimate of how long the first request of a batch waits for the
 # batch to fill: BATCH_BUILD_FACTOR * (b - 1) / λ̂ seconds, λ̂ the model's NP throughput.
 BATCH_BUILD_FACTOR = 1.3
-# Block latencies are counted as at least this many µs (planner.md: max(L, 1)).
+# Block latencies are counted as at least this many µs (docs/design/planner.md: max(L, 1)).
 MIN_BLOCK_LATENCY_US = 1.0
 
 

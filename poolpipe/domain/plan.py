@@ -1,8 +1,8 @@
 """The plan: pooled pipelines per model, as dataclasses, JSON, and a constraint check.
 
 `Plan.verify(profiles)` re-derives every latency and throughput from the profiles (through
-`ModelCosts`, the one definition of planner.md's formulas) and checks GPU counts, shares,
-contiguity, batch unification, partition count and the SLO budget.
+`ModelCosts`, the one definition of docs/design/planner.md's formulas) and checks GPU
+counts, shares, contiguity, batch unification, partition count and the SLO budget.
 """
 
 from __future__ import annotations
@@ -522,7 +522,7 @@ def manual_plan(
 
 def dilated(plan: Plan, d: float) -> Plan:
     """`plan` on a cluster `d` times slower (time-warped emulation, ../shared/docs/
-    emulation.md): latencies and SLOs x d, throughputs and the NIC bandwidth / d. What a
+    docs/design/emulation.md): latencies and SLOs x d, throughputs and the NIC bandwidth / d. What a
     router serving emulated GPU nodes at time scale d plans its deadlines and links by;
     `meta["time_scale"]` records d (figures are reported back x d)."""
     if not (math.isfinite(d) and d > 0):

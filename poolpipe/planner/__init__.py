@@ -1,4 +1,4 @@
-"""MILP planning of pooled pipelines (planner.md): strategies ppipe, np and dart-r."""
+"""MILP planning of pooled pipelines (docs/design/planner.md): strategies ppipe, np and dart-r."""
 
 from poolpipe.planner.strategies import PlanRequest, estimate_arrival_rates, make_plan
 

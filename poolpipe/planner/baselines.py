@@ -1,5 +1,6 @@
-"""DART-r (planner.md): NP's GPU split per model, then one high-class and one low-class GPU per
-pair running the best 2-partition whole-GPU pipeline, leftovers running the whole model."""
+"""DART-r (docs/design/planner.md): NP's GPU split per model, then one high-class and one
+low-class GPU per pair running the best 2-partition whole-GPU pipeline, leftovers running
+the whole model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The three planning strategies of planner.md: ppipe, np (no partitioning) and dart-r.
+"""The three planning strategies of docs/design/planner.md: ppipe, np (no partitioning) and dart-r.
 
 `make_plan(request)` returns a verified `Plan`. The NP plan solved without the batch-wait
 term provides λ̂ (each model's expected arrival rate) for the batch-wait term of every

@@ -22,7 +22,7 @@ from poolpipe.scheduler.reactive import ReactiveScheduler
 from poolpipe.scheduler.reservations import ReservationTable, earliest_common_slot
 from poolpipe.scheduler.topology import Topology, build_topology
 
-# reservation: dataplane.md's adaptive batching; the others are baselines and ablations.
+# reservation: docs/design/dataplane.md's adaptive batching; the others are baselines and ablations.
 DATA_PLANES = ("reservation", "reactive", "eager", "deferred")
 
 

@@ -1,6 +1,6 @@
-"""The reservation-based data plane of dataplane.md: probe every pipeline, pick the one with the
-least waiting, take the largest batch that meets the oldest request's deadline, and then drop,
-wait until the last moment, or reserve the path and dispatch.
+"""The reservation-based data plane of docs/design/dataplane.md: probe every pipeline, pick
+the one with the least waiting, take the largest batch that meets the oldest request's
+deadline, and then drop, wait until the last moment, or reserve the path and dispatch.
 
 Two refinements under overload: a new oldest request that misses its deadline at the planned
 batch only because the pipelines are booked up is dropped rather than served in a smaller,
@@ -470,7 +470,7 @@ class ReservationScheduler(DataPlane):
         self._until_start = [False] * M
         self._probes_since = vec[i64]([0] * M)
         self._lead = [0] * M  # per model: the index of its pipeline chosen last
-        # id of the head admitted at its planned batch (dataplane.md)
+        # id of the head admitted at its planned batch (docs/design/dataplane.md)
         self._admitted = vec[i64]([-1] * M)
         self._rejected: list[Drop] = []
         self._inflight = _InFlight()
