@@ -15,6 +15,8 @@ from poolpipe.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# with the design notes the code cites (their commands are the design's, not checked here)
+ALL_PAGES = [*PAGES, *sorted((REPO / "docs" / "design").glob("*.md"))]
 UNITS = sorted((REPO / "deploy" / "systemd").glob("*.service"))
 # what a unit's variables stand for (their env files hold the real values)
 UNIT_VALUES = {
@@ -102,7 +104,7 @@ def test_every_run_command_is_one_the_script_knows():
 
 
 def test_relative_links_point_at_files_that_exist():
-    for page in PAGES:
+    for page in ALL_PAGES:
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" in target:
                 continue
@@ -131,3 +133,50 @@ def test_the_reply_margin_defaults_are_stated_once_from_the_code():
     assert f"`--reply-margin-ms`, {DEFAULT_MARGIN_FLOOR_US / 1e3:g} ms by default" in text
     assert f"`--reply-margin-max-ms` ({DEFAULT_MARGIN_CEILING_US / 1e3:g} ms)" in text
     assert f"{DEFAULT_REPLY_MARGIN_US / 1e3:g} ms by default, what the router measures" in text
+
+
+# How the work was organised is not the project's to say: pages name commits, dates and
+# commands (a step of the work, a throwaway script, a branch, a change "not landed").
+PROCESS_WORDS = re.compile(
+    r"\bstops? \d+|\bstop\d+\b|\b(?:an?|the) /tmp (?:script|wrapper|patch|experiment)"
+    r"|\b(?:this|that|the|previous|next|a) session\b|\blanded\b|\bwip/",
+    re.I,
+)
+
+
+def _process_words(text: str) -> list[str]:
+    return [m.group(0) for m in PROCESS_WORDS.finditer(text)]
+
+
+def test_the_process_words_check_finds_a_planted_one():
+    planted = "Measured at stop 53 (2026-11-25) by a /tmp script, not landed; later this session."
+    assert _process_words(planted) == ["stop 53", "a /tmp script", "landed", "this session"]
+    assert _process_words("On a02dfe1 (2026-11-25): its sessions are shut, /tmp/x kept.") == []
+
+
+def test_the_pages_name_commits_not_how_the_work_was_organised():
+    assert len(ALL_PAGES) > len(PAGES) > 8
+    found = {page.name: _process_words(page.read_text()) for page in ALL_PAGES}
+    assert not {k: v for k, v in found.items() if v}, found
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors a page's headings get (lower case, punctuation dropped, spaces as
+    hyphens, as the usual Markdown renderers make them)."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_links_to_a_section_name_one_that_exists():
+    for page in ALL_PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            linked = page.parent / target if target else page
+            assert anchor in _anchors(linked), f"{page.name}: {target}#{anchor}"
+
+
+def test_the_results_page_stays_short():
+    """docs/benchmarks.md gives each benchmark's current figures; their history goes to
+    docs/benchmarks-history.md."""
+    assert len((REPO / "docs" / "benchmarks.md").read_text().splitlines()) <= 600
