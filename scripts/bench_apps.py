@@ -33,7 +33,6 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.apps import parse_apps
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
@@ -52,6 +51,7 @@ from poolpipe.sim.apps import part_profiles, simulate_apps
 from poolpipe.sim.engine import SimConfig
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.common import ppipe_dir
 from testbed import scratch_dir, teardown_on_sigterm
 
 console = Console()

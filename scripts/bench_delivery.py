@@ -42,7 +42,6 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.cluster import Cluster, load_clusters
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import load_ppipe_dir
@@ -52,6 +51,7 @@ from poolpipe.planner.deliverable import measure
 from poolpipe.scheduler.topology import simulated_topology
 from poolpipe.sim.deliverable import Delivery, attainment_at
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.common import ppipe_dir
 
 console = Console(width=None if sys.stdout.isatty() else 190)
 SMALL = ("hc1-small", "hc2-small", "hc3-small", "hc4-small")

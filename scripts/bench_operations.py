@@ -89,7 +89,7 @@ def _first_answer(url: str, model: str, inputs: dict, deadline_s: float) -> floa
 
 def _spawn_serve(args, plan_file: Path, inv: Path, ws: Path, token_file: Path, log: Path):
     cmd = [
-        sys.executable, "-m", "poolpipe.cli", "--warehouse", str(args.warehouse_path),
+        sys.executable, "-m", "poolpipe_cli", "--warehouse", str(args.warehouse_path),
         "serve", str(plan_file), "--nodes", str(inv), "--workspace", str(ws),
         "--grpc-port", str(args.router_grpc), "--http-port", str(args.router_http),
         "--metrics-port", str(args.router_metrics),

@@ -33,12 +33,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.cluster import Cluster, GpuPool, load_clusters
 from poolpipe.domain.plan import PACKINGS, STRATEGIES, Plan
 from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.common import ppipe_dir
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 MAIN_CLUSTERS = ("hc1-large", "hc2-large", "hc3-large", "hc4-large")

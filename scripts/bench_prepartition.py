@@ -18,11 +18,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.offline.cuts import METHODS, prepartition
 from poolpipe.offline.layerdata import layer_cut_table
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.common import ppipe_dir
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 

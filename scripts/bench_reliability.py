@@ -207,7 +207,7 @@ def shutdown_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
 def _one_shutdown(warehouse: Path, plan_file: Path, ws: Path, rng: random.Random) -> dict:
     shm_before = _shm()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "poolpipe.cli", "--warehouse", str(warehouse), "serve",
+        [sys.executable, "-m", "poolpipe_cli", "--warehouse", str(warehouse), "serve",
          str(plan_file), "--workspace", str(ws)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -401,12 +401,12 @@ def sharding_part(args, record) -> None:
     of weight, which adds up over shards)."""
     import tomllib
 
-    from poolpipe.cli.common import ppipe_dir
     from poolpipe.domain.cluster import load_clusters
     from poolpipe.domain.profiles import load_ppipe_dir
     from poolpipe.planner import make_plan
     from poolpipe.planner.request import group_request
     from poolpipe.planner.shards import SPLITS, sharding_loss, shards_bound
+    from poolpipe_cli.common import ppipe_dir
 
     root = args.profiles or ppipe_dir()
     profiles = {p.name: p for p in load_ppipe_dir(root)}

@@ -32,7 +32,6 @@ from rich.progress import track
 from rich.table import Table
 
 from poolpipe import native
-from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.cluster import Cluster, load_clusters
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import load_ppipe_dir
@@ -41,6 +40,7 @@ from poolpipe.planner.request import group_request
 from poolpipe.scheduler import DATA_PLANES, Topology, build_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.common import ppipe_dir
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 

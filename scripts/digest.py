@@ -39,7 +39,6 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.cluster import Cluster, GpuPool, load_clusters
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import load_ppipe_dir
@@ -47,6 +46,7 @@ from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.request import group_request
 from poolpipe.scheduler import DATA_PLANES, build_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, load_scenario, run_once
+from poolpipe_cli.common import ppipe_dir
 
 # What wall-clock time decides: left out of the digests.
 SIM_WALL_FIELDS = {

@@ -26,7 +26,6 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from poolpipe.cli.common import ppipe_dir
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.plan import STRATEGIES
 from poolpipe.domain.profiles import load_ppipe_dir
@@ -36,6 +35,7 @@ from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.sim.capacity import search_capacity
 from poolpipe.sim.records import capacity_rows
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.common import ppipe_dir
 
 console = Console(width=None if sys.stdout.isatty() else 170)
 CLUSTERS = ("hc1-large", "hc2-large", "hc3-large", "hc4-large")

@@ -228,7 +228,7 @@ class EmulatedCluster:
         self.workspace.mkdir(parents=True, exist_ok=True)
         cmd = [
             "ip", "netns", "exec", s.namespace,
-            sys.executable, "-m", "poolpipe.cli", "node",
+            sys.executable, "-m", "poolpipe_cli", "node",
             "--device", device, "--name", s.node_name, "--listen", s.address,
             "--grpc-port", str(s.port(GRPC_PORT)), "--http-port", str(s.port(HTTP_PORT)),
             "--metrics-port", str(s.port(METRICS_PORT)),

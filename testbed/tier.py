@@ -19,7 +19,7 @@ from poolpipe.domain.inventory import Inventory, parse_inventory
 from triton_backend.env import free_ports
 from triton_backend.nodes import RemoteNode, descendants, model_folders, reap, shm_regions
 
-POOLPIPE = [sys.executable, "-m", "poolpipe.cli"]
+POOLPIPE = [sys.executable, "-m", "poolpipe_cli"]
 
 
 class ProcessTier:

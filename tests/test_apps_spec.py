@@ -172,7 +172,7 @@ def test_fan_out_laws_draw_what_they_say():
 
 
 def test_apps_check_shows_the_graph_or_names_what_is_wrong(tmp_path, capsys):
-    from poolpipe.cli import main
+    from poolpipe_cli import main
 
     good = _write(tmp_path, SPEC.replace('transform = "json:loads"', ""))
     assert main(["apps", "check", str(good), "--profiles", str(GROUP2)]) == 2  # no "tail"
@@ -201,7 +201,7 @@ def _group2_cars(tmp_path: Path) -> tuple[Path, Path]:
 def test_apps_plan_compares_the_joint_split_with_fixed_ones(tmp_path, capsys):
     """`poolpipe apps plan` on the shipped group-2 profiles and hc2-small: the joint split
     serves at least what the equal and proportional splits serve."""
-    from poolpipe.cli import main
+    from poolpipe_cli import main
 
     wh, spec = _group2_cars(tmp_path)
     args = ["--warehouse", str(wh), "apps", "plan", str(spec), "--cluster", "hc2-small"]
@@ -228,8 +228,8 @@ def test_apps_plan_writes_a_plan_that_apps_simulate_serves(tmp_path, capsys):
     """`apps plan --out` then `apps simulate`: the nexus row, the plan document, and each
     application's requests answered once by the simulated cluster; the cost objective
     beside the cheapest whole-model plan."""
-    from poolpipe.cli import main
     from poolpipe.domain.plan import Plan
+    from poolpipe_cli import main
 
     wh, spec = _group2_cars(tmp_path)
     base = ["--warehouse", str(wh), "apps"]

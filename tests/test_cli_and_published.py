@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from poolpipe.cli import main
 from poolpipe.domain.cluster import load_cluster
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PlanVerificationError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli import main
 from tests.conftest import PPIPE_DIR
 
 GROUP = ("colorization-v2", "googlenet-v3-pytorch", "repvgg-b3")

@@ -7,7 +7,7 @@ import json
 import duckdb
 import pytest
 
-from poolpipe.cli import main
+from poolpipe_cli import main
 
 GROUP = "colorization-v2,googlenet-v3-pytorch,repvgg-b3"
 

@@ -11,7 +11,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from poolpipe.cli.plans import delivery_line
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
@@ -23,6 +22,7 @@ from poolpipe.sim import ArrivalSpec
 from poolpipe.sim.capacity import search_capacity
 from poolpipe.sim.deliverable import attainment_at
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.plans import delivery_line
 from tests.conftest import tiny_cluster, tiny_model
 
 # Two blocks; A is four times as fast as B, the map between them small.

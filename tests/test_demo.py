@@ -19,7 +19,7 @@ from testbed.emulated import GROUP2_DIR
 def _demo(tmp_path: Path, *args: str) -> str:
     env = {**os.environ, "COLUMNS": "160"}
     res = subprocess.run(
-        [sys.executable, "-m", "poolpipe.cli", "--warehouse", str(tmp_path / "w.duckdb"),
+        [sys.executable, "-m", "poolpipe_cli", "--warehouse", str(tmp_path / "w.duckdb"),
          "demo", "--out", str(tmp_path / "out"), *args],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
@@ -60,7 +60,7 @@ def test_demo_refuses_a_plan_that_serves_a_model_nowhere(tmp_path: Path) -> None
     if unavailable():
         pytest.skip(f"no network namespaces: {unavailable()}")
     res = subprocess.run(
-        [sys.executable, "-m", "poolpipe.cli", "--warehouse", str(tmp_path / "w.duckdb"),
+        [sys.executable, "-m", "poolpipe_cli", "--warehouse", str(tmp_path / "w.duckdb"),
          "demo", "--out", str(tmp_path / "out"), "--cluster", "hc2-large@8", "--width", "0.25"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

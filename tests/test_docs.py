@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from poolpipe.cli import build_parser
+from poolpipe_cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

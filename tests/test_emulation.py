@@ -59,7 +59,7 @@ def t4_warehouse(onboarded_tiny, tmp_path_factory):  # noqa: F811
 def _node(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, list[str]]:
     """`poolpipe node ... extra` on loopback; (process, its gRPC address, what it said)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "poolpipe.cli", "node", "--workspace", str(tmp_path / "n"),
+        [sys.executable, "-m", "poolpipe_cli", "node", "--workspace", str(tmp_path / "n"),
          *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -95,7 +95,7 @@ def _hop_ns(client, model: str, x: np.ndarray, out: str) -> int:
 def test_bad_emulation_options_are_refused_before_anything_starts(tmp_path):
     def node(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "poolpipe.cli", "node", "--workspace", str(tmp_path), *args],
+            [sys.executable, "-m", "poolpipe_cli", "node", "--workspace", str(tmp_path), *args],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poolpipe.cli.onboard import parse_batches
 from poolpipe.errors import ModelError, PoolpipeError
 from poolpipe.offline.engines import OrtEngine, TensorRTEngine, make_engine, tensorrt_available
 from poolpipe.offline.onnxgraph import load_model, random_inputs, session
 from poolpipe.offline.profiler import WHOLE, profile_blocks, sum_vs_whole
 from poolpipe.offline.split import split_model, verify_split
 from poolpipe.offline.zoo import make_model
+from poolpipe_cli.onboard import parse_batches
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ from flows.common import io_error_only
 from flows.onboard import onboard_model
 from flows.plan import plan_models
 from flows.profile import profile_model
-from poolpipe.cli import main as cli_main
 from poolpipe.errors import ModelError, PlanVerificationError
 from poolpipe.offline.profiler import WHOLE
 from poolpipe.offline.zoo import make_model
 from poolpipe.store.plan_inputs import check_plan
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(blocks=4, batches=[1, 2, 3], warmup=1, reps=3)
@@ -486,7 +486,7 @@ def test_onboard_says_when_it_starts_prefects_temporary_api(tmp_path, monkeypatc
     """Prefect's temporary API costs seconds on every onboard/profile where no server is
     configured: the first line says so, and how to skip it; where one is configured (the
     environment or the active profile), it does not."""
-    from poolpipe.cli.onboard import _starting_prefect
+    from poolpipe_cli.onboard import _starting_prefect
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.delenv("PREFECT_PROFILE", raising=False)

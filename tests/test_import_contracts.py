@@ -1,7 +1,9 @@
 """The architecture's import rules ([tool.importlinter] in pyproject.toml), checked by
 import-linter on the real tree: the algorithm packages import no framework, database or
 serving client, serving policy reads no clock, flows and Triton adapters stay apart, and
-what serves imports neither the simulator nor the test bed. Each rule is shown to catch a
+what serves imports neither the simulator nor the test bed; the library (`poolpipe`) imports
+none of its adapters, the test bed or the command line (`poolpipe_cli`, the composition
+root), and the adapters do not import the command line. Each rule is shown to catch a
 planted violation in a copy of the tree."""
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_tree_keeps_every_contract():
     r = _lint(REPO)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "4 kept, 0 broken" in r.stdout
+    assert "6 kept, 0 broken" in r.stdout
 
 
 @pytest.fixture(scope="module")
 def tree_copy(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tree")
-    for pkg in ("poolpipe", "flows", "triton_backend", "testbed"):
+    for pkg in ("poolpipe", "poolpipe_cli", "flows", "triton_backend", "testbed"):
         shutil.copytree(REPO / pkg, root / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     return root
@@ -59,6 +61,11 @@ def tree_copy(tmp_path_factory) -> Path:
         ("flows/_planted.py", "from testbed import loadgen", "neither the simulator"),
         ("poolpipe/store/_planted.py", "import testbed.holder", "neither the simulator"),
         ("poolpipe/planner/_planted.py", "import testbed.predict", "import no framework"),
+        ("poolpipe/store/_planted.py", "import flows.plan", "imports none of its adapters"),
+        ("poolpipe/client/_planted.py", "import poolpipe_cli.common", "imports none of its"),
+        ("poolpipe/_planted.py", "from triton_backend import env", "imports none of its"),
+        ("testbed/_planted.py", "from poolpipe_cli import serve", "do not import the command"),
+        ("triton_backend/_planted.py", "import poolpipe_cli", "do not import the command"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(tree_copy, module, line, contract):

@@ -156,7 +156,7 @@ def _rewrite(path: Path, row: int, text: str) -> None:
 def test_corrupted_copy_is_rejected_and_nothing_is_written(
     ppipe_copy, warehouse_path, corrupt, message
 ):
-    from poolpipe.cli import main
+    from poolpipe_cli import main
 
     assert (
         main(["--warehouse", str(warehouse_path), "profiles", "import-ppipe", str(ppipe_copy)]) == 0
@@ -208,7 +208,7 @@ def test_older_schema_is_refused_with_the_fix_and_migrate_fixes_it(warehouse_pat
     con.close()
     with pytest.raises(WarehouseError, match=r"run: poolpipe .*wh\.duckdb") as refused:
         Warehouse.open(warehouse_path)
-    from poolpipe.cli import main
+    from poolpipe_cli import main
 
     # the command the message names is one that runs
     command = str(refused.value).partition("run: poolpipe ")[2].split()

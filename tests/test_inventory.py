@@ -138,8 +138,8 @@ def test_missing_or_empty_inventories(tmp_path):
 
 def test_plan_for_an_inventory(tmp_path, capsys, ppipe_dir):
     """`poolpipe plan --inventory` plans for the inventory's live nodes (real MILP)."""
-    from poolpipe.cli import main
     from poolpipe.domain.plan import Plan
+    from poolpipe_cli import main
 
     wh = str(tmp_path / "wh.duckdb")
     assert main(["--warehouse", wh, "profiles", "import-ppipe", str(ppipe_dir)]) == 0

@@ -152,7 +152,7 @@ def test_a_command_says_when_the_sources_run_unasked(tmp_path, monkeypatch, caps
     """What `poolpipe` prints on stderr before a command where the sources run though
     nobody asked (a build older than an edit: the simulator several times slower), and
     that it says nothing where they run on purpose or the build is current."""
-    from poolpipe.cli import main
+    from poolpipe_cli import main
 
     missing = str(tmp_path / "no-plan.json")  # (a command that stops at once, on an error)
     monkeypatch.setattr(native, "unasked_sources", lambda: "x.py changed since the build")

@@ -267,7 +267,7 @@ def test_a_fixed_batch_dimension_is_freed_or_refused_at_load(tmp_path: Path):
 def test_cli_checks_a_model_before_prefect_starts_and_cuts_it_with_input_shape(
     tmp_path: Path, capsys
 ):
-    from poolpipe.cli import main as cli_main
+    from poolpipe_cli import main as cli_main
 
     path = dynamic_classifier(tmp_path / "cls.onnx")
     junk = tmp_path / "junk.onnx"

@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from poolpipe.cli import main
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PlanFormatError
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli import main
 
 MODEL = "repvgg-b3"
 

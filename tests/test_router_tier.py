@@ -294,7 +294,7 @@ def test_a_grpc_clients_deadline_reaches_the_router_through_the_balancer(tier):
 
 
 def test_lb_status_and_render_from_the_inventory(tier, tmp_path, capsys):
-    from poolpipe.cli import main
+    from poolpipe_cli import main
 
     _, lb = tier
     path = tmp_path / "inventory.toml"
@@ -655,10 +655,10 @@ def _two_shards(tmp_path):
 def test_serve_as_a_router_of_the_inventory_takes_its_shard_and_addresses(tmp_path):
     import argparse
 
-    from poolpipe.cli.plans import _cluster_arg
-    from poolpipe.cli.serve import _router_shard
     from poolpipe.domain.inventory import load_inventory
     from poolpipe.errors import PoolpipeError
+    from poolpipe_cli.plans import _cluster_arg
+    from poolpipe_cli.serve import _router_shard
 
     path = _two_shards(tmp_path)
     inv = load_inventory(path)

@@ -281,8 +281,8 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
     import sys
     import time
 
-    from poolpipe.cli import main as cli_main
     from poolpipe.client.control import TOKEN_FILE_VAR
+    from poolpipe_cli import main as cli_main
 
     monkeypatch.delenv(TOKEN_FILE_VAR, raising=False)  # serve makes its own token
     wh, _ = onboarded_tiny
@@ -301,7 +301,7 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         [
             sys.executable,
             "-m",
-            "poolpipe.cli",
+            "poolpipe_cli",
             "--warehouse",
             wh,
             "serve",
@@ -393,8 +393,8 @@ def test_serve_refuses_a_plan_the_nodes_measure_too_slow_for_its_slo(
 
     import duckdb
 
-    from poolpipe.cli import main as cli_main
     from poolpipe.client.control import TOKEN_FILE_VAR
+    from poolpipe_cli import main as cli_main
 
     monkeypatch.delenv(TOKEN_FILE_VAR, raising=False)
     wh, _ = onboarded_tiny
@@ -474,8 +474,8 @@ def test_a_node_beyond_loopback_does_not_start_without_a_token(tmp_path, monkeyp
     """A node's model-repository API answers whoever reaches it unless a token restricts
     it: beyond loopback, `poolpipe node` refuses to start without one (before any Triton
     starts), naming the fix."""
-    from poolpipe.cli import main
     from poolpipe.client.control import TOKEN_FILE_VAR
+    from poolpipe_cli import main
 
     monkeypatch.delenv(TOKEN_FILE_VAR, raising=False)
     for address in ("0.0.0.0", "10.213.250.9", "::", "node-7.example"):
@@ -547,7 +547,7 @@ def test_a_port_another_process_holds_is_named_not_reused(onboarded_tiny, tmp_pa
     import os
     import socket
 
-    from poolpipe.cli import main as cli_main
+    from poolpipe_cli import main as cli_main
     from triton_backend.nodes import NodeError, TritonNode
 
     wh, _ = onboarded_tiny
@@ -672,7 +672,7 @@ def _serving(args: list[str], timeout_s: float):
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "poolpipe.cli", *args],
+        [sys.executable, "-m", "poolpipe_cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -737,8 +737,8 @@ def test_an_operator_sees_status_drains_a_node_and_reads_the_statistics(
     import json
     import os
 
-    from poolpipe.cli import main as cli_main
     from poolpipe.client.control import TOKEN_FILE_VAR
+    from poolpipe_cli import main as cli_main
 
     wh, _ = onboarded_tiny
     dep = server.deployment
@@ -846,7 +846,7 @@ def test_a_plan_that_cannot_be_served_is_refused_and_forced_its_requests_are_ref
         ).fetchone()
     assert refused_rows == 4 and arrivals == 4
     # what a person reads shows them (`stats` and `status` used to show 0 of everything)
-    from poolpipe.cli import main as cli_main
+    from poolpipe_cli import main as cli_main
 
     capsys.readouterr()
     assert cli_main(["--warehouse", wh, "stats", "--json", "--last", "1"]) == 0

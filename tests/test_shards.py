@@ -166,10 +166,10 @@ def test_poolpipe_shards_writes_each_routers_nodes_into_the_inventory(tmp_path, 
     import re
     from pathlib import Path
 
-    from poolpipe.cli import main
     from poolpipe.domain.inventory import load_inventory
     from poolpipe.domain.profiles import load_ppipe_dir
     from poolpipe.store.warehouse import Warehouse
+    from poolpipe_cli import main
 
     group2 = Path(__file__).resolve().parents[1] / "data" / "ppipe-gpu-group2"
     wh = tmp_path / "wh.duckdb"

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from poolpipe.cli import main
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import build_topology, make_data_plane
 from poolpipe.sim import ArrivalSpec, SimConfig, Simulator, run_once
 from poolpipe.sim.scenario import GpuChange, Rollout, Scenario, load_scenario
+from poolpipe_cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLISHED = REPO / "data" / "reference" / "ppipe-published-g2-hc2-large.json"

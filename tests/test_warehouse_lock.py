@@ -9,9 +9,9 @@ from datetime import datetime
 
 import pytest
 
-from poolpipe.cli import main
 from poolpipe.errors import WarehouseBusyError
 from poolpipe.store.warehouse import Warehouse, spool_dir, store_rows_durably
+from poolpipe_cli import main
 from testbed.holder import hold_elsewhere as hold
 
 

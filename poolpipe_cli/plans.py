@@ -10,7 +10,16 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from poolpipe.cli.common import (
+from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.plan import PACKINGS, STRATEGIES, ModelPlan, PipelinePlan, Plan
+from poolpipe.errors import PoolpipeError
+from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner.request import DELIVERY, OBJECTIVES
+from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
+from poolpipe.runtime import DEFAULT_MARGIN_FLOOR_US, DEFAULT_REPLY_MARGIN_US
+from poolpipe.store.plan_inputs import plan_request
+from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.common import (
     PPIPE_DIR_ENV,
     add_reply_margin_argument,
     call_overhead_to_check,
@@ -24,16 +33,7 @@ from poolpipe.cli.common import (
     reply_margin_to_check,
     warn_slo_room,
 )
-from poolpipe.cli.profiles import cmd_import_ppipe
-from poolpipe.domain.cluster import Cluster
-from poolpipe.domain.plan import PACKINGS, STRATEGIES, ModelPlan, PipelinePlan, Plan
-from poolpipe.errors import PoolpipeError
-from poolpipe.planner import PlanRequest, make_plan
-from poolpipe.planner.request import DELIVERY, OBJECTIVES
-from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
-from poolpipe.runtime import DEFAULT_MARGIN_FLOOR_US, DEFAULT_REPLY_MARGIN_US
-from poolpipe.store.plan_inputs import plan_request
-from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.profiles import cmd_import_ppipe
 
 # ----------------------------------------------------------------------------- rendering
 

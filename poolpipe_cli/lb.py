@@ -48,7 +48,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from poolpipe.cli.serve import _stop_on_signals, _wait_for_signal
+    from poolpipe_cli.serve import _stop_on_signals, _wait_for_signal
     from triton_backend.balancer import Balancer
 
     lb = Balancer(_inventory(args.nodes), Path(args.workspace), args.haproxy)

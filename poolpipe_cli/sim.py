@@ -10,7 +10,6 @@ from pathlib import Path
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from poolpipe.cli.common import console
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import DATA_PLANES, Topology
@@ -21,6 +20,7 @@ from poolpipe.sim.explain import explain
 from poolpipe.sim.records import capacity_rows, sim_rows
 from poolpipe.store.plan_inputs import check_plan
 from poolpipe.store.warehouse import Warehouse
+from poolpipe_cli.common import console
 
 
 def _read_plan(path: str | Path) -> Plan:

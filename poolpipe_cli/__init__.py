@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from rich.markup import escape
 
 from poolpipe import __version__, native
-from poolpipe.cli.common import err_console
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import ENV_VAR, default_path
+from poolpipe_cli.common import err_console
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from poolpipe.cli import apps, demo, lb, models, onboard, operate, plans, profiles, serve, sim
+    from poolpipe_cli import apps, demo, lb, models, onboard, operate, plans, profiles, serve, sim
 
     parser = argparse.ArgumentParser(
         prog="poolpipe",

@@ -8,7 +8,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from poolpipe.cli.common import add_input_shape_option
 from poolpipe.offline.cuts import METHODS, CutPolicy, prepartition
 from poolpipe.offline.onnxgraph import (
     cut_table,
@@ -18,6 +17,7 @@ from poolpipe.offline.onnxgraph import (
     profile_layers,
 )
 from poolpipe.offline.zoo import ZOO, make_model
+from poolpipe_cli.common import add_input_shape_option
 
 console = Console()
 

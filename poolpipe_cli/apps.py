@@ -8,9 +8,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from poolpipe.cli.common import console
 from poolpipe.domain.apps import fastest_latencies, load_apps
 from poolpipe.errors import InfeasibleError, PoolpipeError
+from poolpipe_cli.common import console
 
 
 def cmd_apps_check(args: argparse.Namespace) -> int:
@@ -268,7 +268,6 @@ def cmd_apps_simulate(args: argparse.Namespace) -> int:
 
 def _apps_cost(args: argparse.Namespace, req) -> int:
     """--objective cost: the cheapest GPUs serving --rates, per split, and whole-model."""
-    from poolpipe.cli.plans import cluster_prices, parse_pairs
     from poolpipe.planner.apps import (
         AppPlan,
         app_plan_document,
@@ -277,6 +276,7 @@ def _apps_cost(args: argparse.Namespace, req) -> int:
         cheapest_by_split_sized,
     )
     from poolpipe.planner.deliverable import app_attainment_at
+    from poolpipe_cli.plans import cluster_prices, parse_pairs
 
     if not args.rates:
         raise PoolpipeError(

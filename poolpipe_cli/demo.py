@@ -16,27 +16,22 @@ import argparse
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
-from poolpipe.cli.serve import add_router_arguments, router_options
 from poolpipe.client.control import new_token_file
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT
+from poolpipe_cli.common import demo_console as console
+from poolpipe_cli.common import step
+from poolpipe_cli.serve import add_router_arguments, router_options
 
-console = Console(width=None if sys.stdout.isatty() else 120)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
-
-
-def _step(text: str) -> None:
-    console.print(f"[bold cyan]▶[/] {text}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -49,7 +44,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         why = unavailable()
         if why is None:
-            from poolpipe.cli.demo_gpu import cmd_demo_gpu
+            from poolpipe_cli.demo_gpu import cmd_demo_gpu
 
             args.cluster = args.cluster or "hc2-small"
             args.duration = args.duration or 10.0
@@ -67,12 +62,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_demo_cpu(args: argparse.Namespace) -> int:
     from flows.onboard import onboard_model
     from flows.profile import profile_model
-    from poolpipe.cli.onboard import progress_bar
     from poolpipe.offline.profiler import sum_vs_whole
     from poolpipe.offline.zoo import make_model
     from poolpipe.planner import make_plan
     from poolpipe.store.plan_inputs import plan_request
     from poolpipe.store.warehouse import Warehouse
+    from poolpipe_cli.onboard import progress_bar
     from triton_backend.serve import ServingProcess
 
     out = Path(args.out)
@@ -80,10 +75,10 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
     name = "demo-resnet"
     t_start = time.perf_counter()
 
-    _step(f"generating a ResNet-50 (width {args.width}, {args.image}x{args.image})")
+    step(f"generating a ResNet-50 (width {args.width}, {args.image}x{args.image})")
     path = make_model("resnet50", out / f"{name}.onnx", width=args.width, image=args.image)
 
-    _step("onboarding: split, build, verify, profile on cpu-1t (Prefect flow)")
+    step("onboarding: split, build, verify, profile on cpu-1t (Prefect flow)")
     with progress_bar(name):
         r = onboard_model(
             str(path),
@@ -94,7 +89,7 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
             reps=5,
             replace=True,
         )
-    _step("profiling the same blocks on cpu-2t (Prefect flow)")
+    step("profiling the same blocks on cpu-2t (Prefect flow)")
     with progress_bar(name):
         profile_model(name, warehouse=args.warehouse, batches=[1, 2, 3, 4], threads=2, reps=5)
     console.print(
@@ -102,7 +97,7 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
         f"{sum_vs_whole(r.measurements)[1][1] / 1e3:.1f} ms on cpu-1t"
     )
 
-    _step(f"planning for cluster {args.cluster} (SLO {args.slo_ms:g} ms)")
+    step(f"planning for cluster {args.cluster} (SLO {args.slo_ms:g} ms)")
     with Warehouse.open(args.warehouse) as wh:
         req = plan_request(
             wh,
@@ -118,7 +113,7 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
         # and then its capacity is measured beside the ppipe plan's
         whole = make_plan(replace(req, strategy="np"))
         second = (whole, wh.store_plan(whole, label="demo:np"))
-    from poolpipe.cli.plans import print_plan
+    from poolpipe_cli.plans import print_plan
 
     print_plan(first[0])
     print_plan(second[0])
@@ -127,7 +122,7 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
     token = new_token_file(token_file)  # control (and the nodes' management APIs) need it
     with contextlib.ExitStack() as stack:
         options = _nodes(stack, req.cluster, out, token_file, args)
-        _step("starting the router (its own tritonserver) attached to the nodes")
+        step("starting the router (its own tritonserver) attached to the nodes")
         server = ServingProcess(
             first[0],
             args.warehouse,
@@ -145,7 +140,7 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
         topo = server.deployment.core.topo
         top = min(sum(m.throughput for m in topo.models), args.max_rate)  # ppipe's
         capacity = [_capacity(server, "ppipe", top, name, args)]
-        _step(f"rolling plan {second[1]} (whole-model serving, np) out under load")
+        step(f"rolling plan {second[1]} (whole-model serving, np) out under load")
         roll = _rollout_under_load(server, second[0], second[1], name, args)
         capacity.append(_capacity(server, "np", top, name, args))
         capacity[0]["same"] = _pipelines(first[0]) == _pipelines(second[0])
@@ -219,7 +214,7 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
     for k, load in enumerate(args.loads):
         rate = load * min(planned, args.max_rate)
         times = poisson_times(rate, args.duration, seed=k + 1)
-        _step(
+        step(
             f"load {load:.2f} of {min(planned, args.max_rate):.0f} req/s (the plan's "
             f"{planned:.0f}, capped by --max-rate): {rate:.0f} req/s for {args.duration:g} s"
         )
@@ -259,11 +254,11 @@ def _nodes(stack: contextlib.ExitStack, cluster, out: Path, token_file: Path, ar
 
     why = "--loopback given" if args.loopback else unavailable()
     if why:
-        _step(f"starting stage-worker nodes on loopback (no emulated cluster: {why})")
+        step(f"starting stage-worker nodes on loopback (no emulated cluster: {why})")
         return {}
     gpus = [(pool.gpu, i) for pool in cluster.pools for i in range(pool.count)]
     em = stack.enter_context(EmulatedCluster(len(gpus), out / "cluster", cluster.bandwidth_gbps))
-    _step(
+    step(
         f"emulated cluster: {len(gpus)} servers as network namespaces on {em.subnet} "
         f"({cluster.bandwidth_gbps:g} Gbit/s NICs, tc), a stage-worker node (tritonserver) in each"
     )
@@ -285,7 +280,7 @@ def _capacity(server, label: str, top: float, name: str, args: argparse.Namespac
     dep = server.deployment
     x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
     inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
-    _step(f"{label}: capacity at >= {CAPACITY_TARGET:.0%} on time, bisecting 0-{top:.0f} req/s")
+    step(f"{label}: capacity at >= {CAPACITY_TARGET:.0%} on time, bisecting 0-{top:.0f} req/s")
 
     def point(rate: float, on_time: float) -> None:
         console.print(f"  {label}: {rate:.0f} req/s for {args.duration:g} s: {on_time:.3f} on time")

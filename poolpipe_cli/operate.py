@@ -10,9 +10,9 @@ import os
 
 from rich.table import Table
 
-from poolpipe.cli.common import console, open_warehouse
 from poolpipe.client.control import TOKEN_FILE_VAR, read_token
 from poolpipe.errors import PoolpipeError
+from poolpipe_cli.common import console, open_warehouse
 
 
 def _send(args: argparse.Namespace, command: dict, timeout_s: float = 30.0) -> dict:

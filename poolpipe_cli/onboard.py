@@ -15,11 +15,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from poolpipe.cli.common import add_input_shape_option
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.cuts import METHODS
 from poolpipe.offline.engines import ENGINES
 from poolpipe.offline.onnxgraph import load_model, parse_input_shapes
+from poolpipe_cli.common import add_input_shape_option
 
 console = Console()
 

@@ -14,7 +14,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from poolpipe.cli.common import (
+from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
+from poolpipe.domain.tier import split_address
+from poolpipe.errors import PoolpipeError
+from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US, ArrivalStamps
+from poolpipe.runtime.stamps import DEFAULT_CLOCK_BOUND_US, DEFAULT_MAX_WAIT_US
+from poolpipe.scheduler import DATA_PLANES
+from poolpipe_cli.common import (
     add_reply_margin_argument,
     call_overhead_to_check,
     err_console,
@@ -22,12 +28,6 @@ from poolpipe.cli.common import (
     reply_margin_to_check,
     warn_each,
 )
-from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
-from poolpipe.domain.tier import split_address
-from poolpipe.errors import PoolpipeError
-from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US, ArrivalStamps
-from poolpipe.runtime.stamps import DEFAULT_CLOCK_BOUND_US, DEFAULT_MAX_WAIT_US
-from poolpipe.scheduler import DATA_PLANES
 from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
 from triton_backend.env import is_loopback
 

@@ -19,8 +19,15 @@ from poolpipe.store.warehouse import REPO_ROOT, Warehouse
 console = Console(width=None if sys.stdout.isatty() else 160)
 # Errors go to stderr, as a person (and a script) expects.
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+# The demos' narrative, narrower where it goes to a log.
+demo_console = Console(width=None if sys.stdout.isatty() else 120)
 DEFAULT_PPIPE_DIR = REPO_ROOT.parent / "shared" / "profiles" / "ppipe-gpu"
 PPIPE_DIR_ENV = "POOLPIPE_PPIPE_PROFILES"
+
+
+def step(text: str) -> None:
+    """A step of a demo, as it starts."""
+    demo_console.print(f"[bold cyan]▶[/] {text}")
 
 
 def ppipe_dir() -> Path:

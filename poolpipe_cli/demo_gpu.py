@@ -21,20 +21,20 @@ from pathlib import Path
 
 from rich.table import Table
 
-from poolpipe.cli.common import parse_margins
-from poolpipe.cli.demo import _step, console
 from poolpipe.errors import PoolpipeError
+from poolpipe_cli.common import demo_console as console
+from poolpipe_cli.common import parse_margins, step
 
 EMULATED = "EMULATED GPUs: real processes, network and bytes; device times from the profiles"
 
 
 def cmd_demo_gpu(args: argparse.Namespace) -> int:
     from flows.onboard import onboard_model
-    from poolpipe.cli.onboard import progress_bar
     from poolpipe.client.control import new_token_file
     from poolpipe.offline.profiler import sum_vs_whole
     from poolpipe.offline.zoo import make_model
     from poolpipe.store.warehouse import Warehouse
+    from poolpipe_cli.onboard import progress_bar
     from testbed import emulated as emu
     from triton_backend.prepare import check_serves_all
 
@@ -48,7 +48,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
         warehouse = str(wh.path)
 
     name = "demo-resnet"
-    _step(
+    step(
         f"offline, on real compute: a generated ResNet-50 ({args.image}x{args.image}) split "
         "into blocks, built and profiled on this CPU (Prefect flow onboard-model)"
     )
@@ -63,7 +63,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
         f"ms on cpu-1t; stored in {warehouse}"
     )
 
-    _step(
+    step(
         f"the paper's group 2 ({', '.join(emu.GROUP2)}) from real L4 and T4 profiles shipped in "
         f"{_rel(emu.GROUP2_DIR)} (the PPipe artifact): shadow models with the real inputs and "
         "feature-map sizes (Prefect flow onboard-shadow)"
@@ -72,7 +72,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
         done = emu.onboard_shadows(warehouse)
     console.print(f"  onboarded now: {', '.join(done) or 'none (already in the warehouse)'}")
 
-    _step(
+    step(
         f"planning {args.cluster} for the maf19 mix ({', '.join(f'{w:.2f}' for w in emu.MAF19)}), "
         "SLO 5x each model's reference latency: ppipe and whole-model serving (np)"
     )
@@ -95,7 +95,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     with emu.emulated_nodes(cluster, out / "cluster", d, token_file) as em:
-        _step(
+        step(
             f"{cluster.name} EMULATED at time scale D = {d:g}: {len(em.nodes)} GPU nodes "
             f"(tritonserver each) on {em.servers} servers (network namespaces on {em.subnet}, "
             f"NICs {cluster.bandwidth_gbps:g} Gbit/s / D by tc); up in "
@@ -112,7 +112,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
             token=token,
             transport=args.transport,
             on_point=point,
-            on_step=_step,
+            on_step=step,
         )
     _results(res, d, args)
     _store(res, warehouse, cluster.name, d, res["transport"])
@@ -132,7 +132,7 @@ def _rel(path: Path) -> str:
 
 
 def _plans_table(plans: dict) -> None:
-    from poolpipe.cli.plans import describe_pipeline
+    from poolpipe_cli.plans import describe_pipeline
 
     t = Table(
         title="plans (the planner's figures; inputs counted on the NICs): fluid req/s, and "

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from poolpipe.cli.common import DEFAULT_PPIPE_DIR, console, open_warehouse
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.store.warehouse import Warehouse, default_path
+from poolpipe_cli.common import DEFAULT_PPIPE_DIR, console, open_warehouse
 
 
 def cmd_import_ppipe(args: argparse.Namespace) -> int:
