@@ -247,9 +247,9 @@ def nightly_replan(
 
 def on_failure(**params: Any) -> Callable[[str, str], dict]:
     """What `poolpipe serve --replan-on-failure` calls when its nodes out of service have
-    changed (triton_backend.serve.ServingProcess): this flow, run in the serving process, with
-    `params` (inventory or cluster, warehouse, deployment, token_file, margin, ...), the
-    router's address and what happened."""
+    changed (triton_backend.deploy.serving.ServingProcess): this flow, run in the serving
+    process, with `params` (inventory or cluster, warehouse, deployment, token_file, margin,
+    ...), the router's address and what happened."""
 
     def replan(router: str, trigger: str) -> dict:
         return nightly_replan(router=router, trigger=trigger, **params)
@@ -314,7 +314,7 @@ FLOW_NICE = 10
 
 def on_reshard(isolated: bool = True, **params: Any) -> Callable[[str, str, str], dict]:
     """What a router of a router tier calls when its shard changes
-    (triton_backend.serve.ServingProcess): the reshard flow with `params` (warehouse,
+    (triton_backend.deploy.serving.ServingProcess): the reshard flow with `params` (warehouse,
     token_file), the router's address, its new shard's inventory file and what happened.
     `isolated`: in a process of its own (flows.replan as __main__, on the Prefect API the
     router uses, FLOW_NICE lower in CPU priority), so that planning, and Prefect's local

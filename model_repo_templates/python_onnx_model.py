@@ -15,7 +15,7 @@ answers, once the chain's answer comes back, the whole model's outputs
 (`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
 nanoseconds of each hop's own monotonic clock, this hop first. Its instance is free for the
 next batch while the rest of the chain runs. Where the chain ends in {"answer": "host:port",
-"id"} (the router's inbox, triton_backend/answers.py), the last hop sends the model's
+"id"} (the router's inbox, triton_backend/router/answers.py), the last hop sends the model's
 outputs there instead, with every hop's times (`poolpipe_hops`: those of the hops before,
 carried along), from a sender thread per inbox, and the calls back along the chain carry
 POOLPIPE_HOPS alone (`poolpipe_outputs` is then []). `poolpipe_budget_us` (optional): the time

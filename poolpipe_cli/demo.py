@@ -68,7 +68,7 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
     from poolpipe.store.plan_inputs import plan_request
     from poolpipe.store.warehouse import Warehouse
     from poolpipe_cli.onboard import progress_bar
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

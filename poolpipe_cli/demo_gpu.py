@@ -36,7 +36,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
     from poolpipe.store.warehouse import Warehouse
     from poolpipe_cli.onboard import progress_bar
     from testbed import emulated as emu
-    from triton_backend.prepare import check_serves_all
+    from triton_backend.deploy.prepare import check_serves_all
 
     d = args.time_scale
     if d <= 0:

@@ -36,7 +36,7 @@ def _inventory(path: str):
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from triton_backend.balancer import render
+    from triton_backend.lb.haproxy import render
 
     text = render(_inventory(args.nodes))
     if args.output:
@@ -49,7 +49,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from poolpipe_cli.serve import _stop_on_signals, _wait_for_signal
-    from triton_backend.balancer import Balancer
+    from triton_backend.lb.haproxy import Balancer
 
     lb = Balancer(_inventory(args.nodes), Path(args.workspace), args.haproxy)
     with console.status("starting HAProxy ..."):
@@ -75,7 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from triton_backend.readiness import READY_PATH
+    from triton_backend.router.readiness import READY_PATH
 
     inv = _inventory(args.nodes)
     t = Table(title=f"routers of {args.nodes}", title_justify="left")

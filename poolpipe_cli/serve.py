@@ -121,7 +121,7 @@ def _wait_for_signal(stop: threading.Event, also=None) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     log_events()
     inventory = tier = None
@@ -216,7 +216,7 @@ def _router_shard(args: argparse.Namespace, inventory):
     args.listen = hosts.pop()
     args.http_port, args.grpc_port, args.ready_port = (port for _, port in addresses[:3])
     args.agent_port = addresses[3][1] if r.agent else None
-    from triton_backend.peers import shard_file
+    from triton_backend.deploy.peers import shard_file
 
     shard = inventory.shard(r.name)
     path = shard_file(Path(args.workspace), r.name)
@@ -306,8 +306,8 @@ def _emulation(args: argparse.Namespace, cpu_class: bool) -> dict[str, str]:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from triton_backend.nodes import TritonNode, refuse_taken_ports
-    from triton_backend.watch import NodeWatch
+    from triton_backend.node.triton import TritonNode, refuse_taken_ports
+    from triton_backend.node.watch import NodeWatch
 
     cpu_class = re.fullmatch(r"cpu-\d+t", args.device) is not None
     environment = _emulation(args, cpu_class)

@@ -272,7 +272,7 @@ def main() -> int:
     from flows.onboard import onboard_model
     from poolpipe.offline.zoo import make_model
     from testbed.loadgen import client_figures, drive, live_capacity, poisson_times
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     rows = BenchRows(args.label)
     record = partial(rows.record, "cluster")

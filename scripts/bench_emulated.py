@@ -137,8 +137,8 @@ def accuracy(args: argparse.Namespace, rows: BenchRows) -> None:
     from flows.onboard import onboard_model
     from poolpipe.offline.partitions import make_partition
     from poolpipe.offline.zoo import make_model
-    from triton_backend.nodes import TritonNode
-    from triton_backend.repository import part_name, partition_files, upload_config
+    from triton_backend.node.repository import part_name, partition_files, upload_config
+    from triton_backend.node.triton import TritonNode
 
     table, source = t4_table()
     record = partial(rows.record, "emulated")

@@ -189,8 +189,8 @@ def serve(
     from poolpipe.offline.partitions import TensorSpec
     from poolpipe.runtime import MarginMeter
     from poolpipe.scheduler import make_data_plane
-    from triton_backend.router import RouterCore
-    from triton_backend.served import ModelIO, served_plan
+    from triton_backend.router.core import RouterCore
+    from triton_backend.router.served import ModelIO, served_plan
 
     i64 = np.dtype(np.int64)
     io = ModelIO(MODEL, (TensorSpec("x", i64, (1,)),), (TensorSpec("y", i64, (1,)),))

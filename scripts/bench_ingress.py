@@ -90,7 +90,7 @@ class Native:
     name = "native"
 
     def __init__(self, workspace: Path):
-        from triton_backend.nodes import TritonNode
+        from triton_backend.node.triton import TritonNode
 
         repo = workspace / "repo"
         (repo / "echo" / "1").mkdir(parents=True)

@@ -58,7 +58,7 @@ LOSS_WINDOW_S = 3.0  # the requests sent this long after a kill are the ones it 
 
 
 def _loaded(em, key: str) -> list[str]:
-    from triton_backend.nodes import RemoteNode
+    from triton_backend.node.triton import RemoteNode
 
     out = []
     for n in em.inventory().nodes:
@@ -114,7 +114,7 @@ def _spawn_serve(args, plan_file: Path, inv: Path, ws: Path, token_file: Path, l
 
 
 def router_part(args, em, plan_file: Path, token_file: Path, inputs: dict, model: str, tmp):
-    from triton_backend.nodes import descendants, still_running
+    from triton_backend.node.triton import descendants, still_running
 
     key = node_key(read_token(token_file))
     inv = em.write_inventory()
@@ -226,7 +226,7 @@ def node_part(args, em, dep, token_file: Path, inputs: dict, model: str) -> list
 
 def drain_part(args, em, dep, token_file: Path, inputs: dict, model: str) -> list[dict]:
     from testbed.loadgen import drive, poisson_times
-    from triton_backend.nodes import RemoteNode
+    from triton_backend.node.triton import RemoteNode
 
     key = node_key(read_token(token_file))
     rows = []
@@ -312,7 +312,7 @@ def main() -> int:
     from flows.onboard import onboard_model
     from poolpipe.offline.zoo import make_model
     from poolpipe.store.warehouse import default_path
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     args.warehouse_path = Path(args.warehouse) if args.warehouse else default_path()
     rows = BenchRows(args.label)

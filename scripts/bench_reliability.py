@@ -43,7 +43,7 @@ from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse, default_path
 from testbed import scratch_dir, teardown_on_sigterm
 from testbed.holder import hold_elsewhere
-from triton_backend.nodes import descendants, is_running
+from triton_backend.node.triton import descendants, is_running
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
@@ -96,7 +96,7 @@ def main() -> int:
 
 def held_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
     from testbed.loadgen import drive, poisson_times
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     with Warehouse.open(warehouse) as wh:
         plan_id = wh.store_plan(plan, label="bench-reliability")
@@ -294,7 +294,7 @@ def node_part(args, warehouse: Path, plan: Plan, tmp: Path, record) -> None:
 
 def _one_node_kill(args, warehouse: Path, plan: Plan, ws: Path, seed: int) -> dict:
     from testbed.loadgen import client_figures, drive, poisson_times
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     srv = ServingProcess(plan, str(warehouse), ws, stats_interval_s=3600, supervise=True)
     dep = srv.deployment

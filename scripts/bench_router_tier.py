@@ -109,9 +109,9 @@ def main() -> int:
 
 def live_parts(args, parts: set[str], rows: BenchRows) -> None:
 
-    from triton_backend.balancer import Balancer, find_haproxy
+    from triton_backend.deploy.serving import ServingProcess
     from triton_backend.env import free_ports
-    from triton_backend.serve import ServingProcess
+    from triton_backend.lb.haproxy import Balancer, find_haproxy
 
     find_haproxy()  # before anything starts: the error says how to install it
     tmp = scratch_dir("bench-router-tier-")
@@ -164,7 +164,7 @@ def kill_part(args, model, tmp: Path, record) -> None:
     from poolpipe.client import send_control
     from testbed.loadgen import drive, poisson_times
     from testbed.tier import ProcessTier
-    from triton_backend.balancer import Balancer
+    from triton_backend.lb.haproxy import Balancer
 
     name, in_name, dims = model
     x = np.zeros(dims, np.float32)
@@ -347,7 +347,7 @@ def _capacity_capped(args, work: Path, routers: int, model, guess) -> tuple[floa
     from testbed.cgroup import CpuCap
     from testbed.loadgen import bisect_grid, drive, poisson_times
     from testbed.tier import ProcessTier
-    from triton_backend.balancer import Balancer
+    from triton_backend.lb.haproxy import Balancer
 
     name, in_name, dims = model
     x = np.zeros(dims, np.float32)

@@ -104,7 +104,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from testbed.loadgen import client_figures, drive, poisson_times
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     rows = BenchRows(args.label)
     record = rows.record
@@ -395,8 +395,8 @@ def trivial_stage_check(args, tmp: Path, record) -> None:
     from flows.onboard import onboard_model
     from flows.profile import profile_model
     from poolpipe.offline.zoo import make_model
-    from triton_backend.serve import ServingProcess
-    from triton_backend.timers import loop_kind
+    from triton_backend.deploy.serving import ServingProcess
+    from triton_backend.router.timers import loop_kind
 
     name = "bench-trivial"
     path = make_model("resnet50", tmp / "trivial.onnx", width=1 / 16, image=16)
@@ -474,7 +474,7 @@ def burst_check(args, name: str, tmp: Path, record) -> None:
     """`--burst` requests at once, `--burst-slo-ms`, twice, on a 1-partition plan (batch 4,
     reservation plane): counted at the client (HTTP, its own process, loadgen.burst) and by
     the router, with the reply margin before and after."""
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     plan = hand_plan(name, [(0, 4, "cpu-2t", 1)], 4, args.slo_ms, args.warehouse)
     with console.status(f"burst: {args.burst} requests at once, twice ..."):
@@ -567,7 +567,7 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
     same events at the times they happened here."""
     from poolpipe.sim.scenario import GpuChange, Rollout, Scenario
     from testbed.loadgen import drive, poisson_times
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     plan = hand_plan(name, [(0, 4, "cpu-1t", 2)], 4, args.slo_ms, args.warehouse)
     # long enough that the windows after each event hold several seconds of requests (a

@@ -236,7 +236,7 @@ def emulated_nodes(cluster, workspace: Path, time_scale: float, token_file: Path
 
 def serve_dilated(plan: Plan, plan_id: int, warehouse: str, workspace: Path, d: float, **kw):
     """A ServingProcess of `plan` dilated by `d` (what the router plans deadlines by)."""
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     return ServingProcess(
         dilated(plan, d),
@@ -312,7 +312,7 @@ class CpuMeter:
         self.em = em
 
     def sample(self) -> dict[str, float]:
-        from triton_backend.nodes import descendants
+        from triton_backend.node.triton import descendants
 
         nodes: set[int] = set()
         for s in self.em.nodes:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from triton_backend import HOPS_OUTPUT
-from triton_backend.stages import (
+from triton_backend.router.stages import (
     Outputs,
     StageCall,
     StageCallError,

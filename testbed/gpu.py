@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from testbed.fake_stages import Call, FakePartition, FakeStages
-from triton_backend.stages import StageUnreachable
+from triton_backend.router.stages import StageUnreachable
 
 BLOCK_NAMES = ("stem", "stage1", "stage2", "stage3", "stage4", "head")
 

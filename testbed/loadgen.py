@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from testbed.predict import predict
-from triton_backend.kserve_http import parse_head
-from triton_backend.served import DROP_MARKER, FAIL_MARKER, REFUSED_MARKER
+from triton_backend.router.kserve_http import parse_head
+from triton_backend.router.served import DROP_MARKER, FAIL_MARKER, REFUSED_MARKER
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def grpc_inputs(inputs: dict[str, np.ndarray]) -> list:
     """tritonclient gRPC inputs holding these arrays (by input name)."""
     import tritonclient.grpc as tg
 
-    from triton_backend.repository import kserve_dtype
+    from triton_backend.node.repository import kserve_dtype
 
     prepared = []
     for name, x in inputs.items():
@@ -179,7 +179,7 @@ def burst(
     within `timeout_s`: an error timed at `timeout_s`."""
     import tritonclient.http as th
 
-    from triton_backend.repository import kserve_dtype
+    from triton_backend.node.repository import kserve_dtype
 
     prepared = []
     for name, x in inputs.items():

@@ -29,7 +29,7 @@ from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.inventory import Inventory, InventoryNode, InventoryServer
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import signals_held
-from triton_backend.nodes import (
+from triton_backend.node.triton import (
     RemoteNode,
     descendants,
     model_folders,
@@ -39,7 +39,7 @@ from triton_backend.nodes import (
 )
 
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, a server's first node
-WATCH_PORT = 8003  # the node process's watch port (triton_backend.watch)
+WATCH_PORT = 8003  # the node process's watch port (triton_backend.node.watch)
 SLOT_PORTS = 10  # a server's node k uses the ports above + 10 k
 
 

@@ -15,7 +15,7 @@ from poolpipe.sim.apps import AppSimResult, run_apps
 from poolpipe.sim.engine import SimConfig, Simulator
 from poolpipe.sim.metrics import SimResult
 from poolpipe.sim.scenario import Scenario
-from triton_backend.deploy import Deployment
+from triton_backend.deploy.deployment import Deployment
 
 
 def predict(

@@ -17,7 +17,7 @@ from pathlib import Path
 from poolpipe.client.control import new_token_file
 from poolpipe.domain.inventory import Inventory, parse_inventory
 from triton_backend.env import free_ports
-from triton_backend.nodes import RemoteNode, descendants, model_folders, reap, shm_regions
+from triton_backend.node.triton import RemoteNode, descendants, model_folders, reap, shm_regions
 
 POOLPIPE = [sys.executable, "-m", "poolpipe_cli"]
 

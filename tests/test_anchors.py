@@ -19,7 +19,7 @@ from poolpipe.offline.onnxgraph import random_inputs, session
 from poolpipe.offline.partitions import make_partition
 from poolpipe.offline.split import split_model
 from poolpipe.offline.zoo import make_model
-from triton_backend.repository import render_partition
+from triton_backend.node.repository import render_partition
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_the_nodes_file_is_made_where_the_partition_is_cut(split, tmp_path):
     the file a CPU node runs, so that loading reads bytes instead of anchoring under the
     router's GIL: anchored where anchors are needed, the partition itself (a link)
     otherwise; a node file older than its partition is not used."""
-    from triton_backend.repository import node_onnx, node_onnx_path, write_node_onnx
+    from triton_backend.node.repository import node_onnx, node_onnx_path, write_node_onnx
 
     layers = [(b.layer_start, b.layer_end) for b in split.blocks]
     k = split.blocks.index(_mid_residual(split))

@@ -1,4 +1,4 @@
-"""The router's inbox for chains' answers (triton_backend/answers.py), over a real loopback
+"""The router's inbox for chains' answers (triton_backend/router/answers.py), over a real loopback
 socket, written as a node writes them (python_onnx_model.py's wire format)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from poolpipe.errors import PoolpipeError
-from triton_backend.answers import AnswerInbox, parse_address
-from triton_backend.deploy import resolve_answers
+from triton_backend.deploy.deployment import resolve_answers
+from triton_backend.router.answers import AnswerInbox, parse_address
 
 
 def _message(key: str, rows: list[int], tensors: dict[str, np.ndarray]) -> bytes:

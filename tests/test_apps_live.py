@@ -47,7 +47,7 @@ def onboarded_three(prefect_api, tmp_path_factory):
 
 
 def test_an_application_is_served_whole_through_the_router(onboarded_three):
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     wh, tmp = onboarded_three
     with Warehouse.open(wh) as w:

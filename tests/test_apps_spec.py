@@ -289,7 +289,7 @@ def test_the_application_mix_seen_is_planned_again():
         replan_apps,
     )
     from poolpipe.planner.replan import objective_under
-    from triton_backend.deploy import _cannot_replace
+    from triton_backend.deploy.deployment import _cannot_replace
 
     profiles = {p.name: p for p in load_ppipe_dir(GROUP2)}
     cluster = load_clusters(GROUP2 / "clusters.toml")["hc2-small"]

@@ -28,7 +28,7 @@ from tests.test_serving import (
     whole_model,
 )
 from triton_backend import HOPS_OUTPUT
-from triton_backend.nodes import NodeError, RemoteNode
+from triton_backend.node.triton import NodeError, RemoteNode
 
 pytestmark = [
     pytest.mark.integration,
@@ -70,7 +70,7 @@ def _key(cluster) -> str:
 
 
 def _loaded(inv: Inventory, key: str) -> list[str]:
-    from triton_backend.nodes import RemoteNode
+    from triton_backend.node.triton import RemoteNode
 
     return sorted(
         m for n in inv.nodes for m in RemoteNode(n.name, n.device, n.grpc, key=key).models()
@@ -78,7 +78,7 @@ def _loaded(inv: Inventory, key: str) -> list[str]:
 
 
 def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path):  # noqa: F811
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     wh, _ = onboarded_tiny
     inv = load_inventory(cluster.write_inventory())
@@ -120,7 +120,7 @@ def test_router_serves_on_nodes_of_other_hosts(cluster, onboarded_tiny, tmp_path
 
 
 def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny, tmp_path):  # noqa: F811
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     wh, _ = onboarded_tiny
     inv = cluster.inventory()
@@ -160,7 +160,7 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
     with the cluster's key is refused by the node."""
     import tritonclient.grpc as grpcclient
 
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     wh, _ = onboarded_tiny
     inv = cluster.inventory()
@@ -277,9 +277,9 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
     import time
 
     from tests.test_serving import hand_plan
-    from triton_backend.deploy import Deployment
-    from triton_backend.nodes import descendants, shm_regions
-    from triton_backend.router import DROP_MARKER
+    from triton_backend.deploy.deployment import Deployment
+    from triton_backend.node.triton import descendants, shm_regions
+    from triton_backend.router.core import DROP_MARKER
 
     wh, _ = onboarded_tiny
     token = read_token(cluster.token_file)
@@ -350,7 +350,7 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
     import threading
 
     from flows.replan import on_failure
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     wh, _ = onboarded_tiny
     inventory = cluster.write_inventory()
@@ -419,7 +419,7 @@ def test_losing_a_server_re_plans_for_the_one_left_and_its_return_for_both(
 def _whole_model_on_both(cluster, onboarded, tmp_path, **options):
     """A router serving the tiny model whole on both servers' nodes (one pool of two)."""
     from tests.test_serving import hand_plan
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     wh, _ = onboarded
     return Deployment.up(
@@ -541,7 +541,7 @@ def test_the_nightly_replan_plans_for_the_routers_own_nodes_and_fails_when_rolle
     from flows.replan import nightly_replan
     from poolpipe.errors import PoolpipeError
     from tests.test_serving import REPO, hand_plan
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     wh, _ = onboarded_tiny
     srv = ServingProcess(

@@ -122,7 +122,7 @@ def test_the_reply_margin_defaults_are_stated_once_from_the_code():
         DEFAULT_MARGIN_FLOOR_US,
         DEFAULT_REPLY_MARGIN_US,
     )
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     serve = build_parser().parse_args(["serve", "plan.json"])
     plan = build_parser().parse_args(["plan", "--models", "m", "--cluster", "c"])

@@ -117,7 +117,7 @@ def test_an_emulated_stage_takes_its_profiled_time_at_each_batch_and_share(t4_wa
     import tritonclient.grpc as tg
 
     from poolpipe.offline.partitions import make_partition
-    from triton_backend.nodes import NodeError, RemoteNode
+    from triton_backend.node.triton import NodeError, RemoteNode
 
     with Warehouse.open(t4_warehouse) as w:
         whole, layers = w.whole_model_file("tiny"), w.block_layers("tiny")
@@ -155,7 +155,7 @@ def test_an_emulated_stage_takes_its_profiled_time_at_each_batch_and_share(t4_wa
 
 def _load_as(node, part, name: str, **latencies) -> None:
     """`part` rendered for a GPU device type, loaded on `node` under `name`."""
-    from triton_backend.repository import part_name, partition_files, upload_config
+    from triton_backend.node.repository import part_name, partition_files, upload_config
 
     text, files = partition_files(part, cpu=False, **latencies)
     text = text.replace(f'"{part_name(part)}"', f'"{name}"')
@@ -229,7 +229,7 @@ def test_a_two_node_emulated_pipeline_serves_through_the_router_across_hosts(
     from poolpipe.domain.plan import manual_plan
     from testbed.netns import EmulatedCluster, unavailable
     from tests.test_serving import _grpc, _infer
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     if unavailable():
         pytest.skip(f"no network namespaces: {unavailable()}")

@@ -125,7 +125,7 @@ class Absent(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Absent())
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
-import bench_gpu, testbed.fake_stages, triton_backend.router
+import bench_gpu, testbed.fake_stages, triton_backend.router.core
 print("imported")
 """
     got = subprocess.run(

@@ -55,7 +55,7 @@ def tree_copy(tmp_path_factory) -> Path:
         ("poolpipe/runtime/_planted.py", "from triton_backend import env", "import no framework"),
         ("poolpipe/scheduler/_planted.py", "import time", "reads no clock"),
         ("poolpipe/runtime/_planted.py", "import asyncio", "reads no clock"),
-        ("flows/_planted.py", "import triton_backend.nodes", "do not import each other"),
+        ("flows/_planted.py", "import triton_backend.node.triton", "do not import each other"),
         ("triton_backend/_planted.py", "import flows.plan", "do not import each other"),
         ("triton_backend/_planted.py", "import poolpipe.sim.engine", "neither the simulator"),
         ("flows/_planted.py", "from testbed import loadgen", "neither the simulator"),

@@ -158,7 +158,7 @@ def test_plan_for_an_inventory(tmp_path, capsys, ppipe_dir):
 def test_the_transport_follows_where_the_nodes_are():
     """auto: through the router when every node is on its host (loopback), else node to
     node; an explicit choice stays; a wrong one is named with the choices."""
-    from triton_backend.deploy import resolve_transport
+    from triton_backend.deploy.deployment import resolve_transport
 
     local = ["127.0.0.1:8001", "[::1]:8001", "localhost:9000"]
     assert resolve_transport("auto", local) == "router"

@@ -1,4 +1,4 @@
-"""The router's KServe v2 HTTP stage client (triton_backend/kserve_http.py) on real loopback
+"""The router's KServe v2 HTTP stage client (triton_backend/router/kserve_http.py) on real loopback
 sockets. The round trip against real tritonserver nodes is in test_serving.py (every stage
 call of the router goes this way there); here a small HTTP server in the test process plays
 a node for what a Triton node does only when it fails or idles: an error answer, a kept-
@@ -13,9 +13,9 @@ import socket
 import numpy as np
 import pytest
 
-from triton_backend.kserve_http import HttpStage, HttpStages
-from triton_backend.stages import StageCall, StageCallError, StageTimeout, StageUnreachable
-from triton_backend.timers import precise_event_loop
+from triton_backend.router.kserve_http import HttpStage, HttpStages
+from triton_backend.router.stages import StageCall, StageCallError, StageTimeout, StageUnreachable
+from triton_backend.router.timers import precise_event_loop
 
 
 class Node:

@@ -14,7 +14,7 @@ CHILDREN = """
 import os, subprocess, threading
 import poolpipe
 import grpc
-from triton_backend.nodes import spawn_tied
+from triton_backend.node.triton import spawn_tied
 print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"))
 stop = []
 def busy():

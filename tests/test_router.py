@@ -19,8 +19,8 @@ from poolpipe.runtime import MarginMeter
 from poolpipe.scheduler import make_data_plane
 from testbed.fake_stages import FakePartition, FakeStages
 from tests.factories import make_topology
-from triton_backend.router import RouterCore
-from triton_backend.served import DROP_MARKER, FAIL_MARKER, ModelIO, served_plan
+from triton_backend.router.core import RouterCore
+from triton_backend.router.served import DROP_MARKER, FAIL_MARKER, ModelIO, served_plan
 
 F32 = np.dtype(np.float32)
 IO = ModelIO("m", (TensorSpec("x", F32, (2,)),), (TensorSpec("y", F32, (2,)),))
@@ -184,7 +184,7 @@ def test_calibration_times_a_pools_compute_apart_from_what_crossed_the_nic():
     feature map in (3 ms a request); a first pool whose inputs are not timed keeps the
     call's time; transfers above the call (a NIC faster than the plan says) leave a
     quarter of the call, never nothing."""
-    from triton_backend.calibration import _compute_us
+    from triton_backend.router.calibration import _compute_us
 
     timed = make_topology([([0], [1.0, 2.0], 0.0), ([1], [1.0, 2.0], 3_000.0)], inputs=5_000.0)
     first, later = timed.pools
@@ -201,7 +201,7 @@ def test_chain_times_place_each_hop_after_its_inputs_and_transfers():
     1 placed back from the answer (130-140), its transfer before it (125-130), hop 0 before
     that, never before its inputs could be through (110)."""
     from poolpipe.scheduler.messages import Hop
-    from triton_backend.transport import chain_times
+    from triton_backend.router.transport import chain_times
 
     hops = [Hop(0, 0, -1, 0.0, 10.0, 10.0, 20.0), Hop(1, 1, 0, 20.0, 25.0, 25.0, 35.0)]
     measured = np.array([0, 10_000, 10_000, 50_000, 60_000, 60_000])

@@ -20,9 +20,9 @@ import pytest
 from poolpipe.domain.inventory import InventoryError, parse_inventory
 from poolpipe.domain.tier import TierError, split_address
 from tests.test_serving import hand_plan, onboarded_tiny  # noqa: F401 (a fixture)
-from triton_backend.balancer import Balancer, BalancerError, find_haproxy, render
 from triton_backend.env import free_ports
-from triton_backend.served import DROP_MARKER
+from triton_backend.lb.haproxy import Balancer, BalancerError, find_haproxy, render
+from triton_backend.router.served import DROP_MARKER
 
 pytestmark = pytest.mark.integration
 needs_haproxy = pytest.mark.skipif(
@@ -82,7 +82,7 @@ R0, R1, LB = (
 
 def _router(wh: str, workspace, http: int, grpc: int, ready: int, **kw):
     """A router serving a one-partition plan on a cpu-1t node of its own."""
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     return ServingProcess(
         hand_plan([(0, 4, 1)], batch=4),
@@ -426,7 +426,7 @@ def _only_in_flight_failed(results: list, kill: float) -> None:
 def _nodes_and_tier(tmp_path, r0: dict, r1: dict, lb: dict):
     """Two running cpu-1t nodes, n0 on server s0 and n1 on s1, and the inventory in which
     router r0 drives n0 and r1 drives n1 behind one balancer."""
-    from triton_backend.nodes import TritonNode
+    from triton_backend.node.triton import TritonNode
 
     nodes = [
         TritonNode(f"n{k}", "cpu-1t", tmp_path / f"repo{k}", tmp_path).start() for k in range(2)
@@ -454,7 +454,7 @@ def _tier_router(wh: str, workspace, inv, name: str, ports: dict):
     from flows.replan import on_reshard
     from poolpipe.domain.plan import manual_plan
     from poolpipe.store.warehouse import Warehouse
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     with Warehouse.open(wh) as w:  # its throughput from the profile, as a planner's
         profile = w.load_profile("tiny")
@@ -503,7 +503,7 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
     nodes."""
     import threading
 
-    from triton_backend.nodes import stop_nodes
+    from triton_backend.node.triton import stop_nodes
 
     wh, _ = onboarded_tiny
     ports = free_ports(11)

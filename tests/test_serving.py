@@ -55,7 +55,7 @@ def onboarded_tiny(prefect_api, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(onboarded_tiny):
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     wh, tmp = onboarded_tiny
     dep = Deployment.up(two_partition_plan(), wh, tmp / "ws")
@@ -121,7 +121,7 @@ def test_partitions_run_on_two_nodes_with_fp16_between_them(served):
     inv = load_inventory(served.workspace / "inventory.toml")
     assert sorted(n.grpc for n in inv.nodes) == sorted(n.grpc_url for n in served.nodes.values())
     # the door answered its warm-up requests before any client came
-    from triton_backend.frontend import WARM_UP
+    from triton_backend.router.door.server import WARM_UP
 
     assert served.warmed == 2 * WARM_UP  # a cold round, then one for the reply margin
 
@@ -359,7 +359,7 @@ def test_a_deadline_no_plan_can_meet_is_refused_at_once(served, protocol):
     INVALID_ARGUMENT), one line, no traceback in the answer or in the router's log."""
     from tritonclient.utils import InferenceServerException
 
-    from triton_backend.router import BAD_REQUEST_MARKER
+    from triton_backend.router.core import BAD_REQUEST_MARKER
 
     mod, client = (_http if protocol == "http" else _grpc)(served)
     x = np.zeros((1, 3, 32, 32), np.float32)
@@ -444,7 +444,7 @@ def test_rollout_under_load_answers_every_request(served, onboarded_tiny):
         assert r.status == "done", r.reason
         assert r.failed == 0 and r.downtime_ms <= SLO_MS + 100, r
     assert models_b == {"tiny__b00-01__g1", "tiny__b01-04__g1"}
-    from triton_backend.router import DROP_MARKER
+    from triton_backend.router.core import DROP_MARKER
 
     errors = [str(a)[-300:] for a in answers if not isinstance(a, tuple)]
     # every request is answered: a result, or (rarely, on a busy 2-core machine) an explicit
@@ -472,7 +472,7 @@ def test_a_rollout_rolled_back_after_cutting_leaves_no_files(served, onboarded_t
     """The new generation's partitions are cut (a real cutting process), then its
     calibration fails: injected here, as a node that stops answering would make it fail.
     The old plan serves on, and the new generation's files are gone from the workspace."""
-    import triton_backend.deploy as deploy
+    import triton_backend.deploy.deployment as deploy
 
     wh, _ = onboarded_tiny
     cut: list[str] = []
@@ -506,7 +506,7 @@ def test_a_rollout_that_drops_a_served_model_is_refused_before_anything_loads(
     """A plan without a model the router serves cannot replace its plan: refused with the
     model named, before a partition is cut or loaded (it used to load, warm and calibrate
     all of them, then fail at the switch and leave them loaded)."""
-    import triton_backend.deploy as deploy
+    import triton_backend.deploy.deployment as deploy
 
     def prepare(*args, **kw):
         raise AssertionError("nothing may be cut for a plan that cannot replace the served one")
@@ -544,7 +544,7 @@ def test_a_switch_that_fails_unloads_what_the_rollout_loaded(served, onboarded_t
 
 
 def test_rendered_configs_are_triton_model_configs(onboarded_tiny, tmp_path):
-    from triton_backend.repository import parse_config, render_config, render_partition
+    from triton_backend.node.repository import parse_config, render_config, render_partition
 
     wh, _ = onboarded_tiny
     with Warehouse.open(wh) as w:
@@ -563,7 +563,7 @@ def test_rendered_configs_are_triton_model_configs(onboarded_tiny, tmp_path):
     # a GPU node's partition (rendered and checked here, though no GPU can run it): on the
     # GPU with CUDA / TensorRT; a partition before the last declares the model's outputs
     # too, for chains of nodes, and carries the key chains are signed with
-    from triton_backend.prepare import device_class
+    from triton_backend.deploy.prepare import device_class
 
     assert device_class("cpu-4t") == (True, 4) and device_class("T4") == (False, 1)
     with Warehouse.open(wh) as w:
@@ -607,9 +607,9 @@ def test_a_killed_node_without_a_replacement_fails_its_requests_explicitly(onboa
     failure (no live path, or no time left to retry), none hangs."""
     from tritonclient.utils import InferenceServerException
 
-    from triton_backend.deploy import Deployment
-    from triton_backend.nodes import descendants
-    from triton_backend.router import FAIL_MARKER
+    from triton_backend.deploy.deployment import Deployment
+    from triton_backend.node.triton import descendants
+    from triton_backend.router.core import FAIL_MARKER
 
     wh, tmp = onboarded_tiny
     with Deployment.up(two_partition_plan(), wh, tmp / "ws-kill", router_instances=2) as dep:
@@ -644,7 +644,7 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
     this 2-core machine can eat a deadline), never before the kill nor after its return."""
     import time
 
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     wh, tmp = onboarded_tiny
     with Deployment.up(hand_plan([(0, 4, 2)]), wh, tmp / "ws-kill2", router_instances=4) as dep:
@@ -683,7 +683,7 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
             stop.set()
             for t in threads:
                 t.join(60)
-        from triton_backend.router import DROP_MARKER
+        from triton_backend.router.core import DROP_MARKER
 
         errors = [(t, str(a)[-300:]) for t, a in answers if not isinstance(a, tuple)]
         assert all(DROP_MARKER in e for _, e in errors), errors[:3]  # no failure
@@ -705,7 +705,7 @@ def test_a_supervised_deployment_restarts_a_node_that_dies(onboarded_tiny):
 
     from tritonclient.utils import InferenceServerException
 
-    from triton_backend.deploy import Deployment
+    from triton_backend.deploy.deployment import Deployment
 
     wh, tmp = onboarded_tiny
     with Deployment.up(
@@ -745,8 +745,8 @@ def test_a_crashed_nodes_stubs_and_shared_memory_are_cleaned_up(onboarded_tiny):
     import signal
     import time
 
-    from triton_backend.deploy import Deployment
-    from triton_backend.nodes import _shm_regions, descendants, is_running
+    from triton_backend.deploy.deployment import Deployment
+    from triton_backend.node.triton import _shm_regions, descendants, is_running
 
     wh, tmp = onboarded_tiny
     with Deployment.up(two_partition_plan(), wh, tmp / "ws-crash", router_instances=2) as dep:
@@ -770,7 +770,7 @@ def test_a_cut_that_fails_leaves_none_of_its_generation(onboarded_tiny, tmp_path
     """cut_isolated (a rollout's cutting process): the first partition is cut, the second
     cannot be (its whole model's file is gone); the error comes out and the partition
     already cut is deleted."""
-    from triton_backend.prepare import cut_isolated, partition_jobs
+    from triton_backend.deploy.prepare import cut_isolated, partition_jobs
 
     wh, _ = onboarded_tiny
     plan = two_partition_plan()

@@ -38,8 +38,8 @@ def test_a_router_killed_outright_leaves_no_triton_behind(onboarded_tiny, tmp_pa
     # what the killed router left, a router or node starting STALE_AFTER_S later sweeps
     import time
 
-    from triton_backend.frontend import sweep_doors
-    from triton_backend.nodes import STALE_AFTER_S, sweep_uploads
+    from triton_backend.node.triton import STALE_AFTER_S, sweep_uploads
+    from triton_backend.router.door.server import sweep_doors
 
     later = time.time() + 2 * STALE_AFTER_S
     sweep_uploads(now=later)

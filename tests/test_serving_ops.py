@@ -22,7 +22,7 @@ from tests.test_serving import (  # noqa: F401
     onboarded_tiny,
     two_partition_plan,
 )
-from triton_backend.repository import node_onnx_path
+from triton_backend.node.repository import node_onnx_path
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ def server(onboarded_tiny):  # noqa: F811
     import os
 
     from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, read_token
-    from triton_backend.serve import ServingProcess
+    from triton_backend.deploy.serving import ServingProcess
 
     wh, tmp = onboarded_tiny
     token_file = tmp / "ops.token"
@@ -68,7 +68,7 @@ def _send(server, n: int) -> None:
     explicit drop, as designed) is asked again, once: these tests check what is served,
     not how fast. (A longer SLO would not do: the batcher holds a lone request that much
     longer.)"""
-    from triton_backend.router import DROP_MARKER
+    from triton_backend.router.core import DROP_MARKER
 
     mod, client = _grpc(server.deployment)
     x = np.zeros((1, 3, 32, 32), np.float32)
@@ -437,7 +437,7 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
     import time
     from pathlib import Path
 
-    from triton_backend.nodes import descendants
+    from triton_backend.node.triton import descendants
 
     wh, _ = onboarded_tiny
     plan_file = tmp_path / "plan.json"
@@ -513,7 +513,7 @@ def test_a_port_holder_is_named_while_its_other_threads_open_and_close_files():
     import tempfile
     import threading
 
-    from triton_backend.nodes import port_holder
+    from triton_backend.node.triton import port_holder
 
     stop = threading.Event()
 
@@ -548,7 +548,7 @@ def test_a_port_another_process_holds_is_named_not_reused(onboarded_tiny, tmp_pa
     import socket
 
     from poolpipe_cli import main as cli_main
-    from triton_backend.nodes import NodeError, TritonNode
+    from triton_backend.node.triton import NodeError, TritonNode
 
     wh, _ = onboarded_tiny
     plan_file = tmp_path / "plan.json"
@@ -573,7 +573,7 @@ def _two_nodes(tmp_path, keys):
     """Two tritonserver nodes on loopback (management APIs restricted by `keys`, one each)
     and the inventory that lists them, as an operator's would."""
     from poolpipe.domain.inventory import Inventory, InventoryNode, InventoryServer
-    from triton_backend.nodes import TritonNode
+    from triton_backend.node.triton import TritonNode
 
     nodes = [
         TritonNode(f"n{k}", "cpu-1t", tmp_path / f"repo{k}", tmp_path, key=key).start()
@@ -591,8 +591,8 @@ def test_a_router_unloads_what_an_earlier_router_left_on_its_nodes(onboarded_tin
     """A router killed after a rollout left its generation's partitions loaded on its
     nodes, and no later router took them off: the next router of those models unloads
     them at start-up and says which."""
-    from triton_backend.deploy import Deployment
-    from triton_backend.nodes import stop_nodes
+    from triton_backend.deploy.deployment import Deployment
+    from triton_backend.node.triton import stop_nodes
 
     wh, _ = onboarded_tiny
     nodes, inv = _two_nodes(tmp_path, [None, None])
@@ -618,8 +618,8 @@ def test_a_node_with_another_token_is_named_and_nothing_is_loaded(onboarded_tiny
     Triton's "expecting header ..." after the other node had loaded its partition, which
     stayed. It now fails saying the keys differ, before loading anything anywhere."""
     from poolpipe.client.control import node_key
-    from triton_backend.deploy import Deployment
-    from triton_backend.nodes import NodeError, stop_nodes
+    from triton_backend.deploy.deployment import Deployment
+    from triton_backend.node.triton import NodeError, stop_nodes
 
     wh, _ = onboarded_tiny
     mine, other = "m" * 32, "o" * 32
@@ -642,7 +642,7 @@ def _killed_outright(proc, at_least: int, within_s: float) -> list[int]:
     import signal
     import time
 
-    from triton_backend.nodes import descendants, is_running
+    from triton_backend.node.triton import descendants, is_running
 
     children: set[int] = set()
     try:
@@ -702,7 +702,7 @@ def test_a_router_whose_triton_dies_stops_saying_so(onboarded_tiny, tmp_path):  
     import signal
 
     from triton_backend.env import free_ports
-    from triton_backend.nodes import port_holder
+    from triton_backend.node.triton import port_holder
 
     wh, _ = onboarded_tiny
     plan_file = tmp_path / "plan.json"
@@ -801,7 +801,7 @@ def test_a_plan_that_cannot_be_served_is_refused_and_forced_its_requests_are_ref
     from poolpipe.domain.cluster import load_cluster
     from poolpipe.domain.plan import manual_plan
     from poolpipe.errors import PoolpipeError
-    from triton_backend.router import REFUSED_MARKER
+    from triton_backend.router.core import REFUSED_MARKER
 
     wh, _ = onboarded_tiny
     dep = server.deployment
@@ -896,7 +896,7 @@ def test_a_node_stopped_or_killed_leaves_no_uploaded_model_behind(tmp_path, how)
     with them, one per node and model, over days of runs)."""
     import json
 
-    from triton_backend.nodes import TritonNode, descendants, model_folders
+    from triton_backend.node.triton import TritonNode, descendants, model_folders
 
     node = TritonNode("n", "cpu-1t", tmp_path / "repo", tmp_path).start()
     try:
@@ -930,8 +930,8 @@ def test_what_a_router_or_triton_killed_outright_left_is_swept_and_live_ones_kep
     import time
     from pathlib import Path
 
-    from triton_backend.frontend import sweep_doors
-    from triton_backend.nodes import STALE_AFTER_S, TritonNode, stop_nodes, sweep_uploads
+    from triton_backend.node.triton import STALE_AFTER_S, TritonNode, stop_nodes, sweep_uploads
+    from triton_backend.router.door.server import sweep_doors
 
     node = TritonNode("n", "cpu-1t", tmp_path / "repo", tmp_path).start()
     stub = None

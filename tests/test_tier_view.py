@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from poolpipe.domain.tier import InventoryRouter, TierView, shard_assignment
-from triton_backend.deploy import generation_tag, owned_by
+from triton_backend.deploy.deployment import generation_tag, owned_by
 
 DEVICES = {"a": "L4", "b": "T4", "c": "L4", "d": "T4", "e": "T4", "f": "T4"}
 

@@ -1,4 +1,4 @@
-"""The router's event loop (triton_backend/timers.py): uvloop with its timers kept in a
+"""The router's event loop (triton_backend/router/timers.py): uvloop with its timers kept in a
 heap woken by a timerfd, or asyncio's loop with epoll's wait spent in select() with a
 microsecond timeout. What is checked is behaviour, not speed: a ready socket ends the
 wait at once with its event, nothing ready ends it with none, timers never fire before
@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from triton_backend import timers
-from triton_backend.executor import Gate
-from triton_backend.timers import (
+from triton_backend.router import timers
+from triton_backend.router.executor import Gate
+from triton_backend.router.timers import (
     SELECT_LIMIT,
     PreciseEpollSelector,
     PreciseLoop,

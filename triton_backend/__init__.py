@@ -1,7 +1,10 @@
-"""Triton adapters: stage-worker nodes (tritonserver processes serving rendered model
-repositories) and the router (poolpipe's serving runtime live, behind its own Triton)."""
+"""Triton adapters, by role: `node/` (stage-worker nodes: tritonserver processes serving
+rendered model repositories), `router/` (poolpipe's serving runtime live, behind its own
+Triton, the door), `deploy/` (a plan brought up, rolled out and kept serving; the serving
+process) and `lb/` (the load balancer in front of a router tier). `env.py` is what every
+Triton process here needs."""
 
-# How a batch travels its path (triton_backend.router.TritonExecutor): through the router
+# How a batch travels its path (triton_backend.router.transport's HopTransports): through the router
 # between stages, or from node to node.
 TRANSPORTS = ("router", "chain")
 # what a deployment may be asked for: "auto" is "router" when every node is on the router's

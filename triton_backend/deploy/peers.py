@@ -26,9 +26,9 @@ from pathlib import Path
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.tier import TierView
 from poolpipe.errors import PoolpipeError
-from triton_backend.deploy import Deployment, foreign_partitions
-from triton_backend.nodes import NodeError, RemoteNode
-from triton_backend.readiness import READY_PATH
+from triton_backend.deploy.deployment import Deployment, foreign_partitions
+from triton_backend.node.triton import NodeError, RemoteNode
+from triton_backend.router.readiness import READY_PATH
 
 log = logging.getLogger("poolpipe.serve")
 

@@ -22,12 +22,12 @@ from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import Warehouse, store_rows_durably, store_tables_durably
 from triton_backend import REPLAN_GRACE_S
-from triton_backend.deploy import Deployment, RolloutResult
+from triton_backend.deploy.deployment import Deployment, RolloutResult
+from triton_backend.deploy.peers import TierMember
 from triton_backend.env import free_ports, signals_held
-from triton_backend.nodes import refuse_taken_ports
-from triton_backend.peers import TierMember
-from triton_backend.readiness import DRAINING, NOT_READY, READY, ReadinessServer, WeightAgent
-from triton_backend.router import RouterCore
+from triton_backend.node.triton import refuse_taken_ports
+from triton_backend.router.core import RouterCore
+from triton_backend.router.readiness import DRAINING, NOT_READY, READY, ReadinessServer, WeightAgent
 
 # How long the statistics and rollout writers wait for a warehouse another process holds
 # before they spool their rows beside it (Warehouse.open writes them in later).
@@ -170,7 +170,7 @@ class ServingProcess:
         out of service has changed and stayed so for `replan_grace_s` (a node lost, or
         back), to re-plan (flows.replan.on_failure: the re-planning flow); returns its
         decision. None: only the nightly runs re-plan. `ready_port`: where a load
-        balancer's health check asks whether this router serves (readiness.py; 0: a free
+        balancer's health check asks whether this router serves (router/readiness.py; 0: a free
         port; None: not served). `agent_port`: where HAProxy's agent-check asks for this
         router's weight (WeightAgent: the percentage of its first plan's objective its
         nodes in service serve now; 0: a free port; None: not served). `stop_grace_s`: on

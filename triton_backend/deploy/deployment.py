@@ -36,16 +36,16 @@ from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_inputs, with_latencies
 from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
-from triton_backend.answers import parse_address
-from triton_backend.apps import RouterApps
-from triton_backend.calibration import calibrate, warm
+from triton_backend.deploy.load import LocalNodes, Supervisor, attach, load_layout
+from triton_backend.deploy.prepare import model_io, prepare, remove_files
 from triton_backend.env import is_loopback, signals_held, triton_home
-from triton_backend.frontend import Frontend
-from triton_backend.load import LocalNodes, Supervisor, attach, load_layout
-from triton_backend.nodes import RepositoryAPI, TritonNode, refuse_taken_ports
-from triton_backend.prepare import model_io, prepare, remove_files
-from triton_backend.router import DRAIN_TIMEOUT_S, ModelIO, RouterCore, served_plan
-from triton_backend.served import input_bytes
+from triton_backend.node.triton import RepositoryAPI, TritonNode, refuse_taken_ports
+from triton_backend.router.answers import parse_address
+from triton_backend.router.apps import RouterApps
+from triton_backend.router.calibration import calibrate, warm
+from triton_backend.router.core import DRAIN_TIMEOUT_S, ModelIO, RouterCore, served_plan
+from triton_backend.router.door.server import Frontend
+from triton_backend.router.served import input_bytes
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class Deployment:
         "chain" (feature maps node to node; the router sends inputs, gets outputs), or
         "auto": "router" when every node has a loopback address, else "chain".
         `chain_answers` (chain transport): where a chain's last node sends the model's
-        outputs: "HOST:PORT", the router's inbox (answers.py; PORT 0: any free port;
+        outputs: "HOST:PORT", the router's inbox (router/answers.py; PORT 0: any free port;
         HOST 0.0.0.0: every interface, each node told the address its host is routed to);
         "auto": 127.0.0.1:0 when every node is on loopback, else 0.0.0.0:0; "back": back
         along the chain, across every earlier node's NIC.

@@ -30,10 +30,10 @@ from poolpipe.runtime import DROPPED, FAILED, Outcome
 from poolpipe.runtime.apps import AppCoordinator, AppRequest, Part, ServedApp, served_app
 from poolpipe.runtime.intake import BadRequest, Unservable
 from poolpipe.scheduler import Topology
-from triton_backend.served import ClientRequest, ModelIO, Reply, RequestRow
+from triton_backend.router.served import ClientRequest, ModelIO, Reply, RequestRow
 
 if TYPE_CHECKING:
-    from triton_backend.router import RouterCore
+    from triton_backend.router.core import RouterCore
 
 
 def app_ios(apps: Sequence[App], parts: Mapping[str, ModelIO]) -> list[ModelIO]:

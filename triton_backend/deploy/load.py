@@ -22,9 +22,9 @@ from poolpipe.domain.inventory import (
 )
 from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
-from triton_backend.nodes import RemoteNode, RepositoryAPI, TritonNode, stop_nodes
-from triton_backend.prepare import device_class
-from triton_backend.repository import partition_files, upload_config
+from triton_backend.deploy.prepare import device_class
+from triton_backend.node.repository import partition_files, upload_config
+from triton_backend.node.triton import RemoteNode, RepositoryAPI, TritonNode, stop_nodes
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_MAX_S = 30.0  # the longest wait between two tries to restart a node

@@ -19,9 +19,9 @@ from poolpipe.runtime import (
     ServedPlan,
     ServingRuntime,
 )
-from triton_backend.served import RequestRow, RouterPlan
-from triton_backend.stages import StageClient
-from triton_backend.transport import HopTransport
+from triton_backend.router.served import RequestRow, RouterPlan
+from triton_backend.router.stages import StageClient
+from triton_backend.router.transport import HopTransport
 
 
 class Gate:

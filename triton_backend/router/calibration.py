@@ -12,8 +12,8 @@ from poolpipe.domain.costs import transfer_us_per_sample
 from poolpipe.offline.partitions import PartitionFile, row_bytes
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler.topology import Pool, Topology
-from triton_backend.nodes import RepositoryAPI
-from triton_backend.prepare import device_class
+from triton_backend.deploy.prepare import device_class
+from triton_backend.node.triton import RepositoryAPI
 
 
 def calibrate(
@@ -67,7 +67,7 @@ def _pool_latencies(
 ) -> tuple[float, ...]:
     import tritonclient.grpc as grpcclient
 
-    from triton_backend.repository import kserve_dtype
+    from triton_backend.node.repository import kserve_dtype
 
     name = lay.pool_partition[pool.id]
     part = parts[name]
@@ -137,7 +137,7 @@ def warm(
     node per pool; a restarted node starts cold)."""
     import tritonclient.grpc as grpcclient
 
-    from triton_backend.repository import kserve_dtype
+    from triton_backend.node.repository import kserve_dtype
 
     def one(node: RepositoryAPI, name: str, b: int) -> None:
         part = parts[name]

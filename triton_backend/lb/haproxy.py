@@ -35,8 +35,8 @@ from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.tier import BalancerSpec, split_address
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import ARRIVAL_STAMP, CLIENT_TIMEOUT
-from triton_backend.nodes import port_holder, refuse_taken_ports, spawn_tied
-from triton_backend.readiness import READY_PATH
+from triton_backend.node.triton import port_holder, refuse_taken_ports, spawn_tied
+from triton_backend.router.readiness import READY_PATH
 
 INSTALL_HINT = (
     "install HAProxy (Debian/Ubuntu: `apt-get install haproxy`, as root; ./run does so "

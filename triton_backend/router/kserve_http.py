@@ -24,8 +24,8 @@ import numpy as np
 
 from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
-from triton_backend.repository import kserve_dtype
-from triton_backend.stages import (
+from triton_backend.node.repository import kserve_dtype
+from triton_backend.router.stages import (
     CHECK_TIMEOUT_S,
     GrpcStages,
     Outputs,
@@ -34,7 +34,7 @@ from triton_backend.stages import (
     StageTimeout,
     StageUnreachable,
 )
-from triton_backend.timers import coarse_call_later
+from triton_backend.router.timers import coarse_call_later
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers an answer may have
 _MAX_KEPT = 256  # request heads / answer layouts kept per node (by shapes), then forgotten

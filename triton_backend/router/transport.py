@@ -26,12 +26,18 @@ import numpy as np
 from poolpipe.client.control import chain_signature
 from poolpipe.runtime import Job
 from triton_backend import HOPS_OUTPUT
-from triton_backend.answers import Answer, AnswerInbox
-from triton_backend.served import RouterPlan
-from triton_backend.stages import Outputs, StageCall, StageCallError, StageClient, StageTimeout
+from triton_backend.router.answers import Answer, AnswerInbox
+from triton_backend.router.served import RouterPlan
+from triton_backend.router.stages import (
+    Outputs,
+    StageCall,
+    StageCallError,
+    StageClient,
+    StageTimeout,
+)
 
 if TYPE_CHECKING:
-    from triton_backend.executor import Gate, NodeExecutor
+    from triton_backend.router.executor import Gate, NodeExecutor
 
 # Chain overheads kept for take_chain_overheads (the latest this many).
 KEPT_OVERHEADS = 4096

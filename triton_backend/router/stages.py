@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from triton_backend.repository import kserve_dtype
+from triton_backend.node.repository import kserve_dtype
 
 CALLER_THREADS = 512  # most gRPC stage calls in flight at once (see GrpcStages)
 CHECK_TIMEOUT_S = 1.0  # a node check's calls wait this long for an answer

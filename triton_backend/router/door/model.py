@@ -14,7 +14,7 @@ batcher hands `execute` every request queued at that moment (nothing waits for a
 Self-contained (stdlib, numpy and Triton's `triton_python_backend_utils`): the stub
 process imports nothing of poolpipe. Frames both ways: a 4-byte little-endian length, then
 a pickle of a plain tuple (the socket lives in a folder only this user can enter), named
-here and in door.py alike: HelloFrame and RequestFrame from the stub, AnswerFrame from the
+here and in inbox.py alike: HelloFrame and RequestFrame from the stub, AnswerFrame from the
 router; each array is (dtype str, shape, bytes). A request's `egress_ns` are the times from
 the router's `sent_ns` until earlier answers left the stub, carried back with the next
 request: what the router learns its reply margin from.

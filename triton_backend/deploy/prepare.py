@@ -19,8 +19,8 @@ from poolpipe.runtime.placement import Layout, layout
 from poolpipe.scheduler import build_topology
 from poolpipe.scheduler.topology import Topology
 from poolpipe.store.warehouse import Warehouse
-from triton_backend.repository import node_onnx_path, write_node_onnx
-from triton_backend.router import ModelIO
+from triton_backend.node.repository import node_onnx_path, write_node_onnx
+from triton_backend.router.core import ModelIO
 
 _CPU = re.compile(r"^cpu-(\d+)t$")
 

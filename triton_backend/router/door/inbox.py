@@ -1,4 +1,4 @@
-"""The router process's end of the door (door_model.py runs the other end inside the
+"""The router process's end of the door (model.py runs the other end inside the
 router's Triton): a Unix socket served on the router's event loop. Each frame from a door
 instance is one client request; it goes to RouterCore.take on the spot, and the answer goes
 back down the same connection when the runtime gives it. A request stamped by a load
@@ -7,7 +7,7 @@ is plausible (poolpipe.runtime.stamps), from the stub's arrival otherwise; a cli
 deadline (CLIENT_TIMEOUT, the time it had left) counts from the same moment. Requests to
 `poolpipe_control` run their command on a worker thread (a rollout blocks until it is done).
 
-The frames are door_model.py's, named the same here (the stub imports nothing of ours, so
+The frames are model.py's, named the same here (the stub imports nothing of ours, so
 each side names the plain tuples that travel)."""
 
 from __future__ import annotations
@@ -33,19 +33,19 @@ from poolpipe.runtime import (
     Unservable,
     client_timeout_us,
 )
-from triton_backend.router import BAD_REQUEST_MARKER, REFUSED_MARKER, RouterCore
+from triton_backend.router.core import BAD_REQUEST_MARKER, REFUSED_MARKER, RouterCore
 
 _LEN = struct.Struct("<I")
 log = logging.getLogger(__name__)
 
 
-class HelloFrame(NamedTuple):  # door_model.py's, from the stub once per connection
+class HelloFrame(NamedTuple):  # model.py's, from the stub once per connection
     kind: str
     model: str
     instance: str
 
 
-class RequestFrame(NamedTuple):  # door_model.py's, per client request
+class RequestFrame(NamedTuple):  # model.py's, per client request
     kind: str
     rid: int
     arrived_ns: int  # CLOCK_MONOTONIC
@@ -55,7 +55,7 @@ class RequestFrame(NamedTuple):  # door_model.py's, per client request
     nonfinite: bool  # a NaN or an infinite value among its floating-point inputs
 
 
-class AnswerFrame(NamedTuple):  # door_model.py's, to the stub per request
+class AnswerFrame(NamedTuple):  # model.py's, to the stub per request
     kind: str
     rid: int
     sent_ns: int
@@ -64,7 +64,7 @@ class AnswerFrame(NamedTuple):  # door_model.py's, to the stub per request
     message: str
 
 
-def _frame(obj: tuple) -> bytes:  # door_model.py's framing
+def _frame(obj: tuple) -> bytes:  # model.py's framing
     data = pickle.dumps(obj, protocol=5)
     return _LEN.pack(len(data)) + data
 
@@ -74,7 +74,7 @@ Packed = tuple[str, tuple[int, ...], bytes] | np.ndarray
 
 
 def _pack(arrays: list[np.ndarray]) -> list[Packed]:
-    """Arrays as door_model.py frames them: (dtype, shape, bytes); numpy's own pickling
+    """Arrays as model.py frames them: (dtype, shape, bytes); numpy's own pickling
     cost 15-45 µs per array on the test machine, this 2-3."""
     return [a if a.dtype.hasobject else (a.dtype.str, a.shape, a.tobytes()) for a in arrays]
 

@@ -1,6 +1,6 @@
 """The router: poolpipe's serving runtime driven by the real clock, behind the router's own
 Triton (the door: a Python-backend model per served model name that clients call over
-KServe v2 HTTP/gRPC, see door.py), with an executor on the stage-worker nodes.
+KServe v2 HTTP/gRPC, see door/inbox.py), with an executor on the stage-worker nodes.
 
 Every serving policy (deadlines, decisions, outcomes, failures and retries, node return,
 recalibration, flush migration, the reply margin) is `poolpipe.runtime`'s; this module is
@@ -46,10 +46,11 @@ from poolpipe.runtime import (
 )
 from poolpipe.scheduler.topology import Topology
 from triton_backend import TRANSPORTS
-from triton_backend.answers import AnswerInbox
-from triton_backend.executor import NodeExecutor
-from triton_backend.kserve_http import HttpFirstStages
-from triton_backend.served import (
+from triton_backend.node.watch import watch_node
+from triton_backend.router.answers import AnswerInbox
+from triton_backend.router.executor import NodeExecutor
+from triton_backend.router.kserve_http import HttpFirstStages
+from triton_backend.router.served import (
     BAD_REQUEST_MARKER,
     DROP_MARKER,
     FAIL_MARKER,
@@ -61,10 +62,9 @@ from triton_backend.served import (
     RouterPlan,
     served_plan,
 )
-from triton_backend.stages import StageClient
-from triton_backend.timers import precise_event_loop
-from triton_backend.transport import ChainTransport, HopTransport, RelayTransport
-from triton_backend.watch import watch_node
+from triton_backend.router.stages import StageClient
+from triton_backend.router.timers import precise_event_loop
+from triton_backend.router.transport import ChainTransport, HopTransport, RelayTransport
 
 __all__ = [
     "BAD_REQUEST_MARKER",
@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from triton_backend.apps import RouterApps
+    from triton_backend.router.apps import RouterApps
 
 T = TypeVar("T")
 
@@ -230,7 +230,7 @@ class RouterCore:
         self._closing = asyncio.Event()
         self._thread = threading.Thread(target=self._run_loop, name="poolpipe-router", daemon=True)
         self._frozen = False  # whether start() froze the heap (stop() thaws it)
-        # the served plan's applications (triton_backend/apps.py), where it has some
+        # the served plan's applications (triton_backend/router/apps.py), where it has some
         self.apps: RouterApps | None = None
 
     @property
@@ -372,7 +372,7 @@ class RouterCore:
 
     def watch(self, addresses: Mapping[str, str]) -> None:
         """Hold a watch connection to each node (address -> its watch address, see
-        watch.py): the moment one breaks, its node leaves service."""
+        node/watch.py): the moment one breaks, its node leaves service."""
 
         def start() -> None:
             for node, address in addresses.items():

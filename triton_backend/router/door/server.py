@@ -1,7 +1,7 @@
 """The router's front door: its own tritonserver (KServe v2 HTTP/gRPC) with a Python-backend
 model per served model name and `poolpipe_control`, through which other processes roll out
-plans and read figures. Each of those models is door_model.py, which hands every request
-to the router process at once over a Unix socket (door.py). Clients reach the runtime only
+plans and read figures. Each of those models is model.py, which hands every request
+to the router process at once over a Unix socket (inbox.py). Clients reach the runtime only
 through here.
 
 Why not PyTriton (the router's door before): measured with `./run bench-ingress`, an echo
@@ -25,12 +25,12 @@ import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
 from poolpipe.runtime import FORWARDED_HEADERS
-from triton_backend.door import Door
-from triton_backend.nodes import STALE_AFTER_S, TritonNode
-from triton_backend.repository import kserve_dtype, triton_dtype
-from triton_backend.router import ModelIO, RouterCore
+from triton_backend.node.repository import kserve_dtype, triton_dtype
+from triton_backend.node.triton import STALE_AFTER_S, TritonNode
+from triton_backend.router.core import ModelIO, RouterCore
+from triton_backend.router.door.inbox import Door
 
-DOOR_MODEL = Path(__file__).with_name("door_model.py")
+DOOR_MODEL = Path(__file__).with_name("model.py")
 WARM_UP = 40  # requests per served model at start-up (a stub's first calls are slower)
 
 
@@ -52,7 +52,7 @@ def door_config(
     moment (each still a request of its own; nothing waits for a fuller batch), so a
     burst is handed over in a few calls instead of one call per request. `wait_cap_ms`:
     the most a request of a burst is taken to have waited in Triton before the door saw
-    it; `senders`: threads sending answers side by side (see door_model.py)."""
+    it; `senders`: threads sending answers side by side (see model.py)."""
 
     def tensors(ts: Sequence[tuple[str, str, Sequence[int]]]) -> str:
         return ", ".join(

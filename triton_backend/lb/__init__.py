@@ -1,0 +1,1 @@
+"""The load balancer in front of a router tier (HAProxy)."""
