@@ -4,7 +4,7 @@ microsecond timeout. What is checked is behaviour, not speed: a ready socket end
 wait at once with its event, nothing ready ends it with none, timers never fire before
 their time and fire in order (near ones and those libuv holds until they are near),
 cancelled ones never, and a failing callback is reported without stopping the rest. And the
-vGPU gates freed ahead (executor.Gate.release_after) give no turn before their time."""
+vGPU gates freed ahead (gates.Gate.release_after) give no turn before their time."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from triton_backend.router import timers
-from triton_backend.router.executor import Gate
+from triton_backend.router.gates import Gate
 from triton_backend.router.timers import (
     SELECT_LIMIT,
     PreciseEpollSelector,

@@ -95,7 +95,8 @@ def _applications(core: RouterCore, plan: Plan, ios: list[ModelIO]) -> list[Mode
     if not apps:
         return []
     core.apps = RouterApps(
-        core,
+        core.runtime,
+        core.clock,
         apps,
         {a.name: recorded[a.name]["budgets_us"] for a in apps},
         {io.name: io for io in ios},

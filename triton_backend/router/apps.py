@@ -20,20 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from poolpipe.domain.apps import IDENTITY, SHADOW, App, part_name, resolve_transform
 from poolpipe.offline.partitions import TensorSpec
-from poolpipe.runtime import DROPPED, FAILED, Outcome
+from poolpipe.runtime import DROPPED, FAILED, Clock, Outcome, ServingRuntime
 from poolpipe.runtime.apps import AppCoordinator, AppRequest, Part, ServedApp, served_app
 from poolpipe.runtime.intake import BadRequest, Unservable
 from poolpipe.scheduler import Topology
 from triton_backend.router.served import ClientRequest, ModelIO, Reply, RequestRow
-
-if TYPE_CHECKING:
-    from triton_backend.router.core import RouterCore
 
 
 def app_ios(apps: Sequence[App], parts: Mapping[str, ModelIO]) -> list[ModelIO]:
@@ -64,16 +61,18 @@ class _PartSink:
 
 class RouterApps:
     """The served plan's applications on a router (RouterCore.apps): their door tensors
-    and the coordinator (whose calls all run on the router's loop)."""
+    and the coordinator (whose calls all run on the router's loop, on its `runtime` and
+    `clock`)."""
 
     def __init__(
         self,
-        core: RouterCore,
+        runtime: ServingRuntime,
+        clock: Clock,
         apps: Sequence[App],
         budgets_us: Mapping[str, Mapping[str, float]],
         parts: Mapping[str, ModelIO],
     ):
-        self.core = core
+        self.runtime = runtime
         self.apps = list(apps)
         self.parts = dict(parts)  # served part model -> its tensors
         self.ios = {io.name: io for io in app_ios(self.apps, self.parts)}
@@ -88,9 +87,8 @@ class RouterApps:
         }
         self._topo: Topology | None = None  # the topology _index was made from
         self._index: dict[str, int] = {}
-        rt = core.runtime
         self.coordinator = AppCoordinator(
-            self.served, core.clock, self._add, rt.decide, self._answer, fan=self._fan
+            self.served, clock, self._add, runtime.decide, self._answer, fan=self._fan
         )
 
     def _served(self, budgets_us: Mapping[str, Mapping[str, float]]) -> list[ServedApp]:
@@ -139,7 +137,7 @@ class RouterApps:
     def _models(self) -> dict[str, int]:
         """The served plan's models by name (made again only when a rollout changed the
         plan, not for every part)."""
-        topo = self.core.runtime.topo
+        topo = self.runtime.topo
         if topo is not self._topo:
             self._topo, self._index = topo, {m.name: m.index for m in topo.models}
         return self._index
@@ -150,7 +148,7 @@ class RouterApps:
             self.coordinator.part_ended(part, FAILED, f"the plan served now has no {model}")
             return None
         row = RequestRow(_PartSink(self, part), 0, list(part[2]))  # type: ignore[arg-type]
-        return self.core.runtime.add(index, row, slo_us, arrived_us)
+        return self.runtime.add(index, row, slo_us, arrived_us)
 
     def _answer(self, req: AppRequest, outcome: Outcome, reason: str) -> None:
         request, row = req.payload

@@ -19,14 +19,15 @@ import asyncio
 import json
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from poolpipe.client.control import chain_signature
-from poolpipe.runtime import Job
+from poolpipe.runtime import Job, ServingRuntime
 from triton_backend import HOPS_OUTPUT
 from triton_backend.router.answers import Answer, AnswerInbox
+from triton_backend.router.gates import Gate
 from triton_backend.router.served import RouterPlan
 from triton_backend.router.stages import (
     Outputs,
@@ -36,17 +37,24 @@ from triton_backend.router.stages import (
     StageTimeout,
 )
 
-if TYPE_CHECKING:
-    from triton_backend.router.executor import Gate, NodeExecutor
-
 # Chain overheads kept for take_chain_overheads (the latest this many).
 KEPT_OVERHEADS = 4096
+
+
+class HopHost(Protocol):
+    """What a transport uses of the executor that runs its jobs (NodeExecutor)."""
+
+    rt: ServingRuntime
+    stages: StageClient
+    stage_timeout_s: float
+
+    def gate(self, generation: int, vgpu: int) -> Gate: ...
 
 
 class HopTransport(Protocol):
     name: str  # as `--transport` names it
 
-    def start(self, job: Job, ex: NodeExecutor) -> Coroutine[Any, Any, None]:
+    def start(self, job: Job, ex: HopHost) -> Coroutine[Any, Any, None]:
         """Take the job's turns on its vGPUs now (the order of these calls is the order of
         the turns' reserved starts at each vGPU); the coroutine runs the job."""
         ...
@@ -91,7 +99,7 @@ class RelayTransport:
 
     name = "router"
 
-    def start(self, job: Job, ex: NodeExecutor) -> Coroutine[Any, Any, None]:
+    def start(self, job: Job, ex: HopHost) -> Coroutine[Any, Any, None]:
         gen = job.generation
         turns = []
         for hop in job.dispatch.hops:
@@ -100,7 +108,7 @@ class RelayTransport:
         return self._run(job, ex, turns)
 
     async def _run(
-        self, job: Job, ex: NodeExecutor, turns: list[tuple[Gate, tuple[float, int]]]
+        self, job: Job, ex: HopHost, turns: list[tuple[Gate, tuple[float, int]]]
     ) -> None:
         rt, served, d = ex.rt, job.served, job.dispatch
         clock, stages, timeout_s = rt.clock, ex.stages, ex.stage_timeout_s
@@ -193,14 +201,14 @@ class ChainTransport:
         self.relay = RelayTransport()
         self.overheads_us: deque[float] = deque(maxlen=KEPT_OVERHEADS)
 
-    def start(self, job: Job, ex: NodeExecutor) -> Coroutine[Any, Any, None]:
+    def start(self, job: Job, ex: HopHost) -> Coroutine[Any, Any, None]:
         hops = job.dispatch.hops
         if len(hops) == 1:
             return self.relay.start(job, ex)
         gate = ex.gate(job.generation, hops[0].vgpu)
         return self._run(job, ex, gate, gate.add(hops[0].start_us))
 
-    async def _run(self, job: Job, ex: NodeExecutor, gate: Gate, token: tuple[float, int]) -> None:
+    async def _run(self, job: Job, ex: HopHost, gate: Gate, token: tuple[float, int]) -> None:
         rt, served, d = ex.rt, job.served, job.dispatch
         plan: RouterPlan = served.adapter
         io = plan.io[served.topo.models[d.model].name]
