@@ -138,8 +138,8 @@ def test_the_reply_margin_defaults_are_stated_once_from_the_code():
 # How the work was organised is not the project's to say: pages name commits, dates and
 # commands (a step of the work, a throwaway script, a branch, a change "not landed").
 PROCESS_WORDS = re.compile(
-    r"\bstops? \d+|\bstop\d+\b|\b(?:an?|the) /tmp (?:script|wrapper|patch|experiment)"
-    r"|\b(?:this|that|the|previous|next|a) session\b|\blanded\b|\bwip/",
+    r"\bstops?\s+\d+|\bstop\d+\b|\b(?:an?|the)\s+/tmp\s+(?:script|wrapper|patch|experiment)"
+    r"|\b(?:this|that|the|previous|next|a)\s+session\b|\blanded\b|\bwip/",
     re.I,
 )
 
@@ -151,6 +151,7 @@ def _process_words(text: str) -> list[str]:
 def test_the_process_words_check_finds_a_planted_one():
     planted = "Measured at stop 53 (2026-11-25) by a /tmp script, not landed; later this session."
     assert _process_words(planted) == ["stop 53", "a /tmp script", "landed", "this session"]
+    assert _process_words("as before stop\n  57 the tables") == ["stop\n  57"]
     assert _process_words("On a02dfe1 (2026-11-25): its sessions are shut, /tmp/x kept.") == []
 
 
