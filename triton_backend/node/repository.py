@@ -29,7 +29,7 @@ from triton_backend import HOPS_OUTPUT
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "model_repo_templates"
+TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo_templates"
 BACKENDS = ("python", "onnxruntime", "tensorrt")
 
 
