@@ -915,6 +915,47 @@ def test_a_node_stopped_or_killed_leaves_no_uploaded_model_behind(tmp_path, how)
     assert not folders[0].exists()
 
 
+def test_shared_memory_a_stopped_triton_left_is_swept_and_regions_in_use_kept(tmp_path):
+    """A Python-backend region that no process maps and no stub names (its Triton stopped by
+    a signal while it started the stub: `bench-reliability` found one) is removed when the
+    next node starts; one mapped by a live process, one a running process names and a young
+    one are kept."""
+    import mmap
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from triton_backend.node.triton import STALE_AFTER_S, sweep_regions
+
+    def region(tag: str, old: bool = True):
+        f = tmp_path / f"triton_python_backend_shm_region_{tag}"
+        f.write_bytes(b"\0" * 4096)
+        if old:
+            t = time.time() - 2 * STALE_AFTER_S
+            os.utime(f, (t, t))
+        return f
+
+    left, mapped, named = region("left"), region("mapped"), region("named")
+    other = tmp_path / "not_a_region"
+    other.write_bytes(b"x")
+    os.utime(other, (0, 0))
+    young = region("young", old=False)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", named.name])
+    with open(mapped, "r+b") as fh, mmap.mmap(fh.fileno(), 4096) as held:
+        try:
+            time.sleep(0.2)  # (the holder's command line in /proc)
+            assert sweep_regions(tmp_path) == [left]
+            assert held[0] == 0
+        finally:
+            holder.kill()
+            holder.wait()
+    assert not left.exists()
+    assert mapped.exists() and named.exists() and young.exists() and other.exists()
+    # once nothing maps or names them, they are left over too
+    assert sorted(sweep_regions(tmp_path)) == sorted([mapped, named])
+
+
 def test_what_a_router_or_triton_killed_outright_left_is_swept_and_live_ones_kept(tmp_path):
     """`kill -9` of a router or a node leaves its door folder and its Triton's upload
     folders (Triton removes those only when it unloads). The next router or node removes

@@ -261,6 +261,7 @@ class TritonNode(RepositoryAPI):
         ]
         self._check_ports()
         sweep_uploads()
+        sweep_regions()
         t0 = time.monotonic()
         for attempt in (1, 2):
             log = open(self.log_path, "ab")  # noqa: SIM115 (the process keeps it)
@@ -625,6 +626,51 @@ def sweep_uploads(root: Path = Path("/tmp"), now: float | None = None) -> list[P
             removed.append(d)
     if removed:
         log_.info("removed %d folders a stopped Triton left in %s", len(removed), root)
+    return removed
+
+
+# A Python-backend model's shared memory: Triton makes a region of /dev/shm, then starts the
+# stub that names it, and removes it when the model is unloaded; a Triton stopped outright
+# in between (a signal during its start-up) leaves it behind, mapped by no process.
+_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+
+def sweep_regions(root: Path = Path("/dev/shm"), now: float | None = None) -> list[Path]:
+    """Remove the Python-backend shared-memory regions (`root`/triton_python_backend_shm_
+    region_*) that a Triton stopped outright left behind, and return them: this user's,
+    untouched for STALE_AFTER_S, mapped by no process and named by no running stub. A
+    region being set up is young, and one in use is mapped by its Triton and its stub."""
+    now = time.time() if now is None else now
+    candidates = []
+    with contextlib.suppress(OSError):
+        for f in root.iterdir():
+            if not f.name.startswith(_REGION_PREFIX):
+                continue
+            with contextlib.suppress(OSError):
+                st = f.stat()
+                if st.st_uid == os.getuid() and now - st.st_mtime > STALE_AFTER_S:
+                    candidates.append(f)
+    if not candidates or not Path("/proc").is_dir():  # (who maps what: Linux's /proc)
+        return []
+    in_use: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        in_use.update(a.decode(errors="replace") for a in _argv(proc.name)[1:])
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text(errors="replace").splitlines():
+                if _REGION_PREFIX in line:
+                    in_use.add(line.rsplit(" ", 1)[-1])
+    removed = []
+    for f in candidates:
+        if f.name not in in_use and str(f) not in in_use:
+            with contextlib.suppress(OSError):
+                f.unlink()
+                removed.append(f)
+    if removed:
+        log_.info(
+            "removed %d shared-memory regions a stopped Triton left in %s", len(removed), root
+        )
     return removed
 
 
