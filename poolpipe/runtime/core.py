@@ -207,9 +207,9 @@ class ServingRuntime:
         self._observing = self.config.recalibrate or self.config.record_stage_factors
         self._keep_latencies = self.config.keep_latencies
         self._watch = OverdueWatch(clock, self._overdue) if self.config.drop_overdue else None
-        # The requests taken and not yet answered, each at its slot (Entry.slot). A dict by
-        # request id made an int object per request, and at each answer read it back cold
-        # (nine hundred in flight at 1,000 GPUs).
+        # The requests taken and not yet answered, each at its slot (Entry.slot): a dict by
+        # request id would make an int object per request and read it back cold at its
+        # answer.
         self._live = Slots()
         self._next_id = 0
         self._wake: Timer | None = None

@@ -153,8 +153,8 @@ class _InFlight:
         h, n = self.head, len(items)
         while h < n and items[h] is None:
             h += 1
-        # (dropped once they are half the list: a thousand GPUs' nine hundred dispatches in
-        # flight, moved down every 64 that ended, were 124 instructions per request)
+        # (dropped once they are half the list, not each time some end: with hundreds in
+        # flight, moving them down often costs more than the room it frees)
         if h >= 64 and 2 * h >= n:
             del items[:h]
             self.base += h
@@ -357,8 +357,8 @@ class ReservationScheduler(DataPlane):
                 by_server.setdefault(topo.vgpus[v].server, []).append(v)
             self._groups.append(list(by_server.items()))
             group_index.append({srv: i for i, srv in enumerate(by_server)})
-        # (per vGPU, server and pool: unboxed vectors, librt.vecs: at a thousand GPUs a list's
-        # ints past 256 are objects of their own, each read a cache miss)
+        # (per vGPU, server and pool: unboxed vectors, librt.vecs: a list's ints past 256
+        # are objects of their own, and at a thousand GPUs each read is a cache miss)
         self._flat = [vec[i64](pool.vgpus) for pool in topo.pools]
         self._gsrv = [vec[i64]([srv for srv, _ in groups]) for groups in self._groups]
         self._gvg = [[vec[i64](vgs) for _, vgs in groups] for groups in self._groups]

@@ -313,9 +313,8 @@ class SimulatedCluster(Executor):
         # The answers in the order given: each one's request index and outcome packed
         # (_OUTCOME_BITS), and its time (`outcome` and `finish_us` read them back by
         # request).
-        # Appended, unboxed: two lists by request and a float object per answer kept to
-        # the end took a million requests' answers some 40 MB, and a thousand GPUs' 30 s
-        # run (983k requests) ran 3% slower per request than its first 3 s.
+        # Appended, unboxed: two lists by request and a float object per answer, kept to
+        # the end, grow with the run and slow a long one down per request.
         self._answers = vec[i64]()
         self._answered_at = vec[float]()
         self.transfer_wait_us = 0.0
@@ -552,7 +551,7 @@ class SimulatedCluster(Executor):
             for lay in self._layouts.values():
                 self._dead_res.update(lay.node_res.get(node, ()))
         # computes running there (found among the pending ends: failures are rare, and a
-        # per-resource record of the running work cost the hot path 3%)
+        # per-resource record of the running work would cost every work's start and end)
         dying = [
             w
             for w in self.clock.pending()
@@ -635,7 +634,8 @@ class Simulator:
     ):
         self.topo = topo  # the truth of the first plan (a test may swap it before run())
         self.dp = data_plane
-        # (unboxed: read one after another; a float object each took 4 times the memory)
+        # (unboxed: read one after another; a float object each is several times the
+        # memory)
         self.arrival_us = vec[float]([float(t) for t in arrival_us])
         self.arrival_model = vec[i64]([int(m) for m in arrival_model])
         self.config = config
@@ -716,8 +716,8 @@ class Simulator:
             else _Calls(arrivals(rt))
         )
         # The event loop makes and drops a few dozen small objects per request: a young
-        # collection every 700 of them walks the live ones again and again (10,000: 2-3%
-        # less wall time on group 2 at hc2-large, scripts measured in alternation).
+        # collection every 700 of them walks the live ones again and again, so one every
+        # 10,000 (benchmarks-history.md).
         threshold = gc.get_threshold()
         gc.set_threshold(max(threshold[0], 10_000), *threshold[1:])
         try:
