@@ -516,3 +516,20 @@ def test_a_vgpu_taken_down_gets_no_work_until_it_is_back(plane):
     dp.add_request(Request(2, 0, 2.0, 102.0), 2.0)
     d = dp.decide(2.0)
     assert {h.vgpu for x in d.dispatches for h in x.hops} == {0}
+
+
+def test_a_pipeline_longer_than_the_reservation_keys_hold_is_refused_naming_the_limit():
+    """A hop's reservation key is dispatch * 64 + hop * 2 and a job's idle hops a 64-bit
+    mask: 31 partitions serve, 32 would make one dispatch's keys collide with the next's."""
+    from poolpipe.scheduler.topology import MAX_HOPS
+
+    def chain(hops: int):
+        return make_topology([([i], [1.0], 1.0 if i else 0.0) for i in range(hops)])
+
+    topo = chain(MAX_HOPS)
+    dp = ReservationScheduler(topo)
+    dp.add_request(Request(0, 0, 0.0, 1e6), 0.0)
+    [d] = dp.decide(0.0).dispatches
+    assert [h.vgpu for h in d.hops] == list(range(MAX_HOPS))  # every hop, in order
+    with pytest.raises(ClusterError, match=f"32 partitions.*at most {MAX_HOPS}.*--max-partitions"):
+        chain(MAX_HOPS + 1)

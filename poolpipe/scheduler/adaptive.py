@@ -308,7 +308,8 @@ class _BoundTree:
 
 
 def _reservation_key(dispatch: int, hop: int) -> int:
-    """Key of a hop's compute reservation; its transfer's is this + 1 (hops < 32)."""
+    """Key of a hop's compute reservation; its transfer's is this + 1 (a pipeline has at
+    most topology.MAX_HOPS hops, checked where its topology is made)."""
     return dispatch * 64 + hop * 2
 
 

@@ -74,6 +74,12 @@ class Model:
     pipelines: tuple[int, ...]  # indices into Topology.pipelines
 
 
+# The most partitions a pipeline may have: the data plane keys a hop's reservations
+# dispatch * 64 + hop * 2 (+ 1 for its transfer; adaptive._reservation_key), and the runtime
+# keeps a job's hops that found their vGPU idle in one 64-bit mask (ports.Job.idle).
+MAX_HOPS = 31
+
+
 @dataclass(frozen=True)
 class Topology:
     cluster_name: str
@@ -84,6 +90,15 @@ class Topology:
     models: tuple[Model, ...]
     gpu_counts: Mapping[str, int]  # physical GPUs per type in the cluster
     overcommitted_gpus: int = 0  # GPUs whose shares sum above 1 (per-position plans only)
+
+    def __post_init__(self) -> None:
+        for p in self.pipelines:
+            if len(p.pools) > MAX_HOPS:
+                raise ClusterError(
+                    f"{self.models[p.model].name}: a pipeline of {len(p.pools)} partitions; "
+                    f"the data plane serves at most {MAX_HOPS} (plan with fewer: "
+                    "--max-partitions)"
+                )
 
     def model_index(self, name: str) -> int:
         for m in self.models:
