@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from poolpipe.runtime import DROPPED, FAILED, LATE, ON_TIME, PENDING, ServingRuntime
-
-if TYPE_CHECKING:
-    from poolpipe.sim.engine import Simulator
+from poolpipe.runtime import DROPPED, FAILED, LATE, ON_TIME, PENDING, PlanUsage, ServingRuntime
+from poolpipe.scheduler import Topology
 
 # SLO attainment that counts as "serving the load" in capacity searches.
 ATTAINMENT_TARGET = 0.99
@@ -87,7 +86,64 @@ class SimResult:
 COUNTED = (("on_time", ON_TIME), ("late", LATE), ("dropped", DROPPED), ("failed", FAILED))
 
 
-def summarize(sim: Simulator, rt: ServingRuntime, wall_s: float) -> SimResult:
+class _Config(Protocol):
+    @property
+    def duration_s(self) -> float: ...
+
+
+class _Cluster(Protocol):
+    @property
+    def retired(self) -> Sequence[PlanUsage]: ...
+    @property
+    def transfer_wait_us(self) -> float: ...
+    @property
+    def transfers(self) -> int: ...
+
+
+class _Plane(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def probes(self) -> int: ...
+
+
+class _MeteredPlane(_Plane, Protocol):
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def per_batch(self) -> Any: ...  # wall s per dispatched batch (an unboxed vector)
+
+
+class FinishedRun(Protocol):
+    """What `summarize` reads of a finished run (the simulator's: engine.Simulator)."""
+
+    @property
+    def outcome(self) -> np.ndarray: ...
+    @property
+    def finish_us(self) -> np.ndarray: ...
+    @property
+    def arrival_us(self) -> Any: ...  # by request (unboxed vectors)
+    @property
+    def arrival_model(self) -> Any: ...
+    @property
+    def now(self) -> float: ...
+    @property
+    def config(self) -> _Config: ...
+    @property
+    def topo(self) -> Topology: ...
+    @property
+    def cluster(self) -> _Cluster: ...
+    @property
+    def dp(self) -> _Plane: ...
+    @property
+    def planes(self) -> Sequence[_MeteredPlane]: ...
+    @property
+    def events(self) -> Sequence[dict[str, Any]]: ...
+    @property
+    def rollouts(self) -> Sequence[dict[str, Any]]: ...
+
+
+def summarize(sim: FinishedRun, rt: ServingRuntime, wall_s: float) -> SimResult:
     outcome = np.asarray(sim.outcome, dtype=np.int8)
     model = np.asarray(sim.arrival_model, dtype=np.int64)
     arrival = np.asarray(sim.arrival_us)
