@@ -51,7 +51,7 @@ MIN_HOLD_US: Final = 1e-3
 # A probe cut short cuts this much later than asked (µs), so that its LOST, kept, answers
 # the model's next decisions too: their cuts move by round-off where the lead pipeline's
 # kept probe answers them at a later time. (A path that finishes between the two cuts
-# loses the comparison all the same.)
+# loses the comparison all the same: E9.)
 CUT_SLACK_US: Final = 1e-3
 
 
@@ -210,7 +210,8 @@ class _Kept:
 class _BoundTree:
     """Lower bounds of a pool's members (its vGPUs, or its servers' groups of them) in scan
     order, with every subtree's minimum: the probe skips, in O(log n), every run of members
-    that cannot beat the best found so far instead of scanning their tables one by one.
+    that cannot beat the best found so far instead of scanning their tables one by one
+    (E3, E4 of docs/design/dataplane-exactness.md, the facts cited below by number).
 
     A member's bound is when its vGPU (or the earliest of the group's) could start the
     pool's shortest stage at or after the time it was last computed (`_touch`): a probe at a
@@ -714,6 +715,8 @@ class ReservationScheduler(DataPlane):
         """probe() of pipeline `pi`. The hot path: slot scans inlined, ranges of indexes
         rather than slices, and typed locals (compiled, floats stay unboxed).
 
+        Exactness: E5, E6 and E7 (docs/design/dataplane-exactness.md), as argued here.
+
         `cut` (at the planned batch only; inf: none): a finish the caller has no use for.
         Where every choice of a hop would finish the path at or after it (the hop's end, or
         the uplink slot for the next transfer, plus every later stage and transfer), the
@@ -1005,7 +1008,7 @@ class ReservationScheduler(DataPlane):
     def _lost_whatever_first(
         self, pid: int, b: int, sent: float, dur: float, cut_key: float
     ) -> bool:
-        """A probe that lost at its second hop (pool `pid`, the feature map sent at `sent` on
+        """(E7.) A probe that lost at its second hop (pool `pid`, the feature map sent at `sent` on
         the uplink its first hop chose) would lose whatever its first hop: no vGPU of the
         pool could finish a stage before `cut_key` even with the map sent at `sent` and that
         uplink free from then on. Then it loses at any later time while no table it reads is
@@ -1038,7 +1041,7 @@ class ReservationScheduler(DataPlane):
 
     def _reuse(self, kept: _Kept, b: int, now: float) -> Probe:
         """The probe at batch b kept from `kept.now[b]`, as a probe made at `now` would
-        answer: the same path, its first hop's wait counted from `now`.
+        answer: the same path, its first hop's wait counted from `now` (E5).
 
         Exact while no table the probe reads has been corrected nor its pipeline dispatched
         (`kept.changes`), no link its path uses has a new reservation (`kept.links`), and its
@@ -1184,7 +1187,7 @@ class ReservationScheduler(DataPlane):
             # 1. the pipeline with the least waiting at its planned batch (then the earliest
             # finish, then the first in the model's list). The one chosen last is probed
             # first: it is most often the best, and the best so far skips the others whose
-            # bounds say they wait longer.
+            # bounds say they wait longer (E8).
             K = len(pipes)
             k0 = kb = self._lead[m]
             pipe = pipes[kb]

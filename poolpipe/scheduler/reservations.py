@@ -95,7 +95,8 @@ class ReservationTable:
         self.head = h
 
     def earliest_slot(self, t: float, duration: float) -> float:
-        """Earliest start >= t at which the resource is free for `duration`."""
+        """Earliest start >= t at which the resource is free for `duration` (its memo:
+        E2 of docs/design/dataplane-exactness.md)."""
         if duration == self.memo_dur and self.memo_t <= t <= self.memo_at:
             return self.memo_at
         cand = t
