@@ -560,11 +560,18 @@ def orphan_stubs(repo: Path) -> list[tuple[int, str]]:
     return out
 
 
+# A Python-backend model's shared memory: Triton makes a region of /dev/shm, then starts the
+# stub that names it, and removes it when the model is unloaded; a Triton stopped outright
+# in between (a signal during its start-up) leaves it behind, mapped by no process.
+_REGION_PREFIX = "triton_python_backend_shm_region"
+
+
 def _shm_regions(pids: list[int]) -> list[str]:
     """The Python-backend shared-memory regions these stub processes name."""
+    prefix = _REGION_PREFIX.encode()
     names = []
     for p in pids:
-        names += [a.decode() for a in _argv(p) if a.startswith(b"triton_python_backend_shm_region")]
+        names += [a.decode() for a in _argv(p) if a.startswith(prefix)]
     return names
 
 
@@ -629,12 +636,6 @@ def sweep_uploads(root: Path = Path("/tmp"), now: float | None = None) -> list[P
     return removed
 
 
-# A Python-backend model's shared memory: Triton makes a region of /dev/shm, then starts the
-# stub that names it, and removes it when the model is unloaded; a Triton stopped outright
-# in between (a signal during its start-up) leaves it behind, mapped by no process.
-_REGION_PREFIX = "triton_python_backend_shm_region_"
-
-
 def sweep_regions(root: Path = Path("/dev/shm"), now: float | None = None) -> list[Path]:
     """Remove the Python-backend shared-memory regions (`root`/triton_python_backend_shm_
     region_*) that a Triton stopped outright left behind, and return them: this user's,
@@ -652,11 +653,9 @@ def sweep_regions(root: Path = Path("/dev/shm"), now: float | None = None) -> li
                     candidates.append(f)
     if not candidates or not Path("/proc").is_dir():  # (who maps what: Linux's /proc)
         return []
-    in_use: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        in_use.update(a.decode(errors="replace") for a in _argv(proc.name)[1:])
+    procs = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+    in_use = set(_shm_regions([int(p.name) for p in procs]))  # named by a running stub
+    for proc in procs:
         with contextlib.suppress(OSError):
             for line in (proc / "maps").read_text(errors="replace").splitlines():
                 if _REGION_PREFIX in line:
