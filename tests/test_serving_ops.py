@@ -917,9 +917,9 @@ def test_a_node_stopped_or_killed_leaves_no_uploaded_model_behind(tmp_path, how)
 
 def test_shared_memory_a_stopped_triton_left_is_swept_and_regions_in_use_kept(tmp_path):
     """A Python-backend region that no process maps and no stub names (its Triton stopped by
-    a signal while it started the stub: `bench-reliability` found one) is removed when the
-    next node starts; one mapped by a live process, one a running process names and a young
-    one are kept."""
+    a signal while it started the stub: `bench-reliability` found one) is removed by the
+    sweep a starting node runs; one mapped by a live process, one a running process names
+    and a young one are kept."""
     import mmap
     import os
     import subprocess
