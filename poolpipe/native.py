@@ -29,6 +29,10 @@ from types import ModuleType
 HOT_PATH = (
     "poolpipe/scheduler/messages.py",
     "poolpipe/scheduler/reservations.py",
+    "poolpipe/scheduler/state.py",
+    "poolpipe/scheduler/bounds.py",
+    "poolpipe/scheduler/memo.py",
+    "poolpipe/scheduler/probe.py",
     "poolpipe/scheduler/adaptive.py",
     "poolpipe/runtime/ports.py",
     "poolpipe/runtime/heap.py",

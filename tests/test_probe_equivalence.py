@@ -14,15 +14,16 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from poolpipe.scheduler import ReservationScheduler, earliest_common_slot
-from poolpipe.scheduler.adaptive import CUT_SLACK_US, LOST, _BoundTree
+from poolpipe.scheduler.bounds import BoundTree
 from poolpipe.scheduler.messages import Request, StageReport
+from poolpipe.scheduler.probe import CUT_SLACK_US, LOST
 from poolpipe.scheduler.topology import Topology
 from tests.factories import make_pipelines, make_topology
 
 
 def reference_probe(sch: ReservationScheduler, pipe, b: int, now: float):
     topo = sch.topo
-    server_of = sch.server_of
+    server_of = sch.index.server_of
     t, wait, prev, path = now, 0.0, -1, []
     for d, pid in enumerate(pipe.pools):
         pool = topo.pools[pid]
@@ -31,29 +32,29 @@ def reference_probe(sch: ReservationScheduler, pipe, b: int, now: float):
         out = b * topo.pools[nxt].transfer_in_us if nxt is not None else 0.0
 
         def send_on(v: int, f: float, out: float = out) -> float:
-            return sch.uplink[server_of[v]].earliest_slot(f, out) if out else f
+            return sch.tables.uplink[server_of[v]].earliest_slot(f, out) if out else f
 
         best = None
         if prev < 0 and not pool.transfer_in_us:
-            flat, r = sch._flat[pid], sch._rr[pid]
+            flat, r = sch.index.flat[pid], sch.prober.rr[pid]
             for i in range(len(flat)):
                 v = flat[(r + i) % len(flat)]
-                s = sch.vgpu_table[v].earliest_slot(t, lat)
+                s = sch.tables.vgpu[v].earliest_slot(t, lat)
                 cand = (send_on(v, s + lat), s)
                 if best is None or cand < best[0]:
                     best = (cand, (pid, v, -1, t, t, s, s + lat))
         else:
             dur = b * pool.transfer_in_us  # a feature map, or (prev < 0) the inputs
-            up = (sch.uplink[server_of[prev]],) if prev >= 0 else ()
-            groups, r = sch._groups[pid], sch._rr[pid]
+            up = (sch.tables.uplink[server_of[prev]],) if prev >= 0 else ()
+            groups, r = sch.index.groups[pid], sch.prober.rr[pid]
             for i in range(len(groups)):
                 srv, vgs = groups[(r + i) % len(groups)]
-                links = (*up, sch.downlink[srv])
+                links = (*up, sch.tables.downlink[srv])
                 ts0 = earliest_common_slot(links, t, dur) if dur > 0 else t
                 for v in vgs:
                     ts = ts0
                     while True:
-                        table = sch.vgpu_table[v]
+                        table = sch.tables.vgpu[v]
                         s = table.earliest_slot(ts + dur, lat)
                         # a feature map arrives no earlier than the compute reserved
                         # before its own on v is due to start (it would overtake it)
@@ -96,10 +97,10 @@ def booked_plane(servers, transfer: int, vgpu_busy, link_busy, inputs: int = 0):
     stages = [([used.index(s) for s in on], [7.0, 11.0], float(transfer)) for on in servers]
     sch = ReservationScheduler(make_topology(stages, batch=2, inputs=float(inputs)))
     key = 0
-    for v, table in enumerate(sch.vgpu_table):
+    for v, table in enumerate(sch.tables.vgpu):
         for s, n in vgpu_busy[v]:
             table.reserve(s, s + n, key := key + 1)
-    for i, table in enumerate(sch.uplink + sch.downlink):
+    for i, table in enumerate(sch.tables.uplink + sch.tables.downlink):
         for s, n in link_busy[i % len(link_busy)]:
             table.reserve(s, s + n // 5 + 1, key := key + 1)
     return sch
@@ -114,8 +115,10 @@ def booked_plane(servers, transfer: int, vgpu_busy, link_busy, inputs: int = 0):
 )
 def test_probe_equals_the_plain_rule(servers, transfer, vgpu_busy, link_busy, rr, now, b, inputs):
     sch = booked_plane(servers, transfer, vgpu_busy, link_busy, inputs)
-    for pid in range(len(sch._rr)):
-        sch._rr[pid] = rr[pid] % len(sch._groups[pid] if pid or inputs else sch._flat[pid])
+    for pid in range(len(sch.prober.rr)):
+        sch.prober.rr[pid] = rr[pid] % len(
+            sch.index.groups[pid] if pid or inputs else sch.index.flat[pid]
+        )
     pipe = sch.topo.pipelines[0]
     got = sch.probe(pipe, b, float(now))
     wait, finish, path = reference_probe(sch, pipe, b, float(now))
@@ -164,7 +167,7 @@ def test_a_kept_lost_probe_answers_only_what_a_probe_would(
     uplink), and with it the later hops'."""
     sch = booked_plane(servers, transfer, vgpu_busy, link_busy)
     pipe = sch.topo.pipelines[0]
-    kept = sch._kept[pipe.id]
+    kept = sch.memo.kept[pipe.id]
     full = sch.probe(pipe, b, float(now))
     kept.at[b] = -1  # (not answered again by the full probe)
     cut = full.finish_us - CUT_SLACK_US - short
@@ -231,7 +234,7 @@ def test_a_kept_answer_holds_through_reservations_on_links_only_as_a_probe_would
     would be cut short too, or finish after the cut)."""
     sch = booked_plane(servers, transfer, vgpu_busy, link_busy)
     pipe = sch.topo.pipelines[0]
-    kept = sch._kept[pipe.id]
+    kept = sch.memo.kept[pipe.id]
     full = sch.probe(pipe, b, float(now))
     cut = full.finish_us - CUT_SLACK_US - short
     kept.at[b] = -1
@@ -239,9 +242,11 @@ def test_a_kept_answer_holds_through_reservations_on_links_only_as_a_probe_would
     sch.probe(pipe, b, float(now))  # (the full path kept again)
     key = 1000
     for up, srv, s, n in more:  # as _reserve writes them (its versions counted)
-        srv %= len(sch.uplink)
+        srv %= len(sch.tables.uplink)
         table, versions = (
-            (sch.uplink[srv], sch._up_version) if up else (sch.downlink[srv], sch._down_version)
+            (sch.tables.uplink[srv], sch.tables.up_version)
+            if up
+            else (sch.tables.downlink[srv], sch.tables.down_version)
         )
         table.reserve(float(now + s), float(now + s + n), key := key + 1)
         versions[srv] += 1
@@ -264,8 +269,8 @@ def test_a_kept_answer_holds_through_reservations_on_links_only_as_a_probe_would
 # ---------------------------------------------------------------------------- pipelines
 #
 # Choosing among a model's pipelines, the plane probes first the one it chose last, and
-# skips one whose first pool is booked past the best one's wait (_booked_from, kept from
-# earlier probes) or whose pools' bounds put its wait above it (_wait_bound), and cuts a
+# skips one whose first pool is booked past the best one's wait (Bounds.booked_from, kept from
+# earlier probes) or whose pools' bounds put its wait above it (Bounds.wait_bound), and cuts a
 # compared pipeline's probe short where it cannot finish first. Check: on random
 # multi-pipeline topologies and request streams, with stages that run early or late
 # (feedback corrections), every decision equals that of a plane that probes every pipeline
@@ -320,10 +325,10 @@ def drive(sch: ReservationScheduler, arrivals, stretch, forget: bool, check=None
             else:
                 sch.on_stage_done(what, t)
         if forget:
-            for pid in range(len(sch._booked_from)):
-                sch._booked_from[pid] = -math.inf
+            for pid in range(len(sch.bounds.booked_from)):
+                sch.bounds.booked_from[pid] = -math.inf
             sch.prune_pipelines = False
-            sch._lead = [0] * len(sch._lead)
+            sch.models.lead = [0] * len(sch.models.lead)
         out = sch.decide(t)
         if check is not None:
             check(sch, t)
@@ -405,7 +410,7 @@ def test_a_booked_pipeline_is_not_probed():
 def test_a_pipeline_booked_at_a_later_pool_is_not_probed():
     """Two pipelines of a wide first pool (free at once) and a one-vGPU second pool, requests
     far faster than they serve: the second pools are booked ahead, the first ones never (so
-    _booked_from skips nothing), and the plane skips on the later pools' bounds, deciding as
+    Bounds.booked_from skips nothing), and the plane skips on the later pools' bounds, deciding as
     if it probed every pipeline."""
     wide = [0, 1, 2, 3, 4, 5]
     topo = multi_pipeline_topology([[wide, [6]], [wide, [7]]], [2.0, 3.0], 0.5)
@@ -422,7 +427,7 @@ def test_a_pipeline_booked_at_a_later_pool_is_not_probed():
 # ---------------------------------------------------------------------------- bounds
 #
 # The probe skips the vGPUs (and servers) whose lower bound says they cannot matter
-# (_BoundTree, kept up to date at every reservation and correction). Check the tree's search
+# (BoundTree, kept up to date at every reservation and correction). Check the tree's search
 # against a scan, and the probe against the plain rule on tables that dispatches and
 # corrections wrote (where the bounds are real, unlike above where tests write the tables).
 
@@ -437,7 +442,7 @@ def test_a_pipeline_booked_at_a_later_pool_is_not_probed():
     seed=st.sampled_from([1.0, 5.0, math.inf]),
 )
 def test_bound_tree_finds_what_a_scan_finds(vals, i, least, lat, best, seed):
-    tree = _BoundTree(len(vals))
+    tree = BoundTree(len(vals))
     for k, x in enumerate(vals):
         tree.set(k, x)
     n = len(vals)
@@ -525,18 +530,18 @@ def test_a_kept_probe_holds_through_reservations_off_its_path():
     topo = multi_pipeline_topology([[[0], [1, 3]], [[2], [3, 1]]], [8.0, 12.0], 6.0)
     sch = ReservationScheduler(topo)
     p0, p1 = topo.pipelines
-    sch._reserve(sch.probe(p1, 1, 0.0).path, 0, 0.0)
+    sch.prober.reserve(sch.probe(p1, 1, 0.0).path, 0, 0.0)
     held = sch.probe(p1, 1, 0.0)
     assert held.start_us > 0.0
     seen = set()
     for did in range(1, 7):
-        on = sch.server_of[held.path[1].vgpu]
+        on = sch.index.server_of[held.path[1].vgpu]
         sent = sch.probe(p0, 1, 0.0)
-        sch._reserve(sent.path, did, 0.0)
+        sch.prober.reserve(sent.path, did, 0.0)
         before = sch.probes
         held = sch.probe(p1, 1, 0.0)
         made = sch.probes > before
-        assert made == (sch.server_of[sent.path[1].vgpu] == on)
+        assert made == (sch.index.server_of[sent.path[1].vgpu] == on)
         seen.add(made)
         wait, finish, path = reference_probe(sch, p1, 1, 0.0)
         assert (held.wait_us, held.finish_us, [astuple(h) for h in held.path]) == (
@@ -560,7 +565,7 @@ def test_a_transfer_put_after_an_overtaken_stage_ends_as_it_starts():
     first = 133066.0509823763  # the first hop's stage, from 0
     topo = make_topology([([0], [first], 0.0), ([1], [lat], dur)], batch=1)
     sch = ReservationScheduler(topo)
-    sch.vgpu_table[1].reserve(ps, end, 1)
+    sch.tables.vgpu[1].reserve(ps, end, 1)
     faulthandler.dump_traceback_later(60, exit=True)  # (a loop in compiled code: no signal)
     try:
         got = sch.probe(topo.pipelines[0], 1, 0.0)

@@ -180,7 +180,7 @@ def test_probe_two_stage_pool_by_hand():
     assert (pr.wait_us, pr.finish_us) == (0.0, 17.0)  # compute 0-10, transfer 10-12, 12-17
     assert path[0][5:] == (0.0, 10.0)
     assert path[1][3:] == (10.0, 12.0, 12.0, 17.0)
-    s._reserve(pr.path, 0, 0.0)
+    s.prober.reserve(pr.path, 0, 0.0)
     # Second batch: the other stage-0 vGPU is free, but the shared uplink of server 0 is
     # busy 10-12 and the stage-1 vGPU until 17.
     pr = s.probe(pipe, 1, now=0.0)
@@ -200,7 +200,7 @@ def test_downlink_contention_between_two_senders():
     s = ReservationScheduler(topo)
     pipe = topo.pipelines[0]
     first = s.probe(pipe, 1, 0.0)
-    s._reserve(first.path, 0, 0.0)
+    s.prober.reserve(first.path, 0, 0.0)
     second = s.probe(pipe, 1, 0.0)
     # its own uplink is free at 10, but server 2's downlink carries the first until 14
     assert second.path[0].vgpu != first.path[0].vgpu
@@ -218,7 +218,7 @@ def test_inputs_cross_the_first_servers_downlink_one_batch_at_a_time():
     first = s.probe(pipe, 1, 0.0)
     assert astuple(first.path[0])[2:] == (-1, 0.0, 4.0, 4.0, 14.0)
     assert (first.start_us, first.finish_us, first.wait_us) == (0.0, 14.0, 0.0)
-    s._reserve(first.path, 0, 0.0)
+    s.prober.reserve(first.path, 0, 0.0)
     second = s.probe(pipe, 1, 0.0)
     assert second.path[0].vgpu != first.path[0].vgpu
     assert astuple(second.path[0])[2:] == (-1, 4.0, 8.0, 8.0, 18.0)
@@ -229,7 +229,7 @@ def test_inputs_cross_the_first_servers_downlink_one_batch_at_a_time():
     assert astuple(s.probe(pipe, 1, 0.0).path[0])[3:5] == (0.0, 4.0)
     other = make_topology([([0, 1], [10.0], 0.0)], inputs=4.0)
     s = ReservationScheduler(other)
-    s._reserve(s.probe(other.pipelines[0], 1, 0.0).path, 0, 0.0)
+    s.prober.reserve(s.probe(other.pipelines[0], 1, 0.0).path, 0, 0.0)
     assert s.probe(other.pipelines[0], 1, 0.0).finish_us == 14.0
 
 
@@ -240,7 +240,7 @@ def test_a_feature_map_does_not_overtake_the_compute_reserved_before_it():
     # it is sent to arrive once the other is due to start (18-20); the compute is as before.
     topo = make_topology([([0], [10.0], 0.0), ([1], [10.0], 2.0)])
     s = ReservationScheduler(topo)
-    s.vgpu_table[1].reserve(20.0, 30.0, 12345)
+    s.tables.vgpu[1].reserve(20.0, 30.0, 12345)
     path = s.probe(topo.pipelines[0], 1, 0.0).path
     assert astuple(path[1])[3:] == (18.0, 20.0, 30.0, 40.0)
     # nothing reserved ahead of it: it goes at once
@@ -373,7 +373,7 @@ def test_a_shorter_slo_queued_behind_longer_ones_goes_first_not_late():
     tight = make_requests(1, start_us=1.0, slo_us=8.0)[0]
     tight.id = 2
     s.add_request(tight, 1.0)
-    assert [r.id for r in s.queues[0]] == [2, 0, 1]
+    assert [r.id for r in s.models.queues[0]] == [2, 0, 1]
     d = s.decide(1.0)
     for x in d.dispatches:
         for r in x.requests:
@@ -383,7 +383,7 @@ def test_a_shorter_slo_queued_behind_longer_ones_goes_first_not_late():
     s2 = ReservationScheduler(make_topology([([0], [5.0, 12.0], 0.0)], batch=2, slo_us=100.0))
     for r in make_requests(4, gap_us=1.0, slo_us=100.0):
         s2.add_request(r, r.arrival_us)
-    assert [r.id for r in s2.queues[0]] == [0, 1, 2, 3]
+    assert [r.id for r in s2.models.queues[0]] == [0, 1, 2, 3]
 
 
 def test_a_new_head_the_booked_up_pool_cannot_serve_at_the_planned_batch_is_dropped():

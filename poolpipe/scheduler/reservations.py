@@ -99,18 +99,28 @@ class ReservationTable:
         E2 of docs/design/dataplane-exactness.md)."""
         if duration == self.memo_dur and self.memo_t <= t <= self.memo_at:
             return self.memo_at
+        cand = self.scan(t, duration)[0]
+        self.memo_t, self.memo_dur, self.memo_at = t, duration, cand
+        return cand
+
+    def scan(self, t: float, duration: float) -> tuple[float, float]:
+        """The slot scan (the one the probe runs too, without earliest_slot's memo): the
+        earliest start >= t at which the resource is free for `duration`, and the latest
+        start of an interval before that slot in the table's order (-inf: none)."""
         cand = t
+        prior = -math.inf
         iv = self.iv
         i: i64
         for i in range(3 * self.head, self.end, 3):
             e = iv[i + 1]
             if e <= cand:
+                prior = iv[i]
                 continue
             if iv[i] >= cand + duration:
                 break
+            prior = iv[i]
             cand = e
-        self.memo_t, self.memo_dur, self.memo_at = t, duration, cand
-        return cand
+        return cand, prior
 
     def reserve(self, start: float, end: float, key: i64) -> None:
         """Insert in (start, end, key) order, after any equal one."""
