@@ -75,7 +75,7 @@ class Model:
 
 
 # The most partitions a pipeline may have: the data plane keys a hop's reservations
-# dispatch * 64 + hop * 2 (+ 1 for its transfer; adaptive._reservation_key), and the runtime
+# dispatch * 64 + hop * 2 (+ 1 for its transfer; probe.reservation_key), and the runtime
 # keeps a job's hops that found their vGPU idle in one 64-bit mask (ports.Job.idle).
 MAX_HOPS = 31
 
@@ -117,6 +117,25 @@ def build_topology(
     `larger_batches`: give each pool its profiled latencies above the plan's batch too, so the
     data plane may grow batches under a backlog (the simulator; a live deployment calibrates
     the planned batches only)."""
+    models, pipelines, pools, pool_demand = _plan_pools(plan, profiles, larger_batches)
+    servers, vgpus, overcommitted = _lay_out(plan, pools, pool_demand)
+    return Topology(
+        cluster_name=plan.cluster.name,
+        servers=tuple(servers),
+        vgpus=tuple(vgpus),
+        pools=tuple(pools),
+        pipelines=tuple(pipelines),
+        models=tuple(models),
+        gpu_counts={p.gpu: p.count for p in plan.cluster.pools},
+        overcommitted_gpus=overcommitted,
+    )
+
+
+def _plan_pools(
+    plan: Plan, profiles: Mapping[str, ModelProfile], larger_batches: bool
+) -> tuple[list[Model], list[Pipeline], list[Pool], list[tuple[int, int, int]]]:
+    """The plan's models, pipelines and pools (their vGPUs not yet laid out), and each
+    pool's demand: (pool id, share, vGPUs)."""
     cluster = plan.cluster
     models: list[Model] = []
     pipelines: list[Pipeline] = []
@@ -187,7 +206,15 @@ def build_topology(
                 pipelines=tuple(pipe_ids),
             )
         )
+    return models, pipelines, pools, pool_demand
 
+
+def _lay_out(
+    plan: Plan, pools: list[Pool], pool_demand: list[tuple[int, int, int]]
+) -> tuple[list[Server], list[VGpu], int]:
+    """The pools' vGPUs laid onto GPUs (first-fit decreasing) and the GPUs onto servers:
+    the servers, the vGPUs, and how many GPUs are overcommitted; `pools` get their vGPUs."""
+    cluster = plan.cluster
     servers: list[Server] = []
     vgpus: list[VGpu] = []
     pool_vgpus: dict[int, list[int]] = {pid: [] for pid, _, _ in pool_demand}
@@ -238,16 +265,7 @@ def build_topology(
             pool_vgpus[pid].append(vid)
     for pid, vids in pool_vgpus.items():
         pools[pid] = replace(pools[pid], vgpus=tuple(vids))
-    return Topology(
-        cluster_name=cluster.name,
-        servers=tuple(servers),
-        vgpus=tuple(vgpus),
-        pools=tuple(pools),
-        pipelines=tuple(pipelines),
-        models=tuple(models),
-        gpu_counts={p.gpu: p.count for p in cluster.pools},
-        overcommitted_gpus=overcommitted,
-    )
+    return servers, vgpus, overcommitted
 
 
 def _gpu_group(plan: Plan, pool: Pool) -> tuple[int, ...]:
