@@ -160,8 +160,7 @@ def solve_apps(
     weight of the least served application). `delivery` "maximise": each split's plan
     stated with what it delivers and the one that delivers most kept; "state": the joint
     split (started from Nexus's plan), stated; "off": the joint split, fluid figures only."""
-    from poolpipe.planner.apps import SPLITS, app_plan_document, plan_apps
-    from poolpipe.planner.deliverable import choose_apps
+    from poolpipe.planner.apps import SPLITS, app_plan_document, choose_apps, plan_apps
 
     plans = {s: plan_apps(request, s) for s in SPLITS[1:]}
     plans["joint"] = plan_apps(request, start=plans["nexus"])

@@ -110,7 +110,7 @@ def cmd_apps_plan(args: argparse.Namespace) -> int:
     docs: dict = {}
     chosen = "joint"
     if args.delivery != "off":
-        from poolpipe.planner.deliverable import choose_apps
+        from poolpipe.planner.apps import choose_apps
 
         with console.status("simulating what each split delivers ...") as status:
             chosen, docs = choose_apps(
@@ -430,8 +430,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     plan.add_argument(
         "--out",
-        help="write the plan of the split kept here (JSON; see --delivery), to simulate or "
-        "serve",
+        help="write the plan of the split kept here (JSON; see --delivery), to simulate or serve",
     )
     plan.add_argument(
         "--delivery",

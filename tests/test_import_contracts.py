@@ -3,8 +3,10 @@ import-linter on the real tree: the algorithm packages import no framework, data
 serving client, serving policy reads no clock, flows and Triton adapters stay apart, and
 what serves imports neither the simulator nor the test bed; the library (`poolpipe`) imports
 none of its adapters, the test bed or the command line (`poolpipe_cli`, the composition
-root), and the adapters do not import the command line. Each rule is shown to catch a
-planted violation in a copy of the tree."""
+root), and the adapters do not import the command line; the reservation data plane's
+layers (docs/design/dataplane.md) import downward only, and no package or module imports
+back what imports it. Each rule is shown to catch a planted violation in a copy of the
+tree."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
 def test_the_tree_keeps_every_contract():
     r = _lint(REPO)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "6 kept, 0 broken" in r.stdout
+    assert "8 kept, 0 broken" in r.stdout
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +80,44 @@ def test_a_forbidden_import_breaks_its_contract(tree_copy, module, line, contrac
     assert r.returncode != 0, r.stdout
     broken = r.stdout.split("Broken contracts", 1)[-1]
     assert contract in broken and "_planted" in broken, r.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "contract", "culprit"),
+    [
+        # the state records reaching up to the probe that reads them
+        (
+            "poolpipe/scheduler/state.py",
+            "import poolpipe.scheduler.probe",
+            "downward only",
+            "state",
+        ),
+        # the bounds reading the batching policy
+        (
+            "poolpipe/scheduler/bounds.py",
+            "import poolpipe.scheduler.adaptive",
+            "downward",
+            "bounds",
+        ),
+        # the domain reaching back into the planner that builds on it
+        ("poolpipe/domain/plan.py", "import poolpipe.planner.exact", "imports back", "domain"),
+        # the router reaching into the deployment that composes it
+        (
+            "triton_backend/router/core.py",
+            "import triton_backend.deploy.load",
+            "imports back",
+            "router",
+        ),
+    ],
+)
+def test_an_upward_import_breaks_its_contract(tree_copy, module, line, contract, culprit):
+    target = tree_copy / module
+    before = target.read_text()
+    target.write_text(before + f"\n{line}  # planted\n")
+    try:
+        r = _lint(tree_copy)
+    finally:
+        target.write_text(before)
+    assert r.returncode != 0, r.stdout
+    broken = r.stdout.split("Broken contracts", 1)[-1]
+    assert contract in broken and culprit in broken, r.stdout

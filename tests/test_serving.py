@@ -563,7 +563,7 @@ def test_rendered_configs_are_triton_model_configs(onboarded_tiny, tmp_path):
     # a GPU node's partition (rendered and checked here, though no GPU can run it): on the
     # GPU with CUDA / TensorRT; a partition before the last declares the model's outputs
     # too, for chains of nodes, and carries the key chains are signed with
-    from triton_backend.deploy.prepare import device_class
+    from triton_backend.node.repository import device_class
 
     assert device_class("cpu-4t") == (True, 4) and device_class("T4") == (False, 1)
     with Warehouse.open(wh) as w:

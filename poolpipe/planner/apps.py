@@ -939,3 +939,29 @@ def replan_apps(
     )
     joint = plan_apps(req, start=plan_apps(req, "nexus"))
     return app_plan_document(req, joint)[0]
+
+
+def choose_apps(
+    req: AppPlanRequest,
+    plans: Mapping[str, AppPlan],
+    keep: str = "maximise",
+    on_split: Callable[[str], None] = lambda split: None,
+) -> tuple[str, dict[str, Plan]]:
+    """Each split's plan (plan_apps, by split name) as a plan document stated
+    with what it delivers (state_apps), and the split kept: `keep` "maximise", the one that
+    delivers most (the joint split on equal figures: the fluid optimum is not always what
+    keeps the most on time); "state", the joint split. `on_split`: told each split before
+    it is simulated (a progress line)."""
+    from poolpipe.planner.deliverable import state_apps
+
+    if keep not in ("maximise", "state"):
+        raise PoolpipeError(f"keep: 'maximise' or 'state', not {keep!r}")
+    docs = {}
+    for split, p in plans.items():
+        on_split(split)
+        doc, profiles = app_plan_document(req, p)
+        docs[split] = state_apps(doc, profiles, req.apps)
+    chosen = "joint"
+    if keep == "maximise":
+        chosen = max(docs, key=lambda s: (docs[s].meta["apps_deliverable"], s == "joint"))
+    return chosen, docs

@@ -39,7 +39,7 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from poolpipe.domain.apps import App
 from poolpipe.domain.plan import Plan
@@ -60,16 +60,12 @@ from poolpipe.sim.deliverable import (
 )
 from poolpipe.sim.metrics import ATTAINMENT_TARGET
 
-if TYPE_CHECKING:
-    from poolpipe.planner.apps import AppPlan, AppPlanRequest
-
 __all__ = [
     "ATTAINMENT_TARGET",
     "PLANNING_SEEDS",
     "Delivery",
     "app_attainment_at",
     "attainment_at",
-    "choose_apps",
     "deliverable",
     "maximise",
     "measure",
@@ -318,32 +314,6 @@ def state(req: PlanRequest, plan: Plan) -> Plan:
     solver = replace(plan.solver, seconds=plan.solver.seconds + seconds)
     search = {"mode": "state", "simulations": d.simulations, "search_seconds": seconds}
     return stated(replace(plan, solver=solver), d, search)
-
-
-def choose_apps(
-    req: AppPlanRequest,
-    plans: Mapping[str, AppPlan],
-    keep: str = "maximise",
-    on_split: Callable[[str], None] = lambda split: None,
-) -> tuple[str, dict[str, Plan]]:
-    """Each split's plan (planner.apps.plan_apps, by split name) as a plan document stated
-    with what it delivers (state_apps), and the split kept: `keep` "maximise", the one that
-    delivers most (the joint split on equal figures: the fluid optimum is not always what
-    keeps the most on time); "state", the joint split. `on_split`: told each split before
-    it is simulated (a progress line)."""
-    from poolpipe.planner.apps import app_plan_document
-
-    if keep not in ("maximise", "state"):
-        raise PoolpipeError(f"keep: 'maximise' or 'state', not {keep!r}")
-    docs = {}
-    for split, p in plans.items():
-        on_split(split)
-        doc, profiles = app_plan_document(req, p)
-        docs[split] = state_apps(doc, profiles, req.apps)
-    chosen = "joint"
-    if keep == "maximise":
-        chosen = max(docs, key=lambda s: (docs[s].meta["apps_deliverable"], s == "joint"))
-    return chosen, docs
 
 
 def state_apps(doc: Plan, profiles: Mapping[str, ModelProfile], apps: Sequence[App]) -> Plan:

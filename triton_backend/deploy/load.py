@@ -22,8 +22,7 @@ from poolpipe.domain.inventory import (
 )
 from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
-from triton_backend.deploy.prepare import device_class
-from triton_backend.node.repository import partition_files, upload_config
+from triton_backend.node.repository import device_class, partition_files, upload_config
 from triton_backend.node.triton import RemoteNode, RepositoryAPI, TritonNode, stop_nodes
 
 log = logging.getLogger(__name__)

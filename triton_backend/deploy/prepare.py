@@ -4,7 +4,6 @@ the partition files cut out of the onboarded model (warehouse reads, ONNX surger
 from __future__ import annotations
 
 import multiprocessing
-import re
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -21,16 +20,6 @@ from poolpipe.scheduler.topology import Topology
 from poolpipe.store.warehouse import Warehouse
 from triton_backend.node.repository import node_onnx_path, write_node_onnx
 from triton_backend.router.core import ModelIO
-
-_CPU = re.compile(r"^cpu-(\d+)t$")
-
-
-def device_class(device: str) -> tuple[bool, int]:
-    """(CPU class?, intra-op threads) of a device type: `cpu-<n>t` runs on n CPU threads;
-    any other name is a GPU type (one ONNX Runtime session on the node's GPU; KIND_MODEL)."""
-    m = _CPU.match(device)
-    return (True, int(m.group(1))) if m else (False, 1)
-
 
 # make_partition's arguments: whole model, model, block layers, start, end, out dir, tag
 PartitionJob = tuple[Path, str, list[tuple[int, int]], int, int, Path, str]

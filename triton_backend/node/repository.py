@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,16 @@ from triton_backend import HOPS_OUTPUT
 
 if TYPE_CHECKING:
     from tritonclient.grpc import model_config_pb2
+
+_CPU = re.compile(r"^cpu-(\d+)t$")
+
+
+def device_class(device: str) -> tuple[bool, int]:
+    """(CPU class?, intra-op threads) of a device type: `cpu-<n>t` runs on n CPU threads;
+    any other name is a GPU type (one ONNX Runtime session on the node's GPU; KIND_MODEL)."""
+    m = _CPU.match(device)
+    return (True, int(m.group(1))) if m else (False, 1)
+
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "model_repo_templates"
 BACKENDS = ("python", "onnxruntime", "tensorrt")

@@ -12,7 +12,7 @@ from poolpipe.domain.costs import transfer_us_per_sample
 from poolpipe.offline.partitions import PartitionFile, row_bytes
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler.topology import Pool, Topology
-from triton_backend.deploy.prepare import device_class
+from triton_backend.node.repository import device_class
 from triton_backend.node.triton import RepositoryAPI
 
 
