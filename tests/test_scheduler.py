@@ -533,3 +533,25 @@ def test_a_pipeline_longer_than_the_reservation_keys_hold_is_refused_naming_the_
     assert [h.vgpu for h in d.hops] == list(range(MAX_HOPS))  # every hop, in order
     with pytest.raises(ClusterError, match=f"32 partitions.*at most {MAX_HOPS}.*--max-partitions"):
         chain(MAX_HOPS + 1)
+
+
+def test_a_pipeline_whose_later_pool_is_all_down_loses_to_a_healthy_one():
+    """Every vGPU of pipeline 0's second pool is down: its probe is LOST (waits for ever),
+    and each request goes to pipeline 1. (A probe once chose vGPU -1 there with a negative
+    wait, which won the comparison: every request was dropped as unmeetable.)"""
+    topo = make_pipelines(
+        [
+            [([0], [10.0, 12.0], 1.0), ([1], [10.0, 12.0], 1.0)],
+            [([2], [14.0, 16.0], 1.0), ([3], [14.0, 16.0], 1.0)],
+        ],
+        batch=1,
+        slo_us=100.0,
+    )
+    s = ReservationScheduler(topo)
+    s.set_vgpu_down(topo.pools[topo.pipelines[0].pools[1]].vgpus[0], True, 0.0)
+    for i in range(3):
+        s.add_request(Request(i, 0, float(i), float(i) + 100.0), float(i))
+        out = s.decide(float(i))
+        assert not out.drops and [d.pipeline for d in out.dispatches] == [1]
+    lost = s.probe(topo.pipelines[0], 1, 5.0)
+    assert lost.wait_us == lost.finish_us == math.inf and lost.path == []
