@@ -32,6 +32,7 @@ HOT_PATH = (
     "poolpipe/scheduler/state.py",
     "poolpipe/scheduler/bounds.py",
     "poolpipe/scheduler/memo.py",
+    "poolpipe/scheduler/reference.py",
     "poolpipe/scheduler/probe.py",
     "poolpipe/scheduler/adaptive.py",
     "poolpipe/runtime/ports.py",

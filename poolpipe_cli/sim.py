@@ -12,7 +12,7 @@ from rich.table import Table
 
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
-from poolpipe.scheduler import DATA_PLANES, Topology
+from poolpipe.scheduler import CHECK_PLANES, DATA_PLANES, Topology
 from poolpipe.scheduler.topology import simulated_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, load_scenario, run_once
 from poolpipe.sim.capacity import SEARCHES, CapacityResult, search_capacity
@@ -422,7 +422,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "times in µs, one per line (optionally followed by a model name)",
     )
     common.add_argument("--duration", type=float, default=30.0, help="simulated seconds (30)")
-    common.add_argument("--data-plane", choices=DATA_PLANES, default="reservation")
+    common.add_argument(
+        "--data-plane",
+        choices=DATA_PLANES + CHECK_PLANES,
+        default="reservation",
+        help="reservation (default); reactive, eager, deferred: baselines; reference: the "
+        "reservation plane's specification (slower); checked: both, stopping at the first "
+        "decision where they differ",
+    )
     common.add_argument(
         "--jitter", type=float, default=0.0, help="execution-time CV (0: as profiled)"
     )

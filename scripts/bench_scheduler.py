@@ -37,7 +37,7 @@ from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.planner import make_plan
 from poolpipe.planner.request import group_request
-from poolpipe.scheduler import DATA_PLANES, Topology, build_topology
+from poolpipe.scheduler import CHECK_PLANES, DATA_PLANES, Topology, build_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.store.warehouse import Warehouse
 from poolpipe_cli.common import ppipe_dir
@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--profiles", type=Path, default=ppipe_dir())
     ap.add_argument("--cluster", default="hc2-large")
     ap.add_argument("--load-factors", default="0.9,1.0")
-    ap.add_argument("--data-plane", choices=DATA_PLANES, default="reservation")
+    ap.add_argument("--data-plane", choices=DATA_PLANES + CHECK_PLANES, default="reservation")
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument(
         "--sizes",

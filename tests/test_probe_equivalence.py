@@ -1,7 +1,8 @@
-"""The probe's hot loop is hand-optimized (inlined slot scans, pruning by lower bounds, early
+"""The probe's hot loop is hand-optimized (pruning by lower bounds, kept answers, early
 exits). Property test: on random pools, servers and busy tables it returns exactly what the
-plain rule of docs/design/dataplane.md returns, computed here with nothing but `earliest_slot` and
-`earliest_common_slot` over every candidate, ties included."""
+plain rule of docs/design/dataplane.md returns (poolpipe/scheduler/reference.py: nothing but
+`earliest_slot` and `earliest_common_slot` over every candidate, ties included), and the
+plane decides exactly as the reference plane built on it."""
 
 from __future__ import annotations
 
@@ -13,66 +14,20 @@ from dataclasses import astuple
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from poolpipe.scheduler import ReservationScheduler, earliest_common_slot
+from poolpipe.scheduler import ReservationScheduler
 from poolpipe.scheduler.bounds import BoundTree
 from poolpipe.scheduler.messages import Request, StageReport
 from poolpipe.scheduler.probe import CUT_SLACK_US, LOST
+from poolpipe.scheduler.reference import plain_probe
 from poolpipe.scheduler.topology import Topology
 from tests.factories import make_pipelines, make_topology
 
 
 def reference_probe(sch: ReservationScheduler, pipe, b: int, now: float):
-    topo = sch.topo
-    server_of = sch.index.server_of
-    t, wait, prev, path = now, 0.0, -1, []
-    for d, pid in enumerate(pipe.pools):
-        pool = topo.pools[pid]
-        lat = pool.latency_us[b]
-        nxt = pipe.pools[d + 1] if d + 1 < len(pipe.pools) else None
-        out = b * topo.pools[nxt].transfer_in_us if nxt is not None else 0.0
-
-        def send_on(v: int, f: float, out: float = out) -> float:
-            return sch.tables.uplink[server_of[v]].earliest_slot(f, out) if out else f
-
-        best = None
-        if prev < 0 and not pool.transfer_in_us:
-            flat, r = sch.index.flat[pid], sch.prober.rr[pid]
-            for i in range(len(flat)):
-                v = flat[(r + i) % len(flat)]
-                s = sch.tables.vgpu[v].earliest_slot(t, lat)
-                cand = (send_on(v, s + lat), s)
-                if best is None or cand < best[0]:
-                    best = (cand, (pid, v, -1, t, t, s, s + lat))
-        else:
-            dur = b * pool.transfer_in_us  # a feature map, or (prev < 0) the inputs
-            up = (sch.tables.uplink[server_of[prev]],) if prev >= 0 else ()
-            groups, r = sch.index.groups[pid], sch.prober.rr[pid]
-            for i in range(len(groups)):
-                srv, vgs = groups[(r + i) % len(groups)]
-                links = (*up, sch.tables.downlink[srv])
-                ts0 = earliest_common_slot(links, t, dur) if dur > 0 else t
-                for v in vgs:
-                    ts = ts0
-                    while True:
-                        table = sch.tables.vgpu[v]
-                        s = table.earliest_slot(ts + dur, lat)
-                        # a feature map arrives no earlier than the compute reserved
-                        # before its own on v is due to start (it would overtake it)
-                        before = [a for a, _ in table.intervals() if a < s]
-                        if prev < 0 or not before or max(before) <= ts + dur:
-                            break
-                        ts = max(t, max(before) - dur)
-                        ts = earliest_common_slot(links, ts, dur) if dur > 0 else ts
-                    cand = (send_on(v, s + lat), s + lat)
-                    if best is None or cand < best[0]:
-                        best = (cand, (pid, v, prev, ts, ts + dur, s, s + lat))
-        assert best is not None
-        hop = best[1]
-        wait += (hop[3] - t) + (hop[5] - hop[4])
-        t = hop[6]
-        prev = hop[1]
-        path.append(hop)
-    return wait, t, path
+    """The package's specification of the probe (poolpipe/scheduler/reference.py) on the
+    plane's own tables: its wait, finish and hops."""
+    pr = plain_probe(sch.index, sch.tables, sch.lat, sch.prober.rr, pipe.id, b, now)
+    return pr.wait_us, pr.finish_us, [astuple(h) for h in pr.path]
 
 
 busy = st.lists(
@@ -395,6 +350,28 @@ def test_pipeline_choice_equals_probing_every_pipeline(
         plain, arrivals, stretch, True, fails=fails
     )
     # (not always fewer probes: the order by the last choice may skip fewer than the model's)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shapes=pipelines(3, 2, 2),
+    gaps=arrival_gaps(60),
+    stretch=stretches,
+    transfer=st.integers(0, 3),
+    inputs=st.sampled_from([0, 0, 2]),
+    alike=st.booleans(),
+    fails=st.sets(st.integers(0, 40), max_size=3),
+)
+def test_the_plane_decides_as_its_reference(shapes, gaps, stretch, transfer, inputs, alike, fails):
+    """The reference plane (`--data-plane reference`: every probe by the plain rule, every
+    pipeline probed in the model's order, nothing skipped or kept) decides as the fast
+    plane, failures and feedback corrections included."""
+    topo, arrivals = scenario(shapes, gaps, transfer, inputs, alike)
+    fast, reference = ReservationScheduler(topo), ReservationScheduler(topo, reference=True)
+    assert drive(fast, arrivals, stretch, False, fails=fails) == drive(
+        reference, arrivals, stretch, False, fails=fails
+    )
+    assert reference.name == "reference" and reference.probes >= fast.probes
 
 
 def test_a_booked_pipeline_is_not_probed():

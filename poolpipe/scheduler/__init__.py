@@ -1,13 +1,16 @@
 """The data plane: pure, clock-agnostic schedulers driven by the simulator and the live router.
 
-`make_data_plane(name, topology)` returns one of DATA_PLANES; all meet the `DataPlane`
-contract of `messages.py` (add_request / decide / on_stage_started / on_stage_done).
+`make_data_plane(name, topology)` returns one of DATA_PLANES, or of CHECK_PLANES (the
+reservation plane's specification, alone or checked against the fast plane); all meet the
+`DataPlane` contract of `messages.py` (add_request / decide / on_stage_started /
+on_stage_done).
 """
 
 from __future__ import annotations
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.scheduler.adaptive import ReservationScheduler
+from poolpipe.scheduler.adaptive import WAKE_GUARD_US, ReservationScheduler
+from poolpipe.scheduler.checked import CheckedPlane, PlaneDifference, checked_plane
 from poolpipe.scheduler.messages import (
     DataPlane,
     Decisions,
@@ -24,6 +27,9 @@ from poolpipe.scheduler.topology import Topology, build_topology
 
 # reservation: docs/design/dataplane.md's adaptive batching; the others are baselines and ablations.
 DATA_PLANES = ("reservation", "reactive", "eager", "deferred")
+# reservation's specification (reference.py: slower, every pipeline probed by the plain
+# rule), and both side by side, failing at the first difference (checked.py)
+CHECK_PLANES = ("reference", "checked")
 
 
 def make_data_plane(
@@ -32,23 +38,32 @@ def make_data_plane(
     """`wake_guard_us`: how early a waiting batch wakes before its last moment (live
     drivers, whose timers fire late, need about a millisecond; the default suits the
     simulator)."""
-    guard = {} if wake_guard_us is None else {"wake_guard_us": wake_guard_us}
+    guard = WAKE_GUARD_US if wake_guard_us is None else wake_guard_us
     if name == "reservation":
-        return ReservationScheduler(topo, "adaptive", max_queue, **guard)
+        return ReservationScheduler(topo, "adaptive", max_queue, guard)
     if name in ("eager", "deferred"):
-        return ReservationScheduler(topo, name, max_queue, **guard)
+        return ReservationScheduler(topo, name, max_queue, guard)
     if name == "reactive":
         return ReactiveScheduler(topo, max_queue)
-    raise PoolpipeError(f"unknown data plane {name!r}; choose {', '.join(DATA_PLANES)}")
+    if name == "reference":
+        return ReservationScheduler(topo, "adaptive", max_queue, guard, reference=True)
+    if name == "checked":
+        return checked_plane(topo, "adaptive", max_queue, guard)
+    raise PoolpipeError(
+        f"unknown data plane {name!r}; choose {', '.join(DATA_PLANES + CHECK_PLANES)}"
+    )
 
 
 __all__ = [
+    "CHECK_PLANES",
     "DATA_PLANES",
+    "CheckedPlane",
     "DataPlane",
     "Decisions",
     "Dispatch",
     "Drop",
     "Hop",
+    "PlaneDifference",
     "PlaneWrapper",
     "ReactiveScheduler",
     "Request",
@@ -57,6 +72,7 @@ __all__ = [
     "StageReport",
     "Topology",
     "build_topology",
+    "checked_plane",
     "earliest_common_slot",
     "make_data_plane",
 ]

@@ -38,7 +38,7 @@ from poolpipe.scheduler.messages import (
     Request,
     StageReport,
 )
-from poolpipe.scheduler.probe import Probe, Prober
+from poolpipe.scheduler.probe import LOST, Probe, Prober
 from poolpipe.scheduler.state import ClusterIndex, Latencies, Tables
 from poolpipe.scheduler.topology import Pipeline, Topology
 
@@ -167,12 +167,14 @@ class ReservationScheduler(DataPlane):
         policy: str = "adaptive",
         max_queue: int | None = None,
         wake_guard_us: float = WAKE_GUARD_US,
+        reference: bool = False,
     ):
         if policy not in POLICIES:
             raise PoolpipeError(f"unknown batching policy {policy!r}; choose {', '.join(POLICIES)}")
         if max_queue is not None and max_queue < 1:
             raise PoolpipeError(f"max_queue must be >= 1, got {max_queue}")
-        super().__init__(policy if policy != "adaptive" else "reservation", topo)
+        name = policy if policy != "adaptive" else "reservation"
+        super().__init__("reference" if reference and name == "reservation" else name, topo)
         self.policy = policy
         self.max_queue = max_queue
         # A waiting batch wakes this long before its last moment: a live driver's timers
@@ -186,6 +188,12 @@ class ReservationScheduler(DataPlane):
         self.bounds = Bounds(self.index, self.tables, self.lat)
         self.memo = ProbeMemo(self.index, self.tables, self.lat)
         self.prober = Prober(self.index, self.tables, self.lat, self.bounds, self.memo)
+        # The specification (reference.py): every probe by the plain rule, every pipeline
+        # probed in the model's order; the fast plane must decide exactly as this does.
+        self.reference = reference
+        if reference:
+            self.prober.plain = True
+            self.prober.prune = False
         self.models = _Models(len(topo.models))
         self._rejected: list[Drop] = []
         self._inflight = _InFlight()
@@ -415,6 +423,8 @@ class ReservationScheduler(DataPlane):
         earliest finish, then the first in the model's list), and its probe. The one chosen
         last is probed first: it is most often the best, and the best so far skips the
         others whose bounds say they wait longer, and cuts the probes of the rest (E8)."""
+        if self.reference:
+            return self._choose_plain(m, now)
         pipes = self.index.pipes[m]
         pipe_batch, pipe_pools = self.index.pipe_batch, self.index.pipe_pools
         no_wait, lats = self.lat.no_wait, self.lat.lat
@@ -451,6 +461,20 @@ class ReservationScheduler(DataPlane):
                 pipe, pr, kb = other, po, k
         self.models.lead[m] = kb
         return pipe, pr
+
+    def _choose_plain(self, m: int, now: float) -> tuple[int, Probe]:
+        """_choose's specification: every pipeline of the model probed at its planned batch,
+        in the model's order; the least wait, then the earliest finish, then the first."""
+        pipe_batch = self.index.pipe_batch
+        best = -1
+        best_pr = LOST
+        for other in self.index.pipes[m]:
+            pr = self._probe(other, pipe_batch[other], now, math.inf)
+            if best < 0 or pr.wait_us < best_pr.wait_us or (
+                pr.wait_us == best_pr.wait_us and pr.finish_us < best_pr.finish_us
+            ):
+                best, best_pr = other, pr
+        return best, best_pr
 
     def _rescue(
         self, m: int, chosen: int, deadline_us: float, queued: int, now: float

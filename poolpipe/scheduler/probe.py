@@ -21,6 +21,7 @@ from mypy_extensions import i64
 from poolpipe.scheduler.bounds import Bounds
 from poolpipe.scheduler.memo import Kept, ProbeMemo
 from poolpipe.scheduler.messages import Dispatch, Hop, StageReport
+from poolpipe.scheduler.reference import plain_probe
 from poolpipe.scheduler.reservations import ReservationTable
 from poolpipe.scheduler.state import LOST, ClusterIndex, Latencies, Probe, Tables
 
@@ -41,7 +42,7 @@ class Prober:
     """Probes, reserves and corrects on the tables (state.Tables), keeping the bounds and
     the memo up to date with every change."""
 
-    __slots__ = ("bounds", "index", "lat", "memo", "probes", "prune", "rr", "tables")
+    __slots__ = ("bounds", "index", "lat", "memo", "plain", "probes", "prune", "rr", "tables")
 
     def __init__(
         self,
@@ -63,6 +64,8 @@ class Prober:
         # cut its probe short where it cannot finish first (False: probe every pipeline not
         # skipped otherwise, in full; the equivalence tests' plain rule).
         self.prune = True
+        # every probe by the specification (reference.plain_probe): the reference plane
+        self.plain = False
 
     # ------------------------------------------------------------------ probe
 
@@ -76,6 +79,9 @@ class Prober:
         probe stops and returns LOST (E6). Otherwise each hop is chosen as without it: the
         choice is the least (key, start) first in scan order, and `cut` only starts the
         search lower. A kept answer that holds is given again (E5, E6: memo.py)."""
+        if self.plain:
+            self.probes += 1
+            return plain_probe(self.index, self.tables, self.lat, self.rr, pi, b, now)
         memo = self.memo
         if self.prune:
             kept = memo.answer(pi, b, now, cut)
