@@ -264,6 +264,7 @@ class ReservationScheduler(DataPlane):
             if w < wake:
                 wake = w
         out.wake_at_us = wake if wake < math.inf else None
+        self.probes = self.prober.probes
         return out
 
     def drain(self) -> None:
@@ -326,14 +327,13 @@ class ReservationScheduler(DataPlane):
         """Where and when a batch of b would run on `pipe` if dispatched now. Nothing is
         reserved; the answer is kept to answer a later probe the same (memo.py)."""
         pr = self._probe(pipe.id, b, now, math.inf)
+        self.probes = self.prober.probes
         if pr.kept_from == -math.inf:
             return pr
         return Probe(pr.wait_us, pr.finish_us, pr.start_us, self.memo.hops(pr))
 
     def _probe(self, pi: int, b: int, now: float, cut: float) -> Probe:
-        pr = self.prober.probe(pi, b, now, cut)
-        self.probes = self.prober.probes
-        return pr
+        return self.prober.probe(pi, b, now, cut)
 
     # ------------------------------------------------------------------ batching loop
 

@@ -91,10 +91,10 @@ class ProbeMemo:
                     if index.later[pid] and kept not in self.downkept[srv]:
                         self.downkept[srv].append(kept)
 
-    def answer(self, pi: i64, b: i64, now: float, cut: float) -> Probe | None:
-        """Pipeline pi's kept probe at batch b, as a probe made at `now` with `cut` would
-        answer, where one holds (see probe.Prober.probe); None where none does."""
-        kept = self.kept[pi]
+    def answer(self, kept: Kept, b: i64, now: float, cut: float) -> Probe | None:
+        """A pipeline's kept probe at batch b (`kept`: the pipeline's), as a probe made at
+        `now` with `cut` would answer, where one holds (see probe.Prober.probe); None where
+        none does."""
         changes = kept.changes
         if (
             kept.at[b] == changes
@@ -111,20 +111,22 @@ class ProbeMemo:
             return LOST
         return None
 
-    def keep(self, pi: i64, b: i64, now: float, path: list[Hop], links: i64, start: float) -> None:
-        """Pipeline pi's probe at batch b made at `now`: `path`, starting at `start`, its
+    def keep(
+        self, kept: Kept, b: i64, now: float, path: list[Hop], links: i64, start: float
+    ) -> None:
+        """A pipeline's probe at batch b made at `now`: `path`, starting at `start`, its
         links' versions then `links` (path_links, summed as the path was made)."""
-        kept = self.kept[pi]
         kept.at[b] = kept.changes
         kept.links[b] = links
         kept.now[b] = now
         kept.start[b] = start
         kept.path[b] = path
 
-    def lost(self, pi: i64, b: i64, now: float, cut: float, until: float, path: list[Hop]) -> Probe:
+    def lost(
+        self, kept: Kept, b: i64, now: float, cut: float, until: float, path: list[Hop]
+    ) -> Probe:
         """LOST, kept to answer probes at `until` at the latest (E6, E7), while the hops
         chosen before the one that lost (`path`) hold (prefix_links)."""
-        kept = self.kept[pi]
         kept.lost_links[b] = self.prefix_links(path)
         kept.lost_path[b] = path
         kept.lost[b] = kept.changes

@@ -83,10 +83,11 @@ class Prober:
             self.probes += 1
             return plain_probe(self.index, self.tables, self.lat, self.rr, pi, b, now)
         memo = self.memo
+        kept = memo.kept[pi]
         if self.prune:
-            kept = memo.answer(pi, b, now, cut)
-            if kept is not None:
-                return kept
+            answered = memo.answer(kept, b, now, cut)
+            if answered is not None:
+                return answered
             cut += CUT_SLACK_US  # (inf stays inf)
         self.probes += 1
         bounds = self.bounds
@@ -117,7 +118,7 @@ class Prober:
             if prev < 0 and not index.inputs[pid]:
                 hop = self.first_hop(pid, lat, out, t, cut_key)
                 if hop is None:
-                    return self._lost(pi, b, now, cut, math.inf if d == 0 else first_start, path)
+                    return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start, path)
                 first_start = hop.start_us
                 wait += hop.start_us - t
             else:
@@ -130,8 +131,8 @@ class Prober:
                 hop = self.later_hop(pid, lat, dur, out, t, t_up, prev, cut_key)
                 if hop is None:
                     if d == 1 and self.lost_whatever_first(pid, b, t_up, dur, cut_key):
-                        return self._lost(pi, b, now, cut, math.inf, [])
-                    return self._lost(pi, b, now, cut, math.inf if d == 0 else first_start, path)
+                        return self._lost(kept, b, now, cut, math.inf, [])
+                    return self._lost(kept, b, now, cut, math.inf if d == 0 else first_start, path)
                 # (memo.path_links, summed as the path is made)
                 if prev >= 0:
                     links += up_version[server_of[prev]]
@@ -143,14 +144,14 @@ class Prober:
             t = hop.end_us
             prev = hop.vgpu  # the vGPU that holds the batch now
         if self.prune:
-            memo.keep(pi, b, now, path, links, first_start)
+            memo.keep(kept, b, now, path, links, first_start)
         return Probe(wait, t, first_start, path)
 
     def _lost(
-        self, pi: i64, b: i64, now: float, cut: float, until: float, path: list[Hop]
+        self, kept: Kept, b: i64, now: float, cut: float, until: float, path: list[Hop]
     ) -> Probe:
         if self.prune:
-            return self.memo.lost(pi, b, now, cut, until, path)
+            return self.memo.lost(kept, b, now, cut, until, path)
         return LOST
 
     def first_hop(self, pid: i64, lat: float, out: float, t: float, cut_key: float) -> Hop | None:
