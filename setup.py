@@ -44,11 +44,19 @@ def hot_path_extensions() -> list:
         )
     from mypyc.build import mypycify
 
-    return mypycify(
+    extensions = mypycify(
         list(native["HOT_PATH"]),
         opt_level="3",
         group_name=native["GROUP"],
     )
+    # The hot path's modules are one C file whose functions call each other natively. In a
+    # shared library (-fPIC) the compiler must assume any exported function may be replaced
+    # at load time, so it inlines none of them into another; they never are replaced here,
+    # and with this flag a small one (a slot scan, a bound) is inlined where it is called:
+    # 7% fewer instructions per simulated request (docs/runtime.md).
+    for ext in extensions:
+        ext.extra_compile_args = [*ext.extra_compile_args, "-fno-semantic-interposition"]
+    return extensions
 
 
 setup(ext_modules=hot_path_extensions(), cmdclass={"build_ext": BuildHotPath})
