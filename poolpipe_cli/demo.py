@@ -137,7 +137,7 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
         )
         stack.callback(server.close)
         rows, timeline = _drive_loads(server, name, args)
-        topo = server.deployment.core.topo
+        topo = server.deployment.core.runtime.topo
         top = min(sum(m.throughput for m in topo.models), args.max_rate)  # ppipe's
         capacity = [_capacity(server, "ppipe", top, name, args)]
         step(f"rolling plan {second[1]} (whole-model serving, np) out under load")
@@ -199,7 +199,7 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
     from testbed.predict import predict
 
     dep = server.deployment
-    topo = dep.core.topo
+    topo = dep.core.runtime.topo
     planned = sum(m.throughput for m in topo.models)
     x = np.random.default_rng(0).standard_normal((1, *dep.ios[0].inputs[0].dims))
     inputs = {dep.ios[0].inputs[0].name: x.astype(dep.ios[0].inputs[0].dtype)}
@@ -240,7 +240,7 @@ def _rollout_under_load(server, plan, plan_id: int, name: str, args: argparse.Na
     from testbed.emulated import MixLoad, rollout_under_load
 
     dep = server.deployment
-    rate = 0.5 * min(sum(m.throughput for m in dep.core.topo.models), args.max_rate)
+    rate = 0.5 * min(sum(m.throughput for m in dep.core.runtime.topo.models), args.max_rate)
     load = MixLoad.of(dep, {name: 1.0})
     return rollout_under_load(server, plan, plan_id, load, rate, 3 * args.duration)
 
@@ -366,10 +366,10 @@ class _Sampler:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        last = list(self.core.pool_busy_us)
+        last = list(self.core.runtime.pool_busy_us())
         while not self._stop.wait(self.every_s):
-            now = list(self.core.pool_busy_us)
-            vg = [max(1, len(p.vgpus)) for p in self.core.topo.pools]
+            now = list(self.core.runtime.pool_busy_us())
+            vg = [max(1, len(p.vgpus)) for p in self.core.runtime.topo.pools]
             frac = [
                 (b - a) / (self.every_s * 1e6 * v) for a, b, v in zip(last, now, vg, strict=False)
             ]
@@ -379,7 +379,8 @@ class _Sampler:
     def stop(self):
         self._stop.set()
         self._t.join()
-        labels = [f"[{p.start},{p.end}) {p.gpu}×{len(p.vgpus)}" for p in self.core.topo.pools]
+        pools = self.core.runtime.topo.pools
+        labels = [f"[{p.start},{p.end}) {p.gpu}×{len(p.vgpus)}" for p in pools]
         return labels, self.samples
 
 

@@ -58,7 +58,7 @@ def _check_live_room(args: argparse.Namespace, server, margin_us: float) -> None
     what the door would refuse every request of is refused here, unless --force."""
     from poolpipe.runtime import live_room_warnings
 
-    no_room = live_room_warnings(server.deployment.core.topo, margin_us)
+    no_room = live_room_warnings(server.deployment.core.runtime.topo, margin_us)
     _refuse_unless_forced(
         args,
         no_room,

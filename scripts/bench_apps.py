@@ -420,7 +420,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
                     seed = 700 + 10 * k + j
                     before = {m: c.dropped for m, c in dep.core.stats.items()}
                     dep.core.take_stage_factors()
-                    topo0 = dep.core.topo  # as calibrated before this run
+                    topo0 = dep.core.runtime.topo  # as calibrated before this run
                     with console.status(f"{app.name}: {rate:.0f} req/s live ..."):
                         times, shots = load.send(rate / d, args.live_duration, seed)
                     factors = [list(f) for f in dep.core.take_stage_factors()]

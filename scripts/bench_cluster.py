@@ -125,7 +125,7 @@ def node_loss_phase(dep, em, token_file: Path, args, inputs: dict, rate: float) 
     duration = 3 * args.duration
     times = poisson_times(rate, duration, 78)
     marks: dict[str, float] = {}
-    recovered = dep.core.recoveries
+    recovered = dep.core.runtime.recoveries
 
     def chaos() -> None:
         time.sleep(args.duration)
@@ -135,7 +135,7 @@ def node_loss_phase(dep, em, token_file: Path, args, inputs: dict, rate: float) 
         marks["restart"] = time.monotonic()
         em.start_node(k, victim.device, name=victim.node_name, token_file=token_file)
         deadline = time.monotonic() + 120
-        while dep.core.recoveries == recovered and time.monotonic() < deadline:
+        while dep.core.runtime.recoveries == recovered and time.monotonic() < deadline:
             time.sleep(0.05)
         marks["back"] = time.monotonic()
 
@@ -152,7 +152,7 @@ def node_loss_phase(dep, em, token_file: Path, args, inputs: dict, rate: float) 
         "after": [x for x in shots if x.sent_s >= restart],
     }
     s = client_figures(shots, slo, duration)
-    back = dep.core.recoveries > recovered
+    back = dep.core.runtime.recoveries > recovered
     return {
         "node": victim.node_name,
         "sent": len(times),

@@ -259,7 +259,7 @@ def serve(
     cpu = time.process_time() - cpu0
     gc.callbacks.remove(collected)
     factors = core.take_stage_factors()
-    margin_us, recalibrate = core.reply_margin_us, core.recalibrate
+    margin_us, recalibrate = core.runtime.reply_margin_us, core.runtime.config.recalibrate
     core.stop()
     stages = made[0]
     on_time = sum(1 for a, e, c in done if c is None and e - a <= slo_ns)

@@ -178,7 +178,7 @@ def node_part(args, em, dep, token_file: Path, inputs: dict, model: str) -> list
         s = em.nodes[victim]
         address = f"{s.address}:8001"
         marks: dict[str, float] = {}
-        recovered = dep.core.recoveries
+        recovered = dep.core.runtime.recoveries
 
         def chaos(k: int = victim, address: str = address, marks: dict = marks) -> None:
             time.sleep(args.duration / 3)
@@ -203,7 +203,7 @@ def node_part(args, em, dep, token_file: Path, inputs: dict, model: str) -> list
             t_start = time.monotonic()
             em.start_node(victim, "cpu-1t", name=s.node_name, token_file=token_file)
             end = time.monotonic() + 120
-            while dep.core.recoveries == recovered and time.monotonic() < end:
+            while dep.core.runtime.recoveries == recovered and time.monotonic() < end:
                 time.sleep(0.05)
             back_s = time.monotonic() - t_start
         rows.append(
@@ -215,7 +215,7 @@ def node_part(args, em, dep, token_file: Path, inputs: dict, model: str) -> list
                 "window_lost_pct": 100.0 * lost / max(1, len(window)),
                 "sent": len(shots),
                 "lost": sum(1 for x in shots if x.outcome != "ok"),
-                "back_s": back_s if dep.core.recoveries > recovered else float("nan"),
+                "back_s": back_s if dep.core.runtime.recoveries > recovered else float("nan"),
             }
         )
     return rows

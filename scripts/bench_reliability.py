@@ -311,7 +311,7 @@ def _one_node_kill(args, warehouse: Path, plan: Plan, ws: Path, seed: int) -> di
         while time.monotonic() - t0 < 60:
             if seen["restarted_s"] != seen["restarted_s"] and dep.node_restarts.get(victim):
                 seen["restarted_s"] = time.monotonic() - t0
-            if dep.core.recoveries >= 1:
+            if dep.core.runtime.recoveries >= 1:
                 seen["serving_again_s"] = time.monotonic() - t0
                 return
             time.sleep(0.05)

@@ -584,7 +584,7 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
         )
     dep = srv.deployment
     try:
-        topo0 = dep.core.topo
+        topo0 = dep.core.runtime.topo
         (pool,) = topo0.pools
         b = topo0.pipelines[0].batch
         x = np.zeros((1, *dep.ios[0].inputs[0].dims), np.float32)
@@ -622,8 +622,8 @@ def scenario_check(args, name: str, tmp: Path, record) -> None:
         th.start()
         shots = drive(url, name, {in_name: x}, times)
         th.join()
-        recoveries = dep.core.recoveries
-        new_topo = dep.core.topo
+        recoveries = dep.core.runtime.recoveries
+        new_topo = dep.core.runtime.topo
         ro = marks.pop("rollout_result")
         scenario = Scenario(
             (

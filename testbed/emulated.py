@@ -119,7 +119,8 @@ class MixLoad:
         for io in dep.ios:
             x = np.random.default_rng(0).standard_normal((1, *io.inputs[0].dims))
             requests.append((io.name, {io.inputs[0].name: x.astype(io.inputs[0].dtype)}))
-            slos.append(dep.core.topo.models[dep.core.topo.model_index(io.name)].slo_us / 1e6)
+            topo = dep.core.runtime.topo
+            slos.append(topo.models[topo.model_index(io.name)].slo_us / 1e6)
         return cls(dep.grpc_url, requests, [weights[io.name] for io in dep.ios], slos)
 
     def send(self, rate: float, duration_s: float, seed: int) -> tuple[np.ndarray, list[Shot]]:
@@ -208,7 +209,7 @@ def attainment_at(dep, load: MixLoad, rates, duration_s: float, seed: int = 500)
     for k, rate in enumerate(rates):
         times, which = mix_times(rate, load.weights, duration_s, seed + k)
         dep.core.take_stage_factors()
-        topo = dep.core.topo  # as the run begins: the router may recalibrate during it
+        topo = dep.core.runtime.topo  # as the run begins: the router may recalibrate during it
         live = load.run(rate, duration_s, seed + k)
         factors = [list(f) for f in dep.core.take_stage_factors()]
         sim = predict(dep, times, duration_s, factors, models=which, topo=topo).attainment

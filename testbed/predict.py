@@ -34,7 +34,7 @@ def predict(
     `dep.take_stage_factors()` of earlier runs: factors_on), and the node failures,
     returns and rollouts of `scenario` (node names as the deployment's: `cpu-1t-0` is GPU
     0 of type cpu-1t)."""
-    topo = topo or dep.core.topo
+    topo = topo or dep.core.runtime.topo
     arrivals = np.asarray(arrivals_s, dtype=float)
     plane = _plane(dep)
     return Simulator(
@@ -67,9 +67,9 @@ def _config(
     return SimConfig(
         duration_s=duration_s,
         seed=seed,
-        stage_factors=factors_on(stage_factors, dep.core.base_topo, topo),
-        reply_margin_us=dep.core.reply_margin_us,
-        recalibrate=dep.core.recalibrate,
+        stage_factors=factors_on(stage_factors, dep.core.runtime.base_topo, topo),
+        reply_margin_us=dep.core.runtime.reply_margin_us,
+        recalibrate=dep.core.runtime.config.recalibrate,
     )
 
 
@@ -117,7 +117,7 @@ def predict_apps(
     during it; the simulator then recalibrates as it did, from the same truth: factors_on)."""
     if dep.core.apps is None:
         raise ValueError("this deployment serves no application")
-    topo = topo or dep.core.topo
+    topo = topo or dep.core.runtime.topo
     return run_apps(
         topo,
         dep.core.apps.served,

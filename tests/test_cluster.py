@@ -314,7 +314,7 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
             down = dep.core.down_nodes()
             cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # empty, same address
             deadline = time.monotonic() + 60
-            while dep.core.recoveries < 1 and time.monotonic() < deadline:
+            while dep.core.runtime.recoveries < 1 and time.monotonic() < deadline:
                 time.sleep(0.2)
             time.sleep(0.5)
         finally:
@@ -327,7 +327,7 @@ def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(
         assert all(DROP_MARKER in e for e in errors), errors[:3]
         assert len(errors) <= 0.05 * len(answers), errors[:3]
         assert len(answers) > n_during > 0
-        assert dep.core.recoveries == 1 and not dep.core.down_nodes()
+        assert dep.core.runtime.recoveries == 1 and not dep.core.down_nodes()
         assert _loaded(cluster.inventory(), _key(cluster)) == ["tiny__b00-04__g0"] * 2
         s = dep.core.stats["tiny"]
         assert s.failed == 0 and s.arrivals == len(answers)
@@ -460,10 +460,10 @@ def test_a_node_process_killed_alone_leaves_service_at_once_and_returns_loaded_u
         (event,) = [e for e in dep.core.node_events if e[1] == address]
         assert event[2] == "down" and "watch connection" in event[3]
         time.sleep(1.5)  # its checks keep it out: no watch connection, no return
-        assert dep.core.down_nodes() == {address} and dep.core.recoveries == 0
+        assert dep.core.down_nodes() == {address} and dep.core.runtime.recoveries == 0
 
         cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # empty, no traffic
-        assert _wait(lambda: dep.core.recoveries == 1, 60), "not refilled without traffic"
+        assert _wait(lambda: dep.core.runtime.recoveries == 1, 60), "not refilled without traffic"
         assert not dep.core.down_nodes()
         assert _loaded(cluster.inventory(), _key(cluster)) == ["tiny__b00-04__g0"] * 2
         states = [e[2] for e in dep.core.node_events if e[1] == address]

@@ -252,7 +252,7 @@ def test_a_two_node_emulated_pipeline_serves_through_the_router_across_hosts(
             transport="chain",
         )  # fmt: skip
         try:
-            for pool in dep.core.topo.pools:  # calibrated: never below profile x D
+            for pool in dep.core.runtime.topo.pools:  # calibrated: never below profile x D
                 for b in (1, 4):
                     assert pool.latency_us[b] >= 2 * BLOCK_US[b - 1] * SCALE, (pool.id, b)
             mod, client = _grpc(dep)

@@ -98,7 +98,7 @@ def test_every_request_is_answered_through_both_stages(transport):
         # call's way there and back too: at most a few ms each on a loaded host)
         for pool, model in enumerate(("p0", "p1")):
             took = sum(c.end_s - c.start_s for c in stages.calls if c.model == model) * 1e6
-            assert took - 100 <= core.pool_busy_us[pool] <= took + 8 * 20_000
+            assert took - 100 <= core.runtime.pool_busy_us()[pool] <= took + 8 * 20_000
         overheads = core.take_chain_overheads()
         assert len(overheads) == (8 if transport == "chain" else 0)
         assert core.stats["m"].on_time == 8 and core.in_flight() == 0
@@ -119,7 +119,7 @@ def test_a_node_that_cannot_be_reached_is_taken_out_and_its_requests_retried(tra
         deadline = time.monotonic() + 5
         while core.down_nodes() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert core.down_nodes() == set() and core.recoveries == 1
+        assert core.down_nodes() == set() and core.runtime.recoveries == 1
     finally:
         core.stop()
 
@@ -272,7 +272,7 @@ def test_a_plan_switched_away_from_leaves_no_gates_behind():
                 topo,
                 make_data_plane("eager", topo),
                 {0: "p0", 1: "p1"},
-                dict(core.served.vgpu_node),
+                dict(core.runtime.served.vgpu_node),
                 [IO],
             )
             core.switch(new, flush_timeout_s=5.0)

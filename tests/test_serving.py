@@ -184,7 +184,7 @@ def test_the_router_measures_stage_times_for_the_simulator(served):
     for _ in range(4):  # one at a time: every stage call finds its vGPU idle
         _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32))
     factors = served.core.take_stage_factors()
-    assert len(factors) == len(served.core.topo.pools) == 2
+    assert len(factors) == len(served.core.runtime.topo.pools) == 2
     assert all(len(f) == 4 and min(f) > 0 for f in factors), factors
     assert served.core.take_stage_factors() == ((), ())  # taken once
     # the simulator's prediction on what is served, with those stage times
@@ -675,7 +675,7 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
             n_during = len(answers)
             dep.restart_node(victim)
             deadline = time.monotonic() + 20
-            while dep.core.recoveries < 1 and time.monotonic() < deadline:
+            while dep.core.runtime.recoveries < 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
             back_at = time.monotonic()
             time.sleep(1.5)
@@ -692,7 +692,7 @@ def test_a_killed_node_is_routed_around_and_its_return_picked_up(onboarded_tiny)
         assert all(away[0] <= t <= away[1] for t, _ in errors), (away, errors[:3])
         served_after = [t for t, a in answers if isinstance(a, tuple) and t > away[1]]
         assert len(served_after) > 0 and len(answers) > n_during > 0
-        assert dep.core.recoveries == 1 and not dep.core.down_nodes()
+        assert dep.core.runtime.recoveries == 1 and not dep.core.down_nodes()
         s = dep.core.stats["tiny"]
         assert s.failed == 0 and s.arrivals == len(answers)
 
@@ -721,13 +721,13 @@ def test_a_supervised_deployment_restarts_a_node_that_dies(onboarded_tiny):
         dep.nodes[victim].kill()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (
-            dep.node_restarts.get(victim) and dep.core.recoveries >= 1
+            dep.node_restarts.get(victim) and dep.core.runtime.recoveries >= 1
         ):
             time.sleep(0.2)
             with contextlib.suppress(Exception):  # failed while it is down: the router says so
                 _infer(mod, client, x, client_timeout=10)
         assert dep.node_restarts == {victim: 1}, dep.node_restarts
-        assert dep.core.recoveries >= 1 and dep.nodes[victim].alive
+        assert dep.core.runtime.recoveries >= 1 and dep.nodes[victim].alive
         out = dep.ios[0].outputs[0].name
         # Its first batch after the restart loads its sessions: a request waits for its last
         # moment (adaptive batching), so that batch may end past the deadline whatever the

@@ -174,7 +174,7 @@ class Deployment:
         None where neither is known."""
         gaps = [
             live.latency_us[1] - planned.latency_us[1]
-            for live, planned in zip(self.core.topo.pools, self.topo.pools, strict=True)
+            for live, planned in zip(self.core.runtime.topo.pools, self.topo.pools, strict=True)
             if len(live.latency_us) > 1 and len(planned.latency_us) > 1
             and live.latency_us[1] > 0 and planned.latency_us[1] > 0
         ]  # fmt: skip
@@ -406,7 +406,7 @@ class Deployment:
         label_to = f"{plan.strategy}:{names(plan)}@gen{self.generation + 1}"
         t0 = time.perf_counter()
         why = _cannot_replace(self.plan, plan)
-        no_room = slo_room_warnings(plan, self.core.reply_margin_us)
+        no_room = slo_room_warnings(plan, self.core.runtime.reply_margin_us)
         if no_room and force:
             log.warning("rolled out by force although %s", "; ".join(map(str, no_room)))
         elif no_room:

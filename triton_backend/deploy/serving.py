@@ -62,9 +62,9 @@ class RouterCollector:
         busy = CounterMetricFamily(
             "poolpipe_pool_busy_seconds", "Stage time per pool", labels=["model", "pool", "gpu"]
         )
-        for p in core.topo.pools:
-            name = core.topo.models[p.model].name
-            busy.add_metric([name, str(p.id), p.gpu], core.pool_busy_us[p.id] / 1e6)
+        for p in core.runtime.topo.pools:
+            name = core.runtime.topo.models[p.model].name
+            busy.add_metric([name, str(p.id), p.gpu], core.runtime.pool_busy_us()[p.id] / 1e6)
         yield busy
         yield GaugeMetricFamily(
             "poolpipe_plan_generation", "Rollouts so far", value=self.server.deployment.generation
@@ -79,7 +79,7 @@ class RouterCollector:
             without = core.runtime.without_path()
         except RuntimeError:  # changed under the scrape: the next one reads it
             without = set()
-        for i, m in enumerate(core.topo.models):
+        for i, m in enumerate(core.runtime.topo.models):
             live.add_metric([m.name], 0.0 if i in without else 1.0)
         yield live
         yield GaugeMetricFamily(
@@ -291,7 +291,7 @@ class ServingProcess:
             return NOT_READY, f"no live path for model(s) {', '.join(without)}", more
         refused = dep.core.models_unservable()
         if refused:
-            return NOT_READY, unservable_reason(refused, dep.core.reply_margin_us), more
+            return NOT_READY, unservable_reason(refused, dep.core.runtime.reply_margin_us), more
         return READY, "a live path for every model", more
 
     def weight_percent(self) -> str:
@@ -344,7 +344,7 @@ class ServingProcess:
             return
         refused = dep.core.models_unservable()
         if refused:
-            log.warning("%s", unservable_reason(refused, dep.core.reply_margin_us))
+            log.warning("%s", unservable_reason(refused, dep.core.runtime.reply_margin_us))
             self._unservable_said = now
 
     def flush_stats(self) -> int:
@@ -360,7 +360,7 @@ class ServingProcess:
             "deployment": self.name,
             "plan_id": self.plan_id,
         }
-        measured = max(0.0, core.reply_margin_us - core.margin.floor_us)  # beyond its floor
+        measured = max(0.0, core.runtime.reply_margin_us - core.margin.floor_us)  # beyond its floor
         overhead = self.deployment.call_overhead_us()
         margin = {
             "reply_measured_ms": measured / 1e3,
@@ -518,7 +518,7 @@ class ServingProcess:
                 for name, st in core.stats.items()
             },
             "windows": windows,
-            "reply_margin_ms": round(core.reply_margin_us / 1e3, 3),
+            "reply_margin_ms": round(core.runtime.reply_margin_us / 1e3, 3),
             "arrival_stamps": dict(core.stamps.counts),
             "client_deadlines": dict(core.client_deadlines),
             "nonfinite_inputs": dict(core.nonfinite),
@@ -597,7 +597,7 @@ class ServingProcess:
             self.stop_grace_s,
         )
         time.sleep(self.stop_grace_s)
-        longest_s = max(m.slo_us for m in core.topo.models) / 1e6
+        longest_s = max(m.slo_us for m in core.runtime.topo.models) / 1e6
         deadline = time.monotonic() + longest_s + 1.0
         while core.in_flight() and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -44,7 +44,6 @@ from poolpipe.runtime import (
     capped_slo_us,
     default_flush_timeout_us,
 )
-from poolpipe.scheduler.topology import Topology
 from triton_backend import TRANSPORTS
 from triton_backend.node.watch import watch_node
 from triton_backend.router.answers import AnswerInbox
@@ -286,23 +285,6 @@ class RouterCore:
     # ------------------------------------------------------------------ what is served
 
     @property
-    def served(self) -> ServedPlan:
-        return self.runtime.served
-
-    @property
-    def topo(self) -> Topology:
-        return self.runtime.topo
-
-    @property
-    def base_topo(self) -> Topology:
-        """The topology as served, before recalibration: stage factors are against it."""
-        return self.runtime.base_topo
-
-    @property
-    def io(self) -> Mapping[str, ModelIO]:
-        return self.runtime.served.adapter.io
-
-    @property
     def stats(self) -> dict[str, ModelStats]:
         """Each served model's counters, and each application's (its requests as wholes)
         where the plan has some."""
@@ -310,28 +292,6 @@ class RouterCore:
         if apps is None:
             return self.runtime.stats
         return {**self.runtime.stats, **apps.coordinator.stats}
-
-    @property
-    def pool_busy_us(self) -> list[float]:
-        return self.runtime.pool_busy_us()
-
-    @property
-    def recalibrations(self) -> int:
-        return self.runtime.recalibrations
-
-    @property
-    def recoveries(self) -> int:
-        return self.runtime.recoveries
-
-    @property
-    def reply_margin_us(self) -> float:
-        """Held back from every request's deadline now (learnt: see MarginMeter)."""
-        return self.runtime.reply_margin_us
-
-    @property
-    def recalibrate(self) -> bool:
-        """Whether pools are recalibrated from measured stage times."""
-        return self.runtime.config.recalibrate
 
     def down_nodes(self) -> set[str]:
         return self._call(self.runtime.down_nodes)
@@ -344,13 +304,13 @@ class RouterCore:
 
     def models_without_path(self, timeout_s: float = 1.0) -> list[str]:
         """Models of the plan with no live path now (asked on the loop, within `timeout_s`)."""
-        topo = self.topo
+        topo = self.runtime.topo
         return sorted(topo.models[i].name for i in self._call(self.runtime.without_path, timeout_s))
 
     def models_unservable(self, timeout_s: float = 1.0) -> list[str]:
         """Models of the plan whose SLO, less the measured reply margin, leaves no time to
         serve a request in (their requests are refused; asked on the loop)."""
-        topo = self.topo
+        topo = self.runtime.topo
         return sorted(topo.models[i].name for i in self._call(self.runtime.unservable, timeout_s))
 
     def in_flight(self) -> int:
@@ -466,7 +426,7 @@ class RouterCore:
         if apps is not None and model in apps.ios:
             apps.take(model, arrays, slo_ms, self.clock.at(arrived_ns), reply)
             return
-        io = self.io.get(model)
+        io = self.runtime.served.adapter.io.get(model)
         n = int(arrays[0].shape[0]) if io and arrays and arrays[0].ndim else 0
         index, slo_us = self.runtime.check(model, n, slo_ms)
         assert io is not None  # check() refuses unknown models

@@ -228,9 +228,10 @@ class Frontend:
             client = grpcaio.InferenceServerClient(self.node.grpc_url)
             answered = 0
             try:
-                served = {m.name for m in self.core.topo.models}
+                topo = self.core.runtime.topo
+                served = {m.name for m in topo.models}
                 for io in (io for io in self.ios if io.name in served):  # not applications
-                    slo_us = self.core.topo.models[self.core.topo.model_index(io.name)].slo_us
+                    slo_us = topo.models[topo.model_index(io.name)].slo_us
                     inputs = []
                     for t in io.inputs:
                         i = grpcclient.InferInput(t.name, [1, *t.dims], kserve_dtype(t.dtype))
