@@ -239,9 +239,9 @@ class Prober:
         tree = self.bounds.gtree[pid]
         p: i64
         g: i64
-        # the best so far: its key, finish, vGPU, transfer start and end, and start
-        best_key, best_finish, best_v = cut_key, math.inf, -1
-        best_ts, best_te, best_start = 0.0, 0.0, 0.0
+        # the best so far (None: none below the cut yet), and its key
+        best: Hop | None = None
+        best_key = cut_key
         n = len(gsrv)
         bounds, leaves = tree.least, tree.size
         p = 0
@@ -303,16 +303,14 @@ class Prober:
                 if f >= best_key:
                     continue
                 key = srv_up.earliest_slot(f, out) if out and upend[srv] > f else f
-                if key < best_key or (key == best_key and f < best_finish):
-                    best_key, best_finish, best_v = key, f, v
-                    best_ts, best_te, best_start = vts, vte, s
+                if key < best_key or (key == best_key and (best is None or f < best.end_us)):
+                    best_key = key
+                    best = Hop(pid, v, prev, vts, vte, s, f)
                     if s <= te:
                         break
             if best_key <= floor:
                 break
-        if best_v < 0:
-            return None
-        return Hop(pid, best_v, prev, best_ts, best_te, best_start, best_finish)
+        return best
 
     def _common_slot(
         self,
