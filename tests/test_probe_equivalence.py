@@ -327,10 +327,9 @@ def scenario(
 
 
 stretches = st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size=5)
-
-
-@settings(max_examples=150, deadline=None)
-@given(
+# A request stream on random multi-pipeline topologies, with stages that run early or late
+# and hops that fail: what the plane and its plain counterparts are driven by.
+driven = dict(
     shapes=pipelines(3, 2, 2),
     gaps=arrival_gaps(60),
     stretch=stretches,
@@ -339,6 +338,10 @@ stretches = st.lists(st.sampled_from([0.6, 1.0, 1.0, 1.3]), min_size=1, max_size
     alike=st.booleans(),
     fails=st.sets(st.integers(0, 40), max_size=3),
 )
+
+
+@settings(max_examples=150, deadline=None)
+@given(**driven)
 def test_pipeline_choice_equals_probing_every_pipeline(
     shapes, gaps, stretch, transfer, inputs, alike, fails
 ):
@@ -353,15 +356,7 @@ def test_pipeline_choice_equals_probing_every_pipeline(
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    shapes=pipelines(3, 2, 2),
-    gaps=arrival_gaps(60),
-    stretch=stretches,
-    transfer=st.integers(0, 3),
-    inputs=st.sampled_from([0, 0, 2]),
-    alike=st.booleans(),
-    fails=st.sets(st.integers(0, 40), max_size=3),
-)
+@given(**driven)
 def test_the_plane_decides_as_its_reference(shapes, gaps, stretch, transfer, inputs, alike, fails):
     """The reference plane (`--data-plane reference`: every probe by the plain rule, every
     pipeline probed in the model's order, nothing skipped or kept) decides as the fast
