@@ -122,6 +122,27 @@ def test_near_and_far_timers_fire_in_order_never_early_and_cancelled_ones_never(
     assert cancelled == []
 
 
+@pytest.mark.parametrize("make", [precise_event_loop, asyncio.new_event_loop])
+def test_timers_already_due_fire_in_the_order_of_their_times_not_of_their_setting(make):
+    """What a busy host makes of timers set a little apart: by the time the later ones are
+    set, earlier-set ones may already be due. They fire in the order of their times, after
+    what was ready, as asyncio's own loop has them."""
+    loop = make()
+    fired: list[str] = []
+    try:
+        now = loop.time()
+        loop.call_soon(fired.append, "ready")
+        loop.call_at(now - 0.001, fired.append, "-1 ms")
+        loop.call_at(now - 0.003, fired.append, "-3 ms")
+        loop.call_at(now + 0.0004, fired.append, "+0.4 ms")
+        loop.call_at(now - 0.002, fired.append, "-2 ms")
+        loop.call_at(now + 0.02, loop.stop)
+        loop.run_forever()
+    finally:
+        loop.close()
+    assert fired == ["ready", "-3 ms", "-2 ms", "-1 ms", "+0.4 ms"]
+
+
 @needs_uvloop
 def test_a_failing_timer_is_reported_and_the_others_still_fire():
     loop = precise_event_loop()

@@ -222,12 +222,10 @@ class PreciseLoop(_Base):
         context: contextvars.Context | None = None,
     ) -> Any:
         ns = int(when * 1e9)
-        now = time.monotonic_ns()
-        if ns <= now:  # due: after what is ready now, as asyncio does
-            return self.call_soon(callback, *args, context=context)
         timer = PreciseTimer(when, callback, args, context, self)
-        if ns - now > FAR_NS:  # libuv's timer brings it here a little before its time
-            timer._native = super().call_later((ns - now - HANDOVER_NS) / 1e9, self._near, timer)
+        ahead = ns - time.monotonic_ns()
+        if ahead > FAR_NS:  # libuv's timer brings it here a little before its time
+            timer._native = super().call_later((ahead - HANDOVER_NS) / 1e9, self._near, timer)
             return timer
         self._push(ns, timer)
         return timer
@@ -243,9 +241,9 @@ class PreciseLoop(_Base):
         self._push(int(timer._when * 1e9), timer)
 
     def _push(self, ns: int, timer: PreciseTimer) -> None:
-        if ns <= time.monotonic_ns():
-            self.call_soon(timer._run)
-            return
+        # one already due goes here too (the timerfd, armed in the past, is ready at once):
+        # after what is ready now, and due ones fire in the order of their times as
+        # asyncio's do, not in the order they were set
         self._timer_seq += 1
         heapq.heappush(self._timers, (ns, self._timer_seq, timer))
         if self._armed_ns == 0 or ns < self._armed_ns:
