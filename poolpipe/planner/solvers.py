@@ -6,6 +6,7 @@ returns a `MilpResult`. Nothing here knows about pipelines.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 import sys
@@ -205,6 +206,13 @@ def _solve_highs(
     info = h.getInfo()
     has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
     values = np.asarray(h.getSolution().col_value, dtype=float) if has_sol else None
+    if values is not None and not np.isfinite(values).all():
+        bad = int((~np.isfinite(values)).sum())
+        raise SolverError(
+            f"highspy {importlib.metadata.version('highspy')} returned a plan with {bad} "
+            "values that are not numbers (1.16.0 does so on some small MILPs); install the "
+            "version poolpipe asks for: pip install 'highspy<1.16'"
+        )
     objective = float(info.objective_function_value) if has_sol else -math.inf
     bound = float(info.mip_dual_bound) if milp.num_integer else objective
     if model_status == highspy.HighsModelStatus.kOptimal:
