@@ -97,7 +97,9 @@ def knapsack_bound(
     solved = [_knapsack(x, need, cap, trace) for x, need, _ in options]
     tables = [best for best, _ in solved]
     if len(tables) == 1:
-        bound = float(tables[0][tuple(cap)]) / weights[0]
+        # (no higher than the LP's bound, which holds too: a surrogate capacity's grid,
+        # floored in favour of the relaxation, can reach a hair above it)
+        bound = min(float(tables[0][tuple(cap)]) / weights[0], cb.dual_bound)
         cells_used: list[tuple[int, ...]] | None = [tuple(cap)]
     else:
         bound, reached = _bisect(tables, weights, cap, incumbent, cb.dual_bound)
