@@ -322,6 +322,24 @@ def test_knapsack_bound_on_three_types_is_valid(inst, packing):
     _check_single_knapsack(model, cluster, slo, packing, (1, 2))  # A at shares 1 and 2
 
 
+def test_a_surrogate_grids_round_off_never_lifts_one_models_bound_above_the_lps():
+    """A case the random draws found: B is exact, A and C folded into the surrogate
+    capacity; its floored costs let the knapsack reach 3601.44 where the LP's dual bound,
+    tight here, is 3601.22. The bound is the lower of the two."""
+    model = tiny_model(
+        "m0",
+        {
+            ("A", 1): [[10448.0, 200.0], [9676.0, 20000.0], [200.0, 9713.0]],
+            ("A", 2): [[12929.0], [16457.0], [811.0]],
+            ("B", 1): [[200.0, 200.0], [200.0, 200.0], [200.0, 200.0]],
+            ("C", 1): [[12785.0], [1571.0], [551.0]],
+        },
+        [1e6, 1e6],
+    )
+    pools = [("A", 2, 1, (1, 2)), ("B", 1, 1, (1,)), ("C", 2, 1, (1,))]
+    _check_single_knapsack(model, tiny_cluster(pools, 1.0), 43595.0, "per-share", (1, 2))
+
+
 def test_knapsack_folds_priced_types_into_a_surrogate_capacity():
     """The grid (knapsack._grid): two types stay exact; of three or more, unpriced types
     drop and, when more than two are priced, the most valuable stays exact and the rest
