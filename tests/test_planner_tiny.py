@@ -504,3 +504,19 @@ def test_the_solver_finds_a_plan_at_least_as_good_as_one_written_down(case):
     assert chosen_fits(written, cluster, "per-position")
     plan = make_plan(req)
     assert plan.objective >= chosen_objective(written, [0.4, 0.6]) * (1 - 1e-9)
+
+
+def test_planned_utilisation_is_one_at_the_bottleneck_at_the_planned_load():
+    """What Prometheus compares a pool's busy seconds with (topology.planned_utilisation):
+    at the model's planned req/s its slowest pool is busy all the time, the others less;
+    at half the load, half as busy."""
+    from poolpipe.scheduler.topology import build_topology, planned_utilisation
+
+    m = tiny_model("m", {("A", 1): A1, ("B", 1): B1}, SMALL_BOUNDARY)
+    plan = make_plan(request(m, one_each(), 12000))
+    topo = build_topology(plan, {"m": m})
+    assert len(topo.pools) == 2  # block 0 on B, block 1 on A
+    full = planned_utilisation(topo, [plan.models[0].throughput])
+    assert full == pytest.approx([1.0, 0.8])  # B serves 200/s at most, A 250/s
+    half = planned_utilisation(topo, [plan.models[0].throughput / 2])
+    assert half == pytest.approx([u / 2 for u in full])

@@ -8,7 +8,7 @@ all read the same `Topology`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from poolpipe.domain.costs import ModelCosts, transfer_us_per_sample
@@ -324,3 +324,19 @@ def simulated_topology(plan: Plan, profiles: Mapping[str, ModelProfile]) -> Topo
     sizes = {m.name: profiles[m.name].input_bytes for m in plan.models}
     known = {name: size for name, size in sizes.items() if size is not None}
     return with_inputs(topo, known, plan.cluster.bandwidth_gbps)
+
+
+def planned_utilisation(topo: Topology, loads: Sequence[float]) -> list[float]:
+    """Each pool's planned busy fraction per vGPU when model m receives `loads[m]` req/s:
+    the model's load split over its pipelines as their planned throughputs, a request
+    costing a pool its batch's latency over the batch. At a model's planned throughput its
+    bottleneck pools are at 1; at its deliverable load, at what the plan holds back."""
+    by_pipeline = {(pl.model, pl.index): pl for pl in topo.pipelines}
+    out = []
+    for p in topo.pools:
+        pl = by_pipeline[(p.model, p.pipeline)]
+        model = topo.models[p.model]
+        share = pl.throughput / model.throughput if model.throughput > 0 else 0.0
+        per_request_s = p.latency_us[pl.batch] / pl.batch / 1e6
+        out.append(loads[p.model] * share * per_request_s / max(1, len(p.vgpus)))
+    return out

@@ -20,6 +20,7 @@ from poolpipe.client.control import authorised, node_key
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
+from poolpipe.scheduler.topology import planned_utilisation
 from poolpipe.store.warehouse import Warehouse, store_rows_durably, store_tables_durably
 from triton_backend import REPLAN_GRACE_S
 from triton_backend.deploy.deployment import Deployment, RolloutResult
@@ -139,6 +140,85 @@ class RouterCollector:
         for st, k in sorted(self.server.rollouts.items()):
             rollouts.add_metric([st], k)
         yield rollouts
+        yield from self._plan_figures(core)
+        yield from self._writer_figures()
+
+    def _plan_figures(self, core):
+        """What the plan served says, beside what is observed: per model its planned and
+        deliverable req/s, per pool its vGPUs and its planned utilisation at the deliverable
+        load (what recording rules compare the busy seconds with); drops by reason; the
+        reply margin's ceiling."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        drops = CounterMetricFamily(
+            "poolpipe_drops", "Requests dropped, by the data plane's reason", labels=["reason"]
+        )
+        for reason, k in sorted(core.runtime.drop_reasons.items()):
+            drops.add_metric([reason], k)
+        yield drops
+        yield GaugeMetricFamily(
+            "poolpipe_reply_margin_ceiling_seconds",
+            "The most the reply margin may grow to (at it, answers are slower than it allows)",
+            value=core.margin.ceiling_us / 1e6,
+        )
+        topo = core.runtime.topo
+        plan = {m.name: m for m in self.server.deployment.plan.models}
+        planned = GaugeMetricFamily(
+            "poolpipe_model_planned_rps", "The plan's fluid throughput per model", labels=["model"]
+        )
+        deliverable = GaugeMetricFamily(
+            "poolpipe_model_deliverable_rps",
+            "What the plan states it serves at 99% on time per model (its fluid throughput "
+            "where it states none)",
+            labels=["model"],
+        )
+        loads = []
+        for m in topo.models:
+            stated = plan[m.name].deliverable if m.name in plan else None
+            load = m.throughput if stated is None else float(stated)
+            loads.append(load)
+            planned.add_metric([m.name], m.throughput)
+            deliverable.add_metric([m.name], load)
+        yield planned
+        yield deliverable
+        vgpus = GaugeMetricFamily(
+            "poolpipe_pool_vgpus", "vGPUs of each pool", labels=["model", "pool", "gpu"]
+        )
+        util = GaugeMetricFamily(
+            "poolpipe_pool_planned_utilisation",
+            "Each pool's planned busy fraction per vGPU at its model's deliverable load",
+            labels=["model", "pool", "gpu"],
+        )
+        for p, u in zip(topo.pools, planned_utilisation(topo, loads), strict=True):
+            labels = [topo.models[p.model].name, str(p.id), p.gpu]
+            vgpus.add_metric(labels, len(p.vgpus))
+            util.add_metric(labels, u)
+        yield vgpus
+        yield util
+
+    def _writer_figures(self):
+        """The statistics writer: its interval, when it last wrote to the warehouse, and
+        the windows it spooled beside a warehouse another process held."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield GaugeMetricFamily(
+            "poolpipe_stats_interval_seconds",
+            "How often the router writes its statistics to the warehouse",
+            value=self.server.stats_interval_s,
+        )
+        yield GaugeMetricFamily(
+            "poolpipe_stats_last_write_timestamp_seconds",
+            "When the router's statistics last reached the warehouse (Unix time; its start "
+            "until the first window)",
+            value=self.server.stats_written_at,
+        )
+        spooled = CounterMetricFamily(
+            "poolpipe_stats_spooled",
+            "Statistics windows spooled beside a warehouse another process held (written "
+            "in at its next open)",
+        )
+        spooled.add_metric([], self.server.stats_spooled)
+        yield spooled
 
 
 class ServingProcess:
@@ -236,6 +316,8 @@ class ServingProcess:
         self._mix = (names, weights, self._live_objective(names, weights))
         self._window_start = datetime.now()
         self.started = datetime.now()
+        self.stats_written_at = time.time()  # (the start, until the first window)
+        self.stats_spooled = 0
         self.rollouts: Counter[str] = Counter()  # by result: done, rolled back, refused
         # the last windows flushed: (start, seconds, {model: its row}), newest last
         self.recent: deque[tuple[datetime, float, dict[str, dict]]] = deque(maxlen=5)
@@ -371,9 +453,12 @@ class ServingProcess:
         self.recent.append((start, seconds, {m.model: asdict(m) for m in window.models}))
 
         # another process may hold the warehouse: wait a little, else spool (nothing lost)
-        store_tables_durably(
+        if store_tables_durably(
             self.warehouse, {"serving_stats": rows, "serving_pool_busy": busy}, STATS_WAIT_S
-        )
+        ):
+            self.stats_written_at = time.time()
+        else:
+            self.stats_spooled += 1
         return len(rows) + len(busy)
 
     # ------------------------------------------------------------------ failures
