@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import httpx
@@ -146,6 +147,87 @@ def test_router_metrics_for_prometheus(server):
     assert "poolpipe_pool_busy_seconds_total" in text and "poolpipe_in_flight" in text
     assert "poolpipe_reply_margin_seconds" in text
     assert re.search(r'poolpipe_model_ready\{model="tiny"\} 1\.0', text)
+
+
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="Prometheus is not installed (Debian's prometheus package; ./run installs it as root)",
+)
+def test_a_real_prometheus_scrapes_the_router_and_its_nodes_with_poolpipes_rules(server, tmp_path):
+    """deploy/prometheus/poolpipe.rules.yml loaded by a real Prometheus that scrapes the
+    router's metrics and its nodes' Triton metrics every second: every target up, every
+    rule evaluated without error, and the recording rules' series there for the model
+    and each of its pools while requests flow."""
+    import subprocess
+    import time
+
+    from tests.test_prometheus import RULES, rules_in_file
+    from triton_backend.env import free_ports
+
+    nodes = [f"127.0.0.1:{n.metrics_port}" for n in server.deployment.local.nodes.values()]
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [
+            {
+                "job_name": "poolpipe",
+                "static_configs": [{"targets": [f"127.0.0.1:{server.metrics_port}"]}],
+            },
+            {"job_name": "triton", "static_configs": [{"targets": nodes}]},
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # (JSON is YAML)
+    port = free_ports(1)[0]
+    api = f"http://127.0.0.1:{port}/api/v1"
+    with (tmp_path / "prometheus.log").open("w") as log:
+        proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    pools = len(server.deployment.core.runtime.topo.pools)
+    wanted = {
+        "up == 1": 1 + len(nodes),
+        'poolpipe:arrivals:rate5m{model="tiny"} > 0': 1,
+        'poolpipe:attainment:ratio5m{model="tiny"} >= 0': 1,
+        "poolpipe:pool_utilisation:ratio5m > 0": pools,
+        "poolpipe:pool_utilisation_over_plan:ratio5m > 0": pools,
+        'poolpipe:deliverable_headroom:ratio5m{model="tiny"}': 1,
+        "nv_inference_request_success": 1,  # a node's own figure (at least one)
+    }
+    got: dict[str, int] = {}
+
+    def count(query: str) -> int:
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.get(f"{api}/query", params={"query": query}, timeout=5)
+            return len(r.json()["data"]["result"])
+        return 0
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            _send(server, 2)
+            got = {q: count(q) for q in wanted}
+            if all(got[q] >= k for q, k in wanted.items()):
+                break
+            time.sleep(0.5)
+        rules = httpx.get(f"{api}/rules", timeout=5).json()["data"]["groups"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log_text = (tmp_path / "prometheus.log").read_text()[-3000:]
+    assert all(got[q] >= k for q, k in wanted.items()), (got, log_text)
+    assert got["up == 1"] == 1 + len(nodes), got
+    health = {
+        r.get("name"): (r["health"], r.get("lastError", "")) for g in rules for r in g["rules"]
+    }
+    assert len(health) == len(rules_in_file())
+    assert all(h == ("ok", "") for h in health.values()), health
 
 
 def test_rollout_flow_goes_through_the_control_model(prefect_api, server, onboarded_tiny):  # noqa: F811
