@@ -17,6 +17,7 @@ NODE_CHECK_EVERY_US = 500_000.0
 
 # The states a node change reports (NodeHealth.on_change).
 DOWN, BACK, DRAINED, UNDRAINED = "down", "back", "drained", "undrained"
+NODE_STATES = (DOWN, BACK, DRAINED, UNDRAINED)
 
 
 class NodeHealth:

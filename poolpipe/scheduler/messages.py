@@ -24,6 +24,13 @@ DROP_OVERLOAD: Final = "queue full"
 DROP_STAGE_OVERRAN: Final = "deadline cannot be met: a stage ran over its reserved time"
 # (the runtime's) its batch was still running when its SLO ran out: answered then, not late
 DROP_OVERDUE: Final = "deadline passed while its batch ran"
+DROP_REASONS: Final = (
+    DROP_DEADLINE_PASSED,
+    DROP_CANNOT_MEET,
+    DROP_OVERLOAD,
+    DROP_STAGE_OVERRAN,
+    DROP_OVERDUE,
+)
 
 
 @dataclass(slots=True, init=False)

@@ -109,6 +109,9 @@ def _http_addresses(nodes: dict[str, RepositoryAPI]) -> dict[str, str]:
     return {n.grpc_url: a for n in nodes.values() if (a := n.http_address) is not None}
 
 
+ROLLOUT_RESULTS = ("done", "rolled back", "refused")  # RolloutResult.status
+
+
 @dataclass(frozen=True)
 class RolloutResult:
     status: str  # "done", "rolled back" (what was loaded is unloaded) or "refused" (nothing was)

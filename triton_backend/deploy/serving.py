@@ -20,10 +20,11 @@ from poolpipe.client.control import authorised, node_key
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
+from poolpipe.scheduler.messages import DROP_REASONS
 from poolpipe.scheduler.topology import planned_utilisation
 from poolpipe.store.warehouse import Warehouse, store_rows_durably, store_tables_durably
 from triton_backend import REPLAN_GRACE_S
-from triton_backend.deploy.deployment import Deployment, RolloutResult
+from triton_backend.deploy.deployment import ROLLOUT_RESULTS, Deployment, RolloutResult
 from triton_backend.deploy.peers import TierMember
 from triton_backend.env import free_ports, signals_held
 from triton_backend.node.triton import refuse_taken_ports
@@ -153,8 +154,9 @@ class RouterCollector:
         drops = CounterMetricFamily(
             "poolpipe_drops", "Requests dropped, by the data plane's reason", labels=["reason"]
         )
-        for reason, k in sorted(core.runtime.drop_reasons.items()):
-            drops.add_metric([reason], k)
+        counted = core.runtime.drop_reasons
+        for reason in sorted({*DROP_REASONS, *counted}):
+            drops.add_metric([reason], counted.get(reason, 0))
         yield drops
         yield GaugeMetricFamily(
             "poolpipe_reply_margin_ceiling_seconds",
@@ -318,7 +320,8 @@ class ServingProcess:
         self.started = datetime.now()
         self.stats_written_at = time.time()  # (the start, until the first window)
         self.stats_spooled = 0
-        self.rollouts: Counter[str] = Counter()  # by result: done, rolled back, refused
+        # by result, each from 0 (a series from the first scrape)
+        self.rollouts: Counter[str] = Counter(dict.fromkeys(ROLLOUT_RESULTS, 0))
         # the last windows flushed: (start, seconds, {model: its row}), newest last
         self.recent: deque[tuple[datetime, float, dict[str, dict]]] = deque(maxlen=5)
         self._unservable_said = -1e18  # when the log last said the plan cannot serve
@@ -333,11 +336,13 @@ class ServingProcess:
         self.metrics_port = None
         try:
             if metrics_port is not None:
-                from prometheus_client import start_http_server
+                from prometheus_client import ProcessCollector, start_http_server
                 from prometheus_client.registry import CollectorRegistry
 
                 registry = CollectorRegistry()
                 registry.register(RouterCollector(self))
+                # the router process's CPU, memory and open files (process_*)
+                ProcessCollector(registry=registry)
                 self.metrics_port = metrics_port or free_ports(1)[0]
                 start_http_server(self.metrics_port, addr=self.metrics_address, registry=registry)
             if agent_port is not None:

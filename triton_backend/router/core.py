@@ -44,6 +44,7 @@ from poolpipe.runtime import (
     capped_slo_us,
     default_flush_timeout_us,
 )
+from poolpipe.runtime.health import NODE_STATES
 from triton_backend import TRANSPORTS
 from triton_backend.node.watch import watch_node
 from triton_backend.router.answers import AnswerInbox
@@ -221,7 +222,8 @@ class RouterCore:
         )
         # every change of a node's state, newest last: (wall time, node, state, why)
         self.node_events: deque[tuple[datetime, str, str, str]] = deque(maxlen=500)
-        self.node_changes: Counter[str] = Counter()  # by state (down, back, drained, ...)
+        # by state entered, each from 0 (a series from the first scrape)
+        self.node_changes: Counter[str] = Counter(dict.fromkeys(NODE_STATES, 0))
         self.node_names: dict[str, str] = {}  # node address -> its name, for the log
         self.runtime.on_node_change(self._node_changed)
         self._watches: dict[str, asyncio.Task] = {}
