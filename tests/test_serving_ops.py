@@ -153,14 +153,18 @@ def test_router_metrics_for_prometheus(server):
     shutil.which("prometheus") is None,
     reason="Prometheus is not installed (Debian's prometheus package; ./run installs it as root)",
 )
-def test_a_real_prometheus_scrapes_the_router_and_its_nodes_with_poolpipes_rules(server, tmp_path):
+def test_a_real_prometheus_with_poolpipes_rules_and_dashboard_scrapes_the_router_and_nodes(
+    server, tmp_path
+):
     """deploy/prometheus/poolpipe.rules.yml loaded by a real Prometheus that scrapes the
     router's metrics and its nodes' Triton metrics every second: every target up, every
-    rule evaluated without error, and the recording rules' series there for the model
-    and each of its pools while requests flow."""
+    rule evaluated without error, the recording rules' series there for the model and
+    each of its pools while requests flow, and every query of the Grafana dashboard
+    (deploy/grafana/poolpipe.json) returning series."""
     import subprocess
     import time
 
+    from tests.test_grafana import panel_queries
     from tests.test_prometheus import RULES, rules_in_file
     from triton_backend.env import free_ports
 
@@ -200,6 +204,8 @@ def test_a_real_prometheus_scrapes_the_router_and_its_nodes_with_poolpipes_rules
         'poolpipe:deliverable_headroom:ratio5m{model="tiny"}': 1,
         "nv_inference_request_success": 1,  # a node's own figure (at least one)
     }
+    # and every panel of the Grafana dashboard shows something
+    wanted.update({q: max(1, wanted.get(q, 1)) for q in panel_queries()})
     got: dict[str, int] = {}
 
     def count(query: str) -> int:
@@ -221,7 +227,8 @@ def test_a_real_prometheus_scrapes_the_router_and_its_nodes_with_poolpipes_rules
         proc.terminate()
         proc.wait(timeout=30)
     log_text = (tmp_path / "prometheus.log").read_text()[-3000:]
-    assert all(got[q] >= k for q, k in wanted.items()), (got, log_text)
+    short = {q: (got.get(q, 0), k) for q, k in wanted.items() if got.get(q, 0) < k}
+    assert not short, f"queries with fewer series than wanted (got, wanted): {short}\n{log_text}"
     assert got["up == 1"] == 1 + len(nodes), got
     health = {
         r.get("name"): (r["health"], r.get("lastError", "")) for g in rules for r in g["rules"]
