@@ -70,9 +70,9 @@ def test_every_query_names_series_that_exist(query):
     counters |= {"poolpipe_node_changes", "poolpipe_rollouts", "poolpipe_nonfinite_inputs"}
     exported |= {f"{c}_total" for c in counters & exported}
     recorded = {r["record"] for r in rules_in_file() if "record" in r}
-    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\bby \([^)]*\)", "", query)
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\b(by|on) \([^)]*\)", "", query)
     names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", bare))
-    names -= {"sum", "max", "rate", "increase", "time"}
+    names -= {"sum", "max", "rate", "increase", "time", "and"}
     assert names, query
     for name in names:
         known = (

@@ -199,7 +199,9 @@ ROWS: list[tuple[str, list]] = [
                 "Router CPU",
                 "percentunit",
                 (
-                    f'rate(process_cpu_seconds_total{{job="poolpipe"}}[{RATE}])',
+                    # (the routers' processes: those exporting poolpipe's series, whatever
+                    # their scrape job is called)
+                    f"rate(process_cpu_seconds_total[{RATE}]) and on (instance) poolpipe_in_flight",
                     "{{instance}}",
                 ),
                 description="Cores the router process uses (its Triton front end is a "
