@@ -23,12 +23,17 @@ JSON = REPO / "deploy" / "grafana" / "poolpipe.json"
 RATE_INTERVAL = "10s"
 
 
-def generator():
-    spec = importlib.util.spec_from_file_location("poolpipe_dashboard", SOURCE)
+def load_module(path: Path):
+    """A script of deploy/ (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def generator():
+    return load_module(SOURCE)
 
 
 def panel_queries() -> list[str]:

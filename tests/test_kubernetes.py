@@ -7,7 +7,6 @@ command-line parser, as tests/test_docs.py parses the guide's commands)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 import yaml
 
 from poolpipe.domain.inventory import parse_inventory
+from tests.test_grafana import load_module
 from tests.test_prometheus import RULES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,14 +30,6 @@ needs_kubectl = pytest.mark.skipif(
     shutil.which("kubectl") is None,
     reason="kubectl is not installed (it renders the overlays: kubectl kustomize)",
 )
-
-
-def _module(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +56,7 @@ def _by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
 
 
 def test_the_monitoring_objects_are_made_from_the_rules_and_the_dashboard():
-    made = _module(K8S / "make_monitoring.py")
+    made = load_module(K8S / "make_monitoring.py")
     for name, make in made.MADE.items():
         assert (K8S / "base" / name).read_text() == make(), (
             f"deploy/kubernetes/base/{name} is out of date: "

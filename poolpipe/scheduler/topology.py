@@ -331,11 +331,10 @@ def planned_utilisation(topo: Topology, loads: Sequence[float]) -> list[float]:
     the model's load split over its pipelines as their planned throughputs, a request
     costing a pool its batch's latency over the batch. At a model's planned throughput its
     bottleneck pools are at 1; at its deliverable load, at what the plan holds back."""
-    by_pipeline = {(pl.model, pl.index): pl for pl in topo.pipelines}
     out = []
     for p in topo.pools:
-        pl = by_pipeline[(p.model, p.pipeline)]
         model = topo.models[p.model]
+        pl = topo.pipelines[model.pipelines[p.pipeline]]
         share = pl.throughput / model.throughput if model.throughput > 0 else 0.0
         per_request_s = p.latency_us[pl.batch] / pl.batch / 1e6
         out.append(loads[p.model] * share * per_request_s / max(1, len(p.vgpus)))
