@@ -27,8 +27,9 @@ from poolpipe.runtime.intake import BadRequest
 # The request parameter (a header the balancer sets and the router's Triton forwards).
 ARRIVAL_STAMP = "x-poolpipe-arrival-us"
 # The pattern of headers the router's Triton forwards to the door as parameters, in any
-# case (HAProxy sends header names in lower case, other clients as they were written).
-FORWARDED_HEADERS = "(?i)x-poolpipe-.*"
+# case (HAProxy sends header names in lower case, other clients as they were written):
+# ours, and the client's W3C trace context (traceparent, tracestate) for the router's traces.
+FORWARDED_HEADERS = "(?i)(x-poolpipe-.*|traceparent|tracestate)"
 
 # The time the client has left (gRPC's `grpc-timeout` format: up to 8 digits and a unit),
 # counted from the request's arrival stamp (or the door's arrival where it has none).

@@ -50,6 +50,7 @@ class _PartSink:
     """Where the executor settles a part (as it settles a client request's row)."""
 
     __slots__ = ("apps", "part")
+    trace = None  # an application's parts are not traced (router/tracing.py)
 
     def __init__(self, apps: RouterApps, part: Part):
         self.apps = apps

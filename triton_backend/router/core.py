@@ -64,6 +64,7 @@ from triton_backend.router.served import (
 )
 from triton_backend.router.stages import StageClient
 from triton_backend.router.timers import precise_event_loop
+from triton_backend.router.tracing import RequestTrace, TraceConfig, Tracing, wall_ns
 from triton_backend.router.transport import ChainTransport, HopTransport, RelayTransport
 
 __all__ = [
@@ -107,14 +108,14 @@ class LoopClock(Clock):
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self._t0 = time.monotonic_ns()
+        self.t0_ns = time.monotonic_ns()  # CLOCK_MONOTONIC at this clock's 0
 
     def now(self) -> float:
-        return (time.monotonic_ns() - self._t0) / 1e3
+        return (time.monotonic_ns() - self.t0_ns) / 1e3
 
     def at(self, monotonic_ns: int) -> float:
         """A CLOCK_MONOTONIC time (any process of this host) on this clock."""
-        return (monotonic_ns - self._t0) / 1e3
+        return (monotonic_ns - self.t0_ns) / 1e3
 
     def call_at(self, t_us: float, fn: Callable[[], None]) -> asyncio.TimerHandle:
         return self.loop.call_later(max(0.0, (t_us - self.now()) / 1e6), fn)
@@ -173,6 +174,7 @@ class RouterCore:
         node_sweep_s: float = NODE_SWEEP_S,
         stamps: ArrivalStamps | None = None,
         answers: str | None = None,
+        tracing: TraceConfig | None = None,
     ):
         """`margin`: what the reply margin is learnt with (its floor until it has samples;
         the floor and ceiling equal for a fixed margin). `transport`: how a batch's hops
@@ -183,7 +185,8 @@ class RouterCore:
         a call to it failed). `stamps`: how a load balancer's arrival stamps are taken (the
         clock bound and the longest wait; it counts what became of them). `answers`: where a
         chain's last node sends the model's outputs, the router's inbox address "HOST:PORT"
-        (answers.py; None: back along the chain)."""
+        (answers.py; None: back along the chain). `tracing`: where the requests' traces are
+        exported and which (tracing.py); None: none are."""
         if transport not in TRANSPORTS:
             raise PoolpipeError(f"unknown transport {transport!r}; choose {', '.join(TRANSPORTS)}")
         self._loop = precise_event_loop()
@@ -226,6 +229,12 @@ class RouterCore:
         self.node_changes: Counter[str] = Counter(dict.fromkeys(NODE_STATES, 0))
         self.node_names: dict[str, str] = {}  # node address -> its name, for the log
         self.runtime.on_node_change(self._node_changed)
+        self.tracing: Tracing | None = None  # the requests' notes while traced
+        self._tracing: Tracing | None = None  # ... kept while tracing is paused
+        if tracing is not None:
+            epoch_ns = wall_ns() + self.clock.t0_ns
+            self.tracing = self._tracing = Tracing(tracing, self._loop, self.clock.now, epoch_ns)
+            self.executor.trace(self.tracing)
         self._watches: dict[str, asyncio.Task] = {}
         self.watching: set[str] = set()  # nodes whose watch connection is open now
         self._closing = asyncio.Event()
@@ -249,7 +258,22 @@ class RouterCore:
         _freeze_heap()
         self._frozen = True
         self._thread.start()
+        if self._tracing is not None:
+            self._tracing.start()
         return self
+
+    def trace_requests(self, on: bool) -> None:
+        """Trace the requests that come from now on, or not (a router started with
+        tracing; its exporter runs on while paused). Requests already taken keep theirs."""
+        tracing = self._tracing
+        if tracing is None:
+            raise PoolpipeError("this router was started without tracing (--trace-endpoint)")
+
+        def switch() -> None:
+            self.tracing = tracing if on else None
+            self.executor.trace(tracing if on else None)
+
+        self._call(switch)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -257,6 +281,8 @@ class RouterCore:
         self._loop.run_forever()
 
     def stop(self) -> None:
+        if self._tracing is not None:  # what is noted goes out before the loop stops
+            self._tracing.close()
         if self._thread.is_alive():
             self._call(self._stop_watching)
             asyncio.run_coroutine_threadsafe(self.executor.close(), self._loop).result(10)
@@ -416,14 +442,16 @@ class RouterCore:
         arrived_ns: int,
         reply: Reply,
         deadline_ns: int | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         """One client request, on the router's loop (the door's socket is served there):
         its input tensors in the model's input order, `slo_ms` as the client sent it (or
         None for the model's SLO), when the door saw it (CLOCK_MONOTONIC ns), and the
         client's own deadline where it sent one (same clock: the SLO ends there if that
         comes first; an application's requests keep their plan's). Answered through
-        `reply`, once. A request the runtime refuses at the door raises BadRequest at once
-        (nothing queued)."""
+        `reply`, once. `trace`: its notes, where the router traces it (tracing.py). A
+        request the runtime refuses at the door raises BadRequest at once (nothing
+        queued)."""
         apps = self.apps
         if apps is not None and model in apps.ios:
             apps.take(model, arrays, slo_ms, self.clock.at(arrived_ns), reply)
@@ -438,12 +466,18 @@ class RouterCore:
             own = self.runtime.topo.models[index].slo_us if slo_us is None else slo_us
             slo_us = capped_slo_us(own, arrived_ns, deadline_ns)
             self.client_deadlines["shortened" if slo_us < own else "kept"] += 1
-        request = ClientRequest(io, n, reply)
+        request = ClientRequest(io, n, reply, trace)
         arrived = self.clock.at(arrived_ns)
         rt = self.runtime
         for i in range(n):
             rt.add(index, RequestRow(request, i, [a[i : i + 1] for a in arrays]), slo_us, arrived)
         rt.decide()
+
+    def traces(self, model: str) -> bool:
+        """Whether requests of `model` are traced: tracing is on and it is not an
+        application (whose parts are requests of their own)."""
+        apps = self.apps
+        return self.tracing is not None and (apps is None or model not in apps.ios)
 
     def observe_door(self, ingress_ns: int | None, egress_ns: Sequence[int]) -> None:
         """Ingress and egress times the door measured (on the router's loop): the reply

@@ -22,6 +22,7 @@ from poolpipe.runtime import (
 from triton_backend.router.gates import Gate
 from triton_backend.router.served import RequestRow, RouterPlan
 from triton_backend.router.stages import StageClient
+from triton_backend.router.tracing import TracedRuntime, Tracing
 from triton_backend.router.transport import HopTransport
 
 
@@ -47,10 +48,17 @@ class NodeExecutor(Executor):
         self._tasks: set[asyncio.Task] = set()
         self._checks: set[asyncio.Task] = set()  # node checks in flight
         self._gates: dict[int, dict[int, Gate]] = {}  # generation -> vGPU -> its turns
+        self.tracing: Tracing | None = None  # the requests' notes, when traced
         self.rt: ServingRuntime
 
     def bind(self, runtime: ServingRuntime) -> None:
         self.rt = runtime
+
+    def trace(self, tracing: Tracing | None) -> None:
+        """Note every batch, hop and answer of traced requests from now on (None: stop)."""
+        self.tracing = tracing
+        rt = self.rt.runtime if isinstance(self.rt, TracedRuntime) else self.rt
+        self.rt = rt if tracing is None else TracedRuntime(rt, tracing)  # type: ignore[assignment]
 
     def gate(self, generation: int, vgpu: int) -> Gate:
         """The turns of `vgpu` of the plan of that generation."""
@@ -81,11 +89,16 @@ class NodeExecutor(Executor):
     # ------------------------------------------------------------------ the port
 
     def run(self, job: Job) -> None:
+        if self.tracing is not None:
+            self.tracing.dispatched(job)
         self._spawn(self.transport.start(job, self))
 
     def answer(self, entry: Entry, outcome: Outcome, reason: str) -> None:
         row: RequestRow = entry.payload
-        row.request.settle(row.row, outcome, reason, entry.result)
+        request = row.request
+        if request.trace is not None:
+            request.trace.tracing.ended(request.trace, row.row, outcome, reason)
+        request.settle(row.row, outcome, reason, entry.result)
 
     def check_node(self, node: str, served: ServedPlan) -> None:
         plan: RouterPlan = served.adapter

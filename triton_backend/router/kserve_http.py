@@ -153,6 +153,8 @@ class HttpStage:
                 head = self._heads[key] = self._head(call.model, shapes)
         else:  # a chain's call: its parameters differ every time
             head = self._head(call.model, shapes, call.parameters, call.outputs)
+        if call.trace is not None:  # after the request line
+            head = head.replace(b"\r\n", b"\r\ntraceparent: " + call.trace.encode() + b"\r\n", 1)
         blobs = [x.data.cast("B") for x in xs]
         status, headers, body = await self._send([head, *blobs], call.timeout_s)
         if status != 200:

@@ -69,13 +69,14 @@ class ClientRequest:
     """One client request of n rows: answered once, when every row is done or at the first
     row that is dropped or fails."""
 
-    __slots__ = ("io", "reply", "rows", "waiting")
+    __slots__ = ("io", "reply", "rows", "trace", "waiting")
 
-    def __init__(self, io: ModelIO, n: int, reply: Reply):
+    def __init__(self, io: ModelIO, n: int, reply: Reply, trace: Any = None):
         self.io = io
         self.reply: Reply | None = reply
         self.rows: list[dict[str, np.ndarray] | None] = [None] * n
         self.waiting = n
+        self.trace = trace  # its notes while traced (router/tracing.py), else None
 
     def settle(self, row: int, outcome: Outcome, reason: str, result: Any) -> None:
         reply = self.reply

@@ -57,6 +57,7 @@ class StageCall:
     timeout_s: float  # no answer by then: StageTimeout
     parameters: Mapping[str, str] | None = None  # the request's (a chain's path, budget, ...)
     outputs: Sequence[str] | None = None  # only these outputs (default: all of them)
+    trace: str | None = None  # a W3C traceparent the call carries to the node (tracing.py)
 
 
 class StageClient(Protocol):
@@ -129,6 +130,8 @@ class GrpcStages:
             kw["parameters"] = dict(call.parameters)
         if call.outputs is not None:
             kw["outputs"] = [grpcclient.InferRequestedOutput(n) for n in call.outputs]
+        if call.trace is not None:
+            kw["headers"] = {"traceparent": call.trace}
         client = self._client(node)
         try:
             result = await self.loop.run_in_executor(

@@ -36,6 +36,7 @@ from triton_backend.router.stages import (
     StageClient,
     StageTimeout,
 )
+from triton_backend.router.tracing import Tracing
 
 # Chain overheads kept for take_chain_overheads (the latest this many).
 KEPT_OVERHEADS = 4096
@@ -47,6 +48,7 @@ class HopHost(Protocol):
     rt: ServingRuntime
     stages: StageClient
     stage_timeout_s: float
+    tracing: Tracing | None  # the requests' notes, when the router traces
 
     def gate(self, generation: int, vgpu: int) -> Gate: ...
 
@@ -150,7 +152,8 @@ class RelayTransport:
                     else:
                         rt.hop_started(job, h, start)
                     try:
-                        call = StageCall(partition, inputs, timeout_s)
+                        trace = None if ex.tracing is None else ex.tracing.traceparent(job, h)
+                        call = StageCall(partition, inputs, timeout_s, trace=trace)
                         result = await stages.infer(served.vgpu_node[hop.vgpu], call)
                     except Exception as exc:
                         rt.hop_failed(job, h, f"{partition}: {exc}", _node_failed(exc))
@@ -267,6 +270,7 @@ class ChainTransport:
                 ex.stage_timeout_s,
                 parameters=params,
                 outputs=[*back, HOPS_OUTPUT],
+                trace=None if ex.tracing is None else ex.tracing.traceparent(job, 0),
             )
             calling = stages.infer(served.vgpu_node[hop0.vgpu], call)
             if answered is None:

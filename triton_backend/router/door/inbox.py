@@ -34,6 +34,8 @@ from poolpipe.runtime import (
     client_timeout_us,
 )
 from triton_backend.router.core import BAD_REQUEST_MARKER, REFUSED_MARKER, RouterCore
+from triton_backend.router.served import Reply
+from triton_backend.router.tracing import RequestTrace, Tracing
 
 _LEN = struct.Struct("<I")
 log = logging.getLogger(__name__)
@@ -172,9 +174,11 @@ class Door:
         core = self.core
         now = time.monotonic_ns()
         core.observe_door(now - req.arrived_ns, req.egress_ns)
+        tracing = core.tracing
+        params: dict = {}
+        arrived = req.arrived_ns
         try:
             params = _parameters(req.parameters)
-            arrived = req.arrived_ns
             deadline = None
             if params:
                 stamp = _header(params, ARRIVAL_STAMP)
@@ -186,18 +190,25 @@ class Door:
                     deadline = arrived + int(client_timeout_us(left) * 1e3)
             if req.nonfinite:  # (found by the stub, off this loop)
                 core.nonfinite[conn.model] += 1
-            core.take(
-                conn.model,
-                arrays,
-                params.get("slo_ms"),
-                arrived,
-                lambda outs, code, text: conn.answer(rid, outs, code, text),
-                deadline,
-            )
+            reply = lambda outs, code, text: conn.answer(rid, outs, code, text)  # noqa: E731
+            trace = None
+            if tracing is not None and core.traces(conn.model):
+                rows = int(arrays[0].shape[0]) if arrays and arrays[0].ndim else 0
+                trace = tracing.begin(conn.model, rows, core.clock.at(arrived), params)
+                reply = _traced(reply, tracing, trace)
+            core.take(conn.model, arrays, params.get("slo_ms"), arrived, reply, deadline, trace)
         except BadRequest as exc:
-            conn.answer(rid, None, "INVALID_ARG", f"{BAD_REQUEST_MARKER}: {exc}")
+            self._refuse(conn, rid, arrived, params, "INVALID_ARG", f"{BAD_REQUEST_MARKER}: {exc}")
         except Unservable as exc:  # the server's condition: 503, counted as refused
-            conn.answer(rid, None, "UNAVAILABLE", f"{REFUSED_MARKER}: {exc}")
+            self._refuse(conn, rid, arrived, params, "UNAVAILABLE", f"{REFUSED_MARKER}: {exc}")
+
+    def _refuse(
+        self, conn: _Connection, rid: int, arrived_ns: int, params: dict, code: str, text: str
+    ) -> None:
+        conn.answer(rid, None, code, text)
+        tracing = self.core.tracing
+        if tracing is not None:
+            tracing.refused(conn.model, self.core.clock.at(arrived_ns), params, code, text)
 
     def _control(self, conn: _Connection, rid: int, arrays: list[np.ndarray]) -> None:
         handle = self.control
@@ -217,6 +228,16 @@ class Door:
             loop.call_soon_threadsafe(conn.answer, rid, [out], None, "")
 
         self._workers.submit(run)
+
+
+def _traced(reply: Reply, tracing: Tracing, trace: RequestTrace) -> Reply:
+    """`reply`, then the request's trace ends (its answer has left the router)."""
+
+    def answer(outs: list[np.ndarray] | None, code: str | None, text: str) -> None:
+        reply(outs, code, text)
+        tracing.answered(trace, code, text)
+
+    return answer
 
 
 def _header(params: dict, name: str) -> object:
