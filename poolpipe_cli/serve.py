@@ -30,6 +30,13 @@ from poolpipe_cli.common import (
 )
 from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
 from triton_backend.env import is_loopback
+from triton_backend.router.tracing import (
+    HEADERS_VAR,
+    TRACES_ENDPOINT_VAR,
+    TRACES_HEADERS_VAR,
+    TraceConfig,
+    parse_headers,
+)
 
 console = Console()
 
@@ -306,7 +313,7 @@ def _emulation(args: argparse.Namespace, cpu_class: bool) -> dict[str, str]:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from triton_backend.node.triton import TritonNode, refuse_taken_ports
+    from triton_backend.node.triton import TritonNode, refuse_taken_ports, trace_options
     from triton_backend.node.watch import NodeWatch
 
     cpu_class = re.fullmatch(r"cpu-\d+t", args.device) is not None
@@ -339,6 +346,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         address=args.listen,
         key=key,
         environment=environment,
+        options=trace_options(args.trace_endpoint, name),
     )
     watch = None
     try:  # a Ctrl-C while it starts stops what has started
@@ -466,6 +474,31 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         help="an arrival stamp older than this is taken for a clock out of sync: ignored and "
         f"counted ({DEFAULT_MAX_WAIT_US / 1e3:g})",
     )
+    p.add_argument(
+        "--trace-endpoint",
+        default=os.environ.get(TRACES_ENDPOINT_VAR) or None,
+        metavar="URL",
+        help="export the requests' traces (OpenTelemetry, OTLP/HTTP) to this collector URL, "
+        "for example http://otel-collector:4318/v1/traces; headers to send with them (a "
+        f"collector's authorisation) from ${TRACES_HEADERS_VAR} or ${HEADERS_VAR} as "
+        f"NAME=VALUE,... (default: ${TRACES_ENDPOINT_VAR}; none: no traces)",
+    )
+    p.add_argument(
+        "--trace-sample",
+        type=float,
+        default=0.01,
+        help="the share of requests traced (0 to 1) among those whose client sent no "
+        "traceparent header; a client's sampled trace context is followed, and every late, "
+        "dropped, failed or refused request is traced (0.01)",
+    )
+
+
+def trace_config(args: argparse.Namespace) -> TraceConfig | None:
+    """The router's tracing from the options of add_router_arguments (None: off)."""
+    if not args.trace_endpoint:
+        return None
+    headers = os.environ.get(TRACES_HEADERS_VAR) or os.environ.get(HEADERS_VAR)
+    return TraceConfig(args.trace_endpoint, args.trace_sample, parse_headers(headers))
 
 
 def router_options(args: argparse.Namespace) -> dict:
@@ -487,6 +520,7 @@ def router_options(args: argparse.Namespace) -> dict:
         "arrival_stamps": ArrivalStamps(
             args.arrival_clock_bound_ms * 1e3, args.arrival_max_wait_ms * 1e3
         ),
+        "tracing": trace_config(args),
     }
 
 
@@ -594,6 +628,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "of service the moment this process ends; give it as `watch` in the inventory",
     )
     p.add_argument("--workspace", help="working folder (out/node-NAME)")
+    p.add_argument(
+        "--trace-endpoint",
+        default=os.environ.get(TRACES_ENDPOINT_VAR) or None,
+        metavar="URL",
+        help="trace, with OpenTelemetry, the stage calls of the requests a router traces "
+        "(they carry a W3C traceparent) and export the spans over OTLP/HTTP to this collector "
+        f"URL; headers from ${HEADERS_VAR} (default: ${TRACES_ENDPOINT_VAR}; none: no traces)",
+    )
     p.add_argument(
         "--emulate",
         action="store_true",

@@ -46,6 +46,7 @@ from triton_backend.router.calibration import calibrate, warm
 from triton_backend.router.core import DRAIN_TIMEOUT_S, ModelIO, RouterCore, served_plan
 from triton_backend.router.door.server import Frontend
 from triton_backend.router.served import input_bytes
+from triton_backend.router.tracing import TraceConfig
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,7 @@ class Deployment:
         supervise: bool = False,
         arrival_stamps: ArrivalStamps | None = None,
         owner: str | None = None,
+        tracing: TraceConfig | None = None,
     ) -> Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
@@ -291,7 +293,8 @@ class Deployment:
         (Supervisor; `poolpipe serve` does), instead of leaving it to restart_node.
         `arrival_stamps`: how a load balancer's arrival stamps are taken (default bounds).
         `owner`: the router of a router tier this is (its name tags its partition models:
-        owned_by)."""
+        owned_by). `tracing`: where the router exports its requests' traces, and which
+        (router/tracing.py); None: no traces."""
         workspace = Path(workspace)
         workspace.mkdir(parents=True, exist_ok=True)
         ceiling = (
@@ -304,7 +307,12 @@ class Deployment:
         local = (
             None
             if inventory is not None
-            else LocalNodes(workspace, plan.cluster.bandwidth_gbps, key)
+            else LocalNodes(
+                workspace,
+                plan.cluster.bandwidth_gbps,
+                key,
+                None if tracing is None else tracing.endpoint,
+            )
         )
         # before anything starts: a leftover on the router's ports is named, not reused
         refuse_taken_ports(
@@ -351,6 +359,7 @@ class Deployment:
                 key=key,
                 stamps=arrival_stamps,
                 answers=options.answers,
+                tracing=tracing,
             ).start()
             core.use_http(_http_addresses(nodes))
             _watch(core, nodes)

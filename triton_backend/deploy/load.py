@@ -23,7 +23,13 @@ from poolpipe.domain.inventory import (
 from poolpipe.offline.partitions import PartitionFile
 from poolpipe.runtime.placement import Layout
 from triton_backend.node.repository import device_class, partition_files, upload_config
-from triton_backend.node.triton import RemoteNode, RepositoryAPI, TritonNode, stop_nodes
+from triton_backend.node.triton import (
+    RemoteNode,
+    RepositoryAPI,
+    TritonNode,
+    stop_nodes,
+    trace_options,
+)
 
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_MAX_S = 30.0  # the longest wait between two tries to restart a node
@@ -105,9 +111,18 @@ class LocalNodes:
     serve` without --nodes): one tritonserver per node of a layout, on loopback, named as
     the layout's nodes, described by an inventory like any other cluster."""
 
-    def __init__(self, workspace: Path, bandwidth_gbps: float, key: str | None = None):
+    def __init__(
+        self,
+        workspace: Path,
+        bandwidth_gbps: float,
+        key: str | None = None,
+        trace_endpoint: str | None = None,
+    ):
+        """`trace_endpoint`: where the nodes export the spans of traced stage calls
+        (node/triton.py trace_options; None: they trace nothing)."""
         self.workspace = Path(workspace)
         self.key = key
+        self.trace_endpoint = trace_endpoint
         self.bandwidth_gbps = bandwidth_gbps
         self.nodes: dict[str, TritonNode] = {}
         self._where: dict[str, tuple[int, int]] = {}  # node -> (server, GPU index)
@@ -120,7 +135,12 @@ class LocalNodes:
             if spec.name not in self.nodes:
                 repo = self.workspace / "repos" / spec.name  # stays empty: models are uploaded
                 self.nodes[spec.name] = TritonNode(
-                    spec.name, spec.gpu, repo, self.workspace, key=self.key
+                    spec.name,
+                    spec.gpu,
+                    repo,
+                    self.workspace,
+                    key=self.key,
+                    options=trace_options(self.trace_endpoint, spec.name),
                 )
                 self._where[spec.name] = (spec.server, spec.physical)
                 new.append(self.nodes[spec.name])

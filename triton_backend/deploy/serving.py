@@ -143,6 +143,7 @@ class RouterCollector:
         yield rollouts
         yield from self._plan_figures(core)
         yield from self._writer_figures()
+        yield from self._trace_figures(core)
 
     def _plan_figures(self, core):
         """What the plan served says, beside what is observed: per model its planned and
@@ -221,6 +222,24 @@ class RouterCollector:
         )
         spooled.add_metric([], self.server.stats_spooled)
         yield spooled
+
+    def _trace_figures(self, core: RouterCore):
+        """The requests' traces handed to the exporter, and those dropped because it was
+        behind; none where the router does not trace."""
+        from prometheus_client.core import CounterMetricFamily
+
+        tracing = core.tracing
+        if tracing is None:
+            return
+        traces = CounterMetricFamily(
+            "poolpipe_traces",
+            "Requests' traces by what became of them: sent to the exporter process, or "
+            "dropped (the exporter was behind)",
+            labels=["result"],
+        )
+        traces.add_metric(["sent"], tracing.sent)
+        traces.add_metric(["dropped"], tracing.dropped)
+        yield traces
 
 
 class ServingProcess:

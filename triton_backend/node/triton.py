@@ -156,6 +156,25 @@ def _short(exc: BaseException) -> str:
     return " ".join(text.split())[:500]
 
 
+def trace_options(endpoint: str | None, name: str) -> tuple[str, ...]:
+    """tritonserver options that trace, with OpenTelemetry, the calls that carry a W3C
+    trace context (a traced request's stage calls from the router: the node's spans are
+    children of the router's stage span) and no other (rate 0), exported over OTLP/HTTP to
+    `endpoint` (headers from $OTEL_EXPORTER_OTLP_HEADERS, read by Triton's exporter);
+    none without an endpoint."""
+    if not endpoint:
+        return ()
+    return (
+        "--trace-config=mode=opentelemetry",
+        "--trace-config=rate=0",
+        "--trace-config=count=-1",
+        "--trace-config=level=TIMESTAMPS",
+        f"--trace-config=opentelemetry,url={endpoint}",
+        "--trace-config=opentelemetry,resource=service.name=poolpipe-node",
+        f"--trace-config=opentelemetry,resource=service.instance.id={name}",
+    )
+
+
 @dataclass
 class RemoteNode(RepositoryAPI):
     """A running node this process did not start, by its gRPC address."""
