@@ -101,10 +101,17 @@ def tier(onboarded_tiny, tmp_path_factory):  # noqa: F811
     """A router serving a one-partition plan (one cpu-1t node) behind HAProxy."""
     if shutil.which("haproxy") is None:
         pytest.skip("HAProxy is not installed (./run installs it as root: apt-get install haproxy)")
+    from testbed.otlp import OTLPReceiver
+    from triton_backend.router.tracing import TraceConfig
+
     wh, _ = onboarded_tiny
     tmp = tmp_path_factory.mktemp("tier")
     http, grpc, ready, lb_http, lb_grpc = free_ports(5)
-    srv = _router(wh, tmp / "router", http, grpc, ready, metrics_port=0)
+    rx = OTLPReceiver().__enter__()  # the router's traces (sample 0: its clients' alone)
+    srv = _router(
+        wh, tmp / "router", http, grpc, ready, metrics_port=0, tracing=TraceConfig(rx.endpoint, 0.0)
+    )
+    srv.traces = rx  # type: ignore[attr-defined]
     inv = parse_inventory(
         _toml(
             tier_toml(
@@ -120,6 +127,7 @@ def tier(onboarded_tiny, tmp_path_factory):  # noqa: F811
     finally:
         lb.stop()
         srv.close()
+        rx.__exit__()
 
 
 def _toml(text: str) -> dict:
@@ -190,6 +198,33 @@ def test_requests_through_the_balancer_carry_its_stamp_over_http_and_grpc(tier):
     client.close()
     assert counts["used"] == before + 2, dict(counts)
     assert sum(v for k, v in counts.items() if k != "used") == 0, dict(counts)
+
+
+def test_a_clients_trace_context_reaches_the_router_through_the_balancer(tier):
+    """HAProxy passes the W3C traceparent on (HTTP header, gRPC metadata): the router's
+    span of each request is a child of the client's, in the client's trace."""
+    import tritonclient.grpc as tg
+
+    srv, lb = tier
+    parent = "00f067aa0ba902b7"
+    over_http, over_grpc = "ab" * 16, "cd" * 16
+    assert _answer(lb.http_url, {"traceparent": f"00-{over_http}-{parent}-01"}) == (200, "")
+    client = tg.InferenceServerClient(lb.grpc_url)
+    x = tg.InferInput("input", [1, 3, 32, 32], "FP32")
+    x.set_data_from_numpy(np.zeros((1, 3, 32, 32), np.float32))
+    client.infer("tiny", [x], headers={"traceparent": f"00-{over_grpc}-{parent}-01"})
+    client.close()
+    roots = {
+        s.trace_id: s
+        for s in srv.traces.wait_for(
+            lambda spans: (
+                {over_http, over_grpc} <= {s.trace_id for s in spans if s.name == "poolpipe tiny"}
+            )
+        )
+        if s.name == "poolpipe tiny"
+    }
+    for trace in (over_http, over_grpc):
+        assert trace in roots and roots[trace].parent_id == parent, roots
 
 
 def test_a_body_triton_cannot_parse_is_a_400_through_the_balancer(tier):
@@ -576,6 +611,7 @@ def test_a_lost_routers_nodes_are_adopted_and_handed_back_when_it_returns(
             srv.close()
         stop_nodes(nodes)
     assert adopted < 30.0, adopted
+
     # Each router holds a batch until the last moment its deadline allows; on two cores a
     # router's Triton starting or a node loading beside it can make that batch run over,
     # and the router then drops it explicitly at the deadline (its answer says so): an
