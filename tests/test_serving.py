@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from poolpipe.offline.zoo import make_model
 from poolpipe.runtime.placement import layout
 from poolpipe.scheduler import build_topology
 from poolpipe.store.warehouse import Warehouse
+from tests.test_tracing import PARENT_ID, TRACE_ID, _children, _roots, _tiles
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -55,12 +57,20 @@ def onboarded_tiny(prefect_api, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(onboarded_tiny):
+    """Two partitions on two nodes; its traces (tracing.py) go to a real OTLP receiver
+    (`served.traces`), sampled: none of the requests without a sampled trace context of
+    their own (late, dropped and refused ones are traced all the same)."""
+    from testbed.otlp import OTLPReceiver
     from triton_backend.deploy.deployment import Deployment
+    from triton_backend.router.tracing import TraceConfig
 
     wh, tmp = onboarded_tiny
-    dep = Deployment.up(two_partition_plan(), wh, tmp / "ws")
-    yield dep
-    dep.down()
+    with OTLPReceiver() as rx:
+        config = TraceConfig(rx.endpoint, sample=0.0, headers={"x-test": "poolpipe"})
+        dep = Deployment.up(two_partition_plan(), wh, tmp / "ws", tracing=config)
+        dep.traces = rx  # type: ignore[attr-defined]
+        yield dep
+        dep.down()
 
 
 def whole_model(wh: str):
@@ -784,3 +794,128 @@ def test_a_cut_that_fails_leaves_none_of_its_generation(onboarded_tiny, tmp_path
     assert not list((tmp_path / "partitions").glob("*")), "a cut file was left behind"
     assert len(cut_isolated({first: jobs[first]})) == 1  # the same job alone is cut
     assert len(list((tmp_path / "partitions").glob("*"))) == 2  # its file and its node file
+
+
+# ---------------------------------------------------------------------- traces
+
+
+def _traced_infer(mod, client, x, trace_id: str) -> tuple[str, float]:
+    """One request with a sampled trace context (HTTP header or gRPC metadata); (its trace
+    id, the client's latency in ms). One the router drops (its batch, held for company
+    until its last moment, then ran past the SLO on a host shared with the whole suite: an
+    explicit drop, as designed) is asked again, twice at most, under another trace id:
+    these tests check the trace, not how fast."""
+    from triton_backend.router.core import DROP_MARKER
+
+    for attempt in range(3):
+        tid = trace_id[:-1] + str(attempt)
+        t0 = time.perf_counter()
+        try:
+            _infer(
+                mod,
+                client,
+                x,
+                headers={"traceparent": f"00-{tid}-{PARENT_ID}-01", "tracestate": "team=vision"},
+            )
+        except Exception as exc:
+            if DROP_MARKER not in str(exc) or attempt == 2:
+                raise
+            continue
+        return tid, (time.perf_counter() - t0) * 1e3
+    raise AssertionError("unreachable")
+
+
+def test_a_requests_spans_follow_its_clients_trace_to_the_nodes_and_tile_its_latency(served):
+    dep, rx = served, served.traces
+    th, client = _http(dep)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    for _ in range(3):  # warm (no trace context, sample 0: not traced unless not on time)
+        with contextlib.suppress(Exception):
+            _infer(th, client, x)
+    tid, client_ms = _traced_infer(th, client, x, TRACE_ID)
+    # the router's spans, and the nodes' (Triton exports every 5 s): 3 for each of 2 calls
+    spans = rx.wait_for(
+        lambda s: (
+            len([r for r in s if r.trace_id == tid and r.service == "poolpipe-node"]) >= 6
+            and any(r.trace_id == tid for r in _roots(s))
+        ),
+        timeout_s=30,
+    )
+    roots = [r for r in _roots(spans) if r.trace_id == tid]
+    assert len(roots) == 1, roots
+    root = roots[0]
+    assert root.parent_id == PARENT_ID and root.service == "poolpipe-router"
+    assert root.attributes["poolpipe.model"] == "tiny" and root.status != 2
+    assert root.attributes["poolpipe.outcome"] in ("on time", "late")
+    assert 0 < root.ms <= client_ms, (root.ms, client_ms)  # the router saw it inside the client's
+    kids = _children(spans, root)
+    names = [k.name for k in kids]
+    assert names == ["queue", "transfer", "stage", "transfer", "stage", "answer"], names
+    _tiles(root, kids)
+    nodes = {n.grpc_url for n in dep.nodes.values()}
+    stages = [k for k in kids if k.name == "stage"]
+    assert {s.attributes["poolpipe.node"] for s in stages} == nodes  # one hop on each node
+    assert [s.attributes["poolpipe.hop"] for s in stages] == [0, 1]
+    for s in stages:  # the reservation beside what was measured
+        a = s.attributes
+        assert a["poolpipe.reserved_end_ms"] > a["poolpipe.reserved_start_ms"] >= 0
+        assert a["poolpipe.end_ms"] == pytest.approx(a["poolpipe.start_ms"] + s.ms, abs=0.01)
+        # the node's Triton traced the call as a child of this stage span: it began inside
+        # it, and its model computed inside it (Triton's own span ends once its answer is
+        # sent, which the router may have read already); 1 ms for the two clocks (the
+        # node's real-time clock, the router's monotonic one converted at its start)
+        (call,) = [n for n in spans if n.parent_id == s.span_id]
+        assert call.service == "poolpipe-node" and call.trace_id == tid
+        assert s.start_ns - 1_000_000 <= call.start_ns <= s.end_ns, (s, call)
+        (model,) = [n for n in spans if n.parent_id == call.span_id]
+        assert model.name == s.attributes["poolpipe.partition"], model
+        (compute,) = [n for n in spans if n.parent_id == model.span_id]
+        assert compute.name == "compute" and compute.end_ns <= s.end_ns + 1_000_000, (s, compute)
+    # the requests without a trace context of their own were not traced (sample 0) unless
+    # they did not end on time
+    others = [r for r in _roots(spans) if r.trace_id != tid]
+    assert all(r.attributes["poolpipe.outcome"] != "on time" for r in others), others
+
+
+def test_grpc_metadata_carries_the_trace_and_an_unsampled_one_is_not_exported(served):
+    dep, rx = served, served.traces
+    tg, client = _grpc(dep)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    unsampled = "22" * 16
+    with contextlib.suppress(Exception):  # (a drop is traced: checked below)
+        _infer(tg, client, x, headers={"traceparent": f"00-{unsampled}-{PARENT_ID}-00"})
+    grpc_trace, _ = _traced_infer(tg, client, x, "11" * 16)
+    rx.wait_for(lambda s: any(r.trace_id == grpc_trace for r in _roots(s)))
+    traces = rx.traces()
+    assert grpc_trace in traces
+    mine = traces[grpc_trace]
+    (root,) = _roots(mine)
+    _tiles(root, _children(mine, root))
+    got = traces.get(unsampled, [])
+    assert all(r.attributes["poolpipe.outcome"] != "on time" for r in _roots(got)), got
+
+
+def test_dropped_and_refused_requests_are_traced_with_their_reason(served):
+    from triton_backend.router.core import BAD_REQUEST_MARKER, DROP_MARKER
+
+    dep, rx = served, served.traces
+    th, client = _http(dep)
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    before = len(_roots(rx.spans))
+    # a deadline of its own too short for the plan's path: dropped, explicitly
+    with pytest.raises(Exception, match=DROP_MARKER):
+        _infer(th, client, x, headers={"x-poolpipe-timeout": "1u"})
+    with pytest.raises(Exception, match=BAD_REQUEST_MARKER):  # refused at the door
+        _infer(th, client, x, parameters={"slo_ms": "soon"})
+    spans = rx.wait_for(lambda s: len(_roots(s)) >= before + 2)
+    new = _roots(spans)[before:]
+    by_outcome = {r.attributes["poolpipe.outcome"]: r for r in new}
+    assert {"dropped", "bad request"} <= set(by_outcome), by_outcome
+    dropped = by_outcome["dropped"]
+    assert dropped.status == 2 and DROP_MARKER in dropped.attributes["poolpipe.error"]
+    kids = _children(spans, dropped)
+    _tiles(dropped, kids)
+    assert kids[-1].name == "answer" and kids[-1].attributes["poolpipe.outcome"] == "dropped"
+    assert kids[-1].attributes["poolpipe.reason"]
+    refused = by_outcome["bad request"]
+    assert refused.status == 2 and "slo_ms" in refused.attributes["poolpipe.error"]
