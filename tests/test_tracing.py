@@ -13,7 +13,7 @@ import pytest
 
 from poolpipe.errors import PoolpipeError
 from testbed.otlp import OTLPReceiver, Span
-from triton_backend.router.tracing import TraceConfig, parent_sampled, parse_headers
+from triton_backend.router.tracing import TraceConfig, parse_headers, trace_context
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +32,10 @@ def test_trace_options_are_checked_with_the_fix_named():
     }
     with pytest.raises(PoolpipeError, match="NAME=VALUE"):
         parse_headers("authorization")
-    assert parent_sampled(f"00-{TRACE_ID}-{PARENT_ID}-01") is True
-    assert parent_sampled(f"00-{TRACE_ID}-{PARENT_ID}-00") is False
-    assert parent_sampled(f"00-{'0' * 32}-{PARENT_ID}-01") is None  # invalid trace id
-    assert parent_sampled("garbage") is None and parent_sampled(None) is None
+    assert trace_context(f"00-{TRACE_ID}-{PARENT_ID}-01") == (TRACE_ID, PARENT_ID, True)
+    assert trace_context(f"00-{TRACE_ID.upper()}-{PARENT_ID}-00") == (TRACE_ID, PARENT_ID, False)
+    assert trace_context(f"00-{'0' * 32}-{PARENT_ID}-01") is None  # invalid trace id
+    assert trace_context("garbage") is None and trace_context(None) is None
 
 
 def _roots(spans: list[Span]) -> list[Span]:

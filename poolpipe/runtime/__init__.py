@@ -46,6 +46,7 @@ from poolpipe.runtime.stamps import (
     ArrivalStamps,
     capped_slo_us,
     client_timeout_us,
+    forwarded_header,
 )
 from poolpipe.runtime.stats import ModelStats, ModelWindow, PoolWindow, Window
 
@@ -89,6 +90,7 @@ __all__ = [
     "capped_slo_us",
     "client_timeout_us",
     "default_flush_timeout_us",
+    "forwarded_header",
     "live_room_warnings",
     "slo_room_warnings",
 ]

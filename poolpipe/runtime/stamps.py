@@ -20,6 +20,8 @@ The policy is pure: the driver passes its clocks' readings."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
+from typing import Any
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime.intake import BadRequest
@@ -30,6 +32,16 @@ ARRIVAL_STAMP = "x-poolpipe-arrival-us"
 # case (HAProxy sends header names in lower case, other clients as they were written):
 # ours, and the client's W3C trace context (traceparent, tracestate) for the router's traces.
 FORWARDED_HEADERS = "(?i)(x-poolpipe-.*|traceparent|tracestate)"
+
+
+def forwarded_header(params: Mapping[str, Any], name: str) -> Any:
+    """A forwarded header's value among a request's parameters: as the balancer names it
+    (lower case, `name`) or as a client wrote its name (any case); None where absent."""
+    value = params.get(name)
+    if value is None:
+        value = next((v for k, v in params.items() if k.lower() == name), None)
+    return value
+
 
 # The time the client has left (gRPC's `grpc-timeout` format: up to 8 digits and a unit),
 # counted from the request's arrival stamp (or the door's arrival where it has none).

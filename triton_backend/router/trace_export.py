@@ -12,7 +12,8 @@ of five spans on the test machine (`Tracer.start_span` about 180, its OTLP encod
 exporter shares the cores with the router, its Triton and the nodes.
 
 stdin: frames of a 4-byte little-endian length and a pickle: first the configuration
-{endpoint, headers, service, epoch_ns}, then lists of notes (Tracing.answered's tuples).
+{endpoint, headers, service, epoch_ns}, then lists of notes (Tracing.answered's tuples;
+the client's context in them as the router parsed it). Nothing of poolpipe is imported.
 
     python -m triton_backend.router.trace_export < frames
 """
@@ -34,8 +35,6 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Span, Status
-
-from triton_backend.router.tracing import trace_context
 
 _LEN = struct.Struct("<I")
 SAY_EVERY_S = 60.0
@@ -183,9 +182,8 @@ class SpanMaker:
 
     def request(self, note: tuple) -> None:
         model, parent, state, trace_id, arrival, answered, code, message, rows = note
-        ctx = trace_context(parent)  # the client's (trace id, sampled), checked by the router
         self.given = trace_id or ""
-        hex_id = ctx[0] if ctx is not None else trace_id
+        hex_id = parent[0] if parent is not None else trace_id  # (parent: the client's ids)
         self.trace_id = bytes.fromhex(hex_id) if hex_id else _id(128)
         outcomes = {ev[2] for row in rows for ev in row if ev[0] == "x"}
         outcome = next(
@@ -199,7 +197,7 @@ class SpanMaker:
         }
         if code is not None:
             attributes["poolpipe.error"] = message
-        self.parent = bytes.fromhex(parent.strip()[36:52]) if ctx is not None else b""
+        self.parent = bytes.fromhex(parent[1]) if parent is not None else b""
         root = self._span(
             f"poolpipe {model}",
             arrival,
@@ -208,7 +206,7 @@ class SpanMaker:
             SERVER,
             message if code is not None else "",
         )
-        if ctx is not None and state:
+        if parent is not None and state:
             root.trace_state = state
         self.parent = root.span_id
         for k, row in enumerate(rows):

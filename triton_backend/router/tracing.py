@@ -6,10 +6,10 @@ client sent, forwarded by the router's Triton like the balancer's headers), when
 was dispatched, each hop's sent, start and end times beside the reservation's, how it ended
 and when its answer left. A request sampled (its client's trace is sampled; else a share
 `sample` of the rest), late, dropped, failed or refused goes, as one plain tuple, down a
-pipe to the exporter process (trace_export.py), which makes the spans with the OpenTelemetry
-SDK and exports them: the SDK costs several hundred µs per request (measured), far more than
-the router spends on one, and would run on the loop's CPU. With tracing off none of it
-exists: the hooks are a test of None per request and per batch.
+pipe to the exporter process (trace_export.py), which makes the spans and exports them:
+that costs about 100 µs per request (bench-serving table 1c), work the loop does not do.
+With tracing off none of it exists: the hooks are a test of None per request and per
+batch.
 
 Every span of a request tiles its latency: `queue` (arrival to dispatch), per hop
 `transfer` (from the previous boundary to the compute's start: waiting for the vGPU's turn
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.runtime import OUTCOME_NAMES, PENDING, Job, Outcome
+from poolpipe.runtime import OUTCOME_NAMES, PENDING, Job, Outcome, forwarded_header
 
 log = logging.getLogger("poolpipe.router")
 
@@ -92,28 +92,15 @@ def parse_headers(text: str | None) -> dict[str, str]:
     return out
 
 
-def _header(params: Mapping[str, Any], name: str) -> Any:
-    """A forwarded header among a request's parameters, its name in any case."""
-    value = params.get(name)
-    if value is None:
-        value = next((v for k, v in params.items() if k.lower() == name), None)
-    return value
-
-
-def trace_context(traceparent: object) -> tuple[str, bool] | None:
-    """A traceparent header's (trace id, sampled flag); None: no valid header."""
+def trace_context(traceparent: object) -> tuple[str, str, bool] | None:
+    """A traceparent header's (trace id, parent span id, sampled flag), ids in lower-case
+    hex; None: no valid header."""
     if not isinstance(traceparent, str):
         return None
     m = _TRACEPARENT.match(traceparent.strip().lower())
     if m is None or m.group(1) == "0" * 32 or m.group(2) == "0" * 16:
         return None
-    return m.group(1), bool(int(m.group(3), 16) & 1)
-
-
-def parent_sampled(traceparent: object) -> bool | None:
-    """A traceparent header's sampled flag (None: no valid header)."""
-    ctx = trace_context(traceparent)
-    return None if ctx is None else ctx[1]
+    return m.group(1), m.group(2), bool(int(m.group(3), 16) & 1)
 
 
 class RequestTrace:
@@ -122,9 +109,10 @@ class RequestTrace:
     node, partition, reserved transfer start, reserved start, reserved end, failure, the
     stage span's (trace id, span id) where its call carried them to the node), and ("x",
     t, outcome, reason) when the row's end was decided (µs on the router's clock).
-    `trace_id`: set when sampled from the start (its client's, or a new one), so that its
-    stage calls carry its context to the nodes; a trace exported for being late or dropped
-    gets its id from the exporter."""
+    `parent`: its client's context (trace id, span id), where it sent a valid one, and
+    `state` its tracestate. `trace_id`: set when sampled from the start (its client's, or a
+    new one), so that its stage calls carry its context to the nodes; a trace exported for
+    being late or dropped takes its client's trace id, else one from the exporter."""
 
     __slots__ = ("arrival", "events", "model", "parent", "state", "trace_id", "tracing")
 
@@ -134,7 +122,7 @@ class RequestTrace:
         model: str,
         rows: int,
         arrival: float,
-        parent: str | None,
+        parent: tuple[str, str] | None,
         state: str | None,
         trace_id: str | None,
     ):
@@ -233,19 +221,16 @@ class Tracing:
     ) -> RequestTrace:
         """A request's notes from its arrival (µs, router clock) and its parameters (the
         forwarded headers among them)."""
-        parent = state = None
-        if params:
-            parent = _header(params, TRACEPARENT)
-            state = _header(params, TRACESTATE)
-        ctx = trace_context(parent)
+        ctx = trace_context(forwarded_header(params, TRACEPARENT)) if params else None
         trace_id: str | None = None
         if ctx is None:
-            parent = state = None
             if self._random() < self.config.sample:
                 trace_id = f"{random.getrandbits(128):032x}"
-        elif ctx[1]:
+            return RequestTrace(self, model, rows, arrival, None, None, trace_id)
+        if ctx[2]:
             trace_id = ctx[0]
-        return RequestTrace(self, model, rows, arrival, parent, state, trace_id)
+        state = forwarded_header(params or {}, TRACESTATE)
+        return RequestTrace(self, model, rows, arrival, ctx[:2], state, trace_id)
 
     def dispatched(self, job: Job) -> None:
         t = self.now()
@@ -404,7 +389,7 @@ class TracedRuntime:
         self._rt.hop_done(job, h, start_us, end_us)
 
     def hop_failed(self, job: Job, h: int, why: str, node_failed: bool) -> None:
-        self._tracing.hop_ended(job, h, self._rt.clock.now(), why or "failed")
+        self._tracing.hop_ended(job, h, self.clock.now(), why or "failed")
         self._rt.hop_failed(job, h, why, node_failed)
 
     def hop_late(self, job: Job, h: int, start_us: float = float("-inf")) -> bool:

@@ -32,6 +32,7 @@ from poolpipe.runtime import (
     BadRequest,
     Unservable,
     client_timeout_us,
+    forwarded_header,
 )
 from triton_backend.router.core import BAD_REQUEST_MARKER, REFUSED_MARKER, RouterCore
 from triton_backend.router.served import Reply
@@ -181,11 +182,11 @@ class Door:
             params = _parameters(req.parameters)
             deadline = None
             if params:
-                stamp = _header(params, ARRIVAL_STAMP)
+                stamp = forwarded_header(params, ARRIVAL_STAMP)
                 if stamp is not None:  # the balancer's: where a burst waited counts too
                     at = core.stamps.arrival_ns(stamp, time.time_ns(), now)
                     arrived = arrived if at is None else at
-                left = _header(params, CLIENT_TIMEOUT)
+                left = forwarded_header(params, CLIENT_TIMEOUT)
                 if left is not None:  # the client's own deadline, from the same moment
                     deadline = arrived + int(client_timeout_us(left) * 1e3)
             if req.nonfinite:  # (found by the stub, off this loop)
@@ -238,15 +239,6 @@ def _traced(reply: Reply, tracing: Tracing, trace: RequestTrace) -> Reply:
         tracing.answered(trace, code, text)
 
     return answer
-
-
-def _header(params: dict, name: str) -> object:
-    """A forwarded header's value among the request's parameters: as the balancer names it
-    (lower case) or as a client wrote its name."""
-    value = params.get(name)
-    if value is None:
-        value = next((v for k, v in params.items() if k.lower() == name), None)
-    return value
 
 
 def _parameters(raw: object) -> dict:
