@@ -316,6 +316,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     from triton_backend.node.triton import TritonNode, refuse_taken_ports, trace_options
     from triton_backend.node.watch import NodeWatch
 
+    if args.trace_endpoint:  # a URL Triton could not export to is refused here, with the fix
+        TraceConfig(args.trace_endpoint)
     cpu_class = re.fullmatch(r"cpu-\d+t", args.device) is not None
     environment = _emulation(args, cpu_class)
     if not cpu_class and not args.emulate and not Path("/dev/nvidiactl").exists():
@@ -407,6 +409,15 @@ def _token_argument(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _trace_endpoint_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--trace-endpoint",
+        default=os.environ.get(TRACES_ENDPOINT_VAR) or None,
+        metavar="URL",
+        help=f"{what} (default: ${TRACES_ENDPOINT_VAR}; none: no traces)",
+    )
+
+
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
     """The router's options, shared by `serve` and `demo` (see router_options)."""
     p.add_argument(
@@ -474,14 +485,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         help="an arrival stamp older than this is taken for a clock out of sync: ignored and "
         f"counted ({DEFAULT_MAX_WAIT_US / 1e3:g})",
     )
-    p.add_argument(
-        "--trace-endpoint",
-        default=os.environ.get(TRACES_ENDPOINT_VAR) or None,
-        metavar="URL",
-        help="export the requests' traces (OpenTelemetry, OTLP/HTTP) to this collector URL, "
-        "for example http://otel-collector:4318/v1/traces; headers to send with them (a "
+    _trace_endpoint_argument(
+        p,
+        "export the requests' traces (OpenTelemetry, OTLP/HTTP) to this collector URL, for "
+        "example http://otel-collector:4318/v1/traces; headers to send with them (a "
         f"collector's authorisation) from ${TRACES_HEADERS_VAR} or ${HEADERS_VAR} as "
-        f"NAME=VALUE,... (default: ${TRACES_ENDPOINT_VAR}; none: no traces)",
+        "NAME=VALUE,...",
     )
     p.add_argument(
         "--trace-sample",
@@ -628,13 +637,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "of service the moment this process ends; give it as `watch` in the inventory",
     )
     p.add_argument("--workspace", help="working folder (out/node-NAME)")
-    p.add_argument(
-        "--trace-endpoint",
-        default=os.environ.get(TRACES_ENDPOINT_VAR) or None,
-        metavar="URL",
-        help="trace, with OpenTelemetry, the stage calls of the requests a router traces "
-        "(they carry a W3C traceparent) and export the spans over OTLP/HTTP to this collector "
-        f"URL; headers from ${HEADERS_VAR} (default: ${TRACES_ENDPOINT_VAR}; none: no traces)",
+    _trace_endpoint_argument(
+        p,
+        "trace, with OpenTelemetry, the stage calls of the requests a router traces (they "
+        "carry a W3C traceparent) and export the spans over OTLP/HTTP to this collector URL; "
+        f"headers from ${HEADERS_VAR}",
     )
     p.add_argument(
         "--emulate",

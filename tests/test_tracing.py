@@ -21,7 +21,7 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 
 
-def test_trace_options_are_checked_with_the_fix_named():
+def test_trace_options_are_checked_with_the_fix_named(tmp_path, capsys):
     with pytest.raises(PoolpipeError, match=r"not an http\(s\) URL.*4318/v1/traces"):
         TraceConfig("otel-collector:4318")
     with pytest.raises(PoolpipeError, match="between 0 and 1"):
@@ -32,6 +32,14 @@ def test_trace_options_are_checked_with_the_fix_named():
     }
     with pytest.raises(PoolpipeError, match="NAME=VALUE"):
         parse_headers("authorization")
+    from poolpipe_cli import main
+
+    workspace = tmp_path / "n"
+    argv = ["node", "--device", "cpu-1t", "--workspace", str(workspace)]
+    assert main([*argv, "--trace-endpoint", "otel-collector:4318"]) == 2
+    err = capsys.readouterr().err
+    assert "'otel-collector:4318' is not an http(s) URL" in err and "/v1/traces" in err, err
+    assert not workspace.exists()  # refused before anything started
     assert trace_context(f"00-{TRACE_ID}-{PARENT_ID}-01") == (TRACE_ID, PARENT_ID, True)
     assert trace_context(f"00-{TRACE_ID.upper()}-{PARENT_ID}-00") == (TRACE_ID, PARENT_ID, False)
     assert trace_context(f"00-{'0' * 32}-{PARENT_ID}-01") is None  # invalid trace id
