@@ -229,12 +229,11 @@ class RouterCore:
         self.node_changes: Counter[str] = Counter(dict.fromkeys(NODE_STATES, 0))
         self.node_names: dict[str, str] = {}  # node address -> its name, for the log
         self.runtime.on_node_change(self._node_changed)
-        self.tracing: Tracing | None = None  # the requests' notes while traced
-        self._tracing: Tracing | None = None  # ... kept while tracing is paused
+        self._tracing: Tracing | None = None  # kept while tracing is paused too
         if tracing is not None:
             epoch_ns = wall_ns() + self.clock.t0_ns
-            self.tracing = self._tracing = Tracing(tracing, self._loop, self.clock.now, epoch_ns)
-            self.executor.trace(self.tracing)
+            self._tracing = Tracing(tracing, self._loop, self.clock.now, epoch_ns)
+            self.executor.trace(self._tracing)
         self._watches: dict[str, asyncio.Task] = {}
         self.watching: set[str] = set()  # nodes whose watch connection is open now
         self._closing = asyncio.Event()
@@ -269,11 +268,12 @@ class RouterCore:
         if tracing is None:
             raise PoolpipeError("this router was started without tracing (--trace-endpoint)")
 
-        def switch() -> None:
-            self.tracing = tracing if on else None
-            self.executor.trace(tracing if on else None)
+        self._call(lambda: self.executor.trace(tracing if on else None))
 
-        self._call(switch)
+    @property
+    def tracing(self) -> Tracing | None:
+        """The requests' notes while the router traces (the executor's); None otherwise."""
+        return self.executor.tracing
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
