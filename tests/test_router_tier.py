@@ -31,6 +31,7 @@ needs_haproxy = pytest.mark.skipif(
 )
 N_BURST = 100
 SLO_MS = 100.0
+WAY_MS = 30.0  # the burst's way in and out through HAProxy, at most (client's clock)
 
 
 def tier_toml(router_ports: dict[str, int], lb_ports: dict[str, int], nodes: str = "") -> str:
@@ -270,8 +271,8 @@ def test_a_stamp_outside_the_clock_bound_is_ignored_counted_and_exported(tier):
 def test_a_burst_through_the_balancer_is_counted_from_its_stamp(tier):
     """N_BURST requests at once through HAProxy, SLO 100 ms: the router's deadlines run from
     the balancer's stamps, so what waited in its Triton's front end counts. The router
-    counts as on time exactly what the client received on time (the blocked issue's
-    figure: before the stamp, the router counted 148 on time where the client saw 0)."""
+    counts as on time what the client received on time, give or take the way between the
+    client and the balancer."""
     from testbed.loadgen import burst
 
     srv, lb = tier
@@ -286,11 +287,17 @@ def test_a_burst_through_the_balancer_is_counted_from_its_stamp(tier):
     dropped = [s for s in shots if s.outcome == "dropped"]
     assert len(ok) + len(dropped) == N_BURST, {s.outcome for s in shots}
     assert win.arrivals == N_BURST and win.late == 0, win
-    client_on_time = sum(s.latency_s <= SLO_MS / 1e3 for s in ok)
-    # the client's clock starts before the balancer's: an answer the router sent on time
-    # may reach the client a little after the SLO (its way out, inside the reply margin)
-    assert client_on_time <= win.on_time <= client_on_time + N_BURST // 50, (
-        client_on_time,
+    def client_within(ms: float) -> int:
+        return sum(s.latency_s <= ms / 1e3 for s in ok)
+
+    # The client's clock starts before the balancer's stamp and stops when its kernel has
+    # the answer: what the router counts on time is at least what the client saw on time,
+    # and reached the client within the SLO and its way in and out through the balancer
+    # (WAY_MS: a few ms on a quiet host, tens while other tests load its two cores; before
+    # the stamp, the router counted 148 answers on time of a burst the client saw none of).
+    assert client_within(SLO_MS) <= win.on_time <= client_within(SLO_MS + WAY_MS), (
+        client_within(SLO_MS),
+        client_within(SLO_MS + WAY_MS),
         win,
     )
     assert win.dropped == len(dropped), win
