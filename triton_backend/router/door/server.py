@@ -217,34 +217,41 @@ class Frontend:
         return name != CONTROL_MODEL and (apps is None or name not in apps.ios)
 
     def _warm_up(self) -> None:
-        """WARM_UP requests per served model, a few at a time, so that the door's first
-        calls are behind it; then as many again for the reply margin's first samples (the
-        first round's, taken cold, are forgotten); then the router's statistics start from
-        zero."""
+        """WARM_UP requests per served model, a few at a time (the models side by side), so
+        that the door's first calls are behind it; then as many again for the reply
+        margin's first samples (the first round's, taken cold, are forgotten); then the
+        router's statistics start from zero."""
         import tritonclient.grpc as grpcclient
         import tritonclient.grpc.aio as grpcaio
 
-        async def warm() -> int:
-            client = grpcaio.InferenceServerClient(self.node.grpc_url)
+        async def warm_model(client, io: ModelIO, slo_us: float) -> int:
+            inputs = []
+            for t in io.inputs:
+                i = grpcclient.InferInput(t.name, [1, *t.dims], kserve_dtype(t.dtype))
+                i.set_data_from_numpy(np.zeros((1, *t.dims), t.dtype))
+                inputs.append(i)
+            params = {"slo_ms": 10 * slo_us / 1e3}  # no drop for lack of time
             answered = 0
+            for _ in range(WARM_UP // 4):
+                answers = await asyncio.gather(
+                    *(client.infer(io.name, inputs, parameters=params) for _ in range(4)),
+                    return_exceptions=True,
+                )
+                answered += sum(not isinstance(a, BaseException) for a in answers)
+            return answered
+
+        async def warm() -> int:
+            # one model's warm-up waits on its own pipelines (on emulated GPUs at time scale
+            # D, D times their stage times): the models' run side by side
+            client = grpcaio.InferenceServerClient(self.node.grpc_url)
             try:
                 topo = self.core.runtime.topo
-                served = {m.name for m in topo.models}
-                for io in (io for io in self.ios if io.name in served):  # not applications
-                    slo_us = topo.models[topo.model_index(io.name)].slo_us
-                    inputs = []
-                    for t in io.inputs:
-                        i = grpcclient.InferInput(t.name, [1, *t.dims], kserve_dtype(t.dtype))
-                        i.set_data_from_numpy(np.zeros((1, *t.dims), t.dtype))
-                        inputs.append(i)
-                    params = {"slo_ms": 10 * slo_us / 1e3}  # no drop for lack of time
-                    for _ in range(WARM_UP // 4):
-                        answers = await asyncio.gather(
-                            *(client.infer(io.name, inputs, parameters=params) for _ in range(4)),
-                            return_exceptions=True,
-                        )
-                        answered += sum(not isinstance(a, BaseException) for a in answers)
-                return answered
+                served = {m.name: m.slo_us for m in topo.models}
+                counts = await asyncio.gather(
+                    *(warm_model(client, io, served[io.name]) for io in self.ios
+                      if io.name in served)  # not applications
+                )  # fmt: skip
+                return sum(counts)
             finally:
                 await client.close()
 
