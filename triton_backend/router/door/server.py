@@ -171,8 +171,11 @@ class Frontend:
             self.door = Door(self.core, sock, self.control).open()
             self._render(sock)
             self.node.start()
-            for name in [*(io.name for io in self.ios), *([CONTROL_MODEL] * bool(self.control))]:
-                self.node.load(name)
+            # side by side: Triton loads them in parallel (each starts a Python stub, about
+            # 1.5 s on two cores; four models 5.7 s one after another, 1.9 s together)
+            names = [*(io.name for io in self.ios), *([CONTROL_MODEL] * bool(self.control))]
+            with ThreadPoolExecutor(max(1, len(names))) as loads:
+                list(loads.map(self.node.load, names))
             self._warm_up()
         except BaseException:
             self.stop()
