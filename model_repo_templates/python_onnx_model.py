@@ -8,12 +8,17 @@ each instance on the GPU Triton gives it).
 Called plainly, it answers its partition's outputs. Called as a hop of a chain (request
 parameter `poolpipe_next`: JSON list of the hops after this one, each {"url", "model"} and
 optionally "after_us"; `[]` on the last), it sends its feature map straight to the next
-hop's node with the rest of the chain (no sooner than "after_us" after its own compute
-began: the transfer's reserved start, so that a stage ending early does not send into a
+hop's node with the rest of the chain (no sooner than "after_us" after it took the
+request: the transfer's reserved start, so that a stage ending early does not send into a
 link the router reserved for another transfer; the instance is free meanwhile) and
 answers, once the chain's answer comes back, the whole model's outputs
 (`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
-nanoseconds of each hop's own monotonic clock, this hop first. Its instance is free for the
+nanoseconds of each hop's own monotonic clock, this hop first: start when the instance took
+the request (before reading its inputs), end when its outputs were ready to go (the feature
+map encoded for the next hop), sent when they went: the instance's time, as the router's
+calibration measured it through a whole call, not its compute alone (the router's
+recalibration compares the two; with the compute alone it cut every emulated stage's
+reservation by the stub's own 20-35%, and chains overran them). Its instance is free for the
 next batch while the rest of the chain runs. Where the chain ends in {"answer": "host:port",
 "id"} (the router's inbox, triton_backend/router/answers.py), the last hop sends the model's
 outputs there instead, with every hop's times (`poolpipe_hops`: those of the hops before,
@@ -114,6 +119,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
+            began = time.monotonic_ns()  # the instance's time for this request (see above)
             sender = request.get_response_sender()
             try:
                 params = json.loads(request.parameters() or "{}")
@@ -134,14 +140,14 @@ class TritonPythonModel:
                 hops = json.loads(chain)
                 rows = len(outs[0])
                 if not hops:  # the last hop: the model's outputs and this hop's times
-                    mine = np.tile(np.array([start, end, end], np.int64), (rows, 1))
+                    mine = np.tile(np.array([began, end, end], np.int64), (rows, 1))
                     self._send(sender, {**dict(zip(self.outputs, outs)), HOPS: mine})
                     continue
                 if "answer" in hops[0]:  # the last hop: its outputs straight to the router
-                    times = [*_carried(params), start, end, end]
+                    times = [*_carried(params), began, end, end]
                     self._answer(sender, hops[0], times, dict(zip(self.outputs, outs)), rows)
                     continue
-                self._forward(sender, outs, hops, params, start, end)
+                self._forward(sender, outs, hops, params, began)
             except Exception as exc:  # answer this request with the error, keep serving
                 self._fail(sender, f"POOLPIPE_HOP 0: {exc}")
         return None
@@ -204,8 +210,10 @@ class TritonPythonModel:
                 c = self.clients[url] = grpcclient.InferenceServerClient(url)
             return c
 
-    def _forward(self, sender, outs, hops, params, start, end):
-        """Send the feature map to the next hop; answer when the chain's answer is back."""
+    def _forward(self, sender, outs, hops, params, start):
+        """Send the feature map to the next hop (at its reserved transfer start, counted
+        from `start`: when this hop took the request); answer when the chain's answer is
+        back."""
         nxt, rest = hops[0], json.dumps(hops[1:])
         names = json.loads(params.get("poolpipe_outputs", "[]"))
         inputs = []
@@ -213,6 +221,7 @@ class TritonPythonModel:
             t = grpcclient.InferInput(f"in_{k}", list(x.shape), np_to_triton_dtype(x.dtype))
             t.set_data_from_numpy(np.ascontiguousarray(x))
             inputs.append(t)
+        end = time.monotonic_ns()  # its outputs ready to go
         wanted = [grpcclient.InferRequestedOutput(n) for n in [*names, HOPS]]
         forward = {"poolpipe_next": rest, "poolpipe_outputs": json.dumps(names)}
         if self.key is not None:
