@@ -97,7 +97,8 @@ def test_a_capacity_search_may_start_at_a_guess():
 
 def test_a_rate_is_judged_on_its_traces_together():
     """loadgen.rate_passes: >= 99% on time over all of a rate's traces, not each; a trace
-    after which the traces can no longer pass ends the rate."""
+    after which the traces can no longer pass ends the rate; a narrow failure is judged
+    again on more traces (`extra`), all of them together."""
     from testbed.loadgen import rate_passes
 
     def traces(*figures: tuple[float, int]):
@@ -118,3 +119,17 @@ def test_a_rate_is_judged_on_its_traces_together():
     ok, share = rate_passes(2, run)
     assert not ok and share == pytest.approx(395 / 400) and driven == [0, 1]
     assert rate_passes(1, traces((0.99, 100))[0]) == (True, pytest.approx(0.99))
+    # a narrow failure is driven further and judged on every trace: 7 late of 400 fail
+    # two traces, of 800 pass four
+    run, driven = traces((0.985, 200), (0.98, 200), (1.0, 200), (1.0, 200))
+    ok, share = rate_passes(2, run, extra=2)
+    assert ok and share == pytest.approx(793 / 800) and driven == [0, 1, 2, 3]
+    # one more trace where that is enough (6 of 600 late)
+    run, driven = traces((0.99, 200), (0.985, 200), (0.995, 200), (1.0, 200))
+    assert rate_passes(2, run, extra=2) == (True, pytest.approx(594 / 600)) and driven == [0, 1, 2]
+    # a clear failure is not: 9 late of 400 can no longer pass in 800
+    run, driven = traces((0.98, 200), (0.975, 200), (1.0, 200), (1.0, 200))
+    assert rate_passes(2, run, extra=2)[0] is False and driven == [0, 1]
+    # nor one that the extra traces do not rescue (9 late of 600)
+    run, driven = traces((0.99, 200), (0.985, 200), (0.98, 200), (1.0, 200))
+    assert rate_passes(2, run, extra=2)[0] is False and driven == [0, 1, 2]
