@@ -163,14 +163,18 @@ def _plans_table(plans: dict) -> None:
 
 
 def _results(res: dict, d: float, args: argparse.Namespace) -> None:
+    from testbed.emulated import EXTRA_TRACES, HOST_BUSY_SHARE, HOST_LATE_SHARE, host_above
+
     t = Table(
         title=f"capacity on the same EMULATED nodes: >= 99% on time over two traces "
-        f"of {args.duration / d:g} s a rate, rates {res['ppipe']['step'] * d:.1f} req/s apart "
+        f"of {args.duration / d:g} s a rate ({2 + EXTRA_TRACES} where two fail narrowly), "
+        f"rates {res['ppipe']['step'] * d:.1f} req/s apart "
         f"(D = {d:g}, transport {res['transport']}; figures undilated)",
         title_justify="left",
     )
     for col in ("plan", "planned (fluid) req/s", "deliverable (stated)", "simulated req/s",
-                "live req/s", "live / simulated"):  # fmt: skip
+                "live req/s", "live / simulated", "on time at live (95% interval, requests)",
+                "above it: stages late on the host, host CPU"):  # fmt: skip
         t.add_column(col, justify="right")
     for strategy in ("ppipe", "np"):
         r = res[strategy]
@@ -181,8 +185,21 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
             f"{'>= ' if r['sim_capped'] else ''}{r['sim'] * d:.0f}",
             f"{'>= ' if r['capped'] else ''}{r['live'] * d:.0f}",
             f"{r['live'] / r['sim']:.2f}" if r["sim"] else "-",
+            _interval(r),
+            host_above(r),
         )
     console.print(t)
+    for strategy in ("ppipe", "np"):
+        r = res[strategy]
+        if r["host_bound"]:
+            console.print(
+                f"[bold]{strategy}'s live figure is this host's limit, not the plan's[/]: at "
+                f"{(r['live'] + r['step']) * d:.0f} req/s, the rate above it, "
+                f"{r['host_late_above'] or 0:.1%} of the emulated stages ended late on the "
+                f"host (the nodes' count; the bound is {HOST_LATE_SHARE:.0%}) and "
+                f"{r['host_cpu_above']:.0%} of its CPU time was busy (the bound is "
+                f"{HOST_BUSY_SHARE:.0%}): run it on a quieter host or at a larger --time-scale"
+            )
     pp, whole = res["ppipe"], res["np"]
     if whole["live"]:
         sim = f"{pp['sim'] / whole['sim']:.2f}x" if whole["sim"] else "-"
@@ -216,6 +233,15 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
     )
 
 
+def _interval(r: dict) -> str:
+    """The share on time the live capacity was judged on, its 95% interval and requests."""
+    if not r["live"]:
+        return "-"
+    lo, hi = r["live_interval"]
+    share = r["points"]["live"][r["live"]]
+    return f"{share:.3f} ({lo:.3f}-{hi:.3f}, {r['live_requests']})"
+
+
 def _store(res: dict, warehouse: str, cluster: str, d: float, transport: str) -> None:
     from poolpipe.store.bench_rows import BenchRows
     from poolpipe.store.warehouse import Warehouse
@@ -229,6 +255,11 @@ def _store(res: dict, warehouse: str, cluster: str, d: float, transport: str) ->
             ("capacity_sim_req_s", r["sim"] * d),
             ("planned_req_s", r["planned"]),
             ("deliverable_req_s", r.get("deliverable")),
+            ("live_requests_judged", r["live_requests"]),
+            ("live_on_time_low95", r["live_interval"][0]),
+            ("host_late_share_above", r["host_late_above"]),
+            ("host_cpu_busy_above", r["host_cpu_above"]),
+            ("host_bound", float(r["host_bound"])),
         ):
             if value is not None:
                 rows.record("demo", config, metric, value)

@@ -287,6 +287,8 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
 
 
 def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -> None:
+    from testbed.emulated import host_above
+
     t = Table(
         title=f"EMULATED group 2 at maf19, time scale D = {d:g} (figures undilated), >= 99% "
         f"on time in 2 traces of {args.duration:g} s (dilated) a rate",
@@ -294,7 +296,8 @@ def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -
     )
     for c in ("cluster", "transport", "plan", "planned req/s", "simulated req/s",
               "live req/s", "live / sim", "ready s", "router CPU µs/req",
-              "nodes CPU µs/req", "router cores", "nodes cores"):  # fmt: skip
+              "nodes CPU µs/req", "router cores", "nodes cores",
+              "above live: stages late, host CPU busy"):  # fmt: skip
         t.add_column(c, justify="right")
     loads = Table(
         title="attainment live vs simulated (same traces) at 1/3, 2/3, 1 x live capacity",
@@ -316,6 +319,7 @@ def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -
                 f"{r['cpu_us']['nodes']:.0f}",
                 f"{r['cores']['router']:.2f}",
                 f"{r['cores']['nodes']:.2f}",
+                host_above(r),
             )  # fmt: skip
             config = f"{name}/{strategy}/D{d:g}/{transport}"
             for metric, value in (
@@ -327,8 +331,13 @@ def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -
                 ("nodes_cpu_us_per_req", r["cpu_us"]["nodes"]),
                 ("router_cores", r["cores"]["router"]),
                 ("nodes_cores", r["cores"]["nodes"]),
+                ("live_requests_judged", r["live_requests"]),
+                ("host_late_share_above", r["host_late_above"]),
+                ("host_cpu_busy_above", r["host_cpu_above"]),
+                ("host_bound", float(r["host_bound"])),
             ):
-                rows.record("emulated", config, metric, value)
+                if value is not None:
+                    rows.record("emulated", config, metric, value)
             for k, (rate, live, sim) in enumerate(r["loads"]):
                 loads.add_row(
                     name, transport, strategy, f"{rate * d:.0f}", f"{live:.3f}", f"{sim:.3f}",

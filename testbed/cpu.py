@@ -35,3 +35,12 @@ def cpu_seconds(pids: list[int]) -> float:
             continue
         todo += [int(k) for k in kids]
     return total
+
+
+def host_cpu_ticks() -> tuple[int, int]:
+    """(busy, all) CPU ticks of this host so far, over every core (Linux /proc/stat):
+    two samples' differences give the share of the host's CPU time that was busy."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # (guest time is counted in user already)
+    return total - idle, total

@@ -22,7 +22,7 @@ import numpy as np
 from poolpipe.domain.plan import Plan, dilated
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
-from testbed.cpu import own_cpu_seconds
+from testbed.cpu import host_cpu_ticks, own_cpu_seconds
 from testbed.loadgen import (
     CAPACITY_TARGET,
     Shot,
@@ -40,6 +40,15 @@ MAF19 = (0.30, 0.33, 0.37)
 # Capacity grid of a mix: 1/32 of the top rate (ppipe's plan; 15.5 req/s on hc2-small). At
 # 1/16 one step was a quarter of the live capacity there (live 93 against simulated 124).
 MIX_STEPS = 32
+# A rate that fails narrowly is driven up to this many traces more (loadgen.rate_passes).
+EXTRA_TRACES = 2
+# Warm-up traces at most before a capacity search (while the router still recalibrates).
+WARM_UP_TRACES = 3
+# A live rate that failed with more than this share of its emulated stages ended late by
+# the host (the nodes' own count) failed on the host, not on the plan.
+HOST_LATE_SHARE = 0.05
+# ... or with more than this share of the host's CPU time busy (all its cores).
+HOST_BUSY_SHARE = 0.9
 
 
 def onboard_shadows(
@@ -150,27 +159,54 @@ def mix_capacity(
     traces: int = 2,
     on_point: Callable[[str, float, float], None] = lambda kind, rate, att: None,
     steps: int = MIX_STEPS,
+    stages: Callable[[], tuple[float, float]] | None = None,
+    extra: int = EXTRA_TRACES,
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
     multiple of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of
-    their requests on time together (loadgen.rate_passes), bisected (loadgen.bisect_grid),
-    live first (from a quarter of `top`), then the simulator on the same traces, drawing
+    their requests on time together (loadgen.rate_passes; a narrow failure judged again
+    with up to `extra` traces more), bisected (loadgen.bisect_grid), live first (from a
+    quarter of `top`, after a warm-up there until the router stops recalibrating), then
+    the simulator on the same traces, drawing
     each pool's stage times from those measured live at the same rate (the nearest rate
     run live where it was not): on the emulated GPUs a stage's time includes its inputs'
     wait on the server's NIC, which grows with the load (the data plane reserves the links
     between partitions, not the requests' way in), so stage times from one load
     misrepresent another. Stage times measured far beyond a plan's capacity made the
     simulator miss at light loads; those measured at light loads know nothing of the
-    queues near capacity."""
-    load.run(0.1 * top, 2.0, seed=0)  # warm-up
+    queues near capacity. `stages`: the nodes' (on time, late) emulated stages so far
+    (EmulatedCluster.emulated_stages), for the share the host made late at each live rate
+    ("host_late"), beside the share of the host's CPU time that was busy ("host_cpu"):
+    "host_bound" where the first rate above the live capacity failed with more than
+    HOST_LATE_SHARE of its stages late or more than HOST_BUSY_SHARE of the CPU busy (the
+    host's limit, not the plan's: the router, the nodes and the clients share its cores).
+    "live_requests" and "live_interval": the requests the live capacity was judged on and
+    a 95% interval of their share on time (Wilson)."""
+    first = steps // 4
+    # Warm-up at the first rate judged, until a trace leaves the router's latencies as they
+    # were (recalibration rescales pools by a tenth or more in their first stage calls
+    # under load: a rate judged meanwhile is judged on latencies no longer served). Before,
+    # 2 s at a tenth of `top`: a handful of requests.
+    for k in range(WARM_UP_TRACES):
+        before = dep.core.recalibrations()
+        load.run(first * top / steps, duration_s, seed=k)
+        if dep.core.recalibrations() == before:
+            break
     dep.core.take_stage_factors()
     points: dict[str, dict[float, float]] = {"live": {}, "sim": {}}
+    judged: dict[str, dict[float, int]] = {"live": {}, "sim": {}}  # requests per rate
+    host_late: dict[float, float] = {}
+    host_cpu: dict[float, float] = {}
     measured: dict[int, list[list[float]]] = {}  # grid step -> per pool, live
 
     def passes(kind: str, i: int) -> bool:
         rate = i * top / steps
+        count = 0
+        before = stages() if stages is not None and kind == "live" else None
+        ticks = host_cpu_ticks()
 
         def trace(k: int) -> tuple[float, int]:
+            nonlocal count
             seed = 200 + i + 1000 * k
             times, which = mix_times(rate, load.weights, duration_s, seed)
             if kind == "sim":
@@ -183,22 +219,63 @@ def mix_capacity(
                 for pool, f in zip(mine, taken, strict=True):
                     pool.extend(f)
             on_point(kind, rate, got)
+            count += len(times)
             return got, len(times)
 
-        ok, points[kind][rate] = rate_passes(traces, trace)
+        ok, points[kind][rate] = rate_passes(traces, trace, extra)
+        judged[kind][rate] = count
+        if kind == "live":
+            busy, total = (a - b for a, b in zip(host_cpu_ticks(), ticks, strict=True))
+            host_cpu[rate] = busy / total if total > 0 else 0.0
+        if before is not None and stages is not None:
+            on, late = (a - b for a, b in zip(stages(), before, strict=True))
+            host_late[rate] = late / (on + late) if on + late > 0 else 0.0
         return ok
 
-    found = {"live": bisect_grid(lambda i: passes("live", i), steps, steps // 4)}
+    found = {"live": bisect_grid(lambda i: passes("live", i), steps, first)}
     found["sim"] = bisect_grid(lambda i: passes("sim", i), steps, guess=found["live"])
+    live = found["live"] * top / steps
+    above = (found["live"] + 1) * top / steps
+    n = judged["live"].get(live, 0)
     return {
         "top": top,
         "sim": found["sim"] * top / steps,
-        "live": found["live"] * top / steps,
+        "live": live,
         "sim_capped": found["sim"] == steps,
         "capped": found["live"] == steps,
         "step": top / steps,
         "points": points,
+        "requests": judged,
+        "live_requests": n,
+        "live_interval": wilson(points["live"].get(live, 1.0), n),
+        "host_late": host_late,
+        "host_late_above": host_late.get(above),  # None: not driven (capped, or no count)
+        "host_cpu": host_cpu,
+        "host_cpu_above": host_cpu.get(above),
+        "host_bound": host_late.get(above, 0.0) > HOST_LATE_SHARE
+        or host_cpu.get(above, 0.0) > HOST_BUSY_SHARE,
     }
+
+
+def host_above(r: dict) -> str:
+    """At the rate above a plan's live capacity: the share of emulated stages the host
+    made late and of the host's CPU time busy, and whether that makes the run host-bound
+    (testbed.emulated.mix_capacity)."""
+    if r["host_cpu_above"] is None:
+        return "- (capped)"
+    late = "-" if r["host_late_above"] is None else f"{r['host_late_above']:.1%}"
+    bound = " host-bound" if r["host_bound"] else ""
+    return f"{late}, {r['host_cpu_above']:.0%}{bound}"
+
+
+def wilson(share: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% at z = 1.96) of a share observed in `n` requests;
+    (0, 1) without any."""
+    if n <= 0:
+        return 0.0, 1.0
+    centre = (share + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * ((share * (1 - share) + z * z / (4 * n)) / n) ** 0.5
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def attainment_at(dep, load: MixLoad, rates, duration_s: float, seed: int = 500):
@@ -389,7 +466,8 @@ def compare_plans(
                 ready_s = roll["prepare_s"]
             dep = server.deployment
             on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time over two traces "
-                    "a rate), live, then the simulator on the same traces")  # fmt: skip
+                    f"a rate, up to {2 + EXTRA_TRACES} where it fails narrowly), live, then the "
+                    "simulator on the same traces")  # fmt: skip
             load = MixLoad.of(dep, weights)
             c0, w0 = meter.sample(), time.perf_counter()
             found = mix_capacity(
@@ -398,6 +476,7 @@ def compare_plans(
                 top,
                 duration_s,
                 on_point=partial(on_point, strategy),
+                stages=em.emulated_stages,
             )
             c1, wall = meter.sample(), time.perf_counter() - w0
             sent = load.sent

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from triton_backend.node.triton import (
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, a server's first node
 WATCH_PORT = 8003  # the node process's watch port (triton_backend.node.watch)
 SLOT_PORTS = 10  # a server's node k uses the ports above + 10 k
+STAGES_METRIC = re.compile(r"^poolpipe_emulated_stages_total\{([^}]*)\} (\S+)$", re.M)
 
 
 class EmulationError(PoolpipeError):
@@ -335,6 +337,22 @@ class EmulatedCluster:
     def link_bytes(self, server: int) -> tuple[int, int]:
         """(bytes to server `server`, bytes from it) through its NIC so far."""
         return _tx_rx_bytes(self.nodes[self.server_node(server)].veth)
+
+    def emulated_stages(self) -> tuple[float, float]:
+        """(on time, late) emulated stages the running nodes have counted so far
+        (poolpipe_emulated_stages_total, from each node's metrics port): late where the
+        host, not the emulated GPU, ended a stage beyond max(0.3 ms, 2%) of its due time."""
+        import httpx
+
+        counts = [0.0, 0.0]
+        for s in self.nodes:
+            if s.node is None or s.node.poll() is not None:
+                continue
+            url = f"http://{s.address}:{s.port(METRICS_PORT)}/metrics"
+            with contextlib.suppress(httpx.HTTPError):
+                for m in STAGES_METRIC.finditer(httpx.get(url, timeout=5).text):
+                    counts['late="true"' in m.group(1)] += float(m.group(2))
+        return counts[0], counts[1]
 
     def router_bytes(self) -> int:
         """Bytes through the router's interface (the cluster's bridge) so far, both ways."""

@@ -41,6 +41,20 @@ def test_demo_on_emulated_gpus(tmp_path: Path) -> None:
     assert "rollout ppipe -> np" in text and ": done;" in text
     for plot in ("capacity.png", "rollout.png"):
         assert (tmp_path / "out" / plot).stat().st_size > 0
+    # each live capacity with the requests it was judged on, and the host's share of it
+    import duckdb
+
+    with duckdb.connect(str(tmp_path / "w.duckdb"), read_only=True) as db:
+        rows = db.execute(
+            "SELECT config, metric, value FROM bench_serving WHERE bench = 'demo'"
+        ).fetchall()
+    got = {(c.split("/")[1], m): v for c, m, v in rows}
+    for strategy in ("ppipe", "np"):
+        judged, live = got[strategy, "live_requests_judged"], got[strategy, "capacity_live_req_s"]
+        assert judged > 0 or live == 0
+        assert got[strategy, "host_bound"] in (0.0, 1.0)
+        busy = got.get((strategy, "host_cpu_busy_above"))
+        assert busy is None or 0.0 <= busy <= 1.0
 
 
 def test_demo_on_cpu(tmp_path: Path) -> None:

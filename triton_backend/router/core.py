@@ -522,6 +522,10 @@ class RouterCore:
         each other's CPU)."""
         return self._call(self.runtime.take_stage_factors)
 
+    def recalibrations(self) -> int:
+        """How many times live recalibration has rescaled a pool's latencies so far."""
+        return self._call(lambda: self.runtime.recalibrations)
+
     def take_chain_overheads(self) -> list[float]:
         """The overhead (µs) of each chain answered since the last call (_chain_times)."""
 
