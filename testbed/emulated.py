@@ -40,8 +40,9 @@ MAF19 = (0.30, 0.33, 0.37)
 # Capacity grid of a mix: 1/32 of the top rate (ppipe's plan; 15.5 req/s on hc2-small). At
 # 1/16 one step was a quarter of the live capacity there (live 93 against simulated 124).
 MIX_STEPS = 32
-# A rate that fails narrowly is driven up to this many traces more (loadgen.rate_passes).
-EXTRA_TRACES = 2
+# A rate that fails narrowly is driven up to this many traces more (loadgen.rate_passes;
+# two made the main job 6 min 8 s, over its 6 minutes).
+EXTRA_TRACES = 1
 # Warm-up traces at most before a capacity search (while the router still recalibrates).
 WARM_UP_TRACES = 3
 # A live rate that failed with more than this share of its emulated stages ended late by
@@ -161,12 +162,14 @@ def mix_capacity(
     steps: int = MIX_STEPS,
     stages: Callable[[], tuple[float, float]] | None = None,
     extra: int = EXTRA_TRACES,
+    warm_up: bool = True,
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
     multiple of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of
     their requests on time together (loadgen.rate_passes; a narrow failure judged again
     with up to `extra` traces more), bisected (loadgen.bisect_grid), live first (from a
-    quarter of `top`, after a warm-up there until the router stops recalibrating), then
+    quarter of `top`, after a warm-up there until the router stops recalibrating, where
+    `warm_up`: not for a plan that was rolled out under load), then
     the simulator on the same traces, drawing
     each pool's stage times from those measured live at the same rate (the nearest rate
     run live where it was not): on the emulated GPUs a stage's time includes its inputs'
@@ -187,7 +190,7 @@ def mix_capacity(
     # were (recalibration rescales pools by a tenth or more in their first stage calls
     # under load: a rate judged meanwhile is judged on latencies no longer served). Before,
     # 2 s at a tenth of `top`: a handful of requests.
-    for k in range(WARM_UP_TRACES):
+    for k in range(WARM_UP_TRACES if warm_up else 0):
         before = dep.core.recalibrations()
         load.run(first * top / steps, duration_s, seed=k)
         if dep.core.recalibrations() == before:
@@ -477,6 +480,7 @@ def compare_plans(
                 duration_s,
                 on_point=partial(on_point, strategy),
                 stages=em.emulated_stages,
+                warm_up="rollout" not in out,  # (a plan rolled out under load is warm)
             )
             c1, wall = meter.sample(), time.perf_counter() - w0
             sent = load.sent
