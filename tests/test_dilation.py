@@ -133,3 +133,15 @@ def test_a_rate_is_judged_on_its_traces_together():
     # nor one that the extra traces do not rescue (9 late of 600)
     run, driven = traces((0.99, 200), (0.985, 200), (0.98, 200), (1.0, 200))
     assert rate_passes(2, run, extra=2)[0] is False and driven == [0, 1, 2]
+
+
+def test_a_live_capacity_comes_with_the_interval_of_its_share_on_time():
+    """testbed.emulated.wilson: the 95% Wilson interval the main job prints beside a live
+    capacity (the requests it was judged on, their share on time)."""
+    from testbed.emulated import wilson
+
+    lo, hi = wilson(1.0, 141)  # every request of two 1-s traces on time
+    assert hi == 1.0 and 0.973 < lo < 0.974
+    narrow, wide = wilson(0.99, 1000), wilson(0.99, 100)
+    assert wide[0] < narrow[0] < 0.99 < narrow[1] < wide[1]
+    assert wilson(0.5, 0) == (0.0, 1.0)  # nothing judged: nothing known

@@ -149,6 +149,12 @@ def test_an_emulated_stage_takes_its_profiled_time_at_each_batch_and_share(t4_wa
         assert re.search(
             r'poolpipe_emulated_stages_total\{late="(true|false)",model="tiny_share1"\}', metrics
         )
+        # as EmulatedCluster.emulated_stages reads them: every stage run counted, late or not
+        from testbed.netns import STAGES_METRIC
+
+        rows = STAGES_METRIC.finditer(metrics)
+        counted = [float(m.group(2)) for m in rows if "tiny_share1" in m.group(1)]
+        assert sum(counted) == 2 * (1 + 3), metrics  # two batch sizes, a warm call and three
     finally:
         _stop(proc)
 
