@@ -15,11 +15,12 @@ answers, once the chain's answer comes back, the whole model's outputs
 (`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
 nanoseconds of each hop's own monotonic clock, this hop first: start when the instance took
 the request (before reading its inputs), end when its outputs were ready to go (the feature
-map encoded for the next hop), sent when they went: the instance's time, as the router's
-calibration measured it through a whole call, not its compute alone (the router's
-recalibration compares the two; with the compute alone it cut every emulated stage's
-reservation by the stub's own 20-35%, and chains overran them). Its instance is free for the
-next batch while the rest of the chain runs. Where the chain ends in {"answer": "host:port",
+map encoded for the next hop), sent when they went: the instance's own time, nearer to
+what the router's calibration measures through a whole call than its compute alone (the
+router's recalibration compares the two). What Triton spends before `execute`, handing the
+stub its inputs, is still outside it: on emulated hc2-small at D = 10, about 7 ms beside
+googlenet-v3's 42-ms T4 stage, where the stub's own reading and encoding take about 1 ms.
+Its instance is free for the next batch while the rest of the chain runs. Where the chain ends in {"answer": "host:port",
 "id"} (the router's inbox, triton_backend/router/answers.py), the last hop sends the model's
 outputs there instead, with every hop's times (`poolpipe_hops`: those of the hops before,
 carried along), from a sender thread per inbox, and the calls back along the chain carry

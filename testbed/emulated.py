@@ -205,8 +205,9 @@ def mix_capacity(
     def passes(kind: str, i: int) -> bool:
         rate = i * top / steps
         count = 0
-        before = stages() if stages is not None and kind == "live" else None
-        ticks = host_cpu_ticks()
+        live = kind == "live"
+        ticks = host_cpu_ticks() if live else None
+        before = stages() if live and stages is not None else None
 
         def trace(k: int) -> tuple[float, int]:
             nonlocal count
@@ -227,10 +228,10 @@ def mix_capacity(
 
         ok, points[kind][rate] = rate_passes(traces, trace, extra)
         judged[kind][rate] = count
-        if kind == "live":
+        if ticks is not None:
             busy, total = (a - b for a, b in zip(host_cpu_ticks(), ticks, strict=True))
             host_cpu[rate] = busy / total if total > 0 else 0.0
-        if before is not None and stages is not None:
+        if before is not None and stages is not None:  # (stages: for the type checker)
             on, late = (a - b for a, b in zip(stages(), before, strict=True))
             host_late[rate] = late / (on + late) if on + late > 0 else 0.0
         return ok
