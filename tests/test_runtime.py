@@ -513,7 +513,7 @@ def test_held_batches_wake_earlier_when_the_clocks_timers_fire_late():
     topo = make_topology([([0], [10.0, 12.0, 14.0, 16.0], 0.0)], slo_us=1000.0, batch=4)
     clock = LateClock()
     ex = HandExecutor()
-    plane = make_data_plane("reservation", topo)
+    plane = make_data_plane("holding", topo)
     rt = ServingRuntime(ServedPlan(topo, plane, vgpu_nodes(topo)), clock, ex, RuntimeConfig())
     outcomes = []
     t = 0.0
@@ -560,7 +560,7 @@ def test_the_guard_is_recomputed_every_few_samples_also_once_its_windows_are_ful
             moves.append(us)
             self.inner.set_wake_lateness(us)
 
-    plane = CountingPlane(make_data_plane("reservation", topo))
+    plane = CountingPlane(make_data_plane("holding", topo))
     # (the overdue watch, a timer of its own, is left out: only the wakes are counted)
     config = RuntimeConfig(recalibrate=recalibrate, drop_overdue=False)
     rt = ServingRuntime(ServedPlan(topo, plane, vgpu_nodes(topo)), clock, ex, config)
@@ -592,7 +592,7 @@ def test_held_batches_go_out_earlier_when_batches_overrun_their_reservations():
     topo = make_topology([([0], [10.0, 12.0, 14.0, 16.0], 0.0)], slo_us=1000.0, batch=4)
     clock = VirtualClock()
     ex = HandExecutor()
-    plane = make_data_plane("reservation", topo)
+    plane = make_data_plane("holding", topo)
     rt = ServingRuntime(ServedPlan(topo, plane, vgpu_nodes(topo)), clock, ex, RuntimeConfig())
     outcomes = []
     t = 0.0
@@ -738,7 +738,7 @@ def test_requests_queued_when_their_last_path_leaves_fail_saying_so_not_dropped(
         [([0], [10.0, 10.0, 10.0, 10.0], 0.0), ([1], [10.0, 10.0, 10.0, 10.0], 0.0)],
         slo_us=1000.0,
         batch=4,
-        plane="reservation",
+        plane="holding",  # it waits at any load
     )
     rt.submit(0, [1])  # waits for a fuller batch
     assert not ex.jobs and rt.in_flight() == 1

@@ -262,7 +262,7 @@ def test_with_inputs_times_the_first_pools_inputs_at_the_nic_bandwidth():
 
 def test_waits_for_a_fuller_batch_then_dispatches_at_the_last_moment():
     topo = two_stage(batch=2, slo_us=100.0)
-    s = ReservationScheduler(topo)
+    s = ReservationScheduler(topo, light_load=0.0)
     (r0,) = make_requests(1, slo_us=100.0)
     s.add_request(r0, 0.0)
     d = s.decide(0.0)
@@ -275,12 +275,43 @@ def test_waits_for_a_fuller_batch_then_dispatches_at_the_last_moment():
     assert d.dispatches[0].hops[-1].end_us <= r0.deadline_us
 
 
+def test_at_a_light_load_a_short_batch_goes_at_once_and_is_held_once_the_load_needs_batches():
+    """A lone request is not held for batch-mates while the model's arrivals are at most
+    LIGHT_LOAD of what its pipelines serve at batch 1 (here 100 req/s: one vGPU, 10 ms):
+    holding would only spend its time. Once it arrives at 100 req/s (above the half: batches
+    are what keeps up), a lone request is held for its last moment again."""
+    topo = make_topology([([0], [10000.0, 12000.0], 0.0)], batch=2, slo_us=100000.0)
+    s = ReservationScheduler(topo)
+    held = ReservationScheduler(topo, light_load=0.0)  # as the published plane does
+    (r0,) = make_requests(1, slo_us=100000.0)
+    for plane in (s, held):
+        plane.add_request(r0, 0.0)
+    d = s.decide(0.0)
+    assert [x.requests for x in d.dispatches] == [[r0]] and d.wake_at_us is None
+    assert d.dispatches[0].hops[0].start_us == 0.0  # no wait: the vGPU is idle
+    h = held.decide(0.0)
+    assert h.dispatches == [] and h.wake_at_us == pytest.approx(100000.0 - 10000.0 - 1.0)
+    # one second at 100 req/s, each alone on an idle vGPU when it arrives
+    sent_at_once = []
+    for r in make_requests(101, start_us=20000.0, gap_us=10000.0, slo_us=100000.0)[1:]:
+        s.add_request(r, r.arrival_us)
+        d = s.decide(r.arrival_us)
+        sent_at_once.append(bool(d.dispatches) and d.dispatches[0].requests[0] is r)
+        if not d.dispatches:  # held: the next arrival completes the batch of two
+            break
+    assert 0.5 * 100 / 1e6 < s.arrival_rate(0, r.arrival_us) < 100 / 1e6
+    assert sent_at_once[:10] == [True] * 10 and sent_at_once[-1] is False
+    assert 50 <= len(sent_at_once) <= 100
+    with pytest.raises(PoolpipeError, match="light_load"):
+        ReservationScheduler(topo, light_load=1.0)
+
+
 def test_a_request_joining_a_held_batch_moves_its_last_moment_earlier():
     # Found on a real H200 (scripts/bench_gpu.py): a ResNet-50 alone on one vGPU, batch 1
     # 3.3 ms, batch 2 5.0 ms. Woken at the last moment of a batch of one, a batch of two no
     # longer fit: the head went alone, and the newcomer behind it was dropped at 50 req/s.
     topo = make_topology([([0], [3300.0, 5000.0, 6500.0, 7000.0], 0.0)], batch=4, slo_us=16500.0)
-    s = ReservationScheduler(topo)
+    s = ReservationScheduler(topo, light_load=0.0)
     r0, r1 = make_requests(2, gap_us=5000.0, slo_us=16500.0)
     s.add_request(r0, 0.0)
     d = s.decide(0.0)
@@ -423,7 +454,7 @@ def test_under_a_backlog_a_batch_is_held_until_its_start_and_grows():
 def test_eager_never_waits_and_deferred_waits_less_than_adaptive():
     wakes = {}
     for policy in ("adaptive", "deferred", "eager"):
-        s = ReservationScheduler(two_stage(batch=2), policy)
+        s = ReservationScheduler(two_stage(batch=2), policy, light_load=0.0)
         s.add_request(make_requests(1)[0], 0.0)
         d = s.decide(0.0)
         wakes[policy] = (len(d.dispatches), d.wake_at_us)

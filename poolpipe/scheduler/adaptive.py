@@ -1,6 +1,8 @@
 """The reservation-based data plane of docs/design/dataplane.md: probe every pipeline, pick
 the one with the least waiting, take the largest batch that meets the oldest request's
-deadline, and then drop, wait until the last moment, or reserve the path and dispatch.
+deadline, and then drop, wait until the last moment, or reserve the path and dispatch. At a
+light load (LIGHT_LOAD) a short batch that its pipeline can start now goes at once: no
+batch is needed to keep up, and holding would only spend the requests' time.
 
 Two refinements under overload: a new oldest request that misses its deadline at the planned
 batch only because the pipelines are booked up is dropped rather than served in a smaller,
@@ -50,6 +52,13 @@ WAKE_GUARD_US: Final = 1.0
 # round-off of the last wake (now + slack - guard == now in floating point), and a hold
 # for it would wake the driver at the same instant for ever (a virtual clock never moves).
 MIN_HOLD_US: Final = 1e-3
+# Light load (docs/design/dataplane.md): a batch short of its planned size is not held for
+# more requests where the pipeline can start it now and the model's arrival rate is at most
+# this share of what its pipelines serve at the batch queued: no batch is needed to keep up,
+# so holding would only spend the requests' time. 0: always hold (the published plane).
+LIGHT_LOAD: Final = 0.5
+# The arrival rate's time constant (µs): an exponentially decaying count of arrivals.
+RATE_WINDOW_US: Final = 1e6
 
 
 class _Queue:
@@ -137,7 +146,17 @@ class _Models:
     per-model numbers unboxed vectors, librt.vecs, where a list's floats and large ints
     were objects made at every write)."""
 
-    __slots__ = ("admitted", "dirty", "lead", "probes_since", "queues", "until_start", "wake")
+    __slots__ = (
+        "admitted",
+        "arrived",
+        "arrived_at",
+        "dirty",
+        "lead",
+        "probes_since",
+        "queues",
+        "until_start",
+        "wake",
+    )
 
     def __init__(self, n: int) -> None:
         self.queues = [_Queue() for _ in range(n)]
@@ -150,6 +169,9 @@ class _Models:
         self.lead = [0] * n  # the index of its pipeline chosen last
         # id of the head admitted at its planned batch (docs/design/dataplane.md)
         self.admitted = vec[i64]([-1] * n)
+        # arrivals, each decaying with RATE_WINDOW_US, as of `arrived_at` (the last one)
+        self.arrived = vec[float]([0.0] * n)
+        self.arrived_at = vec[float]([0.0] * n)
 
     def all_dirty(self) -> None:
         for m in range(len(self.dirty)):
@@ -168,11 +190,14 @@ class ReservationScheduler(DataPlane):
         max_queue: int | None = None,
         wake_guard_us: float = WAKE_GUARD_US,
         reference: bool = False,
+        light_load: float = LIGHT_LOAD,
     ):
         if policy not in POLICIES:
             raise PoolpipeError(f"unknown batching policy {policy!r}; choose {', '.join(POLICIES)}")
         if max_queue is not None and max_queue < 1:
             raise PoolpipeError(f"max_queue must be >= 1, got {max_queue}")
+        if not 0.0 <= light_load < 1.0:
+            raise PoolpipeError(f"light_load must be in [0, 1), got {light_load}")
         name = policy if policy != "adaptive" else "reservation"
         super().__init__("reference" if reference and name == "reservation" else name, topo)
         self.policy = policy
@@ -181,6 +206,7 @@ class ReservationScheduler(DataPlane):
         # fire late by up to about a millisecond, the simulator's never do.
         self.wake_guard_us = wake_guard_us
         self.wake_guard_floor_us = wake_guard_us  # set_wake_lateness adds to it
+        self.light_load = light_load if policy == "adaptive" else 0.0  # baselines as published
         # the layers, each owning its state: bounds < memo < probe (docs/design/dataplane.md)
         self.index = ClusterIndex(topo)
         self.tables = Tables(topo)
@@ -205,6 +231,9 @@ class ReservationScheduler(DataPlane):
         m = req.model
         models = self.models
         q = models.queues[m]
+        if self.light_load > 0.0:
+            models.arrived[m] = self._arrivals(m, now) + 1.0
+            models.arrived_at[m] = now
         if self.max_queue is not None and len(q) >= self.max_queue:
             self._rejected.append(Drop(req, DROP_OVERLOAD))
             return True
@@ -409,7 +438,7 @@ class ReservationScheduler(DataPlane):
                         slack = head.deadline_us - self._probe(pipe, n + 1, now, math.inf).finish_us
                     else:
                         slack = head.deadline_us - pn.finish_us
-                    if slack - self.wake_guard_us > MIN_HOLD_US:
+                    if slack - self.wake_guard_us > MIN_HOLD_US and not self._light(m, n, pn, now):
                         models.wake[m] = now + slack - self.wake_guard_us
                         models.until_start[m] = False
                         return
@@ -417,6 +446,25 @@ class ReservationScheduler(DataPlane):
                     b, pr = n, pn
                 # else latency is not monotone in b here: send the n on b's timing
             self._dispatch(m, pipe, b, pr, now, out)
+
+    def _arrivals(self, m: int, now: float) -> float:
+        """Model m's arrivals, each weighed exp(-age / RATE_WINDOW_US), as of `now`."""
+        models = self.models
+        age = now - models.arrived_at[m]
+        return models.arrived[m] * math.exp(-age / RATE_WINDOW_US) if age > 0 else models.arrived[m]
+
+    def arrival_rate(self, m: int, now: float) -> float:
+        """Model m's arrival rate as this plane estimates it (requests per µs; 0 where
+        light_load is off: it does not count)."""
+        return self._arrivals(m, now) / RATE_WINDOW_US
+
+    def _light(self, m: int, n: int, pn: Probe, now: float) -> bool:
+        """Is holding model m's batch of n (probed: `pn`) for more requests worthless? Its
+        pipeline can start it now, and the model's arrivals are at most `light_load` of what
+        its pipelines serve at batches of n: no batch is needed to keep up."""
+        if self.light_load == 0.0 or pn.wait_us >= 1.0:
+            return False
+        return self.arrival_rate(m, now) <= self.light_load * self.lat.serves[m][n]
 
     def _choose(self, m: int, now: float) -> tuple[int, Probe]:
         """The model's pipeline with the least waiting at its planned batch (then the

@@ -158,9 +158,20 @@ class Latencies:
     """The pools' latencies as the probe reads them, read anew when a live router measures
     them anew (`read`): per pool its latency at batch b, its transfer in per sample, its
     shortest stage and its offset; per pipeline at its planned batch what lies ahead of and
-    after each hop, its latency with no waiting, and the largest batch it may grow to."""
+    after each hop, its latency with no waiting, and the largest batch it may grow to; per
+    model what its pipelines serve at each batch up to their planned ones (`serves`)."""
 
-    __slots__ = ("ahead", "grow_to", "lat", "lat_min", "no_wait", "offset", "rest", "tin")
+    __slots__ = (
+        "ahead",
+        "grow_to",
+        "lat",
+        "lat_min",
+        "no_wait",
+        "offset",
+        "rest",
+        "serves",
+        "tin",
+    )
 
     def __init__(self, topo: Topology) -> None:
         self.lat: list[vec[float]] = []
@@ -171,11 +182,13 @@ class Latencies:
         self.rest: list[vec[float]] = []
         self.no_wait: list[float] = []
         self.grow_to: list[int] = []
+        self.serves: list[vec[float]] = []
         self.read(topo)
 
     def read(self, topo: Topology) -> None:
         self.no_wait, self.grow_to = _per_pipeline(topo)
         self.lat = [vec[float](lat) for lat in latency_tables(topo)]
+        self.serves = [vec[float](x) for x in serves_per_batch(topo, self.lat)]
         self.tin = vec[float]([float(pool.transfer_in_us) for pool in topo.pools])
         self.lat_min = vec[float]([min(lat[1:], default=0.0) for lat in self.lat])
         # Per pool: a feature map's transfer into it starts no earlier than this after the
@@ -211,6 +224,27 @@ class Latencies:
                 x += self.lat[pid][b] + b * self.tin[pid]
                 after[d - 1] = x
             self.rest.append(vec[float](after))
+
+
+def serves_per_batch(topo: Topology, lat: list[vec[float]]) -> list[list[float]]:
+    """Per model, at each batch b up to its pipelines' largest planned one ([b], index 0
+    unused): the requests per µs its pipelines serve when every batch is of b (of
+    min(b, planned) on a pipeline planned smaller), each pipeline at its slowest pool's
+    vGPUs (transfers not counted)."""
+    out = []
+    for m in topo.models:
+        top = max((topo.pipelines[p].batch for p in m.pipelines), default=0)
+        per = [0.0] * (top + 1)
+        for b in range(1, top + 1):
+            for p in m.pipelines:
+                pipe = topo.pipelines[p]
+                n = min(b, pipe.batch)
+                per[b] += min(
+                    (len(topo.pools[pid].vgpus) * n / lat[pid][n] if lat[pid][n] > 0 else math.inf)
+                    for pid in pipe.pools
+                )
+        out.append(per)
+    return out
 
 
 def _per_pipeline(topo: Topology) -> tuple[list[float], list[int]]:
