@@ -306,6 +306,23 @@ def test_at_a_light_load_a_short_batch_goes_at_once_and_is_held_once_the_load_ne
         ReservationScheduler(topo, light_load=1.0)
 
 
+def test_at_a_light_load_a_request_behind_a_busy_pipeline_waits_only_until_it_frees():
+    """Four requests at once (a client's burst) at a light load: the first goes at once,
+    alone; the three after it are held until its vGPU frees (10 ms), not for their last
+    moment (90 ms), and go together."""
+    topo = make_topology([([0], [10000.0, 12000.0, 13000.0, 14000.0], 0.0)], batch=4, slo_us=1e5)
+    s = ReservationScheduler(topo)
+    r = make_requests(4, slo_us=1e5)
+    s.add_request(r[0], 0.0)
+    assert [x.requests for x in s.decide(0.0).dispatches] == [[r[0]]]
+    for k in (1, 2, 3):
+        s.add_request(r[k], 1.0)
+    d = s.decide(1.0)
+    assert d.dispatches == [] and d.wake_at_us == pytest.approx(10000.0 - 1.0)
+    d = s.decide(d.wake_at_us)
+    assert [x.requests for x in d.dispatches] == [r[1:]]
+
+
 def test_a_request_joining_a_held_batch_moves_its_last_moment_earlier():
     # Found on a real H200 (scripts/bench_gpu.py): a ResNet-50 alone on one vGPU, batch 1
     # 3.3 ms, batch 2 5.0 ms. Woken at the last moment of a batch of one, a batch of two no

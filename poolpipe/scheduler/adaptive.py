@@ -1,8 +1,9 @@
 """The reservation-based data plane of docs/design/dataplane.md: probe every pipeline, pick
 the one with the least waiting, take the largest batch that meets the oldest request's
 deadline, and then drop, wait until the last moment, or reserve the path and dispatch. At a
-light load (LIGHT_LOAD) a short batch that its pipeline can start now goes at once: no
-batch is needed to keep up, and holding would only spend the requests' time.
+light load (LIGHT_LOAD) a short batch waits only until its pipeline can start it (at once
+where it is idle): no batch is needed to keep up, and holding would only spend the
+requests' time.
 
 Two refinements under overload: a new oldest request that misses its deadline at the planned
 batch only because the pipelines are booked up is dropped rather than served in a smaller,
@@ -52,10 +53,11 @@ WAKE_GUARD_US: Final = 1.0
 # round-off of the last wake (now + slack - guard == now in floating point), and a hold
 # for it would wake the driver at the same instant for ever (a virtual clock never moves).
 MIN_HOLD_US: Final = 1e-3
-# Light load (docs/design/dataplane.md): a batch short of its planned size is not held for
-# more requests where the pipeline can start it now and the model's arrival rate is at most
-# this share of what its pipelines serve at the batch queued: no batch is needed to keep up,
-# so holding would only spend the requests' time. 0: always hold (the published plane).
+# Light load (docs/design/dataplane.md): where the model's arrival rate is at most this
+# share of what its pipelines serve at the batch queued, a batch short of its planned size
+# is held only until its pipeline can start it (requests arriving meanwhile join it), not
+# for its last moment: no batch is needed to keep up, so a longer hold would only spend the
+# requests' time. 0: always hold for the last moment (the published plane).
 LIGHT_LOAD: Final = 0.5
 # The arrival rate's time constant (µs): an exponentially decaying count of arrivals.
 RATE_WINDOW_US: Final = 1e6
@@ -438,7 +440,11 @@ class ReservationScheduler(DataPlane):
                         slack = head.deadline_us - self._probe(pipe, n + 1, now, math.inf).finish_us
                     else:
                         slack = head.deadline_us - pn.finish_us
-                    if slack - self.wake_guard_us > MIN_HOLD_US and not self._light(m, n, pn, now):
+                    if self._light(m, n, now):
+                        # no batch needed to keep up: wait only until the pipeline can start
+                        # it (requests arriving meanwhile join), not for its last moment
+                        slack = min(slack, pn.start_us - now)
+                    if slack - self.wake_guard_us > MIN_HOLD_US:
                         models.wake[m] = now + slack - self.wake_guard_us
                         models.until_start[m] = False
                         return
@@ -458,11 +464,11 @@ class ReservationScheduler(DataPlane):
         light_load is off: it does not count)."""
         return self._arrivals(m, now) / RATE_WINDOW_US
 
-    def _light(self, m: int, n: int, pn: Probe, now: float) -> bool:
-        """Is holding model m's batch of n (probed: `pn`) for more requests worthless? Its
-        pipeline can start it now, and the model's arrivals are at most `light_load` of what
-        its pipelines serve at batches of n: no batch is needed to keep up."""
-        if self.light_load == 0.0 or pn.wait_us >= 1.0:
+    def _light(self, m: int, n: int, now: float) -> bool:
+        """Is holding model m's batch of n for more requests worthless? The model's arrivals
+        are at most `light_load` of what its pipelines serve at batches of n: no batch is
+        needed to keep up."""
+        if self.light_load == 0.0:
             return False
         return self.arrival_rate(m, now) <= self.light_load * self.lat.serves[m][n]
 
