@@ -85,6 +85,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if plan_rps is not None:
             models.add_row("", "planned on the nodes in service", f"{plan_rps:.1f}", *[""] * 6)
     console.print(models)
+    _print_load(s.get("load") or {})
     if s["node_changes"] or s["rollouts"]:
         console.print(
             "node changes: "
@@ -94,6 +95,32 @@ def cmd_status(args: argparse.Namespace) -> int:
             highlight=False,
         )
     return 0
+
+
+def _print_load(load: dict) -> None:
+    """The load observed against the plan's envelope (status's "load")."""
+    if not load.get("models"):
+        return
+    t = Table(title=f"load against the plan's envelope (sampled {load['sampled_s']:g} s)")
+    windows = list(next(iter(load["models"].values()))["req_s"])
+    for col in ("model", *(f"req/s {w}" for w in windows), "envelope req/s", "share"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for name, m in load["models"].items():
+        t.add_row(
+            name,
+            *(f"{m['req_s'][w]:.1f}" for w in windows),
+            "-" if m["envelope_req_s"] is None else f"{m['envelope_req_s']:.1f}",
+            "-" if m["share"] is None else f"{m['share']:.2f}",
+        )
+    console.print(t)
+    if not load.get("envelope"):
+        console.print("no envelope: the plan states no deliverable req/s (plan it with --delivery)")
+    events = ", ".join(f"{k} {v}" for k, v in load["events"].items())
+    console.print(f"envelope events: {events}", highlight=False, markup=False)
+    for e in load["recent"][-3:]:
+        console.print(
+            f"  {e['seconds_ago']} s ago, {e['kind']}: {e['why']}", highlight=False, markup=False
+        )
 
 
 def cmd_drain(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, re
 from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US, ArrivalStamps
+from poolpipe.runtime.envelope import EnvelopeConfig
 from poolpipe.runtime.stamps import DEFAULT_CLOCK_BOUND_US, DEFAULT_MAX_WAIT_US
 from poolpipe.scheduler import DATA_PLANES
 from poolpipe_cli.common import (
@@ -145,6 +146,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "--replan-on-failure re-plans for the nodes of an inventory: give --nodes "
             "INVENTORY (nodes serve started here are restarted when they die instead)"
         )
+    if args.prefect_events and not os.environ.get("PREFECT_API_URL"):
+        raise PoolpipeError(
+            "--prefect-events sends the load's events to the Prefect server its deployment "
+            "triggers run on: set PREFECT_API_URL to that server's API (e.g. "
+            "http://prefect.internal:4200/api)"
+        )
     if args.replan_on_failure or args.router:  # flows run here: logged here, not Prefect's
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")
         # Prefect's ephemeral API (where no PREFECT_API_URL is set) sends telemetry from its
@@ -183,6 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tier=tier,
             adopt_after_s=args.adopt_after,
             on_reshard=_resharder(args, token_file) if tier else None,
+            on_load_event=_load_events(args) if args.prefect_events else None,
             **router_options(args),
         )
     try:
@@ -244,6 +252,13 @@ def _replanner(args: argparse.Namespace, token_file: str):
         token_file=str(Path(token_file).resolve()),
         margin=args.replan_margin,
     )
+
+
+def _load_events(args: argparse.Namespace):
+    """The load's envelope events as Prefect events (prefect.yaml's load-replan trigger)."""
+    from flows.replan import load_event_emitter
+
+    return load_event_emitter(args.name)
 
 
 def _resharder(args: argparse.Namespace, token_file: str):
@@ -500,6 +515,18 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         "traceparent header; a client's sampled trace context is followed, and every late, "
         "dropped, failed or refused request is traced (0.01)",
     )
+    d = EnvelopeConfig()
+    p.add_argument(
+        "--envelope",
+        default=None,
+        metavar="HIGH,LOW,HOLD_S,MIX",
+        help="when the load leaves the served plan's envelope (logged, counted in "
+        "poolpipe_envelope_events, in `status`): a model's arrivals over the last "
+        f"{d.short_s:g} s above HIGH of what the plan states it serves at 99%% on time; every "
+        f"model below LOW of it over {d.long_s:g}-s windows for HOLD_S seconds; the mix "
+        "further than MIX (total variation) from the plan's "
+        f"({d.high:g},{d.low:g},{d.hold_s:g},{d.mix_shift:g})",
+    )
 
 
 def trace_config(args: argparse.Namespace) -> TraceConfig | None:
@@ -530,7 +557,25 @@ def router_options(args: argparse.Namespace) -> dict:
             args.arrival_clock_bound_ms * 1e3, args.arrival_max_wait_ms * 1e3
         ),
         "tracing": trace_config(args),
+        "envelope": envelope_config(args.envelope),
     }
+
+
+def envelope_config(text: str | None) -> EnvelopeConfig | None:
+    """--envelope HIGH,LOW,HOLD_S,MIX (None: the defaults)."""
+    if text is None:
+        return None
+    parts = [x.strip() for x in text.split(",")]
+    try:
+        high, low, hold_s, mix = (float(x) for x in parts)
+    except ValueError:
+        raise PoolpipeError(
+            f"--envelope: {text!r} is not four numbers HIGH,LOW,HOLD_S,MIX (e.g. 0.9,0.4,600,0.2)"
+        ) from None
+    try:
+        return EnvelopeConfig(high=high, low=low, hold_s=hold_s, mix_shift=mix)
+    except PoolpipeError as exc:
+        raise PoolpipeError(f"--envelope: {exc}") from None
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -610,6 +655,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--replan-grace", type=float, default=REPLAN_GRACE_S, help="seconds (%(default)g)"
+    )
+    p.add_argument(
+        "--prefect-events",
+        action="store_true",
+        help="send each time the load leaves the plan's envelope (--envelope) to the Prefect "
+        "server at $PREFECT_API_URL as an event poolpipe.load.above|below|mix of resource "
+        "poolpipe.router.<--name>: prefect.yaml's load-replan deployment re-plans on it",
     )
     p.add_argument(
         "--replan-margin", type=float, default=0.05, help="roll out when better by (0.05)"

@@ -64,11 +64,9 @@ def server(onboarded_tiny):  # noqa: F811
 
 
 def _send(server, n: int) -> None:
-    """`n` requests answered. One that the router drops (its batch, held for company until
-    its last moment, then ran past the SLO on this host shared with the whole suite: an
-    explicit drop, as designed) is asked again, once: these tests check what is served,
-    not how fast. (A longer SLO would not do: the batcher holds a lone request that much
-    longer.)"""
+    """`n` requests answered. One that the router drops (its batch ran past the SLO on this
+    host shared with the whole suite: an explicit drop, as designed) is asked again, once:
+    these tests check what is served, not how fast."""
     from triton_backend.router.core import DROP_MARKER
 
     mod, client = _grpc(server.deployment)
@@ -139,14 +137,67 @@ def test_requests_with_nan_or_infinite_inputs_are_counted(server):
     assert len(said) == 1 and "NaN or infinite" in said[0] and "tiny 2" in said[0], said
 
 
+def _load_sampled(server, timeout_s: float = 10.0) -> None:
+    """Until the router's load watch has taken a sample since the requests just sent (it
+    samples every second)."""
+    import time
+
+    before = server.load.figures().get("sampled_s", 0.0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fig = server.load.figures()
+        if fig["models"] and fig["sampled_s"] > before:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the load watch took no sample in {timeout_s:g} s")
+
+
 def test_router_metrics_for_prometheus(server):
     _send(server, 2)
+    _load_sampled(server)
     text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
     m = re.search(r'poolpipe_requests_total\{model="tiny",outcome="arrivals"\} (\S+)', text)
     assert m and float(m.group(1)) >= 2
     assert "poolpipe_pool_busy_seconds_total" in text and "poolpipe_in_flight" in text
     assert "poolpipe_reply_margin_seconds" in text
     assert re.search(r'poolpipe_model_ready\{model="tiny"\} 1\.0', text)
+    # the load observed: arrival rates over windows; the envelope's events (a hand-made
+    # plan states no deliverable req/s: no envelope, no share of it)
+    assert re.search(r'poolpipe_arrival_rate\{model="tiny",window="10s"\} [0-9.]+', text)
+    assert re.search(r'poolpipe_envelope_events_total\{kind="above"\} 0\.0', text)
+    assert "poolpipe_load_share{" not in text
+
+
+def test_the_load_read_from_the_router_leaves_an_envelope_and_says_so(server, caplog):
+    """The router's own counters through a load watch (its plan stating a deliverable rate)
+    whose envelope any load leaves (times given, not waited for): one `above` event, logged
+    once with the model and its rate, counted; a second sample still above says nothing
+    more."""
+    from dataclasses import replace
+
+    from poolpipe.runtime.envelope import EnvelopeConfig
+    from triton_backend.deploy.envelope import LoadWatch
+
+    core, dep = server.deployment.core, server.deployment
+    stated = replace(
+        dep.plan, models=tuple(replace(m, deliverable=m.throughput) for m in dep.plan.models)
+    )
+    watch = LoadWatch(
+        lambda: core.stats,
+        lambda: stated,
+        EnvelopeConfig(high=2e-6, low=1e-6, short_s=1.0, long_s=1.0, hold_s=3600.0),
+    )
+    assert watch.sample(0.0) == []
+    _send(server, 3)
+    with caplog.at_level("WARNING", logger="poolpipe.serve"):
+        events = watch.sample(1e6)
+        assert watch.sample(2e6) == []  # still out: said once
+    assert [e.kind for e in events] == ["above"] and events[0].rates[0] >= 3
+    said = [r.getMessage() for r in caplog.records if "over the last 1 s" in r.getMessage()]
+    assert len(said) == 1 and "the load left the plan's envelope (above): tiny" in said[0]
+    fig = watch.figures()["models"]["tiny"]
+    assert watch.events["above"] == 1
+    assert fig["envelope_req_s"] == round(dep.plan.models[0].throughput, 2)
 
 
 @pytest.mark.skipif(
@@ -357,6 +408,32 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
     assert done["rolled_out"] is True and server.deployment.generation == gen + 1
     assert server.plan_id == done["plan_id"]
     _send(server, 2)
+
+
+def test_load_replan_waits_out_its_interval_then_replans(prefect_api, server, onboarded_tiny):  # noqa: F811
+    """The flow prefect.yaml's load-replan trigger runs on a router's load event: within
+    its interval of the deployment's last rollout it declines, saying so; past it, it is
+    the nightly re-plan with the event as its trigger."""
+    from flows.replan import load_replan
+    from flows.rollout import rollout_plan
+
+    wh, _ = onboarded_tiny
+    router = f"127.0.0.1:{server.deployment.grpc_port}"
+    with Warehouse.open(wh) as w:
+        plan_id = w.store_plan(two_partition_plan(cut=3), label="test-load")
+    assert rollout_plan(str(plan_id), router, warehouse=wh)["ok"]  # a rollout just now
+    _send(server, 3)
+    server.flush_stats()
+    kw = dict(cluster="local-1t", clusters_file=str(REPO / "local-clusters.toml"), warehouse=wh)
+    gen = server.deployment.generation
+    wait = load_replan(router=router, event="poolpipe.load.above", why="a test", **kw)
+    assert wait["rolled_out"] is False and "at most one re-plan per 1800 s" in wait["why"]
+    again = load_replan(
+        router=router, event="poolpipe.load.mix", why="a test", min_interval_s=0, margin=1e9, **kw
+    )
+    assert again["trigger"] == "poolpipe.load.mix: a test"
+    assert again["rolled_out"] is False and "not better" in again["why"]
+    assert server.deployment.generation == gen and server.plan_id == plan_id
 
 
 def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsys, monkeypatch):  # noqa: F811
@@ -834,6 +911,7 @@ def test_an_operator_sees_status_drains_a_node_and_reads_the_statistics(
     router = ["--router", dep.grpc_url, "--token-file", os.environ[TOKEN_FILE_VAR]]
     _send(server, 3)
     server.flush_stats()
+    _load_sampled(server)
     capsys.readouterr()
     assert cli_main(["status", *router, "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
@@ -845,6 +923,9 @@ def test_an_operator_sees_status_drains_a_node_and_reads_the_statistics(
     assert cli_main(["status", *router]) == 0
     table = capsys.readouterr().out
     assert "in service" in table and "reply margin" in table and dep.grpc_url in table
+    assert s["load"]["models"]["tiny"]["req_s"]["300s"] > 0 and s["load"]["envelope"] is False
+    assert "load against the plan's envelope" in table and "envelope events: above" in table
+    assert "no envelope: the plan states no deliverable req/s" in table
 
     names = sorted({n.name for n in dep.nodes.values()})
     try:

@@ -20,11 +20,13 @@ from poolpipe.client.control import authorised, node_key
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
+from poolpipe.runtime.envelope import EnvelopeConfig, EnvelopeEvent
 from poolpipe.scheduler.messages import DROP_REASONS
 from poolpipe.scheduler.topology import planned_utilisation
 from poolpipe.store.warehouse import Warehouse, store_rows_durably, store_tables_durably
 from triton_backend import REPLAN_GRACE_S
 from triton_backend.deploy.deployment import ROLLOUT_RESULTS, Deployment, RolloutResult
+from triton_backend.deploy.envelope import LoadWatch
 from triton_backend.deploy.peers import TierMember
 from triton_backend.env import free_ports, signals_held
 from triton_backend.node.triton import refuse_taken_ports
@@ -142,6 +144,7 @@ class RouterCollector:
             rollouts.add_metric([st], k)
         yield rollouts
         yield from self._plan_figures(core)
+        yield from self._load_figures()
         yield from self._writer_figures()
         yield from self._trace_figures(core)
 
@@ -198,6 +201,40 @@ class RouterCollector:
             util.add_metric(labels, u)
         yield vgpus
         yield util
+
+    def _load_figures(self):
+        """The load observed (envelope.LoadWatch): per model its arrival rate over each
+        window and its share of the plan's envelope; the envelope's events by kind."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        watch = self.server.load
+        fig = watch.figures()
+        rate = GaugeMetricFamily(
+            "poolpipe_arrival_rate",
+            "Arrivals per second over a sliding window, by model",
+            labels=["model", "window"],
+        )
+        share = GaugeMetricFamily(
+            "poolpipe_load_share",
+            f"Arrivals over the last {watch.config.short_s:g} s as a share of what the plan "
+            "states it serves at 99% on time (its envelope)",
+            labels=["model"],
+        )
+        for name, m in fig["models"].items():
+            for window, r in m["req_s"].items():
+                rate.add_metric([name, window], r)
+            if m["share"] is not None:  # (a plan that states no deliverable req/s: none)
+                share.add_metric([name], m["share"])
+        yield rate
+        yield share
+        events = CounterMetricFamily(
+            "poolpipe_envelope_events",
+            "Times the load left the plan's envelope, by kind (above, below, mix)",
+            labels=["kind"],
+        )
+        for kind, k in sorted(fig["events"].items()):
+            events.add_metric([kind], k)
+        yield events
 
     def _writer_figures(self):
         """The statistics writer: its interval, when it last wrote to the warehouse, and
@@ -262,6 +299,8 @@ class ServingProcess:
         tier: tuple[Inventory, str] | None = None,
         adopt_after_s: float = 3.0,
         on_reshard: Callable[[str, str, str], dict] | None = None,
+        envelope: EnvelopeConfig | None = None,
+        on_load_event: Callable[[str, EnvelopeEvent], None] | None = None,
         **options: Any,
     ):
         """`token`: control commands must carry it (poolpipe.client.send_control(token=)),
@@ -283,7 +322,10 @@ class ServingProcess:
         holds a node of it, and follows its peers (peers.TierMember): a peer that has not
         answered its readiness check for `adopt_after_s` (0: never adopt) is gone, and this
         router adopts its part of that peer's nodes, re-planned and rolled out by
-        `on_reshard` (flows.replan.on_reshard), and hands them back when the peer answers again."""
+        `on_reshard` (flows.replan.on_reshard), and hands them back when the peer answers again.
+        `envelope`: when the observed load leaves the served plan's (envelope.LoadWatch);
+        `on_load_event`: called with the router's gRPC address and each such event
+        (flows.replan.load_event_emitter)."""
         self.warehouse = warehouse
         self.token = token
         self.name = name
@@ -347,6 +389,15 @@ class ServingProcess:
         self._nonfinite_said: dict[str, int] = {}  # requests with NaN inputs, as last logged
         self._stats_thread = threading.Thread(target=self._stats_loop, daemon=True)
         self._stats_thread.start()
+        self.load = LoadWatch(
+            lambda: self.deployment.core.stats,
+            lambda: self.deployment.plan,
+            envelope,
+            on_event=None
+            if on_load_event is None
+            else lambda e: on_load_event(self.deployment.grpc_url, e),
+        )
+        self.load.start()
         self.replans: list[dict] = []  # decisions of the re-plans after failures
         self.replan_on_failure, self.replan_grace_s = replan_on_failure, replan_grace_s
         if replan_on_failure is not None:
@@ -631,6 +682,7 @@ class ServingProcess:
             "arrival_stamps": dict(core.stamps.counts),
             "client_deadlines": dict(core.client_deadlines),
             "nonfinite_inputs": dict(core.nonfinite),
+            "load": self.load.figures(),
             "tier": None
             if self.member is None
             else {
@@ -685,6 +737,8 @@ class ServingProcess:
             self._closing = True  # a balancer's next health check sends requests elsewhere
             self.deployment.core.stopping = True  # nodes leaving from now on are expected
             self._stop.set()
+            if getattr(self, "load", None) is not None:
+                self.load.stop()
             if self.ready is not None:
                 if self.stop_grace_s > 0:
                     self._drain()
