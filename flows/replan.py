@@ -3,7 +3,9 @@
 beats the serving plan's, for that mix, by a margin. Nodes the router has taken out of
 service (failed, not back) are left out of the new plan, and the serving plan is judged by
 what it still serves without them: the router can trigger this flow when a node stays down
-(`poolpipe serve --replan-on-failure`)."""
+(`poolpipe serve --replan-on-failure`), and when the load leaves the serving plan's envelope
+(`poolpipe serve --prefect-events`: an event that prefect.yaml's load-replan trigger turns
+into a run of `load_replan`)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from poolpipe.domain.plan import STRATEGIES, Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
 from poolpipe.planner.replan import objective_under, observed_weights, worth_rolling_out
+from poolpipe.runtime.envelope import EnvelopeEvent
 from poolpipe.store.plan_inputs import plan_request, resolve_cluster
 from poolpipe.store.warehouse import Warehouse
 
@@ -243,6 +246,104 @@ def nightly_replan(
     if failed:  # the run ends Failed in Prefect, saying why
         raise PoolpipeError(failed)
     return decision
+
+
+# the Prefect events a router sends when the load leaves its plan's envelope:
+# poolpipe.load.above | .below | .mix (prefect.yaml's load-replan trigger expects them)
+LOAD_EVENT = "poolpipe.load"
+
+
+def load_event_emitter(deployment: str) -> Callable[[str, EnvelopeEvent], None]:
+    """What `poolpipe serve --prefect-events` calls at each envelope event of the router
+    (triton_backend.deploy.envelope.LoadWatch): a Prefect event `poolpipe.load.<kind>` on
+    the resource `poolpipe.router.<deployment>` to the API at $PREFECT_API_URL, the
+    router's gRPC address and what happened in its payload."""
+
+    def emit(router: str, e: EnvelopeEvent) -> None:
+        from prefect.events import emit_event
+
+        def per_model(values: tuple[float, ...]) -> dict[str, float]:
+            return {m: round(v, 4) for m, v in zip(e.models, values, strict=True)}
+
+        emit_event(
+            event=f"{LOAD_EVENT}.{e.kind}",
+            resource={
+                "prefect.resource.id": f"poolpipe.router.{deployment}",
+                "prefect.resource.name": deployment,
+            },
+            payload={
+                "router": router,
+                "kind": e.kind,
+                "why": e.why,
+                "rates": per_model(e.rates),
+                "deliverable": per_model(e.deliverable),
+                "mix": per_model(e.mix),
+                "planned_mix": per_model(e.planned_mix),
+            },
+        )
+
+    return emit
+
+
+@task(name="last-rollout", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
+def last_rollout(warehouse: str | None, deployment: str) -> datetime | None:
+    """When a plan was last rolled out to `deployment` (done), or None."""
+    with Warehouse.open(warehouse) as wh:
+        row = wh.con.execute(
+            "SELECT max(rolled_at) FROM rollouts WHERE deployment = ? AND status = 'done'",
+            [deployment],
+        ).fetchone()
+    return row[0] if row else None
+
+
+@flow(name="load-replan", log_prints=True)
+def load_replan(
+    router: str | None = None,
+    event: str = LOAD_EVENT,
+    why: str = "",
+    hours: float = 0.25,
+    margin: float = 0.05,
+    min_interval_s: float = 1800.0,
+    warehouse: str | None = None,
+    token_file: str | None = None,
+    inventory: str | None = None,
+    cluster: str | None = None,
+    clusters_file: str | None = None,
+) -> dict:
+    """Re-plan because the load left the serving plan's envelope (EVENT, WHY: the router's
+    Prefect event, through prefect.yaml's load-replan trigger): nightly-replan on the mix of
+    the last HOURS, rolled out when better by MARGIN; not at all where a plan was rolled out
+    to the router's deployment less than MIN_INTERVAL_S ago (no flapping)."""
+    router, warehouse = worker.router(router), worker.warehouse(warehouse)
+    deployment = router_inventory(router, token_file)["deployment"]
+    last = last_rollout(warehouse, deployment)
+    ago = None if last is None else (datetime.now() - last).total_seconds()
+    if ago is not None and ago < min_interval_s:
+        decision = {
+            "trigger": f"{event}: {why}",
+            "rolled_out": False,
+            "why": f"a plan was rolled out {ago:.0f} s ago; at most one re-plan per "
+            f"{min_interval_s:g} s",
+        }
+        create_markdown_artifact(
+            key=artifact_key("replan", deployment),
+            description=f"re-planning decision ({event})",
+            markdown=f"# re-planning ({event})\n\n"
+            + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
+        )
+        return decision
+    return nightly_replan(
+        cluster=cluster,
+        router=router,
+        warehouse=warehouse,
+        clusters_file=clusters_file,
+        deployment=deployment,
+        hours=hours,
+        margin=margin,
+        token_file=token_file,
+        inventory=inventory,
+        trigger=f"{event}: {why}",
+    )
 
 
 def on_failure(**params: Any) -> Callable[[str, str], dict]:

@@ -294,6 +294,7 @@ def test_deploy_all_and_the_listing_commands(server):
         "measure-blocks/profile-L4",
         "rollout/rollout",
         "nightly-replan/nightly-replan",
+        "load-replan/load-replan",
     }
     for name in names:
         assert server.deployment(name)["work_pool_name"]
@@ -310,6 +311,38 @@ def test_deploy_all_and_the_listing_commands(server):
     nightly = server.deployment("nightly-replan/nightly-replan")
     assert "router" not in nightly["parameters"]  # the worker's setting, not the deployer's
     assert nightly["schedules"] and nightly["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
+
+
+def test_a_routers_load_event_runs_the_load_replan_deployment(server):
+    """What `poolpipe serve --prefect-events` sends when the load leaves its plan's envelope
+    (flows.replan.load_event_emitter, in a process of its own as a router would be, at the
+    server's API) makes the server's automation from prefect.yaml's trigger create a run of
+    load-replan with the router's address, the event and its reason as parameters. (No
+    worker takes it: the run is deleted.)"""
+    dep = server.deployment("load-replan/load-replan")  # deployed by the first test
+    send = (
+        "from flows.replan import load_event_emitter\n"
+        "from poolpipe.runtime.envelope import EnvelopeEvent\n"
+        "e = EnvelopeEvent('above', ('tiny',), 0.0, (12.5,), (10.0,), (1.0,), (1.0,),\n"
+        "                  'tiny 12.5 req/s over the last 60 s')\n"
+        "load_event_emitter('edge-1')('10.9.9.9:8001', e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", send], cwd=REPO, env=server.env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    deadline, runs = time.monotonic() + 90, []
+    while time.monotonic() < deadline and not runs:
+        runs = server.http.post(
+            "/flow_runs/filter", json={"deployments": {"id": {"any_": [dep["id"]]}}}
+        ).json()
+        time.sleep(1)
+    assert len(runs) == 1, "no run of load-replan after the event"
+    params = runs[0]["parameters"]
+    assert params["router"] == "10.9.9.9:8001" and params["event"] == "poolpipe.load.above"
+    assert params["why"] == "tiny 12.5 req/s over the last 60 s"
+    assert params["min_interval_s"] == 1800  # the deployment's own
+    server.http.client.delete(f"/flow_runs/{runs[0]['id']}").raise_for_status()
 
 
 def test_workers_onboard_profile_and_plan_into_the_warehouse(server, workers, tmp_path):
