@@ -150,6 +150,16 @@ def store(warehouse: str | None, plan: Plan) -> int:
         return wh.store_plan(plan, label="nightly-replan")
 
 
+def _decision_artifact(deployment: str, trigger: str, decision: dict) -> None:
+    """A re-planning decision as the run's artifact (the deployment's latest)."""
+    create_markdown_artifact(
+        key=artifact_key("replan", deployment),
+        description=f"re-planning decision ({trigger})",
+        markdown=f"# re-planning ({trigger})\n\n"
+        + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
+    )
+
+
 @flow(name="nightly-replan", log_prints=True)
 def nightly_replan(
     cluster: str | None = None,
@@ -237,12 +247,7 @@ def nightly_replan(
                 )
         else:
             decision["why"] = f"not better than plan {current_id} by more than {margin:.0%}"
-    create_markdown_artifact(
-        key=artifact_key("replan", deployment),
-        description=f"re-planning decision ({trigger})",
-        markdown=f"# re-planning ({trigger})\n\n"
-        + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
-    )
+    _decision_artifact(deployment, trigger, decision)
     if failed:  # the run ends Failed in Prefect, saying why
         raise PoolpipeError(failed)
     return decision
@@ -325,12 +330,7 @@ def load_replan(
             "why": f"a plan was rolled out {ago:.0f} s ago; at most one re-plan per "
             f"{min_interval_s:g} s",
         }
-        create_markdown_artifact(
-            key=artifact_key("replan", deployment),
-            description=f"re-planning decision ({event})",
-            markdown=f"# re-planning ({event})\n\n"
-            + markdown_table(["", ""], [[k, v] for k, v in decision.items()]),
-        )
+        _decision_artifact(deployment, event, decision)
         return decision
     return nightly_replan(
         cluster=cluster,

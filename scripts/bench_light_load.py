@@ -37,7 +37,8 @@ from rich.table import Table
 
 from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.profiles import load_ppipe_dir
-from poolpipe.planner import PlanRequest, make_plan
+from poolpipe.planner import make_plan
+from poolpipe.planner.request import group_request
 from poolpipe.scheduler.topology import simulated_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.sim.capacity import search_capacity
@@ -108,16 +109,7 @@ def main() -> int:
         for g in groups:
             group = wl["groups"][g - 1]
             for strategy in ("ppipe", "np"):
-                req = PlanRequest(
-                    models=tuple(profiles[n] for n in group),
-                    weights=mix,
-                    slos_us=tuple(5 * profiles[n].reference_latency_us for n in group),
-                    cluster=clusters[cluster],
-                    strategy=strategy,
-                    margin=0.4,
-                    max_partitions=2,
-                    delivery="off",
-                )
+                req = group_request(profiles, group, mix, clusters[cluster], strategy, "per-share")
                 topo = simulated_topology(make_plan(req), profiles)
                 config = f"{cluster} g{g} {strategy}"
                 cap: dict[str, list[float]] = {}

@@ -34,7 +34,7 @@ KINDS = (ABOVE, BELOW, MIX)
 
 
 class LoadWatch:
-    """`sample()` once a second (its own thread from `start`); `stats` is read by the
+    """`sample()` once a second (its own thread from `start`); `figures()` is read by the
     router's metrics and status."""
 
     def __init__(
@@ -47,7 +47,6 @@ class LoadWatch:
     ):
         self._stats, self._plan = stats, plan
         self.on_event = on_event
-        self.handed_failed = 0  # events on_event raised on
         self.config = config or EnvelopeConfig()
         self.sample_s = sample_s
         self.events: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
@@ -97,7 +96,6 @@ class LoadWatch:
                 try:
                     self.on_event(e)
                 except Exception as exc:
-                    self.handed_failed += 1
                     log.warning("the load event (%s) was not passed on: %s", e.kind, exc)
         return events
 
