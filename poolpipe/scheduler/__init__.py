@@ -27,8 +27,9 @@ from poolpipe.scheduler.topology import Topology, build_topology
 
 # reservation: docs/design/dataplane.md's adaptive batching; the others are baselines and
 # ablations (holding: reservation holding every short batch for its last moment, light load
-# or not, as the published plane does).
-DATA_PLANES = ("reservation", "holding", "reactive", "eager", "deferred")
+# or not, as the published plane does; spread: reservation with equally good vGPUs taking
+# turns instead of the lowest-numbered packed first).
+DATA_PLANES = ("reservation", "holding", "spread", "reactive", "eager", "deferred")
 # reservation's specification (reference.py: slower, every pipeline probed by the plain
 # rule), and both side by side, failing at the first difference (checked.py)
 CHECK_PLANES = ("reference", "checked")
@@ -51,8 +52,12 @@ def make_data_plane(
         return ReservationScheduler(topo, "adaptive", max_queue, guard, light_load=light)
     if name == "holding":
         return ReservationScheduler(topo, "adaptive", max_queue, guard, light_load=0.0)
-    if name in ("eager", "deferred"):
-        return ReservationScheduler(topo, name, max_queue, guard)
+    if name == "spread":
+        return ReservationScheduler(
+            topo, "adaptive", max_queue, guard, light_load=light, pack=False
+        )
+    if name in ("eager", "deferred"):  # (as published: equally good vGPUs take turns)
+        return ReservationScheduler(topo, name, max_queue, guard, pack=False)
     if name == "reactive":
         return ReactiveScheduler(topo, max_queue)
     if name == "reference":

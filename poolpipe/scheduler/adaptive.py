@@ -59,6 +59,10 @@ MIN_HOLD_US: Final = 1e-3
 # for its last moment: no batch is needed to keep up, so a longer hold would only spend the
 # requests' time. 0: always hold for the last moment (the published plane).
 LIGHT_LOAD: Final = 0.5
+# Load-proportional packing (probe.Prober.pack): of equally good vGPUs, the lowest-numbered
+# takes the batch, so at a low load the highest stay idle and can be released (Symphony's
+# rule). False: equally good vGPUs take turns (the plane's `spread` form).
+PACK: Final = True
 # The arrival rate's time constant (µs): an exponentially decaying count of arrivals.
 RATE_WINDOW_US: Final = 1e6
 
@@ -193,6 +197,7 @@ class ReservationScheduler(DataPlane):
         wake_guard_us: float = WAKE_GUARD_US,
         reference: bool = False,
         light_load: float = LIGHT_LOAD,
+        pack: bool = PACK,
     ):
         if policy not in POLICIES:
             raise PoolpipeError(f"unknown batching policy {policy!r}; choose {', '.join(POLICIES)}")
@@ -216,6 +221,7 @@ class ReservationScheduler(DataPlane):
         self.bounds = Bounds(self.index, self.tables, self.lat)
         self.memo = ProbeMemo(self.index, self.tables, self.lat)
         self.prober = Prober(self.index, self.tables, self.lat, self.bounds, self.memo)
+        self.prober.pack = pack
         # The specification (reference.py): every probe by the plain rule, every pipeline
         # probed in the model's order; the fast plane must decide exactly as this does.
         self.reference = reference

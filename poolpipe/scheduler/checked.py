@@ -8,7 +8,7 @@ fast plane's. `--data-plane checked` (poolpipe sim, scripts/digest.py sim --chec
 from __future__ import annotations
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.scheduler.adaptive import LIGHT_LOAD, WAKE_GUARD_US, ReservationScheduler
+from poolpipe.scheduler.adaptive import LIGHT_LOAD, PACK, WAKE_GUARD_US, ReservationScheduler
 from poolpipe.scheduler.messages import DataPlane, Decisions, Dispatch, Request, StageReport
 from poolpipe.scheduler.topology import Topology
 
@@ -101,11 +101,20 @@ def checked_plane(
     max_queue: int | None = None,
     wake_guard_us: float = WAKE_GUARD_US,
     light_load: float = LIGHT_LOAD,
+    pack: bool = PACK,
 ) -> CheckedPlane:
     """The fast reservation plane of `policy` checked against its reference."""
     return CheckedPlane(
-        ReservationScheduler(topo, policy, max_queue, wake_guard_us, light_load=light_load),
         ReservationScheduler(
-            topo, policy, max_queue, wake_guard_us, reference=True, light_load=light_load
+            topo, policy, max_queue, wake_guard_us, light_load=light_load, pack=pack
+        ),
+        ReservationScheduler(
+            topo,
+            policy,
+            max_queue,
+            wake_guard_us,
+            reference=True,
+            light_load=light_load,
+            pack=pack,
         ),
     )

@@ -42,7 +42,18 @@ class Prober:
     """Probes, reserves and corrects on the tables (state.Tables), keeping the bounds and
     the memo up to date with every change."""
 
-    __slots__ = ("bounds", "index", "lat", "memo", "plain", "probes", "prune", "rr", "tables")
+    __slots__ = (
+        "bounds",
+        "index",
+        "lat",
+        "memo",
+        "pack",
+        "plain",
+        "probes",
+        "prune",
+        "rr",
+        "tables",
+    )
 
     def __init__(
         self,
@@ -60,6 +71,10 @@ class Prober:
         self.probes: i64 = 0  # probes made (not answered from the memo)
         # per pool: where its next scan starts, so that equally good vGPUs and NICs take turns
         self.rr = vec[i64]([0] * len(index.flat))
+        # Load-proportional packing: every scan starts at the pool's first vGPU (group), so
+        # of equally good choices the lowest-numbered takes the batch and the highest stay
+        # idle at a low load (False: equally good choices take turns, `rr`).
+        self.pack = False
         # Skip a compared pipeline whose pools' bounds put its wait above the best one's, and
         # cut its probe short where it cannot finish first (False: probe every pipeline not
         # skipped otherwise, in full; the equivalence tests' plain rule).
@@ -388,6 +403,8 @@ class Prober:
                 tables.down_version[server_of[v]] += 1
                 bounds.touch_down(server_of[v], now)
             pid = hop.pool
+            if self.pack:
+                continue
             if src < 0 and not index.inputs[pid]:
                 self.rr[pid] = (index.flat_index[v] + 1) % len(index.flat[pid])
             else:

@@ -57,6 +57,14 @@ class SimResult:
     per_second: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     events: tuple[dict[str, Any], ...] = ()  # scenario events as they happened
     rollouts: tuple[dict[str, Any], ...] = ()  # each with its simulated downtime
+    # per physical GPU ("T4#3": the type's fourth): busy GPU-time / makespan; 0.0 for one
+    # that ran nothing (packing leaves those idle at a low load: they can be released)
+    gpu_busy: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gpus_idle(self) -> int:
+        """GPUs that ran no stage at all."""
+        return sum(1 for b in self.gpu_busy.values() if b == 0.0)
 
     @property
     def arrived(self) -> int:
@@ -177,6 +185,7 @@ def summarize(sim: FinishedRun, rt: ServingRuntime, wall_s: float) -> SimResult:
             series[key] = np.bincount(s[o == code], minlength=seconds)
         per_second[name] = {k: v.tolist() for k, v in series.items()}
     busy: dict[str, float] = defaultdict(float)
+    gpu_busy = {f"{g}#{k}": 0.0 for g, count in sim.topo.gpu_counts.items() for k in range(count)}
     mean_batch = {}
     # every plan served, in order: those retired, and those the runtime still keeps
     usages = sorted([*sim.cluster.retired, *rt.usage()], key=lambda u: u.generation)
@@ -184,6 +193,8 @@ def summarize(sim: FinishedRun, rt: ServingRuntime, wall_s: float) -> SimResult:
         topo = use.served.topo
         for v in topo.vgpus:
             busy[v.gpu] += use.vgpu_busy_us[v.id] / v.share
+            gpu = f"{v.gpu}#{v.physical}"
+            gpu_busy[gpu] = gpu_busy.get(gpu, 0.0) + use.vgpu_busy_us[v.id] / v.share / makespan_us
         for pool in topo.pools:
             total = use.pool_batches[pool.id]
             if total:
@@ -217,4 +228,5 @@ def summarize(sim: FinishedRun, rt: ServingRuntime, wall_s: float) -> SimResult:
         per_second=per_second,
         events=tuple(sim.events),
         rollouts=tuple(sim.rollouts),
+        gpu_busy=gpu_busy,
     )
