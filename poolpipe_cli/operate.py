@@ -1,6 +1,7 @@
 """An operator's commands on a running router: `status` (what it serves, its nodes, its
-figures), `drain` / `undrain` (a node out of new batches, and back), and `stats` (the
-warehouse's per-window serving statistics)."""
+figures), `drain` / `undrain` (a node out of new batches, and back), `advise` (the GPUs the
+observed load needs, and the nodes that can be released now), and `stats` (the warehouse's
+per-window serving statistics)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         highlight=False,
     )
     nodes = Table(title="nodes")
-    for col in ("node", "address", "state", "since", "batches on it"):
+    for col in ("node", "address", "state", "since", "batches on it", "idle s"):
         nodes.add_column(col)
     for n in s["nodes"]:
         style = {"down": "red", "drained": "yellow"}.get(n["state"], "")
         nodes.add_row(
             n["node"], n["address"], n["state"], n["since"] or "start", str(n["batches"]),
-            style=style,
+            f"{n.get('idle_s', 0):g}", style=style,
         )  # fmt: skip
     console.print(nodes)
     models = Table(title="models (since the start; then the last windows written)")
@@ -121,6 +122,86 @@ def _print_load(load: dict) -> None:
         console.print(
             f"  {e['seconds_ago']} s ago, {e['kind']}: {e['why']}", highlight=False, markup=False
         )
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    import tomllib
+
+    from poolpipe.domain.inventory import load_inventory, parse_inventory
+    from poolpipe.domain.plan import Plan
+    from poolpipe.planner.advise import advise
+    from poolpipe_cli.plans import parse_pairs
+
+    status = _send(args, {"op": "status"})
+    served = Plan.from_dict(_send(args, {"op": "plan"})["plan"])
+    if args.inventory:
+        inv = load_inventory(args.inventory)
+    else:
+        text = _send(args, {"op": "inventory"})["inventory"]
+        inv = parse_inventory(tomllib.loads(text), f"the inventory of router {args.router}")
+    cluster = inv.cluster()
+    if args.rates:
+        rates = parse_pairs(args.rates, "rates")
+    else:
+        load = (status.get("load") or {}).get("models") or {}
+        window = f"{args.window:g}s"
+        if not load or window not in next(iter(load.values()))["req_s"]:
+            have = ", ".join(next(iter(load.values()))["req_s"]) if load else "none yet"
+            raise PoolpipeError(
+                f"the router keeps no {window} rate (it keeps: {have}); pass --window with one "
+                "of those, or --rates NAME=REQ/S,..."
+            )
+        rates = {n: float(m["req_s"][window]) for n, m in load.items()}
+    prices = parse_pairs(args.prices, "prices") if args.prices else None
+    with open_warehouse(args) as wh:
+        profiles = {m.name: wh.load_profile(m.name) for m in served.models}
+    with console.status("planning the cheapest GPUs for the observed load ..."):
+        a = advise(
+            served, profiles, rates, cluster, headroom=args.headroom, prices=prices,
+            nodes=status["nodes"], idle_s=args.idle_s,
+        )  # fmt: skip
+    if args.json:
+        console.print_json(json.dumps(a.to_dict()))
+        return 0
+    source = "--rates" if args.rates else f"the router's last {args.window:g} s"
+    t = Table(
+        title=f"GPUs for the load of {source} x {1 + a.headroom:g} (headroom {a.headroom:.0%})"
+    )
+    for col in ("GPU type", "in use", "needed", "change", "offered"):
+        t.add_column(col, justify="left" if col == "GPU type" else "right")
+    change = a.change()
+    for g in sorted(set(a.in_use) | set(a.available)):
+        t.add_row(
+            g, str(a.in_use.get(g, 0)), "-" if a.needed is None else str(a.needed.get(g, 0)),
+            "-" if a.needed is None else f"{change.get(g, 0):+d}", str(a.available.get(g, 0)),
+        )  # fmt: skip
+    console.print(t)
+    m = Table(title="per model")
+    for col in ("model", "req/s observed", "req/s asked", "advised plan delivers"):
+        m.add_column(col, justify="left" if col == "model" else "right")
+    for name, r in a.rates.items():
+        d = None if a.deliverable is None else a.deliverable.get(name)
+        m.add_row(name, f"{r:.1f}", f"{a.asked[name]:.1f}", "-" if d is None else f"{d:.1f}")
+    console.print(m)
+    if a.why_not:
+        console.print(f"[red]the GPUs offered cannot serve the load:[/] {a.why_not}")
+    elif a.cost_per_hour is not None:
+        console.print(
+            f"advised plan: {a.cost_per_hour:g} per hour"
+            + ("" if a.priced else " (no prices known: every GPU counted as 1; give --prices)"),
+            highlight=False,
+        )
+    if a.releasable:
+        console.print(f"nodes that can be released now (idle >= {args.idle_s:g} s, no batch):")
+        for n in a.releasable:
+            console.print(
+                f"  {n['node']} ({n['address']}, {n['state']}, idle {n['idle_s']:g} s): "
+                f"{n['action']}",
+                highlight=False,
+            )
+    else:
+        console.print(f"no node can be released now (none idle >= {args.idle_s:g} s)")
+    return 0
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -226,6 +307,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=60.0, help="seconds to wait for its batches (60)"
     )
     p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser(
+        "advise",
+        help="the GPUs of each type the observed load needs, and the nodes to release now",
+        description="Ask a running router for its load (per model req/s over --window) and "
+        "plan the cheapest GPUs of its inventory that serve it x (1 + --headroom), sized on "
+        "what the plan delivers (the cost objective): GPUs per type in use, needed, offered; "
+        "and the nodes that can be released now (idle >= --idle-s with no batch: the data "
+        "plane packs batches onto the lowest-numbered GPUs, so at a low load the others "
+        "stay idle). What an autoscaler acts on; nodes that join the inventory are used at "
+        "the next re-plan.",
+    )
+    _router(p)
+    p.add_argument("--window", type=float, default=300.0, help="the rates' window, s (300)")
+    p.add_argument("--rates", help="NAME=REQ/S,... instead of the router's observed rates")
+    p.add_argument("--headroom", type=float, default=0.2, help="share above the load (0.2)")
+    p.add_argument("--idle-s", type=float, default=60.0, help="idle before release, s (60)")
+    p.add_argument("--prices", help="TYPE=PRICE per GPU-hour,... (default: 1 per GPU)")
+    p.add_argument("--inventory", help="an inventory file (default: the router's own)")
+    p.add_argument("--json", action="store_true", help="as JSON")
+    p.set_defaults(func=cmd_advise)
 
     p = sub.add_parser("undrain", help="put a drained node back in service")
     p.add_argument("node", help="the node's name in the inventory (or its gRPC host:port)")

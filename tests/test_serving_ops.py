@@ -531,6 +531,25 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         assert client.infer("tiny", [i], parameters={"slo_ms": 1000}).as_numpy(
             client.get_model_metadata("tiny").outputs[0].name
         ).shape == (1, 1000)
+        # advise: the GPUs the load of the last 10 s needs, of those the router's nodes offer
+        for _ in range(5):  # (the rates start anew with the plan rolled out)
+            client.infer("tiny", [i], parameters={"slo_ms": 1000})
+        time.sleep(1.5)  # (sampled once a second)
+        capsys.readouterr()
+        router = ["--router", f"127.0.0.1:{port}", "--token-file", str(token)]
+        assert cli_main(["--warehouse", wh, "advise", *router, "--window", "10", "--json"]) == 0
+        a = json.loads(capsys.readouterr().out)
+        assert a["in_use"] == two_partition_plan(cut=1).gpus_used(), a
+        assert sum(a["available"].values()) == 2 and a["rates"]["tiny"] > 0, a
+        assert a["needed"] and a["why_not"] is None and not a["priced"], a
+        assert set(a["change"]) == set(a["in_use"]) | set(a["needed"]), a
+        assert all(n["action"] for n in a["releasable"]), a
+        assert cli_main(["--warehouse", wh, "advise", *router, "--window", "10"]) == 0
+        said = " ".join(capsys.readouterr().out.split())
+        assert "GPUs for the load of the router's last 10 s x 1.2" in said, said
+        assert "no prices known: every GPU counted as 1" in said, said
+        assert cli_main(["--warehouse", wh, "advise", *router, "--window", "7"]) == 2
+        assert "keeps no 7s rate (it keeps: 10s, 60s, 300s)" in capsys.readouterr().err
     finally:  # a terminal's Ctrl-C: SIGINT to serve and the nodes it started alike
         os.killpg(proc.pid, signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]

@@ -141,6 +141,7 @@ class _Plan:
         "stage_factors",
         "vgpu_busy_us",
         "vgpu_jobs",
+        "vgpu_last_us",
         "vgpu_running",
     )
 
@@ -150,6 +151,7 @@ class _Plan:
         served: ServedPlan,
         windows: Windows,
         config: RuntimeConfig,
+        now_us: float = 0.0,
     ):
         self.generation = generation
         self.served = served
@@ -159,6 +161,8 @@ class _Plan:
         # per vGPU (unboxed vectors, librt.vecs: a thousand GPUs' counters in a few
         # buffers, where an object per vGPU was read cold at each hop)
         self.vgpu_busy_us = vec[float]([0.0] * V)  # stage time, since the plan began
+        # when its last stage ended (clock µs; the plan's start where none has run)
+        self.vgpu_last_us = vec[float]([now_us] * V)
         self.vgpu_jobs = vec[i64]([0] * V)  # jobs with a hop on it, not yet ended
         self.vgpu_running = vec[i64]([0] * V)  # hops started, not yet done (observing)
         self.pools = [_PoolUse() for _ in range(P)]
@@ -202,7 +206,7 @@ class ServingRuntime:
         self.reply_margin_us = self.config.reply_margin_us
         self.stats: dict[str, ModelStats] = {}  # cumulative, per model
         self._windows = Windows(self.stats)
-        self._plan = _Plan(0, served, self._windows, self.config)
+        self._plan = _Plan(0, served, self._windows, self.config, clock.now())
         self._old: list[_Plan] = []  # switched away from, with jobs still running
         self._observing = self.config.recalibrate or self.config.record_stage_factors
         self._keep_latencies = self.config.keep_latencies
@@ -559,6 +563,8 @@ class ServingRuntime:
         d = job.dispatch
         hop = d.hops[h]
         plan.vgpu_busy_us[hop.vgpu] += end_us - start_us
+        if end_us > plan.vgpu_last_us[hop.vgpu]:
+            plan.vgpu_last_us[hop.vgpu] = end_us
         current = plan is self._plan
         if self._observing:
             plan.vgpu_running[hop.vgpu] -= 1
@@ -749,6 +755,16 @@ class ServingRuntime:
         plans = (*self._old, self._plan)
         return sum(sum(p.vgpu_jobs[v] for v in p.node_vgpus.get(node, ())) for p in plans)
 
+    def node_idle_us(self, node: str, now: float) -> float:
+        """How long `node` has run no stage of any plan not retired (since the served plan
+        began where it has run none of it): packing (adaptive.PACK) leaves the highest
+        vGPUs idle at a low load, and a node idle long enough can be drained and released."""
+        last = -math.inf
+        for p in (*self._old, self._plan):
+            for v in p.node_vgpus.get(node, ()):
+                last = max(last, p.vgpu_last_us[v])
+        return max(0.0, now - last) if last > -math.inf else 0.0
+
     def _node_down(self, node: str, now: float, why: str = "") -> None:
         plan = self._plan
         for v in plan.node_vgpus.get(node, ()):
@@ -908,7 +924,9 @@ class ServingRuntime:
             self._wake.cancel()
         self._wake, self._wake_at = None, math.inf
         old = self._plan
-        self._plan = plan = _Plan(old.generation + 1, sw.served, self._windows, self.config)
+        self._plan = plan = _Plan(
+            old.generation + 1, sw.served, self._windows, self.config, now
+        )
         if old.jobs:
             self._old.append(old)
         else:

@@ -96,11 +96,21 @@ class RouterCollector:
             "1 for each node's state now (in service, down, drained)",
             labels=["node", "address", "state"],
         )
+        idle = GaugeMetricFamily(
+            "poolpipe_node_idle_seconds",
+            "How long each node has run no stage (packed batches leave the highest idle at a "
+            "low load: one idle for long can be drained and released)",
+            labels=["node", "address"],
+        )
         for node in core.node_states():
             for st in ("in service", "down", "drained"):
                 labels = [str(node["node"]), str(node["address"]), st]
                 state.add_metric(labels, float(node["state"] == st))
+            idle_s = node["idle_s"]
+            assert isinstance(idle_s, float)
+            idle.add_metric([str(node["node"]), str(node["address"])], idle_s)
         yield state
+        yield idle
         changes = CounterMetricFamily(
             "poolpipe_node_changes",
             "Changes of nodes' states, by the state entered",

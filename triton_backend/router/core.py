@@ -392,7 +392,8 @@ class RouterCore:
     def node_states(self) -> list[dict[str, object]]:
         """Every node of the plan served (and any still out of service): its state (in
         service, down, drained), since when (ISO time; None: since the router started),
-        the batches on it now."""
+        the batches on it now, and how long it has run no stage (`idle_s`: one packing
+        leaves idle at a low load can be drained and released; poolpipe advise)."""
 
         def read() -> list[dict[str, object]]:
             rt = self.runtime
@@ -413,6 +414,7 @@ class RouterCore:
                             timespec="seconds"
                         ),
                         "batches": rt.node_jobs(node),
+                        "idle_s": round(rt.node_idle_us(node, now_us) / 1e6, 1),
                     }
                 )
             return out

@@ -1,0 +1,169 @@
+"""What the observed load needs: the GPUs of each type that serve it, against those in use.
+
+`advise` plans the cheapest GPUs (the cost objective, sized on what the plan delivers:
+cost.py) that serve each model's observed rate times (1 + headroom) on the GPUs the cluster
+offers, and compares them with the served plan's. Beside it, the nodes that can be released
+now without a new plan: packing (scheduler.adaptive.PACK) leaves the highest vGPUs of a pool
+idle at a low load, and a node that has run no stage for `idle_s` is one the data plane no
+longer needs (drain it, then release it: a drained node with no batch on it is released at
+once). This is what a Kubernetes HPA / KEDA scaler or a cloud autoscaler acts on; nodes that
+join the inventory are used at the next re-plan.
+
+Pure: the caller brings the served plan, the rates, the cluster and the nodes' states (the
+router's `status`); no clock, process or session here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.plan import STRATEGIES, Plan
+from poolpipe.domain.profiles import ModelProfile
+from poolpipe.errors import InfeasibleError, PoolpipeError
+from poolpipe.planner.request import PlanRequest
+
+HEADROOM = 0.2  # the plan asked for serves the observed rates x (1 + this)
+IDLE_S = 60.0  # a node idle this long can be released
+# a model seen at (nearly) no load is still planned a pipeline, at this share of the
+# served plan's rate for it (the cost objective needs a rate > 0 for every model)
+FLOOR_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class Advice:
+    """GPUs per type: in use by the served plan, needed by the observed load (None where
+    the cluster cannot serve it: `why_not`), offered by the cluster; the rates observed and
+    asked; what the advised plan delivers per model; the nodes that can be released now."""
+
+    rates: dict[str, float]
+    asked: dict[str, float]
+    headroom: float
+    in_use: dict[str, int]
+    available: dict[str, int]
+    needed: dict[str, int] | None
+    deliverable: dict[str, float | None] | None
+    cost_per_hour: float | None
+    priced: bool  # False: no prices known, every GPU counted alike (1 per hour)
+    why_not: str | None
+    releasable: tuple[dict[str, Any], ...]
+    plan: Plan | None = None
+
+    def change(self) -> dict[str, int]:
+        """GPUs to add (> 0) or give back (< 0) per type; empty where nothing is known."""
+        if self.needed is None:
+            return {}
+        types = sorted(set(self.in_use) | set(self.needed))
+        return {g: self.needed.get(g, 0) - self.in_use.get(g, 0) for g in types}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("plan")
+        d["change"] = self.change()
+        return d
+
+
+def releasable_nodes(nodes: Sequence[Mapping[str, Any]], idle_s: float) -> list[dict[str, Any]]:
+    """Of the router's nodes (status's "nodes": node, address, state, batches, idle_s),
+    those that can be released now: drained with no batch on it (release), or in service,
+    no batch on it, and no stage for `idle_s` (drain, then release). Down nodes are not
+    listed (they are out already)."""
+    out = []
+    for n in nodes:
+        if n.get("batches", 0) or n.get("state") == "down":
+            continue
+        idle = float(n.get("idle_s") or 0.0)
+        if n.get("state") == "drained":
+            out.append({**_node(n), "action": "release"})
+        elif idle >= idle_s:
+            out.append({**_node(n), "action": "drain, then release"})
+    return out
+
+
+def _node(n: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: n.get(k) for k in ("node", "address", "state", "idle_s")}
+
+
+def advise(
+    served: Plan,
+    profiles: Mapping[str, ModelProfile],
+    rates: Mapping[str, float],
+    cluster: Cluster,
+    *,
+    headroom: float = HEADROOM,
+    prices: Mapping[str, float] | None = None,
+    nodes: Sequence[Mapping[str, Any]] = (),
+    idle_s: float = IDLE_S,
+    delivery: str = "maximise",
+) -> Advice:
+    """The advice for the load `rates` (req/s per model of `served`) on `cluster` (the GPUs
+    offered: the router's inventory). `delivery` "off" sizes on the fluid plan (tests)."""
+    from poolpipe.planner.strategies import make_plan
+
+    if not (headroom >= 0 and math.isfinite(headroom)):
+        raise PoolpipeError(f"headroom must be a share >= 0, such as 0.2; got {headroom}")
+    names = [m.name for m in served.models]
+    unknown = sorted(set(rates) - set(names))
+    if unknown:
+        raise PoolpipeError(f"rates given for {unknown}, which the plan does not serve: {names}")
+    missing = [n for n in names if n not in profiles]
+    if missing:
+        raise PoolpipeError(f"no profile for {missing}; onboard them (poolpipe onboard)")
+    observed = {n: float(rates.get(n, 0.0)) for n in names}
+    bad = [f"{n}={r}" for n, r in observed.items() if not (r >= 0 and math.isfinite(r))]
+    if bad:
+        raise PoolpipeError(f"rates must be req/s >= 0, got {', '.join(bad)}")
+    asked = {
+        m.name: max(observed[m.name] * (1 + headroom), FLOOR_SHARE * m.throughput, 1e-3)
+        for m in served.models
+    }
+    given = dict(prices or {})
+    priced = all(p.gpu in given or p.price_per_hour is not None for p in cluster.pools)
+    price = {p.gpu: given.get(p.gpu, p.price_per_hour or 1.0) for p in cluster.pools}
+    if not priced:
+        price = dict.fromkeys(price, 1.0)
+    strategy = served.strategy if served.strategy in ("ppipe", "np") else "ppipe"
+    req = PlanRequest(
+        models=tuple(profiles[n] for n in names),
+        weights=tuple(asked[n] / sum(asked.values()) for n in names),
+        slos_us=tuple(m.slo_us for m in served.models),
+        cluster=cluster,
+        strategy=strategy,
+        packing=served.packing,
+        margin=served.margin if served.strategy in STRATEGIES else 0.4,
+        max_partitions=max(1, served.max_partitions),
+        count_inputs=served.counts_inputs,
+        objective="cost",
+        rates=tuple(asked[n] for n in names),
+        prices=price,
+        cost_alternatives=False,
+        delivery="off" if delivery == "off" else "maximise",
+    )
+    plan: Plan | None = None
+    why_not = None
+    try:
+        plan = make_plan(req)
+    except InfeasibleError as exc:
+        why_not = str(exc)
+    return Advice(
+        rates=observed,
+        asked=asked,
+        headroom=headroom,
+        in_use=dict(served.gpus_used()),
+        available={p.gpu: p.count for p in cluster.pools},
+        needed=None if plan is None else dict(plan.gpus_used()),
+        deliverable=None
+        if plan is None
+        else {m.name: None if m.deliverable is None else float(m.deliverable) for m in plan.models},
+        cost_per_hour=None if plan is None else float(plan.meta.get("cost_per_hour", math.nan)),
+        priced=priced,
+        why_not=why_not,
+        releasable=tuple(releasable_nodes(nodes, idle_s)),
+        plan=plan,
+    )
+
+
+__all__ = ["HEADROOM", "IDLE_S", "Advice", "advise", "releasable_nodes"]
