@@ -29,6 +29,7 @@ from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import STRATEGIES, Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
+from poolpipe.planner.advise import Advice, advise
 from poolpipe.planner.replan import objective_under, observed_weights, worth_rolling_out
 from poolpipe.runtime.envelope import EnvelopeEvent
 from poolpipe.store.plan_inputs import plan_request, resolve_cluster
@@ -301,6 +302,42 @@ def last_rollout(warehouse: str | None, deployment: str) -> datetime | None:
     return row[0] if row else None
 
 
+@task(name="router-status", cache_policy=NO_CACHE)
+def router_status(router: str, token_file: str | None = None) -> dict:
+    """The router's status: its nodes (state, batches, idle time) and its load's rates."""
+    from poolpipe.client import send_control
+    from poolpipe.client.control import token_from
+
+    answer = send_control(router, {"op": "status"}, token=token_from(token_file))
+    if not answer.get("ok", True) or "nodes" not in answer:
+        raise PoolpipeError(f"router {router}: {answer.get('error', answer)}")
+    return answer
+
+
+@task(name="advise", cache_policy=NO_CACHE)
+def advise_plan(
+    warehouse: str | None,
+    current: Plan,
+    status: dict,
+    cluster: Cluster,
+    headroom: float,
+    prices: dict[str, float] | None,
+) -> Advice:
+    """The cheapest GPUs of `cluster` for each model's larger of its 60-s and 300-s rates
+    (the router's status) x (1 + headroom): planner/advise.py."""
+    load = (status.get("load") or {}).get("models") or {}
+    rates = {
+        n: max(float(m["req_s"].get("60s", 0.0)), float(m["req_s"].get("300s", 0.0)))
+        for n, m in load.items()
+    }
+    with Warehouse.open(warehouse) as wh:
+        profiles = {m.name: wh.load_profile(m.name) for m in current.models}
+    return advise(
+        current, profiles, rates, cluster, headroom=headroom, prices=prices,
+        nodes=status.get("nodes", ()),
+    )  # fmt: skip
+
+
 @flow(name="load-replan", log_prints=True)
 def load_replan(
     router: str | None = None,
@@ -314,13 +351,26 @@ def load_replan(
     inventory: str | None = None,
     cluster: str | None = None,
     clusters_file: str | None = None,
+    objective: str = "maxmin",
+    headroom: float = 0.2,
+    shrink: float = 0.1,
+    prices: dict[str, float] | None = None,
 ) -> dict:
     """Re-plan because the load left the serving plan's envelope (EVENT, WHY: the router's
-    Prefect event, through prefect.yaml's load-replan trigger): nightly-replan on the mix of
-    the last HOURS, rolled out when better by MARGIN; not at all where a plan was rolled out
-    to the router's deployment less than MIN_INTERVAL_S ago (no flapping)."""
+    Prefect event, through prefect.yaml's load-replan trigger); not at all where a plan was
+    rolled out to the router's deployment less than MIN_INTERVAL_S ago (no flapping).
+    OBJECTIVE "maxmin": nightly-replan on the mix of the last HOURS, rolled out when better
+    by MARGIN. "cost" (capacity that follows the load): the cheapest GPUs of the inventory
+    (or CLUSTER) that serve the router's rates x (1 + HEADROOM) (`poolpipe advise`; PRICES
+    per GPU-hour, else 1 per GPU), rolled out on a rise or a mix shift, where it needs GPUs
+    of a type the serving plan lacks, or where it saves SHRINK of the cost
+    (planner/follow.py's judge); where the GPUs offered cannot serve the rates, the max-min
+    re-plan."""
     router, warehouse = worker.router(router), worker.warehouse(warehouse)
-    deployment = router_inventory(router, token_file)["deployment"]
+    if objective not in ("maxmin", "cost"):
+        raise PoolpipeError(f"objective must be maxmin or cost, got {objective!r}")
+    served = router_inventory(router, token_file)
+    deployment = served["deployment"]
     last = last_rollout(warehouse, deployment)
     ago = None if last is None else (datetime.now() - last).total_seconds()
     if ago is not None and ago < min_interval_s:
@@ -332,6 +382,13 @@ def load_replan(
         }
         _decision_artifact(deployment, event, decision)
         return decision
+    if objective == "cost":
+        followed = _follow_load(
+            router, warehouse, deployment, served, event, why, headroom, shrink, prices,
+            token_file, inventory, cluster, clusters_file,
+        )  # fmt: skip
+        if followed is not None:
+            return followed
     return nightly_replan(
         cluster=cluster,
         router=router,
@@ -344,6 +401,79 @@ def load_replan(
         inventory=inventory,
         trigger=f"{event}: {why}",
     )
+
+
+def _follow_load(
+    router: str,
+    warehouse: str | None,
+    deployment: str,
+    served: dict,
+    event: str,
+    why: str,
+    headroom: float,
+    shrink: float,
+    prices: dict[str, float] | None,
+    token_file: str | None,
+    inventory: str | None,
+    cluster: str | None,
+    clusters_file: str | None,
+) -> dict | None:
+    """load_replan's cost objective; None where the GPUs offered cannot serve the load (the
+    caller re-plans max-min)."""
+    from flows.rollout import switch
+    from poolpipe.domain.inventory import parse_inventory
+    from poolpipe.planner.follow import judge
+
+    current, current_id = serving_plan(router, token_file)
+    status = router_status(router, token_file)
+    down = router_health(router, token_file).get("down", [])
+    target: str | Inventory | None = inventory
+    if cluster is None and inventory is None:
+        target = parse_inventory(
+            tomllib.loads(served["inventory"]), f"the inventory of router {router}"
+        )
+    with Warehouse.open(warehouse) as wh:
+        offered = surviving_cluster(wh, cluster, clusters_file, target, down)
+    a = advise_plan(warehouse, current, status, offered, headroom, prices)
+    trigger = f"{event}: {why}"
+    decision: dict = {
+        "trigger": trigger,
+        "objective": "cost",
+        "rates": a.rates,
+        "in_use": a.in_use,
+        "needed": a.needed,
+        "releasable": ", ".join(n["node"] for n in a.releasable) or "none",
+        "rolled_out": False,
+    }
+    if a.plan is None or a.cost_per_hour is None:
+        print(f"the GPUs offered cannot serve the load ({a.why_not}); re-planning max-min")
+        return None
+    kind = event.rsplit(".", 1)[-1]
+    roll, reason = judge(
+        kind, why, a.cost_per_hour, a.needed or {}, a.served_cost_per_hour, a.in_use,
+        shrink,
+    )  # fmt: skip
+    decision |= {
+        "cost_per_hour": a.cost_per_hour,
+        "serving_cost_per_hour": a.served_cost_per_hour,
+        "why": reason,
+    }
+    failed = ""
+    if roll:
+        plan_id = store(warehouse, a.plan)
+        result = switch(router, plan_id, token_file)
+        decision |= {"rolled_out": bool(result.get("ok")), "plan_id": plan_id, **result}
+        if not result.get("ok"):
+            failed = (
+                f"plan {plan_id} was not rolled out ({result.get('status') or 'error'}): "
+                f"{result.get('reason') or result.get('error')}"
+            )
+    else:
+        decision["why"] = f"{reason}; plan {current_id} stays"
+    _decision_artifact(deployment, event, decision)
+    if failed:
+        raise PoolpipeError(failed)
+    return decision
 
 
 def on_failure(**params: Any) -> Callable[[str, str], dict]:

@@ -187,7 +187,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
         console.print(f"[red]the GPUs offered cannot serve the load:[/] {a.why_not}")
     elif a.cost_per_hour is not None:
         console.print(
-            f"advised plan: {a.cost_per_hour:g} per hour"
+            f"advised plan: {a.cost_per_hour:g} per hour against {a.served_cost_per_hour:g} "
+            "served"
             + ("" if a.priced else " (no prices known: every GPU counted as 1; give --prices)"),
             highlight=False,
         )

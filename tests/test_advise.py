@@ -41,6 +41,7 @@ def test_advise_asks_for_the_gpus_a_hand_computed_plan_needs(ppipe_profiles):
         assert a.change() == {"T4": want - 8}
         assert a.asked[MODEL] == pytest.approx(load * (1 + h))
         assert not a.priced and a.cost_per_hour == pytest.approx(want)  # 1 per GPU
+        assert a.served_cost_per_hour == 8.0
         assert a.why_not is None
     # more than the cluster offers: no advice but the reason
     a = advise(served, ppipe_profiles, {MODEL: 9 * per_gpu}, cluster, delivery="off")

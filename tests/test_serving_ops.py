@@ -414,7 +414,8 @@ def test_nightly_replan_rolls_out_only_when_better(prefect_api, server, onboarde
 def test_load_replan_waits_out_its_interval_then_replans(prefect_api, server, onboarded_tiny):  # noqa: F811
     """The flow prefect.yaml's load-replan trigger runs on a router's load event: within
     its interval of the deployment's last rollout it declines, saying so; past it, it is
-    the nightly re-plan with the event as its trigger."""
+    the nightly re-plan with the event as its trigger; with the cost objective, the cheapest
+    GPUs for the router's rates, rolled out where they save enough."""
     from flows.replan import load_replan
     from flows.rollout import rollout_plan
 
@@ -435,6 +436,24 @@ def test_load_replan_waits_out_its_interval_then_replans(prefect_api, server, on
     assert again["trigger"] == "poolpipe.load.mix: a test"
     assert again["rolled_out"] is False and "not better" in again["why"]
     assert server.deployment.generation == gen and server.plan_id == plan_id
+    # the cost objective: the cheapest GPUs of local-1t for the router's rates x 1.2
+    follow = load_replan(
+        router=router, event="poolpipe.load.below", why="a test", min_interval_s=0,
+        objective="cost", **kw,
+    )  # fmt: skip
+    assert follow["objective"] == "cost" and follow["trigger"] == "poolpipe.load.below: a test"
+    assert follow["in_use"] == {"cpu-1t": 2} and follow["needed"] == {"cpu-1t": 1}, follow
+    assert follow["why"] == "below: 1 per hour against 2" and follow["rolled_out"] is True
+    assert server.deployment.generation == gen + 1 and server.plan_id == follow["plan_id"]
+    _send(server, 2)
+    # asked again (the periodic check): the plan for the load is the one served, which stays
+    kept = load_replan(
+        router=router, event="poolpipe.load.check", why="a test", min_interval_s=0,
+        objective="cost", **kw,
+    )  # fmt: skip
+    assert kept["rolled_out"] is False and "less than 10% saved" in kept["why"], kept
+    assert kept["why"].endswith(f"plan {follow['plan_id']} stays")
+    assert server.deployment.generation == gen + 1
 
 
 def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsys, monkeypatch):  # noqa: F811

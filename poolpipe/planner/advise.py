@@ -47,6 +47,7 @@ class Advice:
     needed: dict[str, int] | None
     deliverable: dict[str, float | None] | None
     cost_per_hour: float | None
+    served_cost_per_hour: float  # the served plan's GPUs at the same prices
     priced: bool  # False: no prices known, every GPU counted alike (1 per hour)
     why_not: str | None
     releasable: tuple[dict[str, Any], ...]
@@ -159,6 +160,9 @@ def advise(
         if plan is None
         else {m.name: None if m.deliverable is None else float(m.deliverable) for m in plan.models},
         cost_per_hour=None if plan is None else float(plan.meta.get("cost_per_hour", math.nan)),
+        served_cost_per_hour=float(
+            sum(price.get(g, 1.0) * n for g, n in served.gpus_used().items())
+        ),
         priced=priced,
         why_not=why_not,
         releasable=tuple(releasable_nodes(nodes, idle_s)),

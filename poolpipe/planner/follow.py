@@ -125,19 +125,35 @@ class LoadFollower:
 
     def judge(self, want: Want, cost: float, gpus: Mapping[str, int]) -> tuple[bool, str]:
         """Roll out the plan planned for `want` (its cost and GPUs per type)? And why."""
-        lacking = [g for g, n in gpus.items() if n > self.gpus.get(g, 0)]
-        if want.kind in (ABOVE, MIX):
-            return True, f"{want.kind}: {want.why}"
-        if lacking:
-            return True, f"{want.kind}: the load needs more {', '.join(sorted(lacking))}"
-        if cost <= (1 - self.config.shrink) * self.cost:
-            return True, f"{want.kind}: {cost:g} per hour against {self.cost:g}"
-        return False, (
-            f"{want.kind}: the plan for the load costs {cost:g} per hour against {self.cost:g} "
-            f"served (less than {self.config.shrink:.0%} saved)"
-        )
+        return judge(want.kind, want.why, cost, gpus, self.cost, self.gpus, self.config.shrink)
 
     def kept(self, now_s: float) -> None:
         """The served plan stays after a judge said no: the next check in check_s."""
         self._chosen_s = now_s
         self._pending = None
+
+
+def judge(
+    kind: str,
+    why: str,
+    cost: float,
+    gpus: Mapping[str, int],
+    served_cost: float,
+    served_gpus: Mapping[str, int],
+    shrink: float,
+) -> tuple[bool, str]:
+    """Roll out a plan planned for the load (its `cost` per hour and `gpus` per type) in place
+    of the served one, asked for because of `kind` (an envelope event's, or CHECK)? And why:
+    on a rise or a mix shift always; where the served plan lacks GPUs of a type the new one
+    uses; where the new one saves at least `shrink` of the cost."""
+    lacking = [g for g, n in gpus.items() if n > served_gpus.get(g, 0)]
+    if kind in (ABOVE, MIX):
+        return True, f"{kind}: {why}"
+    if lacking:
+        return True, f"{kind}: the load needs more {', '.join(sorted(lacking))}"
+    if cost <= (1 - shrink) * served_cost:
+        return True, f"{kind}: {cost:g} per hour against {served_cost:g}"
+    return False, (
+        f"{kind}: the plan for the load costs {cost:g} per hour against {served_cost:g} "
+        f"served (less than {shrink:.0%} saved)"
+    )
