@@ -164,6 +164,14 @@ ROWS: list[tuple[str, list]] = [
                 ),
             ),
             _ts(
+                "Time since a node's last stage",
+                "s",
+                ("max by (node) (poolpipe_node_idle_seconds)", "{{node}}"),
+                description="Batches go to the lowest-numbered vGPUs: at a low load the "
+                "others run nothing, and a node idle for long can be drained and released "
+                "(poolpipe advise)",
+            ),
+            _ts(
                 "Inferences per node (Triton)",
                 "reqps",
                 (
