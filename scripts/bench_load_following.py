@@ -10,7 +10,8 @@ another's evening):
     total(t) = peak x (trough + (1 - trough) (1 - cos(2 pi (t - 4 h) / 24 h)) / 2)
     share_k(t) ~ maf19_k x (1 + swing x sin(2 pi t / 24 h + 2 pi k / 3))
 
-The peak is --peak of what the cluster's max-min plan delivers at the maf19 mix. Arrivals are
+The peak is the largest share of what the cluster's max-min plan delivers at the maf19 mix,
+from --peak down by 0.05, for which a static plan exists (below). Arrivals are
 Poisson at these rates (thinning), --hour-s simulated seconds per hour (3600: a real day;
 less compresses it: the follower's intervals are scaled alike, its rate windows are not).
 
