@@ -454,6 +454,9 @@ def test_load_replan_waits_out_its_interval_then_replans(prefect_api, server, on
     assert kept["rolled_out"] is False and "less than 10% saved" in kept["why"], kept
     assert kept["why"].endswith(f"plan {follow['plan_id']} stays")
     assert server.deployment.generation == gen + 1
+    # the module's later tests expect the hand-made plan (no envelope) served again
+    assert rollout_plan(str(plan_id), router, warehouse=wh)["ok"]
+    assert server.plan_id == plan_id
 
 
 def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsys, monkeypatch):  # noqa: F811
