@@ -151,6 +151,24 @@ def store(warehouse: str | None, plan: Plan) -> int:
         return wh.store_plan(plan, label="nightly-replan")
 
 
+def _roll_out(
+    warehouse: str | None, router: str, plan: Plan, token_file: str | None
+) -> tuple[dict, str]:
+    """`plan` stored and rolled out to the router: what the decision records of it, and
+    why it was not rolled out ("" where it was)."""
+    from flows.rollout import switch
+
+    plan_id = store(warehouse, plan)
+    result = switch(router, plan_id, token_file)
+    failed = ""
+    if not result.get("ok"):
+        failed = (
+            f"plan {plan_id} was not rolled out ({result.get('status') or 'error'}): "
+            f"{result.get('reason') or result.get('error')}"
+        )
+    return {"rolled_out": bool(result.get("ok")), "plan_id": plan_id, **result}, failed
+
+
 def _decision_artifact(deployment: str, trigger: str, decision: dict) -> None:
     """A re-planning decision as the run's artifact (the deployment's latest)."""
     create_markdown_artifact(
@@ -183,8 +201,6 @@ def nightly_replan(
     TRIGGER: what started the run (shown). A rollout that does not happen (rolled back,
     refused) fails the run, with the reason."""
     router, warehouse = worker.router(router), worker.warehouse(warehouse)
-    from flows.rollout import switch
-
     target: str | Inventory | None = inventory
     if deployment is None or (cluster is None and inventory is None):
         served = router_inventory(router, token_file)
@@ -238,14 +254,8 @@ def nightly_replan(
             "rolled_out": False,
         }
         if worth_rolling_out(old_obj, new_obj, margin):
-            plan_id = store(warehouse, candidate)
-            result = switch(router, plan_id, token_file)
-            decision |= {"rolled_out": bool(result.get("ok")), "plan_id": plan_id, **result}
-            if not result.get("ok"):
-                failed = (
-                    f"plan {plan_id} was not rolled out ({result.get('status') or 'error'}): "
-                    f"{result.get('reason') or result.get('error')}"
-                )
+            rolled, failed = _roll_out(warehouse, router, candidate, token_file)
+            decision |= rolled
         else:
             decision["why"] = f"not better than plan {current_id} by more than {margin:.0%}"
     _decision_artifact(deployment, trigger, decision)
@@ -420,7 +430,6 @@ def _follow_load(
 ) -> dict | None:
     """load_replan's cost objective; None where the GPUs offered cannot serve the load (the
     caller re-plans max-min)."""
-    from flows.rollout import switch
     from poolpipe.domain.inventory import parse_inventory
     from poolpipe.planner.follow import judge
 
@@ -460,14 +469,8 @@ def _follow_load(
     }
     failed = ""
     if roll:
-        plan_id = store(warehouse, a.plan)
-        result = switch(router, plan_id, token_file)
-        decision |= {"rolled_out": bool(result.get("ok")), "plan_id": plan_id, **result}
-        if not result.get("ok"):
-            failed = (
-                f"plan {plan_id} was not rolled out ({result.get('status') or 'error'}): "
-                f"{result.get('reason') or result.get('error')}"
-            )
+        rolled, failed = _roll_out(warehouse, router, a.plan, token_file)
+        decision |= rolled
     else:
         decision["why"] = f"{reason}; plan {current_id} stays"
     _decision_artifact(deployment, event, decision)
