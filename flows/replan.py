@@ -26,7 +26,7 @@ from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.inventory import Inventory
-from poolpipe.domain.plan import STRATEGIES, Plan
+from poolpipe.domain.plan import STRATEGIES, Plan, dilated, time_scale, undilated
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
 from poolpipe.planner.advise import Advice, advise
@@ -91,15 +91,20 @@ def surviving_cluster(
     clusters_file: str | None,
     inventory: str | Inventory | None,
     down: list[dict],
+    scale: float = 1.0,
 ) -> Cluster:
     """The cluster to plan for: the inventory's nodes (a file, or the router's own) less
     those down, or the named cluster (from `clusters_file`, else the warehouse) less as
-    many GPUs of each type as are down."""
+    many GPUs of each type as are down. `scale`: the time scale of the plan served (an
+    emulated cluster's NICs are that much slower than its inventory's servers would be)."""
     if inventory:
         from poolpipe.domain.inventory import load_inventory
 
         inv = load_inventory(inventory) if isinstance(inventory, str) else inventory
-        return inv.mark_down({d["node"] for d in down}).cluster()
+        found = inv.mark_down({d["node"] for d in down}).cluster()
+        if scale == 1:
+            return found
+        return dataclasses.replace(found, bandwidth_gbps=found.bandwidth_gbps * scale)
     if not cluster:
         raise PoolpipeError("give the cluster (name) or the inventory (file) to plan for")
     whole = resolve_cluster(wh, cluster, clusters_file)
@@ -118,20 +123,24 @@ def new_plan(
     shares: dict[str, float] | None = None,
 ) -> Plan:
     """The serving plan planned again for the mix seen (`weights` per model; for an
-    application plan, `shares` per application) on the GPUs in service."""
+    application plan, `shares` per application) on the GPUs in service. A plan served at
+    a time scale (emulated GPU nodes: docs/design/emulation.md) is planned undilated and
+    comes back at the same scale."""
+    d = time_scale(current)
+    current = undilated(current)
     if shares is not None:  # an application plan: its applications planned again
         from poolpipe.domain.apps import base_models
         from poolpipe.planner.apps import replan_apps
 
         with Warehouse.open(warehouse) as wh:
-            survivors = surviving_cluster(wh, cluster, clusters_file, inventory, down or [])
+            survivors = surviving_cluster(wh, cluster, clusters_file, inventory, down or [], d)
             profiles = {m: wh.load_profile(m) for m in set(base_models(current.meta).values())}
-        return replan_apps(current, profiles, survivors, shares)
+        return _at_scale(replan_apps(current, profiles, survivors, shares), d)
     with Warehouse.open(warehouse) as wh:
         req = plan_request(
             wh,
             [m.name for m in current.models],
-            surviving_cluster(wh, cluster, clusters_file, inventory, down or []),
+            surviving_cluster(wh, cluster, clusters_file, inventory, down or [], d),
             weights=weights,
             slo_us={m.name: m.slo_us for m in current.models},
             # a plan written by hand is re-planned as PPipe would plan it
@@ -142,7 +151,11 @@ def new_plan(
             count_inputs=current.counts_inputs,
         )
     # the serving plan, fitted to the GPUs in service, is where the search starts
-    return make_plan(dataclasses.replace(req, warm_start=current))
+    return _at_scale(make_plan(dataclasses.replace(req, warm_start=current)), d)
+
+
+def _at_scale(plan: Plan, d: float) -> Plan:
+    return plan if d == 1 else dilated(plan, d)
 
 
 @task(name="store-plan", cache_policy=NO_CACHE, retries=3, retry_condition_fn=io_error_only)
@@ -332,14 +345,23 @@ def advise_plan(
     cluster: Cluster,
     headroom: float,
     prices: dict[str, float] | None,
+    windows: tuple[str, ...] = ("60s", "300s"),
 ) -> Advice:
-    """The cheapest GPUs of `cluster` for each model's larger of its 60-s and 300-s rates
-    (the router's status) x (1 + headroom): planner/advise.py."""
+    """The cheapest GPUs of `cluster` for each model's largest rate over `windows` (the
+    router's status) x (1 + headroom): planner/advise.py. `current` is planned at time
+    scale 1 (`undilated`) and the rates x its time scale with it; the advice's plan is
+    served at the time scale of `current`."""
+    d = time_scale(current)
     load = (status.get("load") or {}).get("models") or {}
-    rates = {
-        n: max(float(m["req_s"].get("60s", 0.0)), float(m["req_s"].get("300s", 0.0)))
-        for n, m in load.items()
-    }
+    for m in load.values():
+        missing = [w for w in windows if w not in m["req_s"]]
+        if missing:
+            raise PoolpipeError(
+                f"the router keeps no rate over {', '.join(missing)} (it keeps "
+                f"{', '.join(m['req_s'])}): give rate_windows from those"
+            )
+    rates = {n: d * max(float(m["req_s"][w]) for w in windows) for n, m in load.items()}
+    current = undilated(current)
     with Warehouse.open(warehouse) as wh:
         profiles = {m.name: wh.load_profile(m.name) for m in current.models}
     return advise(
@@ -365,6 +387,7 @@ def load_replan(
     headroom: float = 0.2,
     shrink: float = 0.1,
     prices: dict[str, float] | None = None,
+    rate_windows: list[str] | None = None,
 ) -> dict:
     """Re-plan because the load left the serving plan's envelope (EVENT, WHY: the router's
     Prefect event, through prefect.yaml's load-replan trigger); not at all where a plan was
@@ -375,10 +398,12 @@ def load_replan(
     per GPU-hour, else 1 per GPU), rolled out on a rise or a mix shift, where it needs GPUs
     of a type the serving plan lacks, or where it saves SHRINK of the cost
     (planner/follow.py's judge); where the GPUs offered cannot serve the rates, the max-min
-    re-plan."""
+    re-plan. RATE_WINDOWS: the router's windows a model's rate is read over, the largest
+    counts (default 60s and 300s: the envelope's short and long windows)."""
     router, warehouse = worker.router(router), worker.warehouse(warehouse)
     if objective not in ("maxmin", "cost"):
         raise PoolpipeError(f"objective must be maxmin or cost, got {objective!r}")
+    rate_windows = list(rate_windows or ("60s", "300s"))
     served = router_inventory(router, token_file)
     deployment = served["deployment"]
     last = last_rollout(warehouse, deployment)
@@ -395,7 +420,7 @@ def load_replan(
     if objective == "cost":
         followed = _follow_load(
             router, warehouse, deployment, served, event, why, headroom, shrink, prices,
-            token_file, inventory, cluster, clusters_file,
+            token_file, inventory, cluster, clusters_file, rate_windows,
         )  # fmt: skip
         if followed is not None:
             return followed
@@ -427,6 +452,7 @@ def _follow_load(
     inventory: str | None,
     cluster: str | None,
     clusters_file: str | None,
+    rate_windows: list[str],
 ) -> dict | None:
     """load_replan's cost objective; None where the GPUs offered cannot serve the load (the
     caller re-plans max-min)."""
@@ -441,9 +467,10 @@ def _follow_load(
         target = parse_inventory(
             tomllib.loads(served["inventory"]), f"the inventory of router {router}"
         )
+    d = time_scale(current)
     with Warehouse.open(warehouse) as wh:
-        offered = surviving_cluster(wh, cluster, clusters_file, target, down)
-    a = advise_plan(warehouse, current, status, offered, headroom, prices)
+        offered = surviving_cluster(wh, cluster, clusters_file, target, down, d)
+    a = advise_plan(warehouse, current, status, offered, headroom, prices, tuple(rate_windows))
     trigger = f"{event}: {why}"
     decision: dict = {
         "trigger": trigger,
@@ -469,7 +496,7 @@ def _follow_load(
     }
     failed = ""
     if roll:
-        rolled, failed = _roll_out(warehouse, router, a.plan, token_file)
+        rolled, failed = _roll_out(warehouse, router, _at_scale(a.plan, d), token_file)
         decision |= rolled
     else:
         decision["why"] = f"{reason}; plan {current_id} stays"

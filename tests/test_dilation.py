@@ -4,10 +4,13 @@ preset (servers of gpus_per_server GPUs, a node slot per GPU, NICs / D)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from poolpipe.domain.cluster import load_cluster
-from poolpipe.domain.plan import dilated
+from poolpipe.domain.inventory import Inventory, InventoryNode, InventoryServer
+from poolpipe.domain.plan import dilated, time_scale, undilated
 from poolpipe.domain.profiles import load_ppipe_dir
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler.topology import build_topology
@@ -34,11 +37,16 @@ def group2_plan(tmp_path_factory):
             weights=[0.30, 0.33, 0.37],
             slo_scale=5.0,
         )
-        return make_plan(req), {p.name: p for p in profiles}
+        return make_plan(req), {p.name: p for p in profiles}, path
 
 
 def test_a_dilated_plan_is_the_same_plan_d_times_slower(group2_plan):
-    plan, profiles = group2_plan
+    plan, profiles, _ = group2_plan
+    # what it delivers is stated x D slower too (the envelope of a router serving it), and
+    # the rates the cost objective asked for (what a router checks a plan it loads by)
+    stated = tuple(replace(m, deliverable=0.8 * m.throughput) for m in plan.models)
+    asked = {m.name: 0.5 * m.throughput for m in plan.models}
+    plan = replace(plan, models=stated, meta={**plan.meta, "rates": asked})
     slow = dilated(plan, 20.0)
     assert slow.meta["time_scale"] == 20.0
     assert slow.cluster.bandwidth_gbps == pytest.approx(plan.cluster.bandwidth_gbps / 20)
@@ -46,6 +54,8 @@ def test_a_dilated_plan_is_the_same_plan_d_times_slower(group2_plan):
     for m, s in zip(plan.models, slow.models, strict=True):
         assert s.slo_us == pytest.approx(m.slo_us * 20)
         assert s.throughput == pytest.approx(m.throughput / 20)
+        assert s.deliverable == pytest.approx(m.deliverable / 20)
+        assert slow.meta["rates"][m.name] == pytest.approx(asked[m.name] / 20)
         for p, q in zip(m.pipelines, s.pipelines, strict=True):
             assert q.latency_us == pytest.approx(p.latency_us * 20)
             assert [(a.start, a.end, a.gpu, a.vgpus) for a in q.partitions] == [
@@ -145,3 +155,43 @@ def test_a_live_capacity_comes_with_the_interval_of_its_share_on_time():
     narrow, wide = wilson(0.99, 1000), wilson(0.99, 100)
     assert wide[0] < narrow[0] < 0.99 < narrow[1] < wide[1]
     assert wilson(0.5, 0) == (0.0, 1.0)  # nothing judged: nothing known
+
+
+def _emulated_inventory(d: float) -> Inventory:
+    """hc2-small as an emulated cluster at time scale `d` lists it: NICs at 10 Gbit/s / d."""
+    servers = [("s0", "L4", 4)] + [(f"s{k}", "T4", 2) for k in range(1, 7)]
+    return Inventory(
+        tuple(InventoryServer(name, 10.0 / d) for name, _, _ in servers),
+        tuple(
+            InventoryNode(f"{gpu}-{name}-{i}", name, gpu, f"10.0.0.{k}:{8001 + i}", (1, 2, 3, 4))
+            for k, (name, gpu, count) in enumerate(servers)
+            for i in range(count)
+        ),
+    )
+
+
+def test_a_replan_of_a_router_at_a_time_scale_plans_undilated_and_serves_dilated(group2_plan):
+    """The re-plan flows against a router serving emulated nodes at time scale D (its plan
+    dilated; its inventory's NICs / D): planned from the profiles as they are, for the
+    NICs x D and the router's rates x D, and served dilated by D again."""
+    from flows.replan import advise_plan, new_plan, surviving_cluster
+
+    plan, _, wh = group2_plan
+    slow, inv = dilated(plan, 10.0), _emulated_inventory(10.0)
+    with Warehouse.open(wh) as w:
+        offered = surviving_cluster(w, None, None, inv, [], 10.0)
+    assert offered.bandwidth_gbps == pytest.approx(10.0)
+    again = new_plan.fn(str(wh), slow, [0.30, 0.33, 0.37], None, None, inv, [])
+    assert time_scale(again) == pytest.approx(10.0)
+    assert [m.slo_us for m in again.models] == pytest.approx([m.slo_us for m in slow.models])
+    assert again.cluster.bandwidth_gbps == pytest.approx(1.0)
+    # what the router serves now, planned again: about as much (not a plan for SLOs x D)
+    assert undilated(again).objective == pytest.approx(plan.objective, rel=0.1)
+    seen = {m.name: 0.1 * m.throughput / 10 for m in slow.models}  # req/s at the router
+    status = {"load": {"models": {n: {"req_s": {"10s": r, "60s": r, "300s": r}}
+                                  for n, r in seen.items()}}}  # fmt: skip
+    a = advise_plan.fn(str(wh), slow, status, offered, 0.2, None)
+    assert a.rates == pytest.approx({n: 10 * r for n, r in seen.items()})
+    assert a.plan is not None and time_scale(a.plan) == 1.0
+    with pytest.raises(PoolpipeError, match=r"keeps no rate over 30s \(it keeps 10s, 60s, 300s\)"):
+        advise_plan.fn(str(wh), slow, status, offered, 0.2, None, ("30s",))

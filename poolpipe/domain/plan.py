@@ -522,7 +522,8 @@ def manual_plan(
 
 def dilated(plan: Plan, d: float) -> Plan:
     """`plan` on a cluster `d` times slower (time-warped emulation, ../shared/docs/
-    docs/design/emulation.md): latencies and SLOs x d, throughputs and the NIC bandwidth / d. What a
+    docs/design/emulation.md): latencies and SLOs x d, throughputs (the deliverable ones too)
+    and the NIC bandwidth / d. What a
     router serving emulated GPU nodes at time scale d plans its deadlines and links by;
     `meta["time_scale"]` records d (figures are reported back x d)."""
     if not (math.isfinite(d) and d > 0):
@@ -542,6 +543,7 @@ def dilated(plan: Plan, d: float) -> Plan:
             slo_us=m.slo_us * d,
             throughput=m.throughput / d,
             est_throughput=None if m.est_throughput is None else m.est_throughput / d,
+            deliverable=None if m.deliverable is None else m.deliverable / d,
             pipelines=tuple(
                 replace(
                     p,
@@ -556,6 +558,8 @@ def dilated(plan: Plan, d: float) -> Plan:
     )
     scale = float(plan.meta.get("time_scale", 1.0)) * d
     meta = {**plan.meta, "time_scale": scale}
+    if isinstance(plan.meta.get("rates"), dict):  # the cost objective's rates asked for
+        meta["rates"] = {m: float(r) / d for m, r in plan.meta["rates"].items()}
     if isinstance(plan.meta.get("apps"), dict):  # applications: SLOs, budgets x d, rates / d
         meta["apps"] = {name: _dilated_app(rec, d) for name, rec in plan.meta["apps"].items()}
         if isinstance(plan.meta.get("apps_rates"), dict):
@@ -567,6 +571,20 @@ def dilated(plan: Plan, d: float) -> Plan:
         objective=plan.objective / d,
         meta=meta,
     )
+
+
+def time_scale(plan: Plan) -> float:
+    """The time scale `plan` is served at (`dilated`; 1: real GPUs)."""
+    return float(plan.meta.get("time_scale", 1.0))
+
+
+def undilated(plan: Plan) -> Plan:
+    """`plan` at time scale 1 (what `dilated` made of it, undone)."""
+    d = time_scale(plan)
+    if d == 1:
+        return plan
+    back = dilated(plan, 1 / d)
+    return replace(back, meta={**back.meta, "time_scale": 1.0})
 
 
 def _dilated_app(rec: dict, d: float) -> dict:
