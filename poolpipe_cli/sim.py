@@ -13,7 +13,7 @@ from rich.table import Table
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler import CHECK_PLANES, DATA_PLANES, Topology
-from poolpipe.scheduler.topology import simulated_topology
+from poolpipe.scheduler.topology import filled, simulated_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, SimResult, load_scenario, run_once
 from poolpipe.sim.capacity import SEARCHES, CapacityResult, search_capacity
 from poolpipe.sim.explain import explain
@@ -30,17 +30,21 @@ def _read_plan(path: str | Path) -> Plan:
     return Plan.load(p)
 
 
-def _lay_out(plans: list[Plan], warehouse: str | None, where: list[str]) -> list[Topology]:
+def _lay_out(
+    plans: list[Plan], warehouse: str | None, where: list[str], fill: bool = False
+) -> list[Topology]:
     """The plans' topologies as the simulator runs them (each checked against the profiles
     first, named by `where`; a plan's counted inputs on its NICs: simulated_topology),
     with the profiles read in one short warehouse session (the warehouse is not held while
-    the simulator computes)."""
+    the simulator computes). `fill`: every short batch filled with dummy requests
+    (topology.filled)."""
     names = sorted({m.name for plan in plans for m in plan.models})
     with Warehouse.open(warehouse) as wh:
         profiles = {name: wh.load_profile(name) for name in names}
         for plan, name in zip(plans, where, strict=True):
             check_plan(wh, plan, name)
-    return [simulated_topology(plan, profiles) for plan in plans]
+    topos = [simulated_topology(plan, profiles) for plan in plans]
+    return [filled(t) for t in topos] if fill else topos
 
 
 def _store(warehouse: str | None, table: str, rows: list[dict]) -> None:
@@ -118,7 +122,7 @@ def print_sim(result: SimResult, title: str) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     spec = ArrivalSpec.parse(args.arrivals)
     plan = _read_plan(args.plan)
-    (topo,) = _lay_out([plan], args.warehouse, [args.plan])
+    (topo,) = _lay_out([plan], args.warehouse, [args.plan], args.dummy_fill)
     rates = _reference_rates(args, plan)
     scenario = None
     if args.scenario:
@@ -126,7 +130,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             args.scenario,
             gpu_counts=dict(topo.gpu_counts),
             models=[m.name for m in topo.models],
-            load_plan=lambda path: _lay_out([_read_plan(path)], args.warehouse, [str(path)])[0],
+            load_plan=lambda path: _lay_out(
+                [_read_plan(path)], args.warehouse, [str(path)], args.dummy_fill
+            )[0],
         )
     config = SimConfig(duration_s=args.duration, seed=args.seed, jitter=args.jitter)
     with console.status("simulating ..."):
@@ -230,7 +236,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     seeds = _seeds(args.seeds)
     paths = [args.plan] + [p.strip() for p in (args.baseline_plans or "").split(",") if p.strip()]
     plans = [_read_plan(path) for path in paths]
-    topos = _lay_out(plans, args.warehouse, [str(p) for p in paths])
+    topos = _lay_out(plans, args.warehouse, [str(p) for p in paths], args.dummy_fill)
     plan = plans[0]
     # every plan runs at the reference plan's absolute rates, in its own model order
     runs = [
@@ -432,6 +438,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     common.add_argument(
         "--jitter", type=float, default=0.0, help="execution-time CV (0: as profiled)"
+    )
+    common.add_argument(
+        "--dummy-fill",
+        action="store_true",
+        help="fill every batch below its pipeline's planned batch with dummy requests "
+        "(Piccolo): it runs as long as the planned batch (scripts/bench_dummy_fill.py "
+        "measures what it does)",
     )
     common.add_argument("--json", action="store_true", help="print one JSON document")
     common.add_argument("--label", help="label stored with the results")

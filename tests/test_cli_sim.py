@@ -91,6 +91,15 @@ def test_simulate_json_and_replayed_arrival_file(planned, tmp_path, capsys, ware
     )
     out = capsys.readouterr().out
     assert "attainment" in out and "GPU utilization" in out
+    # the same arrivals with every short batch filled with dummy requests (Piccolo): the
+    # same requests, each stage as long as its planned batch's (np plans batches above 1)
+    got = {}
+    for extra in ([], ["--dummy-fill"]):
+        assert main([*argv[:4], str(paths["np"]), *argv[5:], *extra]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        got[bool(extra)] = {m["name"]: m for m in doc["models"]}["googlenet-v3-pytorch"]
+    assert got[True]["arrived"] == got[False]["arrived"] == 500
+    assert got[True]["latency_p50_us"] > got[False]["latency_p50_us"]
 
 
 def test_capacity_json_with_a_baseline(planned, capsys, warehouse_path):

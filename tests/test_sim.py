@@ -13,7 +13,7 @@ from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError, UnknownNameError
 from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.scheduler import DATA_PLANES, build_topology, make_data_plane
-from poolpipe.scheduler.topology import simulated_topology
+from poolpipe.scheduler.topology import filled, simulated_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, Simulator, generate, run_once
 from poolpipe.sim.capacity import search_capacity
 from poolpipe.sim.metrics import DROPPED, LATE, ON_TIME
@@ -301,3 +301,30 @@ def test_packing_leaves_the_highest_vgpus_idle_at_a_low_load_and_serves_as_much_
         high = run_once(topo, poisson, 0.9, SimConfig(duration_s=2.0, seed=3), p)
         assert high.arrived > 10_000 and high.attainment >= 0.99, p
         assert high.gpus_idle == 0, p  # near capacity every GPU works
+
+
+def test_dummy_requests_run_every_short_batch_as_long_as_the_planned_one():
+    """Piccolo's dummy requests (topology.filled): a batch below the planned batch is filled
+    up to it, so a stage at batch 1 takes the planned batch's latency; at a low load the
+    same requests keep the GPUs busier and wait longer; near capacity, where batches are
+    full anyway, both serve every request on time."""
+    topo = make_topology(
+        [([0, 1, 2, 3], [1000.0, 1200.0, 1400.0, 1600.0], 0.0)],
+        batch=4,
+        slo_us=10_000.0,
+        throughput=8000.0,
+    )
+    full = filled(topo)
+    assert full.pools[0].latency_us[1:] == (1600.0, 1600.0, 1600.0, 1600.0)
+    assert topo.pools[0].latency_us[1:] == (1000.0, 1200.0, 1400.0, 1600.0)  # untouched
+    poisson = ArrivalSpec.parse("poisson")
+    low = {name: run_once(t, poisson, 0.0125, SimConfig(duration_s=4.0, seed=3))
+           for name, t in (("plain", topo), ("filled", full))}  # fmt: skip
+    assert low["plain"].arrived == low["filled"].arrived > 300
+    busy = {name: sum(r.gpu_busy.values()) for name, r in low.items()}
+    assert busy["filled"] > 1.2 * busy["plain"]
+    assert low["filled"].models[0].latency_p50_us > low["plain"].models[0].latency_p50_us
+    for name, t in (("plain", topo), ("filled", full)):
+        assert low[name].attainment == 1.0
+        high = run_once(t, poisson, 0.9, SimConfig(duration_s=2.0, seed=3))
+        assert high.arrived > 10_000 and high.attainment >= 0.99, name

@@ -293,6 +293,20 @@ def with_latencies(topo: Topology, latency_us: Mapping[int, tuple[float, ...]]) 
     return replace(topo, pools=pools)
 
 
+def filled(topo: Topology) -> Topology:
+    """Piccolo's dummy requests: a batch smaller than its pipeline's planned batch filled up to
+    it with dummy requests, so that every stage runs, and is reserved for, the planned
+    batch's latency whatever the requests it carries (larger batches, run under a backlog,
+    as they were). The simulator's `--dummy-fill` (measured in scripts/bench_dummy_fill.py)."""
+    lats: dict[int, tuple[float, ...]] = {}
+    for pl in topo.pipelines:
+        for pid in pl.pools:
+            lat = topo.pools[pid].latency_us
+            full = lat[pl.batch]
+            lats[pid] = tuple(max(x, full) if 0 < b < pl.batch else x for b, x in enumerate(lat))
+    return with_latencies(topo, lats)
+
+
 def with_inputs(
     topo: Topology, input_bytes: Mapping[str, float], bandwidth_gbps: float
 ) -> Topology:
