@@ -370,6 +370,21 @@ def advise_plan(
     )  # fmt: skip
 
 
+@task(name="publish-advice", cache_policy=NO_CACHE)
+def publish_advice(router: str, a: Advice, token_file: str | None = None) -> None:
+    """Tell the router what the load needs (its gauges poolpipe_gpus_needed and
+    poolpipe_gpus_needed_headroom: what an autoscaler acts on)."""
+    from poolpipe.client import send_control
+    from poolpipe.client.control import token_from
+    from poolpipe.planner.advise import published
+
+    answer = send_control(
+        router, {"op": "advice", "advice": published(a)}, token=token_from(token_file)
+    )
+    if not answer.get("ok"):
+        raise PoolpipeError(f"router {router}: {answer.get('error', answer)}")
+
+
 @flow(name="load-replan", log_prints=True)
 def load_replan(
     router: str | None = None,
@@ -471,6 +486,7 @@ def _follow_load(
     with Warehouse.open(warehouse) as wh:
         offered = surviving_cluster(wh, cluster, clusters_file, target, down, d)
     a = advise_plan(warehouse, current, status, offered, headroom, prices, tuple(rate_windows))
+    publish_advice(router, a, token_file)
     trigger = f"{event}: {why}"
     decision: dict = {
         "trigger": trigger,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 
 from rich.table import Table
 
@@ -128,8 +129,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
     import tomllib
 
     from poolpipe.domain.inventory import load_inventory, parse_inventory
-    from poolpipe.domain.plan import Plan
-    from poolpipe.planner.advise import advise
+    from poolpipe.domain.plan import Plan, time_scale, undilated
+    from poolpipe.planner.advise import advise, published
     from poolpipe_cli.plans import parse_pairs
 
     status = _send(args, {"op": "status"})
@@ -153,6 +154,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
             )
         rates = {n: float(m["req_s"][window]) for n, m in load.items()}
     prices = parse_pairs(args.prices, "prices") if args.prices else None
+    d = time_scale(served)
+    if d != 1:  # emulated GPU nodes at time scale D: planned undilated (flows/replan.py)
+        served, rates = undilated(served), {n: r * d for n, r in rates.items()}
+        if not args.inventory:  # (the router's own lists the emulated NICs, D times slower)
+            cluster = replace(cluster, bandwidth_gbps=cluster.bandwidth_gbps * d)
     with open_warehouse(args) as wh:
         profiles = {m.name: wh.load_profile(m.name) for m in served.models}
     with console.status("planning the cheapest GPUs for the observed load ..."):
@@ -160,6 +166,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
             served, profiles, rates, cluster, headroom=args.headroom, prices=prices,
             nodes=status["nodes"], idle_s=args.idle_s,
         )  # fmt: skip
+    if args.publish:
+        _send(args, {"op": "advice", "advice": published(a)})
     if args.json:
         console.print_json(json.dumps(a.to_dict()))
         return 0
@@ -202,6 +210,12 @@ def cmd_advise(args: argparse.Namespace) -> int:
             )
     else:
         console.print(f"no node can be released now (none idle >= {args.idle_s:g} s)")
+    if args.publish:
+        console.print(
+            f"told router {args.router}: its gauges poolpipe_gpus_needed and "
+            "poolpipe_gpus_needed_headroom say so now",
+            highlight=False,
+        )
     return 0
 
 
@@ -327,6 +341,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle-s", type=float, default=60.0, help="idle before release, s (60)")
     p.add_argument("--prices", help="TYPE=PRICE per GPU-hour,... (default: 1 per GPU)")
     p.add_argument("--inventory", help="an inventory file (default: the router's own)")
+    p.add_argument(
+        "--publish",
+        action="store_true",
+        help="tell the router too: its gauges poolpipe_gpus_needed (per type) and "
+        "poolpipe_gpus_needed_headroom, beside poolpipe_gpus_in_use",
+    )
     p.add_argument("--json", action="store_true", help="as JSON")
     p.set_defaults(func=cmd_advise)
 

@@ -10,7 +10,7 @@ import pytest
 from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest, make_plan
-from poolpipe.planner.advise import advise, releasable_nodes
+from poolpipe.planner.advise import advise, published, read_published, releasable_nodes
 
 MODEL = "googlenet-v3-pytorch"
 
@@ -80,3 +80,27 @@ def test_releasable_nodes_are_idle_long_enough_with_no_batch():
     got = {n["node"]: n["action"] for n in releasable_nodes(nodes, 60.0)}
     assert got == {"T4-2": "drain, then release", "T4-3": "release"}
     assert {n["node"] for n in releasable_nodes(nodes, 1.0)} == {"T4-1", "T4-2", "T4-3"}
+
+
+def test_an_advice_a_router_is_told_is_read_back_and_bad_fields_are_named(ppipe_profiles):
+    """What the load-replan flow and `poolpipe advise --publish` send a router (published)
+    reads back as sent; a field that is not counts, a share or rates is named."""
+    one, _ = _np_plan(ppipe_profiles, 1)
+    served, cluster = _np_plan(ppipe_profiles, 8)
+    a = advise(served, ppipe_profiles, {MODEL: 1.5 * one.models[0].throughput}, cluster,
+               delivery="off")  # fmt: skip
+    doc = published(a)
+    back = read_published(doc)
+    assert back["needed"] == {"T4": 2} and back["in_use"] == {"T4": 8} and back == doc
+    over = advise(served, ppipe_profiles, {MODEL: 9 * one.models[0].throughput}, cluster,
+                  delivery="off")  # fmt: skip
+    assert read_published(published(over))["needed"] is None  # the reason instead
+    for key, bad, says in (
+        ("needed", {"T4": -1}, "needed must map GPU types to counts >= 0"),
+        ("in_use", {"T4": 1.5}, "in_use must map GPU types to counts >= 0"),
+        ("available", None, "available must map"),
+        ("headroom", "a lot", "headroom must be a share >= 0"),
+        ("rates", {MODEL: math.inf}, "rates must map models to req/s >= 0"),
+    ):
+        with pytest.raises(PoolpipeError, match=says):
+            read_published({**doc, key: bad})

@@ -166,6 +166,11 @@ def test_router_metrics_for_prometheus(server):
     assert re.search(r'poolpipe_arrival_rate\{model="tiny",window="10s"\} [0-9.]+', text)
     assert re.search(r'poolpipe_envelope_events_total\{kind="above"\} 0\.0', text)
     assert "poolpipe_load_share{" not in text
+    # what an autoscaler reads: the GPUs in use by type (the load's needs once advised)
+    used = server.deployment.plan.gpus_used()
+    for gpu, n in used.items():
+        assert re.search(rf'poolpipe_gpus_in_use\{{gpu="{gpu}"\}} {n}\.0', text), text
+    assert "# TYPE poolpipe_node_releasable gauge" in text
 
 
 def test_the_load_read_from_the_router_leaves_an_envelope_and_says_so(server, caplog):
@@ -215,6 +220,8 @@ def test_a_real_prometheus_with_poolpipes_rules_and_dashboard_scrapes_the_router
     import subprocess
     import time
 
+    from poolpipe.client import send_control
+    from poolpipe.client.control import token_from
     from tests.test_grafana import panel_queries
     from tests.test_prometheus import RULES, rules_in_file
     from triton_backend.env import free_ports
@@ -246,6 +253,11 @@ def test_a_real_prometheus_with_poolpipes_rules_and_dashboard_scrapes_the_router
             stderr=subprocess.STDOUT,
         )
     pools = len(server.deployment.core.runtime.topo.pools)
+    # what the load needs, as the load-replan flow tells a router (its panel plots it)
+    used = server.deployment.plan.gpus_used()
+    advice = {"needed": used, "in_use": used, "available": used, "headroom": 0.2, "rates": {}}
+    router = f"127.0.0.1:{server.deployment.grpc_port}"
+    assert send_control(router, {"op": "advice", "advice": advice}, token=token_from(None))["ok"]
     wanted = {
         "up == 1": 1 + len(nodes),
         'poolpipe:arrivals:rate5m{model="tiny"} > 0': 1,
@@ -444,6 +456,11 @@ def test_load_replan_waits_out_its_interval_then_replans(prefect_api, server, on
     assert follow["objective"] == "cost" and follow["trigger"] == "poolpipe.load.below: a test"
     assert follow["in_use"] == {"cpu-1t": 2} and follow["needed"] == {"cpu-1t": 1}, follow
     assert follow["why"] == "below: 1 per hour against 2" and follow["rolled_out"] is True
+    # ... told the router, whose gauges say what the load needs
+    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
+    assert re.search(r'poolpipe_gpus_needed\{gpu="cpu-1t"\} 1\.0', text), text
+    assert re.search(r"poolpipe_gpus_needed_headroom 0\.2", text), text
+    assert server.advice["needed"] == {"cpu-1t": 1} and server.advice["in_use"] == {"cpu-1t": 2}
     assert server.deployment.generation == gen + 1 and server.plan_id == follow["plan_id"]
     _send(server, 2)
     # asked again (the periodic check): the plan for the load is the one served, which stays
@@ -470,7 +487,8 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
     import sys
     import time
 
-    from poolpipe.client.control import TOKEN_FILE_VAR
+    from poolpipe.client import send_control
+    from poolpipe.client.control import TOKEN_FILE_VAR, read_token
     from poolpipe_cli import main as cli_main
 
     monkeypatch.delenv(TOKEN_FILE_VAR, raising=False)  # serve makes its own token
@@ -572,6 +590,16 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
         assert "no prices known: every GPU counted as 1" in said, said
         assert cli_main(["--warehouse", wh, "advise", *router, "--window", "7"]) == 2
         assert "keeps no 7s rate (it keeps: 10s, 60s, 300s)" in capsys.readouterr().err
+        # --publish: the router keeps the advice (its gauges, its status)
+        assert cli_main(["--warehouse", wh, "advise", *router, "--window", "10", "--publish"]) == 0
+        assert "told router 127.0.0.1" in capsys.readouterr().out
+        st = send_control(f"127.0.0.1:{port}", {"op": "status"}, token=read_token(token))
+        assert st["advice"]["needed"] == a["needed"] and st["advice"]["headroom"] == 0.2, st
+        bad = send_control(
+            f"127.0.0.1:{port}", {"op": "advice", "advice": {"headroom": -1}},
+            token=read_token(token),
+        )  # fmt: skip
+        assert bad["ok"] is False and "headroom must be a share >= 0" in bad["error"], bad
     finally:  # a terminal's Ctrl-C: SIGINT to serve and the nodes it started alike
         os.killpg(proc.pid, signal.SIGINT)
         rest = proc.communicate(timeout=60)[0]

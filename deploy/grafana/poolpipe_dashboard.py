@@ -172,6 +172,16 @@ ROWS: list[tuple[str, list]] = [
                 "(poolpipe advise)",
             ),
             _ts(
+                "GPUs in use and needed, per type",
+                "short",
+                ("sum by (gpu) (poolpipe_gpus_in_use)", "{{gpu}} in use"),
+                ("max by (gpu) (poolpipe_gpus_needed)", "{{gpu}} needed"),
+                ("count(poolpipe_node_releasable) or vector(0)", "nodes releasable now"),
+                description="Needed: the cheapest GPUs that serve the observed load x (1 + "
+                "headroom), by the last advice (the load-replan flow; poolpipe advise "
+                "--publish). What an autoscaler acts on",
+            ),
+            _ts(
                 "Inferences per node (Triton)",
                 "reqps",
                 (

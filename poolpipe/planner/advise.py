@@ -67,6 +67,53 @@ class Advice:
         return d
 
 
+# What a router keeps of the last advice it was given (control op "advice") and exports
+# as gauges: GPUs per type needed and in use, the headroom asked, the rates advised on.
+PUBLISHED = ("needed", "in_use", "available", "headroom", "rates", "cost_per_hour", "why_not")
+
+
+def published(a: Advice) -> dict[str, Any]:
+    """The figures of `a` a router keeps and exports (PUBLISHED)."""
+    d = a.to_dict()
+    return {k: d[k] for k in PUBLISHED}
+
+
+def read_published(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """`doc` (an advice sent to a router) checked: GPU counts per type whole numbers >= 0
+    (needed: None where the GPUs offered cannot serve the load), the headroom a share >= 0,
+    rates req/s >= 0; a PoolpipeError naming the first field that is not."""
+
+    def counts(key: str, none_ok: bool = False) -> dict[str, int] | None:
+        v = doc.get(key)
+        if v is None and none_ok:
+            return None
+        if not isinstance(v, Mapping) or not all(
+            isinstance(g, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            for g, n in v.items()
+        ):
+            raise PoolpipeError(f"advice: {key} must map GPU types to counts >= 0, got {v!r}")
+        return dict(v)
+
+    headroom = doc.get("headroom")
+    if not isinstance(headroom, int | float) or not (headroom >= 0 and math.isfinite(headroom)):
+        raise PoolpipeError(f"advice: headroom must be a share >= 0, got {headroom!r}")
+    rates = doc.get("rates") or {}
+    if not isinstance(rates, Mapping) or not all(
+        isinstance(r, int | float) and r >= 0 and math.isfinite(r) for r in rates.values()
+    ):
+        raise PoolpipeError(f"advice: rates must map models to req/s >= 0, got {rates!r}")
+    cost = doc.get("cost_per_hour")
+    return {
+        "needed": counts("needed", none_ok=True),
+        "in_use": counts("in_use"),
+        "available": counts("available"),
+        "headroom": float(headroom),
+        "rates": {str(m): float(r) for m, r in rates.items()},
+        "cost_per_hour": None if cost is None else float(cost),
+        "why_not": None if doc.get("why_not") is None else str(doc["why_not"]),
+    }
+
+
 def releasable_nodes(nodes: Sequence[Mapping[str, Any]], idle_s: float) -> list[dict[str, Any]]:
     """Of the router's nodes (status's "nodes": node, address, state, batches, idle_s),
     those that can be released now: drained with no batch on it (release), or in service,

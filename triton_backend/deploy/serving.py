@@ -20,6 +20,7 @@ from poolpipe.client.control import authorised, node_key
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
+from poolpipe.planner.advise import IDLE_S, read_published, releasable_nodes
 from poolpipe.runtime.envelope import EnvelopeConfig, EnvelopeEvent
 from poolpipe.scheduler.messages import DROP_REASONS
 from poolpipe.scheduler.topology import planned_utilisation
@@ -154,6 +155,7 @@ class RouterCollector:
             rollouts.add_metric([st], k)
         yield rollouts
         yield from self._plan_figures(core)
+        yield from self._gpu_figures(core)
         yield from self._load_figures()
         yield from self._writer_figures()
         yield from self._trace_figures(core)
@@ -211,6 +213,51 @@ class RouterCollector:
             util.add_metric(labels, u)
         yield vgpus
         yield util
+
+    def _gpu_figures(self, core):
+        """What an autoscaler acts on: GPUs per type the plan served uses; those the load
+        needs by the last advice (with its headroom and when it was given); the nodes that
+        can be released now (planner/advise.py's releasable_nodes)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        in_use = GaugeMetricFamily(
+            "poolpipe_gpus_in_use", "GPUs per type the plan served uses", labels=["gpu"]
+        )
+        for gpu, n in sorted(self.server.deployment.plan.gpus_used().items()):
+            in_use.add_metric([gpu], n)
+        yield in_use
+        a = self.server.advice
+        if a is not None and a["needed"] is not None:
+            needed = GaugeMetricFamily(
+                "poolpipe_gpus_needed",
+                "GPUs per type that serve the observed load x (1 + headroom), sized on what "
+                "they deliver, by the last advice (the load-replan flow; poolpipe advise "
+                "--publish)",
+                labels=["gpu"],
+            )
+            for gpu in sorted(set(a["needed"]) | set(a["in_use"])):
+                needed.add_metric([gpu], a["needed"].get(gpu, 0))
+            yield needed
+            yield GaugeMetricFamily(
+                "poolpipe_gpus_needed_headroom",
+                "The share above the observed load the last advice sized GPUs for",
+                value=a["headroom"],
+            )
+        if a is not None:
+            yield GaugeMetricFamily(
+                "poolpipe_advice_timestamp_seconds",
+                "When the router was last told what the load needs (Unix time)",
+                value=a["at_s"],
+            )
+        releasable = GaugeMetricFamily(
+            "poolpipe_node_releasable",
+            f"1 for each node that can be released now: drained with no batch on it, or in "
+            f"service with none and no stage for {IDLE_S:g} s (drain it, then release it)",
+            labels=["node", "address", "action"],
+        )
+        for n in releasable_nodes(core.node_states(), IDLE_S):
+            releasable.add_metric([str(n["node"]), str(n["address"]), n["action"]], 1.0)
+        yield releasable
 
     def _load_figures(self):
         """The load observed (envelope.LoadWatch): per model its arrival rate over each
@@ -409,6 +456,9 @@ class ServingProcess:
         )
         self.load.start()
         self.replans: list[dict] = []  # decisions of the re-plans after failures
+        # the last advice given (control op "advice": the load-replan flow, poolpipe advise
+        # --publish): GPUs per type the load needs, exported beside those in use
+        self.advice: dict[str, Any] | None = None
         self.replan_on_failure, self.replan_grace_s = replan_on_failure, replan_grace_s
         if replan_on_failure is not None:
             self._failure_thread = threading.Thread(target=self._failure_loop, daemon=True)
@@ -634,6 +684,11 @@ class ServingProcess:
             }
         if op == "status":
             return {"ok": True, **self.status()}
+        if op == "advice":
+            got = read_published(cmd.get("advice") or {})
+            self.advice = {**got, "at": datetime.now().isoformat(timespec="seconds"),
+                           "at_s": time.time()}  # fmt: skip
+            return {"ok": True}
         if op == "drain":
             timeout = cmd.get("timeout_s")
             return {"ok": True, **self.deployment.drain(str(cmd.get("node")), timeout)}
@@ -641,7 +696,8 @@ class ServingProcess:
             self.deployment.undrain(str(cmd.get("node")))
             return {"ok": True, "node": cmd.get("node")}
         raise PoolpipeError(
-            f"unknown control op {op!r}; use rollout, stats, health, plan, status, drain or undrain"
+            f"unknown control op {op!r}; use rollout, stats, health, plan, inventory, status, "
+            "advice, drain or undrain"
         )
 
     def status(self) -> dict[str, Any]:
@@ -693,6 +749,7 @@ class ServingProcess:
             "client_deadlines": dict(core.client_deadlines),
             "nonfinite_inputs": dict(core.nonfinite),
             "load": self.load.figures(),
+            "advice": self.advice,
             "tier": None
             if self.member is None
             else {
