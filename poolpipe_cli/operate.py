@@ -154,11 +154,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
             )
         rates = {n: float(m["req_s"][window]) for n, m in load.items()}
     prices = parse_pairs(args.prices, "prices") if args.prices else None
-    d = time_scale(served)
-    if d != 1:  # emulated GPU nodes at time scale D: planned undilated (flows/replan.py)
-        served, rates = undilated(served), {n: r * d for n, r in rates.items()}
+    scale = time_scale(served)
+    if scale != 1:  # emulated GPU nodes at time scale D: planned undilated (flows/replan.py)
+        served, rates = undilated(served), {n: r * scale for n, r in rates.items()}
         if not args.inventory:  # (the router's own lists the emulated NICs, D times slower)
-            cluster = replace(cluster, bandwidth_gbps=cluster.bandwidth_gbps * d)
+            cluster = replace(cluster, bandwidth_gbps=cluster.bandwidth_gbps * scale)
     with open_warehouse(args) as wh:
         profiles = {m.name: wh.load_profile(m.name) for m in served.models}
     with console.status("planning the cheapest GPUs for the observed load ..."):

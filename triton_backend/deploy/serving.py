@@ -255,8 +255,8 @@ class RouterCollector:
             f"service with none and no stage for {IDLE_S:g} s (drain it, then release it)",
             labels=["node", "address", "action"],
         )
-        for n in releasable_nodes(core.node_states(), IDLE_S):
-            releasable.add_metric([str(n["node"]), str(n["address"]), n["action"]], 1.0)
+        for free in releasable_nodes(core.node_states(), IDLE_S):
+            releasable.add_metric([str(free["node"]), str(free["address"]), free["action"]], 1.0)
         yield releasable
 
     def _load_figures(self):
