@@ -1,7 +1,8 @@
 """An operator's commands on a running router: `status` (what it serves, its nodes, its
-figures), `drain` / `undrain` (a node out of new batches, and back), `advise` (the GPUs the
-observed load needs, and the nodes that can be released now), and `stats` (the warehouse's
-per-window serving statistics)."""
+figures), `drain` / `undrain` (a node out of new batches, and back), `join` / `release` (a
+node into the inventory, and out of it), `advise` (the GPUs the observed load needs, and
+the nodes that can be released now), and `stats` (the warehouse's per-window serving
+statistics)."""
 
 from __future__ import annotations
 
@@ -241,6 +242,36 @@ def cmd_undrain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_join(args: argparse.Namespace) -> int:
+    node = {"name": args.node, "server": args.server, "device": args.device, "grpc": args.grpc}
+    node |= {k: v for k, v in (("http", args.http), ("watch", args.watch)) if v}
+    if args.shares:
+        try:
+            node["shares"] = [int(x) for x in args.shares.split(",")]
+        except ValueError:
+            raise PoolpipeError(f"--shares: {args.shares!r} is not a list such as 1,2,4") from None
+    server = None
+    if args.bandwidth_gbps is not None:
+        server = {"name": args.server, "bandwidth_gbps": args.bandwidth_gbps}
+    r = _send(args, {"op": "join", "node": node, "server": server})
+    console.print(
+        f"node {r['node']} ({r['device']}) joined: {r['nodes']} nodes in the inventory; the "
+        "next re-plan plans for it (poolpipe advise shows what the load needs)",
+        highlight=False,
+    )
+    return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    r = _send(args, {"op": "release", "node": args.node})
+    console.print(
+        f"node {r['node']} released: no longer in the inventory ({r['nodes']} nodes left); "
+        "it can be given back",
+        highlight=False,
+    )
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     with open_warehouse(args) as wh:
         where, params = "", []
@@ -349,6 +380,35 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="as JSON")
     p.set_defaults(func=cmd_advise)
+
+    p = sub.add_parser(
+        "join",
+        help="a node joins the router's inventory (the next re-plan plans for it)",
+        description="Add a running node (poolpipe node, with the router's token) to the "
+        "inventory of a router that serves one (serve --nodes): it must answer; the next "
+        "rollout may place on it and the next re-plan (load-replan, nightly) plans for it.",
+    )
+    p.add_argument("node", help="its name")
+    p.add_argument("--server", required=True, help="the inventory server it is on")
+    p.add_argument("--device", required=True, help="its GPU type, as the profiles name it")
+    p.add_argument("--grpc", required=True, help="its gRPC host:port")
+    p.add_argument("--http", help="its KServe v2 HTTP host:port")
+    p.add_argument("--watch", help="its process's watch host:port")
+    p.add_argument("--shares", help="vGPU shares it may be cut into, e.g. 1,2,4 (1)")
+    p.add_argument("--bandwidth-gbps", type=float, help="its server's NIC (a new server)")
+    _router(p)
+    p.set_defaults(func=cmd_join)
+
+    p = sub.add_parser(
+        "release",
+        help="a node leaves the router's inventory (refused while the plan uses it)",
+        description="Take a node out of a router's inventory so that it can be given back: "
+        "refused while the plan served places a partition on it (roll out a plan without it "
+        "first; poolpipe advise names the nodes a plan for the load leaves idle).",
+    )
+    p.add_argument("node", help="its name in the inventory")
+    _router(p)
+    p.set_defaults(func=cmd_release)
 
     p = sub.add_parser("undrain", help="put a drained node back in service")
     p.add_argument("node", help="the node's name in the inventory (or its gRPC host:port)")

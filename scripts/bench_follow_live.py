@@ -128,6 +128,7 @@ def run(args, phases: list[float], tmp: Path, prefect: Server, dep_id: str, star
     import testbed.emulated as emu
     from flows.replan import load_event_emitter
     from poolpipe.client.control import new_token_file, node_key
+    from poolpipe.errors import PoolpipeError
     from poolpipe.planner.advise import advise
     from poolpipe.runtime.envelope import EnvelopeConfig
     from triton_backend.node.triton import RemoteNode
@@ -206,10 +207,26 @@ def run(args, phases: list[float], tmp: Path, prefect: Server, dep_id: str, star
                      if s["node"] == n.name), 0))
                 for n in inventory.nodes
             }  # fmt: skip
+            # the nodes the plans left: out of the router's inventory (poolpipe release)
+            given_back = {}
+            for name in sorted(
+                set().union(*(c[3] for c in served.changes)) - served.changes[-1][3]
+            ):
+                try:
+                    got = server.control({"op": "release", "node": name, "token": token})
+                except PoolpipeError as exc:
+                    got = {"ok": False, "error": str(exc)}
+                given_back[name] = (
+                    (True, f"out of the inventory, {got['nodes']} nodes left")
+                    if got.get("ok")
+                    else (False, f"not released: {got.get('error')}")
+                )
         finally:
             server.close()
     runs = flow_runs(prefect, dep_id)
-    res = report(args, d, phases, bounds, shots, events, runs, served, static, leftover, started)
+    res = report(
+        args, d, phases, bounds, shots, events, runs, served, static, leftover, given_back, started
+    )
     plot(args.out / "timeline.png", res, args.cluster, d)
     store(args, res)
     return 0
@@ -236,7 +253,7 @@ class Watch:
         dep = self.server.deployment
         pid = self.server.plan_id
         if not self.changes or self.changes[-1][1] != pid:
-            nodes = {n.name for n in dep.layout.nodes}
+            nodes = {n.name for n in dep.nodes.values()}  # (the inventory's names)
             self.changes.append((time.time(), pid, dict(dep.plan.gpus_used()), nodes))
 
     def _loop(self) -> None:
@@ -323,7 +340,9 @@ def _ts(text: str | None) -> float | None:
     return None if not text else datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def report(args, d, phases, bounds, shots, events, runs, served, static, leftover, started):
+def report(
+    args, d, phases, bounds, shots, events, runs, served, static, leftover, given_back, started
+):
     t_begin, t_end = bounds[0][0], bounds[-1][1]
     sent = sum(b[3] for b in bounds)
     answered = len(shots)
@@ -385,8 +404,8 @@ def report(args, d, phases, bounds, shots, events, runs, served, static, leftove
         f"GPU-seconds over the load: {gpu_s:.0f} following it against {static_s:.0f} for the "
         f"static plan for the peak ({gpus_text(static.gpus_used())}): {saving:.1%} fewer\n"
         f"nodes that joined: {', '.join(joined) or 'none'}; released: "
-        + (", ".join(f"{n} ({len(m)} models loaded, {b} batches)" for n, (m, b) in clean.items())
-           or "none")
+        + (", ".join(f"{n} ({len(m)} models loaded, {b} batches; {given_back[n][1]})"
+                     for n, (m, b) in clean.items()) or "none")
         + f"\n{on_time}/{sent} requests on time ({on_time / max(sent, 1):.4f}); {failed} failed, "
         f"{sent - answered} unanswered; {len(events)} events, {len(runs)} runs, "
         f"{len(switches)} rollouts; new plan serving {', '.join(f'{x:.1f}' for x in lags) or '-'}"
@@ -420,7 +439,8 @@ def report(args, d, phases, bounds, shots, events, runs, served, static, leftove
         "runs": len(runs),
         "rollouts": len(switches),
         "joined": joined,
-        "released_clean": all(not m and not b for m, b in clean.values()) and bool(clean),
+        "released_clean": bool(clean)
+        and all(not m and not b and given_back.get(n, (False,))[0] for n, (m, b) in clean.items()),
         "d": d,
     }
 

@@ -237,3 +237,40 @@ def test_a_gpus_memory_is_given_or_its_types(tmp_path):
             tomllib.loads(GOOD.replace('device = "L4"\n', 'device = "L4"\nmemory_gb = 0\n')),
             "inv.toml",
         )
+
+
+def test_a_node_joins_and_one_is_released(tmp_path):
+    """What a router's inventory becomes when a node joins (`poolpipe join`) or is given back
+    (`poolpipe release`): a joining node passes every check a whole inventory's would (its
+    server listed or given, its name and address unused, its device's shares alike)."""
+    f = tmp_path / "inv.toml"
+    f.write_text(GOOD)
+    inv = load_inventory(f)
+    grown = inv.joined({"name": "e", "server": "s1", "device": "T4", "grpc": "10.0.0.3:8011"})
+    assert [n.name for n in grown.by_device()["T4"]] == ["a", "d", "b", "e"]
+    assert grown.cluster().pool("T4").count == 4 and inv.cluster().pool("T4").count == 3
+    far = inv.joined(
+        {"name": "f", "server": "s9", "device": "L4", "grpc": "10.0.9.2:8001", "shares": [1, 2]},
+        {"name": "s9", "bandwidth_gbps": 25},
+    )
+    assert far.cluster().pool("L4").count == 2 and [s.name for s in far.servers][-1] == "s9"
+    for node, server, says in (
+        ({"name": "a", "server": "s0", "device": "T4", "grpc": "10.0.0.9:1"}, None, "twice"),
+        ({"name": "g", "server": "s0", "device": "T4", "grpc": "10.0.0.2:8001"}, None,
+         "share one gRPC address"),
+        ({"name": "g", "server": "s9", "device": "T4", "grpc": "10.0.0.9:1"}, None,
+         "server 's9' is not among"),
+        ({"name": "g", "server": "s0", "device": "L4", "grpc": "10.0.0.9:1"}, None,
+         "different shares"),
+        ({"name": "g", "server": "s0", "device": "T4", "grpc": "nowhere"}, None, "HOST:PORT"),
+        ({"name": "g", "server": "s0", "device": "T4"}, None, "grpc"),
+    ):  # fmt: skip
+        with pytest.raises(InventoryError, match=says):
+            inv.joined(node, server)
+    fewer = grown.released("b")
+    assert [n.name for n in fewer.nodes] == ["a", "c", "d", "e"]
+    only = inv.released("b")
+    assert [s.name for s in only.servers] == ["s0"]  # s1 held b alone
+    assert inv.mark_down({"d"}).released("d").down == frozenset()
+    with pytest.raises(InventoryError, match="no node 'z' to release"):
+        inv.released("z")

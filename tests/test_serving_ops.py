@@ -849,6 +849,55 @@ def test_a_router_unloads_what_an_earlier_router_left_on_its_nodes(onboarded_tin
         stop_nodes(nodes)
 
 
+def test_a_node_joins_a_routers_inventory_and_one_is_released(onboarded_tiny, tmp_path, capsys):  # noqa: F811
+    """Capacity asked for and given back on a live router (serve --nodes): a node that
+    answers joins its inventory (`poolpipe join`) and the next rollout places on it; a node
+    the plan uses is not released, one the plan left is (`poolpipe release`), with nothing
+    of the router's left on it; a node that does not answer is refused, nothing changed."""
+    from dataclasses import replace
+
+    from poolpipe.errors import PoolpipeError
+    from poolpipe_cli import main as cli_main
+    from triton_backend.deploy.serving import ServingProcess
+    from triton_backend.env import free_ports
+    from triton_backend.node.triton import stop_nodes
+
+    wh, _ = onboarded_tiny
+    nodes, inv = _two_nodes(tmp_path, [None, None])
+    whole = hand_plan([(0, 4, 1)])
+    srv = None
+    try:
+        first = replace(inv, nodes=inv.nodes[:1])
+        srv = ServingProcess(whole, wh, tmp_path / "ws", stats_interval_s=3600, inventory=first)
+        gone = f"127.0.0.1:{free_ports(1)[0]}"
+        with pytest.raises(PoolpipeError, match=f"node n9 does not answer at {gone}"):
+            srv.control({"op": "join", "node": {"name": "n9", "server": "s0", "device": "cpu-1t",
+                                                "grpc": gone}})  # fmt: skip
+        assert [n.name for n in srv.deployment.inventory.nodes] == ["n0"]
+        n1, router = inv.nodes[1], ["--router", srv.deployment.grpc_url]
+        capsys.readouterr()
+        join = ["join", "n1", "--server", "s0", "--device", "cpu-1t", "--grpc", n1.grpc]
+        assert cli_main([*join, "--http", str(n1.http), *router]) == 0
+        assert "node n1 (cpu-1t) joined: 2 nodes in the inventory" in capsys.readouterr().out
+        assert cli_main([*join, *router]) == 2  # once only
+        assert "listed twice" in capsys.readouterr().err
+        assert srv.rollout(two_partition_plan()).status == "done"
+        dep = srv.deployment
+        assert {dep.nodes[p.node].name for p in dep.layout.placements} == {"n0", "n1"}
+        assert cli_main(["release", "n1", *router]) == 2
+        assert "node n1 runs the plan served" in " ".join(capsys.readouterr().err.split())
+        assert srv.rollout(whole).status == "done"
+        assert {dep.nodes[p.node].name for p in dep.layout.placements} == {"n0"}
+        assert cli_main(["release", "n1", *router]) == 0
+        assert "node n1 released" in capsys.readouterr().out
+        assert [n.name for n in srv.deployment.inventory.nodes] == ["n0"]
+        assert nodes[1].models() == []  # nothing of the router's is left on it
+    finally:
+        if srv is not None:
+            srv.close()
+        stop_nodes(nodes)
+
+
 def test_a_node_with_another_token_is_named_and_nothing_is_loaded(onboarded_tiny, tmp_path):  # noqa: F811
     """One node started with another token than the router's: serving used to fail on
     Triton's "expecting header ..." after the other node had loaded its partition, which

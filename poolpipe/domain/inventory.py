@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.tier import (
@@ -159,6 +161,33 @@ class Inventory:
 
     def mark_down(self, names: set[str]) -> Inventory:
         return replace(self, down=self.down | frozenset(names))
+
+    def joined(self, node: Mapping[str, Any], server: Mapping[str, Any] | None = None) -> Inventory:
+        """This inventory with a node that joins it: `node` an [[nodes]] table's keys,
+        `server` a [[servers]] table for its server where not listed yet; an InventoryError
+        where the node is not one a whole inventory could list beside these."""
+        servers = [{"name": s.name, "bandwidth_gbps": s.bandwidth_gbps} for s in self.servers]
+        where = f"{self.source}, node {node.get('name', '?')!r} joining"
+        one = parse_inventory({"servers": [*servers, *([dict(server)] if server else [])],
+                               "nodes": [dict(node)]}, where)  # fmt: skip
+        return replace(self, servers=one.servers, nodes=(*self.nodes, *one.nodes))
+
+    def released(self, name: str) -> Inventory:
+        """This inventory without node `name` (given back), and without a server left with
+        no node."""
+        if name not in {n.name for n in self.nodes}:
+            known = ", ".join(n.name for n in self.nodes)
+            raise InventoryError(f"{self.source}: no node {name!r} to release (nodes: {known})")
+        nodes = tuple(n for n in self.nodes if n.name != name)
+        if not nodes:
+            raise InventoryError(f"{self.source}: {name} is its last node; it cannot go")
+        held = {n.server for n in nodes}
+        return replace(
+            self,
+            servers=tuple(s for s in self.servers if s.name in held),
+            nodes=nodes,
+            down=self.down - {name},
+        )
 
     def shard(self, name: str, names: tuple[str, ...] | None = None) -> Inventory:
         """What router `name` drives: its nodes (every node where it lists none; `names`

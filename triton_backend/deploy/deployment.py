@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from poolpipe.client.control import node_key
 from poolpipe.domain.apps import plan_applications
@@ -39,7 +40,7 @@ from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
 from triton_backend.deploy.load import LocalNodes, Supervisor, attach, load_layout
 from triton_backend.deploy.prepare import model_io, prepare, remove_files
 from triton_backend.env import is_loopback, signals_held, triton_home
-from triton_backend.node.triton import RepositoryAPI, TritonNode, refuse_taken_ports
+from triton_backend.node.triton import RemoteNode, RepositoryAPI, TritonNode, refuse_taken_ports
 from triton_backend.router.answers import parse_address
 from triton_backend.router.apps import RouterApps
 from triton_backend.router.calibration import calibrate, warm
@@ -506,6 +507,48 @@ class Deployment:
         names = {n.name for n in inventory.nodes}
         self.operator_down = (self.operator_down & names) | inventory.down
         self.inventory = replace(inventory, down=self.operator_down)
+
+    def join(self, node: dict[str, Any], server: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A node that joins (an autoscaler's, an operator's): `node` as an inventory's
+        [[nodes]] table, `server` its [[servers]] table where the inventory lacks it. It
+        must answer with this router's key; the next rollout may place on it (the next
+        re-plan plans for it). Nothing changes where it is refused."""
+        inv = self._own_inventory("join")
+        grown = inv.joined(node, server)
+        new = grown.nodes[-1]
+        if not RemoteNode.of(new, self.options.key).live():
+            raise PoolpipeError(
+                f"node {new.name} does not answer at {new.grpc}: start it there first "
+                "(poolpipe node), with this router's token"
+            )
+        self.inventory = replace(grown, down=self.operator_down)
+        log.warning("node %s (%s, %s) joined the inventory", new.name, new.device, new.grpc)
+        return {"node": new.name, "device": new.device, "nodes": len(grown.nodes)}
+
+    def release(self, name: str) -> dict[str, Any]:
+        """Node `name` leaves the inventory (given back): refused while the plan served
+        places a partition on it (roll out a plan without it first: the load-replan flow's
+        cost objective, `poolpipe advise`), so nothing it runs is lost; no batch is on it
+        then (the flush migration ended its last ones)."""
+        inv = self._own_inventory("release")
+        serving = {self.nodes[p.node].name for p in self.layout.placements}
+        if name in serving:
+            raise PoolpipeError(
+                f"node {name} runs the plan served (partitions on it): roll out a plan without "
+                "it first (poolpipe advise names the nodes a plan for the load leaves idle)"
+            )
+        self.inventory = replace(inv.released(name), down=self.operator_down - {name})
+        self.operator_down = self.operator_down - {name}
+        log.warning("node %s released from the inventory", name)
+        return {"node": name, "nodes": len(self.inventory.nodes)}
+
+    def _own_inventory(self, what: str) -> Inventory:
+        if self.inventory is None or self.local is not None:
+            raise PoolpipeError(
+                f"cannot {what} a node: this router starts its own nodes (serve --nodes "
+                "INVENTORY serves an inventory nodes join and leave)"
+            )
+        return self.inventory
 
     def fence(self, nodes: dict[str, RepositoryAPI]) -> list[str]:
         """fence_off on this router's nodes, once its partitions are loaded there."""

@@ -695,9 +695,16 @@ class ServingProcess:
         if op == "undrain":
             self.deployment.undrain(str(cmd.get("node")))
             return {"ok": True, "node": cmd.get("node")}
+        if op == "join":
+            node, server = cmd.get("node"), cmd.get("server")
+            if not isinstance(node, dict) or not isinstance(server, dict | None):
+                raise PoolpipeError("join: give node (an inventory [[nodes]] table) as an object")
+            return {"ok": True, **self.deployment.join(node, server)}
+        if op == "release":
+            return {"ok": True, **self.deployment.release(str(cmd.get("node")))}
         raise PoolpipeError(
             f"unknown control op {op!r}; use rollout, stats, health, plan, inventory, status, "
-            "advice, drain or undrain"
+            "advice, drain, undrain, join or release"
         )
 
     def status(self) -> dict[str, Any]:
