@@ -501,9 +501,15 @@ def _follow_load(
         print(f"the GPUs offered cannot serve the load ({a.why_not}); re-planning max-min")
         return None
     kind = event.rsplit(".", 1)[-1]
+    stated = {m.name: m.deliverable for m in undilated(current).models}
+    short = (
+        None
+        if any(v is None for v in stated.values())
+        else [n for n, asked in a.asked.items() if asked > float(stated[n] or 0.0)]
+    )
     roll, reason = judge(
         kind, why, a.cost_per_hour, a.needed or {}, a.served_cost_per_hour, a.in_use,
-        shrink,
+        shrink, short,
     )  # fmt: skip
     decision |= {
         "cost_per_hour": a.cost_per_hour,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from poolpipe.errors import PoolpipeError
-from poolpipe.planner.follow import CHECK, FollowConfig, LoadFollower
+from poolpipe.planner.follow import CHECK, FollowConfig, LoadFollower, Want, judge
 from poolpipe.runtime.envelope import EnvelopeConfig
 
 NAMES = ("a", "b")
@@ -47,7 +47,13 @@ def test_a_load_inside_the_envelope_asks_only_at_the_periodic_check():
     want = _drive(f, (60.0, 30.0), 3590.0, 3700.0, counts)
     assert want is not None and want.kind == CHECK
     assert f.judge(want, cost=8.9, gpus={"T4": 6, "L4": 2})[0]  # 11% saved
-    assert f.judge(want, cost=10.0, gpus={"T4": 6, "L4": 3})[0]  # needs another L4
+    # another L4 for two T4s, no cheaper: the served plan delivers what is asked, it stays
+    roll, why = f.judge(want, cost=10.0, gpus={"T4": 6, "L4": 3})
+    assert not roll and "less than 10% saved" in why
+    # rates asked above what the served plan delivers: the plan for them goes out
+    more = Want(CHECK, "a look", 3600.0, {"a": 120.0, "b": 36.0})
+    roll, why = f.judge(more, cost=12.0, gpus={"T4": 8, "L4": 3})
+    assert roll and why == "check: the plan served delivers less than asked for a"
 
 
 def test_a_rise_asks_at_once_after_a_rollout_long_enough_ago():
@@ -88,3 +94,12 @@ def test_follow_config_and_order_are_checked():
     with pytest.raises(PoolpipeError, match="served must be called"):
         LoadFollower(NAMES).observe(1.0, [0, 0])
     assert FollowConfig().envelope == EnvelopeConfig(high=0.9, low=0.6, hold_s=600.0)
+
+
+def test_a_plan_that_states_nothing_it_delivers_is_judged_by_its_gpus():
+    """Where the served plan states no deliverable rates (a hand-made one), a plan for the
+    load that needs more GPUs of some type than it has goes out."""
+    new, served = {"T4": 6, "L4": 3}, {"T4": 8, "L4": 2}
+    roll, why = judge(CHECK, "a look", 10.0, new, 10.0, served, 0.1)
+    assert roll and why == "check: the load needs more L4"
+    assert not judge(CHECK, "a look", 10.0, new, 10.0, served, 0.1, short=[])[0]

@@ -15,8 +15,9 @@ but never sooner than `min_interval_s` after the last plan rolled out (no flappi
 that comes sooner waits for it. The rates asked for are each model's larger of its short-
 and long-window rates, times 1 + `headroom` (the caller plans the cheapest GPUs for them:
 planner/advise.py). `judge` rolls the new plan out where it is needed (the event was `above`
-or `mix`, or the served plan lacks GPUs it needs) or saves at least `shrink` of the served
-plan's cost; otherwise the served plan stays and the envelope goes on.
+or `mix`, or the served plan delivers less than the rates asked for) or saves at least
+`shrink` of the served plan's cost; otherwise the served plan stays and the envelope goes
+on.
 
 Pure: times are the caller's (s), nothing is planned or served here.
 """
@@ -125,7 +126,12 @@ class LoadFollower:
 
     def judge(self, want: Want, cost: float, gpus: Mapping[str, int]) -> tuple[bool, str]:
         """Roll out the plan planned for `want` (its cost and GPUs per type)? And why."""
-        return judge(want.kind, want.why, cost, gpus, self.cost, self.gpus, self.config.shrink)
+        assert self._envelope is not None, "served() first"
+        delivers = dict(zip(self.names, self._envelope.deliverable, strict=True))
+        short = [n for n in self.names if want.rates[n] > delivers[n]]
+        return judge(
+            want.kind, want.why, cost, gpus, self.cost, self.gpus, self.config.shrink, short
+        )
 
     def kept(self, now_s: float) -> None:
         """The served plan stays after a judge said no: the next check in check_s."""
@@ -141,16 +147,23 @@ def judge(
     served_cost: float,
     served_gpus: Mapping[str, int],
     shrink: float,
+    short: Sequence[str] | None = None,
 ) -> tuple[bool, str]:
     """Roll out a plan planned for the load (its `cost` per hour and `gpus` per type) in place
     of the served one, asked for because of `kind` (an envelope event's, or CHECK)? And why:
-    on a rise or a mix shift always; where the served plan lacks GPUs of a type the new one
-    uses; where the new one saves at least `shrink` of the cost."""
-    lacking = [g for g, n in gpus.items() if n > served_gpus.get(g, 0)]
+    on a rise or a mix shift always; where the served plan delivers less than the rates
+    asked for some models (`short`); where the new one saves at least `shrink` of the cost.
+    `short` None (the served plan states nothing it delivers): where the served plan lacks
+    GPUs of a type the new one uses. A plan that only moves work between GPU types, the
+    served one delivering what is asked, stays (no flip-flop between types)."""
     if kind in (ABOVE, MIX):
         return True, f"{kind}: {why}"
-    if lacking:
-        return True, f"{kind}: the load needs more {', '.join(sorted(lacking))}"
+    if short is None:
+        lacking = [g for g, n in gpus.items() if n > served_gpus.get(g, 0)]
+        if lacking:
+            return True, f"{kind}: the load needs more {', '.join(sorted(lacking))}"
+    elif short:
+        return True, f"{kind}: the plan served delivers less than asked for {', '.join(short)}"
     if cost <= (1 - shrink) * served_cost:
         return True, f"{kind}: {cost:g} per hour against {served_cost:g}"
     return False, (
