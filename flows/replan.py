@@ -29,7 +29,7 @@ from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import STRATEGIES, Plan, dilated, time_scale, undilated
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
-from poolpipe.planner.advise import Advice, advise
+from poolpipe.planner.advise import Advice, advise, undilated_load
 from poolpipe.planner.replan import objective_under, observed_weights, worth_rolling_out
 from poolpipe.runtime.envelope import EnvelopeEvent
 from poolpipe.store.plan_inputs import plan_request, resolve_cluster
@@ -351,7 +351,6 @@ def advise_plan(
     router's status) x (1 + headroom): planner/advise.py. `current` is planned at time
     scale 1 (`undilated`) and the rates x its time scale with it; the advice's plan is
     served at the time scale of `current`."""
-    d = time_scale(current)
     load = (status.get("load") or {}).get("models") or {}
     for m in load.values():
         missing = [w for w in windows if w not in m["req_s"]]
@@ -360,8 +359,8 @@ def advise_plan(
                 f"the router keeps no rate over {', '.join(missing)} (it keeps "
                 f"{', '.join(m['req_s'])}): give rate_windows from those"
             )
-    rates = {n: d * max(float(m["req_s"][w]) for w in windows) for n, m in load.items()}
-    current = undilated(current)
+    rates = {n: max(float(m["req_s"][w]) for w in windows) for n, m in load.items()}
+    current, rates = undilated_load(current, rates)
     with Warehouse.open(warehouse) as wh:
         profiles = {m.name: wh.load_profile(m.name) for m in current.models}
     return advise(
@@ -472,7 +471,7 @@ def _follow_load(
     """load_replan's cost objective; None where the GPUs offered cannot serve the load (the
     caller re-plans max-min)."""
     from poolpipe.domain.inventory import parse_inventory
-    from poolpipe.planner.follow import judge
+    from poolpipe.planner.follow import judge, short_of
 
     current, current_id = serving_plan(router, token_file)
     status = router_status(router, token_file)
@@ -501,12 +500,7 @@ def _follow_load(
         print(f"the GPUs offered cannot serve the load ({a.why_not}); re-planning max-min")
         return None
     kind = event.rsplit(".", 1)[-1]
-    stated = {m.name: m.deliverable for m in undilated(current).models}
-    short = (
-        None
-        if any(v is None for v in stated.values())
-        else [n for n, asked in a.asked.items() if asked > float(stated[n] or 0.0)]
-    )
+    short = short_of({m.name: m.deliverable for m in undilated(current).models}, a.asked)
     roll, reason = judge(
         kind, why, a.cost_per_hour, a.needed or {}, a.served_cost_per_hour, a.in_use,
         shrink, short,

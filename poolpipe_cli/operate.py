@@ -130,8 +130,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
     import tomllib
 
     from poolpipe.domain.inventory import load_inventory, parse_inventory
-    from poolpipe.domain.plan import Plan, time_scale, undilated
-    from poolpipe.planner.advise import advise, published
+    from poolpipe.domain.plan import Plan, time_scale
+    from poolpipe.planner.advise import advise, published, undilated_load
     from poolpipe_cli.plans import parse_pairs
 
     status = _send(args, {"op": "status"})
@@ -155,11 +155,10 @@ def cmd_advise(args: argparse.Namespace) -> int:
             )
         rates = {n: float(m["req_s"][window]) for n, m in load.items()}
     prices = parse_pairs(args.prices, "prices") if args.prices else None
-    scale = time_scale(served)
-    if scale != 1:  # emulated GPU nodes at time scale D: planned undilated (flows/replan.py)
-        served, rates = undilated(served), {n: r * scale for n, r in rates.items()}
-        if not args.inventory:  # (the router's own lists the emulated NICs, D times slower)
-            cluster = replace(cluster, bandwidth_gbps=cluster.bandwidth_gbps * scale)
+    scale = time_scale(served)  # emulated GPU nodes at time scale D: planned undilated
+    served, rates = undilated_load(served, rates)
+    if scale != 1 and not args.inventory:  # (the router's own lists the NICs D times slower)
+        cluster = replace(cluster, bandwidth_gbps=cluster.bandwidth_gbps * scale)
     with open_warehouse(args) as wh:
         profiles = {m.name: wh.load_profile(m.name) for m in served.models}
     with console.status("planning the cheapest GPUs for the observed load ..."):

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from poolpipe.domain.cluster import Cluster
-from poolpipe.domain.plan import STRATEGIES, Plan
+from poolpipe.domain.plan import STRATEGIES, Plan, time_scale, undilated
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import InfeasibleError, PoolpipeError
 from poolpipe.planner.request import PlanRequest
@@ -112,6 +112,13 @@ def read_published(doc: Mapping[str, Any]) -> dict[str, Any]:
         "cost_per_hour": None if cost is None else float(cost),
         "why_not": None if doc.get("why_not") is None else str(doc["why_not"]),
     }
+
+
+def undilated_load(served: Plan, rates: Mapping[str, float]) -> tuple[Plan, dict[str, float]]:
+    """A plan served at time scale D (emulated GPU nodes: domain.plan.dilated) and the rates
+    a router measured under it, as `advise` plans them: the plan undilated, the rates x D."""
+    d = time_scale(served)
+    return undilated(served), {n: float(r) * d for n, r in rates.items()}
 
 
 def releasable_nodes(nodes: Sequence[Mapping[str, Any]], idle_s: float) -> list[dict[str, Any]]:

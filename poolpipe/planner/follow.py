@@ -128,7 +128,7 @@ class LoadFollower:
         """Roll out the plan planned for `want` (its cost and GPUs per type)? And why."""
         assert self._envelope is not None, "served() first"
         delivers = dict(zip(self.names, self._envelope.deliverable, strict=True))
-        short = [n for n in self.names if want.rates[n] > delivers[n]]
+        short = short_of(delivers, want.rates)
         return judge(
             want.kind, want.why, cost, gpus, self.cost, self.gpus, self.config.shrink, short
         )
@@ -137,6 +137,14 @@ class LoadFollower:
         """The served plan stays after a judge said no: the next check in check_s."""
         self._chosen_s = now_s
         self._pending = None
+
+
+def short_of(delivers: Mapping[str, float | None], asked: Mapping[str, float]) -> list[str] | None:
+    """The models whose rate asked for is above what the served plan delivers (`delivers`,
+    per model): judge's `short`; None where the plan states nothing for some model."""
+    if any(delivers.get(n) is None for n in asked):
+        return None
+    return [n for n, rate in asked.items() if rate > float(delivers[n] or 0.0)]
 
 
 def judge(

@@ -103,7 +103,8 @@ class RouterCollector:
             "low load: one idle for long can be drained and released)",
             labels=["node", "address"],
         )
-        for node in core.node_states():
+        nodes = core.node_states()  # (read once a scrape: the runtime's loop answers it)
+        for node in nodes:
             for st in ("in service", "down", "drained"):
                 labels = [str(node["node"]), str(node["address"]), st]
                 state.add_metric(labels, float(node["state"] == st))
@@ -155,7 +156,7 @@ class RouterCollector:
             rollouts.add_metric([st], k)
         yield rollouts
         yield from self._plan_figures(core)
-        yield from self._gpu_figures(core)
+        yield from self._gpu_figures(nodes)
         yield from self._load_figures()
         yield from self._writer_figures()
         yield from self._trace_figures(core)
@@ -214,10 +215,11 @@ class RouterCollector:
         yield vgpus
         yield util
 
-    def _gpu_figures(self, core):
+    def _gpu_figures(self, nodes: list[dict[str, object]]):
         """What an autoscaler acts on: GPUs per type the plan served uses; those the load
-        needs by the last advice (with its headroom and when it was given); the nodes that
-        can be released now (planner/advise.py's releasable_nodes)."""
+        needs by the last advice (with its headroom and when it was given); of the router's
+        `nodes` (RouterCore.node_states), those that can be released now
+        (planner/advise.py's releasable_nodes)."""
         from prometheus_client.core import GaugeMetricFamily
 
         in_use = GaugeMetricFamily(
@@ -255,7 +257,7 @@ class RouterCollector:
             f"service with none and no stage for {IDLE_S:g} s (drain it, then release it)",
             labels=["node", "address", "action"],
         )
-        for free in releasable_nodes(core.node_states(), IDLE_S):
+        for free in releasable_nodes(nodes, IDLE_S):
             releasable.add_metric([str(free["node"]), str(free["address"]), free["action"]], 1.0)
         yield releasable
 
