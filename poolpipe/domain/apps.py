@@ -400,15 +400,25 @@ def part_name(app: str, model: str) -> str:
     return f"{app}.{model}"
 
 
+def served_parts(app: str, record: Mapping) -> dict[str, str]:
+    """The served plan's model for each model of application `app`, as its plan records
+    it: `parts` where some are shared with other applications (one model's pools serving
+    every application that names it: planner.apps's `shared`), else part_name's."""
+    parts = record.get("parts")
+    if isinstance(parts, Mapping):
+        return {str(m): str(p) for m, p in parts.items()}
+    return {m: part_name(app, m) for m in record.get("models", ())}
+
+
 def base_models(meta: Mapping) -> dict[str, str]:
-    """Each application part of a plan (part_name) and the model it is (its profile and
+    """Each application part of a plan (served_parts) and the model it is (its profile and
     files in the warehouse are that model's)."""
     recorded = meta.get("apps") or {}
     return {
-        part_name(app, m): m
+        served: m
         for app, rec in recorded.items()
         if isinstance(rec, dict)
-        for m in rec.get("models", ())
+        for m, served in served_parts(app, rec).items()
     }
 
 

@@ -118,13 +118,19 @@ class Plan:
 
     # ------------------------------------------------------------------ GPU accounting
 
+    def owner(self, model: str) -> str:
+        """The model whose GPUs a model of the plan takes from: itself, or for a segment
+        of a model (domain/entry.py) the model it is cut from, as its partitions would
+        (`meta["owners"]`)."""
+        return str((self.meta.get("owners") or {}).get(model, model))
+
     def gpus_used(self) -> dict[str, int]:
         """Physical GPUs per type under the plan's packing rule."""
         if self.packing == "per-share":
             # a GPU carved into `share` vGPUs; each model's own unless models may share
             vgpus: dict[tuple[str, int, str], int] = defaultdict(int)
             for m in self.models:
-                owner = "" if self.cluster.mixes_models else m.name
+                owner = "" if self.cluster.mixes_models else self.owner(m.name)
                 for p in m.pipelines:
                     for part in p.partitions:
                         vgpus[(part.gpu, part.share, owner)] += part.vgpus

@@ -97,6 +97,13 @@ class AppPlanRequest:
     # each part's request inputs counted on its first server's NIC, as for models
     # (PlanRequest.count_inputs): the live router sends them there
     count_inputs: bool = False
+    # models whose pools every application naming them shares: one budget (each
+    # application's path must fit it), one set of pipelines serving all their requests,
+    # batched together (Graft's shared suffixes: planner/graft.py). Joint split only.
+    shared: frozenset[str] = frozenset()
+    # req/s each model's pools are sized for, planned with room for queueing at it
+    # (headroom.py, as PlanRequest.headroom_rates); a model not named: fluid
+    headroom: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.apps:
@@ -106,6 +113,22 @@ class AppPlanRequest:
         missing = sorted({m for a in self.apps for m in a.models} - set(self.profiles))
         if missing:
             raise PoolpipeError(f"no profile for model(s) {', '.join(missing)}: profile them")
+
+    def key(self, app: str, model: str) -> tuple[str, str]:
+        """The part a model of an application is planned as: ("", model) where it is
+        shared, else (app, model)."""
+        return ("", model) if model in self.shared else (app, model)
+
+    def owner(self, key: tuple[str, str]) -> object:
+        """Whose GPUs a part's vGPUs take (per-share packing): a segment's, the model it is
+        cut from (its partitions are that model's blocks, as a pipeline's are); any other
+        part's, its own."""
+        base = self.profiles[key[1]].meta.get("segment_of")
+        return ("", base) if base else key
+
+    def served_name(self, app: str, model: str) -> str:
+        """The served plan's model for a model of an application."""
+        return model if model in self.shared else part_name(app, model)
 
 
 @dataclass(frozen=True)
@@ -297,6 +320,10 @@ def _split_budgets(
     the MILP)."""
     if budgets is not None:
         return budgets
+    if req.shared and split != "joint":
+        raise PoolpipeError(
+            f"split {split!r}: applications that share models are planned with the joint split"
+        )
     if split not in SPLITS:
         raise PoolpipeError(f"split {split!r}? choose one of {', '.join(SPLITS)}")
     if split == "joint":
@@ -449,6 +476,8 @@ def _search_splits(
     too many (the joint MILP then). On hc2-large's traffic+scene mix the joint MILP ended
     its 30 s with a 2.5% gap; 2 of its 90 combinations are bounded above the best split's
     plan (docs/benchmarks.md)."""
+    if req.shared:  # a shared part's budget is every application's: one MILP chooses them
+        return None
     by_key = {o.key: o for o in options}
     per_app: list[list[dict[tuple[str, str], float]]] = []
     total = 1
@@ -679,7 +708,10 @@ class Option:
 def _costs(req: AppPlanRequest, profile: ModelProfile, budget: float) -> ModelCosts:
     """A model's costs at a budget, as for a model whose SLO it is (no batch-fill term: the
     margin holds back for queueing)."""
-    return ModelCosts(profile, req.cluster, budget, req.margin, None, inputs=req.count_inputs)
+    room = (req.headroom or {}).get(profile.name)
+    return ModelCosts(
+        profile, req.cluster, budget, req.margin, None, inputs=req.count_inputs, headroom_rate=room
+    )
 
 
 def _candidate_fn(req: AppPlanRequest) -> Callable[[str, float], list[CandidatePipeline]]:
@@ -715,12 +747,23 @@ def _options(req: AppPlanRequest, budgets: Mapping[tuple[str, str], float] | Non
     """Every (application, model)'s budgets allowed and candidate pipelines."""
     candidates = _candidate_fn(req)
     out: list[Option] = []
+    done: set[tuple[str, str]] = set()
     for a in req.apps:
         for m in a.models:
+            key = req.key(a.name, m)
+            if key in done:
+                continue
+            done.add(key)
             if budgets is not None:
-                if (a.name, m) not in budgets:
+                if key not in budgets:
                     raise PoolpipeError(f"no budget given for model {m} of application {a.name}")
-                grid = [budgets[(a.name, m)]]
+                grid = [budgets[key]]
+            elif m in req.shared:
+                naming = [x for x in req.apps if m in x.models]
+                if all(len(x.models) == 1 for x in naming):  # alone in each: the least SLO
+                    grid = [min(x.slo_us for x in naming)]
+                else:  # the grid of the longest SLO of the applications naming it
+                    grid = _grid(max(naming, key=lambda x: x.slo_us), req.grid)
             else:
                 grid = _grid(a, req.grid)
             some = [(b, candidates(m, b)) for b in grid]
@@ -737,7 +780,7 @@ def _options(req: AppPlanRequest, budgets: Mapping[tuple[str, str], float] | Non
                         cands.append(c)
                         at.append([])
                     at[index[c]].append(k)
-            out.append(Option((a.name, m), [b for b, _ in some], cands, at))
+            out.append(Option(key, [b for b, _ in some], cands, at))
     return out
 
 
@@ -758,8 +801,9 @@ def _build(
     else:
         z = milp.add_var(upper=0.0)
         rates = [milp.add_var(lower=cost[0][a.name], upper=cost[0][a.name]) for a in req.apps]
+    owners = [req.owner(o.key) for o in options]
     xs, ns, buckets = _add_pipelines(
-        milp, [o.candidates for o in options], count, req.packing, req.cluster.mixes_models
+        milp, [o.candidates for o in options], count, req.packing, req.cluster.mixes_models, owners
     )
     gpu_terms = _add_packing(milp, buckets, count, req.packing)
     units = price_units(dict(cost[1]))[0] if cost is not None else {}
@@ -778,15 +822,20 @@ def _build(
                 milp.add_row({x: 1.0, **{y[k]: -milp.upper[x] for k in at}}, upper=0.0)
         ys[o] = y
     per_key = {opt.key: o for o, opt in enumerate(options)}
+    # each part's pipelines serve its applications' rates times their requests per request
+    shared: dict[int, dict[int, float]] = {}
     for i, a in enumerate(req.apps):
         mult = a.multiplicity()
         for m in a.models:
-            terms = {x: 1.0 for x in xs[per_key[(a.name, m)]]}
-            milp.add_row({**terms, rates[i]: -mult[m]}, lower=0.0)
+            o = per_key[req.key(a.name, m)]
+            if m in req.shared:
+                shared.setdefault(o, {})[rates[i]] = -mult[m]
+            else:
+                milp.add_row({**{x: 1.0 for x in xs[o]}, rates[i]: -mult[m]}, lower=0.0)
         for path in a.paths():
             fixed, least, terms = 0.0, 0.0, {}
             for m in path:
-                o = per_key[(a.name, m)]
+                o = per_key[req.key(a.name, m)]
                 chosen = ys[o]
                 if chosen is None:
                     fixed += options[o].budgets[0]
@@ -807,6 +856,8 @@ def _build(
                 )
             if terms:
                 milp.add_row(terms, upper=a.slo_us - fixed + 1e-6)
+    for o, row in shared.items():
+        milp.add_row({**{x: 1.0 for x in xs[o]}, **row}, lower=0.0)
     return milp, z, rates, xs, ys, ns, gpu_terms
 
 
@@ -824,41 +875,54 @@ def filled_budgets(app: App, budgets: Mapping[str, float]) -> dict[str, float]:
 
 def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[str, ModelProfile]]:
     """An application plan as a `Plan` that the simulator and the router serve: one model
-    per (application, model), named by `part_name`, with its budget (filled_budgets) as its
-    SLO and the
-    application's weight times its requests per request as its weight; `meta["apps"]`
-    records each application's SLO, weight and budgets. Verified against the profiles,
+    per (application, model), named by `part_name` (a shared model: one, by its own name,
+    its SLO the least budget an application gives it), with its budget (filled_budgets) as
+    its SLO and the application's weight times its requests per request as its weight;
+    `meta["apps"]` records each application's SLO, weight, budgets (and its parts where
+    some are shared). Verified against the profiles,
     which are returned under the plan's model names."""
     from poolpipe.domain.plan import ModelPlan, SolverInfo
     from poolpipe.planner.readback import pipeline_plan
 
-    models, profiles = [], {}
+    parts: dict[str, ModelPlan] = {}
+    profiles = {}
     meta_apps: dict[str, dict] = {}
     for a in req.apps:
         mult = a.multiplicity()
-        budgets = filled_budgets(a, {m: plan.budgets[(a.name, m)] for m in a.models})
+        planned = {m: plan.budgets[req.key(a.name, m)] for m in a.models}
+        budgets = filled_budgets(a, planned)
         meta_apps[a.name] = {
             "slo_us": a.slo_us,
             "weight": a.weight,
             "models": list(a.models),
             "budgets_us": budgets,
-            "planned_budgets_us": {m: plan.budgets[(a.name, m)] for m in a.models},
+            "planned_budgets_us": planned,
             "spec": app_table(a),
-        }
+        } | ({"parts": {m: req.served_name(a.name, m) for m in a.models}} if req.shared else {})
         for m in a.models:
-            name = part_name(a.name, m)
+            name = req.served_name(a.name, m)
             profiles[name] = replace(req.profiles[m], name=name)
-            pipes = [pipeline_plan(c, n) for c, n in plan.pipelines.get((a.name, m), [])]
-            models.append(
-                ModelPlan(
-                    name=name,
-                    weight=a.weight * mult[m],
-                    slo_us=budgets[m],
-                    throughput=sum(p.throughput for p in pipes),
-                    pipelines=tuple(sorted(pipes, key=lambda p: -p.throughput)),
-                    est_throughput=None,
+            weight = a.weight * mult[m]
+            if name in parts:  # shared: its SLO the least any application gives it
+                parts[name] = replace(
+                    parts[name],
+                    weight=parts[name].weight + weight,
+                    slo_us=min(parts[name].slo_us, budgets[m]),
                 )
+                continue
+            pipes = [pipeline_plan(c, n) for c, n in plan.pipelines.get(req.key(a.name, m), [])]
+            parts[name] = ModelPlan(
+                name=name,
+                weight=weight,
+                slo_us=budgets[m],
+                throughput=sum(p.throughput for p in pipes),
+                pipelines=tuple(sorted(pipes, key=lambda p: -p.throughput)),
+                est_throughput=None,
             )
+    models = list(parts.values())
+    owners = {
+        name: str(p.meta["segment_of"]) for name, p in profiles.items() if "segment_of" in p.meta
+    }
     doc = Plan(
         strategy="ppipe" if req.max_partitions > 1 else "np",
         cluster=req.cluster,
@@ -874,7 +938,8 @@ def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[st
             "apps_objective": plan.objective,
             "apps_rates": dict(plan.rates),  # req/s per application: load factor 1
         }
-        | ({"inputs": "counted"} if req.count_inputs else {}),  # Plan.verify counts them
+        | ({"inputs": "counted"} if req.count_inputs else {})  # Plan.verify counts them
+        | ({"owners": owners} if owners else {}),
     )
     doc.verify(profiles)
     return doc, profiles

@@ -134,9 +134,11 @@ def _add_pipelines(
     count: dict[str, int],
     packing: str,
     mixes: bool = False,
+    owners: list | None = None,
 ) -> tuple[list[list[int]], list[list[list[int]]], dict[tuple, dict[int, float]]]:
     """x and n variables and rows (a) of every candidate; the n's by GPU bucket (`mixes`:
-    models may share a physical GPU)."""
+    models may share a physical GPU; `owners`: per-share, the model each candidate list's
+    GPUs are counted for, where several lists are one model's: segments of it)."""
     xs: list[list[int]] = []
     ns: list[list[list[int]]] = []
     # bucket -> {n var: coefficient}, per packing mode
@@ -150,7 +152,8 @@ def _add_pipelines(
             for d, p in enumerate(c.partitions):
                 n = milp.add_var(upper=p.share * count[p.gpu], integer=True)
                 milp.add_row({x: 1.0, n: -p.vgpu_throughput}, upper=0.0)  # (a)
-                key = bucket_key(p.gpu, p.share, m, d, packing, mixes)
+                owner = owners[m] if owners is not None and packing == "per-share" else m
+                key = bucket_key(p.gpu, p.share, owner, d, packing, mixes)
                 buckets[key][n] = 1.0 / p.share if packing == "per-position" else 1.0
                 n_vars.append(n)
             xm.append(x)

@@ -274,7 +274,10 @@ def _gpu_group(plan: Plan, pool: Pool) -> tuple[int, ...]:
     pool's, where the cluster lets models share GPUs: Cluster.mixed_model_interference)."""
     if plan.packing == "per-position":
         return (pool.model, pool.position)
-    return () if plan.cluster.mixes_models else (pool.model,)
+    if plan.cluster.mixes_models:
+        return ()
+    owner = plan.owner(plan.models[pool.model].name)
+    return (next(i for i, m in enumerate(plan.models) if plan.owner(m.name) == owner),)
 
 
 def latency_tables(topo: Topology) -> list[list[float]]:

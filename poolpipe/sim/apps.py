@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from poolpipe.domain.apps import App, part_name
+from poolpipe.domain.apps import App, served_parts
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
@@ -70,10 +70,10 @@ def part_profiles(plan: Plan, profiles: Mapping[str, ModelProfile]) -> dict[str,
     recorded = _recorded(plan)
     out = {}
     for app, rec in recorded.items():
-        for m in rec["models"]:
+        for m, served in served_parts(app, rec).items():
             if m not in profiles:
                 raise PoolpipeError(f"application {app}: no profile for model {m}: profile it")
-            out[part_name(app, m)] = replace(profiles[m], name=part_name(app, m))
+            out[served] = replace(profiles[m], name=served)
     return out
 
 
@@ -87,7 +87,8 @@ def served_apps(plan: Plan, apps: Sequence[App], model_names: Sequence[str]) -> 
         if a.name not in recorded:
             raise PoolpipeError(f"the plan has no application {a.name}: plan it with the others")
         budgets = recorded[a.name]["budgets_us"]
-        where = {m: part_name(a.name, m) for m in a.models if part_name(a.name, m) in known}
+        parts = served_parts(a.name, recorded[a.name])
+        where = {m: parts[m] for m in a.models if parts.get(m) in known}
         out.append(served_app(a, budgets, where))
     return out
 
