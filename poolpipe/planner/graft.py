@@ -1,0 +1,365 @@
+"""Planning entry streams (domain/entry.py): Graft's re-aligned pooled pipelines, and the
+two plans they are compared with.
+
+- `realigned`: a model's entry blocks are grouped (adjacent entries together); a group's
+  streams are re-aligned at X, its deepest entry. Each entry p < X runs blocks [p, X) in an
+  alignment part of its own (one per entry block, shared by the group's streams entering
+  there) and every stream of the group runs blocks [X, N) in one suffix part, its pools
+  shared and its batches mixing entry points.
+- `per-fragment`: each entry block planned apart (GSLICE-like per-fragment serving): the
+  streams entering at p share blocks [p, N), nothing else.
+- `raw`: every client sends the raw input: a model's streams share blocks [0, N), each
+  with its whole SLO (the raw input's upload is not counted, which favours this plan).
+
+Each is an application plan (planner/apps.py) with shared parts: a stream is an
+application of one or two segments (alignment -> suffix) whose SLO is the stream's budget;
+one MILP chooses every part's budget with its pipelines (along each stream the budgets
+within its budget) and the cheapest GPUs serving the streams' rates (the cost objective).
+
+How groups are chosen is Graft's merging heuristic, not exact (the MILP has no choice of
+paths): from one group per entry block (the per-fragment plan), adjacent groups of a model
+are merged while a merge lowers the price of that model's streams planned alone on the
+cluster, the merge lowering it most first; the models' groups are then planned together.
+`sized=True` sizes each plan on what it delivers: simulated at the streams' rates, the rate
+asked of the MILP for a stream short of 99% on time grows and the plan is made again
+(as the cost objective's sizing does for models: planner/cost.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from poolpipe.domain.apps import App, Edge
+from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.entry import EntryStream, segment
+from poolpipe.domain.plan import Plan
+from poolpipe.domain.profiles import ModelProfile
+from poolpipe.errors import InfeasibleError, PoolpipeError, SolverError
+from poolpipe.planner.apps import AppPlan, AppPlanRequest, app_plan_document, cheapest_apps
+from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S
+
+HOWS = ("realigned", "per-fragment", "raw")
+
+
+@dataclass(frozen=True)
+class GraftRequest:
+    streams: tuple[EntryStream, ...]
+    profiles: Mapping[str, ModelProfile]  # the whole models'
+    cluster: Cluster
+    prices: Mapping[str, float] | None = None  # per GPU-hour (None: 1 per GPU)
+    margin: float = 0.4
+    max_partitions: int = 2
+    packing: str = "per-share"
+    grid: int = 10
+    solver: str = "highs"
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    mip_gap: float = DEFAULT_MIP_GAP
+    # pools planned with room for queueing at the rates they serve (planner/headroom.py):
+    # a pool of one or two vGPUs at 100% of its fluid throughput keeps nowhere near 99%
+    # of a Poisson stream on time; False: fluid
+    headroom: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.streams:
+            raise PoolpipeError("no entry streams to plan")
+        missing = sorted({s.model for s in self.streams} - set(self.profiles))
+        if missing:
+            raise PoolpipeError(f"no profile for model(s) {', '.join(missing)}: profile them")
+
+    @property
+    def unit_prices(self) -> dict[str, float]:
+        gpus = [p.gpu for p in self.cluster.pools]
+        return {g: 1.0 for g in gpus} if self.prices is None else {g: self.prices[g] for g in gpus}
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(s.model for s in self.streams))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Streams of `model` entering at `entries` (ascending), re-aligned at the last."""
+
+    model: str
+    entries: tuple[int, ...]
+
+    @property
+    def align(self) -> int:
+        return self.entries[-1]
+
+
+@dataclass
+class GraftPlan:
+    """A plan of entry streams: how it was made, its groups, the application plan that
+    serves them (`request`: its applications and segments) and what it costs."""
+
+    how: str
+    groups: tuple[Group, ...]
+    request: AppPlanRequest
+    plan: AppPlan
+    seconds: float  # planning wall time, groupings and sizing included
+    priced: int  # MILPs solved
+    asked: dict[str, float]  # req/s per stream asked of the MILP (above the rate: sized)
+    on_time: dict[str, float] | None = None  # per stream at its rate, simulated (sized)
+    rounds: list[dict] = field(default_factory=list)
+
+    @property
+    def cost_per_hour(self) -> float:
+        return float(self.plan.cost_per_hour or 0.0)
+
+    @property
+    def gpus(self) -> dict[str, int]:
+        return {g: n for g, n in self.plan.gpus_used.items() if n}
+
+    def document(self) -> tuple[Plan, dict[str, ModelProfile]]:
+        """The plan as the simulator (and a router) serves it, with its segments' profiles;
+        `meta["graft"]` records how it was made and its groups."""
+        from dataclasses import replace
+
+        doc, profiles = app_plan_document(self.request, self.plan)
+        meta = dict(doc.meta)
+        meta["graft"] = {
+            "how": self.how,
+            "groups": [{"model": g.model, "entries": list(g.entries)} for g in self.groups],
+            "asked": dict(self.asked),
+        }
+        return replace(doc, meta=meta), profiles
+
+
+def app_request(
+    req: GraftRequest,
+    groups: Sequence[Group],
+    raw: bool = False,
+    rates: Mapping[str, float] | None = None,
+) -> tuple[AppPlanRequest, dict[str, float]]:
+    """The application plan request of `groups` (streams of other models left out) and
+    each stream's rate: a stream an application of its segments (above), the parts
+    shared; `raw`: each stream enters at block 0 with its whole SLO. Each part's pools are
+    sized for the streams' `rates` (default: theirs) through it (GraftRequest.headroom)."""
+    profiles: dict[str, ModelProfile] = {}
+    apps: list[App] = []
+    own: dict[str, float] = {}
+    for g in groups:
+        whole = req.profiles[g.model]
+        suffix = segment(whole, g.align, whole.num_blocks)
+        profiles[suffix.name] = suffix
+        for s in req.streams:
+            if s.model != g.model or (not raw and s.entry not in g.entries):
+                continue
+            entry, budget = (0, s.slo_us) if raw else (s.entry, s.budget_us)
+            own[s.name] = s.rate
+            if entry == g.align:
+                apps.append(App(s.name, budget, s.rate, (suffix.name,)))
+                continue
+            head = segment(whole, entry, g.align)
+            profiles[head.name] = head
+            apps.append(
+                App(
+                    s.name,
+                    budget,
+                    s.rate,
+                    (head.name, suffix.name),
+                    (Edge(head.name, suffix.name),),
+                )
+            )
+    through: dict[str, float] = {}
+    for a in apps:
+        for m in a.models:
+            through[m] = through.get(m, 0.0) + (rates or own)[a.name]
+    areq = AppPlanRequest(
+        tuple(apps),
+        profiles,
+        req.cluster,
+        grid=req.grid,
+        margin=req.margin,
+        max_partitions=req.max_partitions,
+        packing=req.packing,
+        solver=req.solver,
+        time_limit_s=req.time_limit_s,
+        mip_gap=req.mip_gap,
+        shared=frozenset(profiles),
+        headroom=through if req.headroom else None,
+    )
+    return areq, own
+
+
+def groups_of(req: GraftRequest, how: str, model: str) -> tuple[Group, ...]:
+    """The groups of `model`'s streams a plan starts from: one per entry block
+    (per-fragment, and where realigned merges from), or one at block 0 (raw)."""
+    if how == "raw":
+        return (Group(model, (0,)),)
+    return tuple(
+        Group(model, (e,)) for e in sorted({s.entry for s in req.streams if s.model == model})
+    )
+
+
+class _Planner:
+    """Plans of groups of streams at rates, each model's planned alone (and remembered):
+    with each model's GPUs its own (no mixed models on a GPU), the cheapest plan of all
+    models is the union of each model's cheapest where the union fits the cluster, and
+    one MILP of them all otherwise."""
+
+    def __init__(self, req: GraftRequest, how: str, on_step: Callable[[str], None]):
+        self.req, self.how, self.on_step = req, how, on_step
+        self.raw = how == "raw"
+        self.memo: dict[tuple, AppPlan | None] = {}
+        self.priced = 0
+
+    def model(self, groups: tuple[Group, ...], rates: Mapping[str, float]) -> AppPlan | None:
+        """One model's groups planned alone at `rates` (None: they cannot be served)."""
+        areq, own = app_request(self.req, groups, self.raw, rates)
+        key = (groups, tuple(sorted((n, rates[n]) for n in own)))
+        if key not in self.memo:
+            self.priced += 1
+            self.on_step(f"{groups[0].model}: " + ", ".join(str(list(g.entries)) for g in groups))
+            try:
+                self.memo[key] = cheapest_apps(
+                    areq, {n: rates[n] for n in own}, self.req.unit_prices
+                )
+            except InfeasibleError:
+                self.memo[key] = None
+        return self.memo[key]
+
+    def price(self, groups: tuple[Group, ...], rates: Mapping[str, float]) -> float:
+        plan = self.model(groups, rates)
+        return math.inf if plan is None else float(plan.cost_per_hour or 0.0)
+
+    def all(self, chosen: Mapping[str, tuple[Group, ...]], rates: Mapping[str, float]) -> AppPlan:
+        """Every model's groups planned together at `rates`."""
+        plans = []
+        for m, groups in chosen.items():
+            plan = self.model(groups, rates)
+            if plan is None:
+                raise InfeasibleError(
+                    f"{self.how} plan of the entry streams: {m}'s cannot be served within "
+                    f"their budgets on cluster {self.req.cluster.name}"
+                )
+            plans.append(plan)
+        union = _union(plans)
+        count = {p.gpu: p.count for p in self.req.cluster.pools}
+        if all(n <= count.get(g, 0) for g, n in union.gpus_used.items()):
+            return union
+        self.priced += 1
+        every = [g for gs in chosen.values() for g in gs]
+        areq, _ = app_request(self.req, every, self.raw, rates)
+        try:
+            return cheapest_apps(areq, rates, self.req.unit_prices)
+        except InfeasibleError as e:
+            raise InfeasibleError(f"{self.how} plan of the entry streams: {e}") from None
+        except SolverError:
+            raise InfeasibleError(
+                f"{self.how} plan of the entry streams: each model's cheapest plan alone "
+                f"takes {_union_text(union.gpus_used)} together, more than cluster "
+                f"{self.req.cluster.name} has, and the plan of them all found none within "
+                f"{self.req.time_limit_s:g} s: lower the rates or give a larger cluster"
+            ) from None
+
+
+def _union_text(gpus: Mapping[str, int]) -> str:
+    return ", ".join(f"{n} {g}" for g, n in sorted(gpus.items()) if n)
+
+
+def _union(plans: Sequence[AppPlan]) -> AppPlan:
+    """Plans of disjoint parts as one."""
+    used: dict[str, int] = {}
+    for p in plans:
+        for g, n in p.gpus_used.items():
+            used[g] = used.get(g, 0) + n
+    status = "optimal" if all(p.status == "optimal" for p in plans) else plans[0].status
+    return AppPlan(
+        "joint",
+        min(p.objective for p in plans),
+        {k: v for p in plans for k, v in p.rates.items()},
+        {k: v for p in plans for k, v in p.budgets.items()},
+        {k: v for p in plans for k, v in p.served.items()},
+        {k: v for p in plans for k, v in p.pipelines.items()},
+        next((p.status for p in plans if p.status != "optimal"), status),
+        sum(p.seconds for p in plans),
+        used,
+        sum(float(p.cost_per_hour or 0.0) for p in plans),
+        max(p.gap for p in plans),
+    )
+
+
+def plan_streams(
+    req: GraftRequest,
+    how: str = "realigned",
+    sized: bool = False,
+    on_step: Callable[[str], None] = lambda line: None,
+) -> GraftPlan:
+    """The cheapest plan of `req`'s streams made `how` (HOWS), `sized` on what it
+    delivers (simulated); `on_step` is told each model's groups as they are planned (a
+    progress line)."""
+    if how not in HOWS:
+        raise PoolpipeError(f"how {how!r}? choose one of {', '.join(HOWS)}")
+    t0 = time.perf_counter()
+    planner = _Planner(req, how, on_step)
+    rates = {s.name: s.rate for s in req.streams}
+    chosen = {m: groups_of(req, how, m) for m in req.models}
+    if how == "realigned":
+        chosen = {m: _merged(gs, lambda g: planner.price(g, rates)) for m, gs in chosen.items()}
+    groups = [g for gs in chosen.values() for g in gs]
+    areq, _ = app_request(req, groups, planner.raw)
+    result = GraftPlan(how, tuple(groups), areq, planner.all(chosen, rates), 0.0, 0, dict(rates))
+    if sized:
+        _size(result, rates, lambda asked: planner.all(chosen, asked))
+    result.priced = planner.priced
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _merged(
+    start: tuple[Group, ...], price: Callable[[tuple[Group, ...]], float]
+) -> tuple[Group, ...]:
+    """Graft's merging: one model's groups, adjacent ones merged while a merge lowers the
+    price of the model's plan alone, the merge lowering it most first."""
+    groups = start
+    best = price(groups)
+    while len(groups) > 1:
+        trials = []
+        for i in range(len(groups) - 1):
+            merged = Group(groups[i].model, groups[i].entries + groups[i + 1].entries)
+            trial = (*groups[:i], merged, *groups[i + 2 :])
+            trials.append((price(trial), i, trial))
+        cost, _, trial = min(trials, key=lambda t: (t[0], t[1]))
+        if not cost < best - 1e-9:
+            break
+        best, groups = cost, trial
+    return groups
+
+
+def _size(
+    result: GraftPlan, rates: Mapping[str, float], plan_at: Callable[[Mapping[str, float]], AppPlan]
+) -> None:
+    """Size `result` on what it delivers (module doc), in place; `plan_at` plans its
+    groups at the rates asked."""
+    from poolpipe.planner.cost import SIZING_RAISE, SIZING_ROUNDS
+    from poolpipe.sim.apps import app_attainment_at
+    from poolpipe.sim.metrics import ATTAINMENT_TARGET
+
+    def on_time(plan: AppPlan) -> dict[str, float]:
+        doc, profiles = app_plan_document(result.request, plan)
+        return app_attainment_at(doc, profiles, result.request.apps, rates)
+
+    got = kept = on_time(result.plan)
+    result.rounds.append(
+        {"asked": dict(result.asked), "cost_per_hour": result.cost_per_hour, "on_time": got}
+    )
+    asked = dict(result.asked)
+    while min(got.values()) < ATTAINMENT_TARGET and len(result.rounds) < SIZING_ROUNDS:
+        for name, share in got.items():
+            if share < ATTAINMENT_TARGET:
+                asked[name] *= 1 + max(2 * SIZING_RAISE, 3 * (ATTAINMENT_TARGET - share))
+        try:
+            plan = plan_at(asked)
+        except InfeasibleError:
+            break  # what the streams need for 99% on time is more than the cluster has
+        got = on_time(plan)
+        result.rounds.append(
+            {"asked": dict(asked), "cost_per_hour": plan.cost_per_hour, "on_time": got}
+        )
+        if min(got.values()) >= ATTAINMENT_TARGET:
+            result.plan, result.asked, kept = plan, dict(asked), got
+    result.on_time = kept

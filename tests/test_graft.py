@@ -1,0 +1,187 @@
+"""Requests entering mid-model (domain/entry.py, planner/graft.py): segments, the stream
+spec, the client's choice of entry, shared suffix pools planned and simulated."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from poolpipe.domain.entry import (
+    EntrySpecError,
+    EntryStream,
+    choose_entry,
+    parse_streams,
+    segment,
+)
+from poolpipe.errors import PoolpipeError
+from poolpipe.planner.graft import GraftRequest, Group, _Planner, plan_streams
+from poolpipe.sim.apps import app_attainment_at, simulate_apps
+from poolpipe.sim.engine import SimConfig
+from tests.conftest import tiny_model
+
+MODELS = ("repvgg-b3", "tf_efficientdet_d1")
+
+
+@pytest.fixture(scope="module")
+def hc2_large(ppipe_dir):
+    from poolpipe.domain.cluster import load_cluster
+
+    return load_cluster(ppipe_dir / "clusters.toml", "hc2-large")
+
+
+def test_a_segment_is_its_blocks_as_a_model_of_their_own():
+    m = tiny_model(
+        "m",
+        {("A", 1): [[1, 2], [3, 4], [5, 6], [7, 8]]},
+        [100.0, 200.0, 300.0],
+    )
+    m = type(m)(**{**m.__dict__, "input_bytes": 50.0})
+    s = segment(m, 1, 3)
+    assert s.name == "m.1-3" and s.num_blocks == 2
+    assert s.tables[("A", 1)].latency_us.tolist() == [[3, 4], [5, 6]]
+    assert s.boundary_bytes == (200.0,)
+    assert s.input_bytes == 100.0  # what leaves block 0 enters block 1
+    assert s.meta["segment_of"] == "m" and s.meta["blocks"] == "1-3"
+    assert segment(m, 0, 2).input_bytes == 50.0
+    assert segment(m, 0, 4) is m
+    with pytest.raises(PoolpipeError, match=r"blocks \[3, 3\) are not a segment"):
+        segment(m, 3, 3)
+
+
+def test_the_stream_spec_names_what_is_wrong(ppipe_profiles):
+    good = {"model": "repvgg-b3", "entry": 3, "budget_ms": 30, "rate": 10}
+    (s,) = parse_streams({"streams": [good]}, ppipe_profiles)
+    assert (s.name, s.entry, s.budget_us, s.rate) == ("repvgg-b3.e3", 3, 30_000.0, 10.0)
+    assert s.slo_us == ppipe_profiles["repvgg-b3"].slo_us
+    bad = [
+        ({**good, "model": "nope"}, "model 'nope' is not profiled"),
+        ({**good, "entry": 10}, "entry 10: a block of repvgg-b3, 0 .* to 9"),
+        ({**good, "budget_ms": 0}, "budget_ms must be a number > 0"),
+        ({**good, "budget_ms": 60}, "budget_ms 60 is more than its SLO"),
+        ({**good, "colour": 1}, "unknown field.*colour"),
+    ]
+    for row, message in bad:
+        with pytest.raises(EntrySpecError, match=message):
+            parse_streams({"streams": [row]}, ppipe_profiles, "f.toml")
+    with pytest.raises(EntrySpecError, match=r"repvgg-b3\.e3 given twice"):
+        parse_streams({"streams": [good, good]}, ppipe_profiles)
+    with pytest.raises(EntrySpecError, match=r"no \[\[streams\]\]"):
+        parse_streams({}, ppipe_profiles)
+
+
+def test_the_client_chooses_the_entry_of_least_estimate_within_the_slo():
+    # three blocks; client 10/10/10 ms, server 2/2/2 ms; uploads 8/1/4 MB at 1 MB/s
+    # entry 0: 0 + 8000 + 6 ms; entry 1: 10 + 1000 + 4; entry 2: 20 + 4000 + 2
+    entry, budget = choose_entry([10e3] * 3, [8e6, 1e6, 4e6], 1e6, [2e3] * 3, 2_000e3)
+    assert entry == 1
+    assert budget == pytest.approx(2_000e3 - 10e3 - 1_000e3)
+    with pytest.raises(PoolpipeError, match="no entry block fits the SLO of 1000 ms"):
+        choose_entry([10e3] * 3, [8e6, 1e6, 4e6], 1e6, [2e3] * 3, 1_000e3)
+
+
+def _streams(profiles, rate=60.0):
+    out = []
+    for m in MODELS:
+        slo = profiles[m].slo_us
+        for entry, share in ((1, 0.8), (3, 0.75)):
+            out.append(EntryStream(f"{m}.e{entry}", m, entry, slo * share, rate, slo))
+    return tuple(out)
+
+
+def test_a_shared_suffix_serves_both_entry_points_and_segments_share_gpus(
+    ppipe_profiles, hc2_large
+):
+    streams = _streams(ppipe_profiles)
+    req = GraftRequest(streams, ppipe_profiles, hc2_large, headroom=False)
+    planner = _Planner(req, "realigned", lambda line: None)
+    rates = {s.name: s.rate for s in streams}
+    chosen = {m: (Group(m, (1, 3)),) for m in MODELS}
+    plan = planner.all(chosen, rates)
+    from poolpipe.planner.graft import app_request
+
+    areq, _ = app_request(req, [g for gs in chosen.values() for g in gs])
+    from poolpipe.planner.apps import app_plan_document
+
+    doc, profiles = app_plan_document(areq, plan)
+    names = {m.name for m in doc.models}
+    assert names == {f"{m}.{a}-{b}" for m in MODELS for a, b in ((1, 3), (3, 10))}
+    for m in MODELS:  # the suffix plans for both streams' rates
+        assert doc.model(f"{m}.3-10").throughput >= 2 * 60.0 - 1e-6
+        assert doc.owner(f"{m}.1-3") == m
+    # segments of one model count the GPUs they share once, as the MILP did
+    assert doc.gpus_used() == {g: n for g, n in plan.gpus_used.items() if n}
+    result = simulate_apps(doc, profiles, areq.apps, rates, SimConfig(duration_s=10, seed=4))
+    for m in MODELS:
+        suffix = result.parts[f"{m}.3-10"]["arrivals"]
+        entered = sum(result.apps[f"{m}.e{e}"]["arrived"] for e in (1, 3))
+        assert suffix == entered - result.parts[f"{m}.1-3"]["dropped"]
+        assert result.parts[f"{m}.1-3"]["arrivals"] == result.apps[f"{m}.e1"]["arrived"]
+
+
+def test_realigned_merging_finds_the_cheapest_grouping_of_a_small_mix(ppipe_profiles, hc2_large):
+    m = "convnext_large"
+    slo = ppipe_profiles[m].slo_us
+    streams = tuple(
+        EntryStream(f"s{e}", m, e, slo * share, 150.0, slo)
+        for e, share in ((1, 0.9), (3, 0.85), (4, 0.8))
+    )
+    req = GraftRequest(streams, ppipe_profiles, hc2_large, headroom=False)
+    planner = _Planner(req, "realigned", lambda line: None)
+    rates = {s.name: s.rate for s in streams}
+    entries = (1, 3, 4)
+    brute = {}
+    for cuts in itertools.product((False, True), repeat=len(entries) - 1):
+        groups, current = [], [entries[0]]
+        for e, cut in zip(entries[1:], cuts, strict=True):
+            if cut:
+                groups.append(Group(m, tuple(current)))
+                current = []
+            current.append(e)
+        groups.append(Group(m, tuple(current)))
+        brute[tuple(groups)] = planner.price(tuple(groups), rates)
+    got = plan_streams(req, "realigned")
+    fragment = plan_streams(req, "per-fragment")
+    assert got.cost_per_hour == pytest.approx(min(brute.values()))
+    assert got.cost_per_hour <= fragment.cost_per_hour
+    assert fragment.cost_per_hour == pytest.approx(brute[tuple(Group(m, (e,)) for e in entries)])
+
+
+def test_a_sized_plan_keeps_its_streams_on_time_on_seeds_it_did_not_use(ppipe_profiles, hc2_large):
+    streams = _streams(ppipe_profiles, rate=100.0)
+    req = GraftRequest(streams, ppipe_profiles, hc2_large)
+    got = plan_streams(req, "realigned", sized=True)
+    assert got.on_time is not None and min(got.on_time.values()) >= 0.99
+    doc, profiles = got.document()
+    assert doc.meta["graft"]["how"] == "realigned"
+    rates = {s.name: s.rate for s in streams}
+    held = app_attainment_at(doc, profiles, got.request.apps, rates, seeds=(31, 32), duration_s=20)
+    assert min(held.values()) >= 0.985, held
+
+
+def test_raw_and_per_fragment_plans_are_made_as_said(ppipe_profiles, hc2_large):
+    streams = _streams(ppipe_profiles)
+    req = GraftRequest(streams, ppipe_profiles, hc2_large, headroom=False)
+    raw = plan_streams(req, "raw")
+    doc, _ = raw.document()
+    assert {m.name for m in doc.models} == set(MODELS)  # whole models, shared by streams
+    budgets = {a: r["budgets_us"] for a, r in doc.meta["apps"].items()}
+    for s in streams:  # the whole SLO
+        assert sum(budgets[s.name].values()) == pytest.approx(s.slo_us)
+    fragment = plan_streams(req, "per-fragment")
+    doc, _ = fragment.document()
+    assert {m.name for m in doc.models} == {f"{m}.{e}-10" for m in MODELS for e in (1, 3)}
+    with pytest.raises(PoolpipeError, match="how 'x'"):
+        plan_streams(req, "x")
+    assert np.isfinite(raw.cost_per_hour) and raw.cost_per_hour > 0
+
+
+def test_the_client_leaves_the_server_what_a_plan_at_its_margin_needs():
+    # entry 1 leaves 2000 - 10 - 1000 = 990 ms for 4 ms of server blocks; at margin 0.5 the
+    # server's part is 8 ms for entry 1, 12 ms for entry 0: entry 1 still least
+    assert choose_entry([10e3] * 3, [8e6, 1e6, 4e6], 1e6, [2e3] * 3, 2_000e3, 0.5)[0] == 1
+    # a budget of 1016 ms: the estimate at margin 0.5 (10 + 1000 + 8) no longer fits
+    with pytest.raises(PoolpipeError, match="no entry block fits"):
+        choose_entry([10e3] * 3, [8e6, 1e6, 4e6], 1e6, [2e3] * 3, 1_016e3, 0.5)
+    assert choose_entry([10e3] * 3, [8e6, 1e6, 4e6], 1e6, [2e3] * 3, 1_016e3)[0] == 1
