@@ -60,6 +60,37 @@ def segment_name(model: str, start: int, end: int) -> str:
     return f"{model}.{start}-{end}"
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A plan's model that is blocks [start, end) of `model` (the warehouse's)."""
+
+    model: str
+    start: int
+    end: int
+
+
+def segment_record(profile: ModelProfile) -> dict | None:
+    """What a plan records of a segment's profile (meta `segments`); None for a model."""
+    base = profile.meta.get("segment_of")
+    if not base:
+        return None
+    start, end = (int(x) for x in str(profile.meta["blocks"]).split("-"))
+    return {"model": str(base), "start": start, "end": end}
+
+
+def plan_segments(meta: Mapping) -> dict[str, Segment]:
+    """The segments a plan's meta records: each plan model that is blocks of another."""
+    out = {}
+    for name, rec in (meta.get("segments") or {}).items():
+        try:
+            out[str(name)] = Segment(str(rec["model"]), int(rec["start"]), int(rec["end"]))
+        except (KeyError, TypeError, ValueError):
+            raise PoolpipeError(
+                f"plan: segment {name!r} is recorded as {rec!r}; want model, start and end"
+            ) from None
+    return out
+
+
 def segment(profile: ModelProfile, start: int, end: int) -> ModelProfile:
     """Blocks [start, end) of `profile` as a model of its own (segment_name): the tables'
     rows of those blocks, the boundaries between them, its input the feature map leaving

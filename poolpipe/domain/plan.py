@@ -121,8 +121,9 @@ class Plan:
     def owner(self, model: str) -> str:
         """The model whose GPUs a model of the plan takes from: itself, or for a segment
         of a model (domain/entry.py) the model it is cut from, as its partitions would
-        (`meta["owners"]`)."""
-        return str((self.meta.get("owners") or {}).get(model, model))
+        (`meta["segments"]`)."""
+        rec = (self.meta.get("segments") or {}).get(model)
+        return str(rec["model"]) if isinstance(rec, Mapping) and "model" in rec else model
 
     def gpus_used(self) -> dict[str, int]:
         """Physical GPUs per type under the plan's packing rule."""

@@ -67,19 +67,24 @@ def make_partition(
     end: int,
     out_dir: Path,
     tag: str = "",
+    offset: int = 0,
 ) -> PartitionFile:
     """Write blocks [start, end) (layer ranges `block_layers`) of the model at `whole_path`
-    as one ONNX file with fp16 boundaries; return where it is and its tensors."""
-    if not 0 <= start < end <= len(block_layers):
+    as one ONNX file with fp16 boundaries; return where it is and its tensors. `offset`:
+    `model` is a segment of the model at `whole_path` beginning at that block
+    (domain/entry.py): its blocks [start, end) are the whole model's [start + offset,
+    end + offset), named by the segment's own indices."""
+    if not 0 <= start + offset < end + offset <= len(block_layers) or offset < 0:
         raise ModelError(
             f"{model}: partition [{start}, {end}) is outside its {len(block_layers)} blocks"
+            + (f" (from block {offset})" if offset else "")
         )
     whole = load_model(whole_path, model)
     table = cut_table(whole, model)
-    a, b = block_layers[start][0], block_layers[end - 1][1]
+    a, b = block_layers[start + offset][0], block_layers[end + offset - 1][1]
     part = extract_block(whole, table, a, b)
     infos = tensor_infos(whole)
-    first, last = start == 0, end == len(block_layers)
+    first, last = start + offset == 0, end + offset == len(block_layers)
     g = part.graph
     wire = helper.np_dtype_to_tensor_dtype(np.dtype(WIRE_DTYPE))
     casts_in, casts_out = [], []

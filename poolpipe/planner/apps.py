@@ -881,6 +881,7 @@ def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[st
     `meta["apps"]` records each application's SLO, weight, budgets (and its parts where
     some are shared). Verified against the profiles,
     which are returned under the plan's model names."""
+    from poolpipe.domain.entry import segment_record
     from poolpipe.domain.plan import ModelPlan, SolverInfo
     from poolpipe.planner.readback import pipeline_plan
 
@@ -920,9 +921,7 @@ def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[st
                 est_throughput=None,
             )
     models = list(parts.values())
-    owners = {
-        name: str(p.meta["segment_of"]) for name, p in profiles.items() if "segment_of" in p.meta
-    }
+    segments = {name: rec for name, p in profiles.items() if (rec := segment_record(p))}
     doc = Plan(
         strategy="ppipe" if req.max_partitions > 1 else "np",
         cluster=req.cluster,
@@ -939,7 +938,7 @@ def app_plan_document(req: AppPlanRequest, plan: AppPlan) -> tuple[Plan, dict[st
             "apps_rates": dict(plan.rates),  # req/s per application: load factor 1
         }
         | ({"inputs": "counted"} if req.count_inputs else {})  # Plan.verify counts them
-        | ({"owners": owners} if owners else {}),
+        | ({"segments": segments} if segments else {}),
     )
     doc.verify(profiles)
     return doc, profiles

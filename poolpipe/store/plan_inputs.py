@@ -128,15 +128,47 @@ def check_plan(
         )
 
     known = set(wh.model_names())
-    missing = [m.name for m in plan.models if m.name not in known]
+    base = warehouse_models(plan)
+    missing = [m.name for m in plan.models if base[m.name] not in known]
     if missing:
         raise PlanVerificationError(
             f"{where} serves {missing}, which warehouse {wh.path} has no profiles of; "
             "onboard or import them first"
         )
-    profiles = {m.name: wh.load_profile(m.name) for m in plan.models}
+    profiles = served_profiles(wh, plan)
     try:
         plan.verify(profiles)
     except PlanVerificationError as e:
         raise PlanVerificationError(f"{where}: {e}") from None
     return plan
+
+
+def warehouse_models(plan: Plan) -> dict[str, str]:
+    """Each plan model's model in the warehouse: itself, the model an application's part
+    is (domain.apps.base_models), or the model a segment is blocks of (plan_segments)."""
+    from poolpipe.domain.apps import base_models
+    from poolpipe.domain.entry import plan_segments
+
+    base = base_models(plan.meta)
+    segments = plan_segments(plan.meta)
+    return {
+        m.name: segments[m.name].model if m.name in segments else base.get(m.name, m.name)
+        for m in plan.models
+    }
+
+
+def served_profiles(wh: Warehouse, plan: Plan) -> dict[str, ModelProfile]:
+    """The profile of each plan model under its plan name (warehouse_models'; a segment's
+    cut out of its model's: domain.entry.segment)."""
+    from dataclasses import replace
+
+    from poolpipe.domain.entry import plan_segments, segment
+
+    segments = plan_segments(plan.meta)
+    out = {}
+    for m, model in warehouse_models(plan).items():
+        profile = wh.load_profile(model)
+        if m in segments:
+            profile = segment(profile, segments[m].start, segments[m].end)
+        out[m] = replace(profile, name=m)
+    return out

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from poolpipe.client.control import node_key
-from poolpipe.domain.apps import plan_applications
+from poolpipe.domain.apps import plan_applications, served_parts
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
@@ -102,6 +102,7 @@ def _applications(core: RouterCore, plan: Plan, ios: list[ModelIO]) -> list[Mode
         apps,
         {a.name: recorded[a.name]["budgets_us"] for a in apps},
         {io.name: io for io in ios},
+        {a.name: served_parts(a.name, recorded[a.name]) for a in apps},
     )
     return list(core.apps.ios.values())
 

@@ -6,36 +6,44 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from poolpipe.domain.apps import base_models
+from poolpipe.domain.entry import Segment, plan_segments
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
 from poolpipe.offline.partitions import PartitionFile, make_partition
 from poolpipe.runtime.placement import Layout, layout
 from poolpipe.scheduler import build_topology
 from poolpipe.scheduler.topology import Topology
+from poolpipe.store.plan_inputs import served_profiles
 from poolpipe.store.warehouse import Warehouse
 from triton_backend.node.repository import node_onnx_path, write_node_onnx
 from triton_backend.router.core import ModelIO
 
-# make_partition's arguments: whole model, model, block layers, start, end, out dir, tag
-PartitionJob = tuple[Path, str, list[tuple[int, int]], int, int, Path, str]
+# make_partition's arguments: whole model, model, block layers, start, end, out dir, tag,
+# offset (a segment's first block in the whole model)
+PartitionJob = tuple[Path, str, list[tuple[int, int]], int, int, Path, str, int]
 
 
 def partition_jobs(
-    wh: Warehouse, lay: Layout, out_dir: Path, base: Mapping[str, str] | None = None
+    wh: Warehouse,
+    lay: Layout,
+    out_dir: Path,
+    base: Mapping[str, str] | None = None,
+    segments: Mapping[str, Segment] | None = None,
 ) -> dict[str, PartitionJob]:
     """make_partition's arguments for every partition of the layout (warehouse reads only).
     `base`: the warehouse's model for a plan model that is another's (an application's
-    part: domain.apps.base_models)."""
+    part: domain.apps.base_models); `segments`: a plan model that is blocks of another
+    (domain.entry.plan_segments)."""
     jobs: dict[str, PartitionJob] = {}
     for p in lay.placements:
         if p.partition in jobs:
             continue
-        model = (base or {}).get(p.model, p.model)
+        seg = (segments or {}).get(p.model)
+        model = seg.model if seg is not None else (base or {}).get(p.model, p.model)
         whole = wh.whole_model_file(model)
         if whole is None or not whole.is_file():
             raise PoolpipeError(
@@ -43,7 +51,8 @@ def partition_jobs(
                 f"--name {model}"
             )
         layers = wh.block_layers(model)
-        jobs[p.partition] = (whole, p.model, layers, p.start, p.end, out_dir, p.tag)
+        offset = seg.start if seg is not None else 0
+        jobs[p.partition] = (whole, p.model, layers, p.start, p.end, out_dir, p.tag, offset)
     return jobs
 
 
@@ -67,14 +76,12 @@ def prepare(
     the router (measured: 3.4 s of CPU for two ResNet-50 partitions)."""
     check_serves_all(plan)
     base = base_models(plan.meta)
+    segments = plan_segments(plan.meta)
     with Warehouse.open(warehouse) as wh:
-        profiles = {
-            m.name: replace(wh.load_profile(base.get(m.name, m.name)), name=m.name)
-            for m in plan.models
-        }
+        profiles = served_profiles(wh, plan)
         topo = build_topology(plan, profiles)
         lay = layout(topo, tag)
-        jobs = partition_jobs(wh, lay, workspace / "partitions", base)
+        jobs = partition_jobs(wh, lay, workspace / "partitions", base, segments)
     if not isolated:
         return topo, lay, {name: make_partition(*args) for name, args in jobs.items()}
     return topo, lay, cut_isolated(jobs)

@@ -33,14 +33,20 @@ from poolpipe.scheduler import Topology
 from triton_backend.router.served import ClientRequest, ModelIO, Reply, RequestRow
 
 
-def app_ios(apps: Sequence[App], parts: Mapping[str, ModelIO]) -> list[ModelIO]:
-    """Each application's tensors at the door: its entry's inputs, its exits' outputs."""
+def app_ios(
+    apps: Sequence[App],
+    parts: Mapping[str, ModelIO],
+    served: Mapping[str, Mapping[str, str]] | None = None,
+) -> list[ModelIO]:
+    """Each application's tensors at the door: its entry's inputs, its exits' outputs
+    (`served`: each application's served model per model, where not part_name's)."""
     out = []
     for a in apps:
-        entry = parts[part_name(a.name, a.entry)]
+        where = (served or {}).get(a.name) or {m: part_name(a.name, m) for m in a.models}
+        entry = parts[where[a.entry]]
         outs: list[TensorSpec] = []
         for e in a.exits:
-            for t in parts[part_name(a.name, e)].outputs:
+            for t in parts[where[e]].outputs:
                 outs.append(t if len(a.exits) == 1 else replace(t, name=f"{e}.{t.name}"))
         out.append(ModelIO(a.name, entry.inputs, tuple(outs)))
     return out
@@ -72,11 +78,17 @@ class RouterApps:
         apps: Sequence[App],
         budgets_us: Mapping[str, Mapping[str, float]],
         parts: Mapping[str, ModelIO],
+        served: Mapping[str, Mapping[str, str]] | None = None,
     ):
         self.runtime = runtime
         self.apps = list(apps)
         self.parts = dict(parts)  # served part model -> its tensors
-        self.ios = {io.name: io for io in app_ios(self.apps, self.parts)}
+        # per application, each model's served part (shared parts by their own names)
+        self.where = {
+            a.name: dict((served or {}).get(a.name) or {m: part_name(a.name, m) for m in a.models})
+            for a in self.apps
+        }
+        self.ios = {io.name: io for io in app_ios(self.apps, self.parts, self.where)}
         self.index = {a.name: i for i, a in enumerate(self.apps)}
         self.served = self._served(budgets_us)
         self._transforms = {
@@ -94,8 +106,7 @@ class RouterApps:
 
     def _served(self, budgets_us: Mapping[str, Mapping[str, float]]) -> list[ServedApp]:
         return [
-            served_app(a, budgets_us[a.name], {m: part_name(a.name, m) for m in a.models})
-            for a in self.apps
+            served_app(a, budgets_us[a.name], self.where[a.name]) for a in self.apps
         ]
 
     def use_budgets(self, budgets_us: Mapping[str, Mapping[str, float]]) -> None:
