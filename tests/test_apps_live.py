@@ -95,8 +95,10 @@ def test_an_application_is_served_whole_through_the_router(onboarded_three):
 
         with pytest.raises(InferenceServerException, match="transform made a tensor of shape"):
             client.infer("buggy", [i])
-        with pytest.raises(InferenceServerException, match="send no slo_ms"):
-            client.infer("scene", [i], parameters={"slo_ms": 100})
+        # a request's own SLO: a bad one refused, a good one its deadline
+        with pytest.raises(InferenceServerException, match="slo_ms must be a number"):
+            client.infer("scene", [i], parameters={"slo_ms": "soon"})
+        assert client.infer("scene", [i], parameters={"slo_ms": 2500}).as_numpy(out_name).shape
         # a plan of the same applications rolls out (its own budgets and pipelines) ...
         other = AppPlanRequest(tuple(apps), profiles, cluster, margin=0.2, grid=4)
         doc2, _ = app_plan_document(other, plan_apps(other))

@@ -4,7 +4,9 @@ deadline its model's latency budget leaves, and is answered once, as a whole.
 
 A model's parts are due, after the application's arrival, at its budget plus the latest
 due time of its parents (the budgets summed along the slowest path to it): the data plane
-batches and drops each part by that deadline. The entry model gets one part; when every
+batches and drops each part by that deadline. A request may bring its own SLO (a hybrid
+client's, what is left of its budget): its parts' due times are then the plan's scaled
+by its SLO over the application's. The entry model gets one part; when every
 part of a model has finished, each child whose parents have all finished gets its parts:
 over the first parent's parts, each makes a draw of that edge's fan-out (a fixed fan-out
 always the same number; with fan-in every path makes the same number on average, as the
@@ -89,12 +91,16 @@ class AppRequest:
         "payload",
         "results",
         "running",
+        "slo_us",
     )
 
-    def __init__(self, app: ServedApp, payload: Any, arrived_us: float):
+    def __init__(
+        self, app: ServedApp, payload: Any, arrived_us: float, slo_us: float | None = None
+    ):
         self.app = app
         self.payload = payload  # the driver's (the client's request; an index)
         self.arrived_us = arrived_us
+        self.slo_us = app.slo_us if slo_us is None else slo_us  # its own, or the app's
         self.made = [0] * len(app.models)  # parts made, per model
         self.running = [0] * len(app.models)  # parts made and not yet ended
         self.parents_left = [len(p) for p in app.parents]
@@ -159,12 +165,19 @@ class AppCoordinator:
         return self._scheduled > 0
 
     def arrive(
-        self, app: int, payload: Any, data: Any = None, arrived_us: float | None = None
+        self,
+        app: int,
+        payload: Any,
+        data: Any = None,
+        arrived_us: float | None = None,
+        slo_us: float | None = None,
     ) -> AppRequest:
         """A request of application `app` (its index) arriving now (or at `arrived_us`);
-        `data`: its entry part's (the client's inputs, live)."""
+        `data`: its entry part's (the client's inputs, live); `slo_us`: its own SLO (the
+        application's where None)."""
         now = self.clock.now()
-        req = AppRequest(self.apps[app], payload, now if arrived_us is None else arrived_us)
+        arrived = now if arrived_us is None else arrived_us
+        req = AppRequest(self.apps[app], payload, arrived, slo_us)
         self.open += 1
         self.stats[req.app.name].arrivals += 1
         self._make(req, [(0, [data])])
@@ -238,15 +251,16 @@ class AppCoordinator:
                 continue
             req.running[pos] += len(data)
             self.parts += len(data)
+            due = app.due_us[pos] * (req.slo_us / app.slo_us)
             for d in data:
-                self._add(app.parts[pos], (req, pos, d), app.due_us[pos], req.arrived_us)
+                self._add(app.parts[pos], (req, pos, d), due, req.arrived_us)
                 if req.answered:  # refused at once (no live path): answered already
                     return
         if not any(req.running) and not any(req.parents_left):
             self._done(req)
 
     def _done(self, req: AppRequest) -> None:
-        late = self.clock.now() > req.arrived_us + req.app.slo_us
+        late = self.clock.now() > req.arrived_us + req.slo_us
         self._end(req, LATE if late else ON_TIME, "")
 
     def _end(self, req: AppRequest, outcome: Outcome, reason: str) -> None:

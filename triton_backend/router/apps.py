@@ -28,7 +28,7 @@ from poolpipe.domain.apps import IDENTITY, SHADOW, App, part_name, resolve_trans
 from poolpipe.offline.partitions import TensorSpec
 from poolpipe.runtime import DROPPED, FAILED, Clock, Outcome, ServingRuntime
 from poolpipe.runtime.apps import AppCoordinator, AppRequest, Part, ServedApp, served_app
-from poolpipe.runtime.intake import BadRequest, Unservable
+from poolpipe.runtime.intake import BadRequest, Unservable, request_slo_us
 from poolpipe.scheduler import Topology
 from triton_backend.router.served import ClientRequest, ModelIO, Reply, RequestRow
 
@@ -123,13 +123,10 @@ class RouterApps:
         arrived_us: float,
         reply: Reply,
     ) -> None:
-        """One client request of application `name` (on the router's loop)."""
+        """One client request of application `name` (on the router's loop); `slo_ms`: its
+        own SLO (a hybrid client's budget left), its parts' budgets scaled to it."""
         io = self.ios[name]
-        if slo_ms is not None:
-            raise BadRequest(
-                f"{name}: an application's SLO is its plan's "
-                f"({self.served[self.index[name]].slo_us / 1e3:g} ms); send no slo_ms"
-            )
+        slo_us = request_slo_us(slo_ms, self.runtime.config.max_slo_ms)
         if len(arrays) != len(io.inputs):
             raise BadRequest(f"{name}: expected {len(io.inputs)} input tensors")
         n = int(arrays[0].shape[0]) if arrays[0].ndim else 0
@@ -142,7 +139,9 @@ class RouterApps:
         coord = self.coordinator
         request = ClientRequest(io, n, reply)
         for i in range(n):
-            coord.arrive(self.index[name], (request, i), [a[i : i + 1] for a in arrays], arrived_us)
+            coord.arrive(
+                self.index[name], (request, i), [a[i : i + 1] for a in arrays], arrived_us, slo_us
+            )
 
     # ------------------------------------------------------------------ the coordinator's
 
