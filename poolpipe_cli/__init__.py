@@ -17,7 +17,19 @@ from poolpipe_cli.common import err_console
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from poolpipe_cli import apps, demo, lb, models, onboard, operate, plans, profiles, serve, sim
+    from poolpipe_cli import (
+        apps,
+        demo,
+        graft,
+        lb,
+        models,
+        onboard,
+        operate,
+        plans,
+        profiles,
+        serve,
+        sim,
+    )
 
     parser = argparse.ArgumentParser(
         prog="poolpipe",
@@ -48,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     operate.add_commands(sub)
     lb.add_commands(sub)
     apps.add_commands(sub)
+    graft.add_commands(sub)
     return parser
 
 

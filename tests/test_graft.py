@@ -185,3 +185,27 @@ def test_the_client_leaves_the_server_what_a_plan_at_its_margin_needs():
     with pytest.raises(PoolpipeError, match="no entry block fits"):
         choose_entry([10e3] * 3, [8e6, 1e6, 4e6], 1e6, [2e3] * 3, 1_016e3, 0.5)
     assert choose_entry([10e3] * 3, [8e6, 1e6, 4e6], 1e6, [2e3] * 3, 1_016e3)[0] == 1
+
+
+def test_the_graft_plan_command_compares_the_plans_and_writes_one(ppipe_dir, tmp_path, capsys):
+    from poolpipe.domain.plan import Plan
+    from poolpipe_cli import main
+
+    spec = tmp_path / "streams.toml"
+    spec.write_text(
+        "[[streams]]\nmodel = 'repvgg-b3'\nentry = 1\nbudget_ms = 38\nrate = 120\n"
+        "[[streams]]\nmodel = 'repvgg-b3'\nentry = 2\nbudget_ms = 33\nrate = 160\n"
+    )
+    out = tmp_path / "plan.json"
+    argv = ["graft", "plan", str(spec), "--cluster", "hc2-large", "--profiles", str(ppipe_dir)]
+    assert main([*argv, "--no-sizing", "--out", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for how in ("realigned", "per-fragment", "raw"):
+        assert f"│ {how} " in text
+    assert "repvgg-b3.e1" in text and "written to" in text
+    doc = Plan.load(out)
+    assert doc.meta["graft"]["how"] == "realigned"
+    assert {doc.owner(m.name) for m in doc.models} == {"repvgg-b3"}
+    spec.write_text("[[streams]]\nmodel = 'nope'\nentry = 1\nbudget_ms = 38\nrate = 1\n")
+    assert main(argv) == 2
+    assert "model 'nope' is not profiled" in capsys.readouterr().err

@@ -288,17 +288,21 @@ def plan_streams(
     how: str = "realigned",
     sized: bool = False,
     on_step: Callable[[str], None] = lambda line: None,
+    groups: Sequence[Group] | None = None,
 ) -> GraftPlan:
     """The cheapest plan of `req`'s streams made `how` (HOWS), `sized` on what it
     delivers (simulated); `on_step` is told each model's groups as they are planned (a
-    progress line)."""
+    progress line). `groups` (realigned): the re-alignment given, every entry block of
+    every model in one group, instead of merged."""
     if how not in HOWS:
         raise PoolpipeError(f"how {how!r}? choose one of {', '.join(HOWS)}")
     t0 = time.perf_counter()
     planner = _Planner(req, how, on_step)
     rates = {s.name: s.rate for s in req.streams}
     chosen = {m: groups_of(req, how, m) for m in req.models}
-    if how == "realigned":
+    if groups is not None:
+        chosen = _given(req, how, groups)
+    elif how == "realigned":
         chosen = {m: _merged(gs, lambda g: planner.price(g, rates)) for m, gs in chosen.items()}
     groups = [g for gs in chosen.values() for g in gs]
     areq, _ = app_request(req, groups, planner.raw)
@@ -308,6 +312,24 @@ def plan_streams(
     result.priced = planner.priced
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _given(req: GraftRequest, how: str, groups: Sequence[Group]) -> dict[str, tuple[Group, ...]]:
+    """The groups given, by model; an error naming an entry block in none or in two."""
+    if how != "realigned":
+        raise PoolpipeError(f"groups are given to a realigned plan, not a {how} one")
+    out: dict[str, tuple[Group, ...]] = {}
+    for m in req.models:
+        mine = tuple(sorted((g for g in groups if g.model == m), key=lambda g: g.entries))
+        have = sorted(e for g in mine for e in g.entries)
+        want = sorted({s.entry for s in req.streams if s.model == m})
+        if have != want or any(list(g.entries) != sorted(g.entries) for g in mine):
+            raise PoolpipeError(
+                f"groups of {m}: its entry blocks {want} each in one group, ascending; "
+                f"got {[list(g.entries) for g in mine]}"
+            )
+        out[m] = mine
+    return out
 
 
 def _merged(

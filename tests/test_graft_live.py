@@ -1,0 +1,101 @@
+"""Requests entering mid-model through the live router: a real ONNX model onboarded by the
+flows, streams entering at every block planned re-aligned (a real MILP), served by real
+tritonserver nodes; a client's feature map at each entry block (cut from the same model
+files) answered as the whole model answers its input, and bad entry input refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poolpipe.domain.cluster import Cluster, GpuPool
+from poolpipe.domain.entry import EntryStream
+from poolpipe.offline.onnxgraph import session
+from poolpipe.offline.partitions import make_partition
+from poolpipe.offline.zoo import make_model
+from poolpipe.planner.graft import GraftRequest, Group, plan_streams
+from poolpipe.store.plan_inputs import check_plan
+from poolpipe.store.warehouse import Warehouse
+from tests.test_serving import _grpc
+
+pytestmark = pytest.mark.integration
+BLOCKS = 4
+
+
+@pytest.fixture(scope="module")
+def onboarded(prefect_api, tmp_path_factory):
+    from flows.onboard import onboard_model
+
+    tmp = tmp_path_factory.mktemp("graft")
+    wh = str(tmp / "wh.duckdb")
+    path = make_model("resnet50", tmp / "m.onnx", width=0.125, image=32, seed=3)
+    onboard_model(str(path), "m", warehouse=wh, blocks=BLOCKS, batches=[1, 2], reps=2)
+    return wh, tmp
+
+
+def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboarded):
+    from tritonclient.utils import InferenceServerException
+
+    from triton_backend.deploy.deployment import Deployment
+
+    wh, tmp = onboarded
+    with Warehouse.open(wh) as w:
+        profile = w.load_profile("m")
+        whole_path = w.whole_model_file("m")
+        layers = w.block_layers("m")
+    streams = tuple(EntryStream(f"cam{p}", "m", p, 3_000e3, 1.0, 3_000e3) for p in range(BLOCKS))
+    cluster = Cluster("graft-local", 10.0, (GpuPool("cpu-1t", 8, 1, (1,)),))
+    req = GraftRequest(streams, {"m": profile}, cluster, margin=0.3, headroom=False)
+    # entries 1 and 2 re-aligned at 2 (an alignment part [1, 2) and a shared suffix [2, 4))
+    groups = [Group("m", (0,)), Group("m", (1, 2)), Group("m", (3,))]
+    doc, _ = plan_streams(req, "realigned", groups=groups).document()
+    with Warehouse.open(wh) as w:  # what poolpipe serve checks: segments of a model it has
+        check_plan(w, doc)
+    assert {m.name for m in doc.models} == {"m", "m.1-2", "m.2-4", "m.3-4"}
+    assert doc.meta["apps"]["cam1"]["parts"] == {"m.1-2": "m.1-2", "m.2-4": "m.2-4"}
+    dep = Deployment.up(doc, wh, tmp / "ws")
+    try:
+        mod, client = _grpc(dep)
+        x = np.random.default_rng(7).standard_normal((1, 3, 32, 32)).astype(np.float32)
+        (want,) = session(whole_path).run(None, {"input": x})
+        scale = np.abs(want).max()
+        for p in range(BLOCKS):
+            if p == 0:
+                inputs = {"input": x}
+            else:  # the client's blocks [0, p), cut from the same files as the server's
+                head = make_partition(whole_path, "client", layers, 0, p, tmp / "client")
+                fmap = session(head.path).run(None, {"input": x})
+                inputs = {f"in_{k}": a for k, a in enumerate(fmap)}
+            io = dep.core.apps.ios[f"cam{p}"]
+            assert [t.name for t in io.inputs] == list(inputs)
+            sent = []
+            for name, a in inputs.items():
+                i = mod.InferInput(name, list(a.shape), "FP16" if a.dtype == np.float16 else "FP32")
+                i.set_data_from_numpy(a)
+                sent.append(i)
+            got = client.infer(f"cam{p}", sent).as_numpy(io.outputs[0].name)
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() / scale < 2e-2, p  # fp16 between stages
+        # the shared suffix served both entries re-aligned into it
+        stats = dep.core.stats
+        assert stats["m.2-4"].on_time == 2 and stats["m.1-2"].on_time == 1
+        # the client's budget left is the request's deadline: a long one answered, one no
+        # pipeline meets dropped, explicitly
+        fmap = inputs  # entry 3's feature map
+        sent = []
+        for name, a in fmap.items():
+            i = mod.InferInput(name, list(a.shape), "FP16")
+            i.set_data_from_numpy(a)
+            sent.append(i)
+        kept = client.infer("cam3", sent, parameters={"slo_ms": 2500})
+        assert kept.as_numpy(io.outputs[0].name).shape == want.shape
+        with pytest.raises(InferenceServerException, match="POOLPIPE_DROPPED: application cam3"):
+            client.infer("cam3", sent, parameters={"slo_ms": 0.01})
+        # a feature map of the wrong shape is refused before anything runs
+        bad = mod.InferInput("in_0", [1, 3, 32, 32], "FP16")
+        bad.set_data_from_numpy(np.zeros((1, 3, 32, 32), np.float16))
+        with pytest.raises(InferenceServerException, match="in_0"):
+            client.infer("cam2", [bad])
+        assert stats["m.2-4"].arrivals == 2 and stats["cam3"].arrivals == 3
+    finally:
+        dep.down()
