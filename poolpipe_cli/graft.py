@@ -120,6 +120,106 @@ def _print_streams(gp, streams) -> None:
     console.print(t)
 
 
+def cmd_graft_client(args: argparse.Namespace) -> int:
+    """A hybrid client's load against a router serving a plan of entry streams (poolpipe
+    graft plan --out, then poolpipe serve): --requests requests of --model at --rate req/s
+    (Poisson), each running the model's first blocks here (cut from the warehouse's files,
+    timed here first), its entry chosen among the plan's by Neurosurgeon's rule at
+    --uplink-mbps, the rest sent to the router with what is left of --slo-ms. Prints the
+    entries used, on time, dropped, latency p50 / p99, and each of the first --check
+    answers against the whole model run here (ONNX Runtime)."""
+    import time
+
+    import numpy as np
+
+    from poolpipe.client.hybrid import HybridClient, doors
+    from poolpipe.domain.plan import Plan
+    from poolpipe.offline.onnxgraph import session
+    from poolpipe.store.warehouse import Warehouse
+
+    if not (args.rate > 0 and args.requests > 0 and args.uplink_mbps > 0):
+        raise PoolpipeError("--rate, --requests and --uplink-mbps must be > 0")
+    plan = Plan.load(Path(args.plan))
+    gates = doors(plan.meta, args.model)
+    with Warehouse.open(args.warehouse) as wh:
+        profile = wh.load_profile(args.model)
+        whole = wh.whole_model_file(args.model)
+        layers = wh.block_layers(args.model)
+    if whole is None:
+        raise PoolpipeError(f"model {args.model} has no onboarded files in the warehouse")
+    gpu = args.server_gpu or min(profile.tables, key=lambda k: profile.whole_latency_us(*k))[0]
+    if (gpu, 1) not in profile.tables:
+        raise PoolpipeError(f"--server-gpu {gpu}: {args.model} is profiled on {profile.gpus}")
+    slo_us = args.slo_ms * 1e3 if args.slo_ms else profile.slo_us
+    if slo_us is None:
+        raise PoolpipeError(f"{args.model} has no SLO of its own: give --slo-ms")
+    reference = session(whole)
+    rng = np.random.default_rng(args.seed)
+    x = {
+        i.name: rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape]).astype(
+            np.float32
+        )
+        for i in reference.get_inputs()
+    }
+    client = HybridClient(
+        args.router,
+        whole,
+        layers,
+        gates,
+        list(profile.tables[(gpu, 1)].latency_us[:, 0]),
+        slo_us,
+        Path(args.workspace),
+        margin=plan.margin,
+    )
+    uplink = args.uplink_mbps * 1e6 / 8
+    client.measure(x)
+    entry, budget = client.choose(uplink)
+    console.print(
+        f"{args.model}: blocks timed here {[round(t / 1e3, 2) for t in client.client_us]} ms; "
+        f"at {args.uplink_mbps:g} Mbit/s entry {entry} ({gates[entry]}), "
+        f"{budget / 1e3:.1f} ms of {slo_us / 1e3:g} left the server",
+        highlight=False,
+    )
+    from tritonclient.utils import InferenceServerException
+
+    entries: dict[int, int] = {}
+    latencies, late, dropped, worst = [], 0, 0, 0.0
+    start = time.perf_counter()
+    due = 0.0
+    try:
+        for k in range(args.requests):
+            due += rng.exponential(1 / args.rate)
+            time.sleep(max(0.0, start + due - time.perf_counter()))
+            try:
+                got = client.infer(x, uplink)
+            except InferenceServerException as e:
+                dropped += 1
+                if dropped <= 3:
+                    console.print(f"request {k}: {e.message()}", highlight=False)
+                continue
+            entries[got.entry] = entries.get(got.entry, 0) + 1
+            latencies.append(got.total_ms)
+            late += got.total_ms > slo_us / 1e3
+            if k < args.check:
+                (want,) = reference.run(None, x)
+                (out,) = got.outputs.values()
+                worst = max(worst, float(np.abs(out - want).max() / np.abs(want).max()))
+    finally:
+        client.close()
+    answered = len(latencies)
+    on_time = answered - late
+    p50, p99 = (np.percentile(latencies, q) if latencies else float("nan") for q in (50, 99))
+    console.print(
+        f"{args.requests} requests: {on_time} on time ({on_time / args.requests:.1%}), "
+        f"{late} late, {dropped} dropped; entries {dict(sorted(entries.items()))}; latency "
+        f"p50 {p50:.1f} ms, p99 {p99:.1f} ms (the client's blocks and the upload estimate "
+        f"included); the first {min(args.check, answered)} answers within {worst:.2e} of "
+        "the whole model's (max |diff| / max |answer|; fp16 between stages)",
+        highlight=False,
+    )
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     graft = sub.add_parser("graft", help="requests entering mid-model: hybrid clients' streams")
     gsub = graft.add_subparsers(dest="graft_command", required=True, metavar="ACTION")
@@ -159,3 +259,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--out", help="write the --how plan here (JSON)")
     plan.set_defaults(func=cmd_graft_plan)
+    client = gsub.add_parser(
+        "client",
+        help="a hybrid client's load: first blocks here, the rest through the router",
+        description=cmd_graft_client.__doc__,
+    )
+    client.add_argument("plan", help="the plan the router serves (poolpipe graft plan --out)")
+    client.add_argument("--model", required=True, help="the model whose blocks run here")
+    client.add_argument("--router", default="127.0.0.1:8001", help="the router's gRPC address")
+    client.add_argument("--uplink-mbps", type=float, default=100.0, help="Mbit/s (100)")
+    client.add_argument("--slo-ms", type=float, help="end-to-end SLO (default: the model's)")
+    client.add_argument("--rate", type=float, default=5.0, help="req/s, Poisson (5)")
+    client.add_argument("--requests", type=int, default=50, help="how many (50)")
+    client.add_argument("--check", type=int, default=5, help="answers checked (5)")
+    client.add_argument(
+        "--server-gpu", help="the profile's GPU type for the server's blocks (the fastest)"
+    )
+    client.add_argument("--workspace", default="out/hybrid", help="the client's block files")
+    client.add_argument("--seed", type=int, default=1)
+    client.set_defaults(func=cmd_graft_client)

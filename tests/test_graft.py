@@ -209,3 +209,11 @@ def test_the_graft_plan_command_compares_the_plans_and_writes_one(ppipe_dir, tmp
     spec.write_text("[[streams]]\nmodel = 'nope'\nentry = 1\nbudget_ms = 38\nrate = 1\n")
     assert main(argv) == 2
     assert "model 'nope' is not profiled" in capsys.readouterr().err
+
+
+def test_the_client_chooses_only_among_the_entries_a_plan_serves():
+    args = ([10e3] * 3, [8e6, 1e6, 4e6], 1e6, [2e3] * 3, 9_000e3)
+    assert choose_entry(*args)[0] == 1
+    assert choose_entry(*args, entries=[0, 2]) == (2, 9_000e3 - 20e3 - 4_000e3)
+    with pytest.raises(PoolpipeError, match="entries: blocks 0 to 2"):
+        choose_entry(*args, entries=[3])

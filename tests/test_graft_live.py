@@ -33,7 +33,7 @@ def onboarded(prefect_api, tmp_path_factory):
     return wh, tmp
 
 
-def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboarded):
+def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboarded, capsys):
     from tritonclient.utils import InferenceServerException
 
     from triton_backend.deploy.deployment import Deployment
@@ -97,5 +97,44 @@ def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboard
         with pytest.raises(InferenceServerException, match="in_0"):
             client.infer("cam2", [bad])
         assert stats["m.2-4"].arrivals == 2 and stats["cam3"].arrivals == 3
+        # the hybrid client: its blocks timed here, an entry the plan serves, the answer
+        from poolpipe.client.hybrid import HybridClient, doors
+
+        gates = doors(doc.meta, "m")
+        assert gates == {p: f"cam{p}" for p in range(BLOCKS)}
+        table = next(iter(profile.tables.values()))
+        hybrid = HybridClient(
+            f"127.0.0.1:{dep.grpc_port}",
+            whole_path,
+            layers,
+            gates,
+            table.latency_us[:, 0],
+            3_000e3,
+            tmp / "hybrid",
+            margin=0.3,
+        )
+        try:
+            hybrid.measure({"input": x})
+            assert all(t > 0 for t in hybrid.client_us[: BLOCKS - 1])
+            for uplink in (1e3, 1e12):  # bytes/s: a slow link and a fast one
+                got = hybrid.infer({"input": x}, uplink)
+                assert got.entry == hybrid.choose(uplink)[0] and got.door == gates[got.entry]
+                (out,) = got.outputs.values()
+                assert np.abs(out - want).max() / scale < 2e-2, got
+            # the slow link: an entry whose feature map is least to upload
+            sizes = hybrid.upload_bytes
+            assert sizes[hybrid.choose(1e3)[0]] == min(sizes[:BLOCKS])
+        finally:
+            hybrid.close()
+        # the same as a load test from the command line, against the plan file served
+        from poolpipe_cli import main
+
+        doc.save(tmp / "plan.json")
+        argv = ["--warehouse", wh, "graft", "client", str(tmp / "plan.json"), "--model", "m"]
+        argv += ["--router", f"127.0.0.1:{dep.grpc_port}", "--slo-ms", "3000"]
+        argv += ["--requests", "6", "--rate", "20", "--workspace", str(tmp / "cli")]
+        assert main(argv) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "6 requests: 6 on time (100.0%), 0 late, 0 dropped" in text, text
     finally:
         dep.down()

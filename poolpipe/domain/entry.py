@@ -210,6 +210,7 @@ def choose_entry(
     server_us: Sequence[float],
     slo_us: float,
     margin: float = 0.0,
+    entries: Sequence[int] | None = None,
 ) -> tuple[int, float]:
     """Neurosurgeon's rule: the entry block p whose estimate (the client's blocks [0, p),
     the upload of what enters block p, the server's blocks [p, N)) is least, and the budget
@@ -217,7 +218,8 @@ def choose_entry(
     `server_us[i]`: block i's latency on the client and on the server; `upload_bytes[p]`:
     what a request sends entering at p (p = 0: the raw input); `margin`: the server's part
     counted as what a plan at that SLO margin needs (its blocks / (1 - margin)), so that
-    the budget left can be planned. Ties keep the earlier block.
+    the budget left can be planned; `entries`: the blocks to choose among (those a plan
+    serves; default every block). Ties keep the earlier block.
     An error where no entry leaves the server its blocks' time within the SLO."""
     n = len(server_us)
     if len(client_us) != n or len(upload_bytes) != n:
@@ -231,11 +233,17 @@ def choose_entry(
     after = np.cumsum(server[::-1])[::-1]  # server from p on
     upload = np.asarray(upload_bytes, dtype=float) / uplink_bytes_per_s * 1e6
     total = before + upload + after
+    if entries is not None:
+        if not entries or any(not 0 <= e < n for e in entries):
+            raise PoolpipeError(f"entries: blocks 0 to {n - 1}, got {list(entries)}")
+        total[np.setdiff1d(np.arange(n), np.asarray(entries, dtype=int))] = np.inf
     ok = np.nonzero(total <= slo_us)[0]
     if not len(ok):
         raise PoolpipeError(
             f"no entry block fits the SLO of {slo_us / 1e3:g} ms: the least estimate is "
             f"{total.min() / 1e3:.3g} ms (entry {int(total.argmin())})"
+            if np.isfinite(total.min())
+            else "no entry block to choose"
         )
     p = int(ok[np.argmin(total[ok])])
     return p, float(slo_us - before[p] - upload[p])
