@@ -126,6 +126,11 @@ def new_plan(
     application plan, `shares` per application) on the GPUs in service. A plan served at
     a time scale (emulated GPU nodes: docs/design/emulation.md) is planned undilated and
     comes back at the same scale."""
+    if current.meta.get("graft"):
+        raise PoolpipeError(
+            "the serving plan is a plan of entry streams (poolpipe graft plan); the flows do "
+            "not re-plan those yet: plan them again with poolpipe graft plan and roll it out"
+        )
     d = time_scale(current)
     current = undilated(current)
     if shares is not None:  # an application plan: its applications planned again

@@ -13,10 +13,13 @@ is simulated at the streams' rates on seeds it was not sized on (--seeds, --dura
 
 Prints the mix, then a row per plan: GPUs, cost against the per-fragment and raw plans,
 the least stream's share on time (the two seeds pooled), planning time; stores them in the
-warehouse (bench_serving, bench "hybrid").
+warehouse (bench_serving, bench "hybrid"). --live (or --only-live): group 2's streams
+re-aligned on EMULATED --live-cluster, served by the router and loaded with their feature
+maps at --live-load x their rates (live_part; bench "hybrid-live"; root, namespaces).
 
     ./run bench-hybrid [--clusters hc2-large] [--models repvgg-b3,tf_efficientdet_d1,convnext_large]
                        [--uplinks 100,200,400,800,1600] [--rates 40,80,120,160] [--duration 30]
+                       [--live | --only-live] [--live-load 0.8] [--time-scale 10]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from poolpipe.domain.cluster import load_clusters
 from poolpipe.domain.entry import EntryStream, choose_entry
 from poolpipe.domain.profiles import ModelProfile, load_ppipe_dir
 from poolpipe.errors import PoolpipeError
-from poolpipe.planner.graft import HOWS, GraftRequest, plan_streams
+from poolpipe.planner.graft import HOWS, GraftRequest, plan_streams, unservable
 from poolpipe.sim.apps import app_attainment_at
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
@@ -49,6 +52,7 @@ def mix(
     rates: list[float],
     slowdown: float,
     compress: float,
+    client_gpu: str = "P4",
 ) -> list[EntryStream]:
     """The streams of the module doc (a client class whose every entry misses the SLO is
     left out, and said)."""
@@ -56,7 +60,7 @@ def mix(
     for m in models:
         p = profiles[m]
         assert p.slo_us is not None and p.input_bytes is not None
-        client = p.tables[("P4", 1)].latency_us[:, 0] * slowdown
+        client = p.tables[(client_gpu, 1)].latency_us[:, 0] * slowdown
         server = p.tables[("L4", 1)].latency_us[:, 0]
         upload = [p.input_bytes, *(b / compress for b in p.boundary_bytes)]
         for mbps in uplinks:
@@ -68,6 +72,15 @@ def mix(
             rate = rates[len(out) % len(rates)]
             out.append(EntryStream(f"{m}.{mbps:g}mbps", m, entry, budget, rate, p.slo_us))
     return out
+
+
+def print_mix(streams: list[EntryStream]) -> None:
+    table = Table("stream", "entry block", "budget (ms)", "SLO (ms)", "req/s", title="the mix")
+    for s in streams:
+        table.add_row(
+            s.name, str(s.entry), f"{s.budget_us / 1e3:.1f}", f"{s.slo_us / 1e3:.1f}", f"{s.rate:g}"
+        )
+    console.print(table)
 
 
 def main() -> int:
@@ -83,7 +96,29 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=30.0, help="simulated s per seed (30)")
     ap.add_argument("--warehouse", type=Path, default=None)
     ap.add_argument("--label", default="bench")
+    ap.add_argument(
+        "--live",
+        action="store_true",
+        help="also serve a mix of group 2's streams on EMULATED --live-cluster (namespaces, "
+        "root) and send their feature maps at --live-load x their rates",
+    )
+    ap.add_argument("--only-live", action="store_true", help="the live part alone")
+    ap.add_argument("--live-cluster", default="hc2-small")
+    ap.add_argument("--live-models", default="googlenet-v3-pytorch,repvgg-b3")
+    ap.add_argument("--live-uplinks", default="200,400,800,1600", help="live: Mbit/s")
+    ap.add_argument("--live-compress", type=float, default=8.0, help="live: (8)")
+    ap.add_argument("--live-rates", default="5,10,15", help="live: req/s, in turn (5,10,15)")
+    ap.add_argument("--live-load", type=float, default=0.8, help="live: x the rates (0.8)")
+    ap.add_argument("--live-duration", type=float, default=60.0, help="live: s, dilated (60)")
+    ap.add_argument("--time-scale", type=float, default=10.0, help="live: D (10)")
     args = ap.parse_args()
+    if args.only_live:
+        rows = BenchRows(args.label)
+        live_part(args, rows)
+        with Warehouse.open(args.warehouse) as wh:
+            wh.store_rows("bench_serving", rows)
+        console.print(f"stored {len(rows)} rows (bench_serving, bench 'hybrid-live')")
+        return 0
     started = time.monotonic()
     profiles = {p.name: p for p in load_ppipe_dir(args.profiles)}
     clusters = load_clusters(args.profiles / "clusters.toml")
@@ -99,12 +134,7 @@ def main() -> int:
         args.client_slowdown,
         args.compress,
     )
-    table = Table("stream", "entry block", "budget (ms)", "SLO (ms)", "req/s", title="the mix")
-    for s in streams:
-        table.add_row(
-            s.name, str(s.entry), f"{s.budget_us / 1e3:.1f}", f"{s.slo_us / 1e3:.1f}", f"{s.rate:g}"
-        )
-    console.print(table)
+    print_mix(streams)
     seeds = [int(x) for x in args.seeds.split(",")]
     rows = BenchRows(args.label)
     for name in args.clusters.split(","):
@@ -148,9 +178,9 @@ def main() -> int:
                 for other in ("per-fragment", "raw")
             }
             groups = " ".join(
-                f"{g.model.split('_')[0][:8]}{list(g.entries)}"
+                f"{g.model.split('_')[0][:8]}{list(g.entries)}x{len(g.fragments)}"
                 for g in gp.groups
-                if len(g.entries) > 1
+                if len(g.fragments) > 1 and how == "realigned"
             )
             table.add_row(
                 how,
@@ -169,11 +199,147 @@ def main() -> int:
             rows.record("hybrid", cfg, "least_on_time", least)
             rows.record("hybrid", cfg, "planning_s", gp.seconds)
         console.print(table)
+    if args.live:
+        live_part(args, rows)
     console.print(f"{time.monotonic() - started:.0f} s in all", highlight=False)
     with Warehouse.open(args.warehouse) as wh:
         wh.store_rows("bench_serving", rows)
     console.print(f"stored {len(rows)} rows (bench_serving, bench 'hybrid')")
     return 0
+
+
+def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
+    """--live-models of group 2 (shadow models, testbed.emulated), a stream per model and
+    --live-uplinks rate (clients at the T4's latencies x --client-slowdown, feature maps
+    uploaded --live-compress times compressed), planned re-aligned (and per fragment and raw
+    for their GPUs) for EMULATED --live-cluster (one emulated
+    GPU node per GPU in namespaces, time scale D, inputs counted on the first NICs), served
+    by the router; each stream's feature map at its entry block (zeros of the door's
+    shapes: the emulated nodes run no model) sent at --live-load x its rate, Poisson, the
+    streams mixed. Share on time per stream (by its budget) beside the plan simulated at
+    the same rates. Figures undilated. The load generator runs in the root namespace (no
+    rate-limited client links)."""
+    import numpy as np
+
+    from poolpipe.client.control import new_token_file
+    from poolpipe.sim.apps import simulate_apps
+    from poolpipe.sim.engine import SimConfig
+    from poolpipe.store.plan_inputs import resolve_cluster
+    from testbed import scratch_dir
+    from testbed.emulated import (
+        GROUP2,
+        GROUP2_DIR,
+        MixLoad,
+        emulated_nodes,
+        onboard_shadows,
+        serve_dilated,
+    )
+    from testbed.loadgen import mix_times
+    from testbed.netns import unavailable
+
+    why = unavailable()
+    if why:
+        console.print(f"the live part is skipped: {why}")
+        return
+    d = args.time_scale
+    with Warehouse.open(args.warehouse) as wh:
+        warehouse = str(wh.path)
+    with console.status("onboarding the shadows of group 2 (flow onboard-shadow) ..."):
+        onboard_shadows(warehouse)
+    with Warehouse.open(warehouse) as wh:
+        profiles = {m: wh.load_profile(m) for m in GROUP2}
+        cluster = resolve_cluster(wh, args.live_cluster, GROUP2_DIR / "clusters.toml")
+    models = args.live_models.split(",")
+    unknown = [m for m in models if m not in GROUP2]
+    if unknown:
+        raise PoolpipeError(f"--live-models: {', '.join(unknown)} not of group 2 {GROUP2}")
+    streams = mix(
+        profiles,
+        models,
+        [float(x) for x in args.live_uplinks.split(",")],
+        [float(x) for x in args.live_rates.split(",")],
+        args.client_slowdown,
+        args.live_compress,
+        client_gpu="T4",
+    )
+    req = GraftRequest(tuple(streams), profiles, cluster, count_inputs=True)
+    bad = unservable(req)
+    for why in bad.values():
+        console.print(f"left out: {why}", highlight=False)
+    streams = [s for s in streams if s.name not in bad]
+    req = GraftRequest(tuple(streams), profiles, cluster, count_inputs=True)
+    print_mix(streams)
+    with console.status(f"planning {len(streams)} streams for {cluster.name} ..."):
+        gp = plan_streams(req, "realigned", sized=True)
+        for how in HOWS[1:]:
+            try:
+                other = plan_streams(req, how, sized=True)
+                console.print(
+                    f"{how}: {' + '.join(f'{n} {g}' for g, n in other.gpus.items())}",
+                    highlight=False,
+                )
+            except PoolpipeError as e:
+                console.print(f"{how}: {e}", highlight=False)
+    doc, segs = gp.document()
+    with Warehouse.open(warehouse) as wh:
+        plan_id = wh.store_plan(doc, label="bench-hybrid:live")
+    console.print(
+        f"{len(streams)} streams of {', '.join(models)} re-aligned on {cluster.name}: "
+        f"{' + '.join(f'{n} {g}' for g, n in gp.gpus.items())}, groups (entries x streams) "
+        + " ".join(f"{g.model}{list(g.entries)}x{len(g.fragments)}" for g in gp.groups),
+        highlight=False,
+    )
+    tmp = scratch_dir("bench-hybrid-live-")
+    token_file = tmp / "token"
+    token = new_token_file(token_file)
+    names = [s.name for s in streams]
+    rates = [s.rate * args.live_load for s in streams]  # undilated req/s
+    seed = 900
+    with emulated_nodes(cluster, tmp / "cluster", d, token_file) as em:
+        server = serve_dilated(
+            doc, plan_id, warehouse, tmp / "serve", d, name="emulated-hybrid", token=token,
+            inventory=em.inventory(),
+        )  # fmt: skip
+        try:
+            dep = server.deployment
+            requests = []
+            for n in names:
+                io = dep.core.apps.ios[n]
+                requests.append((n, {t.name: np.zeros((1, *t.dims), t.dtype) for t in io.inputs}))
+            budgets = [doc.meta["apps"][n]["slo_us"] * d / 1e6 for n in names]
+            load = MixLoad(dep.grpc_url, requests, rates, budgets)
+            total = sum(rates)
+            with console.status(f"{total:.0f} req/s live for {args.live_duration:g} s ..."):
+                times, shots = load.send(total / d, args.live_duration, seed)
+            _, which = mix_times(total / d, rates, args.live_duration, seed)
+        finally:
+            server.close()
+    alone = simulate_apps(
+        doc, segs, gp.request.apps, dict(zip(names, rates, strict=True)),
+        SimConfig(duration_s=args.live_duration / d * 4, seed=seed),
+    )  # fmt: skip
+    t = Table(
+        "stream", "entry", "req/s", "sent", "live on time", "plan alone, simulated",
+        title=f"EMULATED {cluster.name}, D = {d:g}: {args.live_load:g} x each stream's rate, "
+        f"{args.live_duration:g} s dilated (figures undilated)",
+    )  # fmt: skip
+    on = [0] * len(names)
+    for shot in shots:
+        on[shot.model] += load.on_time(shot)
+    for i, s in enumerate(streams):
+        sent = int((which == i).sum())
+        share = on[i] / sent if sent else float("nan")
+        t.add_row(
+            s.name, str(s.entry), f"{rates[i]:.1f}", str(sent), f"{share:.2%}",
+            f"{alone.attainment(s.name):.2%}",
+        )  # fmt: skip
+        rows.record("hybrid-live", f"{cluster.name}:D{d:g}:{s.name}", "live_attainment", share)
+    overall = sum(on) / len(times) if len(times) else float("nan")
+    t.add_row(
+        "all", "", f"{total:.1f}", str(len(times)), f"{overall:.2%}", f"{alone.attainment():.2%}"
+    )
+    rows.record("hybrid-live", f"{cluster.name}:D{d:g}", "live_attainment", overall)
+    console.print(t)
 
 
 if __name__ == "__main__":

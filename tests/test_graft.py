@@ -16,7 +16,7 @@ from poolpipe.domain.entry import (
     segment,
 )
 from poolpipe.errors import PoolpipeError
-from poolpipe.planner.graft import GraftRequest, Group, _Planner, plan_streams
+from poolpipe.planner.graft import GraftRequest, Group, _Planner, group_at, plan_streams
 from poolpipe.sim.apps import app_attainment_at, simulate_apps
 from poolpipe.sim.engine import SimConfig
 from tests.conftest import tiny_model
@@ -97,7 +97,7 @@ def test_a_shared_suffix_serves_both_entry_points_and_segments_share_gpus(
     req = GraftRequest(streams, ppipe_profiles, hc2_large, headroom=False)
     planner = _Planner(req, "realigned", lambda line: None)
     rates = {s.name: s.rate for s in streams}
-    chosen = {m: (Group(m, (1, 3)),) for m in MODELS}
+    chosen = {m: (group_at(req, m, (1, 3)),) for m in MODELS}
     plan = planner.all(chosen, rates)
     from poolpipe.planner.graft import app_request
 
@@ -130,22 +130,22 @@ def test_realigned_merging_finds_the_cheapest_grouping_of_a_small_mix(ppipe_prof
     req = GraftRequest(streams, ppipe_profiles, hc2_large, headroom=False)
     planner = _Planner(req, "realigned", lambda line: None)
     rates = {s.name: s.rate for s in streams}
-    entries = (1, 3, 4)
+    frags = sorted((s.entry, s.budget_us) for s in streams)
     brute = {}
-    for cuts in itertools.product((False, True), repeat=len(entries) - 1):
-        groups, current = [], [entries[0]]
-        for e, cut in zip(entries[1:], cuts, strict=True):
+    for cuts in itertools.product((False, True), repeat=len(frags) - 1):
+        groups, current = [], [frags[0]]
+        for f, cut in zip(frags[1:], cuts, strict=True):
             if cut:
                 groups.append(Group(m, tuple(current)))
                 current = []
-            current.append(e)
+            current.append(f)
         groups.append(Group(m, tuple(current)))
         brute[tuple(groups)] = planner.price(tuple(groups), rates)
     got = plan_streams(req, "realigned")
     fragment = plan_streams(req, "per-fragment")
     assert got.cost_per_hour == pytest.approx(min(brute.values()))
     assert got.cost_per_hour <= fragment.cost_per_hour
-    assert fragment.cost_per_hour == pytest.approx(brute[tuple(Group(m, (e,)) for e in entries)])
+    assert fragment.cost_per_hour == pytest.approx(brute[tuple(Group(m, (f,)) for f in frags)])
 
 
 def test_a_sized_plan_keeps_its_streams_on_time_on_seeds_it_did_not_use(ppipe_profiles, hc2_large):
@@ -217,3 +217,42 @@ def test_the_client_chooses_only_among_the_entries_a_plan_serves():
     assert choose_entry(*args, entries=[0, 2]) == (2, 9_000e3 - 20e3 - 4_000e3)
     with pytest.raises(PoolpipeError, match="entries: blocks 0 to 2"):
         choose_entry(*args, entries=[3])
+
+
+def test_a_stream_no_pipeline_serves_in_its_budget_is_named(ppipe_profiles, hc2_large):
+    slo = ppipe_profiles["repvgg-b3"].slo_us
+    streams = (
+        EntryStream("ok", "repvgg-b3", 1, slo * 0.8, 10.0, slo),
+        EntryStream("tight", "repvgg-b3", 1, 1_000.0, 10.0, slo),
+    )
+    req = GraftRequest(streams, ppipe_profiles, hc2_large)
+    from poolpipe.planner.graft import unservable
+
+    assert list(unservable(req)) == ["tight"]
+    assert unservable(req, "raw") == {}  # its whole SLO from block 0
+    with pytest.raises(PoolpipeError, match=r"tight \(repvgg-b3 from block 1\): its blocks"):
+        plan_streams(req, "per-fragment")
+
+
+def test_streams_at_one_entry_with_other_budgets_are_fragments_of_their_own(
+    ppipe_profiles, hc2_large
+):
+    m = "convnext_large"
+    slo = ppipe_profiles[m].slo_us
+    streams = (
+        EntryStream("loose", m, 1, slo * 0.9, 50.0, slo),
+        EntryStream("tight", m, 1, slo * 0.5, 50.0, slo),
+    )
+    req = GraftRequest(streams, ppipe_profiles, hc2_large, headroom=False)
+    doc, _ = plan_streams(req, "per-fragment").document()
+    # the same blocks, planned apart: two parts, the second one's name tagged
+    assert {x.name for x in doc.models} == {f"{m}.1-10", f"{m}.1-10.g1"}
+    assert {doc.owner(x.name) for x in doc.models} == {m}
+    budgets = {a: r["budgets_us"] for a, r in doc.meta["apps"].items()}
+    assert list(budgets["loose"].values()) == [pytest.approx(slo * 0.9)]
+    assert list(budgets["tight"].values()) == [pytest.approx(slo * 0.5)]
+    one = plan_streams(req, "realigned", groups=[group_at(req, m, (1,))]).document()[0]
+    assert {x.name for x in one.models} == {f"{m}.1-10"}  # one pool for both, planned at 0.5
+    assert one.model(f"{m}.1-10").slo_us == pytest.approx(slo * 0.5)
+    with pytest.raises(PoolpipeError, match=r"stream tight .* is in 0 groups"):
+        plan_streams(req, "realigned", groups=[Group(m, ((1, slo * 0.9),))])

@@ -13,7 +13,7 @@ from poolpipe.domain.entry import EntryStream
 from poolpipe.offline.onnxgraph import session
 from poolpipe.offline.partitions import make_partition
 from poolpipe.offline.zoo import make_model
-from poolpipe.planner.graft import GraftRequest, Group, plan_streams
+from poolpipe.planner.graft import GraftRequest, group_at, plan_streams
 from poolpipe.store.plan_inputs import check_plan
 from poolpipe.store.warehouse import Warehouse
 from tests.test_serving import _grpc
@@ -47,7 +47,7 @@ def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboard
     cluster = Cluster("graft-local", 10.0, (GpuPool("cpu-1t", 8, 1, (1,)),))
     req = GraftRequest(streams, {"m": profile}, cluster, margin=0.3, headroom=False)
     # entries 1 and 2 re-aligned at 2 (an alignment part [1, 2) and a shared suffix [2, 4))
-    groups = [Group("m", (0,)), Group("m", (1, 2)), Group("m", (3,))]
+    groups = [group_at(req, "m", e) for e in ((0,), (1, 2), (3,))]
     doc, _ = plan_streams(req, "realigned", groups=groups).document()
     with Warehouse.open(wh) as w:  # what poolpipe serve checks: segments of a model it has
         check_plan(w, doc)

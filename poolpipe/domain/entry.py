@@ -203,11 +203,14 @@ def load_streams(path: str | Path, profiles: Mapping[str, ModelProfile]) -> tupl
     )
 
 
+Floats = Sequence[float] | np.ndarray  # per block
+
+
 def choose_entry(
-    client_us: Sequence[float],
-    upload_bytes: Sequence[float],
+    client_us: Floats,
+    upload_bytes: Floats,
     uplink_bytes_per_s: float,
-    server_us: Sequence[float],
+    server_us: Floats,
     slo_us: float,
     margin: float = 0.0,
     entries: Sequence[int] | None = None,

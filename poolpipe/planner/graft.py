@@ -1,13 +1,13 @@
 """Planning entry streams (domain/entry.py): Graft's re-aligned pooled pipelines, and the
 two plans they are compared with.
 
-- `realigned`: a model's entry blocks are grouped (adjacent entries together); a group's
+- `realigned`: a model's fragments are grouped (adjacent ones together); a group's
   streams are re-aligned at X, its deepest entry. Each entry p < X runs blocks [p, X) in an
   alignment part of its own (one per entry block, shared by the group's streams entering
   there) and every stream of the group runs blocks [X, N) in one suffix part, its pools
-  shared and its batches mixing entry points.
-- `per-fragment`: each entry block planned apart (GSLICE-like per-fragment serving): the
-  streams entering at p share blocks [p, N), nothing else.
+  shared and its batches mixing entry points and budgets.
+- `per-fragment`: each fragment planned apart (GSLICE-like per-fragment serving): the
+  streams entering at p with one budget share blocks [p, N), nothing else.
 - `raw`: every client sends the raw input: a model's streams share blocks [0, N), each
   with its whole SLO (the raw input's upload is not counted, which favours this plan).
 
@@ -16,10 +16,13 @@ application of one or two segments (alignment -> suffix) whose SLO is the stream
 one MILP chooses every part's budget with its pipelines (along each stream the budgets
 within its budget) and the cheapest GPUs serving the streams' rates (the cost objective).
 
-How groups are chosen is Graft's merging heuristic, not exact (the MILP has no choice of
-paths): from one group per entry block (the per-fragment plan), adjacent groups of a model
-are merged while a merge lowers the price of that model's streams planned alone on the
-cluster, the merge lowering it most first; the models' groups are then planned together.
+A fragment is a stream's entry block and budget; streams of one fragment share their
+parts in every plan. How groups are chosen is Graft's merging heuristic, not exact (the
+MILP has no choice of paths): from one group per fragment (the per-fragment plan), in the
+order of their entries and budgets, adjacent groups of a model are merged while a merge
+does not raise the price of that model's streams planned alone on the cluster (the merge
+lowering it most first; of equal prices the fewer, larger pools, which queue better); the
+models' groups are then planned together.
 `sized=True` sizes each plan on what it delivers: simulated at the streams' rates, the rate
 asked of the MILP for a stream short of 99% on time grows and the plan is made again
 (as the cost objective's sizing does for models: planner/cost.py)."""
@@ -29,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from poolpipe.domain.apps import App, Edge
 from poolpipe.domain.cluster import Cluster
@@ -60,6 +63,9 @@ class GraftRequest:
     # a pool of one or two vGPUs at 100% of its fluid throughput keeps nowhere near 99%
     # of a Poisson stream on time; False: fluid
     headroom: bool = True
+    # each part's request inputs counted on its first server's NIC (PlanRequest's): the
+    # live router sends them there
+    count_inputs: bool = False
 
     def __post_init__(self) -> None:
         if not self.streams:
@@ -78,16 +84,42 @@ class GraftRequest:
         return list(dict.fromkeys(s.model for s in self.streams))
 
 
+Fragment = tuple[int, float]  # a stream's entry block and budget (µs)
+
+
+def fragment(s: EntryStream) -> Fragment:
+    return (s.entry, s.budget_us)
+
+
 @dataclass(frozen=True)
 class Group:
-    """Streams of `model` entering at `entries` (ascending), re-aligned at the last."""
+    """The streams of `model` whose fragments (entry block, budget) are `fragments`,
+    re-aligned at block `at` (default: their deepest entry)."""
 
     model: str
-    entries: tuple[int, ...]
+    fragments: tuple[Fragment, ...]
+    at: int | None = None
+
+    @property
+    def entries(self) -> tuple[int, ...]:
+        return tuple(sorted({e for e, _ in self.fragments}))
 
     @property
     def align(self) -> int:
-        return self.entries[-1]
+        return max(self.entries) if self.at is None else self.at
+
+    def holds(self, s: EntryStream) -> bool:
+        return s.model == self.model and fragment(s) in self.fragments
+
+
+def group_at(req: GraftRequest, model: str, entries: Sequence[int]) -> Group:
+    """The group of `model`'s streams entering at `entries` (a re-alignment given)."""
+    return Group(
+        model,
+        tuple(
+            sorted({fragment(s) for s in req.streams if s.model == model and s.entry in entries})
+        ),
+    )
 
 
 @dataclass
@@ -116,13 +148,14 @@ class GraftPlan:
     def document(self) -> tuple[Plan, dict[str, ModelProfile]]:
         """The plan as the simulator (and a router) serves it, with its segments' profiles;
         `meta["graft"]` records how it was made and its groups."""
-        from dataclasses import replace
-
         doc, profiles = app_plan_document(self.request, self.plan)
         meta = dict(doc.meta)
         meta["graft"] = {
             "how": self.how,
-            "groups": [{"model": g.model, "entries": list(g.entries)} for g in self.groups],
+            "groups": [
+                {"model": g.model, "align": g.align, "fragments": [list(f) for f in g.fragments]}
+                for g in self.groups
+            ],
             "asked": dict(self.asked),
         }
         return replace(doc, meta=meta), profiles
@@ -136,32 +169,45 @@ def app_request(
 ) -> tuple[AppPlanRequest, dict[str, float]]:
     """The application plan request of `groups` (streams of other models left out) and
     each stream's rate: a stream an application of its segments (above), the parts
-    shared; `raw`: each stream enters at block 0 with its whole SLO. Each part's pools are
-    sized for the streams' `rates` (default: theirs) through it (GraftRequest.headroom)."""
+    shared within a group (a segment two groups of a model have is two parts, the later
+    one's name tagged .g<k>, k its place among the model's groups); `raw`: each stream enters at block 0 with its whole SLO. Each part's
+    pools are sized for the streams' `rates` (default: theirs) through it
+    (GraftRequest.headroom)."""
     profiles: dict[str, ModelProfile] = {}
+    whose: dict[str, int] = {}  # segment name -> the group (of its model) that has it
     apps: list[App] = []
     own: dict[str, float] = {}
+
+    def part(k: int, model: str, start: int, end: int) -> str:
+        p = segment(req.profiles[model], start, end)
+        name = p.name if whose.get(p.name, k) == k else f"{p.name}.g{k}"
+        whose.setdefault(p.name, k)
+        if name != p.name and "segment_of" not in p.meta:  # the whole model, a second time
+            p = replace(p, meta={**p.meta, "segment_of": model, "blocks": f"{start}-{end}"})
+        profiles[name] = replace(p, name=name)
+        return name
+
+    kth: dict[str, int] = {}
     for g in groups:
+        k = kth[g.model] = kth.get(g.model, -1) + 1  # the group's place among its model's
         whole = req.profiles[g.model]
-        suffix = segment(whole, g.align, whole.num_blocks)
-        profiles[suffix.name] = suffix
+        suffix = part(k, g.model, g.align, whole.num_blocks)
         for s in req.streams:
-            if s.model != g.model or (not raw and s.entry not in g.entries):
+            if s.model != g.model or (not raw and not g.holds(s)):
                 continue
             entry, budget = (0, s.slo_us) if raw else (s.entry, s.budget_us)
             own[s.name] = s.rate
             if entry == g.align:
-                apps.append(App(s.name, budget, s.rate, (suffix.name,)))
+                apps.append(App(s.name, budget, s.rate, (suffix,)))
                 continue
-            head = segment(whole, entry, g.align)
-            profiles[head.name] = head
+            head = part(k, g.model, entry, g.align)
             apps.append(
                 App(
                     s.name,
                     budget,
                     s.rate,
-                    (head.name, suffix.name),
-                    (Edge(head.name, suffix.name),),
+                    (head, suffix),
+                    (Edge(head, suffix),),
                 )
             )
     through: dict[str, float] = {}
@@ -181,18 +227,18 @@ def app_request(
         mip_gap=req.mip_gap,
         shared=frozenset(profiles),
         headroom=through if req.headroom else None,
+        count_inputs=req.count_inputs,
     )
     return areq, own
 
 
 def groups_of(req: GraftRequest, how: str, model: str) -> tuple[Group, ...]:
-    """The groups of `model`'s streams a plan starts from: one per entry block
-    (per-fragment, and where realigned merges from), or one at block 0 (raw)."""
+    """The groups of `model`'s streams a plan starts from: one per fragment (entry block
+    and budget: per-fragment, and where realigned merges from), or one at block 0 (raw)."""
+    frags = sorted({fragment(s) for s in req.streams if s.model == model})
     if how == "raw":
-        return (Group(model, (0,)),)
-    return tuple(
-        Group(model, (e,)) for e in sorted({s.entry for s in req.streams if s.model == model})
-    )
+        return (Group(model, tuple(frags), at=0),)
+    return tuple(Group(model, (f,)) for f in frags)
 
 
 class _Planner:
@@ -205,6 +251,7 @@ class _Planner:
         self.req, self.how, self.on_step = req, how, on_step
         self.raw = how == "raw"
         self.memo: dict[tuple, AppPlan | None] = {}
+        self.why: dict[str, str] = {}  # per model, why its last plan alone failed
         self.priced = 0
 
     def model(self, groups: tuple[Group, ...], rates: Mapping[str, float]) -> AppPlan | None:
@@ -218,8 +265,9 @@ class _Planner:
                 self.memo[key] = cheapest_apps(
                     areq, {n: rates[n] for n in own}, self.req.unit_prices
                 )
-            except InfeasibleError:
+            except InfeasibleError as e:
                 self.memo[key] = None
+                self.why[groups[0].model] = str(e)
         return self.memo[key]
 
     def price(self, groups: tuple[Group, ...], rates: Mapping[str, float]) -> float:
@@ -234,7 +282,7 @@ class _Planner:
             if plan is None:
                 raise InfeasibleError(
                     f"{self.how} plan of the entry streams: {m}'s cannot be served within "
-                    f"their budgets on cluster {self.req.cluster.name}"
+                    f"their budgets on cluster {self.req.cluster.name} ({self.why.get(m, '')})"
                 )
             plans.append(plan)
         union = _union(plans)
@@ -283,6 +331,40 @@ def _union(plans: Sequence[AppPlan]) -> AppPlan:
     )
 
 
+def unservable(req: GraftRequest, how: str = "realigned") -> dict[str, str]:
+    """Each stream no pipeline of the cluster serves alone within its budget (its whole
+    SLO from block 0 for `raw`), and why: the fastest of its blocks' pipelines against the
+    budget less the margin. A re-aligned plan serves a stream only where it can alone."""
+    from poolpipe.domain.costs import ModelCosts
+    from poolpipe.planner.candidates import enumerate_pipelines
+
+    out = {}
+    for s in req.streams:
+        whole = req.profiles[s.model]
+        entry, budget = (0, s.slo_us) if how == "raw" else (s.entry, s.budget_us)
+        costs = ModelCosts(
+            segment(whole, entry, whole.num_blocks),
+            req.cluster,
+            budget,
+            req.margin,
+            None,
+            inputs=req.count_inputs,
+        )
+        found = enumerate_pipelines(costs, req.max_partitions, req.packing == "per-share")
+        if not found.pipelines:
+            fastest = (
+                f"its blocks' fastest pipeline takes {found.best_latency_us / 1e3:.1f} ms"
+                if math.isfinite(found.best_latency_us)
+                else "no GPU of the cluster is profiled for it"
+            )
+            out[s.name] = (
+                f"{s.name} ({s.model} from block {entry}): {fastest}, more than its budget of "
+                f"{budget / 1e3:.1f} ms less the margin {req.margin:g} "
+                f"({costs.budget_us() / 1e3:.1f} ms)"
+            )
+    return out
+
+
 def plan_streams(
     req: GraftRequest,
     how: str = "realigned",
@@ -297,6 +379,13 @@ def plan_streams(
     if how not in HOWS:
         raise PoolpipeError(f"how {how!r}? choose one of {', '.join(HOWS)}")
     t0 = time.perf_counter()
+    bad = unservable(req, how)
+    if bad:
+        raise InfeasibleError(
+            f"{how} plan: no pipeline of cluster {req.cluster.name} serves "
+            + "; ".join(bad.values())
+            + ": give them more budget (a faster client or uplink), or leave them out"
+        )
     planner = _Planner(req, how, on_step)
     rates = {s.name: s.rate for s in req.streams}
     chosen = {m: groups_of(req, how, m) for m in req.models}
@@ -320,14 +409,16 @@ def _given(req: GraftRequest, how: str, groups: Sequence[Group]) -> dict[str, tu
         raise PoolpipeError(f"groups are given to a realigned plan, not a {how} one")
     out: dict[str, tuple[Group, ...]] = {}
     for m in req.models:
-        mine = tuple(sorted((g for g in groups if g.model == m), key=lambda g: g.entries))
-        have = sorted(e for g in mine for e in g.entries)
-        want = sorted({s.entry for s in req.streams if s.model == m})
-        if have != want or any(list(g.entries) != sorted(g.entries) for g in mine):
-            raise PoolpipeError(
-                f"groups of {m}: its entry blocks {want} each in one group, ascending; "
-                f"got {[list(g.entries) for g in mine]}"
-            )
+        mine = tuple(g for g in groups if g.model == m)
+        for s in (s for s in req.streams if s.model == m):
+            holding = [g for g in mine if g.holds(s)]
+            if len(holding) != 1:
+                raise PoolpipeError(
+                    f"groups of {m}: stream {s.name} (entry {s.entry}) is in {len(holding)} "
+                    "groups; give each of its streams one"
+                )
+        if any(g.at is not None and g.at < max(g.entries) for g in mine):
+            raise PoolpipeError(f"groups of {m}: a group re-aligns below one of its entries")
         out[m] = mine
     return out
 
@@ -335,18 +426,18 @@ def _given(req: GraftRequest, how: str, groups: Sequence[Group]) -> dict[str, tu
 def _merged(
     start: tuple[Group, ...], price: Callable[[tuple[Group, ...]], float]
 ) -> tuple[Group, ...]:
-    """Graft's merging: one model's groups, adjacent ones merged while a merge lowers the
-    price of the model's plan alone, the merge lowering it most first."""
+    """Graft's merging: one model's groups, adjacent ones merged while a merge does not
+    raise the price of the model's plan alone, the merge lowering it most first."""
     groups = start
     best = price(groups)
     while len(groups) > 1:
         trials = []
         for i in range(len(groups) - 1):
-            merged = Group(groups[i].model, groups[i].entries + groups[i + 1].entries)
+            merged = Group(groups[i].model, groups[i].fragments + groups[i + 1].fragments)
             trial = (*groups[:i], merged, *groups[i + 2 :])
             trials.append((price(trial), i, trial))
         cost, _, trial = min(trials, key=lambda t: (t[0], t[1]))
-        if not cost < best - 1e-9:
+        if cost > best + 1e-9:  # equal: merged (fewer, larger pools queue better)
             break
         best, groups = cost, trial
     return groups
