@@ -170,9 +170,9 @@ def app_request(
     """The application plan request of `groups` (streams of other models left out) and
     each stream's rate: a stream an application of its segments (above), the parts
     shared within a group (a segment two groups of a model have is two parts, the later
-    one's name tagged .g<k>, k its place among the model's groups); `raw`: each stream enters at block 0 with its whole SLO. Each part's
-    pools are sized for the streams' `rates` (default: theirs) through it
-    (GraftRequest.headroom)."""
+    one's name tagged .g<k>, k its place among the model's groups); `raw`: each stream
+    enters at block 0 with its whole SLO. Each part's pools are sized for the streams'
+    `rates` (default: theirs) through it (GraftRequest.headroom)."""
     profiles: dict[str, ModelProfile] = {}
     whose: dict[str, int] = {}  # segment name -> the group (of its model) that has it
     apps: list[App] = []
