@@ -341,13 +341,10 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
 
     from poolpipe.client.control import new_token_file
     from poolpipe.domain.apps import load_apps
-    from poolpipe.store.plan_inputs import resolve_cluster
     from testbed.emulated import (
-        GROUP2,
-        GROUP2_DIR,
         MixLoad,
         emulated_nodes,
-        onboard_shadows,
+        group2_inputs,
         serve_dilated,
     )
     from testbed.netns import unavailable
@@ -361,10 +358,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     with Warehouse.open(args.warehouse) as wh:
         warehouse = str(wh.path)
     with console.status("onboarding the shadows of group 2 (flow onboard-shadow) ..."):
-        onboard_shadows(warehouse)
-    with Warehouse.open(warehouse) as wh:
-        profiles = {m: wh.load_profile(m) for m in GROUP2}
-        cluster = resolve_cluster(wh, args.live_cluster, GROUP2_DIR / "clusters.toml")
+        profiles, cluster = group2_inputs(warehouse, args.live_cluster)
     apps = load_apps(args.live_spec, known_models=profiles)
     req = AppPlanRequest(
         tuple(apps), profiles, cluster, grid=args.grid, margin=args.margin,

@@ -224,14 +224,12 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     from poolpipe.client.control import new_token_file
     from poolpipe.sim.apps import simulate_apps
     from poolpipe.sim.engine import SimConfig
-    from poolpipe.store.plan_inputs import resolve_cluster
     from testbed import scratch_dir
     from testbed.emulated import (
         GROUP2,
-        GROUP2_DIR,
         MixLoad,
         emulated_nodes,
-        onboard_shadows,
+        group2_inputs,
         serve_dilated,
     )
     from testbed.loadgen import mix_times
@@ -245,10 +243,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     with Warehouse.open(args.warehouse) as wh:
         warehouse = str(wh.path)
     with console.status("onboarding the shadows of group 2 (flow onboard-shadow) ..."):
-        onboard_shadows(warehouse)
-    with Warehouse.open(warehouse) as wh:
-        profiles = {m: wh.load_profile(m) for m in GROUP2}
-        cluster = resolve_cluster(wh, args.live_cluster, GROUP2_DIR / "clusters.toml")
+        profiles, cluster = group2_inputs(warehouse, args.live_cluster)
     models = args.live_models.split(",")
     unknown = [m for m in models if m not in GROUP2]
     if unknown:

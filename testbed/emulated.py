@@ -19,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.plan import Plan, dilated
+from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT, Warehouse
 from testbed.cpu import host_cpu_ticks, own_cpu_seconds
@@ -76,6 +78,18 @@ def onboard_shadows(
     for m in todo:
         onboard_shadow(m, str(profiles), warehouse=warehouse, devices=list(devices))
     return todo
+
+
+def group2_inputs(warehouse: str, cluster: str) -> tuple[dict[str, ModelProfile], Cluster]:
+    """Group 2's shadows onboarded in `warehouse` (onboard_shadows), their profiles by name
+    and `cluster` (the warehouse's, else group 2's clusters file): what a live run of
+    group 2 on emulated GPUs plans from."""
+    from poolpipe.store.plan_inputs import resolve_cluster
+
+    onboard_shadows(warehouse)
+    with Warehouse.open(warehouse) as wh:
+        profiles = {m: wh.load_profile(m) for m in GROUP2}
+        return profiles, resolve_cluster(wh, cluster, GROUP2_DIR / "clusters.toml")
 
 
 def group_plans(

@@ -283,7 +283,6 @@ def cheapest_by_split_sized(
     joint split's plan returned is the first that keeps 99% (else the one planned at the
     user's rates). Equal-cost plans differ in what they deliver, so the share on time need
     not grow with every round."""
-    from poolpipe.planner.cost import SIZING_RAISE, SIZING_ROUNDS
     from poolpipe.planner.deliverable import ATTAINMENT_TARGET, app_attainment_at
 
     def on_time(p: AppPlan) -> dict[str, float]:
@@ -294,23 +293,52 @@ def cheapest_by_split_sized(
     kept = {split: on_time(p) for split, p in plans.items() if p is not None}
     joint = plans[SPLITS[0]]
     assert joint is not None
-    asked, got = dict(rates), kept[SPLITS[0]]
-    rounds = [{"asked": dict(asked), "cost_per_hour": joint.cost_per_hour, "on_time": got}]
+
+    def joint_at(asked: Mapping[str, float]) -> AppPlan:
+        sized = cheapest_by_split(req, asked, prices, on_split)[SPLITS[0]]
+        assert sized is not None
+        return sized
+
+    plans[SPLITS[0]], kept[SPLITS[0]], _, rounds = size_by_share(
+        joint, kept[SPLITS[0]], rates, on_time, joint_at
+    )
+    served = min(kept[SPLITS[0]].values()) >= ATTAINMENT_TARGET
+    return plans, AppSizing(kept, rounds, served)
+
+
+def size_by_share(
+    plan: AppPlan,
+    got: Mapping[str, float],
+    rates: Mapping[str, float],
+    on_time: Callable[[AppPlan], dict[str, float]],
+    plan_at: Callable[[Mapping[str, float]], AppPlan],
+) -> tuple[AppPlan, dict[str, float], dict[str, float], list[dict]]:
+    """A cost plan (`plan`, planned at `rates`, `got` its applications' shares on time)
+    sized on what it delivers: where an application keeps less than 99% on time, the rate
+    asked of the MILP for it grows (by three times its shortfall, at least twice
+    SIZING_RAISE) and `plan_at` plans again, until every application keeps 99% or
+    SIZING_ROUNDS plans were simulated, or the cluster serves no more (InfeasibleError).
+    (the plan kept: the first that keeps 99%, else `plan`; its shares; the rates it was
+    asked; each round's asked rates, cost and shares)."""
+    from poolpipe.planner.cost import SIZING_RAISE, SIZING_ROUNDS
+    from poolpipe.planner.deliverable import ATTAINMENT_TARGET
+
+    asked = dict(rates)
+    kept = (plan, dict(got), dict(asked))
+    rounds = [{"asked": dict(asked), "cost_per_hour": plan.cost_per_hour, "on_time": dict(got)}]
     while min(got.values()) < ATTAINMENT_TARGET and len(rounds) < SIZING_ROUNDS:
         for a, share in got.items():
             if share < ATTAINMENT_TARGET:
                 asked[a] *= 1 + max(2 * SIZING_RAISE, 3 * (ATTAINMENT_TARGET - share))
         try:
-            sized = cheapest_by_split(req, asked, prices, on_split)[SPLITS[0]]
+            sized = plan_at(asked)
         except InfeasibleError:
             break  # what each application needs for 99% on time is more than the cluster has
-        assert sized is not None
         got = on_time(sized)
         rounds.append({"asked": dict(asked), "cost_per_hour": sized.cost_per_hour, "on_time": got})
         if min(got.values()) >= ATTAINMENT_TARGET:
-            plans[SPLITS[0]], kept[SPLITS[0]] = sized, got
-    served = min(kept[SPLITS[0]].values()) >= ATTAINMENT_TARGET
-    return plans, AppSizing(kept, rounds, served)
+            kept = (sized, got, dict(asked))
+    return (*kept, rounds)
 
 
 def _split_budgets(

@@ -40,7 +40,13 @@ from poolpipe.domain.entry import EntryStream, segment
 from poolpipe.domain.plan import Plan
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import InfeasibleError, PoolpipeError, SolverError
-from poolpipe.planner.apps import AppPlan, AppPlanRequest, app_plan_document, cheapest_apps
+from poolpipe.planner.apps import (
+    AppPlan,
+    AppPlanRequest,
+    app_plan_document,
+    cheapest_apps,
+    size_by_share,
+)
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S
 
 HOWS = ("realigned", "per-fragment", "raw")
@@ -315,7 +321,6 @@ def _union(plans: Sequence[AppPlan]) -> AppPlan:
     for p in plans:
         for g, n in p.gpus_used.items():
             used[g] = used.get(g, 0) + n
-    status = "optimal" if all(p.status == "optimal" for p in plans) else plans[0].status
     return AppPlan(
         "joint",
         min(p.objective for p in plans),
@@ -323,7 +328,7 @@ def _union(plans: Sequence[AppPlan]) -> AppPlan:
         {k: v for p in plans for k, v in p.budgets.items()},
         {k: v for p in plans for k, v in p.served.items()},
         {k: v for p in plans for k, v in p.pipelines.items()},
-        next((p.status for p in plans if p.status != "optimal"), status),
+        next((p.status for p in plans if p.status != "optimal"), "optimal"),
         sum(p.seconds for p in plans),
         used,
         sum(float(p.cost_per_hour or 0.0) for p in plans),
@@ -446,33 +451,14 @@ def _merged(
 def _size(
     result: GraftPlan, rates: Mapping[str, float], plan_at: Callable[[Mapping[str, float]], AppPlan]
 ) -> None:
-    """Size `result` on what it delivers (module doc), in place; `plan_at` plans its
-    groups at the rates asked."""
-    from poolpipe.planner.cost import SIZING_RAISE, SIZING_ROUNDS
+    """Size `result` on what it delivers (module doc; planner.apps.size_by_share), in
+    place; `plan_at` plans its groups at the rates asked."""
     from poolpipe.sim.apps import app_attainment_at
-    from poolpipe.sim.metrics import ATTAINMENT_TARGET
 
     def on_time(plan: AppPlan) -> dict[str, float]:
         doc, profiles = app_plan_document(result.request, plan)
         return app_attainment_at(doc, profiles, result.request.apps, rates)
 
-    got = kept = on_time(result.plan)
-    result.rounds.append(
-        {"asked": dict(result.asked), "cost_per_hour": result.cost_per_hour, "on_time": got}
+    result.plan, result.on_time, result.asked, result.rounds = size_by_share(
+        result.plan, on_time(result.plan), rates, on_time, plan_at
     )
-    asked = dict(result.asked)
-    while min(got.values()) < ATTAINMENT_TARGET and len(result.rounds) < SIZING_ROUNDS:
-        for name, share in got.items():
-            if share < ATTAINMENT_TARGET:
-                asked[name] *= 1 + max(2 * SIZING_RAISE, 3 * (ATTAINMENT_TARGET - share))
-        try:
-            plan = plan_at(asked)
-        except InfeasibleError:
-            break  # what the streams need for 99% on time is more than the cluster has
-        got = on_time(plan)
-        result.rounds.append(
-            {"asked": dict(asked), "cost_per_hour": plan.cost_per_hour, "on_time": got}
-        )
-        if min(got.values()) >= ATTAINMENT_TARGET:
-            result.plan, result.asked, kept = plan, dict(asked), got
-    result.on_time = kept
