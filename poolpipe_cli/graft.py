@@ -93,9 +93,9 @@ def cmd_graft_plan(args: argparse.Namespace) -> int:
         )
     console.print(t)
     chosen = plans[args.how]
-    _print_streams(chosen, streams)
+    doc, _ = chosen.document()
+    _print_streams(chosen, doc, streams)
     if args.out:
-        doc, _ = chosen.document()
         doc.save(Path(args.out))
         console.print(
             f"the {args.how} plan written to {args.out} ({len(doc.models)} segments): serve "
@@ -105,9 +105,9 @@ def cmd_graft_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_streams(gp, streams) -> None:
-    """Each stream's path: its parts with their blocks and budgets."""
-    doc, _ = gp.document()
+def _print_streams(gp, doc, streams) -> None:
+    """Each stream's path (`doc`: the plan `gp` as served): its parts with their blocks
+    and budgets."""
     t = Table(title=f"the {gp.how} plan, stream by stream", title_justify="left")
     for col in ("stream", "entry", "budget ms", "parts (blocks: budget ms)", "asked req/s"):
         t.add_column(col, justify="left" if col in ("stream", "parts") else "right")

@@ -9,7 +9,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from poolpipe.domain.apps import base_models
 from poolpipe.domain.entry import Segment, plan_segments
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
@@ -17,7 +16,7 @@ from poolpipe.offline.partitions import PartitionFile, make_partition
 from poolpipe.runtime.placement import Layout, layout
 from poolpipe.scheduler import build_topology
 from poolpipe.scheduler.topology import Topology
-from poolpipe.store.plan_inputs import served_profiles
+from poolpipe.store.plan_inputs import served_profiles, warehouse_models
 from poolpipe.store.warehouse import Warehouse
 from triton_backend.node.repository import node_onnx_path, write_node_onnx
 from triton_backend.router.core import ModelIO
@@ -36,14 +35,14 @@ def partition_jobs(
 ) -> dict[str, PartitionJob]:
     """make_partition's arguments for every partition of the layout (warehouse reads only).
     `base`: the warehouse's model for a plan model that is another's (an application's
-    part: domain.apps.base_models); `segments`: a plan model that is blocks of another
-    (domain.entry.plan_segments)."""
+    part or a segment: plan_inputs.warehouse_models); `segments`: where a plan model's
+    blocks begin in its model's (domain.entry.plan_segments)."""
     jobs: dict[str, PartitionJob] = {}
     for p in lay.placements:
         if p.partition in jobs:
             continue
         seg = (segments or {}).get(p.model)
-        model = seg.model if seg is not None else (base or {}).get(p.model, p.model)
+        model = (base or {}).get(p.model, p.model)
         whole = wh.whole_model_file(model)
         if whole is None or not whole.is_file():
             raise PoolpipeError(
@@ -75,7 +74,7 @@ def prepare(
     the ONNX surgery is seconds of pure-Python work that would otherwise hold the GIL from
     the router (measured: 3.4 s of CPU for two ResNet-50 partitions)."""
     check_serves_all(plan)
-    base = base_models(plan.meta)
+    base = warehouse_models(plan)
     segments = plan_segments(plan.meta)
     with Warehouse.open(warehouse) as wh:
         profiles = served_profiles(wh, plan)

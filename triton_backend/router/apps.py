@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from poolpipe.domain.apps import IDENTITY, SHADOW, App, part_name, resolve_transform
+from poolpipe.domain.apps import IDENTITY, SHADOW, App, resolve_transform
 from poolpipe.offline.partitions import TensorSpec
 from poolpipe.runtime import DROPPED, FAILED, Clock, Outcome, ServingRuntime
 from poolpipe.runtime.apps import AppCoordinator, AppRequest, Part, ServedApp, served_app
@@ -34,15 +34,13 @@ from triton_backend.router.served import ClientRequest, ModelIO, Reply, RequestR
 
 
 def app_ios(
-    apps: Sequence[App],
-    parts: Mapping[str, ModelIO],
-    served: Mapping[str, Mapping[str, str]] | None = None,
+    apps: Sequence[App], parts: Mapping[str, ModelIO], served: Mapping[str, Mapping[str, str]]
 ) -> list[ModelIO]:
     """Each application's tensors at the door: its entry's inputs, its exits' outputs
-    (`served`: each application's served model per model, where not part_name's)."""
+    (`served`: each application's served model per model, domain.apps.served_parts)."""
     out = []
     for a in apps:
-        where = (served or {}).get(a.name) or {m: part_name(a.name, m) for m in a.models}
+        where = served[a.name]
         entry = parts[where[a.entry]]
         outs: list[TensorSpec] = []
         for e in a.exits:
@@ -78,16 +76,14 @@ class RouterApps:
         apps: Sequence[App],
         budgets_us: Mapping[str, Mapping[str, float]],
         parts: Mapping[str, ModelIO],
-        served: Mapping[str, Mapping[str, str]] | None = None,
+        served: Mapping[str, Mapping[str, str]],
     ):
         self.runtime = runtime
         self.apps = list(apps)
         self.parts = dict(parts)  # served part model -> its tensors
-        # per application, each model's served part (shared parts by their own names)
-        self.where = {
-            a.name: dict((served or {}).get(a.name) or {m: part_name(a.name, m) for m in a.models})
-            for a in self.apps
-        }
+        # per application, each model's served part (domain.apps.served_parts: shared
+        # parts by their own names)
+        self.where = {a.name: dict(served[a.name]) for a in self.apps}
         self.ios = {io.name: io for io in app_ios(self.apps, self.parts, self.where)}
         self.index = {a.name: i for i, a in enumerate(self.apps)}
         self.served = self._served(budgets_us)
