@@ -118,6 +118,12 @@ def test_a_shared_suffix_serves_both_entry_points_and_segments_share_gpus(
         entered = sum(result.apps[f"{m}.e{e}"]["arrived"] for e in (1, 3))
         assert suffix == entered - result.parts[f"{m}.1-3"]["dropped"]
         assert result.parts[f"{m}.1-3"]["arrivals"] == result.apps[f"{m}.e1"]["arrived"]
+        # the suffix batched requests of both entry points together (its batches' members
+        # recorded); the alignment part only ever holds entry 1's
+        suffix, head = result.batches[f"{m}.3-10"], result.batches[f"{m}.1-3"]
+        assert suffix["mixed"] > 0 and f"{m}.e1 + {m}.e3" in suffix["members"], suffix
+        assert set(suffix["members"]) <= {f"{m}.e1", f"{m}.e3", f"{m}.e1 + {m}.e3"}
+        assert head["mixed"] == 0 and set(head["members"]) == {f"{m}.e1"}
 
 
 def test_realigned_merging_finds_the_cheapest_grouping_of_a_small_mix(ppipe_profiles, hc2_large):

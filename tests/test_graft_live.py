@@ -79,6 +79,10 @@ def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboard
         # the shared suffix served both entries re-aligned into it
         stats = dep.core.stats
         assert stats["m.2-4"].on_time == 2 and stats["m.1-2"].on_time == 1
+        # each batch's members recorded by stream (one request at a time: batches of one)
+        members = dep.core.batch_members()
+        assert members["m.2-4"]["members"] == {"cam1": 1, "cam2": 1}, members
+        assert members["m.1-2"]["members"] == {"cam1": 1} and members["m"]["batches"] == 1
         # the client's budget left is the request's deadline: a long one answered, one no
         # pipeline meets dropped, explicitly
         fmap = inputs  # entry 3's feature map

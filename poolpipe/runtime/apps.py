@@ -121,6 +121,36 @@ AnswerApp = Callable[[AppRequest, Outcome, str], None]
 Fan = Callable[[AppRequest, int, int, list[int]], list[Any]]
 
 
+class BatchMembers:
+    """Which applications' parts each batch of a part model held (AppCoordinator.batch):
+    per model, batches by the applications of their members, so a pool shared by several
+    applications (a stream's shared suffix) shows batches of more than one."""
+
+    def __init__(self) -> None:
+        self.by_model: dict[str, dict[tuple[str, ...], int]] = {}
+
+    def add(self, model: str, apps: Sequence[str]) -> None:
+        key = tuple(sorted(set(apps)))
+        row = self.by_model.setdefault(model, {})
+        row[key] = row.get(key, 0) + 1
+
+    def mixed(self, model: str) -> int:
+        """Batches of `model` that held parts of two applications or more."""
+        return sum(n for k, n in self.by_model.get(model, {}).items() if len(k) > 1)
+
+    def document(self) -> dict[str, dict[str, Any]]:
+        """Per model: batches, those of mixed applications, and the batches per set of
+        applications (their names joined by " + ")."""
+        return {
+            m: {
+                "batches": sum(row.values()),
+                "mixed": self.mixed(m),
+                "members": {" + ".join(k): n for k, n in sorted(row.items())},
+            }
+            for m, row in sorted(self.by_model.items())
+        }
+
+
 def drawn_parts(req: AppRequest, child: int, parent: int, drawn: list[int]) -> list[Any]:
     """The simulator's fan: as many parts as drawn, with no data."""
     return [None] * sum(drawn)
@@ -159,6 +189,7 @@ class AppCoordinator:
         # per application, as the runtime counts a model's requests (latency of answers)
         self.stats: dict[str, ModelStats] = {a.name: ModelStats() for a in self.apps}
         self._keep_latencies = keep_latencies
+        self.members = BatchMembers()  # batch()'s record
 
     def busy(self) -> bool:
         """Whether parts are still to be made on a later turn of the clock."""
@@ -204,6 +235,11 @@ class AppCoordinator:
             self.clock.call_at(self.clock.now(), lambda: self._turn(req, ready))
         elif not any(req.running) and not any(req.parents_left):
             self._done(req)
+
+    def batch(self, model: str, parts: Sequence[Part]) -> None:
+        """The runtime sent a batch of `model` holding `parts` (the driver hands them from
+        ServingRuntime.on_batch): recorded by their applications (`members`)."""
+        self.members.add(model, [p[0].app.name for p in parts])
 
     # ------------------------------------------------------------------ inside
 

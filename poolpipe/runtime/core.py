@@ -227,6 +227,8 @@ class ServingRuntime:
         self._report = StageReport(0, 0, 0.0, None)  # see _lend_report
         self.drop_reasons: Counter[str] = Counter()
         self.batches = 0  # batches sent down a pipeline (its first pool)
+        # fn(model index, payloads) for every batch sent down a pipeline (on_batch)
+        self._on_batch: Callable[[int, list[Any]], None] | None = None
         self.recalibrations = 0
         self.recoveries = 0  # failed nodes back in service
         executor.bind(self)
@@ -281,6 +283,11 @@ class ServingRuntime:
         """`fn(node, state, why, t_us)` on every change of a node's state (down, back,
         drained, undrained): the driver logs and counts them."""
         self._health.on_change = fn
+
+    def on_batch(self, fn: Callable[[int, list[Any]], None] | None) -> None:
+        """`fn(model index, payloads)` for every batch sent down a pipeline, its requests'
+        payloads in it: the driver records which requests were batched together."""
+        self._on_batch = fn
 
     def without_path(self) -> set[int]:
         """Models (indexes) with no live path now: their requests fail at the door."""
@@ -467,6 +474,8 @@ class ServingRuntime:
             sizes[n] = sizes.get(n, 0) + 1
             sizes = stats.total.batch_sizes
             sizes[n] = sizes.get(n, 0) + 1
+            if self._on_batch is not None:
+                self._on_batch(entries[0].model, [e.payload for e in entries])
         due = math.inf
         for e in entries:
             if e.due_us < due:

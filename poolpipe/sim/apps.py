@@ -43,6 +43,8 @@ class AppSimResult:
     parts_made: int
     wall_s: float
     reasons: dict[str, int] = field(default_factory=dict)  # why requests were dropped
+    # per part model: its batches by their members' applications (BatchMembers.document)
+    batches: dict[str, dict] = field(default_factory=dict)
 
     def attainment(self, app: str | None = None) -> float:
         """Share of requests answered on time (of one application, or of all)."""
@@ -167,6 +169,7 @@ def run_apps(
             coord.part_ended(entry.payload, outcome, reason)
 
         sim.cluster.on_answer = part
+        rt.on_batch(lambda model, parts: coord.batch(names[model], parts))
 
         def arrival(i: int) -> None:
             coord.arrive(int(which[i]), i)
@@ -189,6 +192,7 @@ def run_apps(
         holder[0].parts if holder else 0,
         time.perf_counter() - wall0,
         reasons,
+        holder[0].members.document() if holder else {},
     )
 
 

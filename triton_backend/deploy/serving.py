@@ -753,6 +753,7 @@ class ServingProcess:
                 for name, st in core.stats.items()
             },
             "windows": windows,
+            "batch_members": core.batch_members(),
             "reply_margin_ms": round(core.runtime.reply_margin_us / 1e3, 3),
             "arrival_stamps": dict(core.stamps.counts),
             "client_deadlines": dict(core.client_deadlines),

@@ -99,6 +99,7 @@ class RouterApps:
         self.coordinator = AppCoordinator(
             self.served, clock, self._add, runtime.decide, self._answer, fan=self._fan
         )
+        runtime.on_batch(self._batched)
 
     def _served(self, budgets_us: Mapping[str, Mapping[str, float]]) -> list[ServedApp]:
         return [
@@ -156,6 +157,12 @@ class RouterApps:
             return None
         row = RequestRow(_PartSink(self, part), 0, list(part[2]))  # type: ignore[arg-type]
         return self.runtime.add(index, row, slo_us, arrived_us)
+
+    def _batched(self, model: int, rows: list[Any]) -> None:
+        """A batch sent down a pipeline: its applications' parts recorded (members)."""
+        parts = [r.request.part for r in rows if isinstance(r.request, _PartSink)]
+        if parts:
+            self.coordinator.batch(self.runtime.topo.models[model].name, parts)
 
     def _answer(self, req: AppRequest, outcome: Outcome, reason: str) -> None:
         request, row = req.payload

@@ -25,7 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -320,6 +320,14 @@ class RouterCore:
         if apps is None:
             return self.runtime.stats
         return {**self.runtime.stats, **apps.coordinator.stats}
+
+    def batch_members(self) -> dict[str, dict[str, Any]]:
+        """Per application part model: its batches by their members' applications
+        (runtime/apps.py BatchMembers; empty where the plan serves no application)."""
+        apps = self.apps
+        if apps is None:
+            return {}
+        return self._call(apps.coordinator.members.document)
 
     def down_nodes(self) -> set[str]:
         return self._call(self.runtime.down_nodes)
