@@ -527,6 +527,19 @@ def manual_plan(
     )
 
 
+def watched_load(plan: Plan) -> dict[str, tuple[float | None, float]]:
+    """What a router's load is measured by under `plan`: per name (a model; a plan of
+    entry streams, meta graft, each stream: its mix of entry points is the load), the rate
+    the plan states it serves at 99% on time (None: it states none) and its weight."""
+    streams = (plan.meta.get("graft") or {}).get("streams")
+    if streams:  # sized on what it delivers: each stream at its rate
+        return {str(s["name"]): (float(s["rate"]), float(s["rate"])) for s in streams}
+    return {
+        m.name: (None if m.deliverable is None else float(m.deliverable), m.weight)
+        for m in plan.models
+    }
+
+
 def dilated(plan: Plan, d: float) -> Plan:
     """`plan` on a cluster `d` times slower (time-warped emulation, ../shared/docs/
     docs/design/emulation.md): latencies and SLOs x d, throughputs (the deliverable ones too)
@@ -571,6 +584,8 @@ def dilated(plan: Plan, d: float) -> Plan:
         meta["apps"] = {name: _dilated_app(rec, d) for name, rec in plan.meta["apps"].items()}
         if isinstance(plan.meta.get("apps_rates"), dict):
             meta["apps_rates"] = {a: r / d for a, r in plan.meta["apps_rates"].items()}
+    if isinstance(plan.meta.get("graft"), dict):  # entry streams: budgets x d, rates / d
+        meta["graft"] = _dilated_graft(plan.meta["graft"], d)
     return replace(
         plan,
         cluster=replace(plan.cluster, bandwidth_gbps=plan.cluster.bandwidth_gbps / d),
@@ -592,6 +607,24 @@ def undilated(plan: Plan) -> Plan:
         return plan
     back = dilated(plan, 1 / d)
     return replace(back, meta={**back.meta, "time_scale": 1.0})
+
+
+def _dilated_graft(rec: dict, d: float) -> dict:
+    """A plan's record of its entry streams (planner.graft), its times x d, rates / d."""
+    out = dict(rec)
+    if isinstance(out.get("streams"), list):
+        out["streams"] = [
+            {**st, "budget_us": st["budget_us"] * d, "slo_us": st["slo_us"] * d,
+             "rate": st["rate"] / d}
+            for st in out["streams"]
+        ]  # fmt: skip
+    if isinstance(out.get("asked"), dict):
+        out["asked"] = {n: r / d for n, r in out["asked"].items()}
+    if isinstance(out.get("groups"), list):
+        out["groups"] = [
+            {**g, "fragments": [[e, b * d] for e, b in g["fragments"]]} for g in out["groups"]
+        ]
+    return out
 
 
 def _dilated_app(rec: dict, d: float) -> dict:

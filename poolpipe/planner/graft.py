@@ -142,6 +142,7 @@ class GraftPlan:
     asked: dict[str, float]  # req/s per stream asked of the MILP (above the rate: sized)
     on_time: dict[str, float] | None = None  # per stream at its rate, simulated (sized)
     rounds: list[dict] = field(default_factory=list)
+    source: GraftRequest | None = None  # the streams and settings planned
 
     @property
     def cost_per_hour(self) -> float:
@@ -164,7 +165,107 @@ class GraftPlan:
             ],
             "asked": dict(self.asked),
         }
+        if self.source is not None:  # what re-planning for another load needs
+            meta["graft"] |= graft_settings(self.source) | {"cost_per_hour": self.cost_per_hour}
         return replace(doc, meta=meta), profiles
+
+
+def graft_settings(req: GraftRequest) -> dict:
+    """What a plan records of its streams and settings (meta graft): `replan_streams`
+    plans them again from it."""
+    return {
+        "streams": [
+            {
+                "name": st.name,
+                "model": st.model,
+                "entry": st.entry,
+                "budget_us": st.budget_us,
+                "rate": st.rate,
+                "slo_us": st.slo_us,
+            }
+            for st in req.streams
+        ],
+        "margin": req.margin,
+        "max_partitions": req.max_partitions,
+        "packing": req.packing,
+        "headroom": req.headroom,
+        "count_inputs": req.count_inputs,
+    }
+
+
+def streams_of(meta: Mapping) -> tuple[EntryStream, ...]:
+    """The entry streams a plan of them records (meta graft streams); an error naming
+    the fix where it records none."""
+    rows = (meta.get("graft") or {}).get("streams")
+    if not rows:
+        raise PoolpipeError(
+            "this plan records no entry streams (a plan of models, or one made before plans "
+            "recorded them): plan the streams with poolpipe graft plan"
+        )
+    return tuple(
+        EntryStream(
+            str(r["name"]),
+            str(r["model"]),
+            int(r["entry"]),
+            float(r["budget_us"]),
+            float(r["rate"]),
+            float(r["slo_us"]),
+        )
+        for r in rows
+    )
+
+
+def replan_streams(
+    served: Plan,
+    profiles: Mapping[str, ModelProfile],
+    cluster: Cluster,
+    rates: Mapping[str, float],
+    prices: Mapping[str, float] | None = None,
+    sized: bool = True,
+    regroup: bool = False,
+) -> GraftPlan:
+    """The plan of entry streams `served` (at time scale 1) made again, as it was made
+    (how, margin, partitions, packing, and its groups: the same segments, which a running
+    router can roll out), for each stream's rate in `rates` (req/s; a stream left out
+    keeps its own) on `cluster`: the entry mix moved, or the load. `regroup`: its
+    re-aligned groups merged again for the new rates (other segments: a new router).
+    `profiles`: the whole models' (the warehouse's)."""
+    rec = served.meta.get("graft") or {}
+    streams = tuple(
+        replace(s, rate=float(rates.get(s.name, s.rate))) for s in streams_of(served.meta)
+    )
+    unknown = sorted(set(rates) - {s.name for s in streams})
+    if unknown:
+        raise PoolpipeError(
+            f"rates given for {', '.join(unknown)}, which the plan has no stream of: "
+            + ", ".join(s.name for s in streams)
+        )
+    bad = [f"{s.name}={s.rate}" for s in streams if not (s.rate > 0 and math.isfinite(s.rate))]
+    if bad:
+        raise PoolpipeError(f"a stream's rate must be req/s > 0, got {', '.join(bad)}")
+    req = GraftRequest(
+        streams,
+        {m: profiles[m] for m in {s.model for s in streams}},
+        cluster,
+        prices=prices,
+        margin=float(rec.get("margin", served.margin)),
+        max_partitions=int(rec.get("max_partitions", max(1, served.max_partitions))),
+        packing=str(rec.get("packing", served.packing)),
+        headroom=bool(rec.get("headroom", True)),
+        count_inputs=bool(rec.get("count_inputs", served.counts_inputs)),
+    )
+    how = str(rec.get("how", "realigned"))
+    groups = None
+    if how == "realigned" and not regroup:
+        groups = [
+            Group(
+                str(g["model"]),
+                tuple((int(e), float(b)) for e, b in g["fragments"]),
+                int(g["align"]),
+            )
+            for g in rec.get("groups", ())
+        ]
+    return plan_streams(req, how, sized=sized, groups=groups)
 
 
 def app_request(
@@ -401,6 +502,7 @@ def plan_streams(
     groups = [g for gs in chosen.values() for g in gs]
     areq, _ = app_request(req, groups, planner.raw)
     result = GraftPlan(how, tuple(groups), areq, planner.all(chosen, rates), 0.0, 0, dict(rates))
+    result.source = req
     if sized:
         _size(result, rates, lambda asked: planner.all(chosen, asked))
     result.priced = planner.priced
