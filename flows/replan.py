@@ -26,10 +26,10 @@ from flows import settings as worker
 from flows.common import artifact_key, io_error_only, markdown_table
 from poolpipe.domain.cluster import Cluster
 from poolpipe.domain.inventory import Inventory
-from poolpipe.domain.plan import STRATEGIES, Plan, dilated, time_scale, undilated
+from poolpipe.domain.plan import STRATEGIES, Plan, dilated, time_scale, undilated, watched_load
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import make_plan
-from poolpipe.planner.advise import Advice, advise, undilated_load
+from poolpipe.planner.advise import Advice, advise, profiled_models, undilated_load
 from poolpipe.planner.replan import objective_under, observed_weights, worth_rolling_out
 from poolpipe.runtime.envelope import EnvelopeEvent
 from poolpipe.store.plan_inputs import plan_request, resolve_cluster
@@ -128,8 +128,9 @@ def new_plan(
     comes back at the same scale."""
     if current.meta.get("graft"):
         raise PoolpipeError(
-            "the serving plan is a plan of entry streams (poolpipe graft plan); the flows do "
-            "not re-plan those yet: plan them again with poolpipe graft plan and roll it out"
+            "the serving plan is a plan of entry streams (poolpipe graft plan), planned for "
+            "cost: the load-replan flow's cost objective (objective=cost) follows its "
+            "streams' rates; the max-min re-plan does not apply to it"
         )
     d = time_scale(current)
     current = undilated(current)
@@ -367,7 +368,7 @@ def advise_plan(
     rates = {n: max(float(m["req_s"][w]) for w in windows) for n, m in load.items()}
     current, rates = undilated_load(current, rates)
     with Warehouse.open(warehouse) as wh:
-        profiles = {m.name: wh.load_profile(m.name) for m in current.models}
+        profiles = {m: wh.load_profile(m) for m in profiled_models(current)}
     return advise(
         current, profiles, rates, cluster, headroom=headroom, prices=prices,
         nodes=status.get("nodes", ()),
@@ -505,7 +506,8 @@ def _follow_load(
         print(f"the GPUs offered cannot serve the load ({a.why_not}); re-planning max-min")
         return None
     kind = event.rsplit(".", 1)[-1]
-    short = short_of({m.name: m.deliverable for m in undilated(current).models}, a.asked)
+    stated = watched_load(undilated(current))  # per model (per entry stream)
+    short = short_of({n: d for n, (d, _) in stated.items()}, a.asked)
     roll, reason = judge(
         kind, why, a.cost_per_hour, a.needed or {}, a.served_cost_per_hour, a.in_use,
         shrink, short,

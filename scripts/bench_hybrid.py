@@ -307,6 +307,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
             with console.status(f"{total:.0f} req/s live for {args.live_duration:g} s ..."):
                 times, shots = load.send(total / d, args.live_duration, seed)
             _, which = mix_times(total / d, rates, args.live_duration, seed)
+            members = dep.core.batch_members()
         finally:
             server.close()
     alone = simulate_apps(
@@ -335,6 +336,18 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     )
     rows.record("hybrid-live", f"{cluster.name}:D{d:g}", "live_attainment", overall)
     console.print(t)
+    uses: dict[str, int] = {}
+    for n in names:
+        for part in doc.meta["apps"][n]["parts"].values():
+            uses[part] = uses.get(part, 0) + 1
+    for m, r in members.items():  # a shared part's batches that held several streams
+        if uses.get(m, 0) < 2:
+            continue
+        console.print(
+            f"{m}: {r['mixed']} of {r['batches']} batches held requests of two streams or more",
+            highlight=False,
+        )
+        rows.record("hybrid-live", f"{cluster.name}:D{d:g}:{m}", "mixed_batches", r["mixed"])
 
 
 if __name__ == "__main__":

@@ -262,3 +262,42 @@ def test_streams_at_one_entry_with_other_budgets_are_fragments_of_their_own(
     assert one.model(f"{m}.1-10").slo_us == pytest.approx(slo * 0.5)
     with pytest.raises(PoolpipeError, match=r"stream tight .* is in 0 groups"):
         plan_streams(req, "realigned", groups=[Group(m, ((1, slo * 0.9),))])
+
+
+def test_the_entry_mix_moving_is_the_load_a_plan_of_streams_is_advised_for(
+    ppipe_profiles, hc2_large
+):
+    """A plan of streams records them: the router watches each stream's rate (its mix of
+    entry points), and the advice for another mix plans the streams again as they were
+    planned, at the new rates; dilated and back, the streams are the same."""
+    from poolpipe.domain.plan import dilated, undilated, watched_load
+    from poolpipe.planner.advise import advise, profiled_models
+    from poolpipe.planner.follow import short_of
+
+    streams = _streams(ppipe_profiles)
+    req = GraftRequest(streams, ppipe_profiles, hc2_large, headroom=False)
+    doc, _ = plan_streams(req, "realigned").document()
+    watched = watched_load(doc)
+    assert watched == {s.name: (60.0, 60.0) for s in streams}
+    assert profiled_models(doc) == sorted(MODELS)
+    back = undilated(dilated(doc, 10.0))
+    for was, got in zip(doc.meta["graft"]["streams"], back.meta["graft"]["streams"], strict=True):
+        assert got == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in was.items()}
+    assert watched_load(dilated(doc, 10.0))[streams[0].name][0] == pytest.approx(6.0)
+    # clients move to deeper entries: the entry-3 streams' rate triples, entry 1's falls
+    moved = {s.name: 180.0 if s.entry == 3 else 20.0 for s in streams}
+    a = advise(doc, ppipe_profiles, moved, hc2_large, headroom=0.0, delivery="off")
+    assert a.plan is not None and a.why_not is None
+    again = {st["name"]: st["rate"] for st in a.plan.meta["graft"]["streams"]}
+    assert again == pytest.approx(moved)
+    assert a.plan.meta["graft"]["how"] == "realigned" and a.cost_per_hour > 0
+    # the same segments (a running router rolls it out), their pools sized anew
+    assert {m.name for m in a.plan.models} == {m.name for m in doc.models}
+    # the suffix of each model now serves what both entries send: 200 req/s
+    for m in MODELS:
+        assert a.plan.model(f"{m}.3-10").throughput >= 200.0 - 1e-6
+    assert sorted(short_of({n: d for n, (d, _) in watched.items()}, a.asked)) == sorted(
+        s.name for s in streams if s.entry == 3
+    )
+    with pytest.raises(PoolpipeError, match="no stream of"):
+        advise(doc, ppipe_profiles, {"nobody": 1.0}, hc2_large)

@@ -22,6 +22,16 @@ pytestmark = pytest.mark.integration
 BLOCKS = 4
 
 
+def _sent(mod, named: dict[str, np.ndarray]) -> list:
+    """KServe v2 inputs of the arrays by name (FP16 feature maps, FP32 raw inputs)."""
+    out = []
+    for name, a in named.items():
+        i = mod.InferInput(name, list(a.shape), "FP16" if a.dtype == np.float16 else "FP32")
+        i.set_data_from_numpy(a)
+        out.append(i)
+    return out
+
+
 @pytest.fixture(scope="module")
 def onboarded(prefect_api, tmp_path_factory):
     from flows.onboard import onboard_model
@@ -68,12 +78,7 @@ def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboard
                 inputs = {f"in_{k}": a for k, a in enumerate(fmap)}
             io = dep.core.apps.ios[f"cam{p}"]
             assert [t.name for t in io.inputs] == list(inputs)
-            sent = []
-            for name, a in inputs.items():
-                i = mod.InferInput(name, list(a.shape), "FP16" if a.dtype == np.float16 else "FP32")
-                i.set_data_from_numpy(a)
-                sent.append(i)
-            got = client.infer(f"cam{p}", sent).as_numpy(io.outputs[0].name)
+            got = client.infer(f"cam{p}", _sent(mod, inputs)).as_numpy(io.outputs[0].name)
             assert got.shape == want.shape
             assert np.abs(got - want).max() / scale < 2e-2, p  # fp16 between stages
         # the shared suffix served both entries re-aligned into it
@@ -85,12 +90,7 @@ def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboard
         assert members["m.1-2"]["members"] == {"cam1": 1} and members["m"]["batches"] == 1
         # the client's budget left is the request's deadline: a long one answered, one no
         # pipeline meets dropped, explicitly
-        fmap = inputs  # entry 3's feature map
-        sent = []
-        for name, a in fmap.items():
-            i = mod.InferInput(name, list(a.shape), "FP16")
-            i.set_data_from_numpy(a)
-            sent.append(i)
+        sent = _sent(mod, inputs)  # entry 3's feature map
         kept = client.infer("cam3", sent, parameters={"slo_ms": 2500})
         assert kept.as_numpy(io.outputs[0].name).shape == want.shape
         with pytest.raises(InferenceServerException, match="POOLPIPE_DROPPED: application cam3"):
@@ -142,3 +142,78 @@ def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboard
         assert "6 requests: 6 on time (100.0%), 0 late, 0 dropped" in text, text
     finally:
         dep.down()
+
+
+def test_the_load_replan_follows_the_entry_mix(onboarded, prefect_api):
+    """Clients move to another entry point: the router watches each stream's rate (its
+    status's load), and the load-replan flow's cost objective plans the streams again at
+    the rates seen, with the same segments, and rolls the plan out on the running router,
+    whose doors answer after it."""
+    from flows.replan import load_replan
+    from poolpipe.client.control import new_token_file, read_token
+    from triton_backend.deploy.serving import ServingProcess
+
+    wh, tmp = onboarded
+    with Warehouse.open(wh) as w:
+        profile = w.load_profile("m")
+    streams = (
+        EntryStream("raw", "m", 0, 3_000e3, 2.0, 3_000e3),
+        EntryStream("edge", "m", 2, 3_000e3, 2.0, 3_000e3),
+    )
+    cluster = Cluster("graft-local", 10.0, (GpuPool("cpu-1t", 8, 1, (1,)),))
+    req = GraftRequest(streams, {"m": profile}, cluster, margin=0.3, headroom=False)
+    doc, _ = plan_streams(req, "realigned", groups=[group_at(req, "m", (0, 2))]).document()
+    assert doc.meta["graft"]["streams"][1]["rate"] == 2.0
+    with Warehouse.open(wh) as w:
+        plan_id = w.store_plan(doc, label="test-graft-follow")
+    token_file = tmp / "follow.token"
+    new_token_file(token_file)
+    server = ServingProcess(
+        doc, wh, tmp / "ws-follow", plan_id=plan_id, stats_interval_s=3600, metrics_port=0,
+        token=read_token(token_file),
+    )  # fmt: skip
+    try:
+        mod, client = _grpc(server.deployment)
+        ios = server.deployment.core.apps.ios
+        io = ios["edge"]
+        fmap = [np.zeros((1, *t.dims), t.dtype) for t in io.inputs]
+
+        def send(door: str, arrays: list[np.ndarray]) -> None:
+            named = {t.name: a for t, a in zip(ios[door].inputs, arrays, strict=True)}
+            client.infer(door, _sent(mod, named))
+
+        import time
+
+        def watched() -> dict:  # the load watch samples once a second
+            return server.status()["load"]
+
+        deadline = time.monotonic() + 20
+        while not watched().get("sampled_s") and time.monotonic() < deadline:
+            time.sleep(0.25)
+        for _ in range(12):  # every client now enters at block 2
+            send("edge", fmap)
+        while watched()["models"]["edge"]["req_s"]["60s"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.25)
+        load = watched()["models"]
+        assert set(load) == {"raw", "edge"}, load  # the streams are the load watched
+        assert load["edge"]["req_s"]["60s"] > 0 and load["edge"]["envelope_req_s"] == 2.0
+        gen = server.deployment.generation
+        follow = load_replan(
+            router=f"127.0.0.1:{server.deployment.grpc_port}", event="poolpipe.load.mix",
+            why="clients moved to block 2", min_interval_s=0, objective="cost",
+            warehouse=wh, token_file=str(token_file), rate_windows=["60s"],
+        )  # fmt: skip
+        assert follow["objective"] == "cost" and follow["rolled_out"] is True, follow
+        assert follow["rates"]["raw"] == 0 and follow["rates"]["edge"] > 0
+        assert server.deployment.generation == gen + 1
+        served = server.deployment.plan
+        rates = {st["name"]: st["rate"] for st in served.meta["graft"]["streams"]}
+        # planned for the mix seen: edge at its rate x 1.2 (headroom), raw at the floor
+        assert rates["edge"] == pytest.approx(follow["rates"]["edge"] * 1.2), rates
+        assert rates["raw"] == pytest.approx(0.01 * 2.0), rates
+        assert {m.name for m in served.models} == {m.name for m in doc.models}
+        x = np.zeros((1, 3, 32, 32), np.float32)
+        send("raw", [x])  # both doors answer on the new plan
+        send("edge", fmap)
+    finally:
+        server.close()

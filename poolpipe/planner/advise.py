@@ -154,12 +154,17 @@ def advise(
     idle_s: float = IDLE_S,
     delivery: str = "maximise",
 ) -> Advice:
-    """The advice for the load `rates` (req/s per model of `served`) on `cluster` (the GPUs
-    offered: the router's inventory). `delivery` "off" sizes on the fluid plan (tests)."""
+    """The advice for the load `rates` (req/s per model of `served`; per entry stream of a
+    plan of them) on `cluster` (the GPUs offered: the router's inventory). `delivery`
+    "off" sizes on the fluid plan (tests)."""
     from poolpipe.planner.strategies import make_plan
 
     if not (headroom >= 0 and math.isfinite(headroom)):
         raise PoolpipeError(f"headroom must be a share >= 0, such as 0.2; got {headroom}")
+    if served.meta.get("graft"):
+        return _advise_streams(
+            served, profiles, rates, cluster, headroom, prices, nodes, idle_s, delivery
+        )
     names = [m.name for m in served.models]
     unknown = sorted(set(rates) - set(names))
     if unknown:
@@ -167,19 +172,12 @@ def advise(
     missing = [n for n in names if n not in profiles]
     if missing:
         raise PoolpipeError(f"no profile for {missing}; onboard them (poolpipe onboard)")
-    observed = {n: float(rates.get(n, 0.0)) for n in names}
-    bad = [f"{n}={r}" for n, r in observed.items() if not (r >= 0 and math.isfinite(r))]
-    if bad:
-        raise PoolpipeError(f"rates must be req/s >= 0, got {', '.join(bad)}")
+    observed = _observed(names, rates)
     asked = {
         m.name: max(observed[m.name] * (1 + headroom), FLOOR_SHARE * m.throughput, 1e-3)
         for m in served.models
     }
-    given = dict(prices or {})
-    priced = all(p.gpu in given or p.price_per_hour is not None for p in cluster.pools)
-    price = {p.gpu: given.get(p.gpu, p.price_per_hour or 1.0) for p in cluster.pools}
-    if not priced:
-        price = dict.fromkeys(price, 1.0)
+    price, priced = _prices(cluster, prices)
     strategy = served.strategy if served.strategy in ("ppipe", "np") else "ppipe"
     req = PlanRequest(
         models=tuple(profiles[n] for n in names),
@@ -224,4 +222,93 @@ def advise(
     )
 
 
-__all__ = ["HEADROOM", "IDLE_S", "Advice", "advise", "releasable_nodes"]
+def _observed(names: Sequence[str], rates: Mapping[str, float]) -> dict[str, float]:
+    """Each name's rate (0 where not given); an error naming a bad one."""
+    observed = {n: float(rates.get(n, 0.0)) for n in names}
+    bad = [f"{n}={r}" for n, r in observed.items() if not (r >= 0 and math.isfinite(r))]
+    if bad:
+        raise PoolpipeError(f"rates must be req/s >= 0, got {', '.join(bad)}")
+    return observed
+
+
+def _prices(
+    cluster: Cluster, prices: Mapping[str, float] | None
+) -> tuple[dict[str, float], bool]:
+    """Each GPU type's price per hour (given, else the cluster's) and whether every type
+    has one (not: every GPU counted alike, 1 per hour)."""
+    given = dict(prices or {})
+    priced = all(p.gpu in given or p.price_per_hour is not None for p in cluster.pools)
+    price = {p.gpu: given.get(p.gpu, p.price_per_hour or 1.0) for p in cluster.pools}
+    return (price if priced else dict.fromkeys(price, 1.0)), priced
+
+
+def profiled_models(plan: Plan) -> list[str]:
+    """The warehouse's models a plan is planned again from: its models; a plan of entry
+    streams, the models its streams enter (its own are their segments)."""
+    if plan.meta.get("graft"):
+        from poolpipe.planner.graft import streams_of
+
+        return sorted({s.model for s in streams_of(plan.meta)})
+    return [m.name for m in plan.models]
+
+
+def _advise_streams(
+    served: Plan,
+    profiles: Mapping[str, ModelProfile],
+    rates: Mapping[str, float],
+    cluster: Cluster,
+    headroom: float,
+    prices: Mapping[str, float] | None,
+    nodes: Sequence[Mapping[str, Any]],
+    idle_s: float,
+    delivery: str,
+) -> Advice:
+    """`advise` for a plan of entry streams (planner/graft.py): the load is each stream's
+    rate (the entry mix with it); the streams planned again as the plan was made, the
+    cheapest GPUs serving each at its rate x (1 + headroom), sized on what they deliver."""
+    from poolpipe.planner.graft import replan_streams, streams_of
+
+    streams = streams_of(served.meta)
+    names = [s.name for s in streams]
+    unknown = sorted(set(rates) - set(names))
+    if unknown:
+        raise PoolpipeError(f"rates given for {unknown}, which the plan has no stream of: {names}")
+    missing = sorted({s.model for s in streams} - set(profiles))
+    if missing:
+        raise PoolpipeError(f"no profile for {missing}; onboard them (poolpipe onboard)")
+    observed = _observed(names, rates)
+    asked = {
+        s.name: max(observed[s.name] * (1 + headroom), FLOOR_SHARE * s.rate, 1e-3)
+        for s in streams
+    }
+    price, priced = _prices(cluster, prices)
+    plan: Plan | None = None
+    cost = None
+    why_not = None
+    sized = delivery != "off"
+    try:
+        gp = replan_streams(served, profiles, cluster, asked, prices=price, sized=sized)
+        plan, cost = gp.document()[0], gp.cost_per_hour
+    except InfeasibleError as exc:
+        why_not = str(exc)
+    return Advice(
+        rates=observed,
+        asked=asked,
+        headroom=headroom,
+        in_use=dict(served.gpus_used()),
+        available={p.gpu: p.count for p in cluster.pools},
+        needed=None if plan is None else dict(plan.gpus_used()),
+        # a sized plan keeps >= 99% of each stream on time at the rate asked
+        deliverable=None if plan is None else {n: asked[n] if sized else None for n in names},
+        cost_per_hour=cost,
+        served_cost_per_hour=float(
+            sum(price.get(g, 1.0) * n for g, n in served.gpus_used().items())
+        ),
+        priced=priced,
+        why_not=why_not,
+        releasable=tuple(releasable_nodes(nodes, idle_s)),
+        plan=plan,
+    )
+
+
+__all__ = ["HEADROOM", "IDLE_S", "Advice", "advise", "profiled_models", "releasable_nodes"]

@@ -1,4 +1,5 @@
-"""The router's load watch: every second, each served model's cumulative arrivals into
+"""The router's load watch: every second, each served model's cumulative arrivals (a plan
+of entry streams: each stream's, domain.plan.watched_load) into
 `poolpipe.runtime.envelope.ArrivalRates`, checked against the served plan's envelope (its
 models' deliverable req/s; a plan that states none for some model, a hand-made one, has no
 envelope: its rates are kept, nothing is judged).
@@ -16,7 +17,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from poolpipe.domain.plan import Plan
+from poolpipe.domain.plan import Plan, watched_load
 from poolpipe.runtime.envelope import (
     ABOVE,
     BELOW,
@@ -101,16 +102,17 @@ class LoadWatch:
 
     def _start_on(self, plan: Plan) -> None:
         self._served = plan
-        self._names = [m.name for m in plan.models]
+        watched = watched_load(plan)  # models; a plan of entry streams, its streams
+        self._names = list(watched)
         self._rates = ArrivalRates(len(self._names))
-        stated = [m.deliverable for m in plan.models]
+        stated = [d for d, _ in watched.values()]
         self._envelope = (
             None
             if any(d is None or not d > 0 for d in stated)
             else Envelope(
                 self._names,
                 [float(d) for d in stated if d is not None],
-                [m.weight for m in plan.models],
+                [w for _, w in watched.values()],
                 self.config,
             )
         )
