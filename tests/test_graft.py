@@ -152,6 +152,12 @@ def test_realigned_merging_finds_the_cheapest_grouping_of_a_small_mix(ppipe_prof
     assert got.cost_per_hour == pytest.approx(min(brute.values()))
     assert got.cost_per_hour <= fragment.cost_per_hour
     assert fragment.cost_per_hour == pytest.approx(brute[tuple(Group(m, (f,)) for f in frags)])
+    # priced with a bound (as merging prices its trials): dearer is proven, not solved
+    dearest = max(brute, key=lambda g: brute[g])
+    assert brute[dearest] < float("inf")
+    fresh = _Planner(req, "realigned", lambda line: None)
+    assert fresh.price(dearest, rates, at_most=brute[dearest] - 1) == float("inf")
+    assert fresh.price(dearest, rates, at_most=brute[dearest]) == pytest.approx(brute[dearest])
 
 
 def test_a_sized_plan_keeps_its_streams_on_time_on_seeds_it_did_not_use(ppipe_profiles, hc2_large):

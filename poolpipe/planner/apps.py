@@ -79,6 +79,10 @@ class _Unservable(InfeasibleError):
     """The application MILP itself is infeasible (the rates asked cannot be served)."""
 
 
+class Dearer(PoolpipeError):
+    """cheapest_apps proved no plan costs at most the `at_most` it was given."""
+
+
 DEFAULT_GRID = 10
 
 
@@ -191,6 +195,7 @@ def cheapest_apps(
     budgets: Mapping[tuple[str, str], float] | None = None,
     whole: bool = False,
     start: AppPlan | None = None,
+    at_most: float | None = None,
 ) -> AppPlan:
     """The cheapest GPUs of the cluster (prices per GPU-hour) serving each application at
     `rates[name]` req/s within its SLO, budgets chosen with the pipelines (`joint`) or
@@ -199,7 +204,9 @@ def cheapest_apps(
     fixed split's, say) the MILP starts from where its budgets are on the grid; the result
     costs no more than it either way (the start itself where the MILP ends dearer: on
     hc2-large's traffic + scene the joint MILP stopped at 13.23 $/h after 30 s, where the
-    proportional split is proven at 12.88 in 7 s)."""
+    proportional split is proven at 12.88 in 7 s). `at_most`: only a plan costing at most
+    this is wanted (a search comparing plans): Dearer where the solver proves none does,
+    sooner than it would prove the cheapest."""
     names = [a.name for a in req.apps]
     extra = sorted(set(rates) - set(names))
     missing = [n for n in names if n not in rates]
@@ -220,7 +227,7 @@ def cheapest_apps(
     if start is not None and start.cost_per_hour is None:
         raise PoolpipeError("start: a plan of the cost objective (cheapest_apps), not max-min")
     try:
-        return _plan(req, split, budgets, (rates, {g: prices[g] for g in gpus}), start)
+        return _plan(req, split, budgets, (rates, {g: prices[g] for g in gpus}), start, at_most)
     except _Unservable:
         weighted = replace(req, apps=tuple(replace(a, weight=rates[a.name]) for a in req.apps))
         share = plan_apps(weighted, split, budgets).objective
@@ -370,6 +377,7 @@ def _plan(
     budgets: Mapping[tuple[str, str], float] | None,
     cost: tuple[Mapping[str, float], Mapping[str, float]] | None,
     start: AppPlan | None = None,
+    at_most: float | None = None,
 ) -> AppPlan:
     options = _options(req, budgets)
     t0 = time.perf_counter()
@@ -381,7 +389,12 @@ def _plan(
     first = None
     if start is not None:
         first = _start_values(req, options, start, z, rates, xs, ys, ns, cost is not None)
-    result = solve(milp, req.solver, req.time_limit_s, req.mip_gap, start=first)
+    cutoff = None
+    if cost is not None and at_most is not None:  # the objective: -cost in price units
+        cutoff = -at_most * price_units(dict(cost[1]))[1] - 0.5
+    result = solve(milp, req.solver, req.time_limit_s, req.mip_gap, start=first, cutoff=cutoff)
+    if result.status == "cutoff":
+        raise Dearer(f"no plan costs at most {at_most:g} per hour")
     seconds = time.perf_counter() - t0
     if cost is not None and start is not None and budgets is None:  # the joint split's
         kept = _cheaper_start(start, result, cost[1], seconds, req.mip_gap)

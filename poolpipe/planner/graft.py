@@ -43,6 +43,7 @@ from poolpipe.errors import InfeasibleError, PoolpipeError, SolverError
 from poolpipe.planner.apps import (
     AppPlan,
     AppPlanRequest,
+    Dearer,
     app_plan_document,
     cheapest_apps,
     size_by_share,
@@ -357,28 +358,50 @@ class _Planner:
     def __init__(self, req: GraftRequest, how: str, on_step: Callable[[str], None]):
         self.req, self.how, self.on_step = req, how, on_step
         self.raw = how == "raw"
-        self.memo: dict[tuple, AppPlan | None] = {}
+        # per model's groups and rates: its plan, None (not served), or a price it was
+        # proven dearer than
+        self.memo: dict[tuple, AppPlan | float | None] = {}
         self.why: dict[str, str] = {}  # per model, why its last plan alone failed
         self.priced = 0
 
-    def model(self, groups: tuple[Group, ...], rates: Mapping[str, float]) -> AppPlan | None:
-        """One model's groups planned alone at `rates` (None: they cannot be served)."""
+    def model(
+        self,
+        groups: tuple[Group, ...],
+        rates: Mapping[str, float],
+        at_most: float | None = None,
+    ) -> AppPlan | None:
+        """One model's groups planned alone at `rates` (None: they cannot be served, or,
+        given `at_most`, not for at most that price)."""
         areq, own = app_request(self.req, groups, self.raw, rates)
         key = (groups, tuple(sorted((n, rates[n]) for n in own)))
-        if key not in self.memo:
+        known = self.memo.get(key, False)
+        if isinstance(known, float):  # proven dearer than `known` before
+            if at_most is not None and at_most <= known:
+                return None
+            known = False
+        if known is False:
             self.priced += 1
             self.on_step(f"{groups[0].model}: " + ", ".join(str(list(g.entries)) for g in groups))
             try:
                 self.memo[key] = cheapest_apps(
-                    areq, {n: rates[n] for n in own}, self.req.unit_prices
+                    areq, {n: rates[n] for n in own}, self.req.unit_prices, at_most=at_most
                 )
+            except Dearer:
+                assert at_most is not None
+                self.memo[key] = float(at_most)
+                return None
             except InfeasibleError as e:
                 self.memo[key] = None
                 self.why[groups[0].model] = str(e)
-        return self.memo[key]
+        found = self.memo[key]
+        return None if isinstance(found, float) else found
 
-    def price(self, groups: tuple[Group, ...], rates: Mapping[str, float]) -> float:
-        plan = self.model(groups, rates)
+    def price(
+        self, groups: tuple[Group, ...], rates: Mapping[str, float], at_most: float | None = None
+    ) -> float:
+        """What `groups` cost planned alone at `rates` (inf: not served, or dearer than
+        `at_most` where given)."""
+        plan = self.model(groups, rates, at_most)
         return math.inf if plan is None else float(plan.cost_per_hour or 0.0)
 
     def all(self, chosen: Mapping[str, tuple[Group, ...]], rates: Mapping[str, float]) -> AppPlan:
@@ -498,7 +521,10 @@ def plan_streams(
     if groups is not None:
         chosen = _given(req, how, groups)
     elif how == "realigned":
-        chosen = {m: _merged(gs, lambda g: planner.price(g, rates)) for m, gs in chosen.items()}
+        chosen = {
+            m: _merged(gs, lambda g, at_most: planner.price(g, rates, at_most))
+            for m, gs in chosen.items()
+        }
     groups = [g for gs in chosen.values() for g in gs]
     areq, _ = app_request(req, groups, planner.raw)
     result = GraftPlan(how, tuple(groups), areq, planner.all(chosen, rates), 0.0, 0, dict(rates))
@@ -531,18 +557,20 @@ def _given(req: GraftRequest, how: str, groups: Sequence[Group]) -> dict[str, tu
 
 
 def _merged(
-    start: tuple[Group, ...], price: Callable[[tuple[Group, ...]], float]
+    start: tuple[Group, ...], price: Callable[[tuple[Group, ...], float | None], float]
 ) -> tuple[Group, ...]:
     """Graft's merging: one model's groups, adjacent ones merged while a merge does not
-    raise the price of the model's plan alone, the merge lowering it most first."""
+    raise the price of the model's plan alone, the merge lowering it most first.
+    `price(groups, at_most)`: inf where dearer than `at_most` (a trial dearer than the
+    best so far is never merged: the solver need only prove it dearer)."""
     groups = start
-    best = price(groups)
+    best = price(groups, None)
     while len(groups) > 1:
         trials = []
         for i in range(len(groups) - 1):
             merged = Group(groups[i].model, groups[i].fragments + groups[i + 1].fragments)
             trial = (*groups[:i], merged, *groups[i + 2 :])
-            trials.append((price(trial), i, trial))
+            trials.append((price(trial, best), i, trial))
         cost, _, trial = min(trials, key=lambda t: (t[0], t[1]))
         if cost > best + 1e-9:  # equal: merged (fewer, larger pools queue better)
             break
