@@ -14,8 +14,9 @@ is simulated at the streams' rates on seeds it was not sized on (--seeds, --dura
 Prints the mix, then a row per plan: GPUs, cost against the per-fragment and raw plans,
 the least stream's share on time (the two seeds pooled), planning time; stores them in the
 warehouse (bench_serving, bench "hybrid"). --live (or --only-live): group 2's streams
-re-aligned on EMULATED --live-cluster, served by the router and loaded with their feature
-maps at --live-load x their rates (live_part; bench "hybrid-live"; root, namespaces).
+re-aligned on EMULATED --live-cluster, served by the router, each client class a host of
+its own behind a rate-limited link sending its feature maps at --live-load x its rate
+(live_part; bench "hybrid-live"; root, namespaces).
 
     ./run bench-hybrid [--clusters hc2-large] [--models repvgg-b3,tf_efficientdet_d1,convnext_large]
                        [--uplinks 100,200,400,800,1600] [--rates 40,80,120,160] [--duration 30]
@@ -29,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -45,6 +47,16 @@ from poolpipe_cli.common import ppipe_dir
 console = Console(width=None if sys.stdout.isatty() else 170)
 
 
+def client_side(
+    p: ModelProfile, slowdown: float, compress: float, client_gpu: str
+) -> tuple[np.ndarray, list[float]]:
+    """A client's blocks' latencies (µs, the client GPU's x `slowdown`) and the bytes it
+    uploads at each entry block (the raw input, then each boundary / `compress`)."""
+    client = p.tables[(client_gpu, 1)].latency_us[:, 0] * slowdown
+    assert p.input_bytes is not None
+    return client, [p.input_bytes, *(b / compress for b in p.boundary_bytes)]
+
+
 def mix(
     profiles: dict[str, ModelProfile],
     models: list[str],
@@ -53,16 +65,15 @@ def mix(
     slowdown: float,
     compress: float,
     client_gpu: str = "P4",
-) -> list[EntryStream]:
-    """The streams of the module doc (a client class whose every entry misses the SLO is
-    left out, and said)."""
-    out: list[EntryStream] = []
+) -> list[tuple[EntryStream, float]]:
+    """The streams of the module doc, each with its client class's uplink (Mbit/s; a
+    class whose every entry misses the SLO is left out, and said)."""
+    out: list[tuple[EntryStream, float]] = []
     for m in models:
         p = profiles[m]
-        assert p.slo_us is not None and p.input_bytes is not None
-        client = p.tables[(client_gpu, 1)].latency_us[:, 0] * slowdown
+        assert p.slo_us is not None
+        client, upload = client_side(p, slowdown, compress, client_gpu)
         server = p.tables[("L4", 1)].latency_us[:, 0]
-        upload = [p.input_bytes, *(b / compress for b in p.boundary_bytes)]
         for mbps in uplinks:
             try:
                 entry, budget = choose_entry(client, upload, mbps * 1e6 / 8, server, p.slo_us, 0.4)
@@ -70,7 +81,7 @@ def mix(
                 console.print(f"{m} at {mbps:g} Mbit/s left out: {e}", highlight=False)
                 continue
             rate = rates[len(out) % len(rates)]
-            out.append(EntryStream(f"{m}.{mbps:g}mbps", m, entry, budget, rate, p.slo_us))
+            out.append((EntryStream(f"{m}.{mbps:g}mbps", m, entry, budget, rate, p.slo_us), mbps))
     return out
 
 
@@ -126,14 +137,17 @@ def main() -> int:
     unknown = [m for m in models if m not in profiles]
     if unknown:
         ap.error(f"--models: {', '.join(unknown)} not in {args.profiles}")
-    streams = mix(
-        profiles,
-        models,
-        [float(x) for x in args.uplinks.split(",")],
-        [float(x) for x in args.rates.split(",")],
-        args.client_slowdown,
-        args.compress,
-    )
+    streams = [
+        s
+        for s, _ in mix(
+            profiles,
+            models,
+            [float(x) for x in args.uplinks.split(",")],
+            [float(x) for x in args.rates.split(",")],
+            args.client_slowdown,
+            args.compress,
+        )
+    ]
     print_mix(streams)
     seeds = [int(x) for x in args.seeds.split(",")]
     rows = BenchRows(args.label)
@@ -212,27 +226,22 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     """--live-models of group 2 (shadow models, testbed.emulated), a stream per model and
     --live-uplinks rate (clients at the T4's latencies x --client-slowdown, feature maps
     uploaded --live-compress times compressed), planned re-aligned (and per fragment and raw
-    for their GPUs) for EMULATED --live-cluster (one emulated
-    GPU node per GPU in namespaces, time scale D, inputs counted on the first NICs), served
-    by the router; each stream's feature map at its entry block (zeros of the door's
-    shapes: the emulated nodes run no model) sent at --live-load x its rate, Poisson, the
-    streams mixed. Share on time per stream (by its budget) beside the plan simulated at
-    the same rates. Figures undilated. The load generator runs in the root namespace (no
-    rate-limited client links)."""
-    import numpy as np
-
+    for their GPUs) for EMULATED --live-cluster (one emulated GPU node per GPU in
+    namespaces, time scale D, inputs counted on the first NICs), served by the router.
+    Each client class is a host of its own (testbed/hybrid_load.py): a namespace whose
+    link is set so that its feature map (the door's tensors, zeros: the emulated nodes run
+    no model) takes the upload time the mix assumed at its uplink, x D; its requests are
+    captured Poisson at --live-load x its rate, wait the client's blocks' profiled time
+    (x D, EMULATED) and go up that link to the router. Share on time end to end (the
+    stream's SLO: client, upload, server) beside the plan simulated at the same rates
+    (the server's part, by its budget). Figures undilated."""
     from poolpipe.client.control import new_token_file
     from poolpipe.sim.apps import simulate_apps
     from poolpipe.sim.engine import SimConfig
     from testbed import scratch_dir
-    from testbed.emulated import (
-        GROUP2,
-        MixLoad,
-        emulated_nodes,
-        group2_inputs,
-        serve_dilated,
-    )
-    from testbed.loadgen import mix_times
+    from testbed.emulated import GROUP2, emulated_nodes, group2_inputs, serve_dilated
+    from testbed.hybrid_load import ClientClass, run_clients
+    from testbed.loadgen import poisson_times
     from testbed.netns import unavailable
 
     why = unavailable()
@@ -248,7 +257,7 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     unknown = [m for m in models if m not in GROUP2]
     if unknown:
         raise PoolpipeError(f"--live-models: {', '.join(unknown)} not of group 2 {GROUP2}")
-    streams = mix(
+    classes = mix(
         profiles,
         models,
         [float(x) for x in args.live_uplinks.split(",")],
@@ -257,11 +266,12 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         args.live_compress,
         client_gpu="T4",
     )
-    req = GraftRequest(tuple(streams), profiles, cluster, count_inputs=True)
+    req = GraftRequest(tuple(s for s, _ in classes), profiles, cluster, count_inputs=True)
     bad = unservable(req)
     for why in bad.values():
         console.print(f"left out: {why}", highlight=False)
-    streams = [s for s in streams if s.name not in bad]
+    classes = [(s, up) for s, up in classes if s.name not in bad]
+    streams = [s for s, _ in classes]
     req = GraftRequest(tuple(streams), profiles, cluster, count_inputs=True)
     print_mix(streams)
     with console.status(f"planning {len(streams)} streams for {cluster.name} ..."):
@@ -293,21 +303,35 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     with emulated_nodes(cluster, tmp / "cluster", d, token_file) as em:
         server = serve_dilated(
             doc, plan_id, warehouse, tmp / "serve", d, name="emulated-hybrid", token=token,
-            inventory=em.inventory(),
+            inventory=em.inventory(), listen=em.router_address,
         )  # fmt: skip
         try:
             dep = server.deployment
-            requests = []
-            for n in names:
-                io = dep.core.apps.ios[n]
-                requests.append((n, {t.name: np.zeros((1, *t.dims), t.dtype) for t in io.inputs}))
-            budgets = [doc.meta["apps"][n]["slo_us"] * d / 1e6 for n in names]
-            load = MixLoad(dep.grpc_url, requests, rates, budgets)
+            clients = []
+            for i, (s, uplink) in enumerate(classes):
+                p = profiles[s.model]
+                client_us, upload = client_side(p, args.client_slowdown, args.live_compress, "T4")
+                io = dep.core.apps.ios[s.name]
+                tensors = [(t.name, list(t.dims), np.dtype(t.dtype).name) for t in io.inputs]
+                sent_bytes = sum(np.dtype(t.dtype).itemsize * np.prod(t.dims) for t in io.inputs)
+                # the link carries the door's tensors in the upload time the mix assumed
+                namespace, _ = em.add_client(uplink / d * sent_bytes / upload[s.entry])
+                times = poisson_times(rates[i] / d, args.live_duration, seed + i)
+                clients.append(
+                    ClientClass(
+                        namespace, s.name, tensors, times.tolist(),
+                        float(client_us[: s.entry].sum()) * d / 1e6, s.slo_us * d / 1e6,
+                    )
+                )  # fmt: skip
             total = sum(rates)
-            with console.status(f"{total:.0f} req/s live for {args.live_duration:g} s ..."):
-                times, shots = load.send(total / d, args.live_duration, seed)
-            _, which = mix_times(total / d, rates, args.live_duration, seed)
+            with console.status(
+                f"{total:.0f} req/s live from {len(clients)} client hosts for "
+                f"{args.live_duration:g} s ..."
+            ):
+                shots = run_clients(dep.grpc_url, clients, tmp / "clients")
             members = dep.core.batch_members()
+            reasons = dict(dep.core.runtime.drop_reasons)
+            parts = {n: st.counts() for n, st in dep.core.runtime.stats.items()}
         finally:
             server.close()
     alone = simulate_apps(
@@ -315,27 +339,45 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         SimConfig(duration_s=args.live_duration / d * 4, seed=seed),
     )  # fmt: skip
     t = Table(
-        "stream", "entry", "req/s", "sent", "live on time", "plan alone, simulated",
-        title=f"EMULATED {cluster.name}, D = {d:g}: {args.live_load:g} x each stream's rate, "
-        f"{args.live_duration:g} s dilated (figures undilated)",
+        "stream", "entry", "req/s", "uplink (Mbit/s)", "sent", "on time, end to end",
+        "server's part, simulated",
+        title=f"EMULATED {cluster.name}, D = {d:g}: {args.live_load:g} x each stream's rate "
+        f"from a client host per stream, {args.live_duration:g} s dilated (figures undilated)",
     )  # fmt: skip
-    on = [0] * len(names)
-    for shot in shots:
-        on[shot.model] += load.on_time(shot)
+    sent_all = on_all = 0
     for i, s in enumerate(streams):
-        sent = int((which == i).sum())
-        share = on[i] / sent if sent else float("nan")
+        c = clients[i]
+        on = sum(1 for _, e2e, out in shots[i] if out == "ok" and e2e <= c.slo_s)
+        sent = len(c.times_s)
+        sent_all, on_all = sent_all + sent, on_all + on
+        share = on / sent if sent else float("nan")
         t.add_row(
-            s.name, str(s.entry), f"{rates[i]:.1f}", str(sent), f"{share:.2%}",
-            f"{alone.attainment(s.name):.2%}",
+            s.name, str(s.entry), f"{rates[i]:.1f}", f"{classes[i][1]:g}", str(sent),
+            f"{share:.2%}", f"{alone.attainment(s.name):.2%}",
         )  # fmt: skip
         rows.record("hybrid-live", f"{cluster.name}:D{d:g}:{s.name}", "live_attainment", share)
-    overall = sum(on) / len(times) if len(times) else float("nan")
+    overall = on_all / sent_all if sent_all else float("nan")
     t.add_row(
-        "all", "", f"{total:.1f}", str(len(times)), f"{overall:.2%}", f"{alone.attainment():.2%}"
-    )
+        "all", "", f"{sum(rates):.1f}", "", str(sent_all), f"{overall:.2%}",
+        f"{alone.attainment():.2%}",
+    )  # fmt: skip
     rows.record("hybrid-live", f"{cluster.name}:D{d:g}", "live_attainment", overall)
     console.print(t)
+    outcomes: dict[str, int] = {}
+    for i, c in enumerate(clients):
+        for _, e2e, out in shots[i]:
+            key = out if out != "ok" else "late" if e2e > c.slo_s else ""
+            if key:
+                outcomes[key] = outcomes.get(key, 0) + 1
+    if outcomes:  # what the misses were, and the router's reasons for its drops
+        console.print(
+            "missed: " + ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items()))
+            + (f"; the router's drops: {reasons}" if reasons else ""),
+            highlight=False,
+        )
+        for n, c in sorted(parts.items()):
+            if c.get("dropped") or c.get("late"):
+                console.print(f"  part {n}: {c}", highlight=False)
     uses: dict[str, int] = {}
     for n in names:
         for part in doc.meta["apps"][n]["parts"].values():

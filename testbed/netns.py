@@ -131,6 +131,7 @@ class EmulatedCluster:
         self.devices: list[str] = []  # from_cluster: each node slot's device type
         self._slots = slots
         self._made: list[tuple[str, ...]] = []  # teardown commands, last first
+        self._clients = 0  # client namespaces added (add_client)
 
     @classmethod
     def from_cluster(
@@ -191,22 +192,51 @@ class EmulatedCluster:
                 len(self.nodes), k, 0, f"{self.tag}-s{k}", str(hosts[9 + k]),
                 f"{self.tag}v{k}", f"{self.tag}p{k}",
             )  # fmt: skip
-            _run("ip", "netns", "add", s.namespace)
-            self._made.append(("ip", "netns", "del", s.namespace))
-            _run("ip", "link", "add", s.veth, "type", "veth", "peer", "name", s.peer)
-            self._made.append(("ip", "link", "del", s.veth))
-            _run("ip", "link", "set", s.peer, "netns", s.namespace)
-            inside = ("ip", "netns", "exec", s.namespace)
-            _run(*inside, "ip", "addr", "add", f"{s.address}/{prefix}", "dev", s.peer)
-            _run(*inside, "ip", "link", "set", s.peer, "up")
-            _run(*inside, "ip", "link", "set", "lo", "up")
-            _run("ip", "link", "set", s.veth, "master", self.bridge)
-            _run("ip", "link", "set", s.veth, "up")
-            for cmd in (("tc",), (*inside, "tc")):
-                dev = s.veth if len(cmd) == 1 else s.peer
-                _run(*cmd, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                     "burst", "256kb", "latency", "100ms")  # fmt: skip
+            self._namespace(s.namespace, s.veth, s.peer, s.address, rate)
             self.nodes += [replace(s, index=len(self.nodes) + j, slot=j) for j in range(slots)]
+
+    def _namespace(
+        self, namespace: str, veth: str, peer: str, address: str, rate: str, burst: str = "256kb"
+    ) -> None:
+        """A namespace on the bridge at `address`, its NIC limited to `rate` (tc's) both
+        ways, `burst` passing at once: the namespace end its uplink, the bridge end its
+        downlink."""
+        assert self.subnet is not None
+        _run("ip", "netns", "add", namespace)
+        self._made.append(("ip", "netns", "del", namespace))
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+        self._made.append(("ip", "link", "del", veth))
+        _run("ip", "link", "set", peer, "netns", namespace)
+        inside = ("ip", "netns", "exec", namespace)
+        _run(*inside, "ip", "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", peer)
+        _run(*inside, "ip", "link", "set", peer, "up")
+        _run(*inside, "ip", "link", "set", "lo", "up")
+        _run("ip", "link", "set", veth, "master", self.bridge)
+        _run("ip", "link", "set", veth, "up")
+        for cmd in (("tc",), (*inside, "tc")):
+            dev = veth if len(cmd) == 1 else peer
+            _run(*cmd, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                 "burst", burst, "latency", "100ms")  # fmt: skip
+
+    def add_client(self, mbit_s: float) -> tuple[str, str]:
+        """A client host of its own: a namespace on the cluster's network whose NIC carries
+        `mbit_s` (its uplink; its downlink alike), no more than 2 ms of it at once (a
+        feature map takes its size's time on it); (namespace, address). The router must
+        listen on `router_address` for it to reach it. Torn down with the cluster."""
+        if self.subnet is None:
+            raise EmulationError("add clients to an emulated cluster that is set up (with)")
+        if not (mbit_s > 0):
+            raise EmulationError(f"a client's link needs a rate > 0 Mbit/s, got {mbit_s}")
+        k = self._clients
+        if 9 + self.servers + k >= self.subnet.num_addresses - 2:
+            raise EmulationError(f"no address left in {self.subnet} for client {k}")
+        self._clients += 1
+        hosts = list(self.subnet.hosts())
+        namespace, address = f"{self.tag}-c{k}", str(hosts[-1 - k])
+        rate = f"{max(1, round(mbit_s * 1000))}kbit"
+        burst = f"{max(2_000, round(mbit_s * 1e6 / 8 * 0.002))}b"  # 2 ms, at least a frame
+        self._namespace(namespace, f"{self.tag}c{k}", f"{self.tag}q{k}", address, rate, burst)
+        return namespace, address
 
     # ------------------------------------------------------------------ nodes
 

@@ -217,3 +217,40 @@ def test_the_load_replan_follows_the_entry_mix(onboarded, prefect_api):
         send("edge", fmap)
     finally:
         server.close()
+
+
+def test_hybrid_clients_on_hosts_of_their_own_upload_over_their_links(onboarded, tmp_path):
+    """Client classes in namespaces of their own (testbed/hybrid_load.py): each sends its
+    feature map to the router on the cluster's network over a rate-limited link; every
+    answer comes back, and a slow link's requests take at least their bytes' time on it,
+    plus the client's blocks' (emulated) time."""
+    from testbed.hybrid_load import ClientClass, run_clients
+    from testbed.netns import EmulatedCluster, unavailable
+    from triton_backend.deploy.deployment import Deployment
+
+    if unavailable():
+        pytest.skip(f"no network namespaces: {unavailable()}")
+    wh, _ = onboarded
+    with Warehouse.open(wh) as w:
+        profile = w.load_profile("m")
+    streams = (EntryStream("edge", "m", 2, 3_000e3, 1.0, 3_000e3),)
+    cluster = Cluster("graft-local", 10.0, (GpuPool("cpu-1t", 8, 1, (1,)),))
+    req = GraftRequest(streams, {"m": profile}, cluster, margin=0.3, headroom=False)
+    doc, _ = plan_streams(req, "realigned").document()
+    with EmulatedCluster(1, tmp_path / "em") as em:
+        dep = Deployment.up(doc, wh, tmp_path / "ws", listen=em.router_address)
+        try:
+            io = dep.core.apps.ios["edge"]
+            tensors = [(t.name, list(t.dims), np.dtype(t.dtype).name) for t in io.inputs]
+            size = sum(np.dtype(t.dtype).itemsize * int(np.prod(t.dims)) for t in io.inputs)
+            mbit = {"slow": size * 8 / 1e6 / 0.2, "fast": 1000.0}  # slow: 200 ms a map
+            classes = [
+                ClientClass(em.add_client(rate)[0], "edge", tensors, [0.0, 1.0, 2.0], 0.05, 3.0)
+                for rate in mbit.values()
+            ]
+            slow, fast = run_clients(dep.grpc_url, classes, tmp_path / "clients")
+        finally:
+            dep.down()
+    assert [o for *_, o in slow + fast] == ["ok"] * 6, (slow, fast)
+    assert all(e2e >= 0.05 + 0.2 * 0.9 for _, e2e, _ in slow), slow  # tc's burst: 10% off
+    assert max(e2e for _, e2e, _ in fast) < min(e2e for _, e2e, _ in slow), (slow, fast)
