@@ -60,14 +60,17 @@ def client_side(
 def mix(
     profiles: dict[str, ModelProfile],
     models: list[str],
-    uplinks: list[float],
-    rates: list[float],
+    uplinks_text: str,
+    rates_text: str,
     slowdown: float,
     compress: float,
     client_gpu: str = "P4",
 ) -> list[tuple[EntryStream, float]]:
     """The streams of the module doc, each with its client class's uplink (Mbit/s; a
-    class whose every entry misses the SLO is left out, and said)."""
+    class whose every entry misses the SLO is left out, and said); uplinks (Mbit/s) and
+    rates (req/s) as the options give them, comma-separated."""
+    uplinks = [float(x) for x in uplinks_text.split(",")]
+    rates = [float(x) for x in rates_text.split(",")]
     out: list[tuple[EntryStream, float]] = []
     for m in models:
         p = profiles[m]
@@ -137,17 +140,10 @@ def main() -> int:
     unknown = [m for m in models if m not in profiles]
     if unknown:
         ap.error(f"--models: {', '.join(unknown)} not in {args.profiles}")
-    streams = [
-        s
-        for s, _ in mix(
-            profiles,
-            models,
-            [float(x) for x in args.uplinks.split(",")],
-            [float(x) for x in args.rates.split(",")],
-            args.client_slowdown,
-            args.compress,
-        )
-    ]
+    classes = mix(
+        profiles, models, args.uplinks, args.rates, args.client_slowdown, args.compress
+    )
+    streams = [s for s, _ in classes]
     print_mix(streams)
     seeds = [int(x) for x in args.seeds.split(",")]
     rows = BenchRows(args.label)
@@ -258,14 +254,9 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
     if unknown:
         raise PoolpipeError(f"--live-models: {', '.join(unknown)} not of group 2 {GROUP2}")
     classes = mix(
-        profiles,
-        models,
-        [float(x) for x in args.live_uplinks.split(",")],
-        [float(x) for x in args.live_rates.split(",")],
-        args.client_slowdown,
-        args.live_compress,
-        client_gpu="T4",
-    )
+        profiles, models, args.live_uplinks, args.live_rates, args.client_slowdown,
+        args.live_compress, client_gpu="T4",
+    )  # fmt: skip
     req = GraftRequest(tuple(s for s, _ in classes), profiles, cluster, count_inputs=True)
     bad = unservable(req)
     for why in bad.values():

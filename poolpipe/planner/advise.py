@@ -201,25 +201,16 @@ def advise(
         plan = make_plan(req)
     except InfeasibleError as exc:
         why_not = str(exc)
-    return Advice(
-        rates=observed,
-        asked=asked,
-        headroom=headroom,
-        in_use=dict(served.gpus_used()),
-        available={p.gpu: p.count for p in cluster.pools},
-        needed=None if plan is None else dict(plan.gpus_used()),
-        deliverable=None
-        if plan is None
-        else {m.name: None if m.deliverable is None else float(m.deliverable) for m in plan.models},
-        cost_per_hour=None if plan is None else float(plan.meta.get("cost_per_hour", math.nan)),
-        served_cost_per_hour=float(
-            sum(price.get(g, 1.0) * n for g, n in served.gpus_used().items())
-        ),
-        priced=priced,
-        why_not=why_not,
-        releasable=tuple(releasable_nodes(nodes, idle_s)),
-        plan=plan,
-    )
+    deliverable = None
+    if plan is not None:
+        deliverable = {
+            m.name: None if m.deliverable is None else float(m.deliverable) for m in plan.models
+        }
+    cost = None if plan is None else float(plan.meta.get("cost_per_hour", math.nan))
+    return _advice(
+        served, cluster, observed, asked, headroom, (price, priced), (plan, deliverable, cost),
+        why_not, releasable_nodes(nodes, idle_s),
+    )  # fmt: skip
 
 
 def _observed(names: Sequence[str], rates: Mapping[str, float]) -> dict[str, float]:
@@ -291,6 +282,30 @@ def _advise_streams(
         plan, cost = gp.document()[0], gp.cost_per_hour
     except InfeasibleError as exc:
         why_not = str(exc)
+    # a sized plan keeps >= 99% of each stream on time at the rate asked
+    deliverable = None if plan is None else {n: asked[n] if sized else None for n in names}
+    return _advice(
+        served, cluster, observed, asked, headroom, (price, priced), (plan, deliverable, cost),
+        why_not, releasable_nodes(nodes, idle_s),
+    )  # fmt: skip
+
+
+def _advice(
+    served: Plan,
+    cluster: Cluster,
+    observed: dict[str, float],
+    asked: dict[str, float],
+    headroom: float,
+    prices: tuple[dict[str, float], bool],
+    advised: tuple[Plan | None, dict[str, float | None] | None, float | None],
+    why_not: str | None,
+    releasable: list[dict[str, Any]],
+) -> Advice:
+    """The Advice of a plan planned for the load (`advised`: the plan, what it delivers,
+    its cost per hour; None where the cluster cannot serve it, `why_not`) against `served`
+    at `prices` (per GPU type, and whether they were known)."""
+    plan, deliverable, cost = advised
+    price, priced = prices
     return Advice(
         rates=observed,
         asked=asked,
@@ -298,15 +313,14 @@ def _advise_streams(
         in_use=dict(served.gpus_used()),
         available={p.gpu: p.count for p in cluster.pools},
         needed=None if plan is None else dict(plan.gpus_used()),
-        # a sized plan keeps >= 99% of each stream on time at the rate asked
-        deliverable=None if plan is None else {n: asked[n] if sized else None for n in names},
+        deliverable=deliverable,
         cost_per_hour=cost,
         served_cost_per_hour=float(
             sum(price.get(g, 1.0) * n for g, n in served.gpus_used().items())
         ),
         priced=priced,
         why_not=why_not,
-        releasable=tuple(releasable_nodes(nodes, idle_s)),
+        releasable=tuple(releasable),
         plan=plan,
     )
 
