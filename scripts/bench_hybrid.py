@@ -322,6 +322,15 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
                 shots = run_clients(dep.grpc_url, clients, tmp / "clients")
             members = dep.core.batch_members()
             reasons = dict(dep.core.runtime.drop_reasons)
+            # each pool's stage latency at a batch of one and its input's transfer (ms,
+            # undilated): the plan's, as the router calibrated it, as it scaled it since
+            base, now = dep.core.runtime.base_topo, dep.core.runtime.topo
+            pools = [
+                (base.models[p.model].name, p.gpu, p.share, len(p.vgpus),
+                 [q.latency_us[1] / d / 1e3 for q in (p, now.pools[p.id])],
+                 p.transfer_in_us / d / 1e3)
+                for p in base.pools
+            ]  # fmt: skip
             parts = {n: st.counts() for n, st in dep.core.runtime.stats.items()}
         finally:
             server.close()
@@ -369,6 +378,13 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         for n, c in sorted(parts.items()):
             if c.get("dropped") or c.get("late"):
                 console.print(f"  part {n}: {c}", highlight=False)
+        for name, gpu, share, vgpus, (cal, scaled), into in pools:
+            planned = doc.model(name).pipelines[0].latency_us / 1e3
+            console.print(
+                f"  pool {name} on {vgpus} {gpu}/{share}: stage {cal:.2f} ms calibrated, "
+                f"{scaled:.2f} ms now, input {into:.2f} ms (pipeline planned {planned:.2f} ms)",
+                highlight=False,
+            )
     uses: dict[str, int] = {}
     for n in names:
         for part in doc.meta["apps"][n]["parts"].values():
