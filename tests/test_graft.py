@@ -307,3 +307,25 @@ def test_the_entry_mix_moving_is_the_load_a_plan_of_streams_is_advised_for(
     )
     with pytest.raises(PoolpipeError, match="no stream of"):
         advise(doc, ppipe_profiles, {"nobody": 1.0}, hc2_large)
+
+
+def test_a_client_slo_no_path_meets_is_refused_naming_the_least_that_is():
+    """An application request's own SLO (a hybrid client's budget left) is checked before
+    anything runs: each part's earliest end, after its parents' fastest paths, against
+    its due time scaled to that SLO; the refusal names the least SLO that passes."""
+    from poolpipe.domain.apps import App, Edge
+    from poolpipe.runtime.apps import check_app_slo, served_app
+    from poolpipe.runtime.intake import BadRequest
+
+    app = App("cam", 40e3, 1.0, ("m.1-3", "m.3-10"), (Edge("m.1-3", "m.3-10"),))
+    served = served_app(app, {"m.1-3": 15e3, "m.3-10": 25e3}, {"m.1-3": "a", "m.3-10": "b"})
+    fastest = {"a": 6e3, "b": 12e3}.__getitem__
+    # due: a by 15 ms, b by 40 (after a); earliest ends: a at 6 ms, b at 6 + 12 = 18
+    check_app_slo(served, 40e3, fastest, 0.0)  # the plan's own
+    check_app_slo(served, 18e3, fastest, 0.0)  # b's due scaled to 18 ms: just fits
+    with pytest.raises(BadRequest, match=r"too short.*b ends 18.00 ms.*at least 18.00") as e:
+        check_app_slo(served, 17e3, fastest, 0.0)
+    least = float(str(e.value).rsplit(" ", 1)[-1]) * 1e3
+    check_app_slo(served, least, fastest, 0.0)
+    with pytest.raises(BadRequest, match=r"1 ms held back.*at least 19\.00"):
+        check_app_slo(served, 18.5e3, fastest, 1e3)  # the reply margin counts

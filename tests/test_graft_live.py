@@ -89,18 +89,22 @@ def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboard
         assert members["m.2-4"]["members"] == {"cam1": 1, "cam2": 1}, members
         assert members["m.1-2"]["members"] == {"cam1": 1} and members["m"]["batches"] == 1
         # the client's budget left is the request's deadline: a long one answered, one no
-        # pipeline meets dropped, explicitly
+        # pipeline meets even idle refused (the fix named) before anything runs
         sent = _sent(mod, inputs)  # entry 3's feature map
         kept = client.infer("cam3", sent, parameters={"slo_ms": 2500})
         assert kept.as_numpy(io.outputs[0].name).shape == want.shape
-        with pytest.raises(InferenceServerException, match="POOLPIPE_DROPPED: application cam3"):
+        before = stats["m.3-4"].arrivals
+        with pytest.raises(InferenceServerException, match="too short for this plan") as refused:
             client.infer("cam3", sent, parameters={"slo_ms": 0.01})
+        assert "send slo_ms of at least" in str(refused.value)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT", refused.value.status()
+        assert stats["m.3-4"].arrivals == before
         # a feature map of the wrong shape is refused before anything runs
         bad = mod.InferInput("in_0", [1, 3, 32, 32], "FP16")
         bad.set_data_from_numpy(np.zeros((1, 3, 32, 32), np.float16))
         with pytest.raises(InferenceServerException, match="in_0"):
             client.infer("cam2", [bad])
-        assert stats["m.2-4"].arrivals == 2 and stats["cam3"].arrivals == 3
+        assert stats["m.2-4"].arrivals == 2 and stats["cam3"].arrivals == 2
         # the hybrid client: its blocks timed here, an entry the plan serves, the answer
         from poolpipe.client.hybrid import HybridClient, doors
 

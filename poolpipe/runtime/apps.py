@@ -30,6 +30,7 @@ from typing import Any
 
 from poolpipe.domain.apps import App, FanOut
 from poolpipe.errors import PoolpipeError
+from poolpipe.runtime.intake import BadRequest
 from poolpipe.runtime.ports import FAILED, LATE, ON_TIME, Clock, Outcome, count_answer
 from poolpipe.runtime.stats import ModelStats
 
@@ -77,6 +78,30 @@ def served_app(app: App, budgets_us: Mapping[str, float], parts: Mapping[str, st
         tuple(tuple((pos[e.dst], e.fanout) for e in app.children(m)) for m in app.models),
         tuple(tuple(pos[e.src] for e in app.parents(m)) for m in app.models),
     )
+
+
+def check_app_slo(
+    app: ServedApp, slo_us: float, fastest_us: Callable[[str], float], reply_margin_us: float
+) -> None:
+    """A BadRequest where a request of `app` asking for its own SLO `slo_us` cannot be
+    met even with every GPU idle: some part, started once its parents' fastest paths end
+    and run on its fastest pipeline (`fastest_us(part)`), ends after its due time scaled
+    to that SLO (less the reply margin); before anything runs."""
+    finish: list[float] = []
+    for pos, part in enumerate(app.parts):
+        start = max((finish[p] for p in app.parents[pos]), default=0.0)
+        finish.append(start + fastest_us(part))
+    # the least scale of the plan's due times every part's earliest end fits in
+    need, pos = max(
+        ((f + reply_margin_us) / max(app.due_us[i], 1e-9), i) for i, f in enumerate(finish)
+    )
+    if slo_us < need * app.slo_us:
+        raise BadRequest(
+            f"application {app.name}: slo_ms {slo_us / 1e3:g} is too short for this plan: "
+            f"{app.parts[pos]} ends {finish[pos] / 1e3:.2f} ms after arrival at the earliest "
+            f"(every GPU idle, {reply_margin_us / 1e3:g} ms held back for the reply); send "
+            f"slo_ms of at least {need * app.slo_us / 1e3:.2f}"
+        )
 
 
 class AppRequest:
