@@ -126,8 +126,8 @@ def cmd_graft_client(args: argparse.Namespace) -> int:
     (Poisson), each running the model's first blocks here (cut from the warehouse's files,
     timed here first), its entry chosen among the plan's by Neurosurgeon's rule at
     --uplink-mbps, the rest sent to the router with what is left of --slo-ms. Prints the
-    entries used, on time, dropped, latency p50 / p99, and each of the first --check
-    answers against the whole model run here (ONNX Runtime)."""
+    entries used, on time, dropped, refused, latency p50 / p99, and each of the first
+    --check answers against the whole model run here (ONNX Runtime)."""
     import time
 
     import numpy as np
@@ -183,7 +183,7 @@ def cmd_graft_client(args: argparse.Namespace) -> int:
     from tritonclient.utils import InferenceServerException
 
     entries: dict[int, int] = {}
-    latencies, late, dropped, worst = [], 0, 0, 0.0
+    latencies, late, dropped, refused, worst = [], 0, 0, 0, 0.0
     start = time.perf_counter()
     due = 0.0
     try:
@@ -193,8 +193,12 @@ def cmd_graft_client(args: argparse.Namespace) -> int:
             try:
                 got = client.infer(x, uplink)
             except InferenceServerException as e:
-                dropped += 1
-                if dropped <= 3:
+                # refused: a budget left that no path of the plan meets (400 up front)
+                if e.status() == "StatusCode.INVALID_ARGUMENT":
+                    refused += 1
+                else:
+                    dropped += 1
+                if dropped + refused <= 3:
                     console.print(f"request {k}: {e.message()}", highlight=False)
                 continue
             entries[got.entry] = entries.get(got.entry, 0) + 1
@@ -211,7 +215,8 @@ def cmd_graft_client(args: argparse.Namespace) -> int:
     p50, p99 = (np.percentile(latencies, q) if latencies else float("nan") for q in (50, 99))
     console.print(
         f"{args.requests} requests: {on_time} on time ({on_time / args.requests:.1%}), "
-        f"{late} late, {dropped} dropped; entries {dict(sorted(entries.items()))}; latency "
+        f"{late} late, {dropped} dropped, {refused} refused; "
+        f"entries {dict(sorted(entries.items()))}; latency "
         f"p50 {p50:.1f} ms, p99 {p99:.1f} ms (the client's blocks and the upload estimate "
         f"included); the first {min(args.check, answered)} answers within {worst:.2e} of "
         "the whole model's (max |diff| / max |answer|; fp16 between stages)",

@@ -143,7 +143,7 @@ def test_every_entry_block_through_the_router_answers_as_the_whole_model(onboard
         argv += ["--requests", "6", "--rate", "20", "--workspace", str(tmp / "cli")]
         assert main(argv) == 0
         text = " ".join(capsys.readouterr().out.split())
-        assert "6 requests: 6 on time (100.0%), 0 late, 0 dropped" in text, text
+        assert "6 requests: 6 on time (100.0%), 0 late, 0 dropped, 0 refused" in text, text
     finally:
         dep.down()
 
