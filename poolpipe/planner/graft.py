@@ -562,15 +562,19 @@ def _merged(
     """Graft's merging: one model's groups, adjacent ones merged while a merge does not
     raise the price of the model's plan alone, the merge lowering it most first.
     `price(groups, at_most)`: inf where dearer than `at_most` (a trial dearer than the
-    best so far is never merged: the solver need only prove it dearer)."""
+    best so far, or than a cheaper trial of its round, is never merged: the solver need
+    only prove it dearer)."""
     groups = start
     best = price(groups, None)
     while len(groups) > 1:
         trials = []
+        bound = best  # the least price found this round: a dearer trial is never chosen
         for i in range(len(groups) - 1):
             merged = Group(groups[i].model, groups[i].fragments + groups[i + 1].fragments)
             trial = (*groups[:i], merged, *groups[i + 2 :])
-            trials.append((price(trial, best), i, trial))
+            cost = price(trial, bound)
+            trials.append((cost, i, trial))
+            bound = min(bound, cost)
         cost, _, trial = min(trials, key=lambda t: (t[0], t[1]))
         if cost > best + 1e-9:  # equal: merged (fewer, larger pools queue better)
             break
