@@ -107,6 +107,9 @@ def main() -> int:
     ap.add_argument("--client-slowdown", type=float, default=1.0, help="x the P4 latency (1)")
     ap.add_argument("--compress", type=float, default=4.0, help="feature maps uploaded / (4)")
     ap.add_argument("--seeds", default="21,22", help="simulation seeds (21,22)")
+    ap.add_argument(
+        "--merge", choices=("first", "best"), default="first", help="re-aligned merging (first)"
+    )
     ap.add_argument("--duration", type=float, default=30.0, help="simulated s per seed (30)")
     ap.add_argument("--warehouse", type=Path, default=None)
     ap.add_argument("--label", default="bench")
@@ -156,7 +159,7 @@ def main() -> int:
     for name in args.clusters.split(","):
         if name not in clusters:
             ap.error(f"--clusters: {name} not in {args.profiles / 'clusters.toml'}")
-        req = GraftRequest(tuple(streams), profiles, clusters[name])
+        req = GraftRequest(tuple(streams), profiles, clusters[name], merge=args.merge)
         plans = {}
         for how in HOWS:
             try:

@@ -3,6 +3,7 @@ spec, the client's choice of entry, shared suffix pools planned and simulated.""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -126,13 +127,20 @@ def test_a_shared_suffix_serves_both_entry_points_and_segments_share_gpus(
         assert head["mixed"] == 0 and set(head["members"]) == {f"{m}.e1"}
 
 
-def test_realigned_merging_finds_the_cheapest_grouping_of_a_small_mix(ppipe_profiles, hc2_large):
+@pytest.mark.parametrize(
+    ("shares", "rate"),
+    [
+        (((1, 0.9), (3, 0.85), (4, 0.8)), 150.0),  # every grouping costs 5
+        (((1, 0.6), (3, 0.9), (4, 0.9)), 150.0),  # all in one costs 6, the rest 5
+        (((1, 0.9), (2, 0.9), (4, 0.55)), 100.0),  # apart 3, any merge 4
+    ],
+)
+def test_realigned_merging_finds_the_cheapest_grouping_of_a_small_mix(
+    ppipe_profiles, hc2_large, shares, rate
+):
     m = "convnext_large"
     slo = ppipe_profiles[m].slo_us
-    streams = tuple(
-        EntryStream(f"s{e}", m, e, slo * share, 150.0, slo)
-        for e, share in ((1, 0.9), (3, 0.85), (4, 0.8))
-    )
+    streams = tuple(EntryStream(f"s{e}", m, e, slo * share, rate, slo) for e, share in shares)
     req = GraftRequest(streams, ppipe_profiles, hc2_large, headroom=False)
     planner = _Planner(req, "realigned", lambda line: None)
     rates = {s.name: s.rate for s in streams}
@@ -147,10 +155,11 @@ def test_realigned_merging_finds_the_cheapest_grouping_of_a_small_mix(ppipe_prof
             current.append(f)
         groups.append(Group(m, tuple(current)))
         brute[tuple(groups)] = planner.price(tuple(groups), rates)
-    got = plan_streams(req, "realigned")
     fragment = plan_streams(req, "per-fragment")
-    assert got.cost_per_hour == pytest.approx(min(brute.values()))
-    assert got.cost_per_hour <= fragment.cost_per_hour
+    for merge in ("first", "best"):
+        got = plan_streams(dataclasses.replace(req, merge=merge), "realigned")
+        assert got.cost_per_hour == pytest.approx(min(brute.values())), merge
+        assert got.cost_per_hour <= fragment.cost_per_hour
     assert fragment.cost_per_hour == pytest.approx(brute[tuple(Group(m, (f,)) for f in frags)])
     # priced with a bound (as merging prices its trials): dearer is proven, not solved
     dearest = max(brute, key=lambda g: brute[g])

@@ -20,9 +20,10 @@ A fragment is a stream's entry block and budget; streams of one fragment share t
 parts in every plan. How groups are chosen is Graft's merging heuristic, not exact (the
 MILP has no choice of paths): from one group per fragment (the per-fragment plan), in the
 order of their entries and budgets, adjacent groups of a model are merged while a merge
-does not raise the price of that model's streams planned alone on the cluster (the merge
-lowering it most first; of equal prices the fewer, larger pools, which queue better); the
-models' groups are then planned together.
+does not raise the price of that model's streams planned alone on the cluster (the first
+such merge in that order each round, each trial priced against the best so far, which the
+solver need only prove it exceeds; of equal prices the fewer, larger pools, which queue
+better); the models' groups are then planned together.
 `sized=True` sizes each plan on what it delivers: simulated at the streams' rates, the rate
 asked of the MILP for a stream short of 99% on time grows and the plan is made again
 (as the cost objective's sizing does for models: planner/cost.py)."""
@@ -73,6 +74,9 @@ class GraftRequest:
     # each part's request inputs counted on its first server's NIC (PlanRequest's): the
     # live router sends them there
     count_inputs: bool = False
+    # re-aligned groups: each round's first merge that costs no more ("first"), or its
+    # cheapest ("best": a MILP per adjacent pair a round, O(fragments^2) in all)
+    merge: str = "first"
 
     def __post_init__(self) -> None:
         if not self.streams:
@@ -80,6 +84,8 @@ class GraftRequest:
         missing = sorted({s.model for s in self.streams} - set(self.profiles))
         if missing:
             raise PoolpipeError(f"no profile for model(s) {', '.join(missing)}: profile them")
+        if self.merge not in ("first", "best"):
+            raise PoolpipeError(f"merge: 'first' or 'best', not {self.merge!r}")
 
     @property
     def unit_prices(self) -> dict[str, float]:
@@ -191,6 +197,7 @@ def graft_settings(req: GraftRequest) -> dict:
         "packing": req.packing,
         "headroom": req.headroom,
         "count_inputs": req.count_inputs,
+        "merge": req.merge,
     }
 
 
@@ -254,6 +261,7 @@ def replan_streams(
         packing=str(rec.get("packing", served.packing)),
         headroom=bool(rec.get("headroom", True)),
         count_inputs=bool(rec.get("count_inputs", served.counts_inputs)),
+        merge=str(rec.get("merge", "first")),
     )
     how = str(rec.get("how", "realigned"))
     groups = None
@@ -522,7 +530,7 @@ def plan_streams(
         chosen = _given(req, how, groups)
     elif how == "realigned":
         chosen = {
-            m: _merged(gs, lambda g, at_most: planner.price(g, rates, at_most))
+            m: _merged(gs, lambda g, at_most: planner.price(g, rates, at_most), req.merge)
             for m, gs in chosen.items()
         }
     groups = [g for gs in chosen.values() for g in gs]
@@ -557,28 +565,33 @@ def _given(req: GraftRequest, how: str, groups: Sequence[Group]) -> dict[str, tu
 
 
 def _merged(
-    start: tuple[Group, ...], price: Callable[[tuple[Group, ...], float | None], float]
+    start: tuple[Group, ...],
+    price: Callable[[tuple[Group, ...], float | None], float],
+    how: str = "first",
 ) -> tuple[Group, ...]:
     """Graft's merging: one model's groups, adjacent ones merged while a merge does not
-    raise the price of the model's plan alone, the merge lowering it most first.
-    `price(groups, at_most)`: inf where dearer than `at_most` (a trial dearer than the
-    best so far, or than a cheaper trial of its round, is never merged: the solver need
-    only prove it dearer)."""
+    raise the price of the model's plan alone, stopping when none does; each round the
+    first such merge in the order of entries and budgets (`how` "first"), or the one
+    lowering the price most ("best"; of equal prices the first). Equal prices merge (the
+    fewer, larger pools queue better). `price(groups, at_most)`: inf where dearer than
+    `at_most`: a trial is priced against the best so far (and, "best", the cheapest trial
+    of its round so far), which the solver need only prove it exceeds."""
     groups = start
     best = price(groups, None)
     while len(groups) > 1:
-        trials = []
-        bound = best  # the least price found this round: a dearer trial is never chosen
+        chosen: tuple[float, tuple[Group, ...]] | None = None
         for i in range(len(groups) - 1):
             merged = Group(groups[i].model, groups[i].fragments + groups[i + 1].fragments)
             trial = (*groups[:i], merged, *groups[i + 2 :])
+            bound = best if chosen is None else chosen[0]
             cost = price(trial, bound)
-            trials.append((cost, i, trial))
-            bound = min(bound, cost)
-        cost, _, trial = min(trials, key=lambda t: (t[0], t[1]))
-        if cost > best + 1e-9:  # equal: merged (fewer, larger pools queue better)
+            if cost <= bound + 1e-9 and (chosen is None or cost < chosen[0] - 1e-9):
+                chosen = (cost, trial)
+                if how == "first":
+                    break
+        if chosen is None:
             break
-        best, groups = cost, trial
+        best, groups = chosen
     return groups
 
 
