@@ -600,7 +600,7 @@ def _size(
 ) -> None:
     """Size `result` on what it delivers (module doc; planner.apps.size_by_share), in
     place; `plan_at` plans its groups at the rates asked."""
-    from poolpipe.sim.apps import app_attainment_at
+    from poolpipe.planner.deliverable import app_attainment_at  # the way into the simulator
 
     def on_time(plan: AppPlan) -> dict[str, float]:
         doc, profiles = app_plan_document(result.request, plan)
