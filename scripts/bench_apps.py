@@ -355,10 +355,8 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         console.print(f"the live part is skipped: {why}")
         return
     d = args.time_scale
-    with Warehouse.open(args.warehouse) as wh:
-        warehouse = str(wh.path)
     with console.status("onboarding the shadows of group 2 (flow onboard-shadow) ..."):
-        profiles, cluster = group2_inputs(warehouse, args.live_cluster)
+        warehouse, profiles, cluster = group2_inputs(args.warehouse, args.live_cluster)
     apps = load_apps(args.live_spec, known_models=profiles)
     req = AppPlanRequest(
         tuple(apps), profiles, cluster, grid=args.grid, margin=args.margin,

@@ -254,10 +254,8 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
         console.print(f"the live part is skipped: {why}")
         return
     d = args.time_scale
-    with Warehouse.open(args.warehouse) as wh:
-        warehouse = str(wh.path)
     with console.status("onboarding the shadows of group 2 (flow onboard-shadow) ..."):
-        profiles, cluster = group2_inputs(warehouse, args.live_cluster)
+        warehouse, profiles, cluster = group2_inputs(args.warehouse, args.live_cluster)
     models = args.live_models.split(",")
     unknown = [m for m in models if m not in GROUP2]
     if unknown:

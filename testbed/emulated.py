@@ -80,16 +80,20 @@ def onboard_shadows(
     return todo
 
 
-def group2_inputs(warehouse: str, cluster: str) -> tuple[dict[str, ModelProfile], Cluster]:
-    """Group 2's shadows onboarded in `warehouse` (onboard_shadows), their profiles by name
-    and `cluster` (the warehouse's, else group 2's clusters file): what a live run of
-    group 2 on emulated GPUs plans from."""
+def group2_inputs(
+    warehouse: str | Path | None, cluster: str
+) -> tuple[str, dict[str, ModelProfile], Cluster]:
+    """Group 2's shadows onboarded in `warehouse` (None: the default one; onboard_shadows):
+    the warehouse's path, their profiles by name and `cluster` (the warehouse's, else group
+    2's clusters file): what a live run of group 2 on emulated GPUs plans from."""
     from poolpipe.store.plan_inputs import resolve_cluster
 
-    onboard_shadows(warehouse)
     with Warehouse.open(warehouse) as wh:
+        path = str(wh.path)
+    onboard_shadows(path)
+    with Warehouse.open(path) as wh:
         profiles = {m: wh.load_profile(m) for m in GROUP2}
-        return profiles, resolve_cluster(wh, cluster, GROUP2_DIR / "clusters.toml")
+        return path, profiles, resolve_cluster(wh, cluster, GROUP2_DIR / "clusters.toml")
 
 
 def group_plans(

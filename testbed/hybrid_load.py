@@ -45,22 +45,23 @@ def run_clients(
     requests (captured s, end-to-end s, outcome)."""
     workspace.mkdir(parents=True, exist_ok=True)
     procs = []
-    for k, c in enumerate(classes):
-        spec, out = workspace / f"client{k}.json", workspace / f"client{k}.out.json"
-        doc = {"url": url, "door": c.door, "inputs": c.inputs, "times_s": c.times_s}
-        spec.write_text(json.dumps(doc | {"client_s": c.client_s, "timeout_s": timeout_s}))
-        log = open(workspace / f"client{k}.log", "wb")  # noqa: SIM115
-        cmd = ["ip", "netns", "exec", c.namespace, sys.executable, "-m", "testbed.hybrid_load"]
-        procs.append((subprocess.Popen([*cmd, str(spec), str(out)], stdout=log, stderr=log), log))
-    results = []
-    for k, (proc, log) in enumerate(procs):
-        try:
+    try:
+        for k, c in enumerate(classes):
+            spec, out = workspace / f"client{k}.json", workspace / f"client{k}.out.json"
+            doc = {"url": url, "door": c.door, "inputs": c.inputs, "times_s": c.times_s}
+            spec.write_text(json.dumps(doc | {"client_s": c.client_s, "timeout_s": timeout_s}))
+            cmd = ["ip", "netns", "exec", c.namespace, sys.executable, "-m", "testbed.hybrid_load"]
+            with open(workspace / f"client{k}.log", "wb") as log:  # the child keeps its copy
+                procs.append(subprocess.Popen([*cmd, str(spec), str(out)], stdout=log, stderr=log))
+        for k, proc in enumerate(procs):
             proc.wait(timeout=max(classes[k].times_s, default=0.0) + timeout_s + 60)
-        finally:
+    finally:  # every client ended before anything is read or raised: none left running
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            log.close()
+    results = []
+    for k, proc in enumerate(procs):
         out = workspace / f"client{k}.out.json"
         if proc.returncode != 0 or not out.exists():
             tail = (workspace / f"client{k}.log").read_text(errors="replace")[-800:]

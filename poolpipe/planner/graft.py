@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from poolpipe.domain.apps import App, Edge
 from poolpipe.domain.cluster import Cluster
@@ -181,17 +181,7 @@ def graft_settings(req: GraftRequest) -> dict:
     """What a plan records of its streams and settings (meta graft): `replan_streams`
     plans them again from it."""
     return {
-        "streams": [
-            {
-                "name": st.name,
-                "model": st.model,
-                "entry": st.entry,
-                "budget_us": st.budget_us,
-                "rate": st.rate,
-                "slo_us": st.slo_us,
-            }
-            for st in req.streams
-        ],
+        "streams": [asdict(st) for st in req.streams],
         "margin": req.margin,
         "max_partitions": req.max_partitions,
         "packing": req.packing,

@@ -298,6 +298,11 @@ class ServingRuntime:
         to serve a request in: the door refuses all of them (see check)."""
         return unservable(self._plan.row_bounds, self.reply_margin_us)
 
+    def fastest_us(self, model: int) -> float:
+        """The least time one row of model index `model` takes through the served plan
+        (its fastest pipeline, every GPU idle): what the door checks requests against."""
+        return self._plan.row_bounds.fastest_us(model)
+
     def has_live_path(self, model: int) -> bool:
         """Whether some pipeline of `model` has a vGPU in service in every pool."""
         return self._health.has_live_path(self._plan.served, model)

@@ -35,7 +35,7 @@ from poolpipe.runtime.apps import (
     check_app_slo,
     served_app,
 )
-from poolpipe.runtime.intake import BadRequest, RowBounds, Unservable, request_slo_us
+from poolpipe.runtime.intake import BadRequest, Unservable, request_slo_us
 from poolpipe.scheduler import Topology
 from triton_backend.router.served import ClientRequest, ModelIO, Reply, RequestRow
 
@@ -103,7 +103,6 @@ class RouterApps:
         }
         self._topo: Topology | None = None  # the topology _index was made from
         self._index: dict[str, int] = {}
-        self._bounds: RowBounds | None = None
         self.coordinator = AppCoordinator(
             self.served, clock, self._add, runtime.decide, self._answer, fan=self._fan
         )
@@ -142,9 +141,8 @@ class RouterApps:
         if any(p not in served for p in app.parts):
             raise Unservable(f"{name}: the plan served now does not serve this application")
         if slo_us is not None:  # one it cannot meet refused before anything runs
-            bounds = self._row_bounds()
             check_app_slo(
-                app, slo_us, lambda part: bounds.fastest_us(served[part]),
+                app, slo_us, lambda part: self.runtime.fastest_us(served[part]),
                 self.runtime.reply_margin_us,
             )  # fmt: skip
         coord = self.coordinator
@@ -163,13 +161,6 @@ class RouterApps:
         if topo is not self._topo:
             self._topo, self._index = topo, {m.name: m.index for m in topo.models}
         return self._index
-
-    def _row_bounds(self) -> RowBounds:
-        """The served plan's RowBounds (made again only when a rollout changed the plan)."""
-        topo = self.runtime.topo
-        if self._bounds is None or self._bounds.topo is not topo:
-            self._bounds = RowBounds(topo)
-        return self._bounds
 
     def _add(self, model: str, part: Part, slo_us: float, arrived_us: float) -> Any:
         index = self._models().get(model)
