@@ -17,7 +17,15 @@ from poolpipe.domain.entry import (
     segment,
 )
 from poolpipe.errors import PoolpipeError
-from poolpipe.planner.graft import GraftRequest, Group, _Planner, group_at, plan_streams
+from poolpipe.planner.graft import (
+    GraftRequest,
+    Group,
+    _each_merged,
+    _merged,
+    _Planner,
+    group_at,
+    plan_streams,
+)
 from poolpipe.sim.apps import app_attainment_at, simulate_apps
 from poolpipe.sim.engine import SimConfig
 from tests.conftest import tiny_model
@@ -338,3 +346,65 @@ def test_a_client_slo_no_path_meets_is_refused_naming_the_least_that_is():
     check_app_slo(served, least, fastest, 0.0)
     with pytest.raises(BadRequest, match=r"1 ms held back.*at least 19\.00"):
         check_app_slo(served, 18.5e3, fastest, 1e3)  # the reply margin counts
+
+
+def _frag_groups(m, frags):
+    return tuple(Group(m, (f,)) for f in frags)
+
+
+def test_merging_tries_each_entry_blocks_fragments_together_first():
+    frags = [(1, 10.0), (1, 20.0), (3, 10.0), (3, 20.0)]
+    start = _frag_groups("m", frags)
+    asked = []
+
+    def price(groups, at_most):  # a group costs 2, one entry block's together cost 1.5
+        asked.append(tuple(g.entries for g in groups))
+        return sum(2.0 if len(g.entries) > 1 else 1.5 for g in groups) - 0.5 * (len(groups) == 1)
+
+    got = _merged(start, price)
+    assert asked[:2] == [((1,), (1,), (3,), (3,)), ((1,), (3,))]  # the jump after the start
+    assert [g.fragments for g in got] == [tuple(frags)]  # then merged on: [1, 3] at 1.5
+    # one entry block's fragments dearer together (a tight budget holds the loose back):
+    # merged pairwise from the start, as before
+    asked.clear()
+
+    def dearer_jump(groups, at_most):
+        asked.append(tuple(g.entries for g in groups))
+        return 10.0 if len(groups) == 2 and groups[0].entries == (1,) else float(len(groups))
+
+    got = _merged(start, dearer_jump)
+    assert asked[2] == ((1,), (3,), (3,))  # the first pair merged after the jump refused
+    assert len(got) == 1 and got[0].fragments == tuple(frags)
+
+
+def test_models_merge_at_once_and_an_error_in_one_stops_the_others():
+    import threading
+
+    a = _frag_groups("a", [(1, 1.0), (2, 1.0), (3, 1.0)])
+    b = _frag_groups("b", [(1, 1.0), (2, 1.0)])
+    both = threading.Barrier(2, timeout=10)  # broken unless both models price at once
+
+    def price(groups, at_most):
+        if len(groups) == {"a": 3, "b": 2}[groups[0].model]:  # each model's first price
+            both.wait()
+        return float(len(groups))
+
+    got = _each_merged({"a": a, "b": b}, price, "first")
+    assert [len(got["a"]), len(got["b"])] == [1, 1]  # every merge priced no dearer
+
+    go, calls = threading.Event(), {"b": 0}
+
+    def failing(groups, at_most):
+        if groups[0].model == "a":
+            raise RuntimeError("solver gone")
+        calls["b"] += 1
+        go.wait(10)
+        return float(len(groups))
+
+    with pytest.raises(RuntimeError, match="solver gone"):
+        _each_merged({"a": a, "b": b}, failing, "first")
+    go.set()
+    for t in threading.enumerate():
+        if t.name.startswith("graft-merge"):
+            t.join(10)
+    assert calls["b"] <= 1  # b's merging stopped at its next price

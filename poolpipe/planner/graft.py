@@ -23,7 +23,11 @@ order of their entries and budgets, adjacent groups of a model are merged while 
 does not raise the price of that model's streams planned alone on the cluster (the first
 such merge in that order each round, each trial priced against the best so far, which the
 solver need only prove it exceeds; of equal prices the fewer, larger pools, which queue
-better); the models' groups are then planned together.
+better). The first trial merges every entry block's fragments at once (they run the same
+blocks; only their budgets differ): one MILP where merging them pair by pair took one a
+pair (27 streams over three models: 11 MILPs instead of 28). The models merge at once,
+each in a thread (HiGHS solves outside Python's lock); their groups are then planned
+together.
 `sized=True` sizes each plan on what it delivers: simulated at the streams' rates, the rate
 asked of the MILP for a stream short of 99% on time grows and the plan is made again
 (as the cost objective's sizing does for models: planner/cost.py)."""
@@ -31,8 +35,10 @@ asked of the MILP for a stream short of 99% on time grows and the plan is made a
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
 from poolpipe.domain.apps import App, Edge
@@ -361,6 +367,7 @@ class _Planner:
         self.memo: dict[tuple, AppPlan | float | None] = {}
         self.why: dict[str, str] = {}  # per model, why its last plan alone failed
         self.priced = 0
+        self.lock = threading.Lock()  # models are merged in threads (_each_merged)
 
     def model(
         self,
@@ -378,7 +385,8 @@ class _Planner:
                 return None
             known = False
         if known is False:
-            self.priced += 1
+            with self.lock:
+                self.priced += 1
             self.on_step(f"{groups[0].model}: " + ", ".join(str(list(g.entries)) for g in groups))
             try:
                 self.memo[key] = cheapest_apps(
@@ -519,10 +527,9 @@ def plan_streams(
     if groups is not None:
         chosen = _given(req, how, groups)
     elif how == "realigned":
-        chosen = {
-            m: _merged(gs, lambda g, at_most: planner.price(g, rates, at_most), req.merge)
-            for m, gs in chosen.items()
-        }
+        chosen = _each_merged(
+            chosen, lambda g, at_most: planner.price(g, rates, at_most), req.merge
+        )
     groups = [g for gs in chosen.values() for g in gs]
     areq, _ = app_request(req, groups, planner.raw)
     result = GraftPlan(how, tuple(groups), areq, planner.all(chosen, rates), 0.0, 0, dict(rates))
@@ -554,6 +561,37 @@ def _given(req: GraftRequest, how: str, groups: Sequence[Group]) -> dict[str, tu
     return out
 
 
+def _each_merged(
+    chosen: Mapping[str, tuple[Group, ...]],
+    price: Callable[[tuple[Group, ...], float | None], float],
+    how: str,
+) -> dict[str, tuple[Group, ...]]:
+    """Each model's groups merged (_merged), the models at once in threads of their own
+    (their prices are MILPs apart, and HiGHS solves without Python's lock: on two cores
+    27 streams over three models merge in about half the time). A Ctrl-C stops every
+    model's merging at its next price."""
+    stop = threading.Event()
+
+    def priced(groups: tuple[Group, ...], at_most: float | None) -> float:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        return price(groups, at_most)
+
+    if len(chosen) == 1:
+        return {m: _merged(gs, priced, how) for m, gs in chosen.items()}
+    pool = ThreadPoolExecutor(max_workers=len(chosen), thread_name_prefix="graft-merge")
+    try:
+        # the most fragments first: the longest merging starts at once
+        order = sorted(chosen, key=lambda m: -len(chosen[m]))
+        futures = {m: pool.submit(_merged, chosen[m], priced, how) for m in order}
+        return {m: futures[m].result() for m in chosen}
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
+
+
 def _merged(
     start: tuple[Group, ...],
     price: Callable[[tuple[Group, ...], float | None], float],
@@ -565,9 +603,15 @@ def _merged(
     lowering the price most ("best"; of equal prices the first). Equal prices merge (the
     fewer, larger pools queue better). `price(groups, at_most)`: inf where dearer than
     `at_most`: a trial is priced against the best so far (and, "best", the cheapest trial
-    of its round so far), which the solver need only prove it exceeds."""
+    of its round so far), which the solver need only prove it exceeds. Before the rounds,
+    every entry block's adjacent groups merged at once is priced, and kept where no dearer."""
     groups = start
     best = price(groups, None)
+    by_entry = _by_entry(groups)
+    if len(by_entry) < len(groups):
+        cost = price(by_entry, best)
+        if cost <= best + 1e-9:
+            best, groups = cost, by_entry
     while len(groups) > 1:
         chosen: tuple[float, tuple[Group, ...]] | None = None
         for i in range(len(groups) - 1):
@@ -583,6 +627,17 @@ def _merged(
             break
         best, groups = chosen
     return groups
+
+
+def _by_entry(groups: tuple[Group, ...]) -> tuple[Group, ...]:
+    """Adjacent groups of the same entry blocks merged."""
+    out: list[Group] = []
+    for g in groups:
+        if out and out[-1].entries == g.entries:
+            out[-1] = Group(g.model, out[-1].fragments + g.fragments)
+        else:
+            out.append(g)
+    return tuple(out)
 
 
 def _size(
