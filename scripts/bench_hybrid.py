@@ -19,7 +19,8 @@ its own behind a rate-limited link sending its feature maps at --live-load x its
 (live_part; bench "hybrid-live"; root, namespaces).
 
     ./run bench-hybrid [--clusters hc2-large] [--models repvgg-b3,tf_efficientdet_d1,convnext_large]
-                       [--uplinks 100,200,400,800,1600] [--rates 40,80,120,160] [--duration 30]
+                       [--uplinks 50,100,150,200,300,400,600,800,1200,1600]
+                       [--rates 40,80,120,160] [--duration 30]
                        [--live | --only-live] [--live-load 0.8] [--time-scale 20]
 """
 
@@ -102,7 +103,11 @@ def main() -> int:
     ap.add_argument("--profiles", type=Path, default=ppipe_dir())
     ap.add_argument("--clusters", default="hc2-large")
     ap.add_argument("--models", default="repvgg-b3,tf_efficientdet_d1,convnext_large")
-    ap.add_argument("--uplinks", default="100,200,400,800,1600", help="Mbit/s per client class")
+    ap.add_argument(
+        "--uplinks",
+        default="50,100,150,200,300,400,600,800,1200,1600",
+        help="Mbit/s per client class",
+    )
     ap.add_argument("--rates", default="40,80,120,160", help="req/s, in turn over the streams")
     ap.add_argument("--client-slowdown", type=float, default=1.0, help="x the P4 latency (1)")
     ap.add_argument("--compress", type=float, default=4.0, help="feature maps uploaded / (4)")
