@@ -408,3 +408,15 @@ def test_models_merge_at_once_and_an_error_in_one_stops_the_others():
         if t.name.startswith("graft-merge"):
             t.join(10)
     assert calls["b"] <= 1  # b's merging stopped at its next price
+
+
+def test_the_shipped_stream_example_loads_and_every_stream_is_servable(ppipe_profiles, hc2_large):
+    from pathlib import Path
+
+    from poolpipe.domain.entry import load_streams
+    from poolpipe.planner.graft import unservable
+
+    path = Path(__file__).resolve().parents[1] / "data" / "streams-example.toml"
+    streams = load_streams(path, ppipe_profiles)
+    assert len({s.model for s in streams}) == 3 and len(streams) >= 8
+    assert unservable(GraftRequest(streams, ppipe_profiles, hc2_large)) == {}
