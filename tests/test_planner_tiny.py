@@ -247,6 +247,40 @@ def test_a_cutoff_stops_the_search_once_nothing_beats_it():
     assert below.status == "optimal" and below.objective == pytest.approx(best.objective)
 
 
+def test_a_solve_stops_when_another_thread_says_so():
+    """solvers.stopped_by: a HiGHS solve of this thread ends (KeyboardInterrupt) once the
+    event is set, long before its time limit; an event set before it starts stops it at
+    once. A market-split MILP (4 rows, 40 binaries: hard for branch and bound; HiGHS ran
+    its 20 s limit on it) is the long solve."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from poolpipe.planner.solvers import Milp, solve, stopped_by
+
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 100, size=(4, 40))
+    milp = Milp()
+    xs = [milp.add_var(upper=1.0, integer=True) for _ in range(40)]
+    for row in a:
+        half = float(row.sum() // 2)
+        milp.add_row({x: float(c) for x, c in zip(xs, row, strict=True)}, half, half)
+    stop = threading.Event()
+    timer = threading.Timer(0.3, stop.set)
+    t0 = time.monotonic()
+    timer.start()
+    with stopped_by(stop), pytest.raises(KeyboardInterrupt):
+        solve(milp, time_limit_s=600)
+    assert time.monotonic() - t0 < 120  # stopped, not run to its limit
+    with stopped_by(stop), pytest.raises(KeyboardInterrupt):
+        solve(milp, time_limit_s=600)
+    small = Milp()  # outside the block the set event stops nothing
+    y = small.add_var(upper=3.0, cost=1.0, integer=True)
+    small.add_row({y: 2.0}, upper=5.0)
+    assert solve(small).status == "optimal" and solve(small).objective == pytest.approx(2.0)
+
+
 def test_a_group_solve_with_a_floor_it_cannot_beat_says_so():
     """solve_group(floor=...): a floor above the best plan ends in "cutoff" with the floor
     as bound (its candidates pruned against the floor, the MILP cut off there); a floor

@@ -55,7 +55,7 @@ from poolpipe.planner.apps import (
     cheapest_apps,
     size_by_share,
 )
-from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S
+from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, stopped_by
 
 HOWS = ("realigned", "per-fragment", "raw")
 
@@ -569,7 +569,7 @@ def _each_merged(
     """Each model's groups merged (_merged), the models at once in threads of their own
     (their prices are MILPs apart, and HiGHS solves without Python's lock: on two cores
     27 streams over three models merge in about half the time). A Ctrl-C stops every
-    model's merging at its next price."""
+    model's merging at once (its running MILP too: solvers.stopped_by)."""
     stop = threading.Event()
 
     def priced(groups: tuple[Group, ...], at_most: float | None) -> float:
@@ -577,19 +577,23 @@ def _each_merged(
             raise KeyboardInterrupt
         return price(groups, at_most)
 
+    def merged(m: str) -> tuple[Group, ...]:
+        with stopped_by(stop):  # its MILP running stops too
+            return _merged(chosen[m], priced, how)
+
     if len(chosen) == 1:
         return {m: _merged(gs, priced, how) for m, gs in chosen.items()}
     pool = ThreadPoolExecutor(max_workers=len(chosen), thread_name_prefix="graft-merge")
     try:
         # the most fragments first: the longest merging starts at once
         order = sorted(chosen, key=lambda m: -len(chosen[m]))
-        futures = {m: pool.submit(_merged, chosen[m], priced, how) for m in order}
+        futures = {m: pool.submit(merged, m) for m in order}
         return {m: futures[m].result() for m in chosen}
     except BaseException:
         stop.set()
         raise
     finally:
-        pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # stopped: within milliseconds
 
 
 def _merged(

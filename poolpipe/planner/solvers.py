@@ -6,12 +6,14 @@ returns a `MilpResult`. Nothing here knows about pipelines.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,6 +124,23 @@ def relative_gap(objective: float, bound: float) -> float:
     return abs(bound - objective) / max(abs(objective), 1e-9)
 
 
+_STOP = threading.local()  # .event: what stops this thread's solves (stopped_by)
+
+
+@contextlib.contextmanager
+def stopped_by(event: threading.Event) -> Iterator[None]:
+    """HiGHS solves this thread runs inside the block stop, raising KeyboardInterrupt,
+    within milliseconds of `event` being set (by another thread: a search running its
+    MILPs in threads stops them all when one fails or the user presses Ctrl-C, instead of
+    leaving them to run to their time limits while the process exits)."""
+    before = getattr(_STOP, "event", None)
+    _STOP.event = event
+    try:
+        yield
+    finally:
+        _STOP.event = before
+
+
 _HIGHS_MADE = threading.Lock()
 _highs_made = False
 
@@ -199,7 +218,21 @@ def _solve_highs(
     if start:
         idx = np.fromiter(start.keys(), dtype=np.int32)
         h.setSolution(len(idx), idx, np.fromiter(start.values(), dtype=float))
+    stop: threading.Event | None = getattr(_STOP, "event", None)
+    if stop is not None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+
+        def interrupt(e) -> None:  # HiGHS asks between nodes and simplex iterations
+            if stop.is_set():
+                e.interrupt()
+
+        h.enableCallbacks()
+        h.cbMipInterrupt += interrupt
+        h.cbSimplexInterrupt += interrupt
     h.run()
+    if stop is not None and stop.is_set():
+        raise KeyboardInterrupt
     seconds = time.perf_counter() - t0
     model_status = h.getModelStatus()
     text = h.modelStatusToString(model_status).lower()
