@@ -35,6 +35,7 @@ asked of the MILP for a stream short of 99% on time grows and the plan is made a
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -566,10 +567,11 @@ def _each_merged(
     price: Callable[[tuple[Group, ...], float | None], float],
     how: str,
 ) -> dict[str, tuple[Group, ...]]:
-    """Each model's groups merged (_merged), the models at once in threads of their own
-    (their prices are MILPs apart, and HiGHS solves without Python's lock: on two cores
-    27 streams over three models merge in about half the time). A Ctrl-C stops every
-    model's merging at once (its running MILP too: solvers.stopped_by)."""
+    """Each model's groups merged (_merged), the models at once in threads (one a core,
+    at least two; the most fragments first): their prices are MILPs apart, and HiGHS
+    solves without Python's lock (on two cores 27 streams over three models merge in about
+    half the time). A Ctrl-C, or an error in one model's, stops every model's merging at
+    once (its running MILP too: solvers.stopped_by)."""
     stop = threading.Event()
 
     def priced(groups: tuple[Group, ...], at_most: float | None) -> float:
@@ -583,9 +585,10 @@ def _each_merged(
 
     if len(chosen) == 1:
         return {m: _merged(gs, priced, how) for m, gs in chosen.items()}
-    pool = ThreadPoolExecutor(max_workers=len(chosen), thread_name_prefix="graft-merge")
+    workers = min(len(chosen), max(2, os.cpu_count() or 2))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="graft-merge")
     try:
-        # the most fragments first: the longest merging starts at once
+        # the longest merging starts at once
         order = sorted(chosen, key=lambda m: -len(chosen[m]))
         futures = {m: pool.submit(merged, m) for m in order}
         return {m: futures[m].result() for m in chosen}
