@@ -248,12 +248,11 @@ def test_a_cutoff_stops_the_search_once_nothing_beats_it():
 
 
 def test_a_solve_stops_when_another_thread_says_so():
-    """solvers.stopped_by: a HiGHS solve of this thread ends (KeyboardInterrupt) once the
-    event is set, long before its time limit; an event set before it starts stops it at
-    once. A market-split MILP (4 rows, 40 binaries: hard for branch and bound; HiGHS ran
-    its 20 s limit on it) is the long solve."""
+    """solvers.stopped_by: a HiGHS solve of this thread ends (KeyboardInterrupt: HiGHS
+    interrupted, not at its time limit, which returns a result) once the event is set; an
+    event set before it starts stops it at once. A market-split MILP (4 rows, 40 binaries:
+    hard for branch and bound; HiGHS ran its 20 s limit on it) is the long solve."""
     import threading
-    import time
 
     import numpy as np
 
@@ -267,14 +266,11 @@ def test_a_solve_stops_when_another_thread_says_so():
         half = float(row.sum() // 2)
         milp.add_row({x: float(c) for x, c in zip(xs, row, strict=True)}, half, half)
     stop = threading.Event()
-    timer = threading.Timer(0.3, stop.set)
-    t0 = time.monotonic()
-    timer.start()
+    threading.Timer(0.3, stop.set).start()
     with stopped_by(stop), pytest.raises(KeyboardInterrupt):
-        solve(milp, time_limit_s=600)
-    assert time.monotonic() - t0 < 120  # stopped, not run to its limit
+        solve(milp, time_limit_s=60)
     with stopped_by(stop), pytest.raises(KeyboardInterrupt):
-        solve(milp, time_limit_s=600)
+        solve(milp, time_limit_s=60)
     small = Milp()  # outside the block the set event stops nothing
     y = small.add_var(upper=3.0, cost=1.0, integer=True)
     small.add_row({y: 2.0}, upper=5.0)

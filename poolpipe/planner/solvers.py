@@ -231,10 +231,10 @@ def _solve_highs(
         h.cbMipInterrupt += interrupt
         h.cbSimplexInterrupt += interrupt
     h.run()
-    if stop is not None and stop.is_set():
-        raise KeyboardInterrupt
     seconds = time.perf_counter() - t0
     model_status = h.getModelStatus()
+    if stop is not None and model_status == highspy.HighsModelStatus.kInterrupt:
+        raise KeyboardInterrupt  # (a solve that ended as the event came keeps its result)
     text = h.modelStatusToString(model_status).lower()
     info = h.getInfo()
     has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
