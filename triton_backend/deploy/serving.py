@@ -799,6 +799,10 @@ class ServingProcess:
             )
             if result.status == "done":
                 self.plan_id = plan_id
+                # the new plan's rates from its counts now: its watch would otherwise start
+                # at its next tick, after requests sent the moment the rollout returned,
+                # and count none of them
+                self.load.sample(time.monotonic() * 1e6)
             row = {
                 "rolled_at": datetime.now().replace(microsecond=0),
                 "deployment": self.name,
