@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 
 from poolpipe.domain.apps import App, Edge
@@ -591,6 +591,10 @@ def _each_merged(
         # the longest merging starts at once
         order = sorted(chosen, key=lambda m: -len(chosen[m]))
         futures = {m: pool.submit(merged, m) for m in order}
+        wait(futures.values(), return_when=FIRST_EXCEPTION)  # the first error, not in order
+        for f in futures.values():
+            if f.done():
+                f.result()  # raises it
         return {m: futures[m].result() for m in chosen}
     except BaseException:
         stop.set()
