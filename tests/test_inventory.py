@@ -102,7 +102,7 @@ def test_an_inventory_gives_the_planner_its_cluster(tmp_path):
             r"two nodes share one gRPC address",
         ),
         (lambda t: t.replace('device = "L4"\n', ""), r"node c has no 'device'"),
-        (lambda t: "down = ['zz']\n" + t, r"nodes marked down are not listed: \['zz'\]"),
+        (lambda t: "down = ['zz']\n" + t, r"a node marked down is not listed: 'zz'"),
         (lambda t: t + "\ndown = ['a']\n", r"node d: unknown key\(s\) down"),
         (lambda t: t.replace("[[nodes]]", "[nodes]", 1), r"not valid TOML|nodes must be an array"),
         (

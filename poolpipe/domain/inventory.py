@@ -15,6 +15,8 @@ on them (one Triton endpoint per GPU, reached by address). Read from TOML:
                                 # router holds a connection there and takes the node out
                                 # of service the moment it breaks (the process died)
     shares = [1]                # optional: vGPU shares the planner may use on it
+    gpus = 4                    # optional: GPUs this node serves from one Triton (1);
+                                # each is a node to the router: "s0-n0/gpu2" in `down`
 
 The planner plans for an inventory (`cluster()`: device counts, nodes per server and NIC
 bandwidth follow from it); the router attaches to its nodes (`assign()`)."""
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from poolpipe.domain.cluster import Cluster, GpuPool
+from poolpipe.domain.gpus import gpu_node, split_gpu
 from poolpipe.domain.tier import (
     BalancerSpec,
     InventoryRouter,
@@ -64,6 +67,25 @@ class InventoryNode:
     http: str | None = None  # host:port of its KServe v2 HTTP endpoint, where given
     watch: str | None = None  # host:port of its process's watch port, where given
     memory_gb: float | None = None  # its GPU's memory, where given (else the device's spec)
+    gpus: int = 1  # GPUs it serves from one Triton (poolpipe node --gpus)
+
+    def each_gpu(self) -> tuple[InventoryGpu, ...]:
+        """Its GPUs: itself for a node of one GPU, "NAME/gpu0" .. for a node of several."""
+        if self.gpus == 1:
+            return (InventoryGpu(self, None),)
+        return tuple(InventoryGpu(self, i) for i in range(self.gpus))
+
+
+@dataclass(frozen=True)
+class InventoryGpu:
+    """One GPU of a node: what the plan's GPU of its device type runs on."""
+
+    node: InventoryNode
+    gpu: int | None  # its index on a node of several; None on a node of one
+
+    @property
+    def name(self) -> str:
+        return gpu_node(self.node.name, self.gpu)
 
 
 @dataclass(frozen=True)
@@ -105,6 +127,11 @@ class Inventory:
                     )
             if not n.shares or any(v < 1 for v in n.shares):
                 raise InventoryError(f"{where}: node {n.name}: shares must be integers >= 1")
+            if isinstance(n.gpus, bool) or not isinstance(n.gpus, int) or n.gpus < 1:
+                raise InventoryError(
+                    f"{where}: node {n.name}: gpus = {n.gpus!r} is not an integer >= 1 (the "
+                    "GPUs it serves from one Triton)"
+                )
         addresses = [n.grpc for n in self.nodes]
         if len(set(addresses)) != len(addresses):
             raise InventoryError(f"{where}: two nodes share one gRPC address")
@@ -117,9 +144,17 @@ class Inventory:
                     "type is one GPU model: name the larger ones another device)"
                 )
         check_tier(self.routers, self.balancer, seen, where, _is_address)
-        unknown = self.down - set(seen)
-        if unknown:
-            raise InventoryError(f"{where}: nodes marked down are not listed: {sorted(unknown)}")
+        gpus = {n.name: n.gpus for n in self.nodes}
+        for d in sorted(self.down - set(seen)):
+            node, gpu = split_gpu(d)
+            if node not in gpus:
+                raise InventoryError(f"{where}: a node marked down is not listed: {d!r}")
+            if gpu is None or gpus[node] == 1 or gpu >= gpus[node]:
+                raise InventoryError(
+                    f"{where}: {d!r} marked down: node {node} has "
+                    + (f"GPUs {node}/gpu0 .. {node}/gpu{gpus[node] - 1}" if gpus[node] > 1
+                       else "one GPU (mark the node itself down)")
+                )  # fmt: skip
 
     def by_device(self, live_only: bool = False) -> dict[str, list[InventoryNode]]:
         """Nodes per device type, in server order then as listed: the i-th is the plan's
@@ -131,24 +166,40 @@ class Inventory:
                 out[n.device].append(n)
         return dict(out)
 
+    def gpus_by_device(self, live_only: bool = False) -> dict[str, list[InventoryGpu]]:
+        """GPUs per device type, node by node as by_device lists them: the i-th is the
+        plan's GPU i of that type. `live_only`: without the nodes and GPUs marked down."""
+        out: dict[str, list[InventoryGpu]] = {}
+        for device, nodes in self.by_device(live_only).items():
+            gpus = [g for n in nodes for g in n.each_gpu()]
+            if live_only:
+                gpus = [g for g in gpus if g.name not in self.down]
+            if gpus:
+                out[device] = gpus
+        return out
+
+    def gpu_count(self) -> int:
+        """GPUs listed (a node of several counts each)."""
+        return sum(n.gpus for n in self.nodes)
+
     def cluster(self, name: str | None = None) -> Cluster:
-        """The cluster the planner sees: per device type the nodes not marked down, as many
+        """The cluster the planner sees: per device type the GPUs not marked down, as many
         GPUs per server as the fullest server holds, and the slowest server's NIC."""
-        per_device = self.by_device(live_only=True)
+        per_device = self.gpus_by_device(live_only=True)
         if not per_device:
             raise InventoryError(f"{self.source}: no node left to plan for")
         pools = []
-        for device, nodes in sorted(per_device.items()):
+        for device, gpus in sorted(per_device.items()):
             per_server: dict[str, int] = defaultdict(int)
-            for n in nodes:
-                per_server[n.server] += 1
+            for g in gpus:
+                per_server[g.node.server] += 1
             pools.append(
                 GpuPool(
                     device,
-                    len(nodes),
+                    len(gpus),
                     max(per_server.values()),
-                    nodes[0].shares,
-                    memory_gb=nodes[0].memory_gb,
+                    gpus[0].node.shares,
+                    memory_gb=gpus[0].node.memory_gb,
                 )
             )
         bandwidth = min(s.bandwidth_gbps for s in self.servers)
@@ -186,7 +237,7 @@ class Inventory:
             self,
             servers=tuple(s for s in self.servers if s.name in held),
             nodes=nodes,
-            down=self.down - {name},
+            down=frozenset(d for d in self.down if split_gpu(d)[0] != name),
         )
 
     def shard(self, name: str, names: tuple[str, ...] | None = None) -> Inventory:
@@ -205,7 +256,7 @@ class Inventory:
             self,
             servers=tuple(s for s in self.servers if s.name in servers),
             nodes=nodes,
-            down=self.down & mine,
+            down=frozenset(d for d in self.down if d in mine or split_gpu(d)[0] in mine),
             source=f"{self.source} (router {name}'s shard)",
             routers=(r,),
         )
@@ -252,6 +303,8 @@ class Inventory:
                 lines.append(f"shares = [{', '.join(str(v) for v in n.shares)}]")
             if n.memory_gb is not None:
                 lines.append(f"memory_gb = {n.memory_gb:g}")
+            if n.gpus != 1:
+                lines.append(f"gpus = {n.gpus}")
             lines.append("")
         lines += tier_toml(self.routers, self.balancer)
         return "\n".join(lines)
@@ -288,7 +341,9 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
         name = need(n, "name", what, str)
         what = f"node {name}"
         known(
-            n, {"name", "server", "device", "grpc", "http", "watch", "shares", "memory_gb"}, what
+            n,
+            {"name", "server", "device", "grpc", "http", "watch", "shares", "memory_gb", "gpus"},
+            what,
         )
         memory = n.get("memory_gb")
         if memory is not None and (
@@ -308,11 +363,12 @@ def parse_inventory(data: dict, source: str = "inventory") -> Inventory:
                 _optional(n, "http", what, source),
                 _optional(n, "watch", what, source),
                 None if memory is None else float(memory),
+                n.get("gpus", 1),
             )
         )
     down = data.get("down", [])
     if not isinstance(down, list) or not all(isinstance(d, str) for d in down):
-        raise InventoryError(f"{source}: down = {down!r} is not a list of node names")
+        raise InventoryError(f"{source}: down = {down!r} is not a list of node (or GPU) names")
     if not nodes:
         raise InventoryError(f"{source}: no [[nodes]]")
     routers, balancer = parse_tier(data, source, need, known, _tables)
@@ -353,12 +409,12 @@ def _tables(data: dict, key: str, source: str) -> list[dict]:
 
 def assign(
     nodes: dict[str, tuple[str, int]], inv: Inventory, what: str = "the plan"
-) -> dict[str, InventoryNode]:
-    """The inventory node behind each of a layout's nodes (name -> (device, index of that
-    device's GPU)): GPU i of a device is the device's i-th live node (Inventory.by_device).
-    InventoryError, before anything is loaded, when the inventory lacks a device or has
-    too few nodes of one."""
-    live = inv.by_device(live_only=True)
+) -> dict[str, InventoryGpu]:
+    """The inventory GPU behind each of a layout's nodes (name -> (device, index of that
+    device's GPU)): GPU i of a device is the device's i-th live GPU (Inventory
+    .gpus_by_device). InventoryError, before anything is loaded, when the inventory lacks a
+    device or has too few GPUs of one."""
+    live = inv.gpus_by_device(live_only=True)
     need: dict[str, int] = defaultdict(int)
     for device, i in nodes.values():
         need[device] = max(need[device], i + 1)
@@ -369,7 +425,7 @@ def assign(
     ]
     if short:
         raise InventoryError(
-            f"{what} needs more nodes than {inv.source} has live ({'; '.join(short)}); "
+            f"{what} needs more GPUs than {inv.source} has live ({'; '.join(short)}); "
             "add nodes or plan for this inventory (poolpipe plan ... --inventory FILE)"
         )
     return {name: live[device][i] for name, (device, i) in nodes.items()}
