@@ -108,7 +108,9 @@ class TritonPythonModel:
                 f"none of the execution providers {wanted} is in this node's onnxruntime "
                 f"({have}); a GPU node needs onnxruntime-gpu"
             )
-        device = str(args.get("model_instance_device_id", "0"))
+        # the GPU this partition runs on: on a node of several GPUs (poolpipe node --gpus)
+        # its model names one (poolpipe_gpu); else device 0 of those the node sees
+        device = params.get("poolpipe_gpu") or str(args.get("model_instance_device_id", "0"))
         options = [{"device_id": device} if p != "CPUExecutionProvider" else {} for p in providers]
         self.session = ort.InferenceSession(path, so, providers=providers, provider_options=options)
         self.inputs = [i["name"] for i in config["input"]]

@@ -202,7 +202,7 @@ def run(args, phases: list[float], tmp: Path, prefect: Server, dep_id: str, star
             served.stop()
             key = node_key(token)
             leftover = {
-                n.name: (RemoteNode.of(n, key).models(), next(
+                n.name: (RemoteNode.of(n.each_gpu()[0], key).models(), next(
                     (s["batches"] for s in server.deployment.core.node_states()
                      if s["node"] == n.name), 0))
                 for n in inventory.nodes

@@ -21,6 +21,7 @@ from typing import Any
 
 from poolpipe.client.control import node_key
 from poolpipe.domain.apps import plan_applications, served_parts
+from poolpipe.domain.gpus import gpu_node
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
@@ -80,15 +81,15 @@ def _served(
         live,
         make_data_plane(options.plane, live, wake_guard_us=options.wake_guard_us),
         lay.pool_partition,
-        {v: nodes[n].grpc_url for v, n in lay.vgpu_node.items()},
+        {v: nodes[n].node_id for v, n in lay.vgpu_node.items()},
         ios,
     )
 
 
 def _watch(core: RouterCore, nodes: dict[str, RepositoryAPI]) -> None:
     """The router names the nodes in its log and watches those with a watch address."""
-    core.node_names.update({n.grpc_url: n.name for n in nodes.values()})
-    core.watch({n.grpc_url: a for n in nodes.values() if (a := n.watch_address) is not None})
+    core.node_names.update({n.node_id: n.name for n in nodes.values()})
+    core.watch({n.node_id: a for n in nodes.values() if (a := n.watch_address) is not None})
 
 
 def _applications(core: RouterCore, plan: Plan, ios: list[ModelIO]) -> list[ModelIO]:
@@ -108,8 +109,9 @@ def _applications(core: RouterCore, plan: Plan, ios: list[ModelIO]) -> list[Mode
 
 
 def _http_addresses(nodes: dict[str, RepositoryAPI]) -> dict[str, str]:
-    """gRPC address -> KServe v2 HTTP address of the nodes whose HTTP address is known."""
-    return {n.grpc_url: a for n in nodes.values() if (a := n.http_address) is not None}
+    """The router's name of a node (its gRPC address, and GPU: RepositoryAPI.node_id) -> its
+    KServe v2 HTTP address, for the nodes whose HTTP address is known."""
+    return {n.node_id: a for n in nodes.values() if (a := n.http_address) is not None}
 
 
 ROLLOUT_RESULTS = ("done", "rolled back", "refused")  # RolloutResult.status
@@ -191,19 +193,24 @@ class Deployment:
         checking them, also once a rollout has left them out), as {node, device, grpc}."""
         down = self.core.down_nodes()
         known = (
-            [(n.name, n.device, n.grpc) for n in self.inventory.nodes]
+            [
+                (g.name, device, gpu_node(g.node.grpc, g.gpu))
+                for device, gpus in self.inventory.gpus_by_device().items()
+                for g in gpus
+            ]
             if self.inventory is not None
-            else [(n.name, n.device, n.grpc_url) for n in self.nodes.values()]
+            else [(n.name, n.device, n.node_id) for n in self.nodes.values()]
         )
         out = {a: {"node": name, "device": dev, "grpc": a} for name, dev, a in known if a in down}
         return list(out.values())
 
     def node_address(self, name: str) -> str:
-        """The address the router knows node `name` by (its gRPC host:port); a name not
-        among the plan's nodes is a PoolpipeError listing them."""
+        """The address the router knows node `name` by (its gRPC host:port, "/gpuI" after it
+        for a GPU of a node of several); a name not among the plan's nodes is a
+        PoolpipeError listing them."""
         for n in self.nodes.values():
-            if name in (n.name, n.grpc_url):
-                return n.grpc_url
+            if name in (n.name, n.node_id):
+                return n.node_id
         known = ", ".join(sorted({n.name for n in self.nodes.values()}))
         raise PoolpipeError(f"no node {name!r} serves the plan here; its nodes: {known}")
 
@@ -225,7 +232,12 @@ class Deployment:
             return self.inventory  # local nodes are started (or restarted) for the layout
         down = {d["node"] for d in self.down_nodes()}
         drained = self.core.drained_nodes()
-        down |= {n.name for n in self.inventory.nodes if n.grpc in drained}
+        down |= {
+            g.name
+            for gpus in self.inventory.gpus_by_device().values()
+            for g in gpus
+            if gpu_node(g.node.grpc, g.gpu) in drained
+        }
         return replace(self.inventory, down=self.operator_down | down)
 
     @property
@@ -517,7 +529,7 @@ class Deployment:
         inv = self._own_inventory("join")
         grown = inv.joined(node, server)
         new = grown.nodes[-1]
-        if not RemoteNode.of(new, self.options.key).live():
+        if not RemoteNode.of(new.each_gpu()[0], self.options.key).live():
             raise PoolpipeError(
                 f"node {new.name} does not answer at {new.grpc}: start it there first "
                 "(poolpipe node), with this router's token"
@@ -607,7 +619,7 @@ class Deployment:
 
     def _refill_url(self, url: str) -> None:
         """The router's watch found the node at `url` answering without its models."""
-        name = next((n for n, node in self.nodes.items() if node.grpc_url == url), None)
+        name = next((n for n, node in self.nodes.items() if node.node_id == url), None)
         if name is None or isinstance(self.nodes[name], TritonNode):
             return  # local nodes come back through restart_node, which loads them
         try:

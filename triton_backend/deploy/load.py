@@ -42,23 +42,27 @@ def attach(
     key: str | None = None,
 ) -> dict[str, RepositoryAPI]:
     """The node behind each of the layout's nodes (by layout node name): GPU i of a device
-    type is the inventory's i-th live node of that type. Nodes in `have` (by inventory
-    name) are used as they are; the others are reached by address. InventoryError, before
+    type is the inventory's i-th live GPU of that type (a node of several GPUs is one
+    RemoteNode per GPU). Nodes in `have` (by inventory name) are used as they are; the
+    others are reached by address. InventoryError, before
     anything is loaded, when the inventory has too few nodes or one does not answer.
     `key`: what the nodes' restricted APIs expect (poolpipe.client.control.node_key)."""
     picked = assign({s.name: (s.gpu, s.physical) for s in lay.nodes}, inv)
     have = have or {}
     out: dict[str, RepositoryAPI] = {}
-    for name, n in picked.items():
-        out[name] = have.get(n.name) or RemoteNode.of(n, key)
+    for name, g in picked.items():
+        out[name] = have.get(g.name) or RemoteNode.of(g, key)
 
     def answers(node: RepositoryAPI) -> bool:
         return node.live()
 
-    with ThreadPoolExecutor(max(1, min(16, len(out)))) as pool:
+    by_address = {n.grpc_url: n for n in out.values()}  # a node of several GPUs once
+    with ThreadPoolExecutor(max(1, min(16, len(by_address)))) as pool:
         dead = [
             f"{node.name} ({node.grpc_url})"
-            for node, ok in zip(out.values(), pool.map(answers, out.values()), strict=True)
+            for node, ok in zip(
+                by_address.values(), pool.map(answers, by_address.values()), strict=True
+            )
             if not ok
         ]
     if dead:

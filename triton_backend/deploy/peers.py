@@ -90,7 +90,11 @@ class TierMember:
         """Until no live peer holds a node of this router's shard (a peer gone leaves its
         partition models behind: Deployment.up unloads them); PoolpipeError naming the
         holders after `timeout_s`."""
-        nodes = [RemoteNode.of(n, self.key) for n in self.inventory.shard(self.name).nodes]
+        nodes = [
+            RemoteNode.of(g, self.key)
+            for n in self.inventory.shard(self.name).nodes
+            for g in n.each_gpu()
+        ]
         deadline = time.monotonic() + timeout_s
         while True:
             held: dict[str, list[str]] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import math
 import os
@@ -28,11 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from poolpipe.client.control import node_headers, node_restrictions
+from poolpipe.domain.gpus import gpu_node, model_of, model_on
 from poolpipe.errors import PoolpipeError
 from triton_backend.env import free_ports, libpython_first, libs_path, triton_home
 
 if TYPE_CHECKING:
-    from poolpipe.domain.inventory import InventoryNode
+    from poolpipe.domain.inventory import InventoryGpu
 
 log_ = logging.getLogger(__name__)
 
@@ -48,10 +50,23 @@ class RepositoryAPI:
     name: str
     device: str
     key: str | None  # what its restricted APIs expect (poolpipe.client.control.node_key)
+    # which GPU of a node of several this is (poolpipe/domain/gpus.py): its partitions'
+    # models carry the index and go on that GPU; None: a node of one GPU
+    gpu: int | None = None
 
     @property
     def grpc_url(self) -> str:
         raise NotImplementedError
+
+    @property
+    def node_id(self) -> str:
+        """What the router knows it by: its gRPC address, with the GPU's index where its
+        node serves several (the GPU is the failure domain then)."""
+        return gpu_node(self.grpc_url, self.gpu)
+
+    def model_name(self, partition: str) -> str:
+        """The Triton model that runs `partition` here."""
+        return model_on(partition, self.gpu)
 
     @property
     def http_address(self) -> str | None:
@@ -98,10 +113,14 @@ class RepositoryAPI:
         files: dict[str, bytes] | None = None,
         timeout_s: float = 120.0,
     ) -> None:
-        """Load `model`; with `config` (the model config as JSON) and `files` (path in the
-        model's folder -> contents, e.g. "1/model.onnx"), upload it: the node keeps the
-        files only while the model is loaded."""
+        """Load partition `model`; with `config` (the model config as JSON) and `files` (path
+        in the model's folder -> contents, e.g. "1/model.onnx"), upload it: the node keeps
+        the files only while the model is loaded. On a GPU of a node of several, the model
+        is named for the GPU and placed on it (on_gpu)."""
         payload = None if files is None else {f"file:{k}": v for k, v in files.items()}
+        if self.gpu is not None:
+            model = self.model_name(model)
+            config = None if config is None else on_gpu(config, model, self.gpu)
         try:
             with contextlib.closing(self.grpc_client()) as c:
                 c.load_model(
@@ -117,24 +136,27 @@ class RepositoryAPI:
             raise self._error(f"loading {model}", exc) from None
 
     def unload(self, model: str) -> None:
+        """Unload partition `model` (on this GPU, on a node of several)."""
         with contextlib.closing(self.grpc_client()) as c:
-            c.unload_model(model, headers=self._headers)
+            c.unload_model(self.model_name(model), headers=self._headers)
 
     def models(self) -> list[str]:
-        """The models loaded now (uploaded models are in no repository index: the
-        statistics endpoint lists every loaded model). A node whose management APIs expect
-        another key than this process's is a NodeError saying so."""
+        """The partitions loaded now (on this GPU, on a node of several: uploaded models
+        are in no repository index; the statistics endpoint lists every loaded model). A
+        node whose management APIs expect another key than this process's is a NodeError
+        saying so."""
         try:
             with contextlib.closing(self.grpc_client()) as c:
                 stats = c.get_inference_statistics(headers=self._headers, as_json=True)
         except Exception as exc:
             raise self._error("listing its models", exc) from None
-        return sorted({m["name"] for m in stats.get("model_stats", [])})
+        names = {model_of(m["name"], self.gpu) for m in stats.get("model_stats", [])}
+        return sorted(n for n in names if n is not None)
 
     def _error(self, what: str, exc: BaseException) -> NodeError:
         """What went wrong, naming a token that does not match as such."""
         text = _short(exc)
-        where = f"node {self.name} ({self.grpc_url})"
+        where = f"node {self.name} ({self.node_id})"
         if "expecting header" in text and "poolpipe-key" in text:
             if self.key is None:
                 return NodeError(
@@ -148,6 +170,19 @@ class RepositoryAPI:
                 "another --token-file); give the node and the router the same token file"
             )
         return NodeError(f"{where}: {what} failed ({text})")
+
+
+def on_gpu(config: str, name: str, gpu: int) -> str:
+    """A model config (the load request's JSON) as model `name` on GPU `gpu` of its node:
+    Triton's GPU instances placed there (`gpus: [gpu]`), and the `poolpipe_gpu` parameter
+    by which a Python-backend partition (KIND_MODEL) places itself there."""
+    data = json.loads(config)
+    data["name"] = name
+    for group in data.get("instance_group", []):
+        if group.get("kind") == "KIND_GPU":
+            group["gpus"] = [gpu]
+    data.setdefault("parameters", {})["poolpipe_gpu"] = {"string_value": str(gpu)}
+    return json.dumps(data)
 
 
 def _short(exc: BaseException) -> str:
@@ -186,11 +221,13 @@ class RemoteNode(RepositoryAPI):
     key: str | None = field(default=None, repr=False)
     http: str | None = None  # host:port of its KServe v2 HTTP endpoint, where given
     watch: str | None = None  # host:port of its process's watch port (NodeWatch), where given
+    gpu: int | None = None  # which GPU of a node of several (RepositoryAPI.gpu)
 
     @classmethod
-    def of(cls, node: InventoryNode, key: str | None) -> RemoteNode:
-        """The inventory's node, reached at its addresses with `key`."""
-        return cls(node.name, node.device, node.grpc, node.server, key, node.http, node.watch)
+    def of(cls, gpu: InventoryGpu, key: str | None) -> RemoteNode:
+        """The inventory's GPU (of its node), reached at the node's addresses with `key`."""
+        n = gpu.node
+        return cls(gpu.name, n.device, n.grpc, n.server, key, n.http, n.watch, gpu.gpu)
 
     @property
     def grpc_url(self) -> str:

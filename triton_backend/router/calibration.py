@@ -91,7 +91,7 @@ def _pool_latencies(
                 times = []
                 for r in range(reps + 1):
                     t0 = time.perf_counter()
-                    client.infer(name, inputs)
+                    client.infer(node.model_name(name), inputs)
                     if r:
                         times.append((time.perf_counter() - t0) * 1e6)
                 measured[key] = float(np.median(times))
@@ -148,7 +148,7 @@ def warm(
                 i = grpcclient.InferInput(t.name, [b, *t.dims], kserve_dtype(np.dtype(t.dtype)))
                 i.set_data_from_numpy(np.zeros((b, *t.dims), t.dtype))
                 inputs.append(i)
-            client.infer(name, inputs)
+            client.infer(node.model_name(name), inputs)
         finally:
             client.close()
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from poolpipe.domain.gpus import on_node
 from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
 from triton_backend.node.repository import kserve_dtype
@@ -254,8 +256,9 @@ class HttpStage:
 
 
 class HttpStages:
-    """The StageClient over KServe v2 HTTP: a node (its gRPC address, as plans name it) is
-    called at its HTTP address in `addresses` (a KeyError for one missing)."""
+    """The StageClient over KServe v2 HTTP: a node (its gRPC address, as plans name it, with
+    its GPU on a node of several: poolpipe/domain/gpus.py) is called at its HTTP address in
+    `addresses` (a KeyError for one missing)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, addresses: Mapping[str, str] | None = None):
         self.loop = loop
@@ -270,10 +273,12 @@ class HttpStages:
         return stage
 
     def infer(self, node: str, call: StageCall) -> Coroutine[Any, Any, Outputs]:
-        return self.stage(node).infer(call)
+        model = on_node(node, call.model)[1]  # named for its GPU on a node of several
+        return self.stage(node).infer(call if model is call.model else replace(call, model=model))
 
     async def ready(self, node: str, models: Sequence[str]) -> tuple[bool | None, bool]:
         stage = self.stage(node)
+        models = [on_node(node, m)[1] for m in models]
         live: bool | None = False
         try:
             live = await stage.get("/v2/health/live", CHECK_TIMEOUT_S) == 200

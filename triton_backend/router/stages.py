@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from poolpipe.domain.gpus import on_node
 from triton_backend.node.repository import kserve_dtype
 
 CALLER_THREADS = 512  # most gRPC stage calls in flight at once (see GrpcStages)
@@ -114,7 +115,7 @@ class GrpcStages:
         if c is None:
             import tritonclient.grpc as grpcclient
 
-            c = self._clients[node] = grpcclient.InferenceServerClient(node)
+            c = self._clients[node] = grpcclient.InferenceServerClient(on_node(node, "")[0])
         return c
 
     async def infer(self, node: str, call: StageCall) -> Outputs:
@@ -135,7 +136,7 @@ class GrpcStages:
         client = self._client(node)
         try:
             result = await self.loop.run_in_executor(
-                self._callers, partial(client.infer, call.model, wire, **kw)
+                self._callers, partial(client.infer, on_node(node, call.model)[1], wire, **kw)
             )
         except Exception as exc:
             raise grpc_error(exc) from None
@@ -145,6 +146,7 @@ class GrpcStages:
     async def ready(self, node: str, models: Sequence[str]) -> tuple[bool | None, bool]:
         import tritonclient.grpc.aio as grpcaio
 
+        node, models = on_node(node, "")[0], [on_node(node, m)[1] for m in models]
         probe = grpcaio.InferenceServerClient(node)
         live: bool | None = False
         ready = False

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from poolpipe.client.control import chain_signature
+from poolpipe.domain.gpus import on_node
 from poolpipe.runtime import Job, ServingRuntime
 from triton_backend import HOPS_OUTPUT
 from triton_backend.router.answers import Answer, AnswerInbox
@@ -222,14 +223,12 @@ class ChainTransport:
         ]
         # each hop's feature map leaves at its transfer's reserved start: so long after the
         # sending hop's compute began (on the sending node's clock, no clock shared)
-        hops: list[dict[str, Any]] = [
-            {
-                "url": served.vgpu_node[h.vgpu],
-                "model": plan.pool_partition[h.pool],
-                "after_us": round(max(0.0, h.transfer_start_us - d.hops[k].start_us), 1),
-            }
-            for k, h in enumerate(d.hops[1:])
-        ]
+        hops: list[dict[str, Any]] = []
+        for k, nxt in enumerate(d.hops[1:]):
+            # (a GPU of a node of several: the node's address, the model named for the GPU)
+            url, model = on_node(served.vgpu_node[nxt.vgpu], plan.pool_partition[nxt.pool])
+            after = round(max(0.0, nxt.transfer_start_us - d.hops[k].start_us), 1)
+            hops.append({"url": url, "model": model, "after_us": after})
         names = [t.name for t in io.outputs]
         inbox, answer_id, answered = self.inbox, "", None
         if inbox is not None:  # the last node answers the router itself
