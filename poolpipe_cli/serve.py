@@ -334,7 +334,15 @@ def cmd_node(args: argparse.Namespace) -> int:
     if args.trace_endpoint:  # a URL Triton could not export to is refused here, with the fix
         TraceConfig(args.trace_endpoint)
     cpu_class = re.fullmatch(r"cpu-\d+t", args.device) is not None
+    if args.gpus < 1:
+        raise PoolpipeError(f"--gpus {args.gpus}: a node serves at least one GPU (1 .. the host's)")
     environment = _emulation(args, cpu_class)
+    seen = len([d for d in Path("/dev").glob("nvidia*") if d.name[6:].isdigit()])
+    if not cpu_class and not args.emulate and 0 < seen < args.gpus:
+        raise PoolpipeError(
+            f"--gpus {args.gpus}: this host shows {seen} NVIDIA GPU(s) (/dev/nvidia0 ..); "
+            "serve those, or --emulate"
+        )
     if not cpu_class and not args.emulate and not Path("/dev/nvidiactl").exists():
         err_console.print(
             f"[yellow]warning:[/] device {args.device!r} is not a CPU class (cpu-<n>t) and this "
@@ -377,12 +385,15 @@ def cmd_node(args: argparse.Namespace) -> int:
             if args.emulate
             else args.device
         )
+        if args.gpus > 1:
+            what = f"{args.gpus} x {what}"
+        gpus = f", gpus = {args.gpus}" if args.gpus > 1 else ""
         console.print(
             f"node {name} ({what}) serving: gRPC {node.grpc_url}, HTTP {node.http_url}, "
             f"metrics {_host(args.listen)}:{node.metrics_port}, watch {watch.url}; models "
             f"arrive through the model repository API (log: {node.log_path}). Its inventory "
             f'entry: grpc = "{node.grpc_url}", http = "{node.http_url}", watch = '
-            f'"{watch.url}". Ctrl-C stops.',
+            f'"{watch.url}"{gpus}. Ctrl-C stops.',
             highlight=False,
         )
         _wait_for_signal(stop, also=lambda: not node.alive)
@@ -673,9 +684,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="run one stage-worker node (Triton) on this host until Ctrl-C",
         description="Start one tritonserver in explicit model-control mode with an empty "
         "repository: a router that lists it in its inventory uploads partition models to it "
-        "through Triton's model repository API. CPU device classes (cpu-<threads>t) run here.",
+        "through Triton's model repository API. CPU device classes (cpu-<threads>t) run here. "
+        "With --gpus N it serves N GPUs of the host (a node per server): each is a node of "
+        "its own to the router, its partitions placed on it.",
     )
     p.add_argument("--device", required=True, help="device type as profiled, e.g. cpu-1t")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs of this host it serves, 0 .. N-1 of those its Triton sees (1); give it as "
+        "`gpus` in the inventory",
+    )
     p.add_argument("--name", help="node name in logs and folders (device@address:port)")
     p.add_argument("--listen", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=0, help="gRPC port (a free one)")

@@ -21,6 +21,7 @@ UNITS = sorted((REPO / "deploy" / "systemd").glob("*.service"))
 # what a unit's variables stand for (their env files hold the real values)
 UNIT_VALUES = {
     "${DEVICE}": "T4",
+    "${GPUS}": "4",
     "${LISTEN}": "10.0.0.21",
     "${GRPC_PORT}": "8001",
     "${HTTP_PORT}": "8000",
