@@ -94,12 +94,12 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
         )
 
     t0 = time.perf_counter()
-    with emu.emulated_nodes(cluster, out / "cluster", d, token_file) as em:
+    with emu.emulated_nodes(cluster, out / "cluster", d, token_file, node_per_server=True) as em:
         step(
-            f"{cluster.name} EMULATED at time scale D = {d:g}: {len(em.nodes)} GPU nodes "
-            f"(tritonserver each) on {em.servers} servers (network namespaces on {em.subnet}, "
-            f"NICs {cluster.bandwidth_gbps:g} Gbit/s / D by tc); up in "
-            f"{time.perf_counter() - t0:.0f} s"
+            f"{cluster.name} EMULATED at time scale D = {d:g}: {sum(em.gpus)} GPUs on "
+            f"{em.servers} servers, a node (tritonserver) per server serving its GPUs (network "
+            f"namespaces on {em.subnet}, NICs {cluster.bandwidth_gbps:g} Gbit/s / D by tc); up "
+            f"in {time.perf_counter() - t0:.0f} s"
         )
         res = emu.compare_plans(
             plans,

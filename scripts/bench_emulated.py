@@ -114,6 +114,13 @@ def main() -> int:
     ap.add_argument(
         "--transport", default="router,chain", help="part 2's transports (router,chain)"
     )
+    ap.add_argument(
+        "--nodes",
+        choices=("server", "gpu"),
+        default="server",
+        help="part 2: a node (tritonserver) per server serving its GPUs, or one per GPU "
+        "(server)",
+    )
     args = ap.parse_args()
     logging.getLogger("poolpipe.serve").setLevel(logging.ERROR)  # rollouts: in the tables
     bad = set(args.transport.split(",")) - {"router", "chain"}
@@ -260,9 +267,11 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
             token_file = tmp / "token"
             token = new_token_file(token_file)
             t0 = time.perf_counter()
-            with emulated_nodes(cluster, tmp / "cluster", d, token_file) as em:
+            per_server = args.nodes == "server"
+            with emulated_nodes(cluster, tmp / "cluster", d, token_file, per_server) as em:
                 console.print(
-                    f"EMULATED {cluster.name}: {len(em.nodes)} GPU nodes on {em.servers} "
+                    f"EMULATED {cluster.name}: {sum(em.gpus)} GPUs, {len(em.nodes)} nodes "
+                    f"(a node per {args.nodes}) on {em.servers} "
                     f"servers (namespaces, {cluster.bandwidth_gbps:g} Gbit/s / D NICs), time "
                     f"scale D = {d:g}, transport {transport}, profiles {GROUP2_DIR}; up in "
                     f"{time.perf_counter() - t0:.0f} s"
@@ -321,7 +330,9 @@ def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -
                 f"{r['cores']['nodes']:.2f}",
                 host_above(r),
             )  # fmt: skip
-            config = f"{name}/{strategy}/D{d:g}/{transport}"
+            config = f"{name}/{strategy}/D{d:g}/{transport}" + (
+                "/node-per-server" if args.nodes == "server" else ""
+            )
             for metric, value in (
                 ("capacity_live_req_s", r["live"] * d),
                 ("capacity_sim_req_s", r["sim"] * d),

@@ -317,17 +317,21 @@ def attainment_at(dep, load: MixLoad, rates, duration_s: float, seed: int = 500)
 
 
 @contextlib.contextmanager
-def emulated_nodes(cluster, workspace: Path, time_scale: float, token_file: Path):
+def emulated_nodes(
+    cluster, workspace: Path, time_scale: float, token_file: Path, node_per_server: bool = False
+):
     """`cluster` (a preset) as namespaces, an emulated GPU node per GPU at `time_scale`,
-    named <GPU>-<i> as a plan's layout names them; yields the EmulatedCluster."""
-    with EmulatedCluster.from_cluster(cluster, workspace, time_scale) as em:
+    named <GPU>-<i> as a plan's layout names them (`node_per_server`: a node per server
+    serving its GPUs, named <GPU>-s<i>, its GPUs <GPU>-s<i>/gpu<j>); yields the
+    EmulatedCluster."""
+    with EmulatedCluster.from_cluster(cluster, workspace, time_scale, node_per_server) as em:
         count: dict[str, int] = {}
         for k, gpu in enumerate(em.devices):
             i = count.get(gpu, 0)
             count[gpu] = i + 1
             em.start_node(
-                k, gpu, name=f"{gpu}-{i}", wait=False, token_file=token_file,
-                emulate=True, time_scale=time_scale,
+                k, gpu, name=f"{gpu}-s{i}" if node_per_server else f"{gpu}-{i}", wait=False,
+                token_file=token_file, emulate=True, time_scale=time_scale,
             )  # fmt: skip
         for k in range(len(em.nodes)):
             em.wait_node(k, 300)

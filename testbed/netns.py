@@ -105,6 +105,7 @@ class EmulatedNode:
     node: subprocess.Popen | None = field(default=None, repr=False)
     node_name: str = ""
     device: str = ""
+    gpus: int = 1  # GPUs its node serves (poolpipe node --gpus)
 
     def port(self, base: int) -> int:
         return base + SLOT_PORTS * self.slot
@@ -129,32 +130,41 @@ class EmulatedCluster:
         self.router_address = ""
         self.nodes: list[EmulatedNode] = []
         self.devices: list[str] = []  # from_cluster: each node slot's device type
+        self.gpus: list[int] = [1] * sum(slots)  # each node slot's GPUs
         self._slots = slots
         self._made: list[tuple[str, ...]] = []  # teardown commands, last first
         self._clients = 0  # client namespaces added (add_client)
 
     @classmethod
     def from_cluster(
-        cls, cluster: Cluster, workspace: Path, time_scale: float = 1.0
+        cls,
+        cluster: Cluster,
+        workspace: Path,
+        time_scale: float = 1.0,
+        node_per_server: bool = False,
     ) -> EmulatedCluster:
         """A server per `gpus_per_server` GPUs of each pool of `cluster` (a clusters-file
-        preset), a node slot per GPU (`devices` says its type), NICs at the cluster's
-        bandwidth / `time_scale` (time-dilated emulation: docs/design/emulation.md)."""
+        preset), a node slot per GPU (`devices` says its type; with `node_per_server`, one
+        slot per server, `gpus` its GPUs), NICs at the cluster's bandwidth / `time_scale`
+        (time-dilated emulation: docs/design/emulation.md)."""
         if time_scale <= 0:
             raise EmulationError(f"the time scale must be > 0, got {time_scale:g}")
         slots: list[int] = []
         devices: list[str] = []
+        gpus: list[int] = []
         for pool in cluster.pools:
             left = pool.count
             while left > 0:
                 n = min(left, pool.gpus_per_server)
-                slots.append(n)
-                devices += [pool.gpu] * n
+                slots.append(1 if node_per_server else n)
+                devices += [pool.gpu] * (1 if node_per_server else n)
+                gpus += [n] if node_per_server else [1] * n
                 left -= n
         if not slots:
             raise EmulationError(f"cluster {cluster.name} has no GPUs")
         em = cls(slots, workspace, cluster.bandwidth_gbps / time_scale)
         em.devices = devices
+        em.gpus = gpus
         return em
 
     @property
@@ -249,13 +259,15 @@ class EmulatedCluster:
         token_file: Path | None = None,
         emulate: bool = False,
         time_scale: float = 1.0,
+        gpus: int | None = None,
     ) -> RemoteNode | None:
         """Start `poolpipe node` for node slot `node` inside its server's namespace on the
         server's address and the slot's ports (its management APIs restricted by
-        `token_file`'s token when given), and (with `wait`) wait until the router's
-        namespace reaches its gRPC port."""
+        `token_file`'s token when given; `gpus`: the GPUs it serves, else the slot's), and
+        (with `wait`) wait until the router's namespace reaches its gRPC port."""
         s = self.nodes[node]
         s.device, s.node_name = device, name or f"s{s.server}-n{s.slot}"
+        s.gpus = self.gpus[node] if gpus is None else gpus
         log = self.workspace / f"{s.node_name}.out"
         self.workspace.mkdir(parents=True, exist_ok=True)
         cmd = [
@@ -268,6 +280,7 @@ class EmulatedCluster:
             "--workspace", str(self.workspace / s.node_name),
             *(["--token-file", str(token_file)] if token_file else []),
             *(["--emulate", "--time-scale", repr(time_scale)] if emulate else []),
+            *(["--gpus", str(s.gpus)] if s.gpus != 1 else []),
         ]  # fmt: skip
         with open(log, "ab") as out:
             s.node = subprocess.Popen(
@@ -348,6 +361,7 @@ class EmulatedCluster:
                     f"{s.address}:{s.port(GRPC_PORT)}",
                     http=f"{s.address}:{s.port(HTTP_PORT)}",
                     watch=f"{s.address}:{s.port(WATCH_PORT)}",
+                    gpus=s.gpus,
                 )
                 for s in self.nodes
                 if s.node is not None

@@ -222,14 +222,16 @@ def test_the_layout_carries_each_partitions_profiled_latency_per_node(t4_warehou
     }
 
 
+@pytest.mark.parametrize("per_server", [False, True], ids=["node-per-gpu", "node-per-server"])
 def test_a_two_node_emulated_pipeline_serves_through_the_router_across_hosts(
-    t4_warehouse, tmp_path
+    t4_warehouse, tmp_path, per_server
 ):
-    """Two emulated T4 nodes of one server (the emulated cluster built from a preset: one
-    namespace, an address, a port range per node), blocks 0-2 on one and 2-4 on the
-    other, feature maps node to node: the router attaches, uploads
-    the partitions with their latency tables, calibrates them (each call at least its
-    profiled time x the time scale) and answers requests, as on any node."""
+    """Two emulated T4 GPUs of one server (the emulated cluster built from a preset: one
+    namespace, an address, a port range per node), as two nodes or one node serving both
+    (poolpipe node --gpus 2), blocks 0-2 on one GPU and 2-4 on the other, feature maps GPU
+    to GPU: the router attaches, uploads the partitions with their latency tables,
+    calibrates them (each call at least its profiled time x the time scale) and answers
+    requests, as on any node."""
     from poolpipe.client.control import new_token_file
     from poolpipe.domain.cluster import Cluster, GpuPool
     from poolpipe.domain.plan import manual_plan
@@ -243,16 +245,17 @@ def test_a_two_node_emulated_pipeline_serves_through_the_router_across_hosts(
         profile = w.load_profile("tiny")
     cluster = Cluster("t4s", 1.0, (GpuPool("T4", 2, 2, (1,)),))
     plan = manual_plan("tiny", 400e3, cluster, [(0, 2, "T4", 1), (2, 4, "T4", 1)], 4, profile)
-    with EmulatedCluster.from_cluster(cluster, tmp_path / "cluster") as em:
+    with EmulatedCluster.from_cluster(cluster, tmp_path / "cluster", 1.0, per_server) as em:
         token = new_token_file(tmp_path / "token")
-        for k in range(2):
+        for k in range(len(em.nodes)):
             em.start_node(k, em.devices[k], wait=False, token_file=tmp_path / "token",
                           emulate=True, time_scale=SCALE)  # fmt: skip
-        for k in range(2):
+        for k in range(len(em.nodes)):
             em.wait_node(k)
         inv = em.inventory()
         assert len({n.grpc.rpartition(":")[0] for n in inv.nodes}) == 1  # one server
-        assert len({n.grpc for n in inv.nodes}) == 2 and {n.server for n in inv.nodes} == {"s0"}
+        assert {n.server for n in inv.nodes} == {"s0"}
+        assert [n.gpus for n in inv.nodes] == ([2] if per_server else [1, 1])
         dep = Deployment.up(
             plan, t4_warehouse, tmp_path / "router", inventory=em.inventory(), token=token,
             transport="chain",
@@ -270,5 +273,11 @@ def test_a_two_node_emulated_pipeline_serves_through_the_router_across_hosts(
                 r = _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32))
                 assert r.as_numpy(dep.ios[0].outputs[0].name).shape == (1, 1000)
             assert dep.core.stats["tiny"].on_time >= 3
+            if per_server:  # each GPU its own partition model, the chain from one to the next
+                held = {n.name: n.models() for n in dep.nodes.values()}
+                assert sorted(held) == ["s0-n0/gpu0", "s0-n0/gpu1"]
+                assert sorted(m for ms in held.values() for m in ms) == sorted(
+                    dep.layout.pool_partition.values()
+                )
         finally:
             dep.down()
