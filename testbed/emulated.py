@@ -181,6 +181,7 @@ def mix_capacity(
     stages: Callable[[], tuple[float, float]] | None = None,
     extra: int = EXTRA_TRACES,
     warm_up: bool = True,
+    cpu: Callable[[], dict[str, float]] | None = None,
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
     multiple of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of
@@ -202,7 +203,10 @@ def mix_capacity(
     HOST_LATE_SHARE of its stages late or more than HOST_BUSY_SHARE of the CPU busy (the
     host's limit, not the plan's: the router, the nodes and the clients share its cores).
     "live_requests" and "live_interval": the requests the live capacity was judged on and
-    a 95% interval of their share on time (Wilson)."""
+    a 95% interval of their share on time (Wilson). `cpu`: CPU seconds so far by part
+    (CpuMeter.sample), summed over the live traces alone into "live_cpu_s", beside their
+    wall seconds ("live_wall_s") and requests ("live_sent"): the simulator's searches run
+    in the router's process and count for nothing there."""
     first = steps // 4
     # Warm-up at the first rate judged, until a trace leaves the router's latencies as they
     # were (recalibration rescales pools by a tenth or more in their first stage calls
@@ -219,6 +223,8 @@ def mix_capacity(
     host_late: dict[float, float] = {}
     host_cpu: dict[float, float] = {}
     measured: dict[int, list[list[float]]] = {}  # grid step -> per pool, live
+    live_cpu: dict[str, float] = {}
+    live_wall = [0.0, 0]  # wall seconds and requests of the live traces
 
     def passes(kind: str, i: int) -> bool:
         rate = i * top / steps
@@ -235,7 +241,12 @@ def mix_capacity(
                 factors = measured[min(measured, key=lambda j: (abs(j - i), j))]
                 got = predict(dep, times, duration_s, factors, models=which).attainment
             else:
+                c0, w0 = (cpu() if cpu is not None else {}), time.perf_counter()
                 got = load.run(rate, duration_s, seed)
+                live_wall[0] += time.perf_counter() - w0
+                live_wall[1] += len(times)
+                for part, v in (cpu() if cpu is not None else {}).items():
+                    live_cpu[part] = live_cpu.get(part, 0.0) + v - c0[part]
                 taken = dep.core.take_stage_factors()
                 mine = measured.setdefault(i, [[] for _ in taken])
                 for pool, f in zip(mine, taken, strict=True):
@@ -276,6 +287,9 @@ def mix_capacity(
         "host_cpu_above": host_cpu.get(above),
         "host_bound": host_late.get(above, 0.0) > HOST_LATE_SHARE
         or host_cpu.get(above, 0.0) > HOST_BUSY_SHARE,
+        "live_cpu_s": live_cpu,
+        "live_wall_s": live_wall[0],
+        "live_sent": live_wall[1],
     }
 
 
@@ -452,8 +466,9 @@ def compare_plans(
     and simulated (mix_capacity, `weights` by model); then np rolled out under a steady
     load of `rollout_share` x ppipe's live capacity, and its capacity found the same way.
     Rates are dilated. Per plan: mix_capacity's figures, "planned", "ready_s" (wall s to
-    serve), "cpu_us" (router / nodes / client CPU µs per request sent in the search, idle
-    time included) and "cores" (their CPU seconds per wall second); "rollout":
+    serve), "cpu_us" (router / nodes / client CPU µs per request sent in the live search's
+    traces, idle time included, the simulator's not) and "cores" (their CPU seconds per
+    wall second of those traces); "rollout":
     rollout_under_load's figures; "transport": the one used. `loads`: fractions of each
     plan's live capacity at which to compare live and simulated attainment ("loads":
     attainment_at)."""
@@ -495,7 +510,6 @@ def compare_plans(
                     f"a rate, up to {2 + EXTRA_TRACES} where it fails narrowly), live, then the "
                     "simulator on the same traces")  # fmt: skip
             load = MixLoad.of(dep, weights)
-            c0, w0 = meter.sample(), time.perf_counter()
             found = mix_capacity(
                 dep,
                 load,
@@ -504,9 +518,10 @@ def compare_plans(
                 on_point=partial(on_point, strategy),
                 stages=em.emulated_stages,
                 warm_up="rollout" not in out,  # (a plan rolled out under load is warm)
+                cpu=meter.sample,
             )
-            c1, wall = meter.sample(), time.perf_counter() - w0
-            sent = load.sent
+            used, wall = found["live_cpu_s"], max(1e-9, found["live_wall_s"])
+            sent = found["live_sent"]
             at = []
             if loads and found["live"]:
                 rates = [x * found["live"] for x in loads]
@@ -524,8 +539,8 @@ def compare_plans(
                 # planned without it)
                 "deliverable": plan.deliverable,
                 "ready_s": ready_s,
-                "cpu_us": {k: (c1[k] - c0[k]) / max(1, sent) * 1e6 for k in c0},
-                "cores": {k: (c1[k] - c0[k]) / wall for k in c0},
+                "cpu_us": {k: v / max(1, sent) * 1e6 for k, v in used.items()},
+                "cores": {k: v / wall for k, v in used.items()},
             }
     finally:
         if server is not None:
