@@ -5,6 +5,7 @@ alone. Real processes: the node command (emulating T4s), its Triton, the router.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -91,7 +92,12 @@ def test_a_node_of_three_gpus_serves_each_as_a_node_of_its_own(t4_warehouse, tmp
     )
     try:
         assert "3 x T4, EMULATED" in "".join(said)
-        inv = parse_inventory(_inventory(grpc, 3), "node.toml")
+        while not re.search(r"watch (127\.0\.0\.1:\d+)", "".join(said)):
+            said.append(proc.stdout.readline())
+        watch = re.search(r"watch (127\.0\.0\.1:\d+)", "".join(said)).group(1)
+        table = _inventory(grpc, 3)
+        table["nodes"][0]["watch"] = watch
+        inv = parse_inventory(table, "node.toml")
         dep = Deployment.up(plan, t4_warehouse, tmp_path / "router", inventory=inv)
         try:
             ids = {n.name: n.node_id for n in dep.nodes.values()}
@@ -152,8 +158,13 @@ def test_a_node_of_three_gpus_serves_each_as_a_node_of_its_own(t4_warehouse, tmp
             assert count(after) == count(before)
             dep.undrain("s0/gpu0")
             assert dep.core.stats["tiny"].on_time >= 14
+            assert RemoteNode("s0/gpu0", "T4", grpc, gpu=0).models() == [first]
+
+            # the node's process gone: its watch connection breaks, all three GPUs leave
+            _stop(proc)
+            _wait("all out", lambda: dep.core.down_nodes() == {f"{grpc}/gpu{i}" for i in range(3)})
+            assert sorted(d["node"] for d in dep.down_nodes()) == [f"s0/gpu{i}" for i in range(3)]
         finally:
             dep.down()
-        assert not RemoteNode("s0/gpu0", "T4", grpc, gpu=0).models()  # taken off the node
     finally:
         _stop(proc)
