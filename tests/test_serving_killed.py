@@ -4,6 +4,8 @@ may own), and the module servers of test_serving_ops run for their whole module.
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from tests.test_serving import onboarded_tiny, two_partition_plan  # noqa: F401
@@ -34,7 +36,15 @@ def test_a_router_killed_outright_leaves_no_triton_behind(onboarded_tiny, tmp_pa
     assert _leftovers() - before, "nothing left behind: the sweep below checks nothing"
     again = _serving(argv, 180)  # the same ports: nothing left holds them
     again.send_signal(signal.SIGTERM)
-    assert again.wait(60) == 0
+    # (its output read meanwhile: a full pipe would block its stopping steps' log lines)
+    try:
+        said, _ = again.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        again.kill()
+        said, _ = again.communicate()
+        why = f"serve did not stop within 120 s of SIGTERM:\n{said[-3000:]}"
+        raise AssertionError(why) from None
+    assert again.returncode == 0, said[-3000:]
     # what the killed router left, a router or node starting STALE_AFTER_S later sweeps
     import time
 
