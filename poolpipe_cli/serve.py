@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import threading
 from pathlib import Path
 
 from rich.console import Console
@@ -103,16 +102,29 @@ def _plan_arg(args: argparse.Namespace):
         return plan, wh.stored_plan_id(plan, label=f"serve:{path.name}")
 
 
-def _stop_on_signals(also=None) -> threading.Event:
-    """From now on SIGTERM and Ctrl-C set the returned event instead of raising: installed
+class SignalStop:
+    """Set by SIGTERM or Ctrl-C (_stop_on_signals): a plain flag. A handler that set a
+    threading.Event ran in the main thread while that thread waited on the same event, and
+    when the signal landed inside the wait's lock hand-over the handler waited for that
+    lock forever: `serve` then ignored SIGTERM (seen once under the test suite)."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+
+    def is_set(self) -> bool:
+        return self.signalled
+
+
+def _stop_on_signals(also=None) -> SignalStop:
+    """From now on SIGTERM and Ctrl-C set the returned flag instead of raising: installed
     before "Ctrl-C stops" is printed, so that no signal can land between that line and
     the wait (one that did left the nodes running) or in the teardown after it. `also()`
     is called at once with the signal (before anything notices the nodes a terminal's
-    Ctrl-C reaches as well)."""
-    stop = threading.Event()
+    Ctrl-C reaches as well); it must take no lock."""
+    stop = SignalStop()
 
     def on_signal(*_) -> None:
-        stop.set()
+        stop.signalled = True
         if also is not None:
             also()
 
@@ -121,11 +133,18 @@ def _stop_on_signals(also=None) -> threading.Event:
     return stop
 
 
-def _wait_for_signal(stop: threading.Event, also=None) -> None:
-    """Until `stop` is set (a signal) or `also()` says so, checked every second."""
-    while not stop.wait(1.0):
-        if also is not None and also():
-            break
+def _wait_for_signal(stop: SignalStop, also=None) -> None:
+    """Until `stop` is set (a signal; looked at every 0.1 s) or `also()` says so (asked
+    every second)."""
+    import time
+
+    asked = time.monotonic()
+    while not stop.is_set():
+        time.sleep(0.1)
+        if also is not None and time.monotonic() - asked >= 1.0:
+            asked = time.monotonic()
+            if also():
+                break
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
