@@ -87,6 +87,12 @@ class InventoryGpu:
     def name(self) -> str:
         return gpu_node(self.node.name, self.gpu)
 
+    @property
+    def node_id(self) -> str:
+        """What the router knows it by (RepositoryAPI.node_id): its node's gRPC address,
+        with the GPU's index on a node of several."""
+        return gpu_node(self.node.grpc, self.gpu)
+
 
 @dataclass(frozen=True)
 class Inventory:

@@ -21,7 +21,6 @@ from typing import Any
 
 from poolpipe.client.control import node_key
 from poolpipe.domain.apps import plan_applications, served_parts
-from poolpipe.domain.gpus import gpu_node
 from poolpipe.domain.inventory import Inventory
 from poolpipe.domain.plan import Plan
 from poolpipe.errors import PoolpipeError
@@ -194,7 +193,7 @@ class Deployment:
         down = self.core.down_nodes()
         known = (
             [
-                (g.name, device, gpu_node(g.node.grpc, g.gpu))
+                (g.name, device, g.node_id)
                 for device, gpus in self.inventory.gpus_by_device().items()
                 for g in gpus
             ]
@@ -236,7 +235,7 @@ class Deployment:
             g.name
             for gpus in self.inventory.gpus_by_device().values()
             for g in gpus
-            if gpu_node(g.node.grpc, g.gpu) in drained
+            if g.node_id in drained
         }
         return replace(self.inventory, down=self.operator_down | down)
 
