@@ -255,7 +255,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="tensors allowed to cross a cut, widened when too few cuts qualify (1)",
     )
-    p.add_argument("--slo-ms", type=float, help="SLO (default: 5 x the whole model at batch 1)")
+    p.add_argument(
+        "--slo-ms",
+        type=float,
+        help="SLO (default: 5 x the whole model as served: its batch-1 run, a stage call "
+        "and the reply margin)",
+    )
     add_input_shape_option(p)
     p.add_argument(
         "--replace",

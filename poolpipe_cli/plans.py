@@ -17,7 +17,7 @@ from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.request import DELIVERY, OBJECTIVES
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
 from poolpipe.runtime import DEFAULT_MARGIN_FLOOR_US, DEFAULT_REPLY_MARGIN_US
-from poolpipe.store.plan_inputs import plan_request
+from poolpipe.store.plan_inputs import plan_request, served_references
 from poolpipe.store.warehouse import Warehouse
 from poolpipe_cli.common import (
     PPIPE_DIR_ENV,
@@ -357,6 +357,15 @@ def build_request(args: argparse.Namespace, wh: Warehouse, strategy: str) -> Pla
     )
     if getattr(args, "exclude", None):
         req = dataclasses.replace(req, cluster=req.cluster.without(parse_exclude(args.exclude)))
+    if args.slo_scale is not None:  # say what an onboarded model's SLO was scaled from
+        refs = served_references(wh, [m for m in req.models if m.name not in explicit])
+        for name, ref in refs.items():
+            if ref.call_us or ref.reply_us:
+                err_console.print(
+                    f"{name}: {ref.describe(args.slo_scale)} (--slo-us sets it)",
+                    highlight=False,
+                    markup=False,
+                )
     return req
 
 
@@ -485,7 +494,12 @@ def _planning_options(p: argparse.ArgumentParser) -> None:
         help="plan without some GPUs (failed, in maintenance), e.g. T4:5,L4:1 (an inventory "
         "marks such nodes down instead)",
     )
-    p.add_argument("--slo-scale", type=float, help="SLO = this x each model's reference latency")
+    p.add_argument(
+        "--slo-scale",
+        type=float,
+        help="SLO = this x each model's reference latency (a model onboarded here: as served, "
+        "its batch-1 run + a stage call + the reply margin)",
+    )
     p.add_argument("--slo-us", help="explicit SLOs, e.g. A=70000,B=23000 (µs)")
     p.add_argument("--margin", type=float, default=0.4, help="fraction of the SLO held back (0.4)")
     p.add_argument("--max-partitions", type=int, default=2, help="partitions per pipeline (2)")

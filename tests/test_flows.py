@@ -67,7 +67,9 @@ def test_onboard_flow_stores_blocks_latencies_and_provenance(onboarded):
         ).fetchone()
         assert nb == 4 and source.startswith("onboard:")
         whole_b1 = next(m for m in r.measurements if m.block == WHOLE and m.batch == 1)
-        assert ref == pytest.approx(whole_b1.median_us) and slo == pytest.approx(5 * ref)
+        assert ref == pytest.approx(whole_b1.median_us)
+        # 5 x the model as served: its run, a stage call and the reply margin (defaults)
+        assert slo == pytest.approx(5 * (ref + 2_500 + 3_000))
         files = con.execute(
             "SELECT onnx_path, inputs, outputs FROM blocks WHERE model='tiny-resnet' "
             "ORDER BY block_index"
@@ -134,6 +136,56 @@ def test_plan_flow_plans_the_onboarded_model_right_away(onboarded, tmp_path):
         ).fetchone()
     assert plan.models[0].name == "tiny-resnet" and plan.models[0].throughput > 0
     assert parts[0] >= 1 and json.loads(out.read_text())["strategy"] == "ppipe"
+
+
+def test_slo_scale_counts_the_serving_path_of_an_onboarded_model(
+    onboarded, ppipe_profiles, tmp_path, capsys
+):
+    """`--slo-scale` multiplies an onboarded model's reference as served: its run plus a
+    stage call and the reply margin (defaults, or what a router serving it measured, where
+    more). A 1-ms model planned at 5x its run alone got an SLO its serving path could not
+    keep (plan served nothing). The paper's profiles keep the paper's reference."""
+    import shutil
+    from datetime import datetime
+
+    from poolpipe.domain.profiles import served_reference
+
+    wh = str(tmp_path / "wh.duckdb")
+    shutil.copy(onboarded[0], wh)
+    clusters = tmp_path / "clusters.toml"
+    clusters.write_text(
+        "[local]\nbandwidth_gbps = 10\n"
+        'gpus = [ { type = "cpu-1t", count = 4, gpus_per_server = 1, shares = [1] } ]\n'
+    )
+    argv = ["--warehouse", wh, "plan", "--models", "tiny-resnet", "--cluster", "local"]
+    argv += ["--clusters-file", str(clusters), "--slo-scale", "5", "--json"]
+    with Warehouse.open(wh) as w:
+        ref = w.load_profile("tiny-resnet").reference_latency_us
+
+    def planned_slo() -> tuple[float, str]:
+        assert cli_main(argv) == 0
+        out = capsys.readouterr()
+        return json.loads(out.out)["models"][0]["slo_us"], " ".join(out.err.split())
+
+    slo, err = planned_slo()
+    assert slo == pytest.approx(5 * (ref + 2_500 + 3_000))
+    assert "tiny-resnet: SLO 5 x" in err and "a stage call 2.5 ms + the reply margin 3 ms" in err
+    # a router serving it measured a 4-ms stage call and 6 ms of the reply's way out (beyond
+    # its 1-ms floor): those count
+    row = dict.fromkeys(("arrivals", "on_time", "late", "dropped", "failed", "refused"), 0)
+    row |= {"minute": datetime.now(), "seconds": 60.0, "deployment": "d", "plan_id": None}
+    with Warehouse.open(wh) as w:
+        w.store_rows(
+            "serving_stats",
+            [{**row, "model": "tiny-resnet", "reply_measured_ms": 6.0, "call_overhead_ms": 4.0}],
+        )
+    slo, err = planned_slo()
+    assert slo == pytest.approx(5 * (ref + 4_000 + 7_000)), err
+    # explicit SLOs stay as given; the paper's profiles keep the paper's reference
+    argv[-3:-1] = ["--slo-us", "tiny-resnet=9000"]
+    assert planned_slo()[0] == 9000.0
+    paper = ppipe_profiles["googlenet-v3-pytorch"]
+    assert served_reference(paper, 4_000, 7_000).us == paper.reference_latency_us
 
 
 def test_plan_apps_flow_stores_the_joint_split_of_an_application(prefect_api, tmp_path):

@@ -21,6 +21,56 @@ from poolpipe.errors import ProfileError
 # The paper's SLO is this multiple of the whole model's batch-1 latency on one L4.
 DEFAULT_SLO_SCALE = 5.0
 
+# What one stage call on a node costs beyond its blocks' run where no router has measured it
+# (serving_stats.call_overhead_ms): Triton, its Python backend and the call's own transfers;
+# 0.7-3.4 ms a call on the 2-core development machine for a 1-ms classifier.
+DEFAULT_CALL_OVERHEAD_US = 2_500.0
+ONBOARDED = "onboard:"  # the source of a model onboarded (split and profiled) here
+
+
+@dataclass(frozen=True)
+class ServedReference:
+    """What an SLO scale multiplies for one model. The paper's profiles (and shadows of
+    them) keep the paper's reference: the whole model's run at batch 1 on the reference
+    GPU. A model onboarded here is referred to as it is served: its run, plus one stage
+    call's cost on a node and the reply margin the router holds back, so that `--slo-scale
+    5` leaves a 1-ms model as much room as its serving path needs (its run alone would
+    give 5 ms, less than the path takes)."""
+
+    run_us: float
+    call_us: float = 0.0
+    reply_us: float = 0.0
+
+    @property
+    def us(self) -> float:
+        return self.run_us + self.call_us + self.reply_us
+
+    def slo_us(self, scale: float) -> float:
+        return scale * self.us
+
+    def describe(self, scale: float) -> str:
+        if not (self.call_us or self.reply_us):
+            return f"SLO {scale:g} x {self.run_us / 1e3:.3g} ms reference"
+        return (
+            f"SLO {scale:g} x {self.us / 1e3:.3g} ms = {self.slo_us(scale) / 1e3:.3g} ms: the "
+            f"model as served, its run {self.run_us / 1e3:.3g} ms + a stage call "
+            f"{self.call_us / 1e3:.3g} ms + the reply margin {self.reply_us / 1e3:.3g} ms"
+        )
+
+
+def served_reference(
+    profile: ModelProfile, call_us: float = DEFAULT_CALL_OVERHEAD_US, reply_us: float = 0.0
+) -> ServedReference | None:
+    """The reference an SLO scale multiplies (ServedReference); None where the model has no
+    reference latency. `call_us`, `reply_us`: the serving path's costs (measured where a
+    router has served the model, else defaults), counted for onboarded models only."""
+    ref = profile.reference_latency_us
+    if not ref:
+        return None
+    if not str(profile.meta.get("source", "")).startswith(ONBOARDED):
+        return ServedReference(ref)
+    return ServedReference(ref, call_us, reply_us)
+
 
 @dataclass(frozen=True)
 class LatencyTable:

@@ -11,10 +11,16 @@ from typing import Any
 from poolpipe.domain.apps import App, fastest_latencies, load_apps
 from poolpipe.domain.cluster import Cluster, load_cluster
 from poolpipe.domain.plan import Plan
-from poolpipe.domain.profiles import ModelProfile
+from poolpipe.domain.profiles import (
+    DEFAULT_CALL_OVERHEAD_US,
+    ModelProfile,
+    ServedReference,
+    served_reference,
+)
 from poolpipe.errors import PoolpipeError
 from poolpipe.planner import PlanRequest
 from poolpipe.planner.apps import AppPlanRequest
+from poolpipe.runtime.intake import DEFAULT_MARGIN_FLOOR_US, DEFAULT_REPLY_MARGIN_US
 from poolpipe.store.warehouse import Warehouse
 
 
@@ -30,8 +36,9 @@ def plan_request(
     strategy: str = "ppipe",
     **options: Any,
 ) -> PlanRequest:
-    """SLO per model: `slo_us[name]`, else `slo_scale` x its reference latency, else the SLO
-    stored with the model. `options` are the remaining PlanRequest fields."""
+    """SLO per model: `slo_us[name]`, else `slo_scale` x its reference latency (a model
+    onboarded here: as served, `served_references`), else the SLO stored with the model.
+    `options` are the remaining PlanRequest fields."""
     names = list(models)
     profiles = tuple(wh.load_profile(n) for n in names)
     weights = list(weights) if weights else [1.0] * len(names)
@@ -42,15 +49,16 @@ def plan_request(
         if name not in names:
             raise PoolpipeError(f"an SLO is given for {name!r}, which is not among {names}")
     slos = []
+    refs = served_references(wh, profiles) if slo_scale is not None else {}
     for p in profiles:
         if p.name in explicit:
             slos.append(float(explicit[p.name]))
         elif slo_scale is not None:
-            if not p.reference_latency_us:
+            if p.name not in refs:
                 raise PoolpipeError(
                     f"model {p.name} has no reference latency; give its SLO ({p.name}=µs)"
                 )
-            slos.append(p.reference_latency_us * slo_scale)
+            slos.append(refs[p.name].slo_us(slo_scale))
         elif p.slo_us:
             slos.append(p.slo_us)
         else:
@@ -63,6 +71,26 @@ def plan_request(
         strategy=strategy,
         **options,
     )
+
+
+def served_references(
+    wh: Warehouse, profiles: Sequence[ModelProfile]
+) -> dict[str, ServedReference]:
+    """What an SLO scale multiplies, per model that has a reference latency
+    (domain.profiles.served_reference): for a model onboarded here, its run plus the stage
+    call and reply margin a router serving it from this warehouse last measured, each at
+    least its default (DEFAULT_CALL_OVERHEAD_US; DEFAULT_REPLY_MARGIN_US)."""
+    out = {}
+    for p in profiles:
+        call = max(DEFAULT_CALL_OVERHEAD_US, wh.measured_call_overhead_us([p.name]) or 0.0)
+        reply = wh.measured_reply_margin_us([p.name])
+        reply = max(
+            DEFAULT_REPLY_MARGIN_US, DEFAULT_MARGIN_FLOOR_US + reply if reply is not None else 0.0
+        )
+        ref = served_reference(p, call, reply)
+        if ref is not None:
+            out[p.name] = ref
+    return out
 
 
 def warehouse_apps(wh: Warehouse, spec: Path | str) -> tuple[list[App], dict[str, ModelProfile]]:

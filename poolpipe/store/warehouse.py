@@ -24,7 +24,13 @@ import numpy as np
 
 from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.plan import Plan
-from poolpipe.domain.profiles import DEFAULT_SLO_SCALE, LatencyTable, ModelProfile
+from poolpipe.domain.profiles import (
+    DEFAULT_CALL_OVERHEAD_US,
+    DEFAULT_SLO_SCALE,
+    LatencyTable,
+    ModelProfile,
+    ServedReference,
+)
 from poolpipe.errors import ProfileError, UnknownNameError, WarehouseBusyError, WarehouseError
 
 if TYPE_CHECKING:  # the ONNX side is imported only where it is used
@@ -469,7 +475,8 @@ class Warehouse:
     ) -> None:
         """Replace everything stored for `split.model` by a fresh onboarding: the model (its
         reference latency is the whole model's batch-1 median here; SLO given or
-        DEFAULT_SLO_SCALE x that), blocks, boundaries, latencies, files. One transaction;
+        DEFAULT_SLO_SCALE x the model as served: that, a stage call and the reply margin at
+        their defaults, ServedReference), blocks, boundaries, latencies, files. One transaction;
         `before_commit` runs inside it (publishing the block files), so that a failure
         anywhere leaves the warehouse as it was."""
         from poolpipe.offline.profiler import WHOLE
@@ -486,7 +493,7 @@ class Warehouse:
                     split.model,
                     len(split.blocks),
                     ref,
-                    slo_us if slo_us is not None else (ref * DEFAULT_SLO_SCALE if ref else None),
+                    slo_us if slo_us is not None else _default_slo_us(ref),
                     f"onboard:{split.source}",
                     now,
                     split.weight_bytes,
@@ -917,3 +924,14 @@ class Warehouse:
             return
         with self.transaction() as con:
             _insert_columns(con, table, {k: [r[k] for r in rows] for k in rows[0]})
+
+
+def _default_slo_us(ref: float | None) -> float | None:
+    """An onboarded model's SLO where none is given: DEFAULT_SLO_SCALE x the model as served
+    (its run, a stage call and the reply margin at their defaults)."""
+    from poolpipe.runtime.intake import DEFAULT_REPLY_MARGIN_US
+
+    if not ref:
+        return None
+    served = ServedReference(ref, DEFAULT_CALL_OVERHEAD_US, DEFAULT_REPLY_MARGIN_US)
+    return served.slo_us(DEFAULT_SLO_SCALE)
