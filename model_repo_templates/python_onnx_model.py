@@ -7,8 +7,9 @@ each instance on the GPU Triton gives it).
 
 Called plainly, it answers its partition's outputs. Called as a hop of a chain (request
 parameter `poolpipe_next`: JSON list of the hops after this one, each {"url", "model"} and
-optionally "after_us"; `[]` on the last), it sends its feature map straight to the next
-hop's node with the rest of the chain (no sooner than "after_us" after it took the
+optionally "after_us" and "http"; `[]` on the last), it sends its feature map straight to
+the next hop's node with the rest of the chain, over KServe v2 HTTP to "http" where the hop
+has one (_HttpHops), else over gRPC to "url" (no sooner than "after_us" after it took the
 request: the transfer's reserved start, so that a stage ending early does not send into a
 link the router reserved for another transfer; the instance is free meanwhile) and
 answers, once the chain's answer comes back, the whole model's outputs
@@ -70,6 +71,163 @@ HOPS = "POOLPIPE_HOPS"
 FORWARD_TIMEOUT_S = 60.0
 
 
+class _HttpHops:
+    """Feature maps to the next hop over KServe v2 HTTP with binary tensors, where the chain
+    names the hop's HTTP address ("http"). Measured on the 2-core machine (loopback, a
+    Python-backend model that reads its input): 4.3 MB reached the model in 7.6 ms this
+    way and in 19.4 ms through tritonclient's gRPC client (1 MB: 1.7 and 4.7 ms; a raw TCP
+    socket: 1.7 ms), enough to make googlenet-v3's feature maps 1.1-1.7x their reserved
+    transfers on emulated clusters. Each call waits for the rest of the chain on a thread of
+    a pool (the instance is free meanwhile), on a kept-alive connection of the address's;
+    one whose reused connection was closed before any answer came goes again once on a new
+    one."""
+
+    WORKERS = 32
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="poolpipe-hop")
+        self.idle = {}  # address -> idle connections
+        self.lock = threading.Lock()
+
+    def infer(self, address, model, arrays, outputs, parameters, done):
+        """Call `model` at `address` with `arrays` (in_0, in_1, ...); `done(result, error)`
+        from a pool thread: result.as_numpy(name), or error (a str) and None."""
+        self.pool.submit(self._call, address, model, arrays, outputs, parameters, done)
+
+    def _call(self, address, model, arrays, outputs, parameters, done):
+        try:
+            xs = [np.ascontiguousarray(x) for x in arrays]
+            header = {
+                "inputs": [
+                    {
+                        "name": f"in_{k}",
+                        "shape": list(x.shape),
+                        "datatype": np_to_triton_dtype(x.dtype),
+                        "parameters": {"binary_data_size": x.nbytes},
+                    }
+                    for k, x in enumerate(xs)
+                ],
+                "outputs": [{"name": n, "parameters": {"binary_data": True}} for n in outputs],
+                "parameters": parameters,
+            }
+            text = json.dumps(header, separators=(",", ":")).encode()
+            head = (
+                f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {address}\r\n"
+                "Content-Type: application/octet-stream\r\n"
+                f"Inference-Header-Content-Length: {len(text)}\r\n"
+                f"Content-Length: {len(text) + sum(x.nbytes for x in xs)}\r\n\r\n"
+            ).encode() + text
+            status, size, body = self._send(address, [head, *[memoryview(x).cast("B") for x in xs]])
+        except Exception as exc:  # unreachable, timed out, closed
+            done(None, str(exc) or type(exc).__name__)
+            return
+        if status != 200:
+            try:
+                why = str(json.loads(body)["error"])
+            except (ValueError, KeyError, TypeError):
+                why = f"HTTP {status}: {body[:200].decode(errors='replace')}"
+            done(None, why)
+            return
+        done(_HttpResult(body, size), None)
+
+    def _send(self, address, parts):
+        with self.lock:
+            idle = self.idle.setdefault(address, [])
+            sock = idle.pop() if idle else None
+        if sock is not None:
+            try:
+                return self._exchange(address, sock, parts)
+            except _Unanswered:
+                pass  # the node closed it while idle: once more on a new connection
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)), 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._exchange(address, sock, parts)
+
+    def _exchange(self, address, sock, parts):
+        try:
+            sock.settimeout(FORWARD_TIMEOUT_S)
+            try:
+                for part in parts:
+                    sock.sendall(part)
+            except OSError as exc:
+                raise _Unanswered(str(exc)) from None
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise (
+                        _Unanswered("closed before answering")
+                        if not buf
+                        else OSError("closed in its answer's head")
+                    )
+                buf += chunk
+            raw, _, rest = buf.partition(b"\r\n\r\n")
+            lines = raw.split(b"\r\n")
+            status = int(lines[0].split(None, 2)[1])
+            headers = {}
+            for line in lines[1:]:
+                k, _, v = line.partition(b":")
+                headers[k.strip().lower()] = v.strip()
+            need = int(headers.get(b"content-length", b"0"))
+            body = bytearray(need)
+            view = memoryview(body)
+            got = min(len(rest), need)
+            view[:got] = rest[:got]
+            while got < need:
+                n = sock.recv_into(view[got:])
+                if not n:
+                    raise OSError("closed in its answer's body")
+                got += n
+            size = int(headers.get(b"inference-header-content-length", need))
+        except BaseException:
+            sock.close()
+            raise
+        if headers.get(b"connection", b"").lower() == b"close":
+            sock.close()
+        else:
+            with self.lock:
+                self.idle.setdefault(address, []).append(sock)
+        return status, size, bytes(body)
+
+    def close(self):
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            for socks in self.idle.values():
+                for sock in socks:
+                    sock.close()
+            self.idle.clear()
+
+
+class _Unanswered(OSError):
+    """A kept connection closed before any byte of the answer came."""
+
+
+class _HttpResult:
+    """An answer's binary outputs by name, as tritonclient's results give them."""
+
+    def __init__(self, body, size):
+        from tritonclient.utils import triton_to_np_dtype
+
+        self.arrays = {}
+        offset = size
+        for o in json.loads(body[:size]).get("outputs", []):
+            dtype = np.dtype(triton_to_np_dtype(o["datatype"]))
+            n = o.get("parameters", {}).get("binary_data_size")
+            if n is None:
+                self.arrays[o["name"]] = np.asarray(o["data"], dtype).reshape(o["shape"])
+                continue
+            self.arrays[o["name"]] = np.frombuffer(
+                body, dtype, n // dtype.itemsize, offset
+            ).reshape(o["shape"])
+            offset += n
+
+    def as_numpy(self, name):
+        return self.arrays[name]
+
+
 def chain_signature(key, chain):
     return hmac.new(key.encode(), chain.encode(), hashlib.sha256).hexdigest()
 
@@ -117,6 +275,15 @@ class TritonPythonModel:
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.key = params.get("poolpipe_key") or None
         self.clients = {}
+        self.http = _HttpHops()
+        self.forwards_family = family = pb_utils.MetricFamily(  # kept: its metrics need it
+            name="poolpipe_chain_forwards_total",
+            description="Feature maps sent on to a chain's next hop, by protocol",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self.forwards = {
+            via: family.Metric(labels={"model": self.name, "via": via}) for via in ("http", "grpc")
+        }
         self.outboxes = {}  # the router's inbox address -> its answers' queue
         self.lock = threading.Lock()
 
@@ -219,13 +386,17 @@ class TritonPythonModel:
         back."""
         nxt, rest = hops[0], json.dumps(hops[1:])
         names = json.loads(params.get("poolpipe_outputs", "[]"))
-        inputs = []
-        for k, x in enumerate(outs):
-            t = grpcclient.InferInput(f"in_{k}", list(x.shape), np_to_triton_dtype(x.dtype))
-            t.set_data_from_numpy(np.ascontiguousarray(x))
-            inputs.append(t)
+        if nxt.get("http"):  # over HTTP (_HttpHops): the arrays as they are
+            inputs = [np.ascontiguousarray(x) for x in outs]
+            wanted = [*names, HOPS]
+        else:
+            inputs = []
+            for k, x in enumerate(outs):
+                t = grpcclient.InferInput(f"in_{k}", list(x.shape), np_to_triton_dtype(x.dtype))
+                t.set_data_from_numpy(np.ascontiguousarray(x))
+                inputs.append(t)
+            wanted = [grpcclient.InferRequestedOutput(n) for n in [*names, HOPS]]
         end = time.monotonic_ns()  # its outputs ready to go
-        wanted = [grpcclient.InferRequestedOutput(n) for n in [*names, HOPS]]
         forward = {"poolpipe_next": rest, "poolpipe_outputs": json.dumps(names)}
         if self.key is not None:
             forward["poolpipe_sig"] = chain_signature(self.key, rest)
@@ -261,7 +432,7 @@ class TritonPythonModel:
                         k, _, why = message[len("POOLPIPE_HOP ") :].partition(":")
                         message = f"POOLPIPE_HOP {int(k) + 1}:{why}"
                     else:
-                        message = f"POOLPIPE_HOP 1: {nxt['url']}: {message}"
+                        message = f"POOLPIPE_HOP 1: {nxt.get('http') or nxt['url']}: {message}"
                     self._fail(sender, message)
                     return
                 answer = {n: result.as_numpy(n) for n in names}
@@ -272,6 +443,11 @@ class TritonPythonModel:
             except Exception as exc:
                 self._fail(sender, f"POOLPIPE_HOP 0: {exc}")
 
+        if nxt.get("http"):
+            self.forwards["http"].increment(1)
+            self.http.infer(nxt["http"], nxt["model"], inputs, wanted, forward, done)
+            return
+        self.forwards["grpc"].increment(1)
         self._client(nxt["url"]).async_infer(
             nxt["model"],
             inputs,
@@ -348,3 +524,4 @@ class TritonPythonModel:
     def finalize(self):
         for c in self.clients.values():
             c.close()
+        self.http.close()

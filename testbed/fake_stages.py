@@ -64,6 +64,8 @@ class FakeStages:
     down: set[str] = field(default_factory=set)  # nodes that cannot be reached
     slow: dict[str, float] = field(default_factory=dict)  # node -> extra seconds per call
     calls: list[Call] = field(default_factory=list)  # every partition run, in order
+    http: dict[str, str] = field(default_factory=dict)  # node -> its HTTP address, if any
+    chains: list[list[dict]] = field(default_factory=list)  # every chain's hops, in order
     _busy: dict[str, asyncio.Lock] = field(default_factory=dict)  # a node runs one at a time
 
     async def infer(self, node: str, call: StageCall) -> Outputs:
@@ -78,6 +80,9 @@ class FakeStages:
         except TimeoutError:
             raise StageTimeout(f"no answer from {node} in {call.timeout_s:g} s") from None
         return {n: result[n] for n in call.outputs} if call.outputs is not None else result
+
+    def http_address(self, node: str) -> str | None:
+        return self.http.get(node)
 
     async def _run(self, node: str, model: str, xs: list[np.ndarray]) -> dict[str, np.ndarray]:
         return (await self._timed(node, model, xs))[0]
@@ -103,6 +108,7 @@ class FakeStages:
         self, node: str, model: str, xs: list[np.ndarray], params: dict[str, str]
     ) -> dict[str, np.ndarray]:
         hops = [{"url": node, "model": model}, *json.loads(params["poolpipe_next"])]
+        self.chains.append(hops)
         names = json.loads(params["poolpipe_outputs"])
         budget_ns = float(params.get("poolpipe_budget_us", "inf")) * 1e3
         t0 = time.monotonic_ns()

@@ -106,6 +106,22 @@ def test_every_request_is_answered_through_both_stages(transport):
         core.stop()
 
 
+def test_a_chain_names_each_next_nodes_http_address_where_known():
+    """Each hop after the first carries its node's KServe v2 HTTP address where the stage
+    client knows it: the node before sends its feature map there (over tritonclient's
+    gRPC, 4.3 MB took 2.6x as long to reach the model); gRPC only where none is known."""
+    for http in ({"n1:8001": "n1:8000"}, {}):
+        core, stages = router(two_stages([1]), "chain", http=http)
+        try:
+            for _, code, msg in answers(core, 4):
+                assert code is None, msg
+            later = [hop for chain in stages.chains for hop in chain[1:]]
+            assert len(stages.chains) == 4 and len(later) == 4
+            assert [hop.get("http") for hop in later] == [http.get("n1:8001")] * 4, later
+        finally:
+            core.stop()
+
+
 @pytest.mark.parametrize("transport", ["router", "chain"])
 def test_a_node_that_cannot_be_reached_is_taken_out_and_its_requests_retried(transport):
     core, stages = router(two_stages([1, 2]), transport, down={"n1:8001"})

@@ -181,7 +181,8 @@ class RouterCore:
         travel ("router": each from here; "chain": node to node, signed with `key`).
         `stages`: makes the stage client on the router's loop (default: KServe v2 HTTP
         where a node's HTTP address is known (use_http), gRPC otherwise; chains over
-        gRPC). `node_sweep_s`: every node in service is checked this often (0: only after
+        HTTP where known too, each node sending the next its feature map the same way).
+        `node_sweep_s`: every node in service is checked this often (0: only after
         a call to it failed). `stamps`: how a load balancer's arrival stamps are taken (the
         clock bound and the longest wait; it counts what became of them). `answers`: where a
         chain's last node sends the model's outputs, the router's inbox address "HOST:PORT"
@@ -195,10 +196,12 @@ class RouterCore:
         client = stages(self._loop) if stages is not None else HttpFirstStages(self._loop)
         hops: HopTransport
         if transport == "chain":
-            chain_stages = client.grpc if isinstance(client, HttpFirstStages) else None
             self.inbox = AnswerInbox(answers) if answers is not None else None
             hops = ChainTransport(
-                key, chain_stages, on_overhead=self._observe_path, inbox=self.inbox
+                key,
+                on_overhead=self._observe_path,
+                inbox=self.inbox,
+                http_of=getattr(client, "http_address", lambda node: None),
             )
         else:
             hops = RelayTransport()

@@ -6,8 +6,9 @@ Why not gRPC for the plain stage calls: measured on the 2-core test machine, one
 49 KB input to a stage node cost the calling process 1,300-1,550 µs of CPU through
 tritonclient's gRPC client driven from an event loop (its futures, or its blocking call on
 a pool thread), 920 µs through its asyncio client, and 450 µs as a KServe v2 HTTP request
-written and parsed here, with the same latency. gRPC stays for everything else (node
-checks, the repository API, chains).
+written and parsed here, with the same latency. Chains go this way too (their first call
+from here, each next hop from the node before: python_onnx_model.py); gRPC stays for node
+checks and the repository API.
 
 A node's connections are kept open (HTTP/1.1 keep-alive), one call at a time each; a call
 takes an idle one or opens one. A call whose reused connection was closed by the node
@@ -313,6 +314,11 @@ class HttpFirstStages:
     def infer(self, node: str, call: StageCall) -> Coroutine[Any, Any, Outputs]:
         via = self.http if node in self.http.addresses else self.grpc
         return via.infer(node, call)
+
+    def http_address(self, node: str) -> str | None:
+        """The node's KServe v2 HTTP address, where known (a chain's hop sends it its
+        feature map there)."""
+        return self.http.addresses.get(node)
 
     def ready(
         self, node: str, models: Sequence[str]

@@ -187,7 +187,9 @@ class ChainTransport:
     `relay`. `stages`: the client for the chain's first call (default: the executor's).
     `on_overhead(us)`: each chain's overhead (see chain_times), as it is measured.
     `inbox`: where the last node sends the model's outputs (the calls back along the chain
-    then carry the hops' times alone); None: the outputs come back along the chain."""
+    then carry the hops' times alone); None: the outputs come back along the chain.
+    `http_of(node)`: a node's KServe v2 HTTP address where known, which the node before it
+    sends the feature map to (python_onnx_model.py: `_HttpHops`); gRPC where None."""
 
     name = "chain"
 
@@ -197,9 +199,11 @@ class ChainTransport:
         stages: StageClient | None = None,
         on_overhead: Callable[[float], None] = lambda us: None,
         inbox: AnswerInbox | None = None,
+        http_of: Callable[[str], str | None] = lambda node: None,
     ):
         self.key = key
         self.stages = stages
+        self.http_of = http_of
         self.on_overhead = on_overhead
         self.inbox = inbox
         self.relay = RelayTransport()
@@ -226,9 +230,14 @@ class ChainTransport:
         hops: list[dict[str, Any]] = []
         for k, nxt in enumerate(d.hops[1:]):
             # (a GPU of a node of several: the node's address, the model named for the GPU)
-            url, model = on_node(served.vgpu_node[nxt.vgpu], plan.pool_partition[nxt.pool])
+            node = served.vgpu_node[nxt.vgpu]
+            url, model = on_node(node, plan.pool_partition[nxt.pool])
             after = round(max(0.0, nxt.transfer_start_us - d.hops[k].start_us), 1)
-            hops.append({"url": url, "model": model, "after_us": after})
+            hop = {"url": url, "model": model, "after_us": after}
+            http = self.http_of(node)
+            if http:  # the node before sends it over KServe v2 HTTP (cheaper for MBs)
+                hop["http"] = http
+            hops.append(hop)
         names = [t.name for t in io.outputs]
         inbox, answer_id, answered = self.inbox, "", None
         if inbox is not None:  # the last node answers the router itself
