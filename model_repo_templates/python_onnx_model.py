@@ -73,11 +73,10 @@ FORWARD_TIMEOUT_S = 60.0
 
 class _HttpHops:
     """Feature maps to the next hop over KServe v2 HTTP with binary tensors, where the chain
-    names the hop's HTTP address ("http"). Measured on the 2-core machine (loopback, a
-    Python-backend model that reads its input): 4.3 MB reached the model in 7.6 ms this
-    way and in 19.4 ms through tritonclient's gRPC client (1 MB: 1.7 and 4.7 ms; a raw TCP
-    socket: 1.7 ms), enough to make googlenet-v3's feature maps 1.1-1.7x their reserved
-    transfers on emulated clusters. Each call waits for the rest of the chain on a thread of
+    names the hop's HTTP address ("http"). On loopback here 4.3 MB reached a Python-backend
+    model 1.1-2.6x sooner this way than through tritonclient's gRPC client (`./run
+    bench-ingress --parts sizes`; a TCP socket alone: 1.2-1.8 ms); over gRPC googlenet-v3's
+    feature maps reached their next node 1.1-1.7x their reserved transfers. Each call waits for the rest of the chain on a thread of
     a pool (the instance is free meanwhile), on a kept-alive connection of the address's;
     one whose reused connection was closed before any answer came goes again once on a new
     one."""
@@ -276,14 +275,6 @@ class TritonPythonModel:
         self.key = params.get("poolpipe_key") or None
         self.clients = {}
         self.http = _HttpHops()
-        self.forwards_family = family = pb_utils.MetricFamily(  # kept: its metrics need it
-            name="poolpipe_chain_forwards_total",
-            description="Feature maps sent on to a chain's next hop, by protocol",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        self.forwards = {
-            via: family.Metric(labels={"model": self.name, "via": via}) for via in ("http", "grpc")
-        }
         self.outboxes = {}  # the router's inbox address -> its answers' queue
         self.lock = threading.Lock()
 
@@ -444,10 +435,8 @@ class TritonPythonModel:
                 self._fail(sender, f"POOLPIPE_HOP 0: {exc}")
 
         if nxt.get("http"):
-            self.forwards["http"].increment(1)
             self.http.infer(nxt["http"], nxt["model"], inputs, wanted, forward, done)
             return
-        self.forwards["grpc"].increment(1)
         self._client(nxt["url"]).async_infer(
             nxt["model"],
             inputs,

@@ -15,9 +15,17 @@ the instances decide whether a request is seen at once or waits in Triton's queu
 the router's sight (time until the last answer, and the p99 of the time from sending to
 the model seeing the request).
 
-Printed as a table and stored in the warehouse (bench_serving, bench = "ingress").
+Then (`--parts sizes`) what a chain's hop costs to move a feature map into the next
+node's model: the native echo sent inputs of `--sizes-mb` one at a time over KServe v2
+HTTP with binary tensors and over tritonclient's gRPC (answering one value, as a hop
+answers its times), from sending until the model's `execute` saw them (p50/p90 ms),
+beside the same bytes through a TCP socket on loopback.
+
+Printed as tables and stored in the warehouse (bench_serving, bench = "ingress"; the sizes
+with config "native <protocol> <MB> MB").
 
     ./run bench-ingress [--requests 500] [--burst 500] [--hold-ms 100] [--instances 8]
+        [--parts ingress,sizes] [--sizes-mb 0.004,1,4.3] [--size-requests 40]
 """
 
 from __future__ import annotations
@@ -52,6 +60,11 @@ output [ { name: "seen_ns" data_type: TYPE_INT64 dims: [ 1 ] } ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
+# The sizes part's model: batched as a partition is (max_batch_size > 0)
+SINK_CONFIG = NATIVE_CONFIG.replace('"echo"', '"sink"').replace(
+    "max_batch_size: 0", "max_batch_size: 8"
+)
+
 # Answers from a timer thread when the request asks for a hold; `seen_ns` is when execute
 # saw the request (CLOCK_MONOTONIC, the same clock in every process of the host).
 NATIVE_MODEL = """
@@ -70,9 +83,11 @@ class TritonPythonModel:
         for r in requests:
             seen = np.array([time.monotonic_ns()], dtype=np.int64)
             x = pb_utils.get_input_tensor_by_name(r, "x").as_numpy()
-            hold = float(json.loads(r.parameters()).get("hold_ms", 0)) / 1e3
+            params = json.loads(r.parameters())
+            hold = float(params.get("hold_ms", 0)) / 1e3
+            y = x[:1] if params.get("sink") else x  # sink: a small answer, as a chain's hop
             out = pb_utils.InferenceResponse(
-                [pb_utils.Tensor("y", x), pb_utils.Tensor("seen_ns", seen)]
+                [pb_utils.Tensor("y", y), pb_utils.Tensor("seen_ns", seen)]
             )
             sender = r.get_response_sender()
             if hold:
@@ -93,12 +108,14 @@ class Native:
         from triton_backend.node.triton import TritonNode
 
         repo = workspace / "repo"
-        (repo / "echo" / "1").mkdir(parents=True)
-        (repo / "echo" / "config.pbtxt").write_text(NATIVE_CONFIG)
-        (repo / "echo" / "1" / "model.py").write_text(NATIVE_MODEL)
+        for name, config in (("echo", NATIVE_CONFIG), ("sink", SINK_CONFIG)):
+            (repo / name / "1").mkdir(parents=True)
+            (repo / name / "config.pbtxt").write_text(config)
+            (repo / name / "1" / "model.py").write_text(NATIVE_MODEL)
         self.node = TritonNode("native", "cpu", repo, workspace).start()
         try:
             self.node.load("echo")
+            self.node.load("sink")
         except BaseException:
             self.node.stop()
             raise
@@ -223,6 +240,111 @@ def burst(server, n: int, hold_ms: float) -> tuple[float, float]:
     return took, float(np.percentile(waits, 99))
 
 
+def sent_to_seen(server, protocol: str, mb: float, n: int) -> np.ndarray:
+    """ms from sending an input of `mb` MB until the echo's execute saw it, n requests one
+    at a time (after 5 to warm)."""
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    mod = th if protocol == "http" else tg
+    port = server.http if protocol == "http" else server.grpc
+    client = mod.InferenceServerClient(f"127.0.0.1:{port}")
+    x = np.random.default_rng(0).random((1, max(1, int(mb * 1e6 / 4))), dtype=np.float32)
+    seen = []
+    for k in range(n + 5):
+        i = mod.InferInput("x", list(x.shape), "FP32")
+        if protocol == "http":
+            i.set_data_from_numpy(x, binary_data=True)
+            wanted = [th.InferRequestedOutput("seen_ns", binary_data=True)]
+        else:
+            i.set_data_from_numpy(x)
+            wanted = [tg.InferRequestedOutput("seen_ns")]
+        sent = time.monotonic_ns()
+        r = client.infer("sink", [i], outputs=wanted, parameters={"sink": True})
+        if k >= 5:
+            seen.append((int(r.as_numpy("seen_ns").flat[0]) - sent) / 1e6)
+    client.close()
+    return np.asarray(seen)
+
+
+def socket_ms(mb: float, n: int) -> np.ndarray:
+    """ms to send `mb` MB through a TCP socket on loopback until the receiver has it all
+    (its one-byte receipt back), n times."""
+    import threading
+
+    data = bytes(max(1, int(mb * 1e6)))
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def sink() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            for _ in range(n + 5):
+                got = 0
+                while got < len(data):
+                    chunk = conn.recv(1 << 20)
+                    if not chunk:
+                        return
+                    got += len(chunk)
+                conn.sendall(b"k")
+
+    t = threading.Thread(target=sink, daemon=True)
+    t.start()
+    out = []
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for k in range(n + 5):
+            a = time.monotonic_ns()
+            c.sendall(data)
+            c.recv(1)
+            if k >= 5:
+                out.append((time.monotonic_ns() - a) / 1e6)
+    t.join(5)
+    srv.close()
+    return np.asarray(out)
+
+
+def sizes(args, now, rows: list[dict]) -> None:
+    table = Table(title="an input into a Python-backend model: sent -> execute saw it (ms)")
+    for col in ("MB", "HTTP p50 / p90", "gRPC p50 / p90", "gRPC / HTTP", "TCP socket p50"):
+        table.add_column(col, justify="right")
+    with tempfile.TemporaryDirectory(prefix="bench-ingress-") as tmp:
+        with console.status("native: starting ..."):
+            server = Native(Path(tmp))
+        try:
+            wait_ready(server.http)
+            for mb in args.sizes_mb:
+                with console.status(f"{mb:g} MB ..."):
+                    got = {
+                        p: sent_to_seen(server, p, mb, args.size_requests) for p in ("http", "grpc")
+                    }
+                    tcp = socket_ms(mb, args.size_requests)
+                for protocol, ms in [*got.items(), ("socket", tcp)]:
+                    for q in (50, 90):
+                        rows.append(
+                            {
+                                "run_at": now,
+                                "run_label": args.label,
+                                "bench": "ingress",
+                                "config": f"native {protocol} {mb:g} MB",
+                                "metric": f"sent_to_seen_p{q}_ms",
+                                "value": float(np.percentile(ms, q)),
+                                "host": socket.gethostname(),
+                            }
+                        )
+                h, g = got["http"], got["grpc"]
+                table.add_row(
+                    f"{mb:g}",
+                    f"{np.percentile(h, 50):.2f} / {np.percentile(h, 90):.2f}",
+                    f"{np.percentile(g, 50):.2f} / {np.percentile(g, 90):.2f}",
+                    f"{np.percentile(g, 50) / np.percentile(h, 50):.2f}x",
+                    f"{np.percentile(tcp, 50):.2f}",
+                )
+        finally:
+            server.stop()
+    console.print(table)
+
+
 def main() -> int:
     teardown_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -232,7 +354,21 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=500, help="concurrent requests (500)")
     ap.add_argument("--hold-ms", type=float, default=100.0, help="each burst request's hold")
     ap.add_argument("--instances", type=int, default=8, help="PyTriton instances (8)")
+    ap.add_argument(
+        "--parts", default="ingress,sizes", help="ingress (echo, bursts), sizes (MB inputs)"
+    )
+    ap.add_argument("--sizes-mb", default="0.004,1,4.3", help="input sizes of the sizes part (MB)")
+    ap.add_argument("--size-requests", type=int, default=40, help="requests per size (40)")
     args = ap.parse_args()
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - {"ingress", "sizes"}:
+        ap.error(f"--parts: choose among ingress, sizes (got {args.parts!r})")
+    try:
+        args.sizes_mb = [float(x) for x in args.sizes_mb.split(",")]
+    except ValueError:
+        ap.error(f"--sizes-mb: numbers of MB joined by commas (got {args.sizes_mb!r})")
+    if not all(0 < x <= 64 for x in args.sizes_mb):
+        ap.error("--sizes-mb: each size above 0 and at most 64 MB")
 
     now = datetime.now(UTC).replace(tzinfo=None)
     rows: list[dict] = []
@@ -245,7 +381,7 @@ def main() -> int:
     table.add_column("sent → seen p99 ms", justify="right")
     client_cpu = 0.0
     with tempfile.TemporaryDirectory(prefix="bench-ingress-") as tmp:
-        for kind in ("native", "pytriton"):
+        for kind in ("native", "pytriton") if "ingress" in parts else ():
             ws = Path(tmp) / kind
             ws.mkdir()
             with console.status(f"{kind}: starting ..."):
@@ -294,7 +430,10 @@ def main() -> int:
                 f"{took:.2f}",
                 f"{seen99:.1f}",
             )
-    console.print(table)
+    if "ingress" in parts:
+        console.print(table)
+    if "sizes" in parts:
+        sizes(args, now, rows)
     with Warehouse.open(args.warehouse) as wh:
         wh.store_rows("bench_serving", rows)
         console.print(f"stored {len(rows)} rows in {wh.path} (bench_serving, bench = ingress)")

@@ -192,7 +192,6 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
             mod, client = _grpc(dep)
             out_name = dep.ios[0].outputs[0].name
             before = (cluster.router_bytes(), cluster.link_bytes(s0), cluster.link_bytes(s1))
-            sent_before = _forwards(cluster, s0)
             for _ in range(n):
                 got = _infer(mod, client, x).as_numpy(out_name)
                 assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
@@ -201,10 +200,6 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
                 cluster.link_bytes(s0)[1] - before[1][1],  # from server 0
                 cluster.link_bytes(s1)[0] - before[2][0],  # to server 1
             )
-            if transport == "chain":  # each feature map sent on over KServe v2 HTTP
-                via = _forwards(cluster, s0)  # (gRPC through tritonclient: 2.6x the time)
-                assert via["http"] - sent_before.get("http", 0) >= n, via
-                assert via["grpc"] == sent_before.get("grpc", 0), via
             inbox = dep.core.inbox
             if transport == "chain" and answers == "auto":  # each answer to the inbox
                 assert inbox is not None and inbox.received >= n and not inbox.unexpected
@@ -235,22 +230,6 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
         assert chain[0] < 1.2 * payload, (seen, payload)
         # and the feature maps went from server 0 to server 1 directly
         assert chain[1] >= n * fmap_bytes and chain[2] >= n * fmap_bytes, seen
-
-
-def _forwards(cluster, k: int) -> dict[str, float]:
-    """Feature maps server `k`'s node sent on, by protocol (poolpipe_chain_forwards_total)."""
-    import re
-
-    from testbed.netns import METRICS_PORT
-
-    s = cluster.nodes[k]
-    text = httpx.get(f"http://{s.address}:{s.port(METRICS_PORT)}/metrics", timeout=5).text
-    out = {"http": 0.0, "grpc": 0.0}
-    for via, value in re.findall(
-        r'^poolpipe_chain_forwards_total\{[^}]*via="(\w+)"[^}]*\} (\S+)$', text, re.M
-    ):
-        out[via] += float(value)
-    return out
 
 
 def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:

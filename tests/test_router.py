@@ -109,7 +109,7 @@ def test_every_request_is_answered_through_both_stages(transport):
 def test_a_chain_names_each_next_nodes_http_address_where_known():
     """Each hop after the first carries its node's KServe v2 HTTP address where the stage
     client knows it: the node before sends its feature map there (over tritonclient's
-    gRPC, 4.3 MB took 2.6x as long to reach the model); gRPC only where none is known."""
+    gRPC, 4.3 MB took 1.1-2.6x as long to reach the model); gRPC only where none is known."""
     for http in ({"n1:8001": "n1:8000"}, {}):
         core, stages = router(two_stages([1]), "chain", http=http)
         try:
