@@ -170,10 +170,17 @@ def test_slo_scale_counts_the_serving_path_of_an_onboarded_model(
     slo, err = planned_slo()
     assert slo == pytest.approx(5 * (ref + 2_500 + 3_000))
     assert "tiny-resnet: SLO 5 x" in err and "a stage call 2.5 ms + the reply margin 3 ms" in err
-    # a router serving it measured a 4-ms stage call and 6 ms of the reply's way out (beyond
-    # its 1-ms floor): those count
     row = dict.fromkeys(("arrivals", "on_time", "late", "dropped", "failed", "refused"), 0)
     row |= {"minute": datetime.now(), "seconds": 60.0, "deployment": "d", "plan_id": None}
+    # another model's measurements say nothing of this one's
+    with Warehouse.open(wh) as w:
+        w.store_rows(
+            "serving_stats",
+            [{**row, "model": "other", "reply_measured_ms": 90.0, "call_overhead_ms": 90.0}],
+        )
+    assert planned_slo()[0] == pytest.approx(5 * (ref + 2_500 + 3_000))
+    # a router serving it measured a 4-ms stage call and 6 ms of the reply's way out (beyond
+    # its 1-ms floor): those count
     with Warehouse.open(wh) as w:
         w.store_rows(
             "serving_stats",

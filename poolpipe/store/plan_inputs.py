@@ -78,12 +78,13 @@ def served_references(
 ) -> dict[str, ServedReference]:
     """What an SLO scale multiplies, per model that has a reference latency
     (domain.profiles.served_reference): for a model onboarded here, its run plus the stage
-    call and reply margin a router serving it from this warehouse last measured, each at
-    least its default (DEFAULT_CALL_OVERHEAD_US; DEFAULT_REPLY_MARGIN_US)."""
+    call and reply margin a router serving that model from this warehouse last measured,
+    each at least its default (DEFAULT_CALL_OVERHEAD_US; DEFAULT_REPLY_MARGIN_US)."""
     out = {}
     for p in profiles:
         call = max(DEFAULT_CALL_OVERHEAD_US, wh.measured_call_overhead_us([p.name]) or 0.0)
-        reply = wh.measured_reply_margin_us([p.name])
+        # (its own: another model's answers, 24 ms of a detector's, say nothing of its)
+        reply = wh.measured_reply_margin_us([p.name], any_model=False)
         reply = max(
             DEFAULT_REPLY_MARGIN_US, DEFAULT_MARGIN_FLOOR_US + reply if reply is not None else 0.0
         )

@@ -636,13 +636,15 @@ class Warehouse:
     def model_names(self) -> list[str]:
         return [r[0] for r in self.con.execute("SELECT name FROM models ORDER BY name").fetchall()]
 
-    def measured_reply_margin_us(self, models: Sequence[str] = ()) -> float | None:
+    def measured_reply_margin_us(
+        self, models: Sequence[str] = (), any_model: bool = True
+    ) -> float | None:
         """What the router serving from this warehouse last measured of the reply's way out
         (its reply margin beyond its floor, µs), or None where none has written it. Given
         `models`: the largest of what routers last measured while serving each of them (a
         reply's way out grows with its outputs), what any router last measured where none
-        served them."""
-        return self._last_measured("reply_measured_ms", models, any_model=True)
+        served them (unless not `any_model`)."""
+        return self._last_measured("reply_measured_ms", models, any_model=any_model)
 
     def measured_call_overhead_us(self, models: Sequence[str]) -> float | None:
         """What a stage call on the nodes took beyond its blocks' profiled run, as routers
