@@ -178,7 +178,13 @@ def test_a_routers_load_event_runs_the_load_replan_deployment(server):
     assert params["router"] == "10.9.9.9:8001" and params["event"] == "poolpipe.load.above"
     assert params["why"] == "tiny 12.5 req/s over the last 60 s"
     assert params["min_interval_s"] == 1800  # the deployment's own
-    server.http.client.delete(f"/flow_runs/{runs[0]['id']}").raise_for_status()
+    # the clean-up: a server busy beside the suite answered it 503 once (CI, 336e9b5)
+    for _ in range(10):
+        gone = server.http.client.delete(f"/flow_runs/{runs[0]['id']}")
+        if gone.status_code < 500:
+            break
+        time.sleep(1)
+    gone.raise_for_status()
 
 
 def test_workers_onboard_profile_and_plan_into_the_warehouse(server, workers, tmp_path):
