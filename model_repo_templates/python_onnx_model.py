@@ -62,7 +62,7 @@ import triton_python_backend_utils as pb_utils
 # Imported with the model, not on a chain's first forward: there the import (and gRPC's
 # set-up) took ~100 ms, so a new generation's first chains missed short SLOs.
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import np_to_triton_dtype
+from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 EMULATE = os.environ.get("POOLPIPE_EMULATE_TIME_SCALE")  # D, on nodes that emulate a GPU
@@ -76,10 +76,10 @@ class _HttpHops:
     names the hop's HTTP address ("http"). On loopback here 4.3 MB reached a Python-backend
     model 1.1-2.6x sooner this way than through tritonclient's gRPC client (`./run
     bench-ingress --parts sizes`; a TCP socket alone: 1.2-1.8 ms); over gRPC googlenet-v3's
-    feature maps reached their next node 1.1-1.7x their reserved transfers. Each call waits for the rest of the chain on a thread of
-    a pool (the instance is free meanwhile), on a kept-alive connection of the address's;
-    one whose reused connection was closed before any answer came goes again once on a new
-    one."""
+    feature maps reached their next node 1.1-1.7x their reserved transfers. Each call waits
+    for the rest of the chain on a thread of a pool (the instance is free meanwhile), on a
+    kept-alive connection of the address's; one whose reused connection was closed before
+    any answer came goes again once on a new one."""
 
     WORKERS = 32
 
@@ -208,8 +208,6 @@ class _HttpResult:
     """An answer's binary outputs by name, as tritonclient's results give them."""
 
     def __init__(self, body, size):
-        from tritonclient.utils import triton_to_np_dtype
-
         self.arrays = {}
         offset = size
         for o in json.loads(body[:size]).get("outputs", []):

@@ -104,8 +104,9 @@ def reply_margin_to_check(
     """The reply margin a plan's SLOs are checked against: the one given, or a router's
     `floor_us` plus what a router serving from this warehouse measured last beyond its
     floor (serving these models, where one did), where that is larger."""
-    measured = wh.measured_reply_margin_us(models)
-    return max(given_us, floor_us + measured) if measured is not None else given_us
+    from poolpipe.store.plan_inputs import reply_margin_us
+
+    return reply_margin_us(wh, given_us, floor_us, models)
 
 
 def call_overhead_to_check(wh: Warehouse, models: Sequence[str]) -> float:

@@ -240,9 +240,22 @@ def burst(server, n: int, hold_ms: float) -> tuple[float, float]:
     return took, float(np.percentile(waits, 99))
 
 
+def _row(args, now, config: str, metric: str, value) -> dict:
+    """A bench_serving row of this benchmark."""
+    return {
+        "run_at": now,
+        "run_label": args.label,
+        "bench": "ingress",
+        "config": config,
+        "metric": metric,
+        "value": float(value),
+        "host": socket.gethostname(),
+    }
+
+
 def sent_to_seen(server, protocol: str, mb: float, n: int) -> np.ndarray:
-    """ms from sending an input of `mb` MB until the echo's execute saw it, n requests one
-    at a time (after 5 to warm)."""
+    """ms from sending an input of `mb` MB until the sink model's execute saw it, n requests
+    one at a time (after 5 to warm)."""
     import tritonclient.grpc as tg
     import tritonclient.http as th
 
@@ -322,15 +335,13 @@ def sizes(args, now, rows: list[dict]) -> None:
                 for protocol, ms in [*got.items(), ("socket", tcp)]:
                     for q in (50, 90):
                         rows.append(
-                            {
-                                "run_at": now,
-                                "run_label": args.label,
-                                "bench": "ingress",
-                                "config": f"native {protocol} {mb:g} MB",
-                                "metric": f"sent_to_seen_p{q}_ms",
-                                "value": float(np.percentile(ms, q)),
-                                "host": socket.gethostname(),
-                            }
+                            _row(
+                                args,
+                                now,
+                                f"native {protocol} {mb:g} MB",
+                                f"sent_to_seen_p{q}_ms",
+                                np.percentile(ms, q),
+                            )
                         )
                 h, g = got["http"], got["grpc"]
                 table.add_row(
@@ -410,17 +421,7 @@ def main() -> int:
                 "burst_sent_to_seen_p99_ms": seen99,
             }
             for metric, value in figures.items():
-                rows.append(
-                    {
-                        "run_at": now,
-                        "run_label": args.label,
-                        "bench": "ingress",
-                        "config": label,
-                        "metric": metric,
-                        "value": float(value),
-                        "host": socket.gethostname(),
-                    }
-                )
+                rows.append(_row(args, now, label, metric, value))
             f = figures
             table.add_row(
                 label,

@@ -73,6 +73,20 @@ def plan_request(
     )
 
 
+def reply_margin_us(
+    wh: Warehouse,
+    given_us: float,
+    floor_us: float,
+    models: Sequence[str],
+    any_model: bool = True,
+) -> float:
+    """The reply margin to reckon with: the one given, or a router's `floor_us` plus what a
+    router serving `models` from this warehouse last measured beyond its floor (any model's
+    where none served them, unless not `any_model`), where that is larger."""
+    measured = wh.measured_reply_margin_us(models, any_model)
+    return max(given_us, floor_us + measured) if measured is not None else given_us
+
+
 def served_references(
     wh: Warehouse, profiles: Sequence[ModelProfile]
 ) -> dict[str, ServedReference]:
@@ -84,9 +98,8 @@ def served_references(
     for p in profiles:
         call = max(DEFAULT_CALL_OVERHEAD_US, wh.measured_call_overhead_us([p.name]) or 0.0)
         # (its own: another model's answers, 24 ms of a detector's, say nothing of its)
-        reply = wh.measured_reply_margin_us([p.name], any_model=False)
-        reply = max(
-            DEFAULT_REPLY_MARGIN_US, DEFAULT_MARGIN_FLOOR_US + reply if reply is not None else 0.0
+        reply = reply_margin_us(
+            wh, DEFAULT_REPLY_MARGIN_US, DEFAULT_MARGIN_FLOOR_US, [p.name], any_model=False
         )
         ref = served_reference(p, call, reply)
         if ref is not None:
