@@ -102,6 +102,24 @@ def test_maximise_delivers_at_least_the_fluid_plan_and_is_deterministic():
         assert m.deliverable is not None and 0 < m.deliverable <= m.throughput
 
 
+def test_a_cluster_that_lets_models_share_gpus_is_also_planned_without():
+    # Halves of B for both models: where models may share a GPU, every half is planned 1.5x
+    # slower (the interference factor); kept on GPUs of their own, a model's two halves run
+    # as profiled. Allowing more must not deliver less: the unmixed plan is a variant
+    models, cluster = two_models()
+    mixed = replace(cluster, mixed_model_interference=1.5)
+    planned = make_plan(request(models, mixed, 30_000))
+    d = planned.meta["delivery"]
+    assert "unmixed" in [v["name"] for v in d["variants"]]
+    assert d["variant"].startswith("unmixed")
+    assert planned.cluster.mixed_model_interference is None  # the plan says what it is
+    planned.verify({m.name: m for m in models})
+    fluid = next(v for v in d["variants"] if v["name"] == "fluid")
+    assert planned.deliverable > fluid["deliverable"]
+    plain = make_plan(request(models, cluster, 30_000)).meta["delivery"]["variants"]
+    assert "unmixed" not in [v["name"] for v in plain]
+
+
 def test_a_searched_margin_is_kept_only_where_it_delivers_more():
     # Whole models (np) on one A (4 ms) and four B (16 ms), SLO 24 ms: holding back 40% of
     # it (14.4 ms left) rules the B out; holding back 20% (19.2 ms) lets them serve too
@@ -157,6 +175,32 @@ def test_idle_gpus_go_to_pools_and_never_beyond_the_cluster():
     full = fill_idle(filled)
     assert full is None or fits(full)
     assert fill_idle(full or filled) is None
+
+
+def test_idle_gpus_are_spread_where_a_pipelines_least_pool_is_full():
+    # block 0 runs on B only, block 1 on A only: every pipeline is B -> A. The one A is the
+    # pool whose estimate is least, and it cannot grow; B vGPUs beside it do not raise that
+    # estimate, but waiting in the B pool takes the slack both share: the idle Bs go there
+    # anyway, and nothing goes beyond the cluster
+    m = tiny_model(
+        "m",
+        {("A", 1): [[50_000.0, 60_000.0], [2000.0, 3000.0]],
+         ("B", 1): [[8000.0, 12_000.0], [90_000.0, 100_000.0]]},
+        [1000.0],
+    )  # fmt: skip
+    small = tiny_cluster([("A", 1, 1, (1,)), ("B", 3, 1, (1,))])
+    plan = make_plan(request([m], small, 30_000, delivery="off"))
+    (p,) = plan.models[0].pipelines
+    assert [q.gpu for q in p.partitions] == ["B", "A"]
+    grown = replace(plan, cluster=tiny_cluster([("A", 1, 1, (1,)), ("B", 6, 1, (1,))]))
+    used = grown.gpus_used()
+    filled = fill_idle(grown)
+    assert filled is not None and fits(filled)
+    assert filled.gpus_used() == {"A": 1, "B": 6}
+    (fp,) = filled.models[0].pipelines
+    assert fp.partitions[0].vgpus == p.partitions[0].vgpus + 6 - used["B"]
+    assert fp.partitions[1].vgpus == p.partitions[1].vgpus
+    assert fill_idle(filled) is None
 
 
 def test_a_cost_plan_serves_its_rates_in_simulation():

@@ -9,6 +9,9 @@ small the fluid optimum is not the plan that delivers the most. The variants, in
 - `fluid`: the MILP's plan (exact, proven within its gap);
 - `+fill`: GPUs (and GPU shares) the plan leaves idle given to the pools that need them
   most (fill.py: the least deliverable model's pool with the least queueing headroom);
+- `unmixed` (where the cluster lets models share a GPU, Cluster.mixed_model_interference):
+  the MILP with each model's vGPUs on GPUs of its own, its plan's latencies as profiled;
+  the plan returned then says so (its cluster without the factor);
 - `headroom`: the MILP again with each vGPU planned at the utilisation a pool of its size
   keeps within its slack (headroom.py), pools sized for the fluid plan's rates: it prefers
   fewer, larger pools and pipelines with more slack;
@@ -211,6 +214,12 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
         time_limit_s=min(req.time_limit_s, VARIANT_TIME_S),
     )
     with_fill("fluid", fluid, quick)
+    if req.cluster.mixes_models:
+        # models kept on GPUs of their own: the mixed plan's every vGPU of a shared GPU is
+        # planned slower by the interference factor, and its variants are made from it
+        own = replace(quick, cluster=replace(req.cluster, mixed_model_interference=None))
+        with contextlib.suppress(PoolpipeError):
+            with_fill("unmixed", solve(own), own)
     with_headroom("headroom", fluid, quick)
     for margin in req.search_margins:
         if margin == req.margin:
@@ -262,19 +271,23 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
 
 def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Variant:
     """The plan chosen: the best screened variants (FINALIST_WITHIN of the best, at most
-    FINALISTS) and the fluid plan (where it screened within FLUID_CLOSE of the best)
-    measured again at a stated figure's precision (then, where all fell FLUID_CLOSE below
-    the best screening, best first, up to EXTRA_FINALISTS more whose screening beats every
-    precise figure by FINALIST_WITHIN), and the best of them, where it delivers
-    FLUID_EDGE more than the fluid plan (else the fluid plan): the chosen plan's figures are
-    the precise ones, a screening's luck does not choose it alone, and a variant replaces
-    the exact plan only for a gain the noise of the measurement does not explain."""
+    FINALISTS, one of a plan and its +fill) and the fluid plan (where it screened within
+    FLUID_CLOSE of the best) measured again at a stated figure's precision (then, where all
+    fell FLUID_CLOSE below the best screening, best first, up to EXTRA_FINALISTS more whose
+    screening beats every precise figure by FINALIST_WITHIN), and the best of them, where it
+    delivers FLUID_EDGE more than the fluid plan (else the fluid plan): the chosen plan's
+    figures are the precise ones, a screening's luck does not choose it alone, and a variant
+    replaces the exact plan only for a gain the noise of the measurement does not explain."""
     fluid = tried[0]
     top = max(v.objective for v in tried)
-    close = sorted(
-        (v for v in tried if v.objective >= top * (1 - FINALIST_WITHIN)),
-        key=lambda v: -v.objective,
-    )[:FINALISTS]
+    close: list[Variant] = []
+    for v in sorted(tried, key=lambda v: -v.objective):
+        # a plan and the same with idle GPUs given out (+fill) differ by those GPUs only:
+        # the better screened of the two is measured (the fluid plan is measured anyway)
+        taken = {_family(c) for c in close if c is not fluid}
+        if v.objective >= top * (1 - FINALIST_WITHIN) and _family(v) not in taken:
+            close.append(v)
+    close = close[:FINALISTS]
     if fluid not in close and fluid.objective >= top * (1 - FLUID_CLOSE):
         close.append(fluid)
     for v in close:
@@ -297,6 +310,11 @@ def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Varian
     if fluid.final and best.objective <= fluid.objective * (1 + FLUID_EDGE):
         return fluid
     return best
+
+
+def _family(v: Variant) -> str:
+    """A variant's name without its "+fill"."""
+    return v.name.removesuffix("+fill")
 
 
 def _delivered_share(v: Variant) -> list[float]:
