@@ -98,17 +98,6 @@ def warn_each(warnings) -> None:
         err_console.print(f"[yellow]warning:[/] {escape(str(w))}", highlight=False)
 
 
-def reply_margin_to_check(
-    wh: Warehouse, given_us: float, floor_us: float, models: Sequence[str]
-) -> float:
-    """The reply margin a plan's SLOs are checked against: the one given, or a router's
-    `floor_us` plus what a router serving from this warehouse measured last beyond its
-    floor (serving these models, where one did), where that is larger."""
-    from poolpipe.store.plan_inputs import reply_margin_us
-
-    return reply_margin_us(wh, given_us, floor_us, models)
-
-
 def call_overhead_to_check(wh: Warehouse, models: Sequence[str]) -> float:
     """What a stage call on the nodes takes beyond its blocks' profiled run, as a router
     serving these models from this warehouse last measured (µs; 0 where none did)."""

@@ -17,7 +17,7 @@ from poolpipe.planner import PlanRequest, make_plan
 from poolpipe.planner.request import DELIVERY, OBJECTIVES
 from poolpipe.planner.solvers import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, SOLVERS
 from poolpipe.runtime import DEFAULT_MARGIN_FLOOR_US, DEFAULT_REPLY_MARGIN_US
-from poolpipe.store.plan_inputs import plan_request, served_references
+from poolpipe.store.plan_inputs import plan_request, reply_margin_us, served_references
 from poolpipe.store.warehouse import Warehouse
 from poolpipe_cli.common import (
     PPIPE_DIR_ENV,
@@ -30,7 +30,6 @@ from poolpipe_cli.common import (
     parse_list,
     parse_margins,
     ppipe_dir,
-    reply_margin_to_check,
     warn_slo_room,
 )
 from poolpipe_cli.profiles import cmd_import_ppipe
@@ -387,9 +386,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         req = with_objective(args, build_request(args, wh, args.strategy))
         req = dataclasses.replace(req, leave_out=True)  # serve those that fit, name the rest
         names = [m.name for m in req.models]
-        margin_us = reply_margin_to_check(
-            wh, args.reply_margin_ms * 1e3, DEFAULT_MARGIN_FLOOR_US, names
-        )
+        margin_us = reply_margin_us(wh, args.reply_margin_ms * 1e3, DEFAULT_MARGIN_FLOOR_US, names)
         overhead_us = call_overhead_to_check(wh, names)
         if args.warm_start:
             req = dataclasses.replace(req, warm_start=_warm_start(wh, args.warm_start))

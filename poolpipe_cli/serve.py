@@ -25,7 +25,6 @@ from poolpipe_cli.common import (
     call_overhead_to_check,
     err_console,
     log_events,
-    reply_margin_to_check,
     warn_each,
 )
 from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
@@ -47,12 +46,13 @@ def _check_slo_room(args: argparse.Namespace, plan) -> float:
     not ready to a load balancer and said in the log every minute. Returns the margin it
     checked with (the one given, or what a router measured on this warehouse's nodes)."""
     from poolpipe.runtime import slo_room_warnings
+    from poolpipe.store.plan_inputs import reply_margin_us
     from poolpipe.store.warehouse import Warehouse
 
     with Warehouse.open(args.warehouse) as wh:
         floor_us = args.reply_margin_ms * 1e3
         names = [m.name for m in plan.models]
-        margin_us = reply_margin_to_check(wh, floor_us, floor_us, names)
+        margin_us = reply_margin_us(wh, floor_us, floor_us, names)
         overhead_us = call_overhead_to_check(wh, names)
     no_room = slo_room_warnings(plan, margin_us, overhead_us)
     _refuse_unless_forced(args, no_room, "; ".join(str(w) for w in no_room) + " ")

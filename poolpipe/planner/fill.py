@@ -74,11 +74,8 @@ def fill_idle(plan: Plan) -> Plan | None:
     added = 0
     limit = MAX_ADDED_PER_GPU * sum(p.count for p in plan.cluster.pools)
     while added < limit:
-        order = sorted(
-            range(len(models)), key=lambda i: (model_estimate(models[i]) / models[i].weight, i)
-        )
         step = None
-        for mi in order:
+        for mi in _least_first(models):
             step = _best_addition(plan, models, mi)
             if step is not None:
                 break
@@ -89,9 +86,7 @@ def fill_idle(plan: Plan) -> Plan | None:
         added += 1
     while added < limit:  # the spread: what the estimate left idle
         grew = False
-        for mi in sorted(
-            range(len(models)), key=lambda i: (model_estimate(models[i]) / models[i].weight, i)
-        ):
+        for mi in _least_first(models):
             spared = _spare_addition(plan, models, mi)
             if spared is not None:
                 models[mi] = spared
@@ -103,6 +98,20 @@ def fill_idle(plan: Plan) -> Plan | None:
         return None
     objective = min(m.throughput / m.weight for m in models)
     return replace(plan, models=tuple(models), objective=objective)
+
+
+def _least_first(models: list[ModelPlan]) -> list[int]:
+    """The models' indexes, least estimate per weight first."""
+    return sorted(
+        range(len(models)), key=lambda i: (model_estimate(models[i]) / models[i].weight, i)
+    )
+
+
+def _fits_with(plan: Plan, models: list[ModelPlan], mi: int, model: ModelPlan) -> bool:
+    """Whether the plan of `models` with model mi as `model` fits the cluster's GPUs."""
+    trial = models.copy()
+    trial[mi] = model
+    return fits(replace(plan, models=tuple(trial)))
 
 
 def _best_addition(plan: Plan, models: list[ModelPlan], mi: int) -> tuple[int, ModelPlan] | None:
@@ -117,9 +126,7 @@ def _best_addition(plan: Plan, models: list[ModelPlan], mi: int) -> tuple[int, M
             if gain > 1e-9 * max(1.0, before):
                 options.append((-gain, pi, d, grown))
     for _, _, _, grown in sorted(options, key=lambda o: o[:3]):
-        trial = models.copy()
-        trial[mi] = grown
-        if fits(replace(plan, models=tuple(trial))):
+        if _fits_with(plan, models, mi, grown):
             return mi, grown
     return None
 
@@ -136,8 +143,6 @@ def _spare_addition(plan: Plan, models: list[ModelPlan], mi: int) -> ModelPlan |
     for _, pi, d in pools:
         p = m.pipelines[pi]
         grown = _with_pipeline(m, pi, _with_vgpus(p, d, p.partitions[d].vgpus + 1))
-        trial = models.copy()
-        trial[mi] = grown
-        if fits(replace(plan, models=tuple(trial))):
+        if _fits_with(plan, models, mi, grown):
             return grown
     return None
