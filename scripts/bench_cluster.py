@@ -11,9 +11,9 @@ At each load: what crossed the router's interface against the requests' own inpu
 outputs (target <= 1.1x with `chain`), what went server to server, attainment measured
 by the client beside the simulator's prediction on the router's calibrated topology (with
 stage times drawn from a calibration run of its own at the same load: on the shared cores
-of one host they grow with the load), p50 / p99, and a chain's overhead (the time
-from sending to the answer that the nodes' measured computes and the reserved transfers do
-not explain: forwarding, queues, the answer's way back). With each transport, the live
+of one host they grow with the load), p50 / p99, and a chain's overhead (how much
+later than its reservations' end the answer came: forwarding, the stubs, the answer's way
+back; waits for a vGPU or link as booked are not overhead). With each transport, the live
 capacity at >= 99% on time (bisected up to --capacity-top) beside the simulator's on the
 same traces (with --capacity; it runs first, and the loads are then 1/3, 2/3 and all of
 each transport's live capacity unless --rates names them). Then, with `chain`, under the

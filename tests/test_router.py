@@ -229,6 +229,26 @@ def test_chain_times_place_each_hop_after_its_inputs_and_transfers():
     assert times[0][0] >= 110.0 and times[1] == (110.0, 118.0)
 
 
+def test_a_chain_that_waits_as_reserved_has_no_overhead():
+    """Hop 1's vGPU is reserved busy until 40 (its feature map in at 25): the chain's
+    reservations end at 50. Sent at 100 and back at 155, the answer is 5 µs later than
+    reserved, though 20 µs of the 55 are neither computed nor transferred: waiting for a
+    vGPU or a link as booked is not what the reply margin holds back."""
+    from poolpipe.scheduler.messages import Hop
+    from triton_backend.router.transport import chain_times
+
+    hops = [Hop(0, 0, -1, 0.0, 10.0, 10.0, 20.0), Hop(1, 1, 0, 20.0, 25.0, 40.0, 50.0)]
+    measured = np.array([0, 10_000, 10_000, 65_000, 75_000, 75_000])
+    times, overhead = chain_times(hops, measured, 100.0, 155.0)
+    assert overhead == 5.0
+    assert times[1] == (145.0, 155.0)
+    _, ahead = chain_times(hops, measured, 100.0, 140.0)  # nodes that ran ahead of it
+    assert ahead == -10.0
+    # without timed inputs the path counts from its first compute's reserved start
+    untimed = [Hop(0, 0, -1, 10.0, 10.0, 10.0, 20.0), hops[1]]
+    assert chain_times(untimed, measured, 100.0, 145.0)[1] == 5.0
+
+
 def test_a_running_router_keeps_the_heap_it_started_with_out_of_full_collections():
     """A full collection walks the whole heap with the GIL held and the router's loop still
     (hundreds of ms in a test process on a busy host: requests went past their deadline

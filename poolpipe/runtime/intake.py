@@ -41,9 +41,8 @@ class MarginMeter:
     `floor` (what no door sees: the client's network and Triton's own front end), kept at
     most `ceiling`; recomputed every `every` samples, the floor until then. Ingress (the
     door's stamp until the runtime has the request) is kept for the figures. Where batches
-    travel as chains of nodes, the p99 of a chain's overhead (`path_us`: what the measured
-    stage times and reserved transfers do not explain, mostly the answer's way back along
-    the chain) is held back too."""
+    travel as chains of nodes, the p99 of a chain's overhead (`path_us`: how much later than
+    its reservations' end its answer came, as the driver measures it) is held back too."""
 
     def __init__(
         self,

@@ -368,16 +368,19 @@ def chain_times(
     hops: Sequence[Any], measured: np.ndarray, sent: float, back: float
 ) -> tuple[list[tuple[float, float]], float]:
     """Each hop's (start, end) on the router's clock from what the nodes measured (start,
-    end, sent ns per hop, each on its own host's clock), and the chain's overhead: the
-    time from sending to the answer that neither the measured computes nor the reserved
-    transfers (the inputs' too, where reserved: _inputs_us) explain (the nodes'
-    forwarding, their queues, the answer's way back: the reply margin holds its p99 back,
-    see MarginMeter). Placed back from when the answer came, never before the batch (and
-    its reserved inputs) could have reached the first node."""
+    end, sent ns per hop, each on its own host's clock), and the chain's overhead: how
+    much later the answer came than the reservations' end, the path shifted to when it
+    was sent (from its inputs' reserved start where they are timed: _inputs_us). A hop
+    that waited for its vGPU or its link until its reserved start is on time; what the
+    nodes' forwarding, their stubs and the answer's way back take beyond the reserved
+    transfers is not (the reply margin holds its p99 back, see MarginMeter; negative:
+    the chain ran ahead of its reservations). Placed back from when the answer came,
+    never before the batch (and its reserved inputs) could have reached the first node."""
     n = len(hops)
     took = [max(0.0, float(measured[3 * h + 1] - measured[3 * h]) / 1e3) for h in range(n)]
     gaps = [_inputs_us(hops[0], 0)] + [h.transfer_end_us - h.transfer_start_us for h in hops[1:]]
-    overhead = (back - sent) - sum(took) - sum(gaps)
+    first = hops[0].transfer_start_us if gaps[0] else hops[0].start_us
+    overhead = back - (sent + hops[-1].end_us - first)
     times: list[tuple[float, float]] = [(0.0, 0.0)] * n
     floor = min(back, sent + gaps[0])
     end = back
