@@ -27,7 +27,7 @@ from poolpipe_cli.common import (
     log_events,
     warn_each,
 )
-from triton_backend import REPLAN_GRACE_S, TRANSPORT_CHOICES
+from triton_backend import DOOR_RING_MB, REPLAN_GRACE_S, TRANSPORT_CHOICES
 from triton_backend.env import is_loopback
 from triton_backend.router.tracing import (
     HEADERS_VAR,
@@ -472,6 +472,20 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         help="Python-backend instances of each served model's door in the router's Triton; "
         "each hands requests to the router at once (1)",
     )
+    p.add_argument(
+        "--door-ring-mb",
+        type=float,
+        default=DOOR_RING_MB,
+        help="shared memory of each door instance through which requests' inputs reach the "
+        f"router process; 0: down the door's socket ({DOOR_RING_MB:g})",
+    )
+    p.add_argument(
+        "--door-ring-dir",
+        default=None,
+        metavar="DIR",
+        help="where the doors' shared memory lies (/dev/shm where there is one, else the "
+        "door's own temporary folder)",
+    )
     add_reply_margin_argument(
         p,
         "the least held back from each deadline for the way out: the router adds the p99 of "
@@ -571,8 +585,17 @@ def router_options(args: argparse.Namespace) -> dict:
     """Deployment.up's keyword arguments from the options of add_router_arguments."""
     if args.router_instances < 1:
         raise PoolpipeError(f"--router-instances must be at least 1, got {args.router_instances}")
+    if args.door_ring_mb < 0:
+        raise PoolpipeError(f"--door-ring-mb must be 0 or more, got {args.door_ring_mb:g}")
+    if args.door_ring_dir is not None and not Path(args.door_ring_dir).is_dir():
+        raise PoolpipeError(
+            f"--door-ring-dir {args.door_ring_dir}: no such folder (give one on shared memory, "
+            "such as /dev/shm, or --door-ring-mb 0)"
+        )
     return {
         "router_instances": args.router_instances,
+        "door_ring_mb": args.door_ring_mb,
+        "door_ring_dir": args.door_ring_dir,
         "reply_margin_us": args.reply_margin_ms * 1e3,
         "reply_margin_max_us": (
             None if args.reply_margin_max_ms is None else args.reply_margin_max_ms * 1e3

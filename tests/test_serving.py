@@ -30,6 +30,9 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 SLO_MS = 300.0
 N_BURST = 100
+ROW_BYTES = 3 * 32 * 32 * 4  # the tiny model's input, one row
+RING_ROWS = 16
+RING_MB = RING_ROWS * ROW_BYTES / (1 << 20)
 
 
 def two_partition_plan(cut: int = 2, blocks: int = 4, batch: int = 4) -> Plan:
@@ -59,7 +62,8 @@ def onboarded_tiny(prefect_api, tmp_path_factory):
 def served(onboarded_tiny):
     """Two partitions on two nodes; its traces (tracing.py) go to a real OTLP receiver
     (`served.traces`), sampled: none of the requests without a sampled trace context of
-    their own (late, dropped and refused ones are traced all the same)."""
+    their own (late, dropped and refused ones are traced all the same). The door's ring
+    holds RING_ROWS one-row requests at once: the rest of a burst goes down its socket."""
     from testbed.otlp import OTLPReceiver
     from triton_backend.deploy.deployment import Deployment
     from triton_backend.router.tracing import TraceConfig
@@ -67,7 +71,9 @@ def served(onboarded_tiny):
     wh, tmp = onboarded_tiny
     with OTLPReceiver() as rx:
         config = TraceConfig(rx.endpoint, sample=0.0, headers={"x-test": "poolpipe"})
-        dep = Deployment.up(two_partition_plan(), wh, tmp / "ws", tracing=config)
+        dep = Deployment.up(
+            two_partition_plan(), wh, tmp / "ws", tracing=config, door_ring_mb=RING_MB
+        )
         dep.traces = rx  # type: ignore[attr-defined]
         yield dep
         dep.down()
@@ -186,6 +192,35 @@ def test_concurrent_clients_are_all_answered(served, onboarded_tiny):
     s = served.core.stats["tiny"]
     assert s.arrivals - before == 40 and served.core.in_flight() == 0
     assert max(s.batch_sizes) > 1  # the router batched concurrent requests
+
+
+def test_inputs_reach_the_router_through_the_doors_ring_while_it_has_room(served, onboarded_tiny):
+    """A request's inputs go through its door's ring of shared memory (door/model.py), and
+    its region is free again once answered: one request after another, ten times more
+    than the ring holds at once, all go that way. A request larger than the ring goes down
+    the socket; both answer what the whole model does. The ring has no name left."""
+    wh, _ = onboarded_tiny
+    mod, client = _grpc(served)
+    out_name = served.ios[0].outputs[0].name
+    door = served.frontend.door
+    rng = np.random.default_rng(7)
+    before = door.handovers.copy()
+    for _ in range(10 * RING_ROWS):
+        x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+        _infer(mod, client, x, parameters={"slo_ms": 10 * SLO_MS})
+    assert door.handovers["ring"] - before["ring"] == 10 * RING_ROWS
+    assert door.handovers["socket"] == before["socket"]
+    big = rng.standard_normal((RING_ROWS + 4, 3, 32, 32)).astype(np.float32)
+    small = rng.standard_normal((2, 3, 32, 32)).astype(np.float32)
+    for x, way in ((big, "socket"), (small, "ring")):
+        before = door.handovers.copy()
+        want = whole_model(wh).run(None, {"input": x})[0]
+        got = _infer(mod, client, x, parameters={"slo_ms": 10 * SLO_MS}).as_numpy(out_name)
+        assert door.handovers[way] == before[way] + 1
+        assert np.abs(got - want).max() / np.abs(want).max() < 2e-2, way
+    import glob
+
+    assert not glob.glob("/dev/shm/poolpipe-door-ring-*")  # mapped, then unnamed
 
 
 def test_the_router_measures_stage_times_for_the_simulator(served):

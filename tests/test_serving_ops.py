@@ -1259,9 +1259,10 @@ def test_shared_memory_a_stopped_triton_left_is_swept_and_regions_in_use_kept(tm
 
 
 def test_what_a_router_or_triton_killed_outright_left_is_swept_and_live_ones_kept(tmp_path):
-    """`kill -9` of a router or a node leaves its door folder and its Triton's upload
-    folders (Triton removes those only when it unloads). The next router or node removes
-    the stale ones: a door whose socket takes no connection, an upload folder no stub runs
+    """`kill -9` of a router or a node leaves its door folder (or its door's ring) and its
+    Triton's upload folders (Triton removes those only when it unloads). The next router or
+    node removes the stale ones: a door whose socket takes no connection, a ring still named
+    after STALE_AFTER_S, an upload folder no stub runs
     and no running tritonserver made; not a live door, a model a stub runs, a folder
     younger than STALE_AFTER_S or one a running Triton may have made."""
     import os
@@ -1327,12 +1328,16 @@ def test_what_a_router_or_triton_killed_outright_left_is_swept_and_live_ones_kep
         listening = socket.socket(socket.AF_UNIX)
         listening.bind(str(live / "door.sock"))
         listening.listen()
-        for d in (gone, live):
+        # a stub's ring its router never mapped (a mapped one has no name), and a new one
+        stale_ring, new_ring = (root / f"poolpipe-door-ring-{k}" for k in ("stale", "new"))
+        stale_ring.write_bytes(b"0" * 64)
+        new_ring.write_bytes(b"0" * 64)
+        for d in (gone, live, stale_ring):
             os.utime(d, (time.time() - 2 * STALE_AFTER_S,) * 2)
         try:
-            assert sweep_doors(root) == [gone]
+            assert sweep_doors(root, rings=root) == [stale_ring, gone]
         finally:
             listening.close()
-        assert live.exists() and young.exists()
+        assert live.exists() and young.exists() and new_ring.exists()
     finally:
         shutil.rmtree(root, ignore_errors=True)

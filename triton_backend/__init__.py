@@ -12,4 +12,6 @@ TRANSPORTS = ("router", "chain")
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 # the chain transport's extra output: per row, (start, end, sent) ns of each hop of a chain
 HOPS_OUTPUT = "POOLPIPE_HOPS"
+# each door instance's ring of inputs (router/door/model.py): MB of shared memory
+DOOR_RING_MB = 64.0
 REPLAN_GRACE_S = 10.0  # a node out of service this long has the cluster re-planned (serve)

@@ -36,7 +36,7 @@ from poolpipe.runtime import (
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_inputs, with_latencies
-from triton_backend import TRANSPORT_CHOICES, TRANSPORTS
+from triton_backend import DOOR_RING_MB, TRANSPORT_CHOICES, TRANSPORTS
 from triton_backend.deploy.load import LocalNodes, Supervisor, attach, load_layout
 from triton_backend.deploy.prepare import model_io, prepare, remove_files
 from triton_backend.env import is_loopback, signals_held, triton_home
@@ -262,6 +262,8 @@ class Deployment:
         *,
         plane: str = "reservation",
         router_instances: int = 1,
+        door_ring_mb: float = DOOR_RING_MB,
+        door_ring_dir: str | Path | None = None,
         max_batch: int = 8,
         wake_guard_us: float = 5000.0,
         reply_margin_us: float = DEFAULT_MARGIN_FLOOR_US,
@@ -283,7 +285,9 @@ class Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
         `router_instances`: Python-backend instances of each served model's door (each
-        hands requests over at once; one is enough on a small host).
+        hands requests over at once; one is enough on a small host). `door_ring_mb`: each
+        door instance's shared memory for inputs (0: inputs go down the door's socket), in
+        `door_ring_dir` (default /dev/shm, else the door's folder).
         `reply_margin_us` / `reply_margin_max_us`: the floor and the ceiling of the reply
         margin, which the router measures (its ingress + egress p99) and holds back from
         every request's deadline; the ceiling defaults to the larger of the floor and 25 ms.
@@ -394,6 +398,8 @@ class Deployment:
                 grpc_port,
                 key,
                 triton_metrics_port,
+                door_ring_mb,
+                None if door_ring_dir is None else Path(door_ring_dir),
             ).start()
             if supervise and local is not None:
                 dep.supervisor = Supervisor(

@@ -8,16 +8,21 @@ deadline (CLIENT_TIMEOUT, the time it had left) counts from the same moment. Req
 `poolpipe_control` run their command on a worker thread (a rollout blocks until it is done).
 
 The frames are model.py's, named the same here (the stub imports nothing of ours, so
-each side names the plain tuples that travel)."""
+each side names the plain tuples that travel). A door instance's ring (model.py) is mapped
+read-only here when its hello names one, and its file removed: a request's arrays in it are
+read where they lie, until its answer tells the stub that the region is free again."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import mmap
+import os
 import pickle
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +51,8 @@ class HelloFrame(NamedTuple):  # model.py's, from the stub once per connection
     kind: str
     model: str
     instance: str
+    ring: str  # the ring's file ("": none)
+    ring_bytes: int
 
 
 class RequestFrame(NamedTuple):  # model.py's, per client request
@@ -58,7 +65,10 @@ class RequestFrame(NamedTuple):  # model.py's, per client request
     nonfinite: bool  # a NaN or an infinite value among its floating-point inputs
 
 
-class AnswerFrame(NamedTuple):  # model.py's, to the stub per request
+RING_RID = -1  # an answer to the hello: the ring mapped (no code) or not
+
+
+class AnswerFrame(NamedTuple):  # model.py's, to the stub per request (and to a hello)
     kind: str
     rid: int
     sent_ns: int
@@ -72,8 +82,9 @@ def _frame(obj: tuple) -> bytes:  # model.py's framing
     return _LEN.pack(len(data)) + data
 
 
-# An array in a frame: (dtype, shape, bytes), or the array itself for object dtypes.
-Packed = tuple[str, tuple[int, ...], bytes] | np.ndarray
+# An array in a frame: (dtype, shape, bytes), (dtype, shape, offset in the door's ring), or
+# the array itself for object dtypes.
+Packed = tuple[str, tuple[int, ...], bytes | int] | np.ndarray
 
 
 def _pack(arrays: list[np.ndarray]) -> list[Packed]:
@@ -82,10 +93,33 @@ def _pack(arrays: list[np.ndarray]) -> list[Packed]:
     return [a if a.dtype.hasobject else (a.dtype.str, a.shape, a.tobytes()) for a in arrays]
 
 
-def _unpack(packed: list[Packed]) -> list[np.ndarray]:
-    return [
-        p if isinstance(p, np.ndarray) else np.frombuffer(p[2], p[0]).reshape(p[1]) for p in packed
-    ]
+def _unpack(packed: list[Packed], ring: mmap.mmap | None = None) -> list[np.ndarray]:
+    """The arrays of a frame; those in the ring read where they lie (read-only)."""
+    out = []
+    for p in packed:
+        if isinstance(p, np.ndarray):
+            out.append(p)
+        elif isinstance(p[2], int):
+            if ring is None:
+                raise ValueError("an array in a ring the door did not name")
+            dtype = np.dtype(p[0])
+            out.append(np.frombuffer(ring, dtype, int(np.prod(p[1])), p[2]).reshape(p[1]))
+        else:
+            out.append(np.frombuffer(p[2], p[0]).reshape(p[1]))
+    return out
+
+
+def map_ring(path: str, size: int) -> mmap.mmap:
+    """A door instance's ring, mapped read-only; its file is removed (the mappings keep it
+    while either side lives)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size != size or size <= 0:
+            raise ValueError(f"{path}: not a ring of {size} bytes")
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 class _Connection(asyncio.Protocol):
@@ -94,6 +128,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, door: Door):
         self.door = door
         self.model = ""
+        self.ring: mmap.mmap | None = None  # the instance's ring, where it has one
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
 
@@ -102,6 +137,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self.ring = None  # unmapped when the last array in it is gone
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -135,6 +171,8 @@ class Door:
         self.path = path
         self.control = control
         self._server: asyncio.AbstractServer | None = None
+        # requests whose inputs came through a door's ring / down its socket
+        self.handovers: Counter[str] = Counter()
         self._workers = ThreadPoolExecutor(2, thread_name_prefix="poolpipe-control")
 
     def open(self) -> Door:
@@ -164,11 +202,24 @@ class Door:
 
     def handle(self, conn: _Connection, msg: tuple) -> None:
         if msg[0] == "hello":
-            conn.model = HelloFrame._make(msg).model
+            hello = HelloFrame._make(msg)
+            conn.model = hello.model
+            if hello.ring:  # the stub puts inputs there once told it is mapped
+                try:
+                    conn.ring = map_ring(hello.ring, hello.ring_bytes)
+                    conn.answer(RING_RID, None, None, "")
+                except (OSError, ValueError) as exc:  # its requests come by the socket
+                    log.warning("the door of %s takes inputs by its socket: %s", hello.model, exc)
+                    conn.answer(RING_RID, None, "UNAVAILABLE", str(exc))
             return
         req = RequestFrame._make(msg)
         rid = req.rid
-        arrays = _unpack(req.arrays)
+        try:
+            arrays = _unpack(req.arrays, conn.ring)
+        except ValueError as exc:
+            conn.answer(rid, None, "INTERNAL", f"the door: {exc}")
+            return
+        self.handovers["ring" if conn.ring is not None and _in_ring(req.arrays) else "socket"] += 1
         if conn.model == CONTROL_MODEL:
             self._control(conn, rid, arrays)
             return
@@ -229,6 +280,10 @@ class Door:
             loop.call_soon_threadsafe(conn.answer, rid, [out], None, "")
 
         self._workers.submit(run)
+
+
+def _in_ring(packed: list[Packed]) -> bool:
+    return any(not isinstance(p, np.ndarray) and isinstance(p[2], int) for p in packed)
 
 
 def _traced(reply: Reply, tracing: Tracing, trace: RequestTrace) -> Reply:

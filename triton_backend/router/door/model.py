@@ -18,6 +18,17 @@ here and in inbox.py alike: HelloFrame and RequestFrame from the stub, AnswerFra
 router; each array is (dtype str, shape, bytes). A request's `egress_ns` are the times from
 the router's `sent_ns` until earlier answers left the stub, carried back with the next
 request: what the router learns its reply margin from.
+
+The inputs' bytes do not go down the socket where they fit the door's ring: a file of
+`poolpipe_door_ring_mb` in `poolpipe_door_ring` (shared memory, /dev/shm), which the stub
+maps read-write and the router read-only. The hello names it; the router maps it, removes
+its name (nothing is left behind) and answers the hello (rid RING_RID): only then do inputs
+go there. A request's arrays are copied into a free region of it and travel as (dtype str,
+shape, offset); the region is free again when the request's answer comes back. A 4.3-MB
+request then costs the stub one copy and the router's loop one short frame, where down the
+socket it took the loop 17 reads while the stub's `execute` waited for them (23 ms a
+request at 156 req/s on emulated hc2-small). What does not fit (the ring full, no ring, an
+array of objects) goes down the socket.
 """
 
 from __future__ import annotations
@@ -25,10 +36,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import mmap
+import os
 import pickle
 import queue
 import socket
 import struct
+import tempfile
 import threading
 import time
 from typing import Any, NamedTuple
@@ -47,6 +61,8 @@ class HelloFrame(NamedTuple):  # stub -> router, once per connection
     kind: str  # "hello"
     model: str  # the served model this door instance takes requests of
     instance: str
+    ring: str  # the ring's file, which the router maps and removes ("": none)
+    ring_bytes: int
 
 
 class RequestFrame(NamedTuple):  # stub -> router, per client request
@@ -54,12 +70,15 @@ class RequestFrame(NamedTuple):  # stub -> router, per client request
     rid: int  # this stub's request id, echoed by the answer
     arrived_ns: int  # when Triton received it, as early as it may have been (monotonic)
     parameters: str  # the request's parameters, a JSON object
-    arrays: list  # its input tensors, packed
+    arrays: list  # its input tensors, packed (in the ring: (dtype, shape, offset))
     egress_ns: list  # egress of the answers sent since the last request
     nonfinite: bool  # a NaN or an infinite value among its floating-point inputs
 
 
-class AnswerFrame(NamedTuple):  # router -> stub, per request
+RING_RID = -1  # the router's answer to the hello: the ring mapped (code None) or not
+
+
+class AnswerFrame(NamedTuple):  # router -> stub, per request (and once to the hello)
     kind: str  # "ans"
     rid: int
     sent_ns: int  # when the router sent it (monotonic)
@@ -87,6 +106,61 @@ def _nonfinite(arrays: list) -> bool:
     )
 
 
+_ALIGN = 64
+
+
+class Ring:
+    """Regions of a mapped file, first fit (a few dozen live at most): `take` the offset of
+    `n` free bytes (None when none is free), `give` it back."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.live: list[tuple[int, int]] = []  # (offset, end), by offset
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> int | None:
+        n = max(_ALIGN, -(-n // _ALIGN) * _ALIGN)
+        with self.lock:
+            at = 0
+            for k, (start, end) in enumerate(self.live):
+                if start - at >= n:
+                    self.live.insert(k, (at, at + n))
+                    return at
+                at = end
+            if self.size - at >= n:
+                self.live.append((at, at + n))
+                return at
+            return None
+
+    def give(self, offset: int) -> None:
+        with self.lock:
+            for k, (start, _) in enumerate(self.live):
+                if start == offset:
+                    del self.live[k]
+                    return
+
+
+def _open_ring(folder: str, megabytes: float) -> tuple[str, mmap.mmap] | None:
+    """The door's ring: a new file of `megabytes` in `folder`, its memory reserved (a full
+    /dev/shm is found here, not by a write that kills the stub), mapped; None where there
+    is none (0 MB, no folder, no room)."""
+    size = int(megabytes * (1 << 20))
+    if size <= 0 or not folder or not os.path.isdir(folder):
+        return None
+    try:
+        fd, path = tempfile.mkstemp(prefix="poolpipe-door-ring-", dir=folder)  # 0600
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return path, mmap.mmap(fd, size)
+    except OSError:
+        os.unlink(path)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _unpack(packed: list) -> list:
     return [
         p if isinstance(p, np.ndarray) else np.frombuffer(p[2], p[0]).reshape(p[1]) for p in packed
@@ -109,7 +183,16 @@ class TritonPythonModel:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        hello = HelloFrame("hello", config["name"], args.get("model_instance_name", ""))
+        opened = _open_ring(
+            params.get("poolpipe_door_ring", ""), float(params.get("poolpipe_door_ring_mb", "0"))
+        )
+        self.ring_map: mmap.mmap | None = None if opened is None else opened[1]
+        self.ring_path = "" if opened is None else opened[0]
+        self.ring = Ring(len(self.ring_map) if self.ring_map is not None else 0)
+        self.regions: dict[int, int] = {}  # request id -> its inputs' offset in the ring
+        self.ring_ready = False  # the router mapped it
+        instance = args.get("model_instance_name", "")
+        hello = HelloFrame("hello", config["name"], instance, self.ring_path, self.ring.size)
         self.sock.sendall(_frame(tuple(hello)))
         self.pending: dict[int, Any] = {}  # request id -> its response sender
         self.ids = itertools.count()
@@ -159,9 +242,10 @@ class TritonPythonModel:
             egress, self.egress = self.egress, []
             frames.append(
                 RequestFrame(
-                    "req", rid, arrived, r.parameters(), _pack(arrays), egress, _nonfinite(arrays)
+                    "req", rid, arrived, r.parameters(), self._pack(rid, arrays), egress,
+                    _nonfinite(arrays),
                 )
-            )
+            )  # fmt: skip
         if frames:
             try:  # the only writer after initialize (one execute at a time per instance)
                 self.sock.sendall(b"".join(_frame(tuple(f)) for f in frames))
@@ -169,6 +253,29 @@ class TritonPythonModel:
                 self._fail_all("the router is not running")
         self.last_end = time.monotonic_ns()
         return None
+
+    def _pack(self, rid: int, arrays: list) -> list:
+        """The arrays in the ring where they fit (one region), else down the socket."""
+        ring = self.ring_map
+        if ring is None or not self.ring_ready or any(a.dtype.hasobject for a in arrays):
+            return _pack(arrays)
+        sizes = [-(-a.nbytes // _ALIGN) * _ALIGN for a in arrays]
+        at = self.ring.take(sum(sizes))
+        if at is None:
+            return _pack(arrays)
+        self.regions[rid] = at
+        packed = []
+        for a, n in zip(arrays, sizes, strict=True):
+            view = np.frombuffer(ring, a.dtype, a.size, at).reshape(a.shape)
+            np.copyto(view, a)
+            packed.append((a.dtype.str, a.shape, at))
+            at += n
+        return packed
+
+    def _free(self, rid: int) -> None:
+        at = self.regions.pop(rid, None)
+        if at is not None:
+            self.ring.give(at)
 
     def _read(self) -> None:
         buf = bytearray()
@@ -185,9 +292,16 @@ class TritonPythonModel:
                     if len(buf) - at - _LEN.size < n:
                         break
                     raw = pickle.loads(memoryview(buf)[at + _LEN.size : at + _LEN.size + n])
-                    msgs.append(AnswerFrame._make(raw))
+                    msg = AnswerFrame._make(raw)
                     at += _LEN.size + n
+                    if msg.rid == RING_RID:
+                        self.ring_ready = msg.code is None and self.ring_map is not None
+                        continue
+                    self._free(msg.rid)  # the router is done with its inputs
+                    msgs.append(msg)
                 del buf[:at]
+                if not msgs:
+                    continue
                 if len(msgs) == 1 and not any(self.busy) and self.outbox.empty():
                     # one answer and nothing else to send: sent from here, without waking
                     # a sender (a thread hand-over less on the way out)
@@ -228,6 +342,7 @@ class TritonPythonModel:
     def _fail_all(self, why: str) -> None:
         self.closed = True
         for rid in list(self.pending):
+            self._free(rid)
             sender = self.pending.pop(rid, None)
             if sender is not None:
                 with contextlib.suppress(Exception):
@@ -241,6 +356,9 @@ class TritonPythonModel:
         self.reader.join(5.0)
         for _ in self.senders:
             self.outbox.put((True, next(self.order), None))
+        if self.ring_path:  # (the router removed it once mapped, unless it never did)
+            with contextlib.suppress(OSError):
+                os.unlink(self.ring_path)
 
 
 def _error(message: str, code: str) -> object:

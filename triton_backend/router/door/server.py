@@ -12,6 +12,7 @@ own Python backend 0.66 ms, 540 µs and 0.47 s."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -25,12 +26,14 @@ import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
 from poolpipe.runtime import FORWARDED_HEADERS
+from triton_backend import DOOR_RING_MB
 from triton_backend.node.repository import kserve_dtype, triton_dtype
 from triton_backend.node.triton import STALE_AFTER_S, TritonNode
 from triton_backend.router.core import ModelIO, RouterCore
 from triton_backend.router.door.inbox import Door
 
 DOOR_MODEL = Path(__file__).with_name("model.py")
+SHARED_MEMORY = Path("/dev/shm")
 WARM_UP = 40  # requests per served model at start-up (a stub's first calls are slower)
 
 
@@ -46,13 +49,16 @@ def door_config(
     batched: bool = True,
     wait_cap_ms: float = 100.0,
     senders: int = 4,
+    ring: Path | None = None,
+    ring_mb: float = 0.0,
 ) -> str:
     """config.pbtxt of a door model: (name, TYPE_..., dims after the batch) per tensor.
     `batched`: Triton's dynamic batcher hands `execute` every request queued at that
     moment (each still a request of its own; nothing waits for a fuller batch), so a
     burst is handed over in a few calls instead of one call per request. `wait_cap_ms`:
     the most a request of a burst is taken to have waited in Triton before the door saw
-    it; `senders`: threads sending answers side by side (see model.py)."""
+    it; `senders`: threads sending answers side by side; `ring` / `ring_mb`: the folder of
+    each instance's ring and its size (0: inputs go down the socket; see model.py)."""
 
     def tensors(ts: Sequence[tuple[str, str, Sequence[int]]]) -> str:
         return ", ".join(
@@ -76,22 +82,36 @@ def door_config(
                 ("poolpipe_door", socket_path),
                 ("poolpipe_wait_cap_ms", f"{wait_cap_ms:g}"),
                 ("poolpipe_senders", senders),
+                ("poolpipe_door_ring", ring or ""),
+                ("poolpipe_door_ring_mb", f"{ring_mb:g}" if ring else "0"),
             )
         )
     )
 
 
 DOOR_PREFIX = "poolpipe-door-"
+RING_PREFIX = "poolpipe-door-ring-"  # model.py's
 
 
-def sweep_doors(root: Path | None = None, now: float | None = None) -> list[Path]:
+def sweep_doors(
+    root: Path | None = None, now: float | None = None, rings: Path = SHARED_MEMORY
+) -> list[Path]:
     """Remove the door folders (`root`, default the temporary folder, /poolpipe-door-*) of
     routers killed outright, and return them: this user's, untouched for STALE_AFTER_S,
-    whose socket takes no connection (a live router's does)."""
+    whose socket takes no connection (a live router's does). So too a door's ring left in
+    `rings` by a stub that died before its router mapped it (a mapped one has no name)."""
     root = Path(tempfile.gettempdir()) if root is None else root
     now = time.time() if now is None else now
     removed = []
+    for f in rings.glob(f"{RING_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            if st.st_uid == os.getuid() and now - st.st_mtime > STALE_AFTER_S:
+                f.unlink()
+                removed.append(f)
     for d in root.glob(f"{DOOR_PREFIX}*"):
+        if not d.is_dir() or d.name.startswith(RING_PREFIX):
+            continue
         try:
             st = d.stat()
         except OSError:
@@ -125,14 +145,23 @@ class Frontend:
         grpc_port: int = 0,
         key: str | None = None,
         metrics_port: int = 0,
+        ring_mb: float = DOOR_RING_MB,
+        ring_dir: Path | None = None,
     ):
         """`key`: restricts this Triton's management APIs (model repository, ...), as the
-        nodes' are. `metrics_port`: its own Prometheus metrics (0: a free one)."""
+        nodes' are. `metrics_port`: its own Prometheus metrics (0: a free one).
+        `ring_mb`: each door instance's ring of inputs (0: none, inputs go down the door's
+        socket), in `ring_dir` (default /dev/shm where there is one, else the door's own
+        folder)."""
+        if ring_mb < 0:
+            raise ValueError(f"a door's ring takes 0 MB or more, got {ring_mb:g}")
         self.core = core
         self.ios = list(ios)
         self.workspace = Path(workspace)
         self.instances = instances
         self.control = control
+        self.ring_mb = ring_mb
+        self.ring_dir = ring_dir
         self.node = TritonNode(
             "router-triton",
             "router",
@@ -206,11 +235,16 @@ class Frontend:
                 [("command", "TYPE_STRING", ())],
                 [("result", "TYPE_STRING", ())],
             )
+        ring = self.ring_dir or (SHARED_MEMORY if SHARED_MEMORY.is_dir() else sock.parent)
         for name, (ins, outs) in models.items():
             (repo / name / "1").mkdir(parents=True)
+            mb = 0.0 if name == CONTROL_MODEL else self.ring_mb  # (a command is a few bytes)
             (repo / name / "config.pbtxt").write_text(
-                door_config(name, ins, outs, self.instances, sock, self._batched(name))
-            )
+                door_config(
+                    name, ins, outs, self.instances, sock, self._batched(name), ring=ring,
+                    ring_mb=mb,
+                )
+            )  # fmt: skip
             shutil.copy(DOOR_MODEL, repo / name / "1" / "model.py")
 
     def _batched(self, name: str) -> bool:
