@@ -70,6 +70,11 @@ async def _until(clock: Any, t_us: float) -> None:
         await asyncio.sleep(left / 1e6)
 
 
+def _stacked(rows: list[np.ndarray]) -> np.ndarray:
+    """A batch's rows as one tensor; one row is sent as it is (a 4.3-MB copy less)."""
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+
 def _inputs_us(hop: Any, h: int) -> float:
     """How long hop `h`'s requests' inputs are reserved on its server's downlink (a first
     hop whose topology times them: scheduler.topology.with_inputs; 0 otherwise). Such a hop
@@ -128,10 +133,7 @@ class RelayTransport:
                 first, last = pool.start == 0, pool.end == end_block
                 rows = [e.payload.inputs if first else e.payload.tensors for e in entries]
                 inputs = [
-                    (
-                        io.inputs[k].name if first else f"in_{k}",
-                        np.concatenate([r[k] for r in rows]) if len(rows) > 1 else rows[0][k],
-                    )
+                    (io.inputs[k].name if first else f"in_{k}", _stacked([r[k] for r in rows]))
                     for k in range(len(rows[0]))
                 ]
                 gate, token = turns[h]
@@ -221,8 +223,8 @@ class ChainTransport:
         plan: RouterPlan = served.adapter
         io = plan.io[served.topo.models[d.model].name]
         entries = job.entries
-        inputs = [
-            (spec.name, np.concatenate([e.payload.inputs[k] for e in entries]))
+        inputs = [  # (one request's inputs as they lie: in its door's ring, no copy)
+            (spec.name, _stacked([e.payload.inputs[k] for e in entries]))
             for k, spec in enumerate(io.inputs)
         ]
         # each hop's feature map leaves at its transfer's reserved start: so long after the
