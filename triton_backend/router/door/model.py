@@ -141,11 +141,15 @@ class Ring:
 
 
 def _open_ring(folder: str, megabytes: float) -> tuple[str, mmap.mmap] | None:
-    """The door's ring: a new file of `megabytes` in `folder`, its memory reserved (a full
-    /dev/shm is found here, not by a write that kills the stub), mapped; None where there
-    is none (0 MB, no folder, no room)."""
-    size = int(megabytes * (1 << 20))
-    if size <= 0 or not folder or not os.path.isdir(folder):
+    """The door's ring: a new file of `megabytes` in `folder` (at most a quarter of its free
+    room: the Python backend's own regions live there too, and a container's /dev/shm
+    holds 64 MB), its memory reserved (a full /dev/shm is found here, not by a write that
+    kills the stub), mapped; None where there is none (0 MB, no folder, no room)."""
+    if megabytes <= 0 or not folder or not os.path.isdir(folder):
+        return None
+    st = os.statvfs(folder)
+    size = min(int(megabytes * (1 << 20)), st.f_bavail * st.f_frsize // 4) // _ALIGN * _ALIGN
+    if size < _ALIGN:
         return None
     try:
         fd, path = tempfile.mkstemp(prefix="poolpipe-door-ring-", dir=folder)  # 0600
