@@ -4,9 +4,10 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
 
 1. burst: `--burst` requests at once (SLO `--burst-slo-ms`; a one-partition plan, batch 4),
    alternately straight to the router and through the balancer, over HTTP (a connection
-   each, timed by the kernel's stamps) and over gRPC (one asyncio client), `--rounds`
-   times each: on time, late and dropped as the client counts them (its own process) and
-   as the router does; through the balancer the router's deadlines run from its stamps.
+   each, timed by the kernel's stamps) and over gRPC (`--burst-clients` asyncio clients,
+   each a process of its own, firing at one agreed moment), `--rounds` times each: on
+   time, late and dropped as the clients count them and as the router does; through the
+   balancer the router's deadlines run from its stamps.
 2. CPU per request: `--requests` one after another over gRPC, straight and through the
    balancer: the CPU each process spent per request (HAProxy, the router's Triton with its
    door stubs, the router process) and the client's p50.
@@ -21,7 +22,8 @@ prints a table and stores its rows in the warehouse (bench_serving, bench router
    each planned for itself: whole servers, GPUs evenly, or the split searched for the
    highest summed objective) costs against planning the whole cluster (planner only).
 
-    ./run bench-router-tier [--burst 500] [--burst-slo-ms 100] [--rounds 2] [--requests 300]
+    ./run bench-router-tier [--burst 500] [--burst-slo-ms 100] [--rounds 2] [--burst-clients 5]
+                            [--requests 300]
     ./run bench-router-tier --parts sharding     # the planner only: no HAProxy, no servers
 """
 
@@ -64,6 +66,12 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=500, help="requests in a burst (500)")
     ap.add_argument("--burst-slo-ms", type=float, default=100.0, help="their SLO (100)")
     ap.add_argument("--rounds", type=int, default=2, help="bursts per path (2)")
+    ap.add_argument(
+        "--burst-clients",
+        type=int,
+        default=5,
+        help="gRPC clients sharing a burst, each a process of its own firing at one moment (5)",
+    )
     ap.add_argument("--requests", type=int, default=300, help="closed-loop requests (300)")
     ap.add_argument(
         "--parts",
@@ -84,8 +92,10 @@ def main() -> int:
         help="sharding: seconds for the MILP bounding every split's loss (60)",
     )
     args = ap.parse_args()
-    if args.burst < 1 or args.rounds < 1 or args.requests < 10:
-        ap.error("--burst and --rounds must be at least 1, --requests at least 10")
+    if args.burst < 1 or args.rounds < 1 or args.requests < 10 or args.burst_clients < 1:
+        ap.error(
+            "--burst, --rounds and --burst-clients must be at least 1, --requests at least 10"
+        )
     parts = set(args.parts.split(","))
     if not parts or parts - {"burst", "cpu", "kill", "cap", "sharding"}:
         ap.error(f"--parts: choose among burst, cpu, kill, cap, sharding, got {args.parts!r}")
@@ -529,11 +539,14 @@ import asyncio, json, sys, time
 import numpy as np
 import tritonclient.grpc as tg
 import tritonclient.grpc.aio as ta
-url, model, in_name, shape, n, slo_ms, deadline = json.loads(sys.argv[1])
+url, model, in_name, shape, n, slo_ms, deadline, start_at = json.loads(sys.argv[1])
 async def main():
     c = ta.InferenceServerClient(url)
     x = tg.InferInput(in_name, shape, "FP32")
     x.set_data_from_numpy(np.zeros(shape, np.float32))
+    await c.is_server_live()  # the channel open before the burst (no inference counted)
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    late_ms = (time.time() - start_at) * 1e3  # how long after the agreed moment it fired
     async def one():
         t = time.perf_counter()
         try:
@@ -547,29 +560,58 @@ async def main():
             return [time.perf_counter() - t, out, " ".join(str(exc).split())[:160]]
     out = await asyncio.gather(*(one() for _ in range(n)))
     await c.close()
-    return out
+    return {"fired_late_ms": late_ms, "shots": out}
 print(json.dumps(asyncio.run(main())))
 """
+CLIENT_START_S = 1.5  # a client process's start-up and channel, before the agreed moment
 
 
 def grpc_burst(
-    url: str, name: str, in_name: str, x: np.ndarray, n: int, slo_ms: float, deadline: bool
-) -> list:
-    """n requests at once from one gRPC client (asyncio, one channel) in its own process,
-    each with a gRPC deadline of the SLO where `deadline` (30 s otherwise): (seconds from
-    its call to its answer, outcome: ok, dropped, expired (its deadline passed at the
-    client), error, and what the client was told where it was not ok) each."""
+    url: str,
+    name: str,
+    in_name: str,
+    x: np.ndarray,
+    n: int,
+    slo_ms: float,
+    deadline: bool,
+    clients: int = 1,
+) -> tuple[list, float]:
+    """n requests at once from `clients` gRPC clients (asyncio, one channel each), each in a
+    process of its own, all firing at one agreed moment (n split evenly), each request with
+    a gRPC deadline of the SLO where `deadline` (30 s otherwise): (seconds from its call
+    to its answer, outcome: ok, dropped, expired (its deadline passed at the client),
+    error, and what the client was told where it was not ok) each; and how long after the
+    agreed moment the last client fired (ms)."""
     import json
     import subprocess
 
-    spec = json.dumps([url, name, in_name, list(x.shape), n, slo_ms, deadline])
-    out = subprocess.run(
-        [sys.executable, "-c", GRPC_BURST, spec], capture_output=True, text=True, check=False
-    )
-    if out.returncode:
-        why = (out.stderr.strip().splitlines() or ["no message"])[-1]
-        raise SystemExit(f"the gRPC burst client against {url} failed: {why}")
-    return json.loads(out.stdout)
+    start_at = time.time() + CLIENT_START_S * (1 + clients / 2)  # (two cores start them)
+    shares = [n // clients + (k < n % clients) for k in range(clients)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                GRPC_BURST,
+                json.dumps([url, name, in_name, list(x.shape), m, slo_ms, deadline, start_at]),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for m in shares
+        if m
+    ]
+    shots, late_ms = [], 0.0
+    for proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode:
+            why = (err.strip().splitlines() or ["no message"])[-1]
+            raise SystemExit(f"a gRPC burst client against {url} failed: {why}")
+        got = json.loads(out)
+        shots += got["shots"]
+        late_ms = max(late_ms, got["fired_late_ms"])
+    return shots, late_ms
 
 
 def _inventory(nodes, http, grpc, ready, lb_http, lb_grpc) -> dict:
@@ -627,14 +669,15 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
                         )
                     ]
                 else:
-                    shots = grpc_burst(
+                    shots, fired_late_ms = grpc_burst(
                         grpc_url,
                         name,
                         in_name,
                         x,
                         args.burst,
                         args.burst_slo_ms,
-                        deadline=proto == "grpc+deadline",
+                        deadline=proto.startswith("grpc+deadline"),
+                        clients=args.burst_clients,
                     )
                 after = _router_counts(core, name)
                 win = {k: after[k] - before[k] for k in after}
@@ -658,18 +701,24 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
                     "router_dropped": win["dropped"],
                     "stamps_used": core.stamps.counts["used"] - used,
                     "reply_margin_ms": core.margin_figures()["reply_margin_ms"],
+                    "clients": 1 if proto == "http" else args.burst_clients,
+                    "fired_late_ms": float("nan") if proto == "http" else fired_late_ms,
                 }
-                results.append((k, f"{proto} {via}", r))
+                many = "" if r["clients"] == 1 else f" x{r['clients']}"
+                results.append((k, f"{proto}{many} {via}", r))
                 others.update(why for _, o, why in shots if o == "error")
-                config = f"{proto}-{via}:{args.burst}x{args.burst_slo_ms:g}ms#{k}"
+                tag = f"{proto}{many.replace(' ', '')}-{via}"
+                config = f"{tag}:{args.burst}x{args.burst_slo_ms:g}ms#{k}"
                 for metric, v in r.items():
                     record("router-tier-burst", config, metric, v)
     t = Table(
         title=f"burst: {args.burst} requests at once, SLO {args.burst_slo_ms:g} ms, straight to "
-        "the router or through the balancer (client: its own process; HTTP: a connection "
-        "each, timed by the kernel; gRPC: one channel, timed from its call; +deadline: each "
-        "call with a gRPC deadline of the SLO, which the balancer hands the router); late = "
-        "answered after the SLO; expired = the client's deadline passed first",
+        "the router or through the balancer (HTTP: a connection each, timed by the kernel; "
+        f"gRPC x{args.burst_clients}: that many clients, each a process and a channel of its "
+        "own, firing at one moment, timed from each call; +deadline: each call with a gRPC "
+        "deadline of the SLO, which the balancer hands the router); late = answered after "
+        "the SLO; expired = the client's deadline passed first; fired: the last client's "
+        "start after the agreed moment",
         title_justify="left",
     )
     for col in (
@@ -687,6 +736,7 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
         "stamps used",
         "slowest answer ms",
         "late: call # (first, median)",
+        "fired ms",
     ):
         t.add_column(col, justify="right")
     for k, via, r in results:
@@ -708,6 +758,7 @@ def burst_part(args, srv, paths, name, in_name, x, record) -> None:
             "-"
             if r["client_late"] == 0
             else f"{r['late_first_call']:.0f}, {r['late_median_call']:.0f}",
+            "-" if math.isnan(r["fired_late_ms"]) else f"{r['fired_late_ms']:.0f}",
         )
     console.print(t)
     for why, k in others.most_common(5):
