@@ -39,6 +39,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # the rollout is an expected event here: its result is printed, not logged as a warning
     logging.getLogger("poolpipe.serve").setLevel(logging.ERROR)
+    router_options(args)  # bad router options refused before minutes of work
     if not args.cpu:
         from testbed.netns import unavailable
 

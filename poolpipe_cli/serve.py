@@ -151,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from triton_backend.deploy.serving import ServingProcess
 
     log_events()
+    options = router_options(args)  # (bad options refused before anything is written)
     inventory = tier = None
     if args.nodes:
         from poolpipe.domain.inventory import load_inventory
@@ -210,7 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             adopt_after_s=args.adopt_after,
             on_reshard=_resharder(args, token_file) if tier else None,
             on_load_event=_load_events(args) if args.prefect_events else None,
-            **router_options(args),
+            **options,
         )
     try:
         _check_live_room(args, server, margin_us)

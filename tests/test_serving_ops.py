@@ -503,6 +503,12 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
     margin = r"reply margin 3[0-9][0-9](\.[0-9]+)? ms"
     assert re.search(rf"refused: tiny: SLO 300 ms less the router's {margin}", said), said
     assert "--force serves it anyway" in said and not refused.exists()
+    for bad, why in (
+        (["--door-ring-mb", "-1"], "--door-ring-mb must be 0 or more, got -1"),
+        (["--door-ring-dir", str(tmp_path / "none")], "no such folder"),
+    ):
+        assert cli_main([*argv, "--workspace", str(refused), *bad]) == 2
+        assert why in " ".join(capsys.readouterr().err.split()) and not refused.exists()
     env = {**os.environ, "COLUMNS": "300"}
     proc = subprocess.Popen(
         [
