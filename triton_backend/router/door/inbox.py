@@ -93,9 +93,13 @@ def _pack(arrays: list[np.ndarray]) -> list[Packed]:
     return [a if a.dtype.hasobject else (a.dtype.str, a.shape, a.tobytes()) for a in arrays]
 
 
-def _unpack(packed: list[Packed], ring: mmap.mmap | None = None) -> list[np.ndarray]:
-    """The arrays of a frame; those in the ring read where they lie (read-only)."""
+def _unpack(
+    packed: list[Packed], ring: mmap.mmap | None = None
+) -> tuple[list[np.ndarray], bool]:
+    """The arrays of a frame, those in the ring read where they lie (read-only), and
+    whether any was there."""
     out = []
+    in_ring = False
     for p in packed:
         if isinstance(p, np.ndarray):
             out.append(p)
@@ -104,9 +108,10 @@ def _unpack(packed: list[Packed], ring: mmap.mmap | None = None) -> list[np.ndar
                 raise ValueError("an array in a ring the door did not name")
             dtype = np.dtype(p[0])
             out.append(np.frombuffer(ring, dtype, int(np.prod(p[1])), p[2]).reshape(p[1]))
+            in_ring = True
         else:
             out.append(np.frombuffer(p[2], p[0]).reshape(p[1]))
-    return out
+    return out, in_ring
 
 
 def map_ring(path: str, size: int) -> mmap.mmap:
@@ -215,11 +220,11 @@ class Door:
         req = RequestFrame._make(msg)
         rid = req.rid
         try:
-            arrays = _unpack(req.arrays, conn.ring)
+            arrays, in_ring = _unpack(req.arrays, conn.ring)
         except ValueError as exc:
             conn.answer(rid, None, "INTERNAL", f"the door: {exc}")
             return
-        self.handovers["ring" if conn.ring is not None and _in_ring(req.arrays) else "socket"] += 1
+        self.handovers["ring" if in_ring else "socket"] += 1
         if conn.model == CONTROL_MODEL:
             self._control(conn, rid, arrays)
             return
@@ -280,10 +285,6 @@ class Door:
             loop.call_soon_threadsafe(conn.answer, rid, [out], None, "")
 
         self._workers.submit(run)
-
-
-def _in_ring(packed: list[Packed]) -> bool:
-    return any(not isinstance(p, np.ndarray) and isinstance(p[2], int) for p in packed)
 
 
 def _traced(reply: Reply, tracing: Tracing, trace: RequestTrace) -> Reply:

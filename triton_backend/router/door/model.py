@@ -107,6 +107,11 @@ def _nonfinite(arrays: list) -> bool:
 
 
 _ALIGN = 64
+RING_PREFIX = "poolpipe-door-ring-"  # (door/server.py sweeps what a dead stub left named)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 class Ring:
@@ -119,7 +124,7 @@ class Ring:
         self.lock = threading.Lock()
 
     def take(self, n: int) -> int | None:
-        n = max(_ALIGN, -(-n // _ALIGN) * _ALIGN)
+        n = max(_ALIGN, _aligned(n))
         with self.lock:
             at = 0
             for k, (start, end) in enumerate(self.live):
@@ -152,7 +157,7 @@ def _open_ring(folder: str, megabytes: float) -> tuple[str, mmap.mmap] | None:
     if size < _ALIGN:
         return None
     try:
-        fd, path = tempfile.mkstemp(prefix="poolpipe-door-ring-", dir=folder)  # 0600
+        fd, path = tempfile.mkstemp(prefix=RING_PREFIX, dir=folder)  # 0600
     except OSError:
         return None
     try:
@@ -263,7 +268,7 @@ class TritonPythonModel:
         ring = self.ring_map
         if ring is None or not self.ring_ready or any(a.dtype.hasobject for a in arrays):
             return _pack(arrays)
-        sizes = [-(-a.nbytes // _ALIGN) * _ALIGN for a in arrays]
+        sizes = [_aligned(a.nbytes) for a in arrays]
         at = self.ring.take(sum(sizes))
         if at is None:
             return _pack(arrays)
