@@ -11,7 +11,7 @@ import pytest
 
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import Job, Outcome, ServedPlan
-from poolpipe.runtime.guard import OVERRUN_CAP_US, WAKE_EVERY, WakeGuard
+from poolpipe.runtime.guard import OVERRUN_CAP_US, WAKE_EVERY, WAKE_WINDOW, WakeGuard
 from poolpipe.runtime.health import NodeHealth
 from poolpipe.runtime.migration import FlushMigration, HeldRequest
 from poolpipe.runtime.overdue import OVERDUE_AFTER_US, OverdueWatch
@@ -75,6 +75,16 @@ def test_the_wake_guard_follows_the_p99_every_few_samples_within_its_cap():
     for _ in range(4 * WAKE_EVERY):
         g.overrun_seen(1e9)
     assert g.overrun_us == OVERRUN_CAP_US
+    # the late samples count while they are in the window, and only then
+    g = WakeGuard()
+    for late in [3000.0] * 3 + [0.0] * (WAKE_WINDOW - 6) + [3000.0] * 3:
+        g.wake_seen(late)
+    assert g.late_us == 3000.0
+    for _ in range(WAKE_EVERY):
+        g.wake_seen(0.0)  # the first three leave the window, the last three stay
+    assert g.late_us == 3000.0
+    changed = [g.wake_seen(0.0) for _ in range(WAKE_WINDOW)]
+    assert sum(changed) == 1 and g.late_us == 0.0
 
 
 def test_node_health_knows_paths_and_watches_a_failed_node_until_it_is_back():

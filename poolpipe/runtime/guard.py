@@ -22,21 +22,30 @@ OVERRUN_CAP_US = 20_000.0  # the most the batches' overrun adds
 class _Recent:
     """The p99 of the last WAKE_WINDOW samples, recomputed every WAKE_EVERY, at most `cap`."""
 
-    __slots__ = ("cap", "n", "p99_us", "samples")
+    __slots__ = ("cap", "n", "p99_us", "positive", "samples")
 
     def __init__(self, cap_us: float):
         self.cap = cap_us
         self.samples: deque[float] = deque(maxlen=WAKE_WINDOW)
         self.n = 0  # samples taken (the window is recomputed every few)
+        self.positive = 0  # samples above 0 in the window
         self.p99_us = 0.0
 
     def add(self, us: float) -> bool:
         """Take a sample (below 0 counts as 0); True when the p99 changed."""
-        self.samples.append(max(0.0, us))
+        samples = self.samples
+        if len(samples) == WAKE_WINDOW and samples[0] > 0.0:
+            self.positive -= 1  # (the oldest leaves the window)
+        if us > 0.0:
+            self.positive += 1
+            samples.append(us)
+        else:
+            samples.append(0.0)
         self.n += 1
         if self.n % WAKE_EVERY:
             return False
-        new = min(self.cap, p99(self.samples))
+        # a window of zeros (the simulator's timers, an idle host's) has a p99 of 0
+        new = min(self.cap, p99(samples)) if self.positive else 0.0
         if new == self.p99_us:
             return False
         self.p99_us = new
