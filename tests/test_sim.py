@@ -3,6 +3,8 @@ without jitter, late completions counted as misses, arrivals, and a small capaci
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from poolpipe.scheduler.topology import filled, simulated_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, Simulator, generate, run_once
 from poolpipe.sim.capacity import search_capacity
 from poolpipe.sim.metrics import DROPPED, LATE, ON_TIME
+from poolpipe.sim.seeds import SeedRuns
 from tests.factories import make_topology
 
 PLANS = Path(__file__).parent / "plans"
@@ -226,6 +229,56 @@ def test_small_capacity_search_on_real_profiles(plans):
         assert bis.capacity[name] == pytest.approx(step.capacity[name], abs=0.1 + 1e-9)
     assert bis.simulations <= step.simulations + 2
     assert sum(step.capacity.values()) >= sum(base.capacity.values())
+
+
+def test_a_points_seeds_on_two_processes_give_the_same_search(plans):
+    """A capacity search with each point's seeds split over two processes finds what one
+    process finds, run for run, and leaves no process behind."""
+    _, ptopo = plans["ppipe"]
+    spec = ArrivalSpec.parse("poisson")
+    kw = dict(duration_s=2.0, seeds=(3, 4, 5), method="bisect", step=0.1)
+    before = _children()
+    one = search_capacity(ptopo, spec, **kw)
+    two = search_capacity(ptopo, spec, processes=2, **kw)
+    assert _children() == before
+    assert two.capacity == one.capacity and two.attainment == one.attainment
+    assert two.simulations == one.simulations
+    for lf, runs in one.results.items():
+        assert [r.models for r in two.results[lf]] == [r.models for r in runs]
+
+
+def _children() -> set[str]:
+    """This process's children (Linux)."""
+    return {
+        pid for f in Path("/proc/self/task").glob("*/children") for pid in f.read_text().split()
+    }
+
+
+def _where(lf: float, seed: int) -> tuple:
+    if seed == 99:
+        raise ValueError("seed 99 cannot run")
+    return (os.getpid(), lf, seed)
+
+
+def test_seeds_run_beside_the_caller_and_where_the_helper_fails_here():
+    """The helper runs every other seed, the results in the seeds' order; a run that fails
+    there is run again here (its error is the caller's); a helper killed leaves the caller
+    to run every seed."""
+    before = _children()
+    with SeedRuns(_where, (1, 2, 3, 4), processes=2) as runs:
+        got = runs(0.5)
+        assert [g[1:] for g in got] == [(0.5, 1), (0.5, 2), (0.5, 3), (0.5, 4)]
+        here = os.getpid()
+        assert [g[0] == here for g in got] == [True, False, True, False]
+        helper = got[1][0]
+        os.kill(helper, signal.SIGKILL)
+        os.waitpid(helper, 0)
+        assert [g[0] for g in runs(0.6)] == [here] * 4
+    with SeedRuns(_where, (1, 99), processes=2) as runs, pytest.raises(ValueError, match="99"):
+        runs(0.5)
+    with SeedRuns(_where, (1, 2), processes=1) as runs:
+        assert {g[0] for g in runs(0.5)} == {os.getpid()}
+    assert _children() == before
 
 
 def test_the_cluster_reads_its_answers_back_by_request() -> None:

@@ -18,6 +18,7 @@ from poolpipe.sim.arrivals import ArrivalSpec
 from poolpipe.sim.engine import SimConfig
 from poolpipe.sim.metrics import ATTAINMENT_TARGET, SimResult
 from poolpipe.sim.runner import run_once
+from poolpipe.sim.seeds import Run, SeedRuns
 
 SEARCHES = ("step", "bisect")
 # A hinted bisection's first bracket, in grid steps either side of the hint.
@@ -51,11 +52,14 @@ def search_capacity(
     target: float = ATTAINMENT_TARGET,
     on_point: Callable[[float, dict[str, float]], None] | None = None,
     around: Mapping[str, float] | None = None,
+    processes: int = 1,
 ) -> CapacityResult:
     """The capacity of every model of `topo` (module docstring). `around` (bisect only):
     per model, a load factor its capacity is likely near (a coarser search's); the search
     brackets it first, AROUND_STEPS grid steps either side, and bisects from there (the
-    same answer as without it, where attainment falls with load, in fewer simulations)."""
+    same answer as without it, where attainment falls with load, in fewer simulations).
+    `processes` >= 2: each point's seeds split over two processes (seeds.py; the same
+    results)."""
     if method not in SEARCHES:
         raise PoolpipeError(f"unknown capacity search {method!r}; choose {', '.join(SEARCHES)}")
     if not 0 < step <= 1:
@@ -65,6 +69,36 @@ def search_capacity(
             "a plain list of arrival times has fixed rates, so there is no load factor to "
             "search; use poisson, gamma:CV or an Azure trace (or `poolpipe simulate`)"
         )
+    with SeedRuns(
+        _runner(topo, arrivals, duration_s, jitter, data_plane, reference_rates), seeds, processes
+    ) as runs:
+        return _search(topo, runs, method, step, target, on_point, around)
+
+
+def _runner(
+    topo: Topology,
+    arrivals: ArrivalSpec,
+    duration_s: float,
+    jitter: float,
+    data_plane: str,
+    reference_rates: Sequence[float] | None,
+) -> Run:
+    def run(lf: float, seed: int) -> SimResult:
+        config = SimConfig(duration_s=duration_s, seed=seed, jitter=jitter)
+        return run_once(topo, arrivals, lf, config, data_plane, reference_rates)
+
+    return run
+
+
+def _search(
+    topo: Topology,
+    seed_runs: SeedRuns,
+    method: str,
+    step: float,
+    target: float,
+    on_point: Callable[[float, dict[str, float]], None] | None,
+    around: Mapping[str, float] | None,
+) -> CapacityResult:
     names = [m.name for m in topo.models]
     out = CapacityResult(models=names, capacity={})
     top = round(1.0 / step)
@@ -72,17 +106,7 @@ def search_capacity(
     def attainment(i: int) -> dict[str, float]:
         lf = round(i * step, 10)
         if lf not in out.attainment:
-            runs = [
-                run_once(
-                    topo,
-                    arrivals,
-                    lf,
-                    SimConfig(duration_s=duration_s, seed=s, jitter=jitter),
-                    data_plane,
-                    reference_rates,
-                )
-                for s in seeds
-            ]
+            runs = seed_runs(lf)
             out.simulations += len(runs)
             out.results[lf] = runs
             pooled = {}

@@ -21,6 +21,7 @@ from poolpipe.sim.capacity import search_capacity
 from poolpipe.sim.engine import SimConfig
 from poolpipe.sim.metrics import ATTAINMENT_TARGET
 from poolpipe.sim.runner import run_once
+from poolpipe.sim.seeds import usable_cores
 
 # Seeds the planner simulates with (a stated figure's, a screening's); checks of a stated
 # figure use others.
@@ -103,11 +104,14 @@ def deliverable(
     target: float = ATTAINMENT_TARGET,
     data_plane: str = "reservation",
     near: Delivery | None = None,
+    processes: int | None = None,
 ) -> Delivery:
     """Each model's deliverable rate on `topo`: its planned throughput times the largest
     load factor (all models at that factor, Poisson arrivals, `seeds` pooled, grid `step`) at
     which >= `target` of its requests finish on time. A model the plan does not serve
-    delivers 0. `near`: a coarser measurement of the same plan, where the search starts."""
+    delivers 0. `near`: a coarser measurement of the same plan, where the search starts.
+    `processes`: how many the seeds of a point may run on (None: two where this process
+    has two cores; the figures are the same)."""
     if not seeds:
         raise PoolpipeError("a deliverable search needs at least one seed")
     thr = [m.throughput for m in topo.models]
@@ -124,6 +128,7 @@ def deliverable(
             step=step,
             target=target,
             around=None if near is None else dict(zip(near.models, near.load, strict=True)),
+            processes=usable_cores() if processes is None else processes,
         )
         load = [
             cap.capacity[m.name] if t > 0 else 0.0 for m, t in zip(topo.models, thr, strict=True)
