@@ -28,7 +28,8 @@ small the fluid optimum is not the plan that delivers the most. The variants, in
   and cost every case a MILP and a simulation more).
 
 Every variant is simulated with the same seeds (one, then the best ones and the fluid plan
-again with two); the best deliverable objective (least deliverable req/s per weight) wins
+again with two, each point's two on two processes where there are two cores:
+sim/seeds.py); the best deliverable objective (least deliverable req/s per weight) wins
 where it beats the fluid plan's by FLUID_EDGE, else the fluid plan does. The plan keeps
 its fluid figures (throughput, objective) beside the deliverable ones, and
 meta["delivery"] says how they were found. The search is deterministic (the same request
@@ -38,9 +39,9 @@ VARIANT_TIME_S depends on the machine's speed.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,6 +110,8 @@ class Variant:
     delivery: Delivery
     request: PlanRequest  # what the MILP was asked (weights, headroom)
     final: bool = False  # `delivery` measured at a stated figure's precision (else screened)
+    screened: Delivery | None = None  # the screening, once `delivery` is the precise figure
+    precise: Delivery | None = None  # the precise figure, once measured (_precise)
 
     @property
     def objective(self) -> float:
@@ -164,13 +167,34 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
     """The variant of `fluid` (the MILP's plan for `req`) that delivers the most; stated.
 
     `solve(request)` plans a modified request (other weights, headroom rates) as the fluid
-    plan was planned."""
+    plan was planned. The variants' MILPs run in a thread beside the simulations (HiGHS
+    solves without Python's lock), each started as soon as what it is made from is known;
+    while the rebalancing MILP solves, the fluid plan is measured at a stated figure's
+    precision (the figure _final would find: the search is deterministic). The MILPs are
+    not given solvers.stopped_by: its callbacks take Python's lock at every node and
+    simplex iteration, which the simulations hold, and would slow the time-limited solves
+    into other plans. A Ctrl-C, or an error, drops the MILPs not started and waits for the
+    one running (VARIANT_TIME_S a solve)."""
     started = time.perf_counter()
     profiles = profiles_of(req)
     weights = list(req.weights)
     tried: list[Variant] = []
     seen: dict[tuple, Variant] = {}
     simulations = 0
+    solver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-variant")
+
+    def ahead(asked: PlanRequest | None) -> Future[Plan] | None:
+        """`solve(asked)` started in the solver's thread (after those asked before)."""
+        return None if asked is None else solver.submit(solve, asked)
+
+    def solved(f: Future[Plan] | None) -> Plan | None:
+        """The plan `f` makes; None where none could be made (the variants found stand)."""
+        if f is None:
+            return None
+        try:
+            return f.result()
+        except PoolpipeError:
+            return None
 
     def consider(name: str, plan: Plan, asked: PlanRequest) -> Variant:
         nonlocal simulations
@@ -191,19 +215,20 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
         tried.append(v)
         return v
 
-    def with_fill(name: str, plan: Plan, asked: PlanRequest) -> None:
+    def with_fill(name: str, plan: Plan | None, asked: PlanRequest | None) -> None:
+        if plan is None or asked is None:
+            return
         consider(name, plan, asked)
         filled = fill_idle(plan)
         if filled is not None:
             consider(name + "+fill", filled, asked)
 
-    def with_headroom(name: str, plan: Plan, asked: PlanRequest) -> None:
+    def room(plan: Plan | None, asked: PlanRequest) -> PlanRequest | None:
+        """`asked` with its pools sized for `plan`'s rates (headroom planning)."""
+        if plan is None:
+            return None
         rates = tuple(m.throughput for m in plan.models)
-        if all(r > 0 for r in rates):
-            room = replace(asked, headroom_rates=rates)
-            # (where no plan sizes the pools so, the variants found stand)
-            with contextlib.suppress(PoolpipeError):
-                with_fill(name, solve(room), room)
+        return replace(asked, headroom_rates=rates) if all(r > 0 for r in rates) else None
 
     def best() -> Variant:
         return max(tried, key=lambda v: v.objective)  # the first of equals: fluid first
@@ -213,38 +238,53 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
         mip_gap=max(req.mip_gap, VARIANT_GAP),
         time_limit_s=min(req.time_limit_s, VARIANT_TIME_S),
     )
-    with_fill("fluid", fluid, quick)
-    if req.cluster.mixes_models:
-        # models kept on GPUs of their own: the mixed plan's every vGPU of a shared GPU is
-        # planned slower by the interference factor, and its variants are made from it
-        own = replace(quick, cluster=replace(req.cluster, mixed_model_interference=None))
-        with contextlib.suppress(PoolpipeError):
-            with_fill("unmixed", solve(own), own)
-    with_headroom("headroom", fluid, quick)
-    for margin in req.search_margins:
-        if margin == req.margin:
-            continue
-        asked = replace(quick, margin=margin)
-        try:
-            plan = solve(asked)
-        except PoolpipeError:
-            continue  # (no pipeline meets some model's SLO at this margin either)
-        with_fill(f"margin{margin:g}", plan, asked)
-        with_headroom(f"margin{margin:g}+headroom", plan, asked)
-    for k in range(REBALANCE_ROUNDS):
-        b = best()
-        share = [max(x, MIN_DELIVERED_SHARE) for x in _delivered_share(b)]
-        asked = replace(
-            b.request,
-            weights=tuple(w / s for w, s in zip(weights, share, strict=True)),
-        )
-        try:
-            plan = solve(asked)
-        except PoolpipeError:
-            break  # (a model without any pipeline at these weights: keep what there is)
-        with_fill(f"rebalanced{k + 1}", plan, asked)
-    chosen = _final(tried, profiles)
-    simulations += sum(v.delivery.simulations for v in tried if v.final)
+    # models kept on GPUs of their own, where the cluster lets them share one: the mixed
+    # plan's every vGPU of a shared GPU is planned slower by the interference factor, and
+    # its variants are made from it
+    own = (
+        replace(quick, cluster=replace(req.cluster, mixed_model_interference=None))
+        if req.cluster.mixes_models
+        else None
+    )
+    headroom = room(fluid, quick)
+    margins = [replace(quick, margin=m) for m in req.search_margins if m != req.margin]
+    try:
+        # every MILP not made from a variant starts now, in the order they are needed
+        unmixed_f, headroom_f = ahead(own), ahead(headroom)
+        margin_fs = [ahead(asked) for asked in margins]
+        with_fill("fluid", fluid, quick)
+        with_fill("unmixed", solved(unmixed_f), own)
+        with_fill("headroom", solved(headroom_f), headroom)
+        for asked, f in zip(margins, margin_fs, strict=True):
+            plan = solved(f)  # None: no pipeline meets some model's SLO at this margin
+            if plan is None:
+                continue
+            roomy = room(plan, asked)
+            roomy_f = ahead(roomy)
+            with_fill(f"margin{asked.margin:g}", plan, asked)
+            with_fill(f"margin{asked.margin:g}+headroom", solved(roomy_f), roomy)
+        for k in range(REBALANCE_ROUNDS):
+            b = best()
+            share = [max(x, MIN_DELIVERED_SHARE) for x in _delivered_share(b)]
+            asked = replace(
+                b.request,
+                weights=tuple(w / s for w, s in zip(weights, share, strict=True)),
+            )
+            f = ahead(asked)
+            if tried[0] in _finalists(tried):
+                # while it solves, the fluid plan (a finalist wherever it screened close to
+                # the best: every other finalist may yet be displaced by this variant), in
+                # this process alone (the MILP has the other core)
+                _precise(tried[0], profiles, processes=1)
+            plan = solved(f)
+            if plan is None:
+                break  # (a model without any pipeline at these weights: keep what there is)
+            with_fill(f"rebalanced{k + 1}", plan, asked)
+        chosen = _final(tried, profiles)
+    finally:
+        solver.shutdown(wait=True, cancel_futures=True)
+    # every precise measurement, the finalists' and those made ahead and not needed
+    simulations += sum(v.precise.simulations for v in tried if v.precise is not None)
     seconds = time.perf_counter() - started
     search = {
         "mode": "maximise",
@@ -265,19 +305,24 @@ def maximise(req: PlanRequest, fluid: Plan, solve: Solve) -> Plan:
         ],
     }
     plan = chosen.plan
-    solver = replace(plan.solver, seconds=fluid.solver.seconds + seconds)
-    return stated(replace(plan, solver=solver), chosen.delivery, search)
+    solver_info = replace(plan.solver, seconds=fluid.solver.seconds + seconds)
+    return stated(replace(plan, solver=solver_info), chosen.delivery, search)
 
 
-def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Variant:
-    """The plan chosen: the best screened variants (FINALIST_WITHIN of the best, at most
-    FINALISTS, one of a plan and its +fill) and the fluid plan (where it screened within
-    FLUID_CLOSE of the best) measured again at a stated figure's precision (then, where all
-    fell FLUID_CLOSE below the best screening, best first, up to EXTRA_FINALISTS more whose
-    screening beats every precise figure by FINALIST_WITHIN), and the best of them, where it
-    delivers FLUID_EDGE more than the fluid plan (else the fluid plan): the chosen plan's
-    figures are the precise ones, a screening's luck does not choose it alone, and a variant
-    replaces the exact plan only for a gain the noise of the measurement does not explain."""
+def _precise(
+    v: Variant, profiles: Mapping[str, ModelProfile], processes: int | None = None
+) -> Delivery:
+    """`v` measured at a stated figure's precision, from its screening (once); `processes`
+    as sim/deliverable.py's."""
+    if v.precise is None:
+        v.precise = measure(v.plan, profiles, near=v.screened or v.delivery, processes=processes)
+    return v.precise
+
+
+def _finalists(tried: list[Variant]) -> list[Variant]:
+    """The variants _final measures first: the best screened (FINALIST_WITHIN of the best,
+    at most FINALISTS, one of a plan and its +fill) and the fluid plan where it screened
+    within FLUID_CLOSE of the best; the fluid plan first."""
     fluid = tried[0]
     top = max(v.objective for v in tried)
     close: list[Variant] = []
@@ -290,8 +335,22 @@ def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Varian
     close = close[:FINALISTS]
     if fluid not in close and fluid.objective >= top * (1 - FLUID_CLOSE):
         close.append(fluid)
+    return sorted(close, key=lambda v: v is not fluid)
+
+
+def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Variant:
+    """The plan chosen: the finalists (_finalists) measured again at a stated figure's
+    precision (then, where all fell FLUID_CLOSE below the best screening, best first, up to
+    EXTRA_FINALISTS more whose screening beats every precise figure by FINALIST_WITHIN),
+    and the best of them, where it delivers FLUID_EDGE more than the fluid plan (else the
+    fluid plan): the chosen plan's figures are the precise ones, a screening's luck does not
+    choose it alone, and a variant replaces the exact plan only for a gain the noise of the
+    measurement does not explain."""
+    fluid = tried[0]
+    top = max(v.objective for v in tried)
+    close = _finalists(tried)
     for v in close:
-        v.delivery, v.final = measure(v.plan, profiles, near=v.delivery), True
+        _finish(v, profiles)
     # Where the precise figures all fell more than FLUID_CLOSE below the best screening (a
     # finalist's screening is far off where its attainment is not monotone in the load: an
     # np plan of hc2-small, inputs counted, screened at 125 req/s and measured at 13),
@@ -304,12 +363,18 @@ def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Varian
             if v.objective * (1 - FINALIST_WITHIN) <= best.objective:
                 break
             if not v.final:
-                v.delivery, v.final = measure(v.plan, profiles, near=v.delivery), True
+                _finish(v, profiles)
                 close.append(v)
     best = max(close, key=lambda v: v.objective)
     if fluid.final and best.objective <= fluid.objective * (1 + FLUID_EDGE):
         return fluid
     return best
+
+
+def _finish(v: Variant, profiles: Mapping[str, ModelProfile]) -> None:
+    """`v`'s figures from now on: the precise ones."""
+    v.screened = v.delivery
+    v.delivery, v.final = _precise(v, profiles), True
 
 
 def _family(v: Variant) -> str:
