@@ -281,7 +281,11 @@ def main() -> int:
     name = "bench-cluster-resnet"
     path = make_model("resnet50", tmp / "m.onnx", width=0.5, image=64)
     with console.status("onboarding the benchmark model (cpu-1t) ..."):
-        onboard_model(str(path), name, warehouse=args.warehouse, blocks=4, batches=[1, 2, 3, 4])
+        # (the benchmark's own model: a run before this one left it in the warehouse)
+        onboard_model(
+            str(path), name, warehouse=args.warehouse, blocks=4, batches=[1, 2, 3, 4],
+            replace=True,
+        )  # fmt: skip
     with Warehouse.open(args.warehouse) as wh:
         profile = wh.load_profile(name)
     half = args.servers // 2
