@@ -109,13 +109,17 @@ class Variant:
     plan: Plan
     delivery: Delivery
     request: PlanRequest  # what the MILP was asked (weights, headroom)
-    final: bool = False  # `delivery` measured at a stated figure's precision (else screened)
     screened: Delivery | None = None  # the screening, once `delivery` is the precise figure
     precise: Delivery | None = None  # the precise figure, once measured (_precise)
 
     @property
     def objective(self) -> float:
         return self.delivery.objective
+
+    @property
+    def final(self) -> bool:
+        """`delivery` is measured at a stated figure's precision (else screened)."""
+        return self.screened is not None
 
 
 def profiles_of(req: PlanRequest) -> dict[str, ModelProfile]:
@@ -374,7 +378,7 @@ def _final(tried: list[Variant], profiles: Mapping[str, ModelProfile]) -> Varian
 def _finish(v: Variant, profiles: Mapping[str, ModelProfile]) -> None:
     """`v`'s figures from now on: the precise ones."""
     v.screened = v.delivery
-    v.delivery, v.final = _precise(v, profiles), True
+    v.delivery = _precise(v, profiles)
 
 
 def _family(v: Variant) -> str:

@@ -18,7 +18,7 @@ from poolpipe.sim.arrivals import ArrivalSpec
 from poolpipe.sim.engine import SimConfig
 from poolpipe.sim.metrics import ATTAINMENT_TARGET, SimResult
 from poolpipe.sim.runner import run_once
-from poolpipe.sim.seeds import Run, SeedRuns
+from poolpipe.sim.seeds import SeedRuns
 
 SEARCHES = ("step", "bisect")
 # A hinted bisection's first bracket, in grid steps either side of the hint.
@@ -69,25 +69,13 @@ def search_capacity(
             "a plain list of arrival times has fixed rates, so there is no load factor to "
             "search; use poisson, gamma:CV or an Azure trace (or `poolpipe simulate`)"
         )
-    with SeedRuns(
-        _runner(topo, arrivals, duration_s, jitter, data_plane, reference_rates), seeds, processes
-    ) as runs:
-        return _search(topo, runs, method, step, target, on_point, around)
 
-
-def _runner(
-    topo: Topology,
-    arrivals: ArrivalSpec,
-    duration_s: float,
-    jitter: float,
-    data_plane: str,
-    reference_rates: Sequence[float] | None,
-) -> Run:
     def run(lf: float, seed: int) -> SimResult:
         config = SimConfig(duration_s=duration_s, seed=seed, jitter=jitter)
         return run_once(topo, arrivals, lf, config, data_plane, reference_rates)
 
-    return run
+    with SeedRuns(run, seeds, processes) as runs:
+        return _search(topo, runs, method, step, target, on_point, around)
 
 
 def _search(

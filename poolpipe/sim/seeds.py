@@ -64,14 +64,14 @@ class SeedRuns:
         self._stop(kill=error is not None)
 
     def __call__(self, lf: float) -> list[SimResult]:
+        if self._sock is not None:
+            try:
+                _send(self._sock, pickle.dumps(lf))
+            except OSError:
+                self._stop(kill=True)  # (the helper is gone: every seed here)
         if self._sock is None:
             return [self.run(lf, s) for s in self.seeds]
         theirs = self.seeds[1::2]
-        try:
-            _send(self._sock, pickle.dumps(lf))
-        except OSError:
-            self._stop(kill=True)
-            return [self.run(lf, s) for s in self.seeds]
         mine = {s: self.run(lf, s) for s in self.seeds[0::2]}
         try:
             got = pickle.loads(_receive(self._sock))
