@@ -43,6 +43,17 @@ GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, a se
 WATCH_PORT = 8003  # the node process's watch port (triton_backend.node.watch)
 SLOT_PORTS = 10  # a server's node k uses the ports above + 10 k
 STAGES_METRIC = re.compile(r"^poolpipe_emulated_stages_total\{([^}]*)\} (\S+)$", re.M)
+# tc counts a frame's bytes; the planner's bandwidth, and the data plane's reserved
+# transfers, a feature map's. A full TCP segment carries 1,448 bytes (timestamps on) in a
+# 1,514-byte frame (IP 1,500 + Ethernet 14): a NIC that is to move B bytes of payload a
+# second is given B * 1514 / 1448, else every transfer overran its reservation by 4.6% and
+# on a link booked back to back each one pushed the next (docs/serving.md).
+FRAME_PER_PAYLOAD = 1514 / 1448
+
+
+def tc_rate(mbit_s: float) -> str:
+    """tc's rate for a NIC that carries `mbit_s` Mbit/s of TCP payload."""
+    return f"{max(1, round(mbit_s * FRAME_PER_PAYLOAD * 1000))}kbit"
 
 
 class EmulationError(PoolpipeError):
@@ -196,7 +207,7 @@ class EmulatedCluster:
         self._made.append(("ip", "link", "del", self.bridge))
         _run("ip", "addr", "add", f"{self.router_address}/{prefix}", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
-        rate = f"{self.bandwidth_gbps * 1000:g}mbit"
+        rate = tc_rate(self.bandwidth_gbps * 1000)
         for k, slots in enumerate(self._slots):
             s = EmulatedNode(
                 len(self.nodes), k, 0, f"{self.tag}-s{k}", str(hosts[9 + k]),
@@ -208,8 +219,8 @@ class EmulatedCluster:
     def _namespace(
         self, namespace: str, veth: str, peer: str, address: str, rate: str, burst: str = "256kb"
     ) -> None:
-        """A namespace on the bridge at `address`, its NIC limited to `rate` (tc's) both
-        ways, `burst` passing at once: the namespace end its uplink, the bridge end its
+        """A namespace on the bridge at `address`, its NIC limited to `rate` (tc's: tc_rate)
+        both ways, `burst` passing at once: the namespace end its uplink, the bridge end its
         downlink."""
         assert self.subnet is not None
         _run("ip", "netns", "add", namespace)
@@ -243,7 +254,7 @@ class EmulatedCluster:
         self._clients += 1
         hosts = list(self.subnet.hosts())
         namespace, address = f"{self.tag}-c{k}", str(hosts[-1 - k])
-        rate = f"{max(1, round(mbit_s * 1000))}kbit"
+        rate = tc_rate(mbit_s)
         burst = f"{max(2_000, round(mbit_s * 1e6 / 8 * 0.002))}b"  # 2 ms, at least a frame
         self._namespace(namespace, f"{self.tag}c{k}", f"{self.tag}q{k}", address, rate, burst)
         return namespace, address

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -141,6 +143,24 @@ def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny,
     ):
         Deployment.up(two_partition_plan(), wh, tmp_path / "c", inventory=ghost)
     assert _loaded(inv, _key(cluster)) == []
+
+
+def test_each_nic_carries_the_planned_bandwidth_of_payload(cluster):
+    """tc counts frames; the planner's 1 Gbit/s is TCP payload: each server's NIC is shaped
+    at 1,514 / 1,448 of it both ways (its uplink in the namespace, its downlink on the
+    bridge)."""
+
+    def rate_mbit(*cmd: str) -> float:
+        out = subprocess.run([*cmd], capture_output=True, text=True, check=True).stdout
+        value, unit = re.search(r" tbf .*? rate (\d+(?:\.\d+)?)([KMG])bit", out).groups()
+        return float(value) * {"K": 1e-3, "M": 1.0, "G": 1e3}[unit]
+
+    want = 1000 * 1514 / 1448
+    for s in cluster.nodes:
+        up = rate_mbit("ip", "netns", "exec", s.namespace, "tc", "qdisc", "show", "dev", s.peer)
+        down = rate_mbit("tc", "qdisc", "show", "dev", s.veth)
+        assert abs(up - want) / want < 0.005, (s.namespace, up)
+        assert abs(down - want) / want < 0.005, (s.veth, down)
 
 
 def test_a_node_stops_cleanly_on_sigterm(cluster):
