@@ -5,6 +5,7 @@ plan to a running router, as a Prefect flow)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -13,7 +14,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from poolpipe.client.control import TOKEN_FILE_VAR, new_token_file, node_key, read_token
+from poolpipe.client.control import (
+    TOKEN_FILE_VAR,
+    new_token_file,
+    node_headers,
+    node_key,
+    read_token,
+)
 from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
 from poolpipe.runtime import DEFAULT_MARGIN_CEILING_US, DEFAULT_MARGIN_FLOOR_US, ArrivalStamps
@@ -29,6 +36,7 @@ from poolpipe_cli.common import (
 )
 from triton_backend import DOOR_RING_MB, REPLAN_GRACE_S, TRANSPORT_CHOICES
 from triton_backend.env import is_loopback
+from triton_backend.node.feed import FEED_MB
 from triton_backend.router.tracing import (
     HEADERS_VAR,
     TRACES_ENDPOINT_VAR,
@@ -348,6 +356,7 @@ def _emulation(args: argparse.Namespace, cpu_class: bool) -> dict[str, str]:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from triton_backend.node.feed import FeedRegion
     from triton_backend.node.triton import TritonNode, refuse_taken_ports, trace_options
     from triton_backend.node.watch import NodeWatch
 
@@ -393,12 +402,19 @@ def cmd_node(args: argparse.Namespace) -> int:
         environment=environment,
         options=trace_options(args.trace_endpoint, name),
     )
-    watch = None
+    if args.feed_mb < 0:
+        raise PoolpipeError(f"--feed-mb {args.feed_mb}: give MB of shared memory, or 0 for none")
+    watch = feed = None
     try:  # a Ctrl-C while it starts stops what has started
         refuse_taken_ports(f"node {name}", args.listen, {"watch port": args.watch_port})
         with console.status(f"starting node {name} ..."):
             node.start()
-        watch = NodeWatch(args.listen, args.watch_port)  # once it serves: routers may watch
+            if args.feed_mb:
+                feed = FeedRegion(args.feed_mb)
+                with contextlib.closing(node.client()) as client:
+                    feed.register(client, node_headers(key, grpc=False))
+        # once it serves: routers may watch, hops may feed
+        watch = NodeWatch(args.listen, args.watch_port, feed)
         stop = _stop_on_signals()
         what = (
             f"{args.device}, EMULATED from its profiles, time scale {args.time_scale:g}"
@@ -424,6 +440,8 @@ def cmd_node(args: argparse.Namespace) -> int:
             watch.close()
         with console.status("stopping ..."):
             node.stop()
+        if feed is not None:
+            feed.close()
     return 0
 
 
@@ -749,7 +767,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="watch port (a free one): routers hold a connection here and take the node out "
-        "of service the moment this process ends; give it as `watch` in the inventory",
+        "of service the moment this process ends, and chains' hops write feature maps into "
+        "the node's feed there; give it as `watch` in the inventory",
+    )
+    p.add_argument(
+        "--feed-mb",
+        type=int,
+        default=FEED_MB,
+        help=f"shared memory the feed holds feature maps in on their way into this node's "
+        f"models (MB, {FEED_MB}; 0: none, maps come through Triton's HTTP front end)",
     )
     p.add_argument("--workspace", help="working folder (out/node-NAME)")
     _trace_endpoint_argument(

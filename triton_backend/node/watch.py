@@ -9,7 +9,10 @@ A node stopping on purpose closes its watch first, so that no new batch reaches 
 finishes what it has. TCP keepalive finds a peer that vanished without a word (a host
 powered off, a cable pulled) within WATCH_KEEPALIVE_S.
 
-The watch carries nothing but the connection's life: it needs no token."""
+The watch carries nothing but the connection's life: it needs no token. A connection that
+opens with feed.FEED_MAGIC is a chain's hop writing a feature map into the node's feed
+instead (feed.py): the same port, so that every address that names a node's process names
+its feed too."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import threading
 from collections.abc import Callable
 
 from poolpipe.domain.tier import split_address
+from triton_backend.node.feed import FEED_MAGIC, FeedRegion
 
 # A vanished peer is found after this long at most (keepalive: idle, then probes).
 WATCH_KEEPALIVE_S = 5.0
@@ -37,10 +41,11 @@ def _keepalive(sock: socket.socket) -> None:
 
 class NodeWatch:
     """The node's side: listens on (`address`, `port`; 0: a free one) and holds the
-    connections routers make. `close()` closes them all (the routers take the node out of
+    connections routers make, and serves those that open as a feed (`feed`: the node's
+    region, where it has one). `close()` closes them all (the routers take the node out of
     service at once) and stops listening."""
 
-    def __init__(self, address: str, port: int = 0):
+    def __init__(self, address: str, port: int = 0, feed: FeedRegion | None = None):
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,7 +53,9 @@ class NodeWatch:
         self._sock.listen(64)
         self.address = address
         self.port: int = self._sock.getsockname()[1]
-        self._held: list[socket.socket] = []
+        self.feed = feed
+        self._held: set[socket.socket] = set()  # watchers
+        self._feeding: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="poolpipe-watch", daemon=True)
@@ -76,34 +83,49 @@ class NodeWatch:
                 if self._closed:
                     conn.close()
                     return
-                self._held = [c for c in self._held if c.fileno() >= 0 and _open(c)]
-                self._held.append(conn)
+                self._held.add(conn)
+            threading.Thread(
+                target=self._connection, args=(conn,), name="poolpipe-watch-conn", daemon=True
+            ).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        """A watcher sends nothing: its first bytes come when it closes (b""). A feed's are
+        FEED_MAGIC; anything else is closed."""
+        try:
+            first = b""
+            while len(first) < len(FEED_MAGIC):
+                chunk = conn.recv(len(FEED_MAGIC) - len(first))
+                if not chunk or not FEED_MAGIC.startswith(first + chunk):
+                    return
+                first += chunk
+            if self.feed is None:
+                return
+            with self._lock:
+                self._held.discard(conn)
+                if self._closed:
+                    return
+                self._feeding.add(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.feed.serve(conn)
+        except OSError:
+            pass  # the sender went away, or the watch closed
+        finally:
+            with self._lock:
+                self._held.discard(conn)
+                self._feeding.discard(conn)
+            conn.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            held, self._held = self._held, []
+            held = [*self._held, *self._feeding]
+            self._held, self._feeding = set(), set()
         for c in held:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            c.close()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-
-
-def _open(conn: socket.socket) -> bool:
-    """Whether the peer has not closed `conn` (a watcher that went away is let go)."""
-    try:
-        conn.setblocking(False)
-        try:
-            return conn.recv(1, socket.MSG_PEEK) != b""
-        finally:
-            conn.setblocking(True)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
 
 
 async def watch_node(
