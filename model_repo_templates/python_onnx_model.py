@@ -9,7 +9,8 @@ Called plainly, it answers its partition's outputs. Called as a hop of a chain (
 parameter `poolpipe_next`: JSON list of the hops after this one, each {"url", "model"} and
 optionally "after_us" and "http"; `[]` on the last), it sends its feature map straight to
 the next hop's node with the rest of the chain, over KServe v2 HTTP to "http" where the hop
-has one (_HttpHops), else over gRPC to "url" (no sooner than "after_us" after it took the
+has one (_HttpHops; its bytes through the node's feed, "feed", where the hop names one),
+else over gRPC to "url" (no sooner than "after_us" after it took the
 request: the transfer's reserved start, so that a stage ending early does not send into a
 link the router reserved for another transfer; the instance is free meanwhile) and
 answers, once the chain's answer comes back, the whole model's outputs
@@ -69,6 +70,16 @@ EMULATE = os.environ.get("POOLPIPE_EMULATE_TIME_SCALE")  # D, on nodes that emul
 LATE_FLOOR_NS, LATE_SHARE = 300_000, 0.02  # an emulated stage later than this is counted
 HOPS = "POOLPIPE_HOPS"
 FORWARD_TIMEOUT_S = 60.0
+# The next node's feed (triton_backend/node/feed.py: its protocol): a feature map of at
+# least FEED_MIN_BYTES goes into the node's shared memory over its watch port, the call
+# names where; an address whose feed failed is not tried again for FEED_RETRY_S.
+FEED_MAGIC = b"POOLPIPE-FEED/1\n"
+FEED_REGION = "poolpipe_feed"
+FEED_NO_ROOM = (1 << 64) - 1
+FEED_ALIGN = 64
+# (the node's environment may lower it: POOLPIPE_FEED_MIN_BYTES, the cluster tests' tiny maps)
+FEED_MIN_BYTES = int(os.environ.get("POOLPIPE_FEED_MIN_BYTES", 64 << 10))
+FEED_RETRY_S = 10.0
 
 
 class _HttpHops:
@@ -79,49 +90,81 @@ class _HttpHops:
     feature maps reached their next node 1.1-1.7x their reserved transfers. Each call waits
     for the rest of the chain on a thread of a pool (the instance is free meanwhile), on a
     kept-alive connection of the address's; one whose reused connection was closed before
-    any answer came goes again once on a new one."""
+    any answer came goes again once on a new one.
+
+    Where the hop names the next node's feed ("feed": its watch address), a map of
+    FEED_MIN_BYTES or more is first written into the node's shared memory over a kept-alive
+    connection there, and the call names its place (Triton's system shared memory): past
+    the HTTP front end, which took 8.7 ms to hand a 2.7 MB map to a model here, the feed
+    1.7 (p50, loopback: `./run bench-ingress --parts sizes`). The place is freed when the
+    call has come back. A feed that fails or has no room: the map goes inline."""
 
     WORKERS = 32
 
     def __init__(self):
         from concurrent.futures import ThreadPoolExecutor
 
+        self.sent = {"feed": 0, "inline": 0}  # maps sent each way
         self.pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="poolpipe-hop")
         self.idle = {}  # address -> idle connections
+        self.feed_idle = {}  # feed address -> idle connections
+        self.feed_off = {}  # feed address -> when to try it again
         self.lock = threading.Lock()
 
-    def infer(self, address, model, arrays, outputs, parameters, done):
-        """Call `model` at `address` with `arrays` (in_0, in_1, ...); `done(result, error)`
-        from a pool thread: result.as_numpy(name), or error (a str) and None."""
-        self.pool.submit(self._call, address, model, arrays, outputs, parameters, done)
+    def infer(self, address, model, arrays, outputs, parameters, done, feed=None):
+        """Call `model` at `address` with `arrays` (in_0, in_1, ...), through the node's
+        feed at `feed` where given; `done(result, error)` from a pool thread:
+        result.as_numpy(name), or error (a str) and None."""
+        self.pool.submit(self._call, address, model, arrays, outputs, parameters, done, feed)
 
-    def _call(self, address, model, arrays, outputs, parameters, done):
+    def _call(self, address, model, arrays, outputs, parameters, done, feed=None):
+        placed = None
         try:
             xs = [np.ascontiguousarray(x) for x in arrays]
+            if feed and sum(x.nbytes for x in xs) >= FEED_MIN_BYTES:
+                placed = self._place(feed, xs)
+            with self.lock:
+                self.sent["inline" if placed is None else "feed"] += 1
+            where = (
+                [{"binary_data_size": x.nbytes} for x in xs]
+                if placed is None
+                else [
+                    {
+                        "shared_memory_region": FEED_REGION,
+                        "shared_memory_offset": offset,
+                        "shared_memory_byte_size": x.nbytes,
+                    }
+                    for x, offset in zip(xs, placed[0])
+                ]
+            )
             header = {
                 "inputs": [
                     {
                         "name": f"in_{k}",
                         "shape": list(x.shape),
                         "datatype": np_to_triton_dtype(x.dtype),
-                        "parameters": {"binary_data_size": x.nbytes},
+                        "parameters": w,
                     }
-                    for k, x in enumerate(xs)
+                    for k, (x, w) in enumerate(zip(xs, where))
                 ],
                 "outputs": [{"name": n, "parameters": {"binary_data": True}} for n in outputs],
                 "parameters": parameters,
             }
             text = json.dumps(header, separators=(",", ":")).encode()
+            parts = [memoryview(x).cast("B") for x in xs] if placed is None else []
             head = (
                 f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {address}\r\n"
                 "Content-Type: application/octet-stream\r\n"
                 f"Inference-Header-Content-Length: {len(text)}\r\n"
-                f"Content-Length: {len(text) + sum(x.nbytes for x in xs)}\r\n\r\n"
+                f"Content-Length: {len(text) + sum(len(p) for p in parts)}\r\n\r\n"
             ).encode() + text
-            status, size, body = self._send(address, [head, *[memoryview(x).cast("B") for x in xs]])
+            status, size, body = self._send(address, [head, *parts])
         except Exception as exc:  # unreachable, timed out, closed
             done(None, str(exc) or type(exc).__name__)
             return
+        finally:
+            if placed is not None:
+                self._unplace(feed, placed[1], placed[2])
         if status != 200:
             try:
                 why = str(json.loads(body)["error"])
@@ -130,6 +173,65 @@ class _HttpHops:
             done(None, why)
             return
         done(_HttpResult(body, size), None)
+
+    def _place(self, feed, xs):
+        """Write `xs` into the feed at `feed`: ([offset of each], place, ticket), or None
+        (no feed there, no room: they go inline)."""
+        with self.lock:
+            if self.feed_off.get(feed, 0.0) > time.monotonic():
+                return None
+            idle = self.feed_idle.setdefault(feed, [])
+            sock = idle.pop() if idle else None
+        sizes = [-(-x.nbytes // FEED_ALIGN) * FEED_ALIGN for x in xs]
+        message = [b"P" + struct.pack(">Q", sum(sizes))]
+        for x, n in zip(xs, sizes):
+            message += [memoryview(x).cast("B"), bytes(n - x.nbytes)]
+        for fresh in (sock is None, True):
+            try:
+                if fresh:
+                    sock = self._feed_connection(feed)
+                for part in message:
+                    sock.sendall(part)
+                place, ticket = struct.unpack(">QQ", _recv_exactly(sock, 16))
+                break
+            except OSError:
+                if sock is not None:
+                    sock.close()
+                sock = None
+                if fresh:  # no feed there (a node without one), or it broke: inline
+                    with self.lock:
+                        self.feed_off[feed] = time.monotonic() + FEED_RETRY_S
+                    return None
+        with self.lock:
+            self.feed_idle.setdefault(feed, []).append(sock)
+            if place == FEED_NO_ROOM:
+                return None
+        offsets = [place + sum(sizes[:k]) for k in range(len(xs))]
+        return offsets, place, ticket
+
+    def _unplace(self, feed, place, ticket):
+        with self.lock:
+            idle = self.feed_idle.setdefault(feed, [])
+            sock = idle.pop() if idle else None
+        try:
+            if sock is None:
+                sock = self._feed_connection(feed)
+            sock.sendall(b"F" + struct.pack(">QQ", place, ticket))
+        except OSError:  # the node frees it after a while
+            if sock is not None:
+                sock.close()
+            return
+        with self.lock:
+            self.feed_idle.setdefault(feed, []).append(sock)
+
+    @staticmethod
+    def _feed_connection(feed):
+        host, _, port = feed.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)), 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(FORWARD_TIMEOUT_S)
+        sock.sendall(FEED_MAGIC)
+        return sock
 
     def _send(self, address, parts):
         with self.lock:
@@ -194,10 +296,22 @@ class _HttpHops:
     def close(self):
         self.pool.shutdown(wait=False, cancel_futures=True)
         with self.lock:
-            for socks in self.idle.values():
+            for socks in [*self.idle.values(), *self.feed_idle.values()]:
                 for sock in socks:
                     sock.close()
             self.idle.clear()
+            self.feed_idle.clear()
+
+
+def _recv_exactly(sock, n):
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise OSError("closed")
+        got += k
+    return bytes(buf)
 
 
 class _Unanswered(OSError):
@@ -272,11 +386,27 @@ class TritonPythonModel:
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.key = params.get("poolpipe_key") or None
         self.clients = {}
+        self.maps = maps = pb_utils.MetricFamily(  # kept: its metrics need it
+            name="poolpipe_feature_maps_total",
+            description="Feature maps sent on to the next hop over HTTP (via: feed, the next "
+            "node's shared memory; inline, in the call)",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        # (counted from `execute`: a metric changed from another thread crashed Triton)
+        self.ways = {
+            v: [maps.Metric(labels={"model": self.name, "via": v}), 0] for v in ("feed", "inline")
+        }
         self.http = _HttpHops()
         self.outboxes = {}  # the router's inbox address -> its answers' queue
         self.lock = threading.Lock()
 
     def execute(self, requests):
+        with self.http.lock:
+            sent = dict(self.http.sent)
+        for via, (metric, counted) in self.ways.items():
+            if sent[via] > counted:
+                metric.increment(sent[via] - counted)
+                self.ways[via][1] = sent[via]
         for request in requests:
             began = time.monotonic_ns()  # the instance's time for this request (see above)
             sender = request.get_response_sender()
@@ -433,7 +563,9 @@ class TritonPythonModel:
                 self._fail(sender, f"POOLPIPE_HOP 0: {exc}")
 
         if nxt.get("http"):
-            self.http.infer(nxt["http"], nxt["model"], inputs, wanted, forward, done)
+            self.http.infer(
+                nxt["http"], nxt["model"], inputs, wanted, forward, done, nxt.get("feed")
+            )
             return
         self._client(nxt["url"]).async_infer(
             nxt["model"],

@@ -43,6 +43,7 @@ GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002  # Triton's defaults, a se
 WATCH_PORT = 8003  # the node process's watch port (triton_backend.node.watch)
 SLOT_PORTS = 10  # a server's node k uses the ports above + 10 k
 STAGES_METRIC = re.compile(r"^poolpipe_emulated_stages_total\{([^}]*)\} (\S+)$", re.M)
+MAPS_METRIC = re.compile(r"^poolpipe_feature_maps_total\{([^}]*)\} (\S+)$", re.M)
 # tc counts a frame's bytes; the planner's bandwidth, and the data plane's reserved
 # transfers, a feature map's. A full TCP segment carries 1,448 bytes (timestamps on) in a
 # 1,514-byte frame (IP 1,500 + Ethernet 14): a NIC that is to move B bytes of payload a
@@ -397,17 +398,33 @@ class EmulatedCluster:
         """(on time, late) emulated stages the running nodes have counted so far
         (poolpipe_emulated_stages_total, from each node's metrics port): late where the
         host, not the emulated GPU, ended a stage beyond max(0.3 ms, 2%) of its due time."""
+        counts = [0.0, 0.0]
+        for text in self._metrics():
+            for m in STAGES_METRIC.finditer(text):
+                counts['late="true"' in m.group(1)] += float(m.group(2))
+        return counts[0], counts[1]
+
+    def feature_maps(self) -> tuple[float, float]:
+        """(through the next node's feed, inline) feature maps the running nodes have sent
+        on over HTTP so far (poolpipe_feature_maps_total; node/feed.py)."""
+        counts = [0.0, 0.0]
+        for text in self._metrics():
+            for m in MAPS_METRIC.finditer(text):
+                counts['via="inline"' in m.group(1)] += float(m.group(2))
+        return counts[0], counts[1]
+
+    def _metrics(self) -> list[str]:
+        """Each running node's metrics page (Prometheus text)."""
         import httpx
 
-        counts = [0.0, 0.0]
+        pages = []
         for s in self.nodes:
             if s.node is None or s.node.poll() is not None:
                 continue
             url = f"http://{s.address}:{s.port(METRICS_PORT)}/metrics"
             with contextlib.suppress(httpx.HTTPError):
-                for m in STAGES_METRIC.finditer(httpx.get(url, timeout=5).text):
-                    counts['late="true"' in m.group(1)] += float(m.group(2))
-        return counts[0], counts[1]
+                pages.append(httpx.get(url, timeout=5).text)
+        return pages
 
     def router_bytes(self) -> int:
         """Bytes through the router's interface (the cluster's bridge) so far, both ways."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -40,17 +41,33 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two servers, a cpu-1t node on each whose management APIs need the cluster's token."""
+    """Two servers, a cpu-1t node on each whose management APIs need the cluster's token,
+    every feature map (the tiny model's are 2-16 KB) sent through the next node's feed."""
     work = tmp_path_factory.mktemp("cluster")
     token_file = work / "token"
     new_token_file(token_file)
     with EmulatedCluster(2, work, bandwidth_gbps=1.0) as c:
         c.token_file = token_file
-        for k in range(2):
-            c.start_node(k, "cpu-1t", wait=False, token_file=token_file)
+        with _environment(POOLPIPE_FEED_MIN_BYTES="1"):  # (the nodes' Triton inherits it)
+            for k in range(2):
+                c.start_node(k, "cpu-1t", wait=False, token_file=token_file)
         for k in range(2):
             c.wait_node(k)
         yield c
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _keep_asking(dep, answers: list, stop, pause_s: float = 0.0) -> None:
@@ -169,7 +186,7 @@ def test_a_node_stops_cleanly_on_sigterm(cluster):
     cluster.start_node(1, "cpu-1t", token_file=cluster.token_file)  # back for what runs next
 
 
-def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noqa: F811
+def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path, monkeypatch):  # noqa: F811
     """transport="chain": the router sends a batch's input to the first node with the rest
     of its path; the first node sends its fp16 feature map straight to the second, whose
     answer goes straight to the router's inbox (or, with chain_answers="back", back along
@@ -177,10 +194,15 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
     transport="router" (every hop sent from the router) cross the router's interface with
     each feature map twice more; through the chain, the feature maps cross from server 0
     to server 1 instead. Answers match the whole model, and a chain that is not signed
-    with the cluster's key is refused by the node."""
+    with the cluster's key is refused by the node. Every map, and every input the router
+    sends a node (the tiny model's are 49 KB: the router's threshold lowered here), goes
+    through the receiving node's feed (node/feed.py)."""
     import tritonclient.grpc as grpcclient
 
     from triton_backend.deploy.deployment import Deployment
+    from triton_backend.router import kserve_http
+
+    monkeypatch.setattr(kserve_http, "FEED_MIN_BYTES", 1)
 
     wh, _ = onboarded_tiny
     inv = cluster.inventory()
@@ -212,6 +234,7 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
             mod, client = _grpc(dep)
             out_name = dep.ios[0].outputs[0].name
             before = (cluster.router_bytes(), cluster.link_bytes(s0), cluster.link_bytes(s1))
+            maps = cluster.feature_maps()
             for _ in range(n):
                 got = _infer(mod, client, x).as_numpy(out_name)
                 assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
@@ -220,6 +243,13 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path):  # noq
                 cluster.link_bytes(s0)[1] - before[1][1],  # from server 0
                 cluster.link_bytes(s1)[0] - before[2][0],  # to server 1
             )
+            fed, inline = np.subtract(cluster.feature_maps(), maps)
+            feeds = dep.core.stages.http._feeds.values()
+            # the router's calls: every batch's inputs through the first node's feed
+            assert sum(f.placed for f in feeds) >= n and not sum(f.inline for f in feeds)
+            if transport == "chain":  # each map written into the second node's feed (a
+                # node counts what it sent at its next batch: calibration's maps, one late)
+                assert fed >= n - 1 and inline == 0, (fed, inline)
             inbox = dep.core.inbox
             if transport == "chain" and answers == "auto":  # each answer to the inbox
                 assert inbox is not None and inbox.received >= n and not inbox.unexpected

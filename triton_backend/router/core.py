@@ -193,7 +193,10 @@ class RouterCore:
         self._loop = precise_event_loop()
         self.clock = LoopClock(self._loop)
         self.inbox: AnswerInbox | None = None
-        client = stages(self._loop) if stages is not None else HttpFirstStages(self._loop)
+        self.feeds: dict[str, str] = {}  # node -> its feed (its watch address; node/feed.py)
+        client = (
+            stages(self._loop) if stages is not None else HttpFirstStages(self._loop, self.feeds)
+        )
         hops: HopTransport
         if transport == "chain":
             self.inbox = AnswerInbox(answers) if answers is not None else None
@@ -202,6 +205,7 @@ class RouterCore:
                 on_overhead=self._observe_path,
                 inbox=self.inbox,
                 http_of=getattr(client, "http_address", lambda node: None),
+                feed_of=self.feeds.get,
             )
         else:
             hops = RelayTransport()
@@ -371,7 +375,9 @@ class RouterCore:
 
     def watch(self, addresses: Mapping[str, str]) -> None:
         """Hold a watch connection to each node (address -> its watch address, see
-        node/watch.py): the moment one breaks, its node leaves service."""
+        node/watch.py): the moment one breaks, its node leaves service. The same address
+        takes the feature maps chains send the node (node/feed.py)."""
+        self.feeds.update(addresses)
 
         def start() -> None:
             for node, address in addresses.items():

@@ -191,7 +191,9 @@ class ChainTransport:
     `inbox`: where the last node sends the model's outputs (the calls back along the chain
     then carry the hops' times alone); None: the outputs come back along the chain.
     `http_of(node)`: a node's KServe v2 HTTP address where known, which the node before it
-    sends the feature map to (python_onnx_model.py: `_HttpHops`); gRPC where None."""
+    sends the feature map to (python_onnx_model.py: `_HttpHops`); gRPC where None.
+    `feed_of(node)`: the node's feed (its process's watch address, node/feed.py) where
+    known: the node before writes large maps into its shared memory there."""
 
     name = "chain"
 
@@ -202,10 +204,12 @@ class ChainTransport:
         on_overhead: Callable[[float], None] = lambda us: None,
         inbox: AnswerInbox | None = None,
         http_of: Callable[[str], str | None] = lambda node: None,
+        feed_of: Callable[[str], str | None] = lambda node: None,
     ):
         self.key = key
         self.stages = stages
         self.http_of = http_of
+        self.feed_of = feed_of
         self.on_overhead = on_overhead
         self.inbox = inbox
         self.relay = RelayTransport()
@@ -239,6 +243,9 @@ class ChainTransport:
             http = self.http_of(node)
             if http:  # the node before sends it over KServe v2 HTTP (cheaper for MBs)
                 hop["http"] = http
+                feed = self.feed_of(node)
+                if feed:  # ... its bytes through the node's feed
+                    hop["feed"] = feed
             hops.append(hop)
         names = [t.name for t in io.outputs]
         inbox, answer_id, answered = self.inbox, "", None
