@@ -19,7 +19,10 @@ Then (`--parts sizes`) what a chain's hop costs to move a feature map into the n
 node's model: the native echo sent inputs of `--sizes-mb` one at a time over KServe v2
 HTTP with binary tensors and over tritonclient's gRPC (answering one value, as a hop
 answers its times), from sending until the model's `execute` saw them (p50/p90 ms),
-beside the same bytes through a TCP socket on loopback.
+beside the same bytes through a node's feed (triton_backend/node/feed.py: written into
+shared memory registered with that Triton over a TCP connection, then a KServe v2 HTTP
+call that names where, as a chain's hop sends a map of 64 KB or more) and through a TCP
+socket alone on loopback.
 
 Printed as tables and stored in the warehouse (bench_serving, bench = "ingress"; the sizes
 with config "native <protocol> <MB> MB").
@@ -280,6 +283,52 @@ def sent_to_seen(server, protocol: str, mb: float, n: int) -> np.ndarray:
     return np.asarray(seen)
 
 
+def feed_to_seen(server, mb: float, n: int) -> np.ndarray:
+    """ms from sending an input of `mb` MB into the node's feed until the sink model's
+    execute saw it (the call naming its place), n requests one at a time (after 5 to warm);
+    each place freed after its call, as a hop frees it."""
+    import struct
+
+    import tritonclient.http as th
+
+    from triton_backend.node.feed import FEED_MAGIC, FEED_REGION, FeedRegion
+    from triton_backend.node.watch import NodeWatch
+
+    feed = FeedRegion(max(16, int(4 * mb) + 1))
+    client = th.InferenceServerClient(f"127.0.0.1:{server.http}")
+    watch = None
+    try:
+        feed.register(client, None)
+        watch = NodeWatch("127.0.0.1", 0, feed)
+        x = np.random.default_rng(0).random((1, max(1, int(mb * 1e6 / 4))), dtype=np.float32)
+        seen = []
+        with socket.create_connection(("127.0.0.1", watch.port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(FEED_MAGIC)
+            for k in range(n + 5):
+                sent = time.monotonic_ns()
+                sock.sendall(b"P" + struct.pack(">Q", x.nbytes))
+                sock.sendall(memoryview(x).cast("B"))
+                got = b""
+                while len(got) < 16:
+                    got += sock.recv(16 - len(got))
+                offset, ticket = struct.unpack(">QQ", got)
+                i = th.InferInput("x", list(x.shape), "FP32")
+                i.set_shared_memory(FEED_REGION, x.nbytes, offset)
+                wanted = [th.InferRequestedOutput("seen_ns", binary_data=True)]
+                r = client.infer("sink", [i], outputs=wanted, parameters={"sink": True})
+                if k >= 5:
+                    seen.append((int(r.as_numpy("seen_ns").flat[0]) - sent) / 1e6)
+                sock.sendall(b"F" + struct.pack(">QQ", offset, ticket))
+        client.unregister_system_shared_memory(FEED_REGION)
+        return np.asarray(seen)
+    finally:
+        if watch is not None:
+            watch.close()
+        client.close()
+        feed.close()
+
+
 def socket_ms(mb: float, n: int) -> np.ndarray:
     """ms to send `mb` MB through a TCP socket on loopback until the receiver has it all
     (its one-byte receipt back), n times."""
@@ -319,7 +368,15 @@ def socket_ms(mb: float, n: int) -> np.ndarray:
 
 def sizes(args, now, rows: list[dict]) -> None:
     table = Table(title="an input into a Python-backend model: sent -> execute saw it (ms)")
-    for col in ("MB", "HTTP p50 / p90", "gRPC p50 / p90", "gRPC / HTTP", "TCP socket p50"):
+    cols = (
+        "MB",
+        "HTTP p50 / p90",
+        "gRPC p50 / p90",
+        "gRPC / HTTP",
+        "feed p50 / p90",
+        "TCP socket p50",
+    )
+    for col in cols:
         table.add_column(col, justify="right")
     with tempfile.TemporaryDirectory(prefix="bench-ingress-") as tmp:
         with console.status("native: starting ..."):
@@ -331,6 +388,7 @@ def sizes(args, now, rows: list[dict]) -> None:
                     got = {
                         p: sent_to_seen(server, p, mb, args.size_requests) for p in ("http", "grpc")
                     }
+                    got["feed"] = feed_to_seen(server, mb, args.size_requests)
                     tcp = socket_ms(mb, args.size_requests)
                 for protocol, ms in [*got.items(), ("socket", tcp)]:
                     for q in (50, 90):
@@ -343,12 +401,13 @@ def sizes(args, now, rows: list[dict]) -> None:
                                 np.percentile(ms, q),
                             )
                         )
-                h, g = got["http"], got["grpc"]
+                h, g, fd = got["http"], got["grpc"], got["feed"]
                 table.add_row(
                     f"{mb:g}",
                     f"{np.percentile(h, 50):.2f} / {np.percentile(h, 90):.2f}",
                     f"{np.percentile(g, 50):.2f} / {np.percentile(g, 90):.2f}",
                     f"{np.percentile(g, 50) / np.percentile(h, 50):.2f}x",
+                    f"{np.percentile(fd, 50):.2f} / {np.percentile(fd, 90):.2f}",
                     f"{np.percentile(tcp, 50):.2f}",
                 )
         finally:
