@@ -23,9 +23,10 @@ class Node:
     ...; "broken" answers 400 with a KServe error; "silent" never answers. `close_after`:
     closes each connection after that many answers (a node's keep-alive running out)."""
 
-    def __init__(self, close_after: int | None = None):
+    def __init__(self, close_after: int | None = None, feed=None):
         self.close_after = close_after
         self.connections = 0
+        self.feed = feed  # its feed's region (node/feed.py), as Triton maps it
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
@@ -59,7 +60,8 @@ class Node:
                     payload = json.dumps({"error": "in_0: unexpected shape"}).encode()
                 else:
                     status = "200 OK"
-                    head, blobs = self.echo(body, int(headers["inference-header-content-length"]))
+                    size = int(headers["inference-header-content-length"])
+                    head, blobs = self.echo(body, size, self.feed)
                     payload = head + blobs
                 writer.write(
                     f"HTTP/1.1 {status}\r\nContent-Type: application/octet-stream\r\n"
@@ -75,16 +77,23 @@ class Node:
             writer.close()
 
     @staticmethod
-    def echo(body: bytes, size: int) -> tuple[bytes, bytes]:
-        """The answer's JSON header and binary part: each input back as out_k, and the
-        request's parameters (less binary_data_output) as `params`, a UINT8 tensor of their
-        JSON; only the outputs the request names, when it names some."""
+    def echo(body: bytes, size: int, feed=None) -> tuple[bytes, bytes]:
+        """The answer's JSON header and binary part: each input back as out_k (read from
+        the feed's region where the input names a place in it), and the request's
+        parameters (less binary_data_output) as `params`, a UINT8 tensor of their JSON; only
+        the outputs the request names, when it names some."""
         meta = json.loads(body[:size])
         answer, offset = [], size
         for k, t in enumerate(meta["inputs"]):
-            n = t["parameters"]["binary_data_size"]
-            answer.append((f"out_{k}", t["datatype"], t["shape"], body[offset : offset + n]))
-            offset += n
+            where = t["parameters"]
+            if "shared_memory_region" in where:
+                at, n = where["shared_memory_offset"], where["shared_memory_byte_size"]
+                data = bytes(feed.view[at : at + n])
+            else:
+                n = where["binary_data_size"]
+                data = body[offset : offset + n]
+                offset += n
+            answer.append((f"out_{k}", t["datatype"], t["shape"], data))
         params = {k: v for k, v in meta["parameters"].items() if k != "binary_data_output"}
         text = json.dumps(params).encode()
         answer.append(("params", "UINT8", [len(text)], text))
@@ -213,3 +222,48 @@ def test_a_node_nobody_listens_for_cannot_be_reached():
             await stage.infer(StageCall("echo", [("x", np.zeros(1, np.float32))], 5))
 
     run(main())
+
+
+def test_large_inputs_go_through_the_nodes_feed_and_inline_where_it_fails():
+    """Inputs of FEED_MIN_BYTES or more are written into the node's feed (a real one: its
+    region and watch port) and the call names their places, freed when it is back; small
+    ones go inline; a feed nobody serves is left alone and the inputs go inline."""
+    from triton_backend.node.feed import FeedRegion
+    from triton_backend.node.watch import NodeWatch
+    from triton_backend.router.kserve_http import FEED_MIN_BYTES, Feed
+
+    region = FeedRegion(1)
+    watch = NodeWatch("127.0.0.1", 0, region)
+    with socket.socket() as s:  # a port that was free a moment ago
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        stage = HttpStage(loop, await Node(feed=region).start())
+        feed, gone = Feed(loop, watch.url), Feed(loop, f"127.0.0.1:{nobody}")
+        big = np.arange(FEED_MIN_BYTES // 4 + 3, dtype=np.float32).reshape(1, -1)
+        small = np.ones((2, 3), np.float16)
+        for k in range(3):
+            out = await stage.infer(StageCall("echo", [("x", big + k), ("s", small)], 5), feed)
+            assert np.array_equal(out["out_0"], big + k) and np.array_equal(out["out_1"], small)
+        assert (feed.placed, feed.inline, region.placed) == (3, 0, 3)
+        for _ in range(100):  # the last place's free crosses a moment after its call
+            if region.space.in_use == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert region.space.in_use == 0
+        out = await stage.infer(StageCall("echo", [("s", small)], 5), feed)  # small: inline
+        assert np.array_equal(out["out_0"], small) and feed.placed == 3
+        for _ in range(2):  # nobody there: inline, and not tried again at once
+            out = await stage.infer(StageCall("echo", [("x", big)], 5), gone)
+            assert np.array_equal(out["out_0"], big)
+        assert (gone.placed, gone.inline) == (0, 2)
+        stage.close()
+        feed.close()
+
+    try:
+        run(main())
+    finally:
+        watch.close()
+        region.close()
