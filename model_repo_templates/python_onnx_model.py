@@ -386,27 +386,18 @@ class TritonPythonModel:
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.key = params.get("poolpipe_key") or None
         self.clients = {}
-        self.maps = maps = pb_utils.MetricFamily(  # kept: its metrics need it
-            name="poolpipe_feature_maps_total",
-            description="Feature maps sent on to the next hop over HTTP (via: feed, the next "
-            "node's shared memory; inline, in the call)",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        # (counted from `execute`: a metric changed from another thread crashed Triton)
-        self.ways = {
-            v: [maps.Metric(labels={"model": self.name, "via": v}), 0] for v in ("feed", "inline")
-        }
+        # the maps sent each way, counted from `execute` (a metric changed from another
+        # thread crashed Triton), its family made once a map was sent: a model holding one
+        # left its shared-memory region behind when its Triton was killed outright
+        # (tests/test_serving.py::test_a_crashed_nodes_stubs_and_shared_memory_are_cleaned_up)
+        self.ways = None
+        self.counted = {"feed": 0, "inline": 0}
         self.http = _HttpHops()
         self.outboxes = {}  # the router's inbox address -> its answers' queue
         self.lock = threading.Lock()
 
     def execute(self, requests):
-        with self.http.lock:
-            sent = dict(self.http.sent)
-        for via, (metric, counted) in self.ways.items():
-            if sent[via] > counted:
-                metric.increment(sent[via] - counted)
-                self.ways[via][1] = sent[via]
+        self._count_maps()
         for request in requests:
             began = time.monotonic_ns()  # the instance's time for this request (see above)
             sender = request.get_response_sender()
@@ -440,6 +431,24 @@ class TritonPythonModel:
             except Exception as exc:  # answer this request with the error, keep serving
                 self._fail(sender, f"POOLPIPE_HOP 0: {exc}")
         return None
+
+    def _count_maps(self):
+        with self.http.lock:
+            sent = dict(self.http.sent)
+        if sent == self.counted:
+            return
+        if self.ways is None:
+            self.maps = maps = pb_utils.MetricFamily(  # kept: its metrics need it
+                name="poolpipe_feature_maps_total",
+                description="Feature maps sent on to the next hop over HTTP (via: feed, the "
+                "next node's shared memory; inline, in the call)",
+                kind=pb_utils.MetricFamily.COUNTER,
+            )
+            self.ways = {v: maps.Metric(labels={"model": self.name, "via": v}) for v in sent}
+        for via, n in sent.items():
+            if n > self.counted[via]:
+                self.ways[via].increment(n - self.counted[via])
+        self.counted = sent
 
     # ------------------------------------------------------------------ emulation
 
