@@ -36,7 +36,7 @@ from poolpipe_cli.common import (
 )
 from triton_backend import DOOR_RING_MB, REPLAN_GRACE_S, TRANSPORT_CHOICES
 from triton_backend.env import is_loopback
-from triton_backend.node.feed import FEED_MB
+from triton_backend.node.feed import FEED_MB, FeedRegion
 from triton_backend.router.tracing import (
     HEADERS_VAR,
     TRACES_ENDPOINT_VAR,
@@ -356,7 +356,6 @@ def _emulation(args: argparse.Namespace, cpu_class: bool) -> dict[str, str]:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from triton_backend.node.feed import FeedRegion
     from triton_backend.node.triton import TritonNode, refuse_taken_ports, trace_options
     from triton_backend.node.watch import NodeWatch
 

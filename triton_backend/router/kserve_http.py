@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import struct
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import replace
@@ -222,8 +223,6 @@ class Feed:
         reader, writer = await asyncio.open_connection(self.host, self.port)
         sock = writer.get_extra_info("socket")
         if sock is not None:
-            import socket
-
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         writer.write(FEED_MAGIC)
         return reader, writer
@@ -257,29 +256,26 @@ class HttpStage:
         placed = None
         if feed is not None and sum(x.nbytes for x in xs) >= FEED_MIN_BYTES:
             placed = await feed.place(xs, call.timeout_s)
-        if placed is not None and feed is not None:
-            try:
-                named = self._head(call.model, shapes, call.parameters, call.outputs, placed[0])
-                if call.trace is not None:
-                    line = b"\r\ntraceparent: " + call.trace.encode() + b"\r\n"
-                    named = named.replace(b"\r\n", line, 1)
-                status, headers, body = await self._send([named], call.timeout_s)
-            finally:
+        try:
+            blobs: list[memoryview] = []
+            if placed is not None:  # the inputs lie in the node's feed: the head names where
+                head = self._head(call.model, shapes, call.parameters, call.outputs, placed[0])
+            elif call.parameters is None and call.outputs is None:
+                key = (call.model, shapes)
+                cached = self._heads.get(key)
+                if cached is None:  # the same shapes come again and again: their head is kept
+                    cached = self._heads[key] = self._head(call.model, shapes)
+                head, blobs = cached, [x.data.cast("B") for x in xs]
+            else:  # a chain's call: its parameters differ every time
+                head = self._head(call.model, shapes, call.parameters, call.outputs)
+                blobs = [x.data.cast("B") for x in xs]
+            if call.trace is not None:  # after the request line
+                line = b"\r\ntraceparent: " + call.trace.encode() + b"\r\n"
+                head = head.replace(b"\r\n", line, 1)
+            status, headers, body = await self._send([head, *blobs], call.timeout_s)
+        finally:
+            if placed is not None and feed is not None:
                 feed.free(placed[1], placed[2])
-            if status != 200:
-                raise StageCallError(_error_text(status, body))
-            return _outputs(headers, body, self._layouts)
-        if call.parameters is None and call.outputs is None:
-            key = (call.model, shapes)
-            head = self._heads.get(key)
-            if head is None:  # the same shapes come again and again: their head is kept
-                head = self._heads[key] = self._head(call.model, shapes)
-        else:  # a chain's call: its parameters differ every time
-            head = self._head(call.model, shapes, call.parameters, call.outputs)
-        if call.trace is not None:  # after the request line
-            head = head.replace(b"\r\n", b"\r\ntraceparent: " + call.trace.encode() + b"\r\n", 1)
-        blobs = [x.data.cast("B") for x in xs]
-        status, headers, body = await self._send([head, *blobs], call.timeout_s)
         if status != 200:
             raise StageCallError(_error_text(status, body))
         return _outputs(headers, body, self._layouts)
