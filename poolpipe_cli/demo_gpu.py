@@ -216,9 +216,10 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
             "inputs on its first server's NIC (googlenet-v3's are 4.3 MB; the paper's "
             "transfer model leaves them out, and its plans overload the L4 server's NIC: "
             "`poolpipe compare` with and without --count-inputs). The simulator times the "
-            "same inputs; what it does not model yet are the answers (a chain's last node "
-            "sends them to the router: colorization-v2's are 2 MB) on their server's uplink "
-            "(docs/serving.md)."
+            "same inputs, and answers each batch as much later than reserved as the live "
+            "runs' were beyond their stages' own time (inputs and maps late on their links, "
+            "the answers on their way back: colorization-v2's are 2 MB), not reserving the "
+            "answers on their server's uplink (docs/serving.md)."
         )
     roll = res["rollout"]
     att = roll["attainment"]

@@ -218,11 +218,13 @@ def mix_capacity(
         if dep.core.recalibrations() == before:
             break
     dep.core.take_stage_factors()
+    dep.core.take_answer_delays()
     points: dict[str, dict[float, float]] = {"live": {}, "sim": {}}
     judged: dict[str, dict[float, int]] = {"live": {}, "sim": {}}  # requests per rate
     host_late: dict[float, float] = {}
     host_cpu: dict[float, float] = {}
     measured: dict[int, list[list[float]]] = {}  # grid step -> per pool, live
+    delays: dict[int, list[list[float]]] = {}  # grid step -> answer delays per pool, live
     live_cpu: dict[str, float] = {}
     live_wall = [0.0, 0]  # wall seconds and requests of the live traces
 
@@ -238,8 +240,10 @@ def mix_capacity(
             seed = 200 + i + 1000 * k
             times, which = mix_times(rate, load.weights, duration_s, seed)
             if kind == "sim":
-                factors = measured[min(measured, key=lambda j: (abs(j - i), j))]
-                got = predict(dep, times, duration_s, factors, models=which).attainment
+                near = min(measured, key=lambda j: (abs(j - i), j))
+                got = predict(
+                    dep, times, duration_s, measured[near], models=which, answer_delays=delays[near]
+                ).attainment
             else:
                 c0, w0 = (cpu() if cpu is not None else {}), time.perf_counter()
                 got = load.run(rate, duration_s, seed)
@@ -250,6 +254,10 @@ def mix_capacity(
                 taken = dep.core.take_stage_factors()
                 mine = measured.setdefault(i, [[] for _ in taken])
                 for pool, f in zip(mine, taken, strict=True):
+                    pool.extend(f)
+                late = dep.core.take_answer_delays()
+                mine = delays.setdefault(i, [[] for _ in late])
+                for pool, f in zip(mine, late, strict=True):
                     pool.extend(f)
             on_point(kind, rate, got)
             count += len(times)
@@ -322,10 +330,14 @@ def attainment_at(dep, load: MixLoad, rates, duration_s: float, seed: int = 500)
     for k, rate in enumerate(rates):
         times, which = mix_times(rate, load.weights, duration_s, seed + k)
         dep.core.take_stage_factors()
+        dep.core.take_answer_delays()
         topo = dep.core.runtime.topo  # as the run begins: the router may recalibrate during it
         live = load.run(rate, duration_s, seed + k)
         factors = [list(f) for f in dep.core.take_stage_factors()]
-        sim = predict(dep, times, duration_s, factors, models=which, topo=topo).attainment
+        late = dep.core.take_answer_delays()
+        sim = predict(
+            dep, times, duration_s, factors, models=which, topo=topo, answer_delays=late
+        ).attainment
         out.append((rate, live, sim))
     return out
 

@@ -346,8 +346,10 @@ def live_capacity(
     model, url = dep.ios[0].name, dep.grpc_url
     drive(url, model, inputs, poisson_times(0.3 * top, 2.0, seed=0))  # warm-up
     dep.take_stage_factors()
+    dep.take_answer_delays()
     drive(url, model, inputs, poisson_times(0.5 * top, 3.0, seed=100))
     factors = [list(f) for f in dep.take_stage_factors()]
+    delays = dep.take_answer_delays()
     live: dict[float, float] = {}
     sim: dict[float, float] = {}
 
@@ -362,7 +364,7 @@ def live_capacity(
         return ok
 
     def simulated(rate: float, times: np.ndarray) -> float:
-        return predict(dep, times, duration_s, factors).attainment
+        return predict(dep, times, duration_s, factors, answer_delays=delays).attainment
 
     def measured(rate: float, times: np.ndarray) -> float:
         got = client_figures(drive(url, model, inputs, times), slo_s, duration_s)["attainment"]

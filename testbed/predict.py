@@ -26,6 +26,7 @@ def predict(
     models: np.ndarray | None = None,
     scenario: Scenario | None = None,
     topo: Topology | None = None,
+    answer_delays: Sequence[Sequence[float]] = (),
 ) -> SimResult:
     """The simulator's result for these arrivals (seconds; model indexes, default all the
     first) on what `dep` serves: the router's calibrated topology (or `topo`, one taken
@@ -33,7 +34,8 @@ def predict(
     from `stage_factors` (per pool, measured / latency as served, from
     `dep.take_stage_factors()` of earlier runs: factors_on), and the node failures,
     returns and rollouts of `scenario` (node names as the deployment's: `cpu-1t-0` is GPU
-    0 of type cpu-1t)."""
+    0 of type cpu-1t); each batch answered later by one of `answer_delays` (per pool, µs,
+    `dep.take_answer_delays()` of the same earlier runs: what the live data path added)."""
     topo = topo or dep.core.runtime.topo
     arrivals = np.asarray(arrivals_s, dtype=float)
     plane = _plane(dep)
@@ -42,7 +44,7 @@ def predict(
         plane(topo),
         arrivals * 1e6,
         np.zeros(len(arrivals), dtype=int) if models is None else models,
-        _config(dep, topo, duration_s, stage_factors),
+        _config(dep, topo, duration_s, stage_factors, answer_delays=answer_delays),
         scenario,
         plane,
     ).run()
@@ -60,14 +62,17 @@ def _config(
     duration_s: float,
     stage_factors: Sequence[Sequence[float]],
     seed: int = 1,
+    answer_delays: Sequence[Sequence[float]] = (),
 ) -> SimConfig:
     """The simulator set as the router's runtime on `topo`: its reply margin, and stage
     times drawn off reservation (`stage_factors`, by `seed`) recalibrating pools and
-    feeding the overrun held back from held batches where the router recalibrates."""
+    feeding the overrun held back from held batches where the router recalibrates, and
+    answers delayed as the router's were (`answer_delays`)."""
     return SimConfig(
         duration_s=duration_s,
         seed=seed,
         stage_factors=factors_on(stage_factors, dep.core.runtime.base_topo, topo),
+        answer_delays=tuple(tuple(float(x) for x in f) for f in answer_delays),
         reply_margin_us=dep.core.runtime.reply_margin_us,
         recalibrate=dep.core.runtime.config.recalibrate,
     )

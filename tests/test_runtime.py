@@ -333,6 +333,38 @@ def test_a_stage_that_waited_behind_another_is_not_measured():
     assert rt.take_stage_factors() == ((1.0,),)
 
 
+def test_answer_delays_are_what_a_batch_was_late_beyond_its_stages():
+    """Two stages of 10 µs on idle vGPUs: stage 0 ran 4 µs over, and the answer came 9 µs
+    after the reserved end (stage 1 placed 5 µs late, as a chain's transport places it
+    from when the answer came): 5 µs of it is the data path's. A batch that waited for
+    its vGPU is not measured (its wait is the simulator's own)."""
+    rt, clock, ex = runtime(
+        [([0], [10.0], 0.0), ([1], [10.0], 0.0)], recalibrate=False, record_stage_factors=True
+    )
+    rt.submit(0, [1])
+    job = ex.jobs[-1]
+    rt.hop_started(job, 0, 0.0)
+    rt.hop_done(job, 0, 0.0, 14.0)
+    rt.hop_started(job, 1, 19.0)
+    rt.hop_done(job, 1, 19.0, 29.0)
+    assert rt.take_answer_delays() == ((), (5.0,))
+    assert rt.take_answer_delays() == ((), ())  # taken once
+    clock.run_until(40.0)
+    rt.submit(0, [2])
+    rt.submit(0, [3])
+    a, b = ex.jobs[-2:]
+    for job in (a, b):
+        rt.hop_started(job, 0, 40.0)  # b waits behind a at the node
+    rt.hop_done(a, 0, 40.0, 50.0)
+    rt.hop_started(a, 1, 50.0)
+    rt.hop_done(a, 1, 50.0, 60.0)
+    rt.hop_done(b, 0, 40.0, 60.0)
+    rt.hop_started(b, 1, 60.0)
+    rt.hop_done(b, 1, 60.0, 70.0)
+    late = rt.take_answer_delays()
+    assert late[0] == () and len(late[1]) == 1  # a's only
+
+
 def test_flush_migration_holds_new_requests_until_the_batch_in_flight_ends():
     rt, clock, ex = runtime([([0], [10.0], 0.0)], slo_us=1000.0)
     rt.submit(0, [1])

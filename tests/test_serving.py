@@ -225,6 +225,7 @@ def test_inputs_reach_the_router_through_the_doors_ring_while_it_has_room(served
 
 def test_the_router_measures_stage_times_for_the_simulator(served):
     served.core.take_stage_factors()
+    served.core.take_answer_delays()
     mod, client = _grpc(served)
     for _ in range(4):  # one at a time: every stage call finds its vGPU idle
         _infer(mod, client, np.zeros((1, 3, 32, 32), np.float32))
@@ -232,10 +233,14 @@ def test_the_router_measures_stage_times_for_the_simulator(served):
     assert len(factors) == len(served.core.runtime.topo.pools) == 2
     assert all(len(f) == 4 and min(f) > 0 for f in factors), factors
     assert served.core.take_stage_factors() == ((), ())  # taken once
-    # the simulator's prediction on what is served, with those stage times
+    # each batch's delay beyond its stages: at its pipeline's last pool (of two), finite
+    delays = served.core.take_answer_delays()
+    assert len(delays[0]) == 0 and len(delays[1]) == 4, delays
+    assert all(np.isfinite(delays[1])), delays
+    # the simulator's prediction on what is served, with those stage times and delays
     from testbed.predict import predict
 
-    sim = predict(served, np.array([0.0, 0.05, 0.1]), 0.2, factors)
+    sim = predict(served, np.array([0.0, 0.05, 0.1]), 0.2, factors, answer_delays=delays)
     assert sum(m.on_time + m.late + m.dropped for m in sim.models) == 3
 
 

@@ -141,6 +141,29 @@ def test_measured_stage_factors_stretch_each_pools_computes():
     assert res.attainment == 1.0
 
 
+def test_measured_answer_delays_hold_back_each_batchs_answer():
+    # One stage of 10 µs, SLO 25 µs, two requests 30 µs apart: answered at 10 and 40.
+    # Each answer 8 µs later (the data path's, as measured live): 18 and 48, still on time;
+    # 20 µs later: past the SLO, dropped when it runs out (the router's overdue watch).
+    topo = make_topology([([0], [10.0], 0.0)], slo_us=25.0)
+
+    def run(delays):
+        dp = make_data_plane("eager", topo)
+        cfg = SimConfig(duration_s=1e-3, seed=1, answer_delays=delays)
+        return Simulator(topo, dp, np.array([0.0, 30.0]), np.array([0, 0]), cfg)
+
+    sim = run(((8.0,),))
+    res = sim.run()
+    assert res.attainment == 1.0
+    assert list(sim.cluster.finish_us) == [18.0, 48.0]
+    plain = run(((),))
+    plain.run()
+    assert list(plain.cluster.finish_us) == [10.0, 40.0]
+    late = run(((20.0,),)).run()
+    assert (late.models[0].on_time, late.models[0].dropped) == (0, 2)
+    assert run(((-5.0,),)).run().attainment == 1.0  # none below 0
+
+
 def test_inputs_cross_the_first_servers_downlink_one_at_a_time():
     # One pool of two vGPUs, 10 µs, SLO 18 µs; each request's inputs take 5 µs on its
     # server's downlink. Two requests at once on one server: the first's inputs 0-5,

@@ -17,9 +17,9 @@ The driver interface, the same for the simulator and the live router:
 - operators: `drain` / `undrain` a node, `node_jobs` (its batches not yet ended);
 - a migration: `switch`;
 - reading: `served`, `topo`, `generation`, `stats`, `take_window`, `take_stage_factors`,
-  `usage`, `pool_busy_us`, `down_nodes`, `drained_nodes`, `node_since`, `live_throughput`,
-  `without_path`, `in_flight`, `idle`, and the counters `batches`, `recalibrations`,
-  `recoveries`, `drop_reasons`.
+  `take_answer_delays`, `usage`, `pool_busy_us`, `down_nodes`, `drained_nodes`,
+  `node_since`, `live_throughput`, `without_path`, `in_flight`, `idle`, and the counters
+  `batches`, `recalibrations`, `recoveries`, `drop_reasons`.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ class _Plan:
     dispatched on the old one finish on it, and it is retired after the last)."""
 
     __slots__ = (
+        "answer_delays",
         "first_pool",
         "generation",
         "jobs",
@@ -167,6 +168,7 @@ class _Plan:
         self.vgpu_running = vec[i64]([0] * V)  # hops started, not yet done (observing)
         self.pools = [_PoolUse() for _ in range(P)]
         self.stage_factors: list[list[float]] = [[] for _ in range(P)]
+        self.answer_delays: list[list[float]] = [[] for _ in range(P)]  # by last pool
         self.node_vgpus: dict[str, list[int]] = {}
         for v, node in served.vgpu_node.items():
             self.node_vgpus.setdefault(node, []).append(v)
@@ -582,6 +584,7 @@ class ServingRuntime:
         current = plan is self._plan
         if self._observing:
             plan.vgpu_running[hop.vgpu] -= 1
+            job.excess_us += (end_us - start_us) - (hop.end_us - hop.start_us)
             if job.idle >> h & 1 and current:
                 reserved = max(1.0, hop.end_us - hop.start_us)
                 self._observe(plan, hop.pool, (end_us - start_us) / reserved)
@@ -593,9 +596,12 @@ class ServingRuntime:
                 self._observing
                 and job.idle == (i64(1) << job.started) - 1  # every hop on an idle vGPU
                 and current
-                and self._guard.overrun_seen(end_us - hop.end_us)
             ):
-                self._plan.plane.set_wake_lateness(self._guard.extra_us)
+                if self.config.record_stage_factors:
+                    # beyond its stages' own time: inputs, maps and the answer late
+                    plan.answer_delays[hop.pool].append(end_us - hop.end_us - job.excess_us)
+                if self._guard.overrun_seen(end_us - hop.end_us):
+                    self._plan.plane.set_wake_lateness(self._guard.extra_us)
             if d.final:
                 for entry in job.entries:
                     if entry.outcome is not PENDING:
@@ -866,6 +872,20 @@ class ServingRuntime:
             f.clear()
         return out
 
+    def take_answer_delays(self) -> tuple[tuple[float, ...], ...]:
+        """Per pool of the serving plan (a pipeline's last), how much later than reserved
+        the batches it ended were answered beyond what their stages took over their
+        reserved times, since the last call (RuntimeConfig.record_stage_factors): of
+        batches whose every hop found its vGPU idle, so that no queueing is in it. What a
+        live driver's data path adds (inputs and feature maps late on their links, the
+        nodes' forwarding, a chain's answer on its way back, as its transport places the
+        hops): what the simulator delays its answers by (SimConfig.answer_delays)."""
+        plan = self._plan
+        out = tuple(tuple(f) for f in plan.answer_delays)
+        for f in plan.answer_delays:
+            f.clear()
+        return out
+
     # ------------------------------------------------------------------ statistics
 
     def take_window(self) -> Window:
@@ -895,6 +915,8 @@ class ServingRuntime:
         for v in range(len(plan.vgpu_busy_us)):
             plan.vgpu_busy_us[v] = 0.0
         for f in plan.stage_factors:
+            f.clear()
+        for f in plan.answer_delays:
             f.clear()
         self.drop_reasons.clear()
         self._windows = Windows(self.stats)

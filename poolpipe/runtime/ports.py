@@ -149,6 +149,7 @@ class Job:
         "dispatch",
         "ended",
         "entries",
+        "excess_us",
         "generation",
         "idle",
         "slack_us",
@@ -165,6 +166,8 @@ class Job:
         # bit h: hop h started on a vGPU that had nothing else running (kept by a runtime
         # that observes stage times; a list per job was one more object to make and free)
         self.idle: i64 = 0
+        # (observing) how much longer than reserved its hops computed so far, together
+        self.excess_us = 0.0
         # How much later than reserved a hop may start with every request still on time
         # (the earliest SLO end, arrival + SLO, less the reserved end of the last hop).
         self.slack_us = slack_us

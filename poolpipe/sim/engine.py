@@ -64,6 +64,12 @@ class SimConfig:
     # router records them; indexed by pool id): a compute of a pool that has some takes its
     # reserved time times one of them, drawn at random, instead of the lognormal jitter.
     stage_factors: tuple[tuple[float, ...], ...] = ()
+    # Measured answer delays per pool, a pipeline's last (µs: how much later than reserved a
+    # live router had the batches it ended answered, beyond their stages' own overrun: its
+    # data path's slips, ServingRuntime.take_answer_delays): a batch ending there is answered
+    # that much later (one drawn at random, none below 0), and its vGPUs are taken to be
+    # busy until then, as the router takes them.
+    answer_delays: tuple[tuple[float, ...], ...] = ()
     # Held back from every deadline the data plane schedules for, as the live router holds
     # it back for a request's way in and out; a request still counts as on time when it
     # finishes by arrival + SLO, as the router counts it.
@@ -506,7 +512,27 @@ class SimulatedCluster(Executor):
         if r1 >= 0:
             self._start_next(r1, now)
         if work.compute:
+            if succ is None and self.config.answer_delays:
+                delay = self._answer_delay(work.job)
+                if delay > 0:
+                    job, hop, t0 = work.job, work.hop, work.t0
+                    self.clock.call_at(
+                        now + delay, lambda: self.rt.hop_done(job, hop, t0 + delay, now + delay)
+                    )
+                    return
             self.rt.hop_done(work.job, work.hop, work.t0, now)
+
+    def _answer_delay(self, job: Job) -> float:
+        """One of the measured answer delays of the job's last pool (SimConfig.answer_delays;
+        the first plan's only, as its stage factors), 0 where it has none."""
+        lay = self._layouts.get(job.generation)
+        if lay is None or lay.base != 0:
+            return 0.0
+        delays = self.config.answer_delays
+        p = job.dispatch.hops[-1].pool
+        if p >= len(delays) or not delays[p]:
+            return 0.0
+        return self._rng.choice(delays[p])
 
     def _start_next(self, r: int, now: float) -> None:
         """Resource `r` is free: its next work starts if it is ready."""

@@ -580,6 +580,12 @@ class Deployment:
         (RouterCore.take_stage_factors)."""
         return self.core.take_stage_factors()
 
+    def take_answer_delays(self) -> tuple[tuple[float, ...], ...]:
+        """Per pool (a pipeline's last), how much later than reserved its batches were
+        answered beyond their stages' own time, since the last call
+        (RouterCore.take_answer_delays)."""
+        return self.core.take_answer_delays()
+
     def restart_node(self, name: str) -> None:
         """Start a stopped or crashed local node again on its ports and load its partition
         models (the operator restarts remote ones); the router notices it answering and

@@ -541,6 +541,13 @@ class RouterCore:
         each other's CPU)."""
         return self._call(self.runtime.take_stage_factors)
 
+    def take_answer_delays(self) -> tuple[tuple[float, ...], ...]:
+        """Per pool of the serving plan (a pipeline's last), how much later than reserved
+        batches that found every vGPU idle were answered, beyond their stages' own time,
+        since the last call: what the simulator delays its answers by to predict this
+        router (SimConfig.answer_delays; ServingRuntime.take_answer_delays)."""
+        return self._call(self.runtime.take_answer_delays)
+
     def recalibrations(self) -> int:
         """How many times live recalibration has rescaled a pool's latencies so far."""
         return self._call(lambda: self.runtime.recalibrations)
