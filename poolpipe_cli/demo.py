@@ -210,8 +210,10 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
     drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.3, 2.0, seed=0))
     # then the first stage times the simulator draws from (measured / reserved, per pool)
     dep.core.take_stage_factors()
+    dep.core.take_answer_delays()
     drive(url, name, inputs, poisson_times(min(planned, args.max_rate) * 0.5, 3.0, seed=100))
     factors = [list(f) for f in dep.core.take_stage_factors()]
+    delays = [list(f) for f in dep.core.take_answer_delays()]
     for k, load in enumerate(args.loads):
         rate = load * min(planned, args.max_rate)
         times = poisson_times(rate, args.duration, seed=k + 1)
@@ -225,10 +227,13 @@ def _drive_loads(server, name: str, args: argparse.Namespace):
         timeline.append((load, sampler.stop()))
         s = client_figures(shots, args.slo_ms / 1e3, args.duration)
         # the simulator on the same (calibrated) topology, the same trace, the same plane,
-        # with the stage times measured so far (before this run: a prediction)
-        sim = predict(dep, times, args.duration, factors)
+        # with the stage times and answer delays measured so far (before this run: a
+        # prediction)
+        sim = predict(dep, times, args.duration, factors, answer_delays=delays)
         for pool, f in enumerate(dep.core.take_stage_factors()):
             factors[pool].extend(f)
+        for pool, f in enumerate(dep.core.take_answer_delays()):
+            delays[pool].extend(f)
         rows.append({"load": load, "rate": rate, **s, "sim_attainment": sim.attainment})
     return rows, timeline
 

@@ -352,8 +352,10 @@ def main() -> int:
                     # stage times at this load (on two shared cores they grow with it), from
                     # a run of its own: the simulator predicts the measured run with them
                     dep.core.take_stage_factors()
+                    dep.core.take_answer_delays()
                     drive(url, name, {in_name: x}, poisson_times(rate, args.duration, 100 + k))
                     factors = dep.core.take_stage_factors()
+                    delays = dep.core.take_answer_delays()
                     times = poisson_times(rate, args.duration, k + 1)
                     before = (
                         iface_bytes(em.bridge),
@@ -367,7 +369,7 @@ def main() -> int:
                     s = client_figures(shots, args.slo_ms / 1e3, args.duration)
                     answered = s["ok"]
                     payload = len(shots) * x.nbytes + answered * out_bytes
-                    sim = predict(dep, times, args.duration, factors)
+                    sim = predict(dep, times, args.duration, factors, answer_delays=delays)
                     s |= {
                         "router_bytes": router_bytes,
                         "payload_bytes": payload,

@@ -225,8 +225,10 @@ def main() -> int:
         # against what the router reserved for them (the nodes share 2 cores with the router
         # and the client, which start-up calibration, one call at a time, cannot see).
         dep.core.take_stage_factors()
+        dep.core.take_answer_delays()
         drive(url, name, {in_name: x}, poisson_times(40, args.duration, 100))
         factors = dep.core.take_stage_factors()
+        delays = dep.core.take_answer_delays()
         for pool, f in enumerate(factors):
             config = f"calibration@40req/s:pool{pool}"
             record("live-vs-sim", config, "stage_factor_mean", float(np.mean(f)))
@@ -237,7 +239,7 @@ def main() -> int:
             s = client_figures(shots, args.slo_ms / 1e3, args.duration)
             win = dep.core.take_window().models[0]  # the router's own view of the same requests
             s["router_attainment"] = win.on_time / max(1, win.arrivals)
-            sim = predict(dep, times, args.duration, factors)
+            sim = predict(dep, times, args.duration, factors, answer_delays=delays)
             live_rows.append((rate, s, sim.attainment))
             record("live-vs-sim", f"{rate:g}req/s", "live_attainment", s["attainment"])
             record("live-vs-sim", f"{rate:g}req/s", "router_attainment", s["router_attainment"])
