@@ -251,14 +251,13 @@ def mix_capacity(
                 live_wall[1] += len(times)
                 for part, v in (cpu() if cpu is not None else {}).items():
                     live_cpu[part] = live_cpu.get(part, 0.0) + v - c0[part]
-                taken = dep.core.take_stage_factors()
-                mine = measured.setdefault(i, [[] for _ in taken])
-                for pool, f in zip(mine, taken, strict=True):
-                    pool.extend(f)
-                late = dep.core.take_answer_delays()
-                mine = delays.setdefault(i, [[] for _ in late])
-                for pool, f in zip(mine, late, strict=True):
-                    pool.extend(f)
+                for kept, taken in (
+                    (measured, dep.core.take_stage_factors()),
+                    (delays, dep.core.take_answer_delays()),
+                ):
+                    mine = kept.setdefault(i, [[] for _ in taken])
+                    for pool, f in zip(mine, taken, strict=True):
+                        pool.extend(f)
             on_point(kind, rate, got)
             count += len(times)
             return got, len(times)

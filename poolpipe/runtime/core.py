@@ -80,7 +80,9 @@ class RuntimeConfig:
     recalibrate: bool = True  # scale a pool's latencies when its stages run off reservation
     recalibrate_every: int = RECALIBRATE_EVERY
     recalibrate_band: float = RECALIBRATE_BAND
-    record_stage_factors: bool = False  # keep measured / reserved per pool (take_stage_factors)
+    # keep measured / reserved per pool (take_stage_factors) and how late batches were
+    # answered beyond it (take_answer_delays)
+    record_stage_factors: bool = False
     node_check_every_us: float = NODE_CHECK_EVERY_US
     # every node in service is checked this often too (0: only when a call to it fails):
     # one that is not ready (restarted empty, shutting down) leaves service at once and
