@@ -120,7 +120,7 @@ def test_a_request_of_two_rows_and_one_dropped_in_the_queue_tile_their_time():
 
     clock = [0.0]
     with OTLPReceiver() as rx, _Loop() as loop:
-        tracing = Tracing(TraceConfig(rx.endpoint, 1.0), loop, lambda: clock[0], 10**18)
+        tracing = Tracing(TraceConfig(rx.endpoint, 1.0), loop, lambda: clock[0], lambda: 10**18)
         tracing.start()
         try:
 
@@ -165,6 +165,29 @@ def test_a_request_of_two_rows_and_one_dropped_in_the_queue_tile_their_time():
     _tiles(lone, _children(spans, lone))
 
 
+def test_spans_made_after_the_wall_clock_was_set_forward_are_placed_by_it():
+    """A node's Triton reads the wall clock for each request; the router's spans follow it
+    the same way: a request noted after the wall clock moved 2 s against the router's is
+    placed 2 s later; a move within 0.1 ms is not sent."""
+    from triton_backend.router.tracing import Tracing
+
+    epoch = [10**18]
+    with OTLPReceiver() as rx, _Loop() as loop:
+        tracing = Tracing(TraceConfig(rx.endpoint, 1.0), loop, lambda: 5.0, lambda: epoch[0])
+        tracing.start()
+        try:
+            for model, moved_ns in (("before", 0), ("after", 2 * 10**9), ("within", 50_000)):
+                epoch[0] += moved_ns
+                _on(loop, lambda m=model: tracing.refused(m, 1.0, {}, "INVALID_ARG", "bad"))
+                _on(loop, tracing._flush)  # (a frame of its own)
+        finally:
+            tracing.close()
+        spans = rx.wait_for(lambda s: len(_roots(s)) >= 3)
+    starts = {r.attributes["poolpipe.model"]: r.start_ns for r in _roots(spans)}
+    assert starts == {"before": 10**18 + 1000, "after": 10**18 + 2 * 10**9 + 1000,
+                      "within": 10**18 + 2 * 10**9 + 1000}  # fmt: skip
+
+
 def test_an_unreachable_collector_is_said_once_and_stopping_does_not_wait_long(capfd):
     from triton_backend.env import free_ports
     from triton_backend.router.tracing import Tracing
@@ -172,7 +195,7 @@ def test_an_unreachable_collector_is_said_once_and_stopping_does_not_wait_long(c
     (port,) = free_ports(1)  # nobody listens there
     with _Loop() as loop:
         tracing = Tracing(
-            TraceConfig(f"http://127.0.0.1:{port}/v1/traces", 1.0), loop, lambda: 0.0, 0
+            TraceConfig(f"http://127.0.0.1:{port}/v1/traces", 1.0), loop, lambda: 0.0, lambda: 0
         )
         tracing.start()
         _on(loop, lambda: [tracing.refused("m", 0.0, {}, "INVALID_ARG", "bad") for _ in range(3)])

@@ -238,8 +238,8 @@ class RouterCore:
         self.runtime.on_node_change(self._node_changed)
         self._tracing: Tracing | None = None  # kept while tracing is paused too
         if tracing is not None:
-            epoch_ns = wall_ns() + self.clock.t0_ns
-            self._tracing = Tracing(tracing, self._loop, self.clock.now, epoch_ns)
+            t0_ns = self.clock.t0_ns
+            self._tracing = Tracing(tracing, self._loop, self.clock.now, lambda: wall_ns() + t0_ns)
             self.executor.trace(self._tracing)
         self._watches: dict[str, asyncio.Task] = {}
         self.watching: set[str] = set()  # nodes whose watch connection is open now

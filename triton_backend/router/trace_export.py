@@ -13,7 +13,9 @@ exporter shares the cores with the router, its Triton and the nodes.
 
 stdin: frames of a 4-byte little-endian length and a pickle: first the configuration
 {endpoint, headers, service, epoch_ns}, then lists of notes (Tracing.answered's tuples;
-the client's context in them as the router parsed it). Nothing of poolpipe is imported.
+the client's context in them as the router parsed it), and {epoch_ns} where the wall clock
+moved against the router's (the notes after it are placed by the new one). Nothing of
+poolpipe is imported.
 
     python -m triton_backend.router.trace_export < frames
 """
@@ -345,6 +347,9 @@ def main() -> int:
     try:
         while True:
             notes = frames.next(BATCH_EVERY_S)
+            if isinstance(notes, dict):  # the wall clock moved
+                maker.epoch_ns = int(notes["epoch_ns"])
+                continue
             for note in notes or ():
                 maker.request(note)
             maker.flush(force=notes is None)  # (nothing came for a while: post what waits)

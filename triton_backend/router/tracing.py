@@ -30,7 +30,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,8 @@ TRACESTATE = "tracestate"
 # a later version's first four fields read the same)
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _LEN = struct.Struct("<I")
+# the wall clock moved against the router's by more than this: the exporter is told
+EPOCH_MOVED_NS = 100_000
 FLUSH_EVERY_S = 0.2  # notes wait at most this long on the loop before they go to the exporter
 MAX_BACKLOG_BYTES = 8 << 20  # unsent to the exporter past this: new traces are dropped
 
@@ -137,15 +139,23 @@ class RequestTrace:
 
 class Tracing:
     """The router's notes of its requests (on its loop) and the exporter process they go
-    to. `epoch_ns`: the wall-clock time (ns since 1970) at the router clock's 0."""
+    to. `epoch`: the wall-clock time (ns since 1970) at the router clock's 0, read again
+    before each frame of notes: a wall clock set forward or back (a time daemon's step, a
+    virtual machine resumed) moves it, as it moves the nodes' Triton, which reads the wall
+    clock for each request, so that a node's spans stay inside the router's."""
 
     def __init__(
-        self, config: TraceConfig, loop: asyncio.AbstractEventLoop, now: Any, epoch_ns: int
+        self,
+        config: TraceConfig,
+        loop: asyncio.AbstractEventLoop,
+        now: Any,
+        epoch: Callable[[], int],
     ):
         self.config = config
         self.loop = loop
         self.now = now  # the router's clock (µs)
-        self.epoch_ns = epoch_ns
+        self.epoch = epoch
+        self.epoch_ns = epoch()  # as the exporter has it
         self.sent = 0  # traces handed to the exporter
         self.dropped = 0  # traces dropped: the exporter was behind (or gone)
         self._notes: list[tuple] = []
@@ -336,6 +346,10 @@ class Tracing:
         if pipe is None or pipe.is_closing() or pipe.get_write_buffer_size() > MAX_BACKLOG_BYTES:
             self.dropped += len(notes)
             return
+        epoch_ns = self.epoch()
+        if abs(epoch_ns - self.epoch_ns) > EPOCH_MOVED_NS:
+            self.epoch_ns = epoch_ns
+            pipe.write(_frame({"epoch_ns": epoch_ns}))
         pipe.write(_frame(notes))
         self.sent += len(notes)
 
