@@ -87,7 +87,9 @@ def make_cost_plan(
     assert req.rates is not None
     whole = req.strategy == "np"
     P = 1 if whole else req.max_partitions
-    best = cheapest_sized(req, lam, P, whole, req.cluster, required=True)
+    # whole models, sized once: compared with, and a pooled plan too
+    np_best = None if whole or P == 1 else cheapest_sized(req, lam, 1, True, req.cluster)
+    best = cheapest_sized(req, lam, P, whole, req.cluster, required=True, whole_models=np_best)
     if best is None:
         raise _rates_infeasible(req, lam)
     meta: dict = {
@@ -97,7 +99,8 @@ def make_cost_plan(
         "cost_per_hour": best.cost_per_hour,
     }
     if compare:
-        np_best = best if whole else cheapest_sized(req, lam, 1, True, req.cluster)
+        if whole or P == 1:
+            np_best = best if whole else cheapest_sized(req, lam, 1, True, req.cluster)
         meta["np_cost_per_hour"] = None if np_best is None else np_best.cost_per_hour
         single: dict[str, float | None] = {}
         for pool in req.cluster.pools:
@@ -152,14 +155,20 @@ def cheapest_sized(
     whole: bool,
     cluster: Cluster,
     required: bool = False,
+    whole_models: Cheapest | Literal["size"] | None = "size",
 ) -> Cheapest | None:
     """`cheapest`, and unless `req.delivery` is "off", sized on what it delivers: the plan
     is simulated at the rates, and where a model keeps less than 99% on time its rate asked
     of the cost MILP grows (to the rate over what it delivers, at least by SIZING_RAISE)
     until every model keeps 99% (at most SIZING_ROUNDS plans). Sized twice, from the fluid
     cost plan and from the cost MILP with each model's pools planned with queueing headroom
-    at its rate (headroom.py): the cheaper plan that serves. None where no plan serves the
-    rates even fluid; InfeasibleError (where `required`) when none keeps 99%."""
+    at its rate (headroom.py), and for pipelines of several partitions the whole-model plan
+    (one partition on whole GPUs, a pooled plan too) sized the same way: the cheapest plan
+    that serves. (The cost MILP's plans of equal cost deliver differently, which one it
+    returns depends on its path, and sizing raises rates by rounds: a pooled plan sized
+    alone could cost more than the whole-model one.) None where no plan serves the rates
+    even fluid; InfeasibleError (where `required`) when none keeps 99%. `whole_models`:
+    the whole-model plan sized already (None: none serves), or "size" it here."""
     assert req.rates is not None
     if req.delivery == "off":
         return cheapest(req, lam, P, whole, cluster, required)
@@ -174,6 +183,14 @@ def cheapest_sized(
         tried += rounds
         if found is not None:
             served.append(found)
+    if P > 1 and not whole:
+        if whole_models == "size":
+            whole_models = cheapest_sized(req, lam, 1, True, cluster)
+        if whole_models is not None:
+            assert whole_models.sizing is not None
+            rounds = whole_models.sizing.rounds
+            tried += [{**r, "start": f"whole models, {r['start']}"} for r in rounds]
+            served.append(whole_models)
     if served:
         best = min(served, key=lambda c: c.cost_per_hour)  # the fluid start on equal cost
         assert best.sizing is not None
