@@ -412,10 +412,12 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
                     seed = 700 + 10 * k + j
                     before = {m: c.dropped for m, c in dep.core.stats.items()}
                     dep.core.take_stage_factors()
+                    dep.core.take_answer_delays()
                     topo0 = dep.core.runtime.topo  # as calibrated before this run
                     with console.status(f"{app.name}: {rate:.0f} req/s live ..."):
                         times, shots = load.send(rate / d, args.live_duration, seed)
                     factors = [list(f) for f in dep.core.take_stage_factors()]
+                    delays = dep.core.take_answer_delays()
                     lost = {
                         m.split(".", 1)[1]: c.dropped - before.get(m, 0)
                         for m, c in dep.core.stats.items()
@@ -426,7 +428,8 @@ def live_part(args: argparse.Namespace, rows: BenchRows) -> None:
                     # the stage times drawn at random: the mean over sim_seeds draws
                     sim = float(np.mean([
                         predict_apps(
-                            dep, times, mine, args.live_duration, factors, seed=s, topo=topo0
+                            dep, times, mine, args.live_duration, factors, seed=s, topo=topo0,
+                            answer_delays=delays,
                         ).attainment(app.name)
                         for s in range(1, args.sim_seeds + 1)
                     ]))  # fmt: skip

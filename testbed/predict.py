@@ -112,14 +112,16 @@ def predict_apps(
     stage_factors: Sequence[Sequence[float]] = (),
     seed: int = 1,
     topo: Topology | None = None,
+    answer_delays: Sequence[Sequence[float]] = (),
 ) -> AppSimResult:
     """The simulator's result for application requests arriving at `arrivals_s` (seconds;
     request i of the served application `which[i]`, in the router's order of them) on
     what `dep` serves, as `predict` for models: the router's calibrated topology, its
     applications' budgets (`dep.core.apps`), data plane, wake guard, reply margin and
-    recalibration, stage times drawn from `stage_factors` (by `seed`); `topo`: the
-    router's topology taken before the run the factors come from (it may recalibrate
-    during it; the simulator then recalibrates as it did, from the same truth: factors_on)."""
+    recalibration, stage times drawn from `stage_factors` (by `seed`), answers delayed by
+    `answer_delays` (from the same runs); `topo`: the router's topology taken before the
+    run the factors come from (it may recalibrate during it; the simulator then
+    recalibrates as it did, from the same truth: factors_on)."""
     if dep.core.apps is None:
         raise ValueError("this deployment serves no application")
     topo = topo or dep.core.runtime.topo
@@ -128,6 +130,6 @@ def predict_apps(
         dep.core.apps.served,
         np.asarray(arrivals_s, dtype=float) * 1e6,
         np.asarray(which, dtype=int),
-        _config(dep, topo, duration_s, stage_factors, seed),
+        _config(dep, topo, duration_s, stage_factors, seed, answer_delays),
         _plane(dep),
     )

@@ -83,13 +83,19 @@ def test_an_application_is_served_whole_through_the_router(onboarded_three):
         assert stats["scene.r"].on_time == 2  # made once, after both parents
         assert stats["scene"].arrivals == stats["scene"].on_time == 1  # the application
         # the simulator on what the router serves (its calibrated topology and budgets),
-        # a trace of two requests of scene: both on time, as live
+        # a trace of two requests of scene, the answers as late as the router's were: both
+        # on time, as live
         from testbed.predict import predict_apps
 
         scene_at = dep.core.apps.index["scene"]
-        sim = predict_apps(dep, np.array([0.0, 1.0]), np.array([scene_at, scene_at]), 2.0)
+        delays = dep.core.take_answer_delays()
+        assert any(delays), delays  # (the parts' batches, at their pipelines' last pools)
+        trace = (np.array([0.0, 1.0]), np.array([scene_at, scene_at]), 2.0)
+        sim = predict_apps(dep, *trace, answer_delays=delays)
         assert sim.apps["scene"]["arrived"] == sim.apps["scene"]["on_time"] == 2
         assert sim.apps["buggy"]["arrived"] == 0
+        second = [[1e6] for _ in delays]  # every answer a second late: none on time
+        assert predict_apps(dep, *trace, answer_delays=second).apps["scene"]["on_time"] == 0
         # a transform that makes the wrong tensors fails the request, explicitly and whole
         from tritonclient.utils import InferenceServerException
 
