@@ -14,9 +14,13 @@ late beyond the target tolerance max(0.3 ms, 2% of due), beside the node's own c
 
 Part 2 (`--only cluster`): the paper's group 2 (shadows of colorization-v2,
 googlenet-v3-pytorch and repvgg-b3 from data/ppipe-gpu-group2, maf19 mix, SLO 5x) planned
-with ppipe and np for each preset (`--cluster hc2-small,hc2-large@32`: 16 GPUs, and
-hc2-large scaled to 32 keeping its type ratio and GPUs per server), served on that preset
-emulated at time scale D (a namespace per server, an emulated GPU node per GPU, NICs / D,
+with ppipe and np for each preset (`--cluster hc2-small,hc2-large@32:40`: 16 GPUs, and
+hc2-large scaled to 32 keeping its type ratio and GPUs per server, at D = 40), served on
+that preset emulated at time scale D (`:D`, or `--cluster-time-scale`: the host's own
+work, a millisecond or so per hop, is D x less of a dilated request's time; 32 GPUs at
+D = 20 left 4-15% of stages late on this host), with traces of `--duration` x D / the
+default D, so that each rate is judged on as many requests (a namespace per server, an
+emulated GPU node per GPU, NICs / D,
 the router on the dilated plan, arrivals / D), with each transport (router relay, chain):
 each plan's capacity (>= 99% on time over two Poisson traces a rate) live, then simulated on
 the same traces and calibrated topology; live vs simulated attainment at 1/3, 2/3 and 1 x
@@ -26,7 +30,7 @@ CPU per request; bytes through the router's interface. Figures undilated, D prin
 Stored in the warehouse (bench_serving, bench "emulated").
 
     ./run bench-emulated [--only accuracy|cluster] [--calls 200] [--callers 4]
-        [--time-scale 1] [--cluster hc2-small,hc2-large@32] [--cluster-time-scale 20]
+        [--time-scale 1] [--cluster hc2-small,hc2-large@32:40] [--cluster-time-scale 20]
         [--duration 10] [--transport router,chain]
 """
 
@@ -103,13 +107,19 @@ def main() -> int:
     ap.add_argument("--only", choices=("accuracy", "cluster"), help="run one part (default: both)")
     ap.add_argument(
         "--cluster",
-        default="hc2-small,hc2-large@32",
-        help="part 2's presets, comma-separated; <preset>@N: scaled to N GPUs "
-        "(hc2-small,hc2-large@32)",
+        default="hc2-small,hc2-large@32:40",
+        help="part 2's presets, comma-separated; <preset>@N: scaled to N GPUs; :D its own "
+        "time scale (hc2-small,hc2-large@32:40)",
     )
-    ap.add_argument("--cluster-time-scale", type=float, default=20.0, help="part 2's D (20)")
     ap.add_argument(
-        "--duration", type=float, default=10.0, help="part 2: seconds per trace, dilated (10)"
+        "--cluster-time-scale", type=float, default=20.0, help="part 2's default D (20)"
+    )
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=10.0,
+        help="part 2: seconds per trace at the default D, dilated; x D / default D at "
+        "another (10)",
     )
     ap.add_argument(
         "--transport", default="router,chain", help="part 2's transports (router,chain)"
@@ -252,14 +262,15 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
         onboard_shadows,
     )
 
-    d = args.cluster_time_scale
     with Warehouse.open(args.warehouse) as wh:
         warehouse = str(wh.path)
     with console.status("onboarding the shadows of group 2 (flow onboard-shadow) ..."):
         onboard_shadows(warehouse)
     weights = dict(zip(GROUP2, MAF19, strict=True))
     runs = []
-    for name in args.cluster.split(","):
+    for entry in args.cluster.split(","):
+        name, d = _time_scale(entry, args.cluster_time_scale)
+        duration = args.duration * d / args.cluster_time_scale  # as many requests a rate
         plans = group_plans(warehouse, name)
         cluster = plans["ppipe"][0].cluster
         for transport in args.transport.split(","):
@@ -277,33 +288,49 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
                     f"{time.perf_counter() - t0:.0f} s"
                 )
 
-                def point(plan: str, kind: str, rate: float, att: float) -> None:
+                def point(
+                    plan: str, kind: str, rate: float, att: float, d=d, duration=duration
+                ) -> None:
                     console.print(
                         f"  {plan} {kind}: {rate * d:.0f} req/s ({rate:.2f} dilated) for "
-                        f"{args.duration:g} s: {att:.3f} on time",
+                        f"{duration:g} s: {att:.3f} on time",
                         highlight=False,
                     )
 
                 rx0 = em.router_bytes()
                 res = compare_plans(
-                    plans, warehouse, em, tmp / "serve", d, weights, args.duration,
+                    plans, warehouse, em, tmp / "serve", d, weights, duration,
                     token=token, transport=transport, loads=(1 / 3, 2 / 3, 1.0),
                     on_point=point, on_step=lambda text: console.print(f"[cyan]{text}[/]"),
                 )  # fmt: skip
                 moved = em.router_bytes() - rx0
-            runs.append((cluster.name, transport, res, moved))
-    _cluster_tables(runs, d, args, rows)
+            runs.append((cluster.name, transport, res, moved, d, duration))
+    _cluster_tables(runs, args, rows)
 
 
-def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -> None:
+def _time_scale(entry: str, default: float) -> tuple[str, float]:
+    """A --cluster entry PRESET[@N][:D]: (the preset, its time scale)."""
+    name, _, d = entry.partition(":")
+    if not d:
+        return name, default
+    try:
+        value = float(d)
+    except ValueError:
+        value = 0.0
+    if not value >= 1:
+        raise SystemExit(f"--cluster {entry!r}: the time scale after ':' must be a number >= 1")
+    return name, value
+
+
+def _cluster_tables(runs, args: argparse.Namespace, rows: BenchRows) -> None:
     from testbed.emulated import host_above
 
     t = Table(
-        title=f"EMULATED group 2 at maf19, time scale D = {d:g} (figures undilated), >= 99% "
-        f"on time in 2 traces of {args.duration:g} s (dilated) a rate, 3 where 2 fail narrowly",
+        title="EMULATED group 2 at maf19, time scale D (figures undilated), >= 99% on time in "
+        "2 traces a rate (3 where 2 fail narrowly) of the dilated seconds given",
         title_justify="left",
     )
-    for c in ("cluster", "transport", "plan", "planned req/s", "simulated req/s",
+    for c in ("cluster", "D", "trace s", "transport", "plan", "planned req/s", "simulated req/s",
               "live req/s", "live / sim", "ready s", "router CPU µs/req",
               "nodes CPU µs/req", "router cores", "nodes cores",
               "above live: stages late, host CPU busy"):  # fmt: skip
@@ -314,11 +341,11 @@ def _cluster_tables(runs, d: float, args: argparse.Namespace, rows: BenchRows) -
     )
     for c in ("cluster", "transport", "plan", "req/s", "live", "simulated", "points apart"):
         loads.add_column(c, justify="right")
-    for name, transport, res, moved in runs:
+    for name, transport, res, moved, d, duration in runs:
         for strategy in ("ppipe", "np"):
             r = res[strategy]
             t.add_row(
-                name, transport, strategy,
+                name, f"{d:g}", f"{duration:g}", transport, strategy,
                 f"{r['planned']:.1f}",
                 f"{'>= ' if r['sim_capped'] else ''}{r['sim'] * d:.0f}",
                 f"{'>= ' if r['capped'] else ''}{r['live'] * d:.0f}",
