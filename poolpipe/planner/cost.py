@@ -87,8 +87,10 @@ def make_cost_plan(
     assert req.rates is not None
     whole = req.strategy == "np"
     P = 1 if whole else req.max_partitions
-    # whole models, sized once: compared with, and a pooled plan too
-    np_best = None if whole or P == 1 else cheapest_sized(req, lam, 1, True, req.cluster)
+    # whole models, sized once: a pooled plan too (P > 1), and what the plan is compared with
+    np_best = None
+    if not whole and (P > 1 or compare):
+        np_best = cheapest_sized(req, lam, 1, True, req.cluster)
     best = cheapest_sized(req, lam, P, whole, req.cluster, required=True, whole_models=np_best)
     if best is None:
         raise _rates_infeasible(req, lam)
@@ -99,8 +101,8 @@ def make_cost_plan(
         "cost_per_hour": best.cost_per_hour,
     }
     if compare:
-        if whole or P == 1:
-            np_best = best if whole else cheapest_sized(req, lam, 1, True, req.cluster)
+        if whole:
+            np_best = best
         meta["np_cost_per_hour"] = None if np_best is None else np_best.cost_per_hour
         single: dict[str, float | None] = {}
         for pool in req.cluster.pools:
