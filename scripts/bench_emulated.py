@@ -136,6 +136,10 @@ def main() -> int:
     bad = set(args.transport.split(",")) - {"router", "chain"}
     if bad:
         ap.error(f"--transport: unknown {', '.join(sorted(bad))}; give router, chain or both")
+    try:  # (checked before anything runs)
+        args.clusters = [_time_scale(e, args.cluster_time_scale) for e in args.cluster.split(",")]
+    except ValueError as exc:
+        ap.error(str(exc))
     rows = BenchRows(args.label)
     if args.only != "cluster":
         accuracy(args, rows)
@@ -268,8 +272,7 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
         onboard_shadows(warehouse)
     weights = dict(zip(GROUP2, MAF19, strict=True))
     runs = []
-    for entry in args.cluster.split(","):
-        name, d = _time_scale(entry, args.cluster_time_scale)
+    for name, d in args.clusters:
         duration = args.duration * d / args.cluster_time_scale  # as many requests a rate
         plans = group_plans(warehouse, name)
         cluster = plans["ppipe"][0].cluster
@@ -309,7 +312,8 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
 
 
 def _time_scale(entry: str, default: float) -> tuple[str, float]:
-    """A --cluster entry PRESET[@N][:D]: (the preset, its time scale)."""
+    """A --cluster entry PRESET[@N][:D]: (the preset, its time scale); ValueError naming the
+    entry where D is not a number >= 1."""
     name, _, d = entry.partition(":")
     if not d:
         return name, default
@@ -318,7 +322,7 @@ def _time_scale(entry: str, default: float) -> tuple[str, float]:
     except ValueError:
         value = 0.0
     if not value >= 1:
-        raise SystemExit(f"--cluster {entry!r}: the time scale after ':' must be a number >= 1")
+        raise ValueError(f"--cluster {entry!r}: the time scale after ':' must be a number >= 1")
     return name, value
 
 
