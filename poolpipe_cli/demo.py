@@ -473,8 +473,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--time-scale",
         type=float,
-        default=10.0,
-        help="emulated GPUs: time dilation D; latencies and SLOs x D, NICs and rates / D (10)",
+        default=20.0,
+        help="emulated GPUs: time dilation D; latencies and SLOs x D, NICs and rates / D (20: "
+        "at 10, a host with two cores runs ppipe's chains late on its own time)",
     )
     p.add_argument(
         "--duration",

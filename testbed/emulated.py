@@ -180,16 +180,17 @@ def mix_capacity(
     steps: int = MIX_STEPS,
     stages: Callable[[], tuple[float, float]] | None = None,
     extra: int = EXTRA_TRACES,
-    warm_up: bool = True,
     cpu: Callable[[], dict[str, float]] | None = None,
+    start: float | None = None,
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
     multiple of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of
     their requests on time together (loadgen.rate_passes; a narrow failure judged again
-    with up to `extra` traces more), bisected (loadgen.bisect_grid), live first (from a
-    quarter of `top`, after a warm-up there until the router stops recalibrating, where
-    `warm_up`: not for a plan that was rolled out under load), then
-    the simulator on the same traces, drawing
+    with up to `extra` traces more), bisected (loadgen.bisect_grid), live first (from the
+    grid rate nearest `start`, a quarter of `top` without it, after a warm-up at a quarter
+    of `top` until the router stops recalibrating: also for a plan rolled out under load,
+    whose first trace after the rollout failed at a rate its later ones passed), then the
+    simulator on the same traces, drawing
     each pool's stage times from those measured live at the same rate (the nearest rate
     run live where it was not): on the emulated GPUs a stage's time includes its inputs'
     wait on the server's NIC, which grows with the load (the data plane reserves the links
@@ -208,11 +209,11 @@ def mix_capacity(
     wall seconds ("live_wall_s") and requests ("live_sent"): the simulator's searches run
     in the router's process and count for nothing there."""
     first = steps // 4
-    # Warm-up at the first rate judged, until a trace leaves the router's latencies as they
+    # Warm-up at a quarter of `top`, until a trace leaves the router's latencies as they
     # were (recalibration rescales pools by a tenth or more in their first stage calls
     # under load: a rate judged meanwhile is judged on latencies no longer served). Before,
     # 2 s at a tenth of `top`: a handful of requests.
-    for k in range(WARM_UP_TRACES if warm_up else 0):
+    for k in range(WARM_UP_TRACES):
         before = dep.core.recalibrations()
         load.run(first * top / steps, duration_s, seed=k)
         if dep.core.recalibrations() == before:
@@ -272,7 +273,8 @@ def mix_capacity(
             host_late[rate] = late / (on + late) if on + late > 0 else 0.0
         return ok
 
-    found = {"live": bisect_grid(lambda i: passes("live", i), steps, first)}
+    guess = first if start is None else max(1, min(steps, round(start * steps / top)))
+    found = {"live": bisect_grid(lambda i: passes("live", i), steps, guess)}
     found["sim"] = bisect_grid(lambda i: passes("sim", i), steps, guess=found["live"])
     live = found["live"] * top / steps
     above = (found["live"] + 1) * top / steps
@@ -528,8 +530,10 @@ def compare_plans(
                 duration_s,
                 on_point=partial(on_point, strategy),
                 stages=em.emulated_stages,
-                warm_up="rollout" not in out,  # (a plan rolled out under load is warm)
                 cpu=meter.sample,
+                # from what the planner states the plan delivers (>= 99% on time, simulated):
+                # near the capacity, where the rates far below it cost a trace or two each
+                start=None if plan.deliverable is None else plan.deliverable / d,
             )
             used, wall = found["live_cpu_s"], max(1e-9, found["live_wall_s"])
             sent = found["live_sent"]

@@ -37,7 +37,7 @@ def test_demo_on_emulated_gpus(tmp_path: Path) -> None:
         pytest.skip(f"no network namespaces: {unavailable()}")
     text = _demo(tmp_path, "--cluster", "hc2-large@10", "--duration", "3", "--width", "0.25")
     assert "EMULATED" in text and "shadow models" in text
-    assert re.search(r"hc2-large@10 EMULATED at time scale D = 10: 10 GPUs on \d+ servers", text)
+    assert re.search(r"hc2-large@10 EMULATED at time scale D = 20: 10 GPUs on \d+ servers", text)
     assert "rollout ppipe -> np" in text and ": done;" in text
     for plot in ("capacity.png", "rollout.png"):
         assert (tmp_path / "out" / plot).stat().st_size > 0
