@@ -313,14 +313,27 @@ def rate_passes(
 
 def bisect_grid(passes: Callable[[int], bool], top: int, guess: int | None = None) -> int:
     """The largest i in [0, top] with passes(i), assuming passing falls with i (0 passes);
-    asked first at `guess` (clamped to 1..top) where given, else at `top`."""
+    asked first at `guess` (clamped to 1..top) where given, else at `top`. Below a guess
+    that failed, it asks 1, 2, 4, ... steps under the last that failed until one passes,
+    then bisects between them: a
+    guess from the plan's stated figure fails by a step or two when a trace or two of a
+    live search lose a request more than the rest, and bisecting from 0 then drove loads
+    far below the capacity (half the guess, then three quarters), two traces each."""
     if guess is None:
         if passes(top):
             return top
         lo, hi = 0, top
     else:
         guess = max(1, min(top, guess))
-        lo, hi = (guess, top + 1) if passes(guess) else (0, guess)
+        if passes(guess):
+            lo, hi = guess, top + 1
+        else:
+            lo, hi, down = 0, guess, 1
+            while hi - down > 0:
+                if passes(hi - down):
+                    lo = hi - down
+                    break
+                hi, down = hi - down, 2 * down
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if passes(mid) else (lo, mid)

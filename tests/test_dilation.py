@@ -89,7 +89,8 @@ def test_an_emulated_cluster_from_a_preset_has_a_node_per_gpu():
 
 def test_a_capacity_search_may_start_at_a_guess():
     """loadgen.bisect_grid: the same largest passing step from a guess (the live search
-    starts at the simulator's answer), asking fewer loads when the guess is near."""
+    starts at the plan's stated figure, the simulator's at the live answer), asking fewer
+    loads when the guess is near, above or below it."""
     from testbed.loadgen import bisect_grid
 
     for answer in (0, 1, 5, 15, 16):
@@ -103,6 +104,12 @@ def test_a_capacity_search_may_start_at_a_guess():
             assert bisect_grid(passes, 16, guess) == answer, (answer, guess)
             if guess == answer and answer:
                 assert asked[0] == answer and len(asked) <= 5
+            if guess == answer + 1 and 0 < answer < 16:  # one step high: two loads asked
+                assert asked == [answer + 1, answer], asked
+    # a guess far too high: 1, 2, 4, 8 steps down, then bisected (not from 0)
+    asked = []
+    assert bisect_grid(lambda i: asked.append(i) or i <= 3, 32, 22) == 3
+    assert asked[:5] == [22, 21, 19, 15, 7] and len(asked) <= 8, asked
 
 
 def test_a_rate_is_judged_on_its_traces_together():
