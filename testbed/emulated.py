@@ -151,9 +151,11 @@ class MixLoad:
             slos.append(topo.models[topo.model_index(io.name)].slo_us / 1e6)
         return cls(dep.grpc_url, requests, [weights[io.name] for io in dep.ios], slos)
 
-    def send(self, rate: float, duration_s: float, seed: int) -> tuple[np.ndarray, list[Shot]]:
+    def send(
+        self, rate: float, duration_s: float, seed: int, scaled: bool = False
+    ) -> tuple[np.ndarray, list[Shot]]:
         """Drive `rate` (dilated req/s) for `duration_s`: (the send times, the shots)."""
-        times, which = mix_times(rate, self.weights, duration_s, seed)
+        times, which = mix_times(rate, self.weights, duration_s, seed, scaled)
         self.sent += len(times)
         return times, drive_mix(self.url, self.requests, times, which)
 
@@ -164,9 +166,9 @@ class MixLoad:
         n = len(shots) if sent is None else sent
         return sum(map(self.on_time, shots)) / n if n else float("nan")
 
-    def run(self, rate: float, duration_s: float, seed: int) -> float:
+    def run(self, rate: float, duration_s: float, seed: int, scaled: bool = False) -> float:
         """Drive `rate` (dilated req/s) for `duration_s`: the share on time."""
-        times, shots = self.send(rate, duration_s, seed)
+        times, shots = self.send(rate, duration_s, seed, scaled)
         return self.share_on_time(shots, len(times)) if len(times) else 1.0
 
 
@@ -185,7 +187,10 @@ def mix_capacity(
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
     multiple of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of
-    their requests on time together (loadgen.rate_passes; a narrow failure judged again
+    their requests on time together (the k-th trace of every rate one pattern scaled to
+    it, loadgen.scaled_poisson_times: with a trace of its own each, 279 req/s failed in
+    every main-job run that drove it while 301 passed in some; loadgen.rate_passes; a
+    narrow failure judged again
     with up to `extra` traces more), bisected (loadgen.bisect_grid), live first (from the
     grid rate nearest `start`, a quarter of `top` without it, after a warm-up there until
     the router stops recalibrating: also for a plan rolled out under load), then the
@@ -239,8 +244,8 @@ def mix_capacity(
 
         def trace(k: int) -> tuple[float, int]:
             nonlocal count
-            seed = 200 + i + 1000 * k
-            times, which = mix_times(rate, load.weights, duration_s, seed)
+            seed = 200 + 1000 * k  # the k-th trace of every rate: one pattern, scaled
+            times, which = mix_times(rate, load.weights, duration_s, seed, scaled=True)
             if kind == "sim":
                 near = min(measured, key=lambda j: (abs(j - i), j))
                 got = predict(
@@ -248,7 +253,7 @@ def mix_capacity(
                 ).attainment
             else:
                 c0, w0 = (cpu() if cpu is not None else {}), time.perf_counter()
-                got = load.run(rate, duration_s, seed)
+                got = load.run(rate, duration_s, seed, scaled=True)
                 live_wall[0] += time.perf_counter() - w0
                 live_wall[1] += len(times)
                 for part, v in (cpu() if cpu is not None else {}).items():

@@ -131,11 +131,28 @@ def drive_mix(
     return asyncio.run(_drive(url, requests, times_s, which, timeout_s))
 
 
+def scaled_poisson_times(rate: float, duration_s: float, seed: int) -> np.ndarray:
+    """Poisson arrivals at `rate` within `duration_s`: the unit-rate arrivals of `seed`,
+    their times / `rate`, so that every rate drives the same pattern (common random
+    numbers: a burst that decides one rate is in all of them)."""
+    rng = np.random.default_rng(seed)
+    chunks, t = [], 0.0
+    while True:  # fixed-size draws: the same sequence whatever the rate
+        cum = t + np.cumsum(rng.exponential(1.0, 1024))
+        chunks.append(cum)
+        t = float(cum[-1])
+        if t >= rate * duration_s:
+            break
+    units = np.concatenate(chunks)
+    return units[units < rate * duration_s] / rate
+
+
 def mix_times(
-    rate: float, weights: list[float], duration_s: float, seed: int
+    rate: float, weights: list[float], duration_s: float, seed: int, scaled: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Poisson arrivals at `rate`, each request's model drawn by `weights`."""
-    times = poisson_times(rate, duration_s, seed)
+    """Poisson arrivals at `rate`, each request's model drawn by `weights` (`scaled`: the
+    same arrivals and models at every rate, scaled_poisson_times)."""
+    times = (scaled_poisson_times if scaled else poisson_times)(rate, duration_s, seed)
     w = np.asarray(weights, dtype=float)
     which = np.random.default_rng(seed + 7).choice(len(w), size=len(times), p=w / w.sum())
     return times, which

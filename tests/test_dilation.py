@@ -202,3 +202,19 @@ def test_a_replan_of_a_router_at_a_time_scale_plans_undilated_and_serves_dilated
     assert a.plan is not None and time_scale(a.plan) == 1.0
     with pytest.raises(PoolpipeError, match=r"keeps no rate over 30s \(it keeps 10s, 60s, 300s\)"):
         advise_plan.fn(str(wh), slow, status, offered, 0.2, None, ("30s",))
+
+
+def test_every_rate_of_a_search_drives_one_pattern():
+    """loadgen.scaled_poisson_times / mix_times(scaled=True): the same arrivals and models
+    at every rate, times / rate (a burst that decides one rate is in all of them)."""
+    import numpy as np
+
+    from testbed.loadgen import mix_times
+
+    slow, m_slow = mix_times(100.0, [0.3, 0.7], 10.0, seed=5, scaled=True)
+    fast, m_fast = mix_times(250.0, [0.3, 0.7], 10.0, seed=5, scaled=True)
+    assert 850 < len(slow) < 1150 and 2250 < len(fast) < 2750
+    assert np.allclose(fast[: len(slow)] * 2.5, slow) and (m_fast[: len(slow)] == m_slow).all()
+    assert fast.max() < 10.0 and (np.diff(fast) >= 0).all()
+    other, _ = mix_times(100.0, [0.3, 0.7], 10.0, seed=6, scaled=True)
+    assert not np.array_equal(other[:50], slow[:50])
