@@ -35,9 +35,12 @@ def test_demo_on_emulated_gpus(tmp_path: Path) -> None:
 
     if unavailable():
         pytest.skip(f"no network namespaces: {unavailable()}")
-    text = _demo(tmp_path, "--cluster", "hc2-large@10", "--duration", "3", "--width", "0.25")
+    text = _demo(
+        tmp_path, "--cluster", "hc2-large@10", "--time-scale", "10", "--duration", "2",
+        "--width", "0.25",
+    )  # fmt: skip
     assert "EMULATED" in text and "shadow models" in text
-    assert re.search(r"hc2-large@10 EMULATED at time scale D = 20: 10 GPUs on \d+ servers", text)
+    assert re.search(r"hc2-large@10 EMULATED at time scale D = 10: 10 GPUs on \d+ servers", text)
     assert "rollout ppipe -> np" in text and ": done;" in text
     for plot in ("capacity.png", "rollout.png"):
         assert (tmp_path / "out" / plot).stat().st_size > 0
