@@ -190,12 +190,11 @@ def mix_capacity(
     their requests on time together (the k-th trace of every rate one pattern scaled to
     it, loadgen.scaled_poisson_times: with a trace of its own each, 279 req/s failed in
     every main-job run that drove it while 301 passed in some; loadgen.rate_passes; a
-    narrow failure judged again
-    with up to `extra` traces more), bisected (loadgen.bisect_grid), live first (from the
-    grid rate nearest `start`, a quarter of `top` without it, after a warm-up there until
-    the router stops recalibrating: also for a plan rolled out under load), then the
-    simulator on the same traces, drawing
-    each pool's stage times from those measured live at the same rate (the nearest rate
+    narrow failure judged again with up to `extra` traces more), bisected
+    (loadgen.bisect_grid), live first (from the grid rate nearest `start`, a quarter of
+    `top` without it, after a warm-up there until the router stops recalibrating: also for
+    a plan rolled out under load), then the simulator on the same traces, drawing each
+    pool's stage times from those measured live at the same rate (the nearest rate
     run live where it was not): on the emulated GPUs a stage's time includes its inputs'
     wait on the server's NIC, which grows with the load (the data plane reserves the links
     between partitions, not the requests' way in), so stage times from one load

@@ -332,10 +332,10 @@ def bisect_grid(passes: Callable[[int], bool], top: int, guess: int | None = Non
     """The largest i in [0, top] with passes(i), assuming passing falls with i (0 passes);
     asked first at `guess` (clamped to 1..top) where given, else at `top`. Below a guess
     that failed, it asks 1, 2, 4, ... steps under the last that failed until one passes,
-    then bisects between them: a
-    guess from the plan's stated figure fails by a step or two when a trace or two of a
-    live search lose a request more than the rest, and bisecting from 0 then drove loads
-    far below the capacity (half the guess, then three quarters), two traces each."""
+    then bisects between them: a guess from the plan's stated figure fails by a step or
+    two when a trace or two of a live search lose a request more than the rest, and
+    bisecting from 0 then drove loads far below the capacity (half the guess, then three
+    quarters), two traces each."""
     if guess is None:
         if passes(top):
             return top
