@@ -376,7 +376,7 @@ def test_four_type_plan_is_proven_by_the_surrogate_knapsack(ppipe_profiles):
     lam, _ = estimate_arrival_rates(req)
     _, cands = enumerate_candidates(req, model_costs(req, lam, False), 2)
     milp = build_group_milp(cands, list(req.weights), cluster, req.packing).milp
-    exact = solve(milp, "highs", 120, req.mip_gap)
+    exact = solve(milp, "highs", 600, req.mip_gap)
     assert exact.status == "optimal"
     assert exact.objective <= plan.objective * (1 + req.mip_gap)
 
