@@ -151,13 +151,15 @@ class MixLoad:
             slos.append(topo.models[topo.model_index(io.name)].slo_us / 1e6)
         return cls(dep.grpc_url, requests, [weights[io.name] for io in dep.ios], slos)
 
-    def send(
-        self, rate: float, duration_s: float, seed: int, scaled: bool = False
-    ) -> tuple[np.ndarray, list[Shot]]:
+    def send(self, rate: float, duration_s: float, seed: int) -> tuple[np.ndarray, list[Shot]]:
         """Drive `rate` (dilated req/s) for `duration_s`: (the send times, the shots)."""
-        times, which = mix_times(rate, self.weights, duration_s, seed, scaled)
+        times, which = mix_times(rate, self.weights, duration_s, seed)
+        return times, self.drive(times, which)
+
+    def drive(self, times: np.ndarray, which: np.ndarray) -> list[Shot]:
+        """Drive the given arrivals (dilated s), request k of model `which[k]`: the shots."""
         self.sent += len(times)
-        return times, drive_mix(self.url, self.requests, times, which)
+        return drive_mix(self.url, self.requests, times, which)
 
     def on_time(self, shot: Shot) -> bool:
         return shot.outcome == "ok" and shot.latency_s <= self.slos_s[shot.model]
@@ -166,9 +168,13 @@ class MixLoad:
         n = len(shots) if sent is None else sent
         return sum(map(self.on_time, shots)) / n if n else float("nan")
 
-    def run(self, rate: float, duration_s: float, seed: int, scaled: bool = False) -> float:
+    def run(self, rate: float, duration_s: float, seed: int) -> float:
         """Drive `rate` (dilated req/s) for `duration_s`: the share on time."""
-        times, shots = self.send(rate, duration_s, seed, scaled)
+        return self.run_times(*mix_times(rate, self.weights, duration_s, seed))
+
+    def run_times(self, times: np.ndarray, which: np.ndarray) -> float:
+        """Drive the given arrivals (MixLoad.drive): the share on time."""
+        shots = self.drive(times, which)
         return self.share_on_time(shots, len(times)) if len(times) else 1.0
 
 
@@ -252,7 +258,7 @@ def mix_capacity(
                 ).attainment
             else:
                 c0, w0 = (cpu() if cpu is not None else {}), time.perf_counter()
-                got = load.run(rate, duration_s, seed, scaled=True)
+                got = load.run_times(times, which)  # the arrivals the simulator gets too
                 live_wall[0] += time.perf_counter() - w0
                 live_wall[1] += len(times)
                 for part, v in (cpu() if cpu is not None else {}).items():
