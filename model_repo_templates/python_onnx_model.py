@@ -71,11 +71,10 @@ LATE_FLOOR_NS, LATE_SHARE = 300_000, 0.02  # an emulated stage later than this i
 HOPS = "POOLPIPE_HOPS"
 FORWARD_TIMEOUT_S = 60.0
 # The next node's feed (triton_backend/node/feed.py: its protocol): a feature map of at
-# least FEED_MIN_BYTES goes into the node's shared memory over its watch port, the call
-# names where; an address whose feed failed is not tried again for FEED_RETRY_S.
+# least FEED_MIN_BYTES goes with its call to the node's process over its watch port, which
+# places it in shared memory and calls its Triton; an address whose feed could not be
+# reached is not tried again for FEED_RETRY_S.
 FEED_MAGIC = b"POOLPIPE-FEED/1\n"
-FEED_REGION = "poolpipe_feed"
-FEED_NO_ROOM = (1 << 64) - 1
 FEED_ALIGN = 64
 # (the node's environment may lower it: POOLPIPE_FEED_MIN_BYTES, the cluster tests' tiny maps)
 FEED_MIN_BYTES = int(os.environ.get("POOLPIPE_FEED_MIN_BYTES", 64 << 10))
@@ -93,11 +92,12 @@ class _HttpHops:
     any answer came goes again once on a new one.
 
     Where the hop names the next node's feed ("feed": its watch address), a map of
-    FEED_MIN_BYTES or more is first written into the node's shared memory over a kept-alive
-    connection there, and the call names its place (Triton's system shared memory): past
-    the HTTP front end, which took 8.7 ms to hand a 2.7 MB map to a model here, the feed
-    1.7 (p50, loopback: `./run bench-ingress --parts sizes`). The place is freed when the
-    call has come back. A feed that fails or has no room: the map goes inline."""
+    FEED_MIN_BYTES or more goes with its call over a kept-alive connection there (a ``C``
+    message): the node places it in its shared memory and calls its own Triton with the
+    inputs named there (Triton's system shared memory), past the HTTP front end, which took
+    8.7 ms to hand a 2.7 MB map to a model here, the feed 1.7 (p50, loopback: `./run
+    bench-ingress --parts sizes`); the answer comes back on the same connection. A feed
+    that cannot be reached: the map goes inline."""
 
     WORKERS = 32
 
@@ -118,53 +118,30 @@ class _HttpHops:
         self.pool.submit(self._call, address, model, arrays, outputs, parameters, done, feed)
 
     def _call(self, address, model, arrays, outputs, parameters, done, feed=None):
-        placed = None
         try:
             xs = [np.ascontiguousarray(x) for x in arrays]
+            got = None
             if feed and sum(x.nbytes for x in xs) >= FEED_MIN_BYTES:
-                placed = self._place(feed, xs)
+                got = self._feed_call(feed, model, xs, outputs, parameters)
             with self.lock:
-                self.sent["inline" if placed is None else "feed"] += 1
-            where = (
-                [{"binary_data_size": x.nbytes} for x in xs]
-                if placed is None
-                else [
-                    {
-                        "shared_memory_region": FEED_REGION,
-                        "shared_memory_offset": offset,
-                        "shared_memory_byte_size": x.nbytes,
-                    }
-                    for x, offset in zip(xs, placed[0])
-                ]
-            )
-            header = {
-                "inputs": [
-                    {
-                        "name": f"in_{k}",
-                        "shape": list(x.shape),
-                        "datatype": np_to_triton_dtype(x.dtype),
-                        "parameters": w,
-                    }
-                    for k, (x, w) in enumerate(zip(xs, where))
-                ],
-                "outputs": [{"name": n, "parameters": {"binary_data": True}} for n in outputs],
-                "parameters": parameters,
-            }
-            text = json.dumps(header, separators=(",", ":")).encode()
-            parts = [memoryview(x).cast("B") for x in xs] if placed is None else []
-            head = (
-                f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {address}\r\n"
-                "Content-Type: application/octet-stream\r\n"
-                f"Inference-Header-Content-Length: {len(text)}\r\n"
-                f"Content-Length: {len(text) + sum(len(p) for p in parts)}\r\n\r\n"
-            ).encode() + text
-            status, size, body = self._send(address, [head, *parts])
+                self.sent["inline" if got is None else "feed"] += 1
+            if got is None:
+                text = json.dumps(
+                    _header(xs, [{"binary_data_size": x.nbytes} for x in xs], outputs, parameters),
+                    separators=(",", ":"),
+                ).encode()
+                parts = [memoryview(x).cast("B") for x in xs]
+                head = (
+                    f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {address}\r\n"
+                    "Content-Type: application/octet-stream\r\n"
+                    f"Inference-Header-Content-Length: {len(text)}\r\n"
+                    f"Content-Length: {len(text) + sum(len(p) for p in parts)}\r\n\r\n"
+                ).encode() + text
+                got = self._send(address, [head, *parts])
+            status, size, body = got
         except Exception as exc:  # unreachable, timed out, closed
             done(None, str(exc) or type(exc).__name__)
             return
-        finally:
-            if placed is not None:
-                self._unplace(feed, placed[1], placed[2])
         if status != 200:
             try:
                 why = str(json.loads(body)["error"])
@@ -174,55 +151,46 @@ class _HttpHops:
             return
         done(_HttpResult(body, size), None)
 
-    def _place(self, feed, xs):
-        """Write `xs` into the feed at `feed`: ([offset of each], place, ticket), or None
-        (no feed there, no room: they go inline)."""
+    def _feed_call(self, feed, model, xs, outputs, parameters):
+        """Call `model` with `xs` through the next node's feed at `feed` (a ``C`` message:
+        the arrays and the call in one write, the node's Triton called there): (status,
+        size, body), or None where the feed cannot be used (none there, it broke): the
+        call then goes inline."""
         with self.lock:
             if self.feed_off.get(feed, 0.0) > time.monotonic():
                 return None
             idle = self.feed_idle.setdefault(feed, [])
             sock = idle.pop() if idle else None
         sizes = [-(-x.nbytes // FEED_ALIGN) * FEED_ALIGN for x in xs]
-        message = [b"P" + struct.pack(">Q", sum(sizes))]
+        where = [
+            {"shared_memory_offset": sum(sizes[:k]), "shared_memory_byte_size": x.nbytes}
+            for k, x in enumerate(xs)
+        ]
+        call = {"model": model, "request": _header(xs, where, outputs, parameters)}
+        text = json.dumps(call, separators=(",", ":")).encode()
+        message = [b"C" + struct.pack(">Q", sum(sizes))]
         for x, n in zip(xs, sizes):
             message += [memoryview(x).cast("B"), bytes(n - x.nbytes)]
+        message.append(struct.pack(">I", len(text)) + text)
         for fresh in (sock is None, True):
             try:
                 if fresh:
                     sock = self._feed_connection(feed)
-                for part in message:
-                    sock.sendall(part)
-                place, ticket = struct.unpack(">QQ", _recv_exactly(sock, 16))
-                break
-            except OSError:
+                try:
+                    for part in message:
+                        sock.sendall(part)
+                except OSError as exc:
+                    raise _Unanswered(str(exc)) from None
+                return self._read_answer(sock, self.feed_idle.setdefault(feed, []))
+            except _Unanswered:  # a kept connection the node closed; or no feed there
                 if sock is not None:
                     sock.close()
                 sock = None
-                if fresh:  # no feed there (a node without one), or it broke: inline
+                if fresh:  # no feed there (a node without one, or an older one): inline
                     with self.lock:
                         self.feed_off[feed] = time.monotonic() + FEED_RETRY_S
                     return None
-        with self.lock:
-            self.feed_idle.setdefault(feed, []).append(sock)
-            if place == FEED_NO_ROOM:
-                return None
-        offsets = [place + sum(sizes[:k]) for k in range(len(xs))]
-        return offsets, place, ticket
-
-    def _unplace(self, feed, place, ticket):
-        with self.lock:
-            idle = self.feed_idle.setdefault(feed, [])
-            sock = idle.pop() if idle else None
-        try:
-            if sock is None:
-                sock = self._feed_connection(feed)
-            sock.sendall(b"F" + struct.pack(">QQ", place, ticket))
-        except OSError:  # the node frees it after a while
-            if sock is not None:
-                sock.close()
-            return
-        with self.lock:
-            self.feed_idle.setdefault(feed, []).append(sock)
+        return None
 
     @staticmethod
     def _feed_connection(feed):
@@ -255,6 +223,15 @@ class _HttpHops:
                     sock.sendall(part)
             except OSError as exc:
                 raise _Unanswered(str(exc)) from None
+        except BaseException:
+            sock.close()
+            raise
+        return self._read_answer(sock, self.idle.setdefault(address, []))
+
+    def _read_answer(self, sock, idle):
+        """(status, inference header size, body) of the HTTP answer on `sock`; the
+        connection back to `idle` after it unless the answer closes it."""
+        try:
             buf = b""
             while b"\r\n\r\n" not in buf:
                 chunk = sock.recv(65536)
@@ -290,7 +267,7 @@ class _HttpHops:
             sock.close()
         else:
             with self.lock:
-                self.idle.setdefault(address, []).append(sock)
+                idle.append(sock)
         return status, size, bytes(body)
 
     def close(self):
@@ -303,15 +280,22 @@ class _HttpHops:
             self.feed_idle.clear()
 
 
-def _recv_exactly(sock, n):
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise OSError("closed")
-        got += k
-    return bytes(buf)
+def _header(xs, where, outputs, parameters):
+    """A KServe v2 request header: inputs in_0, in_1, ... of `xs`, each with its
+    parameters from `where`; `outputs` binary."""
+    return {
+        "inputs": [
+            {
+                "name": f"in_{k}",
+                "shape": list(x.shape),
+                "datatype": np_to_triton_dtype(x.dtype),
+                "parameters": w,
+            }
+            for k, (x, w) in enumerate(zip(xs, where))
+        ],
+        "outputs": [{"name": n, "parameters": {"binary_data": True}} for n in outputs],
+        "parameters": parameters,
+    }
 
 
 class _Unanswered(OSError):

@@ -410,6 +410,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             node.start()
             if args.feed_mb:
                 feed = FeedRegion(args.feed_mb)
+                feed.triton = node.http_url  # calls that come with their maps (``C``)
                 with contextlib.closing(node.client()) as client:
                     feed.register(client, node_headers(key, grpc=False))
         # once it serves: routers may watch, hops may feed

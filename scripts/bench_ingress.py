@@ -19,10 +19,10 @@ Then (`--parts sizes`) what a chain's hop costs to move a feature map into the n
 node's model: the native echo sent inputs of `--sizes-mb` one at a time over KServe v2
 HTTP with binary tensors and over tritonclient's gRPC (answering one value, as a hop
 answers its times), from sending until the model's `execute` saw them (p50/p90 ms),
-beside the same bytes through a node's feed (triton_backend/node/feed.py: written into
-shared memory registered with that Triton over a TCP connection, then a KServe v2 HTTP
-call that names where, as a chain's hop sends a map of 64 KB or more) and through a TCP
-socket alone on loopback.
+beside the same bytes through a node's feed (triton_backend/node/feed.py: sent with the
+call over a TCP connection to the node's process, which places them in shared memory
+registered with that Triton and calls the model naming where, as a chain's hop sends a map
+of 64 KB or more) and through a TCP socket alone on loopback.
 
 Printed as tables and stored in the warehouse (bench_serving, bench = "ingress"; the sizes
 with config "native <protocol> <MB> MB").
@@ -284,9 +284,10 @@ def sent_to_seen(server, protocol: str, mb: float, n: int) -> np.ndarray:
 
 
 def feed_to_seen(server, mb: float, n: int) -> np.ndarray:
-    """ms from sending an input of `mb` MB into the node's feed until the sink model's
-    execute saw it (the call naming its place), n requests one at a time (after 5 to warm);
-    each place freed after its call, as a hop frees it."""
+    """ms from sending an input of `mb` MB with its call into the node's feed (a ``C``
+    message) until the sink model's execute saw it, n requests one at a time (after 5 to
+    warm)."""
+    import json
     import struct
 
     import tritonclient.http as th
@@ -295,31 +296,43 @@ def feed_to_seen(server, mb: float, n: int) -> np.ndarray:
     from triton_backend.node.watch import NodeWatch
 
     feed = FeedRegion(max(16, int(4 * mb) + 1))
-    client = th.InferenceServerClient(f"127.0.0.1:{server.http}")
+    feed.triton = f"127.0.0.1:{server.http}"
+    client = th.InferenceServerClient(feed.triton)
     watch = None
     try:
         feed.register(client, None)
         watch = NodeWatch("127.0.0.1", 0, feed)
         x = np.random.default_rng(0).random((1, max(1, int(mb * 1e6 / 4))), dtype=np.float32)
+        where = {"shared_memory_offset": 0, "shared_memory_byte_size": x.nbytes}
+        request = {
+            "inputs": [
+                {"name": "x", "shape": list(x.shape), "datatype": "FP32", "parameters": where}
+            ],
+            "outputs": [{"name": "seen_ns", "parameters": {"binary_data": False}}],
+            "parameters": {"sink": True},
+        }
+        text = json.dumps({"model": "sink", "request": request}).encode()
         seen = []
         with socket.create_connection(("127.0.0.1", watch.port)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(FEED_MAGIC)
             for k in range(n + 5):
                 sent = time.monotonic_ns()
-                sock.sendall(b"P" + struct.pack(">Q", x.nbytes))
+                sock.sendall(b"C" + struct.pack(">Q", x.nbytes))
                 sock.sendall(memoryview(x).cast("B"))
+                sock.sendall(struct.pack(">I", len(text)) + text)
                 got = b""
-                while len(got) < 16:
-                    got += sock.recv(16 - len(got))
-                offset, ticket = struct.unpack(">QQ", got)
-                i = th.InferInput("x", list(x.shape), "FP32")
-                i.set_shared_memory(FEED_REGION, x.nbytes, offset)
-                wanted = [th.InferRequestedOutput("seen_ns", binary_data=True)]
-                r = client.infer("sink", [i], outputs=wanted, parameters={"sink": True})
+                while b"\r\n\r\n" not in got:
+                    got += sock.recv(65536)
+                head, _, body = got.partition(b"\r\n\r\n")
+                need = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                while len(body) < need:
+                    body += sock.recv(need - len(body))
+                if not head.startswith(b"HTTP/1.1 200"):
+                    raise RuntimeError(f"the feed's call failed: {body[:200]!r}")
                 if k >= 5:
-                    seen.append((int(r.as_numpy("seen_ns").flat[0]) - sent) / 1e6)
-                sock.sendall(b"F" + struct.pack(">QQ", offset, ticket))
+                    out = json.loads(body)["outputs"][0]["data"][0]
+                    seen.append((int(out) - sent) / 1e6)
         client.unregister_system_shared_memory(FEED_REGION)
         return np.asarray(seen)
     finally:

@@ -225,9 +225,10 @@ def test_a_node_nobody_listens_for_cannot_be_reached():
 
 
 def test_large_inputs_go_through_the_nodes_feed_and_inline_where_it_fails():
-    """Inputs of FEED_MIN_BYTES or more are written into the node's feed (a real one: its
-    region and watch port) and the call names their places, freed when it is back; small
-    ones go inline; a feed nobody serves is left alone and the inputs go inline."""
+    """Inputs of FEED_MIN_BYTES or more go with their call to the node's feed (a real one:
+    its region and watch port), which places them and calls the node (here the test's)
+    with their places, freed when its answer is back; small ones go inline; a feed nobody
+    serves is left alone and the inputs go inline."""
     from triton_backend.node.feed import FeedRegion
     from triton_backend.node.watch import NodeWatch
     from triton_backend.router.kserve_http import FEED_MIN_BYTES, Feed
@@ -241,17 +242,14 @@ def test_large_inputs_go_through_the_nodes_feed_and_inline_where_it_fails():
     async def main():
         loop = asyncio.get_running_loop()
         stage = HttpStage(loop, await Node(feed=region).start())
+        region.triton = stage.address  # the feed calls "its Triton": the test's node
         feed, gone = Feed(loop, watch.url), Feed(loop, f"127.0.0.1:{nobody}")
         big = np.arange(FEED_MIN_BYTES // 4 + 3, dtype=np.float32).reshape(1, -1)
         small = np.ones((2, 3), np.float16)
         for k in range(3):
             out = await stage.infer(StageCall("echo", [("x", big + k), ("s", small)], 5), feed)
             assert np.array_equal(out["out_0"], big + k) and np.array_equal(out["out_1"], small)
-        assert (feed.placed, feed.inline, region.placed) == (3, 0, 3)
-        for _ in range(100):  # the last place's free crosses a moment after its call
-            if region.space.in_use == 0:
-                break
-            await asyncio.sleep(0.01)
+        assert (feed.placed, feed.inline, region.placed, region.called) == (3, 0, 3, 3)
         assert region.space.in_use == 0
         out = await stage.infer(StageCall("echo", [("s", small)], 5), feed)  # small: inline
         assert np.array_equal(out["out_0"], small) and feed.placed == 3

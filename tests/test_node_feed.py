@@ -4,6 +4,7 @@ registered with the node's Triton, over its watch port, and read by its model as
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import struct
 import time
@@ -101,6 +102,7 @@ def node(tmp_path: Path):
         with th.InferenceServerClient(n.http_url) as c:
             feed.register(c, node_headers(key, grpc=False))
         assert not Path(feed.path).exists()  # nothing left in /dev/shm, however it ends
+        feed.triton = n.http_url
         watch = NodeWatch("127.0.0.1", 0, feed)
         yield n, feed, watch
     finally:
@@ -154,3 +156,84 @@ def test_a_map_written_into_the_feed_reaches_the_model_and_the_watch_still_watch
             assert got in (b"", b"?")
     finally:
         bare.close()
+
+
+def _call(
+    sock: socket.socket, data: bytes, request: dict, model: str = "echo"
+) -> tuple[int, bytes]:
+    """A ``C`` message: (HTTP status, body) of the answer that comes back on `sock`."""
+    text = json.dumps({"model": model, "request": request}).encode()
+    sock.sendall(b"C" + struct.pack(">Q", len(data)) + data + struct.pack(">I", len(text)) + text)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "the feed closed the connection"
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    need = next(
+        int(v)
+        for k, _, v in (h.partition(b":") for h in lines[1:])
+        if k.lower() == b"content-length"
+    )
+    while len(body) < need:
+        body += sock.recv(need - len(body))
+    return int(lines[0].split()[1]), body
+
+
+def _echo_request(x: np.ndarray, offset: int = 0) -> dict:
+    return {
+        "inputs": [
+            {
+                "name": "in_0",
+                "shape": list(x.shape),
+                "datatype": "FP32",
+                "parameters": {"shared_memory_offset": offset, "shared_memory_byte_size": x.nbytes},
+            }
+        ],
+        "outputs": [{"name": "out", "parameters": {"binary_data": False}}],
+    }
+
+
+def test_a_call_with_its_map_is_made_on_the_nodes_triton_and_its_place_freed(node):
+    """A ``C`` message: the map placed, the model called on the node's own Triton with it,
+    Triton's answer back on the same connection, the place free again; without room the
+    map goes to Triton inline; a bad call, or a feed with no Triton, is answered with an
+    error and the connection still serves."""
+    _, feed, watch = node
+    x = np.random.default_rng(4).standard_normal((2, 3_000)).astype(np.float32)
+    sock = socket.create_connection(("127.0.0.1", watch.port))
+    try:
+        sock.sendall(FEED_MAGIC)
+        for k in range(3):  # on one kept connection, each call's place free again after it
+            status, body = _call(sock, (x + k).tobytes(), _echo_request(x))
+            assert status == 200, body
+            got = np.array(json.loads(body)["outputs"][0]["data"], np.float32).reshape(x.shape)
+            np.testing.assert_array_equal(got, x + k)
+        assert (feed.called, feed.placed, feed.space.in_use) == (3, 3, 0)
+        # a map after 64 bytes of padding: the input names where it lies
+        status, body = _call(sock, bytes(64) + x.tobytes(), _echo_request(x, 64))
+        assert status == 200 and json.loads(body)["outputs"][0]["data"][:2] == x[0, :2].tolist()
+        # no room: the bytes go inline and the call is answered as before
+        hold = feed.space.place(feed.space.size - 1024)
+        status, body = _call(sock, x.tobytes(), _echo_request(x))
+        assert status == 200 and feed.refused == 1, body
+        feed.space.free(*hold)
+        # an input beyond the bytes sent, a model name that is no name: 400, nothing held
+        status, body = _call(sock, x.tobytes(), _echo_request(x, 8))
+        assert status == 400 and "beyond" in json.loads(body)["error"]
+        status, body = _call(sock, x.tobytes(), _echo_request(x), model="../echo")
+        assert status == 400 and "model" in json.loads(body)["error"]
+        # a model the node does not serve: Triton's own error, passed on
+        status, body = _call(sock, x.tobytes(), _echo_request(x), model="nothere")
+        assert status == 404 and "nothere" in json.loads(body)["error"]
+        assert feed.space.in_use == 0
+        # a feed that calls no Triton says so
+        feed.triton, triton = None, feed.triton
+        status, body = _call(sock, x.tobytes(), _echo_request(x))
+        assert status == 502 and "no Triton" in json.loads(body)["error"]
+        feed.triton = triton
+        status, _ = _call(sock, x.tobytes(), _echo_request(x))
+        assert status == 200 and feed.space.in_use == 0
+    finally:
+        sock.close()

@@ -15,19 +15,20 @@ takes an idle one or opens one. A call whose reused connection was closed by the
 before any byte of the answer came is sent again once on a new connection.
 
 Inputs of FEED_MIN_BYTES or more to a node whose feed is known (`HttpStages.feeds`: its
-process's watch address) are written into the node's shared memory first (`Feed`,
-triton_backend/node/feed.py), and the call names their place: a 4.3 MB input reached a
-model 2.7 ms after it was sent that way, 13.5 ms inline (`./run bench-ingress --parts
-sizes`, p50, loopback). A feed that fails, or has no room, and the inputs go inline."""
+process's watch address) go there with their call in one message (`Feed`, a ``C`` message
+of triton_backend/node/feed.py): the node places them in its shared memory and calls its
+own Triton with the inputs named there; Triton's answer comes back on the same connection.
+A 4.3 MB input reached a model 2.7 ms after it was sent into the feed, 13.5 ms inline
+(`./run bench-ingress --parts sizes`, p50, loopback). A feed that cannot be reached (or a
+node too old to call for it), and the inputs go inline."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import socket
 import struct
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -36,7 +37,7 @@ import numpy as np
 from poolpipe.domain.gpus import on_node
 from poolpipe.domain.tier import split_address
 from poolpipe.errors import PoolpipeError
-from triton_backend.node.feed import FEED_ALIGN, FEED_MAGIC, FEED_REGION, NO_ROOM
+from triton_backend.node.feed import FEED_ALIGN, FEED_MAGIC
 from triton_backend.node.repository import kserve_dtype
 from triton_backend.router.stages import (
     CHECK_TIMEOUT_S,
@@ -143,94 +144,37 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class Feed:
-    """A node's feed (`host:port`: its process's watch address), written from `loop` only:
-    `place` writes arrays into the node's shared memory, `free` gives a place back."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, address: str):
-        self.loop = loop
-        self.address = address
-        self.host, self.port = split_address(address)
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self._off_until = 0.0
-        self.placed = self.inline = 0
-
-    async def place(
-        self, xs: Sequence[np.ndarray], timeout_s: float
-    ) -> tuple[list[int], int, int] | None:
-        """([offset of each array], place, ticket), or None: they go inline (no feed there,
-        it broke, no room)."""
-        if self.loop.time() < self._off_until:
-            self.inline += 1
-            return None
-        sizes = [-(-x.nbytes // FEED_ALIGN) * FEED_ALIGN for x in xs]
-        parts: list[bytes | memoryview] = [b"P" + struct.pack(">Q", sum(sizes))]
-        for x, n in zip(xs, sizes, strict=True):
-            parts += [x.data.cast("B"), bytes(n - x.nbytes)]
-        conn = self._take()
-        for fresh in (conn is None, True):
-            try:
-                if fresh:
-                    conn = await asyncio.wait_for(self._connect(), timeout_s)
-                assert conn is not None
-                conn[1].writelines(parts)
-                reply = await asyncio.wait_for(conn[0].readexactly(16), timeout_s)
-                break
-            except (OSError, asyncio.IncompleteReadError, TimeoutError):
-                if conn is not None:
-                    conn[1].close()
-                conn = None
-                if fresh:
-                    self._off_until = self.loop.time() + FEED_RETRY_S
-                    self.inline += 1
-                    return None
-        assert conn is not None
-        self._idle.append(conn)
-        place, ticket = struct.unpack(">QQ", reply)
-        if place == NO_ROOM:
-            self.inline += 1
-            return None
-        self.placed += 1
-        return [place + sum(sizes[:k]) for k in range(len(xs))], place, ticket
-
-    def free(self, place: int, ticket: int) -> None:
-        message = b"F" + struct.pack(">QQ", place, ticket)
-        conn = self._take()
-        if conn is None:
-            self.loop.create_task(self._free_anew(message))
-            return
-        conn[1].write(message)
-        self._idle.append(conn)
-
-    def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """An idle connection that is still open, or None."""
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn[1].is_closing() and not conn[0].at_eof():
-                return conn
-            conn[1].close()
-        return None
-
-    async def _free_anew(self, message: bytes) -> None:
+def _request(
+    inputs: tuple[tuple[str, tuple, np.dtype], ...],
+    parameters: Mapping[str, str] | None = None,
+    outputs: Sequence[str] | None = None,
+    offsets: Sequence[int] | None = None,
+) -> tuple[dict[str, Any], int]:
+    """A call's inference header for inputs of these (name, shape, dtype), and the
+    bytes of inputs after it: their bytes follow the header, or (`offsets`) lie at those
+    offsets of a feed's message; StageCallError for a dtype KServe v2 has no name for."""
+    header: dict[str, Any] = {
+        "inputs": [],
+        "parameters": {**(parameters or {}), "binary_data_output": True},
+    }
+    if outputs is not None:
+        header["outputs"] = [{"name": n, "parameters": {"binary_data": True}} for n in outputs]
+    size = 0
+    for k, (name, shape, dtype) in enumerate(inputs):
         try:
-            conn = await asyncio.wait_for(self._connect(), 10.0)
-        except (OSError, TimeoutError):
-            return  # the node frees it after a while
-        conn[1].write(message)
-        self._idle.append(conn)
-
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(FEED_MAGIC)
-        return reader, writer
-
-    def close(self) -> None:
-        for _, writer in self._idle:
-            writer.close()
-        self._idle.clear()
+            kind = kserve_dtype(dtype)
+        except PoolpipeError:
+            raise StageCallError(f"input {name}: no KServe datatype for {dtype}") from None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        where: dict[str, Any] = {"binary_data_size": nbytes}
+        if offsets is not None:
+            where = {"shared_memory_offset": offsets[k], "shared_memory_byte_size": nbytes}
+        else:
+            size += nbytes
+        header["inputs"].append(
+            {"name": name, "shape": list(shape), "datatype": kind, "parameters": where}
+        )
+    return header, size
 
 
 class HttpStage:
@@ -253,29 +197,27 @@ class HttpStage:
         inputs = call.inputs
         xs = [np.ascontiguousarray(x) for _, x in inputs]
         shapes = tuple((name, x.shape, x.dtype) for (name, _), x in zip(inputs, xs, strict=True))
-        placed = None
+        got = None
         if feed is not None and sum(x.nbytes for x in xs) >= FEED_MIN_BYTES:
-            placed = await feed.place(xs, call.timeout_s)
-        try:
-            blobs: list[memoryview] = []
-            if placed is not None:  # the inputs lie in the node's feed: the head names where
-                head = self._head(call.model, shapes, call.parameters, call.outputs, placed[0])
-            elif call.parameters is None and call.outputs is None:
+            got = await feed.call(
+                call, xs, lambda at: _request(shapes, call.parameters, call.outputs, at)[0]
+            )
+        if got is None:
+            if call.parameters is None and call.outputs is None:
                 key = (call.model, shapes)
-                cached = self._heads.get(key)
-                if cached is None:  # the same shapes come again and again: their head is kept
-                    cached = self._heads[key] = self._head(call.model, shapes)
-                head, blobs = cached, [x.data.cast("B") for x in xs]
+                head = self._heads.get(key)
+                if head is None:  # the same shapes come again and again: their head is kept
+                    if len(self._heads) >= _MAX_KEPT:
+                        self._heads.clear()
+                    head = self._heads[key] = self._head(call.model, shapes)
             else:  # a chain's call: its parameters differ every time
                 head = self._head(call.model, shapes, call.parameters, call.outputs)
-                blobs = [x.data.cast("B") for x in xs]
             if call.trace is not None:  # after the request line
                 line = b"\r\ntraceparent: " + call.trace.encode() + b"\r\n"
                 head = head.replace(b"\r\n", line, 1)
-            status, headers, body = await self._send([head, *blobs], call.timeout_s)
-        finally:
-            if placed is not None and feed is not None:
-                feed.free(placed[1], placed[2])
+            blobs = [x.data.cast("B") for x in xs]
+            got = await self._send([head, *blobs], call.timeout_s)
+        status, headers, body = got
         if status != 200:
             raise StageCallError(_error_text(status, body))
         return _outputs(headers, body, self._layouts)
@@ -286,38 +228,11 @@ class HttpStage:
         inputs: tuple[tuple[str, tuple, np.dtype], ...],
         parameters: Mapping[str, str] | None = None,
         outputs: Sequence[str] | None = None,
-        offsets: Sequence[int] | None = None,
     ) -> bytes:
         """The request's HTTP head and JSON inference header for inputs of these (name,
-        shape, dtype), their bytes after it, or (`offsets`) at those places of the node's
-        feed; StageCallError for a dtype KServe v2 has no name for."""
-        if len(self._heads) >= _MAX_KEPT:
-            self._heads.clear()
-        header: dict[str, Any] = {
-            "inputs": [],
-            "parameters": {**(parameters or {}), "binary_data_output": True},
-        }
-        if outputs is not None:
-            header["outputs"] = [{"name": n, "parameters": {"binary_data": True}} for n in outputs]
-        size = 0
-        for k, (name, shape, dtype) in enumerate(inputs):
-            try:
-                kind = kserve_dtype(dtype)
-            except PoolpipeError:
-                raise StageCallError(f"input {name}: no KServe datatype for {dtype}") from None
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            where: dict[str, Any] = {"binary_data_size": nbytes}
-            if offsets is not None:
-                where = {
-                    "shared_memory_region": FEED_REGION,
-                    "shared_memory_offset": offsets[k],
-                    "shared_memory_byte_size": nbytes,
-                }
-            else:
-                size += nbytes
-            header["inputs"].append(
-                {"name": name, "shape": list(shape), "datatype": kind, "parameters": where}
-            )
+        shape, dtype), their bytes after it; StageCallError for a dtype KServe v2 has no
+        name for."""
+        header, size = _request(inputs, parameters, outputs)
         text = json.dumps(header, separators=(",", ":")).encode()
         return (
             f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {self.address}\r\n"
@@ -375,6 +290,56 @@ class HttpStage:
         for conn in self._idle:
             conn._close()
         self._idle.clear()
+
+
+class Feed(HttpStage):
+    """A node's feed (`host:port`: its process's watch address), called from `loop` only:
+    `call` sends a call's inputs and the call itself in one ``C`` message; the node calls
+    its Triton with them and its answer comes back. Its connections are kept as a node's
+    are (HttpStage), each opened with FEED_MAGIC."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, address: str):
+        super().__init__(loop, address)
+        self._off_until = 0.0
+        self.placed = self.inline = 0  # calls sent through it, and inline for want of it
+
+    async def call(
+        self,
+        call: StageCall,
+        xs: Sequence[np.ndarray],
+        request_at: Callable[[list[int]], dict[str, Any]],
+    ) -> tuple[int, dict[bytes, bytes], bytes] | None:
+        """(status, headers, body) of the node's answer to `call` with inputs `xs` sent
+        through the feed (`request_at(offsets)`: the call's inference header with its
+        inputs at those offsets of the message's bytes), or None: the feed cannot be
+        reached, or does not call for its node (an older one): the inputs go inline."""
+        if self.loop.time() < self._off_until:
+            self.inline += 1
+            return None
+        sizes = [-(-x.nbytes // FEED_ALIGN) * FEED_ALIGN for x in xs]
+        offsets = [sum(sizes[:k]) for k in range(len(xs))]
+        body = {"model": call.model, "request": request_at(offsets)}
+        if call.trace is not None:
+            body["traceparent"] = call.trace
+        text = json.dumps(body, separators=(",", ":")).encode()
+        parts: list[bytes | memoryview] = [b"C" + struct.pack(">Q", sum(sizes))]
+        for x, n in zip(xs, sizes, strict=True):
+            parts += [x.data.cast("B"), bytes(n - x.nbytes)]
+        parts.append(struct.pack(">I", len(text)) + text)
+        try:
+            got = await self._send(parts, call.timeout_s)
+        except (_Lost, StageUnreachable):
+            self._off_until = self.loop.time() + FEED_RETRY_S
+            self.inline += 1
+            return None
+        self.placed += 1
+        return got
+
+    async def _connect(self, timeout_s: float) -> _Connection:
+        conn = await super()._connect(timeout_s)
+        assert conn.transport is not None
+        conn.transport.write(FEED_MAGIC)
+        return conn
 
 
 class HttpStages:
