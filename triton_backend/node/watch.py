@@ -10,9 +10,9 @@ finishes what it has. TCP keepalive finds a peer that vanished without a word (a
 powered off, a cable pulled) within WATCH_KEEPALIVE_S.
 
 The watch carries nothing but the connection's life: it needs no token. A connection that
-opens with feed.FEED_MAGIC is a chain's hop writing a feature map into the node's feed
-instead (feed.py): the same port, so that every address that names a node's process names
-its feed too."""
+opens with feed.FEED_MAGIC is a chain's hop sending a feature map and its call to the
+node's feed instead (feed.py): the same port, so that every address that names a node's
+process names its feed too."""
 
 from __future__ import annotations
 
