@@ -201,9 +201,10 @@ def mix_capacity(
     `top` without it, after a warm-up there until the router stops recalibrating: also for
     a plan rolled out under load), then the simulator on the same traces, drawing each
     pool's stage times from those measured live at the same rate (the nearest rate
-    run live where it was not): on the emulated GPUs a stage's time includes its inputs'
-    wait on the server's NIC, which grows with the load (the data plane reserves the links
-    between partitions, not the requests' way in), so stage times from one load
+    run live where it was not): on the emulated GPUs a stage's time includes what the host
+    adds to it and its inputs' slips on the server's NIC (the data plane reserves each
+    batch's inputs on its first server's downlink, but a transfer that slipped shares the
+    NIC with the next one), which grow with the load, so stage times from one load
     misrepresent another. Stage times measured far beyond a plan's capacity made the
     simulator miss at light loads; those measured at light loads know nothing of the
     queues near capacity. `stages`: the nodes' (on time, late) emulated stages so far
