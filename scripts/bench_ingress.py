@@ -292,7 +292,7 @@ def feed_to_seen(server, mb: float, n: int) -> np.ndarray:
 
     import tritonclient.http as th
 
-    from triton_backend.node.feed import FEED_MAGIC, FEED_REGION, FeedRegion
+    from triton_backend.node.feed import FEED_MAGIC, FEED_REGION, FeedRegion, http_answer
     from triton_backend.node.watch import NodeWatch
 
     feed = FeedRegion(max(16, int(4 * mb) + 1))
@@ -321,13 +321,7 @@ def feed_to_seen(server, mb: float, n: int) -> np.ndarray:
                 sock.sendall(b"C" + struct.pack(">Q", x.nbytes))
                 sock.sendall(memoryview(x).cast("B"))
                 sock.sendall(struct.pack(">I", len(text)) + text)
-                got = b""
-                while b"\r\n\r\n" not in got:
-                    got += sock.recv(65536)
-                head, _, body = got.partition(b"\r\n\r\n")
-                need = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-                while len(body) < need:
-                    body += sock.recv(need - len(body))
+                head, _, body = http_answer(sock)[0].partition(b"\r\n\r\n")
                 if not head.startswith(b"HTTP/1.1 200"):
                     raise RuntimeError(f"the feed's call failed: {body[:200]!r}")
                 if k >= 5:

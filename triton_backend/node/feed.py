@@ -364,7 +364,7 @@ class _Local:
                         self.sock.sendall(p)
                 except OSError as exc:
                     raise _Closed(str(exc)) from None
-                answer, close = _answer(self.sock)
+                answer, close = http_answer(self.sock)
             except _Closed:
                 self.close()
                 if fresh:
@@ -388,8 +388,9 @@ class _Closed(OSError):
     """A kept connection closed before any byte of the answer came."""
 
 
-def _answer(sock: socket.socket) -> tuple[bytes, bool]:
-    """An HTTP answer read whole from `sock`, and whether it closes the connection."""
+def http_answer(sock: socket.socket) -> tuple[bytes, bool]:
+    """An HTTP answer read whole from `sock` (head and body, as it came), and whether it
+    closes the connection; _Closed where it closed before any byte of it."""
     buf = b""
     while b"\r\n\r\n" not in buf:
         chunk = sock.recv(65536)

@@ -28,7 +28,7 @@ import asyncio
 import json
 import os
 import struct
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -199,9 +199,7 @@ class HttpStage:
         shapes = tuple((name, x.shape, x.dtype) for (name, _), x in zip(inputs, xs, strict=True))
         got = None
         if feed is not None and sum(x.nbytes for x in xs) >= FEED_MIN_BYTES:
-            got = await feed.call(
-                call, xs, lambda at: _request(shapes, call.parameters, call.outputs, at)[0]
-            )
+            got = await feed.call(call, shapes, xs)
         if got is None:
             if call.parameters is None and call.outputs is None:
                 key = (call.model, shapes)
@@ -306,19 +304,19 @@ class Feed(HttpStage):
     async def call(
         self,
         call: StageCall,
+        shapes: tuple[tuple[str, tuple, np.dtype], ...],
         xs: Sequence[np.ndarray],
-        request_at: Callable[[list[int]], dict[str, Any]],
     ) -> tuple[int, dict[bytes, bytes], bytes] | None:
-        """(status, headers, body) of the node's answer to `call` with inputs `xs` sent
-        through the feed (`request_at(offsets)`: the call's inference header with its
-        inputs at those offsets of the message's bytes), or None: the feed cannot be
+        """(status, headers, body) of the node's answer to `call` with inputs `xs` (of
+        these (name, shape, dtype)) sent through the feed, or None: the feed cannot be
         reached, or does not call for its node (an older one): the inputs go inline."""
         if self.loop.time() < self._off_until:
             self.inline += 1
             return None
         sizes = [-(-x.nbytes // FEED_ALIGN) * FEED_ALIGN for x in xs]
         offsets = [sum(sizes[:k]) for k in range(len(xs))]
-        body = {"model": call.model, "request": request_at(offsets)}
+        request, _ = _request(shapes, call.parameters, call.outputs, offsets)
+        body = {"model": call.model, "request": request}
         if call.trace is not None:
             body["traceparent"] = call.trace
         text = json.dumps(body, separators=(",", ":")).encode()
