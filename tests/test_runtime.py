@@ -740,6 +740,43 @@ def test_a_check_of_a_plan_rolled_away_says_nothing_of_the_plan_served_now():
     assert rt.down_nodes() == {node}
 
 
+class PendingChecks(HandExecutor):
+    """Keeps each node check asked (node, plan) for the test to answer when it likes, as
+    the router's checks answer later, over the network."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[tuple[str, ServedPlan]] = []
+
+    def check_node(self, node: str, served: ServedPlan) -> None:
+        self.pending.append((node, served))
+
+
+def test_a_down_nodes_check_that_outlived_its_plan_is_asked_again_about_the_plan_now():
+    # A down node is asked every check period, each check asked when the last answered.
+    # One in flight while a rollout ended (the node lost, the plan rolled out without it)
+    # used to be dropped with nothing asked after it: the node, started again, was never
+    # seen back, and nothing re-planned for it.
+    topo = make_topology([([0], [10.0], 0.0)], slo_us=1000.0)
+    clock, ex = VirtualClock(), PendingChecks()
+    old = ServedPlan(topo, make_data_plane("eager", topo), vgpu_nodes(topo))
+    rt = ServingRuntime(old, clock, ex, RuntimeConfig(node_check_every_us=500.0))
+    (node,) = set(old.vgpu_node.values())
+    rt.node_lost(node, "its process ended")
+    clock.run_until(600.0)
+    assert ex.pending == [(node, old)]
+    new = ServedPlan(topo, make_data_plane("eager", topo), vgpu_nodes(topo))
+    rt.switch(new, 1e6, lambda res: None)
+    clock.run_until(700.0)
+    assert rt.served is new
+    rt.node_watched(node)  # started again
+    assert rt.node_checked(node, True, "", ex.pending.pop()[1]) is False  # of the old plan
+    assert rt.down_nodes() == {node}
+    clock.run_until(1300.0)
+    assert ex.pending == [(node, new)]  # asked again, about the plan served now
+    assert rt.node_checked(node, True, "", new) is True and rt.down_nodes() == set()
+
+
 def test_a_window_counts_the_outcomes_of_its_own_arrivals_never_more():
     """A request in flight when its window closes used to be counted as arrived in that
     window and answered in the next (a row with more on time than arrivals). Its window is

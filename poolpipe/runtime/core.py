@@ -695,11 +695,14 @@ class ServingRuntime:
         busy node is not a dead one). The answer of a check of a plan no longer served
         (`served`, where given) is dropped: a rollout that ended while it ran unloaded
         the models it looked for, and says nothing of the plan served now (whose sweep
-        checks the node again)."""
-        if served is not None and not self.serves(served):
-            return False
+        checks the node again; a down node is asked again, about the plan served now: its
+        watch goes on)."""
         health = self._health
         now = self.clock.now()
+        if served is not None and not self.serves(served):
+            if node in health.down:
+                health.watch(node, now)
+            return False
         if node not in health.down:
             if ok is False and node in self._plan.node_vgpus and node not in health.drained:
                 self._node_down(node, now, why or "not ready")

@@ -120,11 +120,11 @@ class NodeExecutor(Executor):
         """Is the node live with its models ready? One live without them is refilled; one
         that gave no answer in time is reported as such (None: busy is not dead). A check
         that outlived its plan (a rollout ended and unloaded the models it looked for) is
-        dropped: the plan served now is checked by its own sweep."""
+        told to the runtime, which drops its answer (the plan served now is checked by its
+        own sweep) but asks a node still down again."""
         live, ready = await self.stages.ready(node, sorted(models))
-        if not self.rt.serves(served):
-            return
-        if live and not ready and self.on_empty_node and node not in self._refilling:
+        current = self.rt.serves(served)
+        if current and live and not ready and self.on_empty_node and node not in self._refilling:
             self._refilling.add(node)
             refill = self.loop.run_in_executor(None, self.on_empty_node, node)
             refill.add_done_callback(lambda f: self._refilling.discard(node))
