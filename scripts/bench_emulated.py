@@ -118,8 +118,7 @@ def main() -> int:
         "--duration",
         type=float,
         default=10.0,
-        help="part 2: seconds per trace at the default D, dilated; x D / default D at "
-        "another (10)",
+        help="part 2: seconds per trace at the default D, dilated; x D / default D at another (10)",
     )
     ap.add_argument(
         "--transport", default="router,chain", help="part 2's transports (router,chain)"
@@ -128,8 +127,7 @@ def main() -> int:
         "--nodes",
         choices=("server", "gpu"),
         default="server",
-        help="part 2: a node (tritonserver) per server serving its GPUs, or one per GPU "
-        "(server)",
+        help="part 2: a node (tritonserver) per server serving its GPUs, or one per GPU (server)",
     )
     args = ap.parse_args()
     logging.getLogger("poolpipe.serve").setLevel(logging.ERROR)  # rollouts: in the tables
@@ -307,6 +305,7 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
                     on_point=point, on_step=lambda text: console.print(f"[cyan]{text}[/]"),
                 )  # fmt: skip
                 moved = em.router_bytes() - rx0
+                res["gpus"] = sum(em.gpus)
             runs.append((cluster.name, transport, res, moved, d, duration))
     _cluster_tables(runs, args, rows)
 
@@ -335,8 +334,8 @@ def _cluster_tables(runs, args: argparse.Namespace, rows: BenchRows) -> None:
         title_justify="left",
     )
     for c in ("cluster", "D", "trace s", "transport", "plan", "planned req/s", "simulated req/s",
-              "live req/s", "live / sim", "ready s", "router CPU µs/req",
-              "nodes CPU µs/req", "router cores", "nodes cores",
+              "live req/s", "live / sim", "ready s", "router CPU µs/req (above idle)",
+              "nodes CPU µs/req (above idle)", "router cores (idle)", "nodes cores (idle)",
               "above live: stages late, host CPU busy"):  # fmt: skip
         t.add_column(c, justify="right")
     loads = Table(
@@ -355,10 +354,9 @@ def _cluster_tables(runs, args: argparse.Namespace, rows: BenchRows) -> None:
                 f"{'>= ' if r['capped'] else ''}{r['live'] * d:.0f}",
                 f"{r['live'] / r['sim']:.2f}" if r["sim"] else "-",
                 f"{r['ready_s']:.0f}",
-                f"{r['cpu_us']['router']:.0f}",
-                f"{r['cpu_us']['nodes']:.0f}",
-                f"{r['cores']['router']:.2f}",
-                f"{r['cores']['nodes']:.2f}",
+                *(f"{r['cpu_us'][k]:.0f} ({r['cpu_us_above_idle'][k]:.0f})"
+                  for k in ("router", "nodes")),
+                *(f"{r['cores'][k]:.2f} ({r['idle_cores'][k]:.2f})" for k in ("router", "nodes")),
                 host_above(r),
             )  # fmt: skip
             config = f"{name}/{strategy}/D{d:g}/{transport}" + (
@@ -373,6 +371,10 @@ def _cluster_tables(runs, args: argparse.Namespace, rows: BenchRows) -> None:
                 ("nodes_cpu_us_per_req", r["cpu_us"]["nodes"]),
                 ("router_cores", r["cores"]["router"]),
                 ("nodes_cores", r["cores"]["nodes"]),
+                ("router_cpu_us_per_req_above_idle", r["cpu_us_above_idle"]["router"]),
+                ("nodes_cpu_us_per_req_above_idle", r["cpu_us_above_idle"]["nodes"]),
+                ("router_idle_cores", r["idle_cores"]["router"]),
+                ("nodes_idle_cores", r["idle_cores"]["nodes"]),
                 ("live_requests_judged", r["live_requests"]),
                 ("host_late_share_above", r["host_late_above"]),
                 ("host_cpu_busy_above", r["host_cpu_above"]),
@@ -399,6 +401,34 @@ def _cluster_tables(runs, args: argparse.Namespace, rows: BenchRows) -> None:
             )
     console.print(t)
     console.print(loads)
+    _router_cpu_by_size(runs)
+
+
+def _router_cpu_by_size(runs) -> None:
+    """The router's CPU per request above idle at each cluster size against the smallest's
+    (same transport and plan): how the router's cost grows with the cluster."""
+    for transport in dict.fromkeys(r[1] for r in runs):
+        sized = sorted(
+            ((res["gpus"], name, res) for name, tr, res, *_ in runs if tr == transport),
+            key=lambda x: x[:2],
+        )
+        if len(sized) < 2:
+            continue
+        (g0, name0, base), rest = sized[0], sized[1:]
+        for strategy in ("ppipe", "np"):
+            b = base[strategy]["cpu_us_above_idle"]["router"]
+            console.print(
+                f"router CPU per request above idle, {transport}, {strategy}: {name0} "
+                f"({g0} GPUs) {b:.0f} µs; "
+                + "; ".join(
+                    f"{name} ({g} GPUs) {(x := res[strategy]['cpu_us_above_idle']['router']):.0f}"
+                    f" µs, {x / b:.2f}x"
+                    if b
+                    else f"{name} ({g} GPUs) -"
+                    for g, name, res in rest
+                ),
+                highlight=False,
+            )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,10 @@ WARM_UP_TRACES = 3
 HOST_LATE_SHARE = 0.05
 # ... or with more than this share of the host's CPU time busy (all its cores).
 HOST_BUSY_SHARE = 0.9
+# The router's and the nodes' CPU with nothing sent is sampled this long (wall s) after
+# each plan's search, a second after its last request: what a request costs is what the
+# traces used beyond it (sleeping is idle; polling, sweeps and stats are not).
+IDLE_S = 5.0
 
 
 def onboard_shadows(
@@ -441,6 +445,16 @@ def _cpu_s(pids) -> float:
     return sum(own_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
+def idle_cores(meter: CpuMeter, seconds: float = IDLE_S) -> dict[str, float]:
+    """Cores the router, the nodes and the client thread use with nothing sent (CPU s per
+    wall s over `seconds`, after a second for what was in flight to end)."""
+    time.sleep(1.0)
+    a, t = meter.sample(), time.perf_counter()
+    time.sleep(seconds)
+    b, wall = meter.sample(), time.perf_counter() - t
+    return {k: (b[k] - a[k]) / wall for k in a}
+
+
 class CpuMeter:
     """CPU seconds so far of the router (this process but its calling thread, which runs
     the clients and the simulator, and the router's own tritonserver and stubs) and of the
@@ -491,8 +505,10 @@ def compare_plans(
     load of `rollout_share` x ppipe's live capacity, and its capacity found the same way.
     Rates are dilated. Per plan: mix_capacity's figures, "planned", "ready_s" (wall s to
     serve), "cpu_us" (router / nodes / client CPU µs per request sent in the live search's
-    traces, idle time included, the simulator's not) and "cores" (their CPU seconds per
-    wall second of those traces); "rollout":
+    traces, idle time included, the simulator's not), "cores" (their CPU seconds per wall
+    second of those traces), "idle_cores" (the same with nothing sent, idle_cores) and
+    "cpu_us_above_idle" (CPU µs per request beyond the idle cores over the traces' wall
+    time: what serving a request costs, comparable across cluster sizes); "rollout":
     rollout_under_load's figures; "transport": the one used. `loads`: fractions of each
     plan's live capacity at which to compare live and simulated attainment ("loads":
     attainment_at)."""
@@ -557,6 +573,8 @@ def compare_plans(
                     f"({', '.join(f'{x:.2f}' for x in loads)} x its live capacity)"
                 )
                 at = attainment_at(dep, load, rates, duration_s)
+            on_step(f"{strategy}: CPU with nothing sent, for {IDLE_S:g} s")
+            idle = idle_cores(meter)
             out[strategy] = {
                 **found,
                 "loads": at,
@@ -567,6 +585,10 @@ def compare_plans(
                 "ready_s": ready_s,
                 "cpu_us": {k: v / max(1, sent) * 1e6 for k, v in used.items()},
                 "cores": {k: v / wall for k, v in used.items()},
+                "idle_cores": idle,
+                "cpu_us_above_idle": {
+                    k: max(0.0, v - idle[k] * wall) / max(1, sent) * 1e6 for k, v in used.items()
+                },
             }
     finally:
         if server is not None:
