@@ -53,6 +53,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 from rich.console import Console
 from rich.table import Table
 
+from poolpipe.scheduler import DATA_PLANES
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
 from testbed import scratch_dir, teardown_on_sigterm
@@ -122,6 +123,13 @@ def main() -> int:
     )
     ap.add_argument(
         "--transport", default="router,chain", help="part 2's transports (router,chain)"
+    )
+    ap.add_argument(
+        "--plane",
+        choices=DATA_PLANES,
+        default="reservation",
+        help="part 2: the router's data plane (reservation: equally good vGPUs packed, the "
+        "lowest first; spread: they take turns)",
     )
     ap.add_argument(
         "--nodes",
@@ -285,7 +293,8 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
                     f"EMULATED {cluster.name}: {sum(em.gpus)} GPUs, {len(em.nodes)} nodes "
                     f"(a node per {args.nodes}) on {em.servers} "
                     f"servers (namespaces, {cluster.bandwidth_gbps:g} Gbit/s / D NICs), time "
-                    f"scale D = {d:g}, transport {transport}, profiles {GROUP2_DIR}; up in "
+                    f"scale D = {d:g}, transport {transport}, data plane {args.plane}, profiles "
+                    f"{GROUP2_DIR}; up in "
                     f"{time.perf_counter() - t0:.0f} s"
                 )
 
@@ -301,7 +310,7 @@ def cluster_part(args: argparse.Namespace, rows: BenchRows) -> None:
                 rx0 = em.router_bytes()
                 res = compare_plans(
                     plans, warehouse, em, tmp / "serve", d, weights, duration,
-                    token=token, transport=transport, loads=(1 / 3, 2 / 3, 1.0),
+                    token=token, transport=transport, loads=(1 / 3, 2 / 3, 1.0), plane=args.plane,
                     on_point=point, on_step=lambda text: console.print(f"[cyan]{text}[/]"),
                 )  # fmt: skip
                 moved = em.router_bytes() - rx0
@@ -359,8 +368,10 @@ def _cluster_tables(runs, args: argparse.Namespace, rows: BenchRows) -> None:
                 *(f"{r['cores'][k]:.2f} ({r['idle_cores'][k]:.2f})" for k in ("router", "nodes")),
                 host_above(r),
             )  # fmt: skip
-            config = f"{name}/{strategy}/D{d:g}/{transport}" + (
-                "/node-per-server" if args.nodes == "server" else ""
+            config = (
+                f"{name}/{strategy}/D{d:g}/{transport}"
+                + ("/node-per-server" if args.nodes == "server" else "")
+                + ("" if args.plane == "reservation" else f"/{args.plane}")
             )
             for metric, value in (
                 ("capacity_live_req_s", r["live"] * d),

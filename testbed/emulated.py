@@ -495,6 +495,7 @@ def compare_plans(
     *,
     token: str,
     transport: str = "router",
+    plane: str = "reservation",
     rollout_share: float = 0.25,
     loads: tuple[float, ...] = (),
     on_point: Callable[[str, str, float, float], None] = lambda plan, kind, rate, att: None,
@@ -509,7 +510,8 @@ def compare_plans(
     second of those traces), "idle_cores" (the same with nothing sent, idle_cores) and
     "cpu_us_above_idle" (CPU µs per request beyond the idle cores over the traces' wall
     time: what serving a request costs, comparable across cluster sizes); "rollout":
-    rollout_under_load's figures; "transport": the one used. `loads`: fractions of each
+    rollout_under_load's figures; "transport": the one used; `plane`: the router's data
+    plane (scheduler.DATA_PLANES; the simulator drives the same). `loads`: fractions of each
     plan's live capacity at which to compare live and simulated attainment ("loads":
     attainment_at)."""
     top = plans["ppipe"][0].objective / d  # both plans on one grid: ppipe's plan rate
@@ -525,7 +527,7 @@ def compare_plans(
                         "nodes and calibrates them")  # fmt: skip
                 server = serve_dilated(
                     plan, plan_id, warehouse, workspace, d, name="emulated", token=token,
-                    inventory=em.inventory(), transport=transport,
+                    inventory=em.inventory(), transport=transport, plane=plane,
                 )  # fmt: skip
                 ready_s = time.perf_counter() - t0
                 out["transport"] = server.deployment.options.transport  # "auto" resolved
