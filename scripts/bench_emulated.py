@@ -417,27 +417,28 @@ def _cluster_tables(runs, args: argparse.Namespace, rows: BenchRows) -> None:
 
 def _router_cpu_by_size(runs) -> None:
     """The router's CPU per request above idle at each cluster size against the smallest's
-    (same transport and plan): how the router's cost grows with the cluster."""
+    (same transport and plan; each at its own D, printed): how the router's cost grows
+    with the cluster."""
     for transport in dict.fromkeys(r[1] for r in runs):
         sized = sorted(
-            ((res["gpus"], name, res) for name, tr, res, *_ in runs if tr == transport),
+            ((res["gpus"], name, d, res) for name, tr, res, _, d, _ in runs if tr == transport),
             key=lambda x: x[:2],
         )
         if len(sized) < 2:
             continue
-        (g0, name0, base), rest = sized[0], sized[1:]
         for strategy in ("ppipe", "np"):
-            b = base[strategy]["cpu_us_above_idle"]["router"]
+            us = [
+                (g, name, d, res[strategy]["cpu_us_above_idle"]["router"])
+                for g, name, d, res in sized
+            ]
+            g0, name0, d0, base = us[0]
+            rest = [
+                f"{name} ({g} GPUs, D = {d:g}) {x:.0f} µs" + (f", {x / base:.2f}x" if base else "")
+                for g, name, d, x in us[1:]
+            ]
             console.print(
                 f"router CPU per request above idle, {transport}, {strategy}: {name0} "
-                f"({g0} GPUs) {b:.0f} µs; "
-                + "; ".join(
-                    f"{name} ({g} GPUs) {(x := res[strategy]['cpu_us_above_idle']['router']):.0f}"
-                    f" µs, {x / b:.2f}x"
-                    if b
-                    else f"{name} ({g} GPUs) -"
-                    for g, name, res in rest
-                ),
+                f"({g0} GPUs, D = {d0:g}) {base:.0f} µs; " + "; ".join(rest),
                 highlight=False,
             )
 
