@@ -63,6 +63,13 @@ LIGHT_LOAD: Final = 0.5
 # takes the batch, so at a low load the highest stay idle and can be released (Symphony's
 # rule). False: equally good vGPUs take turns (the plane's `spread` form).
 PACK: Final = True
+# Packing holds only while the model's arrival rate is at most this share of the rate its
+# plan serves it at; above it equally good vGPUs take turns. Packed under load, a pool's
+# first vGPUs and their server's NIC are reserved back to back, and a slip of the host there
+# delays every batch behind it: hc2-large at 64 emulated GPUs (D = 40) served ppipe 598 req/s
+# live packed and 924 with turns (docs/serving.md). Below it the highest vGPUs of a pool go
+# idle and can be given back (./run bench-packing: at a tenth and at 0.3 of capacity).
+PACK_LOAD: Final = 1 / 3
 # The arrival rate's time constant (µs): an exponentially decaying count of arrivals.
 RATE_WINDOW_US: Final = 1e6
 
@@ -222,6 +229,8 @@ class ReservationScheduler(DataPlane):
         self.memo = ProbeMemo(self.index, self.tables, self.lat)
         self.prober = Prober(self.index, self.tables, self.lat, self.bounds, self.memo)
         self.prober.pack = pack
+        # arrivals per µs above which model m's vGPUs take turns (PACK_LOAD)
+        self._pack_below = vec[float]([PACK_LOAD * m.throughput / 1e6 for m in topo.models])
         # The specification (reference.py): every probe by the plain rule, every pipeline
         # probed in the model's order; the fast plane must decide exactly as this does.
         self.reference = reference
@@ -478,6 +487,12 @@ class ReservationScheduler(DataPlane):
             return False
         return self.arrival_rate(m, now) <= self.light_load * self.lat.serves[m][n]
 
+    def _busy(self, m: int, now: float) -> bool:
+        """Does model m arrive above PACK_LOAD of the rate its plan serves it at? Then its
+        pools' equally good vGPUs take turns, packed or not (a plane that does not count
+        arrivals, light_load 0, always packs)."""
+        return self.arrival_rate(m, now) > self._pack_below[m]
+
     def _choose(self, m: int, now: float) -> tuple[int, Probe]:
         """The model's pipeline with the least waiting at its planned batch (then the
         earliest finish, then the first in the model's list), and its probe. The one chosen
@@ -530,8 +545,10 @@ class ReservationScheduler(DataPlane):
         best_pr = LOST
         for other in self.index.pipes[m]:
             pr = self._probe(other, pipe_batch[other], now, math.inf)
-            if best < 0 or pr.wait_us < best_pr.wait_us or (
-                pr.wait_us == best_pr.wait_us and pr.finish_us < best_pr.finish_us
+            if (
+                best < 0
+                or pr.wait_us < best_pr.wait_us
+                or (pr.wait_us == best_pr.wait_us and pr.finish_us < best_pr.finish_us)
             ):
                 best, best_pr = other, pr
         return best, best_pr
@@ -562,7 +579,7 @@ class ReservationScheduler(DataPlane):
         did = self._next_dispatch
         self._next_dispatch += 1
         path = self.memo.hops(pr)
-        self.prober.reserve(path, did, now)
+        self.prober.reserve(path, did, now, self._busy(m, now))
         reqs = [q.popleft() for _ in range(min(b, len(q)))]
         # the probe's hops are the dispatch's: a probe is made fresh and used once
         probes = self.prober.probes

@@ -73,7 +73,8 @@ class Prober:
         self.rr = vec[i64]([0] * len(index.flat))
         # Load-proportional packing: every scan starts at the pool's first vGPU (group), so
         # of equally good choices the lowest-numbered takes the batch and the highest stay
-        # idle at a low load (False: equally good choices take turns, `rr`).
+        # idle at a low load (False, or a dispatch reserved `busy`: equally good choices
+        # take turns, `rr`).
         self.pack = False
         # Skip a compared pipeline whose pools' bounds put its wait above the best one's, and
         # cut its probe short where it cannot finish first (False: probe every pipeline not
@@ -376,8 +377,10 @@ class Prober:
 
     # ------------------------------------------------------------------ reserve / correct
 
-    def reserve(self, path: list[Hop], did: i64, now: float) -> None:
-        """Reserve dispatch `did`'s hops; each pool's next scan starts after its choice."""
+    def reserve(self, path: list[Hop], did: i64, now: float, busy: bool = False) -> None:
+        """Reserve dispatch `did`'s hops; each pool's next scan starts after its choice, or,
+        packing and not `busy` (its model's load is light: adaptive.PACK_LOAD), at its
+        first vGPU (group)."""
         index, tables, bounds = self.index, self.tables, self.bounds
         server_of = index.server_of
         # (every hop's vGPU is of the one pipeline; its pools' scans start elsewhere now)
@@ -403,7 +406,8 @@ class Prober:
                 tables.down_version[server_of[v]] += 1
                 bounds.touch_down(server_of[v], now)
             pid = hop.pool
-            if self.pack:
+            if self.pack and not busy:
+                self.rr[pid] = 0
                 continue
             if src < 0 and not index.inputs[pid]:
                 self.rr[pid] = (index.flat_index[v] + 1) % len(index.flat[pid])
