@@ -355,8 +355,8 @@ def test_packing_leaves_the_highest_vgpus_idle_at_a_low_load_and_serves_as_much_
     lowest-numbered takes the batch, so at a low load the pool's last GPU runs nothing (it
     could be given back); `spread` (equally good vGPUs take turns) keeps every GPU a little
     busy. Above adaptive.PACK_LOAD of the plan's rate the reservation plane's vGPUs take
-    turns too (the `holding` plane, which counts no arrivals, still packs). Near the
-    pool's capacity both serve every request on time."""
+    turns too (the `packed` plane packs at any load). Near the pool's capacity both serve
+    every request on time."""
     # one pool of 4 GPUs, 1.0-1.6 ms at batch 1-4 (2,500 req/s each at batch 4), SLO 10 ms
     topo = make_topology(
         [([0, 1, 2, 3], [1000.0, 1200.0, 1400.0, 1600.0], 0.0)],
@@ -376,9 +376,9 @@ def test_packing_leaves_the_highest_vgpus_idle_at_a_low_load_and_serves_as_much_
     assert busy["reservation"] == pytest.approx(busy["spread"], rel=0.05)
     # at 0.6 of the plan's 8,000 req/s, above PACK_LOAD
     mid = {p: run_once(topo, poisson, 0.6, SimConfig(duration_s=6.0, seed=3), p).gpu_busy
-           for p in ("reservation", "holding")}  # fmt: skip
+           for p in ("reservation", "packed")}  # fmt: skip
     assert min(mid["reservation"].values()) > 0.9 * max(mid["reservation"].values())
-    assert mid["holding"]["G#3"] < 0.5 * mid["holding"]["G#0"]
+    assert mid["packed"]["G#3"] < 0.5 * mid["packed"]["G#0"]
     for p in ("reservation", "spread"):
         assert low[p].attainment == 1.0
         high = run_once(topo, poisson, 0.9, SimConfig(duration_s=2.0, seed=3), p)

@@ -8,6 +8,8 @@ on_stage_done).
 
 from __future__ import annotations
 
+import math
+
 from poolpipe.errors import PoolpipeError
 from poolpipe.scheduler.adaptive import LIGHT_LOAD, WAKE_GUARD_US, ReservationScheduler
 from poolpipe.scheduler.checked import CheckedPlane, PlaneDifference, checked_plane
@@ -28,8 +30,8 @@ from poolpipe.scheduler.topology import Topology, build_topology
 # reservation: docs/design/dataplane.md's adaptive batching; the others are baselines and
 # ablations (holding: reservation holding every short batch for its last moment, light load
 # or not, as the published plane does; spread: reservation with equally good vGPUs taking
-# turns instead of the lowest-numbered packed first).
-DATA_PLANES = ("reservation", "holding", "spread", "reactive", "eager", "deferred")
+# turns at any load; packed: the lowest-numbered of them first at any load).
+DATA_PLANES = ("reservation", "holding", "spread", "packed", "reactive", "eager", "deferred")
 # reservation's specification (reference.py: slower, every pipeline probed by the plain
 # rule), and both side by side, failing at the first difference (checked.py)
 CHECK_PLANES = ("reference", "checked")
@@ -52,6 +54,10 @@ def make_data_plane(
         return ReservationScheduler(topo, "adaptive", max_queue, guard, light_load=light)
     if name == "holding":
         return ReservationScheduler(topo, "adaptive", max_queue, guard, light_load=0.0)
+    if name == "packed":
+        return ReservationScheduler(
+            topo, "adaptive", max_queue, guard, light_load=light, pack_load=math.inf
+        )
     if name == "spread":
         return ReservationScheduler(
             topo, "adaptive", max_queue, guard, light_load=light, pack=False

@@ -205,6 +205,7 @@ class ReservationScheduler(DataPlane):
         reference: bool = False,
         light_load: float = LIGHT_LOAD,
         pack: bool = PACK,
+        pack_load: float = PACK_LOAD,
     ):
         if policy not in POLICIES:
             raise PoolpipeError(f"unknown batching policy {policy!r}; choose {', '.join(POLICIES)}")
@@ -229,8 +230,8 @@ class ReservationScheduler(DataPlane):
         self.memo = ProbeMemo(self.index, self.tables, self.lat)
         self.prober = Prober(self.index, self.tables, self.lat, self.bounds, self.memo)
         self.prober.pack = pack
-        # arrivals per µs above which model m's vGPUs take turns (PACK_LOAD)
-        self._pack_below = vec[float]([PACK_LOAD * m.throughput / 1e6 for m in topo.models])
+        # arrivals per µs above which model m's vGPUs take turns (PACK_LOAD; inf: never)
+        self._pack_below = vec[float]([pack_load * m.throughput / 1e6 for m in topo.models])
         # The specification (reference.py): every probe by the plain rule, every pipeline
         # probed in the model's order; the fast plane must decide exactly as this does.
         self.reference = reference
