@@ -580,7 +580,7 @@ class ReservationScheduler(DataPlane):
         did = self._next_dispatch
         self._next_dispatch += 1
         path = self.memo.hops(pr)
-        self.prober.reserve(path, did, now, self._busy(m, now))
+        self.prober.reserve(path, did, now, self.prober.pack and self._busy(m, now))
         reqs = [q.popleft() for _ in range(min(b, len(q)))]
         # the probe's hops are the dispatch's: a probe is made fresh and used once
         probes = self.prober.probes
