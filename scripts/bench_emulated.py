@@ -128,8 +128,9 @@ def main() -> int:
         "--plane",
         choices=DATA_PLANES,
         default="reservation",
-        help="part 2: the router's data plane (reservation: equally good vGPUs packed, the "
-        "lowest first; spread: they take turns)",
+        help="part 2: the router's data plane (reservation: of equally good vGPUs the lowest "
+        "first at a low load, taking turns above; packed: the lowest first at any load; "
+        "spread: taking turns at any load)",
     )
     ap.add_argument(
         "--nodes",

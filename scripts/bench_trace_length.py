@@ -3,8 +3,9 @@
 counted on its first server's NIC: testbed.emulated.group_plans) simulated with the
 reservation plane, Poisson arrivals, each model at its share of the mix rate. A rate passes
 where the two traces of a seed pair together keep >= 99% on time (the main job's rule); the
-capacity is the largest rate on a grid of 1/32 of ppipe's planned rate that passes, every
-rate below it passing too, searched up from --from-step. Per trace length and plan: the
+capacity is the largest rate on a grid of 1/32 of ppipe's planned rate that passes with
+every grid rate from --from-step up to it (searched down from --from-step where that fails,
+to the first that passes). Per trace length and plan: the
 capacity on each of --pairs seed pairs, their median, and ppipe / np of the medians.
 
 The main job judges its rates on traces of 0.5 s (10 s wall clock at D = 20). A queue that
@@ -29,9 +30,8 @@ from rich.table import Table
 from poolpipe.scheduler.topology import simulated_topology
 from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.store.bench_rows import BenchRows
-from poolpipe.store.plan_inputs import plan_request
 from poolpipe.store.warehouse import Warehouse
-from testbed.emulated import GROUP2, GROUP2_DIR, MAF19, group_plans, onboard_shadows
+from testbed.emulated import GROUP2, MAF19, group2_inputs, group_plans
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 STEPS = 32  # the grid: ppipe's planned rate / this (the main job's)
@@ -39,8 +39,8 @@ CAPACITY_TARGET = 0.99
 
 
 def capacity(topo, shares: list[float], step: float, length: float, seeds, first: int) -> float:
-    """The largest rate i * step (i >= first) whose traces on `seeds` keep the target, every
-    rate from `first` up to it passing too (first - 1 steps where `first` fails)."""
+    """The largest rate i * step whose traces on `seeds` keep the target, every grid rate
+    from `first` up to it passing too; where `first` fails, the first below it that passes."""
     arrivals = ArrivalSpec.parse("poisson")
 
     def passes(i: int) -> bool:
@@ -75,23 +75,16 @@ def main() -> int:
         ap.error(f"--lengths: {args.lengths!r} is not a list of seconds")
     if any(x <= 0 for x in lengths) or args.pairs < 1 or args.from_step < 1:
         ap.error("--lengths must be positive, --pairs and --from-step at least 1")
-    with Warehouse.open(args.warehouse) as wh:
-        warehouse = str(wh.path)
-    onboard_shadows(warehouse)
+    warehouse, profiles, _ = group2_inputs(args.warehouse, args.cluster)
     plans = group_plans(warehouse, args.cluster)
-    with Warehouse.open(warehouse) as wh:
-        req = plan_request(
-            wh,
-            list(GROUP2),
-            args.cluster,
-            clusters_file=GROUP2_DIR / "clusters.toml",
-            weights=list(MAF19),
-            slo_scale=5.0,
-            count_inputs=True,
-        )
-    profiles = {m.name: m for m in req.models}
     step = plans["ppipe"][0].objective / STEPS
     weights = dict(zip(GROUP2, MAF19, strict=True))
+    # per plan: its topology and each model's share of the mix rate
+    served = {}
+    for strategy in ("ppipe", "np"):
+        topo = simulated_topology(plans[strategy][0], profiles)
+        total = sum(weights[m.name] for m in topo.models)
+        served[strategy] = (topo, [weights[m.name] / total for m in topo.models])
     rows = BenchRows(args.label)
     table = Table(
         title=f"capacity by trace length: group 2 at maf19 on {args.cluster}, simulated "
@@ -106,11 +99,7 @@ def main() -> int:
     for length in lengths:
         medians = {}
         found = {}
-        for strategy in ("ppipe", "np"):
-            plan = plans[strategy][0]
-            topo = simulated_topology(plan, profiles)
-            total = sum(weights[m.name] for m in topo.models)
-            shares = [weights[m.name] / total for m in topo.models]
+        for strategy, (topo, shares) in served.items():
             caps = [
                 capacity(topo, shares, step, length, (2 * k + 1, 2 * k + 2), args.from_step)
                 for k in range(args.pairs)
