@@ -442,29 +442,29 @@ def test_a_burst_gets_on_time_answers_and_explicit_drops_not_late_ones(served):
     stages compete for the CPU and a burst waits in Triton's front end where no one sees
     it: at most a third of the answers, none more than 50 ms past the SLO (before the
     door: 500 of 500 answered late, the last after 1.7 s, none dropped). The router's counts
-    are checked in each of three bursts; the client's latencies in the best of the second
-    and third: the first meets Triton's HTTP front end cold (100 connections it has not
-    served before: here 9-19 of 53-57 answers up to 26 ms past at the client, the next 0-9),
-    and a burst of 0.1 s on two shared cores can meet another process holding them."""
+    are checked in each of four bursts; what the client was served in the best of the
+    three after the first: the first meets Triton's HTTP front end cold (100 connections it
+    has not served before: here 9-19 of 53-57 answers up to 26 ms past at the client, the
+    next 0-9), and a burst of 0.1 s on two shared cores can meet another process holding
+    them (once in CI, on 9e24485, a burst had all 100 dropped, none late)."""
     from testbed.loadgen import burst
 
     x = np.zeros((1, 3, 32, 32), np.float32)
     io = served.ios[0]
     judged = []  # (answers late at the client, answers, the latest one's latency)
-    for k in range(3):
+    for k in range(4):
         served.core.take_window()
         shots = burst(served.http_url, io.name, {io.inputs[0].name: x}, N_BURST, 100.0)
         win = served.core.take_window().models[0]
         ok = [s for s in shots if s.outcome == "ok"]
         dropped = [s for s in shots if s.outcome == "dropped"]
         assert len(ok) + len(dropped) == N_BURST, {s.outcome for s in shots}
-        assert ok, "nothing served"
         assert win.arrivals == N_BURST and win.dropped == len(dropped), win
         assert win.late == 0, win
         if k > 0:
             late = [s.latency_s for s in ok if s.latency_s > 0.105]
-            judged.append((len(late), len(ok), max(s.latency_s for s in ok)))
-    assert any(late <= n / 3 and worst <= 0.150 for late, n, worst in judged), judged
+            judged.append((len(late), len(ok), max((s.latency_s for s in ok), default=0.0)))
+    assert any(n > 0 and late <= n / 3 and worst <= 0.150 for late, n, worst in judged), judged
 
 
 def test_rollout_under_load_answers_every_request(served, onboarded_tiny):
