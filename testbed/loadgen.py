@@ -335,7 +335,9 @@ def bisect_grid(passes: Callable[[int], bool], top: int, guess: int | None = Non
     then bisects between them: a guess from the plan's stated figure fails by a step or
     two when a trace or two of a live search lose a request more than the rest, and
     bisecting from 0 then drove loads far below the capacity (half the guess, then three
-    quarters), two traces each."""
+    quarters), two traces each. Above a guess that passed, the same upwards (1, 2, 4, ...
+    steps over the last that passed until one fails): bisecting up to `top` drove a rate
+    far above the capacity first, where a live trace costs as much as one near it."""
     if guess is None:
         if passes(top):
             return top
@@ -343,7 +345,12 @@ def bisect_grid(passes: Callable[[int], bool], top: int, guess: int | None = Non
     else:
         guess = max(1, min(top, guess))
         if passes(guess):
-            lo, hi = guess, top + 1
+            lo, hi, up = guess, top + 1, 1
+            while lo + up <= top:
+                if not passes(lo + up):
+                    hi = lo + up
+                    break
+                lo, up = lo + up, 2 * up
         else:
             lo, hi, down = 0, guess, 1
             while hi - down > 0:

@@ -106,10 +106,16 @@ def test_a_capacity_search_may_start_at_a_guess():
                 assert asked[0] == answer and len(asked) <= 5
             if guess == answer + 1 and 0 < answer < 16:  # one step high: two loads asked
                 assert asked == [answer + 1, answer], asked
+            if guess == answer and 0 < answer < 16:  # right: the step above it asked next
+                assert asked == [answer, answer + 1], asked
     # a guess far too high: 1, 2, 4, 8 steps down, then bisected (not from 0)
     asked = []
     assert bisect_grid(lambda i: asked.append(i) or i <= 3, 32, 22) == 3
     assert asked[:5] == [22, 21, 19, 15, 7] and len(asked) <= 8, asked
+    # a guess far too low: 1, 2, 4, 8 steps up, then bisected (not up to the top)
+    asked = []
+    assert bisect_grid(lambda i: asked.append(i) or i <= 20, 32, 5) == 20
+    assert asked[:5] == [5, 6, 8, 12, 20] and len(asked) <= 8, asked
 
 
 def test_a_rate_is_judged_on_its_traces_together():
