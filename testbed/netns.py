@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -437,9 +438,13 @@ class EmulatedCluster:
             self._close()
 
     def _close(self) -> None:
-        for k in range(len(self.nodes)):
+        def stop(k: int) -> None:
             with contextlib.suppress(Exception):
                 self.stop_node(k)
+
+        if self.nodes:  # side by side (the router's stop and this took 12 s for 7 in turn)
+            with ThreadPoolExecutor(min(16, len(self.nodes))) as pool:
+                list(pool.map(stop, range(len(self.nodes))))
         while self._made:
             _run(*self._made.pop(), check=False)
         self.nodes = []

@@ -10,7 +10,6 @@ door)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -37,7 +36,7 @@ from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_inputs, with_latencies
 from triton_backend import DOOR_RING_MB, TRANSPORT_CHOICES, TRANSPORTS
-from triton_backend.deploy.load import LocalNodes, Supervisor, attach, load_layout
+from triton_backend.deploy.load import LocalNodes, Supervisor, attach, load_layout, unload_all
 from triton_backend.deploy.prepare import model_io, prepare, remove_files
 from triton_backend.env import is_loopback, signals_held, triton_home
 from triton_backend.node.triton import RemoteNode, RepositoryAPI, TritonNode, refuse_taken_ports
@@ -412,9 +411,7 @@ class Deployment:
             elif local is not None:
                 local.stop()
             else:  # attached nodes run on: take off them what was loaded
-                for node, partition in loaded:
-                    with contextlib.suppress(Exception):
-                        node.unload(partition)
+                unload_all(loaded)
             raise
 
     def rollout(
@@ -480,9 +477,7 @@ class Deployment:
             _watch(self.core, nodes)
             res = self.core.switch(_served(live, lay, nodes, ios, opt), flush_timeout_s)
         except Exception as exc:
-            for node, partition in loaded:
-                with contextlib.suppress(Exception):
-                    node.unload(partition)
+            unload_all(loaded)
             if self.local is not None:
                 self.local.stop(started)
             remove_files(parts.values())  # the new generation's cuts
@@ -497,9 +492,8 @@ class Deployment:
         self.plan, self.topo, self.layout, self.parts = plan, topo, lay, parts
         self.nodes, self.inventory = nodes, inventory
         self.generation += 1
-        for p in old.placements:  # the node removes an unloaded model's files
-            with contextlib.suppress(Exception):
-                old_nodes[p.node].unload(p.partition)
+        # the node removes an unloaded model's files
+        unload_all((old_nodes[p.node], p.partition) for p in old.placements)
         remove_files(old_parts.values())  # and this workspace the old generation's cuts
         if self.local is not None:  # nodes the new plan does not use
             self.local.stop([n for name, n in self.local.nodes.items() if name not in self.nodes])
@@ -662,9 +656,7 @@ class Deployment:
         if self.local is not None:
             self.local.stop()
         else:  # attached nodes keep running: take this deployment's models off them
-            for p in self.layout.placements:
-                with contextlib.suppress(Exception):
-                    self.nodes[p.node].unload(p.partition)
+            unload_all((self.nodes[p.node], p.partition) for p in self.layout.placements)
             log.info("unloaded this router's models from %d attached node(s)", len(self.nodes))
 
     def __enter__(self) -> Deployment:

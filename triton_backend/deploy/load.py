@@ -5,11 +5,12 @@ node's model repository API (recorded, so that a failure can be undone)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,6 +109,24 @@ def load_layout(
 
     with ThreadPoolExecutor(max(1, len(lay.nodes))) as pool:
         list(pool.map(lambda s: bring_up(s.name, s.gpu), lay.nodes))
+
+
+def unload_all(models: Iterable[tuple[RepositoryAPI, str]]) -> None:
+    """Unload each (node, model name), nodes side by side (a node's models in turn); one
+    that fails stays loaded (the node may be gone): what unloads it is tidying up, not
+    serving. A router stops in the time its slowest node takes, not in their sum."""
+    by_node: dict[str, list[tuple[RepositoryAPI, str]]] = {}
+    for node, name in models:
+        by_node.setdefault(node.grpc_url, []).append((node, name))
+
+    def off(pairs: list[tuple[RepositoryAPI, str]]) -> None:
+        for node, name in pairs:
+            with contextlib.suppress(Exception):
+                node.unload(name)
+
+    if by_node:
+        with ThreadPoolExecutor(min(16, len(by_node))) as pool:
+            list(pool.map(off, by_node.values()))
 
 
 class LocalNodes:
