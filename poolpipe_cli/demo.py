@@ -32,6 +32,11 @@ from poolpipe_cli.common import step
 from poolpipe_cli.serve import add_router_arguments, router_options
 
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
+# Emulated GPUs: each rate judged on one trace of this many seconds (undilated; x D on the
+# wall clock). Traces of 0.5 s (two a rate) put whole-model serving's capacity 1.36x above
+# its capacity on traces of 4 s (`./run bench-trace-length`): its queues take longer than
+# that to miss. 1.25 s: within a grid step of 4 s, in the main job's six minutes.
+TRACE_S = 1.25
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -48,7 +53,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             from poolpipe_cli.demo_gpu import cmd_demo_gpu
 
             args.cluster = args.cluster or "hc2-small"
-            args.duration = args.duration or 10.0
+            args.duration = args.duration or TRACE_S * args.time_scale
             return cmd_demo_gpu(args)
         console.print(
             f"[yellow]The emulated GPU cluster needs network namespaces, but {why}; running "
@@ -481,7 +486,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--duration",
         type=float,
         default=None,
-        help="seconds per trace, wall clock (emulated GPUs: 10, dilated; --cpu: 8)",
+        help=f"seconds per trace, wall clock (emulated GPUs: {TRACE_S:g} x the time scale, "
+        "dilated; --cpu: 8)",
+    )
+    p.add_argument(
+        "--traces",
+        type=int,
+        default=1,
+        help="emulated GPUs: traces a rate is judged on (1; one more where it fails narrowly)",
     )
     p.add_argument("--width", type=float, default=1.0, help="model channel multiplier (1.0)")
     p.add_argument("--image", type=int, default=64, help="input size (64)")

@@ -194,34 +194,38 @@ def mix_capacity(
     extra: int = EXTRA_TRACES,
     cpu: Callable[[], dict[str, float]] | None = None,
     start: float | None = None,
+    warm_up_s: float | None = None,
+    guide: bool = False,
 ) -> dict:
-    """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest
-    multiple of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of
-    their requests on time together (the k-th trace of every rate one pattern scaled to
-    it, loadgen.scaled_poisson_times: with a trace of its own each, 279 req/s failed in
-    every main-job run that drove it while 301 passed in some; loadgen.rate_passes; a
-    narrow failure judged again with up to `extra` traces more), bisected
-    (loadgen.bisect_grid), live first (from the grid rate nearest `start`, a quarter of
-    `top` without it, after a warm-up there until the router stops recalibrating: also for
-    a plan rolled out under load), then the simulator on the same traces, drawing each
-    pool's stage times from those measured live at the same rate (the nearest rate
-    run live where it was not): on the emulated GPUs a stage's time includes what the host
-    adds to it and its inputs' slips on the server's NIC (the data plane reserves each
-    batch's inputs on its first server's downlink, but a transfer that slipped shares the
-    NIC with the next one), which grow with the load, so stage times from one load
-    misrepresent another. Stage times measured far beyond a plan's capacity made the
-    simulator miss at light loads; those measured at light loads know nothing of the
-    queues near capacity. `stages`: the nodes' (on time, late) emulated stages so far
-    (EmulatedCluster.emulated_stages), for the share the host made late at each live rate
-    ("host_late"), beside the share of the host's CPU time that was busy ("host_cpu"):
-    "host_bound" where the first rate above the live capacity failed with more than
-    HOST_LATE_SHARE of its stages late or more than HOST_BUSY_SHARE of the CPU busy (the
+    """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest multiple
+    of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of their requests on
+    time together (the k-th trace of every rate one pattern scaled to it,
+    loadgen.scaled_poisson_times: with a trace of its own each, 279 req/s failed in every
+    main-job run that drove it while 301 passed in some; loadgen.rate_passes; a narrow failure
+    judged again with up to `extra` traces more), bisected (loadgen.bisect_grid), live first
+    (from the grid rate nearest `start`, a quarter of `top` without it, after a warm-up there of
+    traces of `warm_up_s` (`duration_s` without it) until the router stops recalibrating: also
+    for a plan rolled out under load), then the simulator on the same traces, drawing each
+    pool's stage times from those measured live at the same rate (the nearest rate run live
+    where it was not): on the emulated GPUs a stage's time includes what the host adds to it and
+    its inputs' slips on the server's NIC (the data plane reserves each batch's inputs on its
+    first server's downlink, but a transfer that slipped shares the NIC with the next one),
+    which grow with the load, so stage times from one load misrepresent another. Stage times
+    measured far beyond a plan's capacity made the simulator miss at light loads; those measured
+    at light loads know nothing of the queues near capacity. `stages`: the nodes' (on time,
+    late) emulated stages so far (EmulatedCluster.emulated_stages), for the share the host made
+    late at each live rate ("host_late"), beside the share of the host's CPU time that was busy
+    ("host_cpu"): "host_bound" where the first rate above the live capacity failed with more
+    than HOST_LATE_SHARE of its stages late or more than HOST_BUSY_SHARE of the CPU busy (the
     host's limit, not the plan's: the router, the nodes and the clients share its cores).
-    "live_requests" and "live_interval": the requests the live capacity was judged on and
-    a 95% interval of their share on time (Wilson). `cpu`: CPU seconds so far by part
-    (CpuMeter.sample), summed over the live traces alone into "live_cpu_s", beside their
-    wall seconds ("live_wall_s") and requests ("live_sent"): the simulator's searches run
-    in the router's process and count for nothing there."""
+    `guide`: the live search starts where the simulator finds the capacity with the stage
+    times and delays of the last warm-up trace ("guide": that step), not at `start` (there
+    the warm-up is run): each live rate costs a trace or two, the simulator's none.
+    "live_requests" and "live_interval": the requests the live capacity was judged on and a 95%
+    interval of their share on time (Wilson). `cpu`: CPU seconds so far by part
+    (CpuMeter.sample), summed over the live traces alone into "live_cpu_s", beside their wall
+    seconds ("live_wall_s") and requests ("live_sent"): the simulator's searches run in the
+    router's process and count for nothing there."""
     first = steps // 4 if start is None else max(1, min(steps, round(start * steps / top)))
     # Warm-up at the first rate judged, until a trace leaves the router's latencies as they
     # were (recalibration rescales pools by a tenth or more in their first stage calls
@@ -231,13 +235,14 @@ def mix_capacity(
     # against 268-301 in the others).
     for k in range(WARM_UP_TRACES):
         before = dep.core.recalibrations()
-        load.run(first * top / steps, duration_s, seed=k)
+        dep.core.take_stage_factors()
+        dep.core.take_answer_delays()
+        load.run(first * top / steps, warm_up_s or duration_s, seed=k)
         if dep.core.recalibrations() == before:
             break
-    dep.core.take_stage_factors()
-    dep.core.take_answer_delays()
-    points: dict[str, dict[float, float]] = {"live": {}, "sim": {}}
-    judged: dict[str, dict[float, int]] = {"live": {}, "sim": {}}  # requests per rate
+    warm = dep.core.take_stage_factors(), dep.core.take_answer_delays()  # the last trace's
+    points: dict[str, dict[float, float]] = {"live": {}, "sim": {}, "guide": {}}
+    judged: dict[str, dict[float, int]] = {"live": {}, "sim": {}, "guide": {}}
     host_late: dict[float, float] = {}
     host_cpu: dict[float, float] = {}
     measured: dict[int, list[list[float]]] = {}  # grid step -> per pool, live
@@ -256,7 +261,7 @@ def mix_capacity(
             nonlocal count
             seed = 200 + 1000 * k  # the k-th trace of every rate: one pattern, scaled
             times, which = mix_times(rate, load.weights, duration_s, seed, scaled=True)
-            if kind == "sim":
+            if kind != "live":
                 near = min(measured, key=lambda j: (abs(j - i), j))
                 got = predict(
                     dep, times, duration_s, measured[near], models=which, answer_delays=delays[near]
@@ -275,7 +280,8 @@ def mix_capacity(
                     mine = kept.setdefault(i, [[] for _ in taken])
                     for pool, f in zip(mine, taken, strict=True):
                         pool.extend(f)
-            on_point(kind, rate, got)
+            if kind != "guide":
+                on_point(kind, rate, got)
             count += len(times)
             return got, len(times)
 
@@ -289,6 +295,12 @@ def mix_capacity(
             host_late[rate] = late / (on + late) if on + late > 0 else 0.0
         return ok
 
+    if guide:  # the simulator with the warm-up's stage times and delays: where to start
+        measured[first] = [list(f) for f in warm[0]]
+        delays[first] = [list(f) for f in warm[1]]
+        first = bisect_grid(lambda i: passes("guide", i), steps, first)
+        measured.clear()
+        delays.clear()
     found = {"live": bisect_grid(lambda i: passes("live", i), steps, first)}
     found["sim"] = bisect_grid(lambda i: passes("sim", i), steps, guess=found["live"])
     live = found["live"] * top / steps
@@ -296,6 +308,7 @@ def mix_capacity(
     n = judged["live"].get(live, 0)
     return {
         "top": top,
+        "guide": first * top / steps,
         "sim": found["sim"] * top / steps,
         "live": live,
         "sim_capped": found["sim"] == steps,
@@ -315,6 +328,10 @@ def mix_capacity(
         "live_wall_s": live_wall[0],
         "live_sent": live_wall[1],
     }
+
+
+def _traces(n: int) -> str:
+    return "one trace" if n == 1 else f"{n} traces"
 
 
 def host_above(r: dict) -> str:
@@ -498,12 +515,19 @@ def compare_plans(
     plane: str = "reservation",
     rollout_share: float = 0.25,
     loads: tuple[float, ...] = (),
+    traces: int = 2,
+    rollout_s: float | None = None,
+    warm_up_s: float | None = None,
+    guide: bool = False,
     on_point: Callable[[str, str, float, float], None] = lambda plan, kind, rate, att: None,
     on_step: Callable[[str], None] = lambda text: None,
 ) -> dict:
     """ppipe served on the emulated nodes `em` at time scale `d`, its capacity found live
-    and simulated (mix_capacity, `weights` by model); then np rolled out under a steady
-    load of `rollout_share` x ppipe's live capacity, and its capacity found the same way.
+    and simulated (mix_capacity, `weights` by model, `traces` of `duration_s` a rate, warmed
+    up with traces of `warm_up_s`, its live search from the simulator's figure where
+    `guide`); then np rolled out under a steady load of
+    `rollout_share` x ppipe's live capacity for `rollout_s` (3 x `duration_s` without it),
+    and its capacity found the same way.
     Rates are dilated. Per plan: mix_capacity's figures, "planned", "ready_s" (wall s to
     serve), "cpu_us" (router / nodes / client CPU µs per request sent in the live search's
     traces, idle time included, the simulator's not), "cores" (their CPU seconds per wall
@@ -515,6 +539,7 @@ def compare_plans(
     plan's live capacity at which to compare live and simulated attainment ("loads":
     attainment_at)."""
     top = plans["ppipe"][0].objective / d  # both plans on one grid: ppipe's plan rate
+    roll_s = 3 * duration_s if rollout_s is None else rollout_s
     meter = CpuMeter(em)
     out: dict = {}
     server = None
@@ -535,12 +560,10 @@ def compare_plans(
                 rate = max(rollout_share * out["ppipe"]["live"], top / MIX_STEPS)
                 on_step(
                     f"rolling the {strategy} plan out under {rate * d:.0f} req/s "
-                    f"({rollout_share:g} of ppipe's live capacity) for {3 * duration_s:g} s"
+                    f"({rollout_share:g} of ppipe's live capacity) for {roll_s:g} s"
                 )
                 load = MixLoad.of(server.deployment, weights)
-                roll = rollout_under_load(
-                    server, dilated(plan, d), plan_id, load, rate, 3 * duration_s
-                )
+                roll = rollout_under_load(server, dilated(plan, d), plan_id, load, rate, roll_s)
                 out["rollout"] = roll
                 if roll["status"] != "done":
                     raise PoolpipeError(
@@ -548,9 +571,9 @@ def compare_plans(
                     )
                 ready_s = roll["prepare_s"]
             dep = server.deployment
-            on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time over two traces "
-                    f"a rate, up to {2 + EXTRA_TRACES} where it fails narrowly), live, then the "
-                    "simulator on the same traces")  # fmt: skip
+            on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time over "
+                    f"{_traces(traces)} a rate, up to {traces + EXTRA_TRACES} where it fails "
+                    "narrowly), live, then the simulator on the same traces")  # fmt: skip
             load = MixLoad.of(dep, weights)
             found = mix_capacity(
                 dep,
@@ -560,6 +583,9 @@ def compare_plans(
                 on_point=partial(on_point, strategy),
                 stages=em.emulated_stages,
                 cpu=meter.sample,
+                traces=traces,
+                warm_up_s=warm_up_s,
+                guide=guide,
                 # from what the planner states the plan delivers (>= 99% on time, simulated):
                 # near the capacity, where the rates far below it cost a trace or two each
                 start=None if plan.deliverable is None else plan.deliverable / d,
