@@ -47,6 +47,10 @@ MIX_STEPS = 32
 EXTRA_TRACES = 1
 # Warm-up traces at most before a capacity search (while the router still recalibrates).
 WARM_UP_TRACES = 3
+# A live search starts at the simulator's figure after the warm-up (mix_capacity `guide`)
+# only within this many grid steps of the rate it warmed up at: in one main job of three it
+# put ppipe at 334 req/s, live 223, and galloping down from there took ten traces.
+GUIDE_STEPS = 3
 # A live rate that failed with more than this share of its emulated stages ended late by
 # the host (the nodes' own count) failed on the host, not on the plan.
 HOST_LATE_SHARE = 0.05
@@ -219,8 +223,9 @@ def mix_capacity(
     than HOST_LATE_SHARE of its stages late or more than HOST_BUSY_SHARE of the CPU busy (the
     host's limit, not the plan's: the router, the nodes and the clients share its cores).
     `guide`: the live search starts where the simulator finds the capacity with the stage
-    times and delays of the last warm-up trace ("guide": that step), not at `start` (there
-    the warm-up is run): each live rate costs a trace or two, the simulator's none.
+    times and delays of the last warm-up trace ("guide": the step it started at), not at
+    `start` (there the warm-up is run), where that is within GUIDE_STEPS of it: each live
+    rate costs a trace or two, the simulator's none.
     "live_requests" and "live_interval": the requests the live capacity was judged on and a 95%
     interval of their share on time (Wilson). `cpu`: CPU seconds so far by part
     (CpuMeter.sample), summed over the live traces alone into "live_cpu_s", beside their wall
@@ -298,7 +303,9 @@ def mix_capacity(
     if guide:  # the simulator with the warm-up's stage times and delays: where to start
         measured[first] = [list(f) for f in warm[0]]
         delays[first] = [list(f) for f in warm[1]]
-        first = bisect_grid(lambda i: passes("guide", i), steps, first)
+        guided = bisect_grid(lambda i: passes("guide", i), steps, first)
+        if abs(guided - first) <= GUIDE_STEPS:
+            first = guided
         measured.clear()
         delays.clear()
     found = {"live": bisect_grid(lambda i: passes("live", i), steps, first)}
