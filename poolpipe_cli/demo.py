@@ -490,6 +490,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "dilated; --cpu: 8)",
     )
     p.add_argument(
+        "--compare",
+        choices=("loads", "search"),
+        default="loads",
+        help="emulated GPUs: how the plans' live figures are found: 'loads', both plans at the "
+        "same three offered loads (the lower and the higher of the rates they state they "
+        "deliver and one between: time known beforehand); 'search', each plan's capacity "
+        "searched on a grid (minutes more where a plan's share on time stays near 99%% over "
+        "several rates)",
+    )
+    p.add_argument(
         "--traces",
         type=int,
         default=1,

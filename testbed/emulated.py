@@ -200,6 +200,7 @@ def mix_capacity(
     start: float | None = None,
     warm_up_s: float | None = None,
     guide: bool = False,
+    ladder: tuple[int, ...] = (),
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest multiple
     of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of their requests on
@@ -226,6 +227,12 @@ def mix_capacity(
     times and delays of the last warm-up trace ("guide": the step it started at), not at
     `start` (there the warm-up is run), where that is within GUIDE_STEPS of it: each live
     rate costs a trace or two, the simulator's none.
+    `ladder`: grid steps driven live each, in turn, instead of a search (and simulated on the
+    same traces): the live capacity is the highest of them below the first that failed
+    ("capped": none failed), each load's share on time in "points" beside the other plan's
+    at the same loads. Near a plan's capacity its share on time can stay within a point of
+    99% over several grid steps (ppipe on hc2-small: 0.989-0.993 from 212 to 245 req/s),
+    where a search's answer moves by steps from run to run and its traces by minutes.
     "live_requests" and "live_interval": the requests the live capacity was judged on and a 95%
     interval of their share on time (Wilson). `cpu`: CPU seconds so far by part
     (CpuMeter.sample), summed over the live traces alone into "live_cpu_s", beside their wall
@@ -308,18 +315,31 @@ def mix_capacity(
             first = guided
         measured.clear()
         delays.clear()
-    found = {"live": bisect_grid(lambda i: passes("live", i), steps, first)}
+    if ladder:  # every load of the ladder live, the capacity the highest below any failure
+        rungs = sorted(set(ladder))
+        kept = [passes("live", i) for i in rungs]
+        fell = kept.index(False) if False in kept else len(rungs)
+        found = {"live": rungs[fell - 1] if fell else 0}
+        capped = fell == len(rungs)
+        above = rungs[fell] * top / steps if not capped else -1.0  # -1: none
+        for i in rungs:  # the simulator at each, on the same traces
+            passes("sim", i)
+    else:
+        found = {"live": bisect_grid(lambda i: passes("live", i), steps, first)}
+        capped = found["live"] == steps
+        above = (found["live"] + 1) * top / steps
     found["sim"] = bisect_grid(lambda i: passes("sim", i), steps, guess=found["live"])
     live = found["live"] * top / steps
-    above = (found["live"] + 1) * top / steps
     n = judged["live"].get(live, 0)
     return {
         "top": top,
         "guide": first * top / steps,
+        "ladder": [i * top / steps for i in sorted(set(ladder))],  # dilated req/s
+        "above": above if above >= 0 else None,  # the rate above the live capacity driven
         "sim": found["sim"] * top / steps,
         "live": live,
         "sim_capped": found["sim"] == steps,
-        "capped": found["live"] == steps,
+        "capped": capped,
         "step": top / steps,
         "points": points,
         "requests": judged,
@@ -335,6 +355,18 @@ def mix_capacity(
         "live_wall_s": live_wall[0],
         "live_sent": live_wall[1],
     }
+
+
+def ladder_steps(stated: list[float | None], top: float, steps: int = MIX_STEPS) -> tuple[int, ...]:
+    """The loads both plans are driven at in a comparison without searches (compare_plans
+    `ladder`), as steps of a grid of `top` / `steps`: the lowest and the highest of the
+    rates the plans state they deliver and the step between them (none where a plan states
+    nothing)."""
+    known = [x for x in stated if x is not None]
+    if not known or len(known) < len(stated):
+        return ()
+    lo, hi = (max(1, min(steps, round(x * steps / top))) for x in (min(known), max(known)))
+    return tuple(sorted({lo, (lo + hi + 1) // 2, hi}))
 
 
 def _traces(n: int) -> str:
@@ -526,13 +558,15 @@ def compare_plans(
     rollout_s: float | None = None,
     warm_up_s: float | None = None,
     guide: bool = False,
+    ladder: bool = False,
     on_point: Callable[[str, str, float, float], None] = lambda plan, kind, rate, att: None,
     on_step: Callable[[str], None] = lambda text: None,
 ) -> dict:
     """ppipe served on the emulated nodes `em` at time scale `d`, its capacity found live
     and simulated (mix_capacity, `weights` by model, `traces` of `duration_s` a rate, warmed
     up with traces of `warm_up_s`, its live search from the simulator's figure where
-    `guide`); then np rolled out under a steady load of
+    `guide`; where `ladder`, no live search but the same loads for both plans, ladder_steps);
+    then np rolled out under a steady load of
     `rollout_share` x ppipe's live capacity for `rollout_s` (3 x `duration_s` without it),
     and its capacity found the same way.
     Rates are dilated. Per plan: mix_capacity's figures, "planned", "ready_s" (wall s to
@@ -546,6 +580,7 @@ def compare_plans(
     plan's live capacity at which to compare live and simulated attainment ("loads":
     attainment_at)."""
     top = plans["ppipe"][0].objective / d  # both plans on one grid: ppipe's plan rate
+    rungs = ladder_steps([p.deliverable for p, _ in plans.values()], plans["ppipe"][0].objective)
     roll_s = 3 * duration_s if rollout_s is None else rollout_s
     meter = CpuMeter(em)
     out: dict = {}
@@ -578,9 +613,15 @@ def compare_plans(
                     )
                 ready_s = roll["prepare_s"]
             dep = server.deployment
-            on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time over "
-                    f"{_traces(traces)} a rate, up to {traces + EXTRA_TRACES} where it fails "
-                    "narrowly), live, then the simulator on the same traces")  # fmt: skip
+            if ladder and rungs:
+                driven = ", ".join(f"{i * top / MIX_STEPS * d:.0f}" for i in rungs)
+                on_step(f"{strategy}: live at {driven} req/s ({_traces(traces)} each), then the "
+                        "simulator on the same traces and its capacity (>= "
+                        f"{CAPACITY_TARGET:.0%} on time)")  # fmt: skip
+            else:
+                on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time over "
+                        f"{_traces(traces)} a rate, up to {traces + EXTRA_TRACES} where it fails "
+                        "narrowly), live, then the simulator on the same traces")  # fmt: skip
             load = MixLoad.of(dep, weights)
             found = mix_capacity(
                 dep,
@@ -592,7 +633,9 @@ def compare_plans(
                 cpu=meter.sample,
                 traces=traces,
                 warm_up_s=warm_up_s,
-                guide=guide,
+                guide=guide and not (ladder and rungs),
+                ladder=rungs if ladder else (),
+                extra=0 if ladder and rungs else EXTRA_TRACES,  # one trace a load, each run
                 # from what the planner states the plan delivers (>= 99% on time, simulated):
                 # near the capacity, where the rates far below it cost a trace or two each
                 start=None if plan.deliverable is None else plan.deliverable / d,

@@ -52,6 +52,14 @@ def test_demo_on_emulated_gpus(tmp_path: Path) -> None:
             "SELECT config, metric, value FROM bench_serving WHERE bench = 'demo'"
         ).fetchall()
     got = {(c.split("/")[1], m): v for c, m, v in rows}
+    # both plans at the same offered loads (the default --compare loads), live and simulated
+    assert "on time at the same offered loads" in text
+    loads = {c.rsplit("/", 1)[1]: [] for c, m, _ in rows if m == "on_time_live"}
+    for c, m, v in rows:
+        if m == "on_time_live":
+            loads[c.rsplit("/", 1)[1]].append(c.split("/")[1])
+            assert 0.0 <= v <= 1.0
+    assert loads and all(sorted(s) == ["np", "ppipe"] for s in loads.values()), loads
     for strategy in ("ppipe", "np"):
         judged, live = got[strategy, "live_requests_judged"], got[strategy, "capacity_live_req_s"]
         assert judged > 0 or live == 0
