@@ -171,9 +171,15 @@ def _plans_table(plans: dict) -> None:
 
 
 def _results(res: dict, d: float, args: argparse.Namespace) -> None:
-    from testbed.emulated import EXTRA_TRACES, HOST_BUSY_SHARE, HOST_LATE_SHARE, host_above
+    from testbed.emulated import (
+        EXTRA_TRACES,
+        HOST_BUSY_SHARE,
+        HOST_LATE_SHARE,
+        host_above,
+        traces_text,
+    )
 
-    traces = "one trace" if args.traces == 1 else f"{args.traces} traces"
+    traces = traces_text(args.traces)
     ladder = res["ppipe"]["ladder"]
     if ladder:
         _side_by_side(res, d, f"{traces} of {args.duration / d:g} s a load")

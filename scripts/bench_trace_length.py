@@ -8,10 +8,10 @@ every grid rate from --from-step up to it (searched down from --from-step where 
 to the first that passes). Per trace length and plan: the
 capacity on each of --pairs seed pairs, their median, and ppipe / np of the medians.
 
-The main job judges its rates on traces of 0.5 s (10 s wall clock at D = 20). A queue that
-misses takes longer than that to build at a rate a little above what a plan carries, the
-longer the more slack its SLOs leave (np's whole-model pools): a trace that short states
-more than the plan serves for longer. Rows: bench_serving, bench "trace-length".
+The main job judged its rates on traces of 0.5 s (10 s wall clock at D = 20) until
+bcfb529. A queue that misses takes longer than that to build at a rate a little above what
+a plan carries, the longer the more slack its SLOs leave (np's whole-model pools): a trace
+that short states more than the plan serves for longer. Rows: bench_serving, bench "trace-length".
 
     ./run bench-trace-length [--cluster hc2-small] [--lengths 0.5,1,2,4,10] [--pairs 4]
 """
@@ -32,10 +32,10 @@ from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
 from testbed.emulated import GROUP2, MAF19, group2_inputs, group_plans
+from testbed.emulated import MIX_STEPS as STEPS  # the grid: ppipe's planned rate / this
+from testbed.loadgen import CAPACITY_TARGET
 
 console = Console(width=None if sys.stdout.isatty() else 150)
-STEPS = 32  # the grid: ppipe's planned rate / this (the main job's)
-CAPACITY_TARGET = 0.99
 
 
 def capacity(topo, shares: list[float], step: float, length: float, seeds, first: int) -> float:

@@ -315,8 +315,8 @@ def mix_capacity(
             first = guided
         measured.clear()
         delays.clear()
-    if ladder:  # every load of the ladder live, the capacity the highest below any failure
-        rungs = sorted(set(ladder))
+    rungs = sorted(set(ladder))
+    if rungs:  # every load of the ladder live, the capacity the highest below any failure
         kept = [passes("live", i) for i in rungs]
         fell = kept.index(False) if False in kept else len(rungs)
         found = {"live": rungs[fell - 1] if fell else 0}
@@ -334,7 +334,7 @@ def mix_capacity(
     return {
         "top": top,
         "guide": first * top / steps,
-        "ladder": [i * top / steps for i in sorted(set(ladder))],  # dilated req/s
+        "ladder": [i * top / steps for i in rungs],  # dilated req/s
         "above": above if above >= 0 else None,  # the rate above the live capacity driven
         "sim": found["sim"] * top / steps,
         "live": live,
@@ -369,7 +369,8 @@ def ladder_steps(stated: list[float | None], top: float, steps: int = MIX_STEPS)
     return tuple(sorted({lo, (lo + hi + 1) // 2, hi}))
 
 
-def _traces(n: int) -> str:
+def traces_text(n: int) -> str:
+    """'one trace' or 'n traces'."""
     return "one trace" if n == 1 else f"{n} traces"
 
 
@@ -580,7 +581,8 @@ def compare_plans(
     plan's live capacity at which to compare live and simulated attainment ("loads":
     attainment_at)."""
     top = plans["ppipe"][0].objective / d  # both plans on one grid: ppipe's plan rate
-    rungs = ladder_steps([p.deliverable for p, _ in plans.values()], plans["ppipe"][0].objective)
+    stated = [p.deliverable for p, _ in plans.values()]
+    rungs = ladder_steps(stated, plans["ppipe"][0].objective) if ladder else ()
     roll_s = 3 * duration_s if rollout_s is None else rollout_s
     meter = CpuMeter(em)
     out: dict = {}
@@ -613,15 +615,15 @@ def compare_plans(
                     )
                 ready_s = roll["prepare_s"]
             dep = server.deployment
-            if ladder and rungs:
+            if rungs:
                 driven = ", ".join(f"{i * top / MIX_STEPS * d:.0f}" for i in rungs)
-                on_step(f"{strategy}: live at {driven} req/s ({_traces(traces)} each), then the "
-                        "simulator on the same traces and its capacity (>= "
+                on_step(f"{strategy}: live at {driven} req/s ({traces_text(traces)} each), "
+                        "then the simulator on the same traces and its capacity (>= "
                         f"{CAPACITY_TARGET:.0%} on time)")  # fmt: skip
             else:
                 on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time over "
-                        f"{_traces(traces)} a rate, up to {traces + EXTRA_TRACES} where it fails "
-                        "narrowly), live, then the simulator on the same traces")  # fmt: skip
+                        f"{traces_text(traces)} a rate, up to {traces + EXTRA_TRACES} where it "
+                        "fails narrowly), live, then the simulator on the same traces")  # fmt: skip
             load = MixLoad.of(dep, weights)
             found = mix_capacity(
                 dep,
@@ -633,9 +635,9 @@ def compare_plans(
                 cpu=meter.sample,
                 traces=traces,
                 warm_up_s=warm_up_s,
-                guide=guide and not (ladder and rungs),
-                ladder=rungs if ladder else (),
-                extra=0 if ladder and rungs else EXTRA_TRACES,  # one trace a load, each run
+                guide=guide and not rungs,
+                ladder=rungs,
+                extra=0 if rungs else EXTRA_TRACES,  # one trace a load, each run
                 # from what the planner states the plan delivers (>= 99% on time, simulated):
                 # near the capacity, where the rates far below it cost a trace or two each
                 start=None if plan.deliverable is None else plan.deliverable / d,
