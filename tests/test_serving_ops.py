@@ -684,9 +684,8 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
     import os
     import signal
     import time
-    from pathlib import Path
 
-    from triton_backend.node.triton import descendants
+    from triton_backend.node.triton import descendants, still_running
 
     wh, _ = onboarded_tiny
     plan_file = tmp_path / "plan.json"
@@ -696,9 +695,9 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
         ["--warehouse", wh, "serve", str(plan_file), "--workspace", str(tmp_path / "ws")], 180
     )
     assert proc.stdout is not None
-    children: set[int] = set()
+    children: list[tuple[int, str]] = []
     try:
-        children = {p for p, _ in descendants(proc.pid)}
+        children = descendants(proc.pid)
         assert len(children) >= 3  # the router's and the nodes' tritonservers, at least
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
@@ -709,10 +708,10 @@ def test_two_quick_ctrl_c_leave_no_process_or_shared_memory(onboarded_tiny, tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    left = {p for p in children if Path(f"/proc/{p}").exists()}
+    left = sorted(p for p, _ in still_running(children))  # (pid and start time: pids wrap)
     for p in left:  # do not leave them to the next test
         os.kill(p, signal.SIGKILL)
-    assert not left, f"orphaned processes {sorted(left)}"
+    assert not left, f"orphaned processes {left}"
     assert "Traceback" not in out, out
     assert rc in (0, 130), out
     shm_left = {f for f in set(os.listdir("/dev/shm")) - shm_before if "triton" in f}
@@ -933,32 +932,40 @@ def test_a_node_with_another_token_is_named_and_nothing_is_loaded(onboarded_tiny
         stop_nodes(nodes)
 
 
-def _killed_outright(proc, at_least: int, within_s: float) -> list[int]:
+def _killed_outright(proc, at_least: int, within_s: float) -> list[str]:
     """SIGKILL `proc` (with `at_least` processes below it) and wait up to `within_s` for
-    them to go; the ones that did not (killed now, not left to the next test)."""
+    them to go; the ones that did not, each named by its pid and command line (killed now,
+    not left to the next test). A process is known by its pid and start time: pids wrap
+    (32768 here), and a thread of another process may take one of theirs meanwhile."""
     import os
     import signal
     import time
 
-    from triton_backend.node.triton import descendants, is_running
+    from triton_backend.node.triton import descendants, still_running
 
-    children: set[int] = set()
+    children: list[tuple[int, str]] = []
+    named: dict[int, str] = {}
     try:
-        children = {p for p, _ in descendants(proc.pid)}
+        children = descendants(proc.pid)
         assert len(children) >= at_least, children
+        for p, _ in children:
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+                named[p] = " ".join(a.decode(errors="replace") for a in argv[:3])
         proc.kill()
         proc.wait(10)
         deadline = time.monotonic() + within_s
-        while any(is_running(p) for p in children) and time.monotonic() < deadline:
+        while still_running(children) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    left = sorted(p for p in children if is_running(p))
+    left = sorted(p for p, _ in still_running(children))
     for p in left:
-        os.kill(p, signal.SIGKILL)
-    return left
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return [f"{p} ({named.get(p, '?')})" for p in left]
 
 
 def _serving(args: list[str], timeout_s: float):
