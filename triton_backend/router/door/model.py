@@ -40,6 +40,7 @@ import mmap
 import os
 import pickle
 import queue
+import select
 import socket
 import struct
 import tempfile
@@ -176,8 +177,39 @@ def _unpack(packed: list) -> list:
     ]
 
 
+def _exit_with_server() -> None:
+    """Leave as soon as the Triton that started this stub has gone. The stub watches its
+    server by sending it signal 0, which a server that died but is not yet reaped (a zombie)
+    still passes: a node's Triton killed outright, or given up on by the router killed
+    outright (pid 1 reaps such orphans when it gets to it), left its stubs running, each
+    with its shared-memory region. A thread waits on the server's pidfd, readable once the
+    server has exited, reaped or not (no polling: with a thread waking twice a second
+    instead, ppipe kept 0.973 on time at 212 req/s in two main jobs, 0.985-0.992 in six
+    without), then removes the region the stub's command line names (nobody else maps it
+    now) and exits the stub. The same in
+    model_repo_templates/python_onnx_model.py: each stub's model file stands alone."""
+    try:
+        server = os.pidfd_open(os.getppid())
+    except (AttributeError, OSError):  # not Linux 5.3+: the stub as Triton made it
+        return
+
+    def watch() -> None:
+        select.select([server], [], [])
+        try:
+            with open("/proc/self/cmdline", "rb") as f:
+                for arg in f.read().split(b"\0"):
+                    if arg.startswith(b"triton_python_backend_shm_region"):
+                        os.unlink(os.path.join("/dev/shm", arg.decode()))
+        except OSError:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="poolpipe-server-watch", daemon=True).start()
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        _exit_with_server()
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.inputs = [t["name"] for t in config["input"]]
