@@ -170,6 +170,28 @@ def _plans_table(plans: dict) -> None:
     console.print(t)
 
 
+def live_ratio_text(pp: dict, whole: dict, d: float) -> str:
+    """ppipe's live figure over np's (np's above 0), as the main job says it: of the loads
+    both were driven at (a ladder), where one plan kept all of them ("at least"), and where
+    ppipe kept none (below the lowest: "less than", not 0.00x)."""
+    ratio = f"{pp['live'] / whole['live']:.2f}x"
+    if not pp["ladder"]:
+        return ratio
+    lowest = min(pp["ladder"])
+    if not pp["live"]:
+        return (
+            f"less than {lowest / whole['live']:.2f}x (ppipe kept 99% at none of the loads "
+            f"both were driven at, the lowest {lowest * d:.0f} req/s; np "
+            f"{whole['live'] * d:.0f})"
+        )
+    ratio = ("at least " if pp["capped"] and not whole["capped"] else "") + ratio
+    both = pp["capped"] and whole["capped"]
+    return (
+        f"{ratio} (of the loads both were driven at: {pp['live'] * d:.0f} against "
+        f"{whole['live'] * d:.0f} req/s{', each kept every one' if both else ''})"
+    )
+
+
 def _results(res: dict, d: float, args: argparse.Namespace) -> None:
     from testbed.emulated import (
         EXTRA_TRACES,
@@ -236,12 +258,7 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
             if pp.get("deliverable") and whole.get("deliverable")
             else "-"
         )
-        ratio = f"{pp['live'] / whole['live']:.2f}x"
-        if pp["ladder"]:  # the loads both were driven at
-            ratio = ("at least " if pp["capped"] and not whole["capped"] else "") + ratio
-            ratio += f" (of the loads both were driven at: {pp['live'] * d:.0f} against "
-            both = pp["capped"] and whole["capped"]
-            ratio += f"{whole['live'] * d:.0f} req/s{', each kept every one' if both else ''})"
+        ratio = live_ratio_text(pp, whole, d)
         console.print(
             f"ppipe serves [bold]{ratio}[/] the load of whole-model "
             f"serving live (simulator {sim}; the planner states {stated} of what they deliver, "

@@ -120,3 +120,19 @@ def test_first_solver_prints_no_banner() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout == "done\n", out.stdout + out.stderr
+
+
+def test_the_live_ratio_says_less_than_where_ppipe_kept_none_of_the_loads() -> None:
+    """A ladder where ppipe lost 3 of 200 at the lowest load read "ppipe serves 0.00x": it
+    is below that load, so less than the lowest load over np's figure."""
+    from poolpipe_cli.demo_gpu import live_ratio_text
+
+    ladder = [167 / 20, 212 / 20, 245 / 20]  # dilated req/s at D = 20
+    np_ = {"live": 167 / 20, "ladder": ladder, "capped": False}
+    none = {"live": 0.0, "ladder": ladder, "capped": False}
+    said = live_ratio_text(none, np_, 20)
+    assert said.startswith("less than 1.00x") and "lowest 167 req/s; np 167" in said, said
+    kept = {"live": 245 / 20, "ladder": ladder, "capped": True}
+    said = live_ratio_text(kept, np_, 20)
+    assert said.startswith("at least 1.47x (of the loads both were driven at: 245 against 167")
+    assert live_ratio_text({"live": 2.0, "ladder": []}, {"live": 1.0}, 20) == "2.00x"
