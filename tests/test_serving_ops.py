@@ -941,7 +941,7 @@ def _killed_outright(proc, at_least: int, within_s: float) -> list[str]:
     import signal
     import time
 
-    from triton_backend.node.triton import descendants, still_running
+    from triton_backend.node.triton import _argv, descendants, still_running
 
     children: list[tuple[int, str]] = []
     named: dict[int, str] = {}
@@ -949,9 +949,7 @@ def _killed_outright(proc, at_least: int, within_s: float) -> list[str]:
         children = descendants(proc.pid)
         assert len(children) >= at_least, children
         for p, _ in children:
-            with contextlib.suppress(OSError):
-                argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-                named[p] = " ".join(a.decode(errors="replace") for a in argv[:3])
+            named[p] = " ".join(a.decode(errors="replace") for a in _argv(p)[:3])
         proc.kill()
         proc.wait(10)
         deadline = time.monotonic() + within_s
