@@ -20,6 +20,10 @@ messages, each one byte of kind and fixed fields (big-endian):
   the sender sends the map inline instead).
 - ``F`` offset (u64), ticket (u64): that place is free again. No reply. A free whose ticket
   is not the place's is ignored, so that nobody frees a place they did not get.
+- ``T``: the node's CLOCK_MONOTONIC now (u64 ns), answered at once: the router times the
+  round trip and so knows the node's clock against its own (router/clocks.py), to tell a
+  chain's hop when its transfer is reserved on the node's clock. A node without a feed
+  answers ``T`` too (and closes the connection at any other message).
 - ``C`` size (u64), then size bytes, then a length (u32) and that many bytes of JSON,
   {"model": name, "request": a KServe v2 request header whose inputs name where they lie
   in those bytes (``shared_memory_offset`` from their start, ``shared_memory_byte_size``)}:
@@ -189,6 +193,9 @@ class FeedRegion:
                 if kind == b"C":
                     conn.sendall(self._call(conn, local))
                     continue
+                if kind == b"T":
+                    answer_time(conn)
+                    continue
                 self._serve_one(conn, kind, view)
         finally:
             local.close()
@@ -214,7 +221,7 @@ class FeedRegion:
             offset, ticket = _PLACED.unpack(_recv_exactly(conn, 16))
             self.space.free(offset, ticket)
         else:
-            raise FeedError(f"a feed message of kind {kind!r}: expected P, F or C")
+            raise FeedError(f"a feed message of kind {kind!r}: expected P, F, C or T")
 
     def _call(self, conn: socket.socket, local: _Local) -> bytes:
         """A ``C`` message (its kind read): Triton's HTTP answer to the call, or an error
@@ -263,6 +270,18 @@ class FeedRegion:
             self.map.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+
+def answer_time(conn: socket.socket) -> None:
+    """A ``T`` message (its kind read): this host's CLOCK_MONOTONIC, now."""
+    conn.sendall(_U64.pack(time.monotonic_ns()))
+
+
+def serve_time_only(conn: socket.socket) -> None:
+    """A feed's connection to a node without a feed: ``T`` answered, anything else ends
+    it (the sender sends its maps inline)."""
+    while conn.recv(1) == b"T":
+        answer_time(conn)
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 
 from poolpipe.domain.tier import split_address
-from triton_backend.node.feed import FEED_MAGIC, FeedRegion
+from triton_backend.node.feed import FEED_MAGIC, FeedRegion, serve_time_only
 
 # A vanished peer is found after this long at most (keepalive: idle, then probes).
 WATCH_KEEPALIVE_S = 5.0
@@ -90,7 +90,8 @@ class NodeWatch:
 
     def _connection(self, conn: socket.socket) -> None:
         """A watcher sends nothing: its first bytes come when it closes (b""). A feed's are
-        FEED_MAGIC; anything else is closed."""
+        FEED_MAGIC (on a node without a feed, only the clock's ``T`` is answered);
+        anything else is closed."""
         try:
             first = b""
             while len(first) < len(FEED_MAGIC):
@@ -98,15 +99,16 @@ class NodeWatch:
                 if not chunk or not FEED_MAGIC.startswith(first + chunk):
                     return
                 first += chunk
-            if self.feed is None:
-                return
             with self._lock:
                 self._held.discard(conn)
                 if self._closed:
                     return
                 self._feeding.add(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.feed.serve(conn)
+            if self.feed is None:
+                serve_time_only(conn)  # the router's clock probes alone (feed.py, ``T``)
+            else:
+                self.feed.serve(conn)
         except OSError:
             pass  # the sender went away, or the watch closed
         finally:
