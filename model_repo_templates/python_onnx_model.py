@@ -11,8 +11,10 @@ optionally "after_us" and "http"; `[]` on the last), it sends its feature map st
 the next hop's node with the rest of the chain, over KServe v2 HTTP to "http" where the hop
 has one (_HttpHops; its bytes through the node's feed, "feed", where the hop names one),
 else over gRPC to "url" (no sooner than "after_us" after it took the
-request: the transfer's reserved start, so that a stage ending early does not send into a
-link the router reserved for another transfer; the instance is free meanwhile) and
+request, or than "at_ns" on this host's CLOCK_MONOTONIC where the hop has it and it is
+sooner: the transfer's reserved start, so that a stage ending early does not send into a
+link the router reserved for another transfer, and one that began late but ended in time
+sends in its slot; the instance is free meanwhile) and
 answers, once the chain's answer comes back, the whole model's outputs
 (`poolpipe_outputs`: their names) and POOLPIPE_HOPS: per row, (start, end, sent) in
 nanoseconds of each hop's own monotonic clock, this hop first: start when the instance took
@@ -526,8 +528,8 @@ class TritonPythonModel:
 
     def _forward(self, sender, outs, hops, params, start):
         """Send the feature map to the next hop (at its reserved transfer start, counted
-        from `start`: when this hop took the request); answer when the chain's answer is
-        back."""
+        from `start`: when this hop took the request, or on this host's clock where the hop
+        has it and it is sooner); answer when the chain's answer is back."""
         nxt, rest = hops[0], json.dumps(hops[1:])
         names = json.loads(params.get("poolpipe_outputs", "[]"))
         if nxt.get("http"):  # over HTTP (_HttpHops): the arrays as they are
@@ -544,7 +546,10 @@ class TritonPythonModel:
         forward = {"poolpipe_next": rest, "poolpipe_outputs": json.dumps(names)}
         if self.key is not None:
             forward["poolpipe_sig"] = chain_signature(self.key, rest)
-        wait = start + int(float(nxt.get("after_us", 0)) * 1e3) - time.monotonic_ns()
+        due = start + int(float(nxt.get("after_us", 0)) * 1e3)
+        if nxt.get("at_ns") is not None:  # the reserved start on this host's clock
+            due = min(due, int(nxt["at_ns"]))
+        wait = due - time.monotonic_ns()
         if wait > 0:  # its reserved transfer start: sent then, from a timer
             timer = threading.Timer(
                 wait / 1e9,

@@ -255,6 +255,8 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path, monkeyp
                 assert inbox is not None and inbox.received >= n and not inbox.unexpected
             else:
                 assert inbox is None
+            if transport == "chain":  # the router knows each node's clock (one host's)
+                _clocks_known(dep)
             if transport == "chain" and answers == "auto":
                 # a chain not signed with the cluster's key is refused
                 c = grpcclient.InferenceServerClient(dep.nodes[first.node].grpc_url)
@@ -280,6 +282,21 @@ def test_feature_maps_go_node_to_node(cluster, onboarded_tiny, tmp_path, monkeyp
         assert chain[0] < 1.2 * payload, (seen, payload)
         # and the feature maps went from server 0 to server 1 directly
         assert chain[1] >= n * fmap_bytes and chain[2] >= n * fmap_bytes, seen
+
+
+def _clocks_known(dep) -> None:
+    """Every watched node's clock is known to the router (router/clocks.py), on this host
+    the router's own within half the best round trip of its probes."""
+    clocks, nodes = dep.core.clocks, sorted(dep.core.feeds)
+    assert nodes
+    for _ in range(100):
+        if all(clocks.offset_ns(n) is not None for n in nodes):
+            break
+        time.sleep(0.05)
+    for n in nodes:
+        offset, rtt = clocks.offset_ns(n), clocks.round_trip_ns(n)
+        assert offset is not None and rtt is not None, (n, rtt)
+        assert abs(offset) <= rtt // 2 + 1, (n, offset, rtt)
 
 
 def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:
@@ -311,6 +328,24 @@ def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:
     r = c.infer(first.partition, [inp], parameters=params)
     start, _, sent = r.as_numpy(HOPS_OUTPUT)[0][:3]
     assert sent - start >= 300_000_000, (start, sent)
+    # ... or at "at_ns" on its node's clock where that is sooner (the router's reserved
+    # transfer start on the node's clock, router/clocks.py; this host's clock is theirs)
+    at = time.monotonic_ns() + 200_000_000
+    held = json.dumps(
+        [
+            {
+                "url": dep.nodes[second.node].grpc_url,
+                "model": second.partition,
+                "after_us": 5_000_000,
+                "at_ns": at,
+            }
+        ]
+    )
+    params = {**params, "poolpipe_next": held}
+    params["poolpipe_sig"] = chain_signature(node_key(token), held)
+    r = c.infer(first.partition, [inp], parameters=params)
+    start, _, sent = r.as_numpy(HOPS_OUTPUT)[0][:3]
+    assert at <= sent < start + 5_000_000_000, (at, start, sent)
 
 
 def test_a_killed_node_is_routed_around_and_refilled_when_it_returns(

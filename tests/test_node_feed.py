@@ -3,10 +3,12 @@ registered with the node's Triton, over its watch port, and read by its model as
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -237,3 +239,101 @@ def test_a_call_with_its_map_is_made_on_the_nodes_triton_and_its_place_freed(nod
         assert status == 200 and feed.space.in_use == 0
     finally:
         sock.close()
+
+
+def _node_time(sock: socket.socket) -> tuple[int, int, int]:
+    t0 = time.monotonic_ns()
+    sock.sendall(b"T")
+    got = b""
+    while len(got) < 8:
+        chunk = sock.recv(8 - len(got))
+        assert chunk, "the node closed the connection instead of telling its time"
+        got += chunk
+    return t0, struct.unpack(">Q", got)[0], time.monotonic_ns()
+
+
+def test_a_node_tells_its_clock_with_a_feed_and_without_one(node):
+    """``T``: the node's CLOCK_MONOTONIC, on the feed's connection between its other
+    messages, and on a node with no feed, whose connection ends at any other message."""
+    _, _, watch = node
+    bare = NodeWatch("127.0.0.1", 0)
+    try:
+        for port in (watch.port, bare.port):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(FEED_MAGIC)
+                for _ in range(3):  # one host, one clock: within the round trip
+                    t0, theirs, t1 = _node_time(sock)
+                    assert t0 <= theirs <= t1
+                if port == watch.port:  # the feed serves on after it
+                    assert _put(sock, b"x" * 100)[0] != NO_ROOM
+                    assert t1 <= _node_time(sock)[1]
+        with socket.create_connection(("127.0.0.1", bare.port)) as sock:
+            sock.sendall(FEED_MAGIC + b"P")
+            got = b"?"
+            with contextlib.suppress(ConnectionResetError):
+                got = sock.recv(8)
+            assert got in (b"", b"?")
+    finally:
+        bare.close()
+
+
+def test_the_routers_clocks_know_a_node_of_this_host_and_not_one_that_does_not_answer():
+    """NodeClocks (triton_backend/router/clocks.py) against real watch ports: a node of
+    this host is on the router's clock within half the best round trip; a node that closes
+    the probe's connection (an older node) or refuses it has no offset (its hops are sent
+    at "after_us" alone)."""
+    from triton_backend.router.clocks import MAX_RTT_NS, NodeClocks
+
+    watch = NodeWatch("127.0.0.1", 0)
+    mute = socket.socket()  # accepts, reads the probe, closes
+    mute.bind(("127.0.0.1", 0))
+    mute.listen()
+    closed = socket.socket()  # a port nobody listens on
+    closed.bind(("127.0.0.1", 0))
+
+    def shut() -> None:
+        while True:
+            try:
+                c, _ = mute.accept()
+            except OSError:
+                return
+            c.recv(64)
+            c.close()
+
+    threading.Thread(target=shut, daemon=True).start()
+
+    async def run() -> tuple:
+        closing = asyncio.Event()
+        clocks = NodeClocks(asyncio.get_running_loop(), closing, period_s=0.02)
+        clocks.watch("here", f"127.0.0.1:{watch.port}")
+        clocks.watch("here/gpu1", f"127.0.0.1:{watch.port}")  # a GPU of the same node
+        clocks.watch("old", f"127.0.0.1:{mute.getsockname()[1]}")
+        clocks.watch("gone", f"127.0.0.1:{closed.getsockname()[1]}")
+        for _ in range(250):
+            await asyncio.sleep(0.02)
+            kept = clocks._samples.get(f"127.0.0.1:{watch.port}", ())
+            if clocks.offset_ns("here") is not None and len(kept) >= 8:
+                break
+        got = (
+            clocks.offset_ns("here"),
+            clocks.round_trip_ns("here"),
+            clocks.offset_ns("old"),
+            clocks.offset_ns("gone"),
+            clocks.node_time("gone", 5),
+            clocks.offset_ns("here/gpu1") == clocks.offset_ns("here"),
+            len(clocks._tasks),
+        )
+        closing.set()
+        await asyncio.gather(*clocks._tasks.values())
+        return got
+
+    try:
+        offset, rtt, old, gone, when, same, probes = asyncio.run(run())
+    finally:
+        watch.close()
+        mute.close()
+        closed.close()
+    assert offset is not None and rtt is not None and rtt <= MAX_RTT_NS
+    assert abs(offset) <= rtt // 2 + 1, (offset, rtt)
+    assert (old, gone, when) == (None, None, None)
+    assert same and probes == 3  # one node's GPUs: its probes

@@ -48,6 +48,7 @@ from poolpipe.runtime.health import NODE_STATES
 from triton_backend import TRANSPORTS
 from triton_backend.node.watch import watch_node
 from triton_backend.router.answers import AnswerInbox
+from triton_backend.router.clocks import NodeClocks
 from triton_backend.router.executor import NodeExecutor
 from triton_backend.router.kserve_http import HttpFirstStages
 from triton_backend.router.served import (
@@ -198,6 +199,9 @@ class RouterCore:
             stages(self._loop) if stages is not None else HttpFirstStages(self._loop, self.feeds)
         )
         hops: HopTransport
+        # nodes' clocks against the router's, probed from when they are watched (clocks.py)
+        self._closing = asyncio.Event()
+        self.clocks = NodeClocks(self._loop, self._closing)
         if transport == "chain":
             self.inbox = AnswerInbox(answers) if answers is not None else None
             hops = ChainTransport(
@@ -206,6 +210,7 @@ class RouterCore:
                 inbox=self.inbox,
                 http_of=getattr(client, "http_address", lambda node: None),
                 feed_of=self.feeds.get,
+                node_time=self._node_time,
             )
         else:
             hops = RelayTransport()
@@ -243,7 +248,6 @@ class RouterCore:
             self.executor.trace(self._tracing)
         self._watches: dict[str, asyncio.Task] = {}
         self.watching: set[str] = set()  # nodes whose watch connection is open now
-        self._closing = asyncio.Event()
         self._thread = threading.Thread(target=self._run_loop, name="poolpipe-router", daemon=True)
         self._frozen = False  # whether start() froze the heap (stop() thaws it)
         # the served plan's applications (triton_backend/router/apps.py), where it has some
@@ -391,8 +395,13 @@ class RouterCore:
                         self._closing,
                     )
                 )
+                self.clocks.watch(node, address)
 
         self._call(start)
+
+    def _node_time(self, node: str, t_us: float) -> int | None:
+        """The router's time `t_us` on the node's clock (ns), where known (clocks.py)."""
+        return self.clocks.node_time(node, self.clock.t0_ns + int(t_us * 1e3))
 
     def _watch_open(self, node: str) -> None:
         self.watching.add(node)

@@ -193,7 +193,9 @@ class ChainTransport:
     `http_of(node)`: a node's KServe v2 HTTP address where known, which the node before it
     sends the feature map to (python_onnx_model.py: `_HttpHops`); gRPC where None.
     `feed_of(node)`: the node's feed (its process's watch address, node/feed.py) where
-    known: the node before writes large maps into its shared memory there."""
+    known: the node before writes large maps into its shared memory there.
+    `node_time(node, t_us)`: the router's time `t_us` on the node's clock (ns), or None where
+    not known (clocks.py): the hop after it then carries ``at_ns``, when to send."""
 
     name = "chain"
 
@@ -205,8 +207,10 @@ class ChainTransport:
         inbox: AnswerInbox | None = None,
         http_of: Callable[[str], str | None] = lambda node: None,
         feed_of: Callable[[str], str | None] = lambda node: None,
+        node_time: Callable[[str, float], int | None] = lambda node, t_us: None,
     ):
         self.key = key
+        self.node_time = node_time
         self.stages = stages
         self.http_of = http_of
         self.feed_of = feed_of
@@ -232,7 +236,9 @@ class ChainTransport:
             for k, spec in enumerate(io.inputs)
         ]
         # each hop's feature map leaves at its transfer's reserved start: so long after the
-        # sending hop's compute began (on the sending node's clock, no clock shared)
+        # sending hop's compute began, and where the sending node's clock is known against
+        # the router's, at that time on its clock if sooner (a stage that began late but
+        # ended in time sends in its slot; clocks.py)
         hops: list[dict[str, Any]] = []
         for k, nxt in enumerate(d.hops[1:]):
             # (a GPU of a node of several: the node's address, the model named for the GPU)
@@ -240,6 +246,9 @@ class ChainTransport:
             url, model = on_node(node, plan.pool_partition[nxt.pool])
             after = round(max(0.0, nxt.transfer_start_us - d.hops[k].start_us), 1)
             hop = {"url": url, "model": model, "after_us": after}
+            at = self.node_time(served.vgpu_node[d.hops[k].vgpu], nxt.transfer_start_us)
+            if at is not None:
+                hop["at_ns"] = at
             http = self.http_of(node)
             if http:  # the node before sends it over KServe v2 HTTP (cheaper for MBs)
                 hop["http"] = http
