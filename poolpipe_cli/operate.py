@@ -42,6 +42,15 @@ def _pct(x: object) -> str:
     return "-" if x is None else f"{100 * float(x):.1f}%"  # type: ignore[arg-type]
 
 
+def _clock_text(node: dict) -> str:
+    """A node's clock against the router's (router/clocks.py), or why there is none: its
+    chains' hops are then sent so long after their stage began, not at a time."""
+    offset, error = node.get("clock_offset_us"), node.get("clock_error_us")
+    if offset is None or error is None:
+        return "not known"
+    return f"{offset:+.0f} ± {error:.0f}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     s = _send(args, {"op": "status"})
     if args.json:
@@ -56,13 +65,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         highlight=False,
     )
     nodes = Table(title="nodes")
-    for col in ("node", "address", "state", "since", "batches on it", "idle s"):
+    for col in ("node", "address", "state", "since", "batches on it", "idle s",
+                "clock - router's, µs"):  # fmt: skip
         nodes.add_column(col)
     for n in s["nodes"]:
         style = {"down": "red", "drained": "yellow"}.get(n["state"], "")
         nodes.add_row(
             n["node"], n["address"], n["state"], n["since"] or "start", str(n["batches"]),
-            f"{n.get('idle_s', 0):g}", style=style,
+            f"{n.get('idle_s', 0):g}", _clock_text(n), style=style,
         )  # fmt: skip
     console.print(nodes)
     models = Table(title="models (since the start; then the last windows written)")

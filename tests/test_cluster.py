@@ -297,6 +297,9 @@ def _clocks_known(dep) -> None:
         offset, rtt = clocks.offset_ns(n), clocks.round_trip_ns(n)
         assert offset is not None and rtt is not None, (n, rtt)
         assert abs(offset) <= rtt // 2 + 1, (n, offset, rtt)
+    # and says so in its nodes' states (poolpipe status)
+    states = dep.core.node_states()
+    assert states and all(s["clock_error_us"] is not None for s in states), states
 
 
 def _chains_keep_to_their_time(dep, c, inp, first, token: str) -> None:

@@ -1060,6 +1060,9 @@ def test_an_operator_sees_status_drains_a_node_and_reads_the_statistics(
     assert cli_main(["status", *router]) == 0
     table = capsys.readouterr().out
     assert "in service" in table and "reply margin" in table and dep.grpc_url in table
+    # each node's clock against the router's, where its watch port tells it (clocks.py)
+    assert all({"clock_offset_us", "clock_error_us"} <= set(n) for n in s["nodes"])
+    assert "clock - router's" in table
     assert s["load"]["models"]["tiny"]["req_s"]["300s"] > 0 and s["load"]["envelope"] is False
     assert "load against the plan's envelope" in table and "envelope events: above" in table
     assert "no envelope: the plan states no deliverable req/s" in table

@@ -399,6 +399,12 @@ class RouterCore:
 
         self._call(start)
 
+    def _clock_of(self, node: str) -> dict[str, float | None]:
+        offset, rtt = self.clocks.offset_ns(node), self.clocks.round_trip_ns(node)
+        if offset is None or rtt is None:
+            return {"clock_offset_us": None, "clock_error_us": None}
+        return {"clock_offset_us": round(offset / 1e3, 1), "clock_error_us": round(rtt / 2e3, 1)}
+
     def _node_time(self, node: str, t_us: float) -> int | None:
         """The router's time `t_us` on the node's clock (ns), where known (clocks.py)."""
         return self.clocks.node_time(node, self.clock.t0_ns + int(t_us * 1e3))
@@ -418,8 +424,10 @@ class RouterCore:
     def node_states(self) -> list[dict[str, object]]:
         """Every node of the plan served (and any still out of service): its state (in
         service, down, drained), since when (ISO time; None: since the router started),
-        the batches on it now, and how long it has run no stage (`idle_s`: one packing
-        leaves idle at a low load can be drained and released; poolpipe advise)."""
+        the batches on it now, how long it has run no stage (`idle_s`: one packing
+        leaves idle at a low load can be drained and released; poolpipe advise), and its
+        clock against the router's (`clock_offset_us`, `clock_error_us`: at most that far
+        off; None where not known, and its hops are sent `after_us` alone; clocks.py)."""
 
         def read() -> list[dict[str, object]]:
             rt = self.runtime
@@ -441,6 +449,7 @@ class RouterCore:
                         ),
                         "batches": rt.node_jobs(node),
                         "idle_s": round(rt.node_idle_us(node, now_us) / 1e6, 1),
+                        **self._clock_of(node),
                     }
                 )
             return out
