@@ -206,7 +206,9 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
     if ladder:
         _side_by_side(res, d, f"{traces} of {args.duration / d:g} s a load")
         how = (
-            f"live: the highest of those loads kept >= 99% on time below any that was not; "
+            "live: the highest of those loads kept >= 99% on time, judged together (a share "
+            "on time does not rise with the load: loads above whose share rose are pooled with "
+            "the one below); "
             f"simulated: searched on the same traces, rates {res['ppipe']['step'] * d:.1f} "
             "req/s apart"
         )

@@ -30,6 +30,7 @@ from testbed.loadgen import (
     Shot,
     bisect_grid,
     drive_mix,
+    kept_rungs,
     mix_times,
     rate_passes,
 )
@@ -228,8 +229,9 @@ def mix_capacity(
     `start` (there the warm-up is run), where that is within GUIDE_STEPS of it: each live
     rate costs a trace or two, the simulator's none.
     `ladder`: grid steps driven live each, in turn, instead of a search (and simulated on the
-    same traces): the live capacity is the highest of them below the first that failed
-    ("capped": none failed), each load's share on time in "points" beside the other plan's
+    same traces): the live capacity is the highest of them kept, the loads judged together
+    (testbed.loadgen.kept_rungs: shares that cannot rise with the load; "capped": all
+    kept), each load's share on time in "points" beside the other plan's
     at the same loads. Near a plan's capacity its share on time can stay within a point of
     99% over several grid steps (ppipe on hc2-small: 0.989-0.993 from 212 to 245 req/s),
     where a search's answer moves by steps from run to run and its traces by minutes.
@@ -316,9 +318,11 @@ def mix_capacity(
         measured.clear()
         delays.clear()
     rungs = sorted(set(ladder))
-    if rungs:  # every load of the ladder live, the capacity the highest below any failure
-        kept = [passes("live", i) for i in rungs]
-        fell = kept.index(False) if False in kept else len(rungs)
+    if rungs:  # every load of the ladder live, the capacity the highest kept (kept_rungs)
+        for i in rungs:
+            passes("live", i)
+        rates = [i * top / steps for i in rungs]
+        fell = kept_rungs([points["live"][r] for r in rates], [judged["live"][r] for r in rates])
         found = {"live": rungs[fell - 1] if fell else 0}
         capped = fell == len(rungs)
         above = rungs[fell] * top / steps if not capped else -1.0  # -1: none

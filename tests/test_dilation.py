@@ -224,3 +224,28 @@ def test_every_rate_of_a_search_drives_one_pattern():
     assert fast.max() < 10.0 and (np.diff(fast) >= 0).all()
     other, _ = mix_times(100.0, [0.3, 0.7], 10.0, seed=6, scaled=True)
     assert not np.array_equal(other[:50], slow[:50])
+
+
+def test_a_ladders_loads_are_judged_together_as_shares_that_do_not_rise_with_the_load():
+    """loadgen.kept_rungs: the main job's runs of 2026-12-02, each load one trace. A load
+    that lost 3 of 261 below one that kept 296 of 297 is kept with it (pooled 0.993); a
+    plan whose shares fall through 99% keeps the loads before; a rise that, pooled, stays
+    under 99% keeps nothing more; a load kept alone is never lost."""
+    import numpy as np
+
+    from testbed.loadgen import kept_rungs
+
+    n = [200, 261, 297]
+    assert kept_rungs([1.000, 258 / 261, 296 / 297], n) == 3  # ppipe: all three
+    assert kept_rungs([1.000, 259 / 261, 291 / 297], n) == 2  # np: 212 req/s
+    assert kept_rungs([1.000, 257 / 261, 291 / 297], n) == 1
+    assert kept_rungs([1.000, 254 / 261, 296 / 297], n) == 1  # pooled 0.986: still under
+    assert kept_rungs([197 / 200, 259 / 261, 293 / 297], n) == 0  # pooled 0.989: none
+    assert kept_rungs([0.995, 0.992, 0.993], n) == 3
+    assert kept_rungs([], []) == 0
+    # never fewer than judged one at a time below the first failure
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        shares = list(1.0 - rng.integers(0, 6, 3) / 261)
+        alone = next((k for k, s in enumerate(shares) if s < 0.99), 3)
+        assert kept_rungs(shares, [261] * 3) >= alone
