@@ -29,8 +29,8 @@ from testbed.loadgen import (
     CAPACITY_TARGET,
     Shot,
     bisect_grid,
+    climb_ladder,
     drive_mix,
-    kept_rungs,
     mix_times,
     rate_passes,
 )
@@ -202,6 +202,7 @@ def mix_capacity(
     warm_up_s: float | None = None,
     guide: bool = False,
     ladder: tuple[int, ...] = (),
+    beyond: int = 0,
 ) -> dict:
     """Live and simulated capacity (dilated req/s) of the mix `dep` serves: the highest multiple
     of top/`steps` at which `traces` Poisson traces keep >= CAPACITY_TARGET of their requests on
@@ -235,6 +236,9 @@ def mix_capacity(
     at the same loads. Near a plan's capacity its share on time can stay within a point of
     99% over several grid steps (ppipe on hc2-small: 0.989-0.993 from 212 to 245 req/s),
     where a search's answer moves by steps from run to run and its traces by minutes.
+    `beyond`: loads past the ladder driven, one at a time, while every load so far is kept
+    (the gap between the ladder's top two apart), so that a plan's figure is not the
+    ladder's top where it keeps more; "ladder" then holds them too, "beyond" how many.
     "live_requests" and "live_interval": the requests the live capacity was judged on and a 95%
     interval of their share on time (Wilson). `cpu`: CPU seconds so far by part
     (CpuMeter.sample), summed over the live traces alone into "live_cpu_s", beside their wall
@@ -318,11 +322,15 @@ def mix_capacity(
         measured.clear()
         delays.clear()
     rungs = sorted(set(ladder))
+    shared = len(rungs)
     if rungs:  # every load of the ladder live, the capacity the highest kept (kept_rungs)
-        for i in rungs:
+
+        def drive(i: int) -> tuple[float, int]:
             passes("live", i)
-        rates = [i * top / steps for i in rungs]
-        fell = kept_rungs([points["live"][r] for r in rates], [judged["live"][r] for r in rates])
+            rate = i * top / steps
+            return points["live"][rate], judged["live"][rate]
+
+        rungs, fell = climb_ladder(rungs, drive, beyond, steps)
         found = {"live": rungs[fell - 1] if fell else 0}
         capped = fell == len(rungs)
         above = rungs[fell] * top / steps if not capped else -1.0  # -1: none
@@ -339,6 +347,7 @@ def mix_capacity(
         "top": top,
         "guide": first * top / steps,
         "ladder": [i * top / steps for i in rungs],  # dilated req/s
+        "beyond": len(rungs) - shared,  # of them past the ladder asked for
         "above": above if above >= 0 else None,  # the rate above the live capacity driven
         "sim": found["sim"] * top / steps,
         "live": live,
@@ -564,13 +573,15 @@ def compare_plans(
     warm_up_s: float | None = None,
     guide: bool = False,
     ladder: bool = False,
+    beyond: int = 0,
     on_point: Callable[[str, str, float, float], None] = lambda plan, kind, rate, att: None,
     on_step: Callable[[str], None] = lambda text: None,
 ) -> dict:
     """ppipe served on the emulated nodes `em` at time scale `d`, its capacity found live
     and simulated (mix_capacity, `weights` by model, `traces` of `duration_s` a rate, warmed
     up with traces of `warm_up_s`, its live search from the simulator's figure where
-    `guide`; where `ladder`, no live search but the same loads for both plans, ladder_steps);
+    `guide`; where `ladder`, no live search but the same loads for both plans, ladder_steps,
+    and up to `beyond` more for a plan that keeps every one);
     then np rolled out under a steady load of
     `rollout_share` x ppipe's live capacity for `rollout_s` (3 x `duration_s` without it),
     and its capacity found the same way.
@@ -621,9 +632,15 @@ def compare_plans(
             dep = server.deployment
             if rungs:
                 driven = ", ".join(f"{i * top / MIX_STEPS * d:.0f}" for i in rungs)
-                on_step(f"{strategy}: live at {driven} req/s ({traces_text(traces)} each), "
-                        "then the simulator on the same traces and its capacity (>= "
-                        f"{CAPACITY_TARGET:.0%} on time)")  # fmt: skip
+                further = (
+                    f"; while it keeps every load, {beyond} more at most, "
+                    f"{(rungs[-1] - rungs[-2]) * top / MIX_STEPS * d:.0f} req/s apart"
+                    if beyond and len(rungs) > 1
+                    else ""
+                )
+                on_step(f"{strategy}: live at {driven} req/s ({traces_text(traces)} each"
+                        f"{further}), then the simulator on the same traces and its capacity "
+                        f"(>= {CAPACITY_TARGET:.0%} on time)")  # fmt: skip
             else:
                 on_step(f"{strategy}: capacity (>= {CAPACITY_TARGET:.0%} on time over "
                         f"{traces_text(traces)} a rate, up to {traces + EXTRA_TRACES} where it "
@@ -641,6 +658,7 @@ def compare_plans(
                 warm_up_s=warm_up_s,
                 guide=guide and not rungs,
                 ladder=rungs,
+                beyond=beyond,
                 extra=0 if rungs else EXTRA_TRACES,  # one trace a load, each run
                 # from what the planner states the plan delivers (>= 99% on time, simulated):
                 # near the capacity, where the rates far below it cost a trace or two each

@@ -356,6 +356,38 @@ def kept_rungs(shares: Sequence[float], counts: Sequence[int]) -> int:
     return kept
 
 
+def climb_ladder(
+    rungs: Sequence[int],
+    drive: Callable[[int], tuple[float, int]],
+    beyond: int = 0,
+    top: int | None = None,
+) -> tuple[list[int], int]:
+    """Drives each of a ladder's loads (grid steps, ascending; `drive(i)`: the share on
+    time and the requests of one trace there), then, while every load so far is kept
+    (kept_rungs), up to `beyond` loads more, each the gap between the ladder's top two
+    above the last, none above `top`: a plan that keeps the ladder's top is not given the
+    top as its figure where it keeps more. Returns the loads driven and how many of them,
+    from the lowest, are kept."""
+    driven = sorted(rungs)
+    shares, counts = [], []
+    for i in driven:
+        share, n = drive(i)
+        shares.append(share)
+        counts.append(n)
+    kept = kept_rungs(shares, counts)
+    gap = driven[-1] - driven[-2] if len(driven) > 1 else 1
+    for _ in range(beyond if driven else 0):
+        nxt = driven[-1] + gap
+        if kept < len(driven) or (top is not None and nxt > top):
+            break
+        share, n = drive(nxt)
+        driven.append(nxt)
+        shares.append(share)
+        counts.append(n)
+        kept = kept_rungs(shares, counts)
+    return driven, kept
+
+
 def bisect_grid(passes: Callable[[int], bool], top: int, guess: int | None = None) -> int:
     """The largest i in [0, top] with passes(i), assuming passing falls with i (0 passes);
     asked first at `guess` (clamped to 1..top) where given, else at `top`. Below a guess

@@ -249,3 +249,34 @@ def test_a_ladders_loads_are_judged_together_as_shares_that_do_not_rise_with_the
         shares = list(1.0 - rng.integers(0, 6, 3) / 261)
         alone = next((k for k, s in enumerate(shares) if s < 0.99), 3)
         assert kept_rungs(shares, [261] * 3) >= alone
+
+
+def test_a_plan_that_keeps_every_load_of_the_ladder_is_driven_further():
+    """loadgen.climb_ladder: the main job's ladder (grid steps 15, 19, 22 of ppipe's plan
+    rate over 32); a plan that keeps all three is driven at 25, the gap of the top two
+    further, and no more than `beyond` loads; one that missed a load below is not; a load
+    further that is missed leaves the figure where the ladder put it; none past `top`."""
+    from testbed.loadgen import climb_ladder
+
+    def plan(lost_at: dict[int, int]):
+        asked: list[int] = []
+
+        def drive(i: int) -> tuple[float, int]:
+            asked.append(i)
+            return 1.0 - lost_at.get(i, 0) / 300, 300
+
+        return asked, drive
+
+    asked, drive = plan({})
+    assert climb_ladder([15, 19, 22], drive, beyond=1, top=32) == ([15, 19, 22, 25], 4)
+    assert asked == [15, 19, 22, 25]
+    asked, drive = plan({})
+    assert climb_ladder([15, 19, 22], drive, beyond=3, top=26) == ([15, 19, 22, 25], 4)
+    asked, drive = plan({25: 9})  # 0.970 further: kept the three below still
+    assert climb_ladder([15, 19, 22], drive, beyond=2, top=32) == ([15, 19, 22, 25], 3)
+    asked, drive = plan({19: 7})  # missed in the ladder (pooled 0.988): nothing further
+    assert climb_ladder([15, 19, 22], drive, beyond=2, top=32) == ([15, 19, 22], 1)
+    assert asked == [15, 19, 22]
+    asked, drive = plan({})
+    assert climb_ladder([15, 19, 22], drive) == ([15, 19, 22], 3)  # beyond 0: the ladder
+    assert climb_ladder([], drive, beyond=2) == ([], 0)
