@@ -135,6 +135,11 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
+# Trace length (undilated s) at which the main job's figures stopped moving between runs:
+# two runs of 5-s traces (docs/benchmarks.md, the main job).
+SETTLED_TRACE_S = 5.0
+
+
 def _rel(path: Path) -> str:
     try:
         return str(path.relative_to(Path.cwd()))
@@ -276,6 +281,16 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
             "runs' were beyond their stages' own time (inputs and maps late on their links, "
             "the answers on their way back: colorization-v2's are 2 MB), not reserving the "
             "answers on their server's uplink (docs/serving.md)."
+        )
+    if ladder and args.duration / d < SETTLED_TRACE_S:
+        fewest = min(res["ppipe"]["requests"]["live"].values())
+        console.print(
+            f"One trace of {args.duration / d:g} s a load ({fewest} requests at the lowest): "
+            "near 99% a request or two decide a load (the intervals above), and the figures "
+            f"move by a load between runs. --duration {SETTLED_TRACE_S * d:g} ("
+            f"{SETTLED_TRACE_S:g}-s traces, {SETTLED_TRACE_S * d / args.duration:.0f}x the "
+            "requests; the job takes about three times as long) settles them "
+            "(docs/benchmarks.md, the main job)."
         )
     roll = res["rollout"]
     att = roll["attainment"]
