@@ -31,6 +31,7 @@ from testbed.loadgen import (
     bisect_grid,
     climb_ladder,
     drive_mix,
+    ladder_gap,
     mix_times,
     rate_passes,
 )
@@ -238,7 +239,7 @@ def mix_capacity(
     where a search's answer moves by steps from run to run and its traces by minutes.
     `beyond`: loads past the ladder driven, one at a time, while every load so far is kept
     (the gap between the ladder's top two apart), so that a plan's figure is not the
-    ladder's top where it keeps more; "ladder" then holds them too, "beyond" how many.
+    ladder's top where it keeps more; "ladder" then holds them too.
     "live_requests" and "live_interval": the requests the live capacity was judged on and a 95%
     interval of their share on time (Wilson). `cpu`: CPU seconds so far by part
     (CpuMeter.sample), summed over the live traces alone into "live_cpu_s", beside their wall
@@ -322,7 +323,6 @@ def mix_capacity(
         measured.clear()
         delays.clear()
     rungs = sorted(set(ladder))
-    shared = len(rungs)
     if rungs:  # every load of the ladder live, the capacity the highest kept (kept_rungs)
 
         def drive(i: int) -> tuple[float, int]:
@@ -347,7 +347,6 @@ def mix_capacity(
         "top": top,
         "guide": first * top / steps,
         "ladder": [i * top / steps for i in rungs],  # dilated req/s
-        "beyond": len(rungs) - shared,  # of them past the ladder asked for
         "above": above if above >= 0 else None,  # the rate above the live capacity driven
         "sim": found["sim"] * top / steps,
         "live": live,
@@ -634,7 +633,7 @@ def compare_plans(
                 driven = ", ".join(f"{i * top / MIX_STEPS * d:.0f}" for i in rungs)
                 further = (
                     f"; while it keeps every load, {beyond} more at most, "
-                    f"{(rungs[-1] - rungs[-2]) * top / MIX_STEPS * d:.0f} req/s apart"
+                    f"{ladder_gap(rungs) * top / MIX_STEPS * d:.0f} req/s apart"
                     if beyond and len(rungs) > 1
                     else ""
                 )

@@ -356,6 +356,12 @@ def kept_rungs(shares: Sequence[float], counts: Sequence[int]) -> int:
     return kept
 
 
+def ladder_gap(rungs: Sequence[int]) -> int:
+    """The grid steps between a ladder's top two loads (ascending), 1 with fewer: how far
+    climb_ladder drives a plan that keeps them all, a load at a time."""
+    return rungs[-1] - rungs[-2] if len(rungs) > 1 else 1
+
+
 def climb_ladder(
     rungs: Sequence[int],
     drive: Callable[[int], tuple[float, int]],
@@ -375,7 +381,7 @@ def climb_ladder(
         shares.append(share)
         counts.append(n)
     kept = kept_rungs(shares, counts)
-    gap = driven[-1] - driven[-2] if len(driven) > 1 else 1
+    gap = ladder_gap(driven)
     for _ in range(beyond if driven else 0):
         nxt = driven[-1] + gap
         if kept < len(driven) or (top is not None and nxt > top):
