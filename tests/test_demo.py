@@ -42,6 +42,9 @@ def test_demo_on_emulated_gpus(tmp_path: Path) -> None:
     assert "EMULATED" in text and "shadow models" in text
     assert re.search(r"hc2-large@10 EMULATED at time scale D = 10: 10 GPUs on \d+ servers", text)
     assert "rollout ppipe -> np" in text and ": done;" in text
+    # 0.2-s traces: the job says a request or two decide a load, and what settles it
+    said = " ".join(text.split())  # as one line, wherever the console wrapped it
+    assert "a request or two decide a load" in said and "--duration 50 (5-s traces" in said
     for plot in ("capacity.png", "rollout.png"):
         assert (tmp_path / "out" / plot).stat().st_size > 0
     # each live capacity with the requests it was judged on, and the host's share of it
