@@ -206,6 +206,7 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
         HOST_BUSY_SHARE,
         HOST_LATE_SHARE,
         host_above,
+        judged_text,
         traces_text,
     )
 
@@ -245,7 +246,7 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
             f"{'>= ' if r['sim_capped'] else ''}{r['sim'] * d:.0f}",
             f"{'>= ' if r['capped'] else ''}{r['live'] * d:.0f}",
             f"{r['live'] / r['sim']:.2f}" if r["sim"] else "-",
-            _interval(r),
+            judged_text(r),
             host_above(r),
         )
     console.print(t)
@@ -333,15 +334,6 @@ def _side_by_side(res: dict, d: float, traces: str) -> None:
             row.append("-" if sim is None else f"{sim:.3f}")
         t.add_row(*row)
     console.print(t)
-
-
-def _interval(r: dict) -> str:
-    """The share on time the live capacity was judged on, its 95% interval and requests."""
-    if not r["live"]:
-        return "-"
-    lo, hi = r["live_interval"]
-    share = r["points"]["live"][r["live"]]
-    return f"{share:.3f} ({lo:.3f}-{hi:.3f}, {r['live_requests']})"
 
 
 def _store(res: dict, warehouse: str, cluster: str, d: float, transport: str) -> None:

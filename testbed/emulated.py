@@ -397,6 +397,17 @@ def host_above(r: dict) -> str:
     return f"{late}, {r['host_cpu_above']:.0%}{bound}"
 
 
+def judged_text(r: dict) -> str:
+    """The share on time a plan's live capacity was judged on (mix_capacity's figures), its
+    95% interval and the requests behind it: "0.992 (0.986-0.996, 1283)"; "-" where it kept
+    no rate."""
+    if not r["live"]:
+        return "-"
+    lo, hi = r["live_interval"]
+    share = r["points"]["live"][r["live"]]
+    return f"{share:.3f} ({lo:.3f}-{hi:.3f}, {r['live_requests']})"
+
+
 def wilson(share: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """The Wilson score interval (95% at z = 1.96) of a share observed in `n` requests;
     (0, 1) without any."""
