@@ -34,7 +34,13 @@ from poolpipe_cli.common import (
     log_events,
     warn_each,
 )
-from triton_backend import DOOR_RING_MB, REPLAN_GRACE_S, TRANSPORT_CHOICES
+from triton_backend import (
+    DOOR_QUEUE,
+    DOOR_RING_MB,
+    REPLAN_GRACE_S,
+    ROUTER_INSTANCES,
+    TRANSPORT_CHOICES,
+)
 from triton_backend.env import is_loopback
 from triton_backend.node.feed import FEED_MB, FeedRegion
 from triton_backend.router.tracing import (
@@ -487,9 +493,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--router-instances",
         type=int,
-        default=1,
+        default=ROUTER_INSTANCES,
         help="Python-backend instances of each served model's door in the router's Triton; "
-        "each hands requests to the router at once (1)",
+        "each hands requests to the router at once; with one, a request that comes while "
+        f"it runs can wait in Triton until the next one comes ({ROUTER_INSTANCES})",
     )
     p.add_argument(
         "--door-ring-mb",
@@ -497,6 +504,16 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
         default=DOOR_RING_MB,
         help="shared memory of each door instance through which requests' inputs reach the "
         f"router process; 0: down the door's socket ({DOOR_RING_MB:g})",
+    )
+    p.add_argument(
+        "--door-queue",
+        type=int,
+        default=DOOR_QUEUE,
+        metavar="N",
+        help="requests each served model's queue in the router's Triton holds at most, "
+        "ahead of the door, when the router's host falls behind; more are refused (503), "
+        "as is one that waited there longer than the longest SLO served; 0: no bound "
+        f"({DOOR_QUEUE})",
     )
     p.add_argument(
         "--door-ring-dir",
@@ -606,6 +623,8 @@ def router_options(args: argparse.Namespace) -> dict:
         raise PoolpipeError(f"--router-instances must be at least 1, got {args.router_instances}")
     if args.door_ring_mb < 0:
         raise PoolpipeError(f"--door-ring-mb must be 0 or more, got {args.door_ring_mb:g}")
+    if args.door_queue < 0:
+        raise PoolpipeError(f"--door-queue must be 0 or more (0: no bound), got {args.door_queue}")
     if args.door_ring_dir is not None and not Path(args.door_ring_dir).is_dir():
         raise PoolpipeError(
             f"--door-ring-dir {args.door_ring_dir}: no such folder (give one on shared memory, "
@@ -615,6 +634,7 @@ def router_options(args: argparse.Namespace) -> dict:
         "router_instances": args.router_instances,
         "door_ring_mb": args.door_ring_mb,
         "door_ring_dir": args.door_ring_dir,
+        "door_queue": args.door_queue,
         "reply_margin_us": args.reply_margin_ms * 1e3,
         "reply_margin_max_us": (
             None if args.reply_margin_max_ms is None else args.reply_margin_max_ms * 1e3

@@ -47,6 +47,7 @@ from poolpipe.store.warehouse import REPO_ROOT, Warehouse
 from testbed import scratch_dir, teardown_on_sigterm
 from testbed.cpu import cpu_seconds
 from testbed.predict import predict
+from triton_backend import ROUTER_INSTANCES
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
@@ -87,7 +88,12 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per load level")
     ap.add_argument("--slo-ms", type=float, default=100.0)
     ap.add_argument("--requests", type=int, default=300, help="closed-loop requests")
-    ap.add_argument("--router-instances", type=int, default=1, help="door instances (1)")
+    ap.add_argument(
+        "--router-instances",
+        type=int,
+        default=ROUTER_INSTANCES,
+        help=f"door instances ({ROUTER_INSTANCES})",
+    )
     ap.add_argument("--burst", type=int, default=500, help="requests in a burst (500)")
     ap.add_argument("--burst-slo-ms", type=float, default=100.0, help="their SLO (100)")
     ap.add_argument(

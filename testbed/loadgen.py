@@ -16,7 +16,7 @@ import numpy as np
 
 from testbed.predict import predict
 from triton_backend.router.kserve_http import parse_head
-from triton_backend.router.served import DROP_MARKER, FAIL_MARKER, REFUSED_MARKER
+from triton_backend.router.served import DROP_MARKER, FAIL_MARKER, refused
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ async def _drive(
                 "dropped"
                 if DROP_MARKER in text
                 else "refused"
-                if REFUSED_MARKER in text
+                if refused(text)
                 else "failed"
                 if FAIL_MARKER in text
                 else "error"

@@ -973,3 +973,47 @@ def test_dropped_and_refused_requests_are_traced_with_their_reason(served):
     assert kids[-1].attributes["poolpipe.reason"]
     refused = by_outcome["bad request"]
     assert refused.status == 2 and "slo_ms" in refused.attributes["poolpipe.error"]
+
+
+def test_requests_the_routers_host_cannot_take_in_time_are_refused_ahead_of_the_door(served):
+    """Where the router's process falls behind (its loop held here for five SLOs), requests
+    pile up in its Triton's queue ahead of the door, each holding its inputs, out of the
+    router's sight. None waits there longer than the longest SLO served: Triton refuses it
+    (UNAVAILABLE, counted as refused by a client), so the queue holds what one SLO brings,
+    not all that arrives. Every request is answered; the next one is served."""
+    import tritonclient.grpc as tg
+
+    from triton_backend.router.served import DROP_MARKER, refused
+
+    cfg = (served.frontend.node.repo / "tiny" / "config.pbtxt").read_text()
+    assert f"default_timeout_microseconds: {SLO_MS * 1e3:.0f}" in cfg, cfg
+    assert "max_queue_size: 1024" in cfg and "timeout_action: REJECT" in cfg, cfg
+    # four rows a request: each door instance's ring and socket take a few, the rest queue
+    x = np.zeros((4, 3, 32, 32), np.float32)
+    errors: list[str] = []
+    answered = []
+
+    def one() -> None:
+        client = tg.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+        try:
+            i = tg.InferInput("input", list(x.shape), "FP32")
+            i.set_data_from_numpy(x)
+            client.infer("tiny", [i], client_timeout=30)
+            answered.append(1)
+        except Exception as exc:
+            errors.append(str(exc))
+        finally:
+            client.close()
+
+    served.core.loop.call_soon_threadsafe(time.sleep, 5 * SLO_MS / 1e3)
+    time.sleep(0.05)
+    threads = [threading.Thread(target=one) for _ in range(60)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(errors) + len(answered) == 60
+    assert any(refused(e) for e in errors), errors[:3]
+    # the rest reached the router late and were dropped there
+    assert all(refused(e) or DROP_MARKER in e for e in errors), errors
+    _infer(*_grpc(served), x[:1])  # answered: nothing left behind

@@ -505,6 +505,7 @@ def test_serve_and_rollout_commands(prefect_api, onboarded_tiny, tmp_path, capsy
     assert "--force serves it anyway" in said and not refused.exists()
     for bad, why in (
         (["--door-ring-mb", "-1"], "--door-ring-mb must be 0 or more, got -1"),
+        (["--door-queue", "-2"], "--door-queue must be 0 or more (0: no bound), got -2"),
         (["--door-ring-dir", str(tmp_path / "none")], "no such folder"),
     ):
         assert cli_main([*argv, "--workspace", str(refused), *bad]) == 2

@@ -35,7 +35,13 @@ from poolpipe.runtime import (
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import Topology, with_inputs, with_latencies
-from triton_backend import DOOR_RING_MB, TRANSPORT_CHOICES, TRANSPORTS
+from triton_backend import (
+    DOOR_QUEUE,
+    DOOR_RING_MB,
+    ROUTER_INSTANCES,
+    TRANSPORT_CHOICES,
+    TRANSPORTS,
+)
 from triton_backend.deploy.load import LocalNodes, Supervisor, attach, load_layout, unload_all
 from triton_backend.deploy.prepare import model_io, prepare, remove_files
 from triton_backend.env import is_loopback, signals_held, triton_home
@@ -260,9 +266,10 @@ class Deployment:
         workspace: Path,
         *,
         plane: str = "reservation",
-        router_instances: int = 1,
+        router_instances: int = ROUTER_INSTANCES,
         door_ring_mb: float = DOOR_RING_MB,
         door_ring_dir: str | Path | None = None,
+        door_queue: int = DOOR_QUEUE,
         max_batch: int = 8,
         wake_guard_us: float = 5000.0,
         reply_margin_us: float = DEFAULT_MARGIN_FLOOR_US,
@@ -284,9 +291,12 @@ class Deployment:
         """`control`: answers JSON commands sent to the router's `poolpipe_control` model
         (rollouts and statistics from other processes); none when not given.
         `router_instances`: Python-backend instances of each served model's door (each
-        hands requests over at once; one is enough on a small host). `door_ring_mb`: each
-        door instance's shared memory for inputs (0: inputs go down the door's socket), in
-        `door_ring_dir` (default /dev/shm, else the door's folder).
+        hands requests over at once; two by default, so that one is free while the other
+        runs: ROUTER_INSTANCES). `door_ring_mb`: each door instance's shared memory for
+        inputs (0: inputs go down the door's socket), in `door_ring_dir` (default
+        /dev/shm, else the door's folder). `door_queue`: the
+        requests each door's queue in the router's Triton holds at most, more refused (0: no
+        bound); one waits there no longer than the longest SLO served, then is refused.
         `reply_margin_us` / `reply_margin_max_us`: the floor and the ceiling of the reply
         margin, which the router measures (its ingress + egress p99) and holds back from
         every request's deadline; the ceiling defaults to the larger of the floor and 25 ms.
@@ -399,6 +409,7 @@ class Deployment:
                 triton_metrics_port,
                 door_ring_mb,
                 None if door_ring_dir is None else Path(door_ring_dir),
+                door_queue,
             ).start()
             if supervise and local is not None:
                 dep.supervisor = Supervisor(

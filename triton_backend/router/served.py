@@ -19,6 +19,14 @@ DROP_MARKER = "POOLPIPE_DROPPED"
 BAD_REQUEST_MARKER = "POOLPIPE_BAD_REQUEST"
 FAIL_MARKER = "POOLPIPE_STAGE_FAILED"
 REFUSED_MARKER = "POOLPIPE_REFUSED"  # the plan served cannot serve it (the server's condition)
+# Triton's own refusals ahead of the door (door_config's queue bounds: the router's host
+# fell behind), also the server's condition: UNAVAILABLE, HTTP 503
+QUEUE_REFUSALS = ("Exceeds maximum queue size", "Request timeout expired")
+
+
+def refused(text: str) -> bool:
+    """Whether an error's text is a refusal: the plan's, or the router's Triton's queue."""
+    return REFUSED_MARKER in text or any(r in text for r in QUEUE_REFUSALS)
 
 
 @dataclass(frozen=True)

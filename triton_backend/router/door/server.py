@@ -26,11 +26,12 @@ import numpy as np
 
 from poolpipe.client.control import CONTROL_MODEL
 from poolpipe.runtime import FORWARDED_HEADERS
-from triton_backend import DOOR_RING_MB
+from triton_backend import DOOR_QUEUE, DOOR_RING_MB
 from triton_backend.node.repository import kserve_dtype, triton_dtype
 from triton_backend.node.triton import STALE_AFTER_S, TritonNode
 from triton_backend.router.core import ModelIO, RouterCore
 from triton_backend.router.door.inbox import Door
+from triton_backend.router.served import refused
 
 DOOR_MODEL = Path(__file__).with_name("model.py")
 SHARED_MEMORY = Path("/dev/shm")
@@ -51,6 +52,8 @@ def door_config(
     senders: int = 4,
     ring: Path | None = None,
     ring_mb: float = 0.0,
+    queue_wait_ms: float | None = None,
+    queue_max: int = 0,
 ) -> str:
     """config.pbtxt of a door model: (name, TYPE_..., dims after the batch) per tensor.
     `batched`: Triton's dynamic batcher hands `execute` every request queued at that
@@ -58,7 +61,13 @@ def door_config(
     burst is handed over in a few calls instead of one call per request. `wait_cap_ms`:
     the most a request of a burst is taken to have waited in Triton before the door saw
     it; `senders`: threads sending answers side by side; `ring` / `ring_mb`: the folder of
-    each instance's ring and its size (0: inputs go down the socket; see model.py)."""
+    each instance's ring and its size (0: inputs go down the socket; see model.py).
+    `queue_wait_ms` / `queue_max` (batched doors): Triton refuses a request (UNAVAILABLE,
+    HTTP 503) that waited longer than that in its queue ahead of the door, or that finds
+    `queue_max` requests there (None / 0: no bound). The door takes every queued request
+    whenever it is free, so that queue only grows where the router's host cannot keep up:
+    its requests then wait, unseen by the router, until they cannot be on time, and each
+    holds its inputs (a 2.4-MB image at 43 req/s is 100 MB a second)."""
 
     def tensors(ts: Sequence[tuple[str, str, Sequence[int]]]) -> str:
         return ", ".join(
@@ -67,8 +76,18 @@ def door_config(
             for n, t, dims in ts
         )
 
+    policy = []
+    if queue_wait_ms is not None:
+        policy += [
+            "timeout_action: REJECT",
+            f"default_timeout_microseconds: {queue_wait_ms * 1e3:.0f}",
+        ]
+    if queue_max > 0:
+        policy.append(f"max_queue_size: {queue_max}")
+    queue = f" default_queue_policy {{ {' '.join(policy)} }}" if policy else ""
     batching = (
-        f"max_batch_size: {MAX_ROWS}\ndynamic_batching {{ max_queue_delay_microseconds: 0 }}\n"
+        f"max_batch_size: {MAX_ROWS}\n"
+        f"dynamic_batching {{ max_queue_delay_microseconds: 0{queue} }}\n"
         if batched
         else "max_batch_size: 0\n"
     )
@@ -147,14 +166,18 @@ class Frontend:
         metrics_port: int = 0,
         ring_mb: float = DOOR_RING_MB,
         ring_dir: Path | None = None,
+        queue_max: int = DOOR_QUEUE,
     ):
         """`key`: restricts this Triton's management APIs (model repository, ...), as the
         nodes' are. `metrics_port`: its own Prometheus metrics (0: a free one).
         `ring_mb`: each door instance's ring of inputs (0: none, inputs go down the door's
         socket), in `ring_dir` (default /dev/shm where there is one, else the door's own
-        folder)."""
+        folder). `queue_max`: the requests each door's Triton queue holds at most (0: no
+        bound); a request waits there no longer than the longest SLO served (door_config)."""
         if ring_mb < 0:
             raise ValueError(f"a door's ring takes 0 MB or more, got {ring_mb:g}")
+        if queue_max < 0:
+            raise ValueError(f"a door's queue holds 0 requests or more, got {queue_max}")
         self.core = core
         self.ios = list(ios)
         self.workspace = Path(workspace)
@@ -162,6 +185,7 @@ class Frontend:
         self.control = control
         self.ring_mb = ring_mb
         self.ring_dir = ring_dir
+        self.queue_max = queue_max
         self.node = TritonNode(
             "router-triton",
             "router",
@@ -236,16 +260,28 @@ class Frontend:
                 [("result", "TYPE_STRING", ())],
             )
         ring = self.ring_dir or (SHARED_MEMORY if SHARED_MEMORY.is_dir() else sock.parent)
+        wait_ms = self._longest_slo_ms()
         for name, (ins, outs) in models.items():
             (repo / name / "1").mkdir(parents=True)
-            mb = 0.0 if name == CONTROL_MODEL else self.ring_mb  # (a command is a few bytes)
+            served = name != CONTROL_MODEL  # (a command is a few bytes, and never refused)
             (repo / name / "config.pbtxt").write_text(
                 door_config(
                     name, ins, outs, self.instances, sock, self._batched(name), ring=ring,
-                    ring_mb=mb,
+                    ring_mb=self.ring_mb if served else 0.0,
+                    queue_wait_ms=wait_ms if served else None,
+                    queue_max=self.queue_max if served else 0,
                 )
             )  # fmt: skip
             shutil.copy(DOOR_MODEL, repo / name / "1" / "model.py")
+
+    def _longest_slo_ms(self) -> float | None:
+        """The longest SLO of the served models and applications (ms; on emulated GPUs at
+        time scale D, D times theirs): a request that waited that long ahead of the door
+        cannot be on time, whatever it is a request of."""
+        slos = [m.slo_us for m in self.core.runtime.topo.models]
+        if self.core.apps is not None:
+            slos += [a.slo_us for a in self.core.apps.apps]
+        return max(slos) / 1e3 if slos else None
 
     def _batched(self, name: str) -> bool:
         """Whether a door takes rows as Triton's batch (not the control model, and not an
@@ -268,13 +304,19 @@ class Frontend:
                 i.set_data_from_numpy(np.zeros((1, *t.dims), t.dtype))
                 inputs.append(i)
             params = {"slo_ms": 10 * slo_us / 1e3}  # no drop for lack of time
-            answered = 0
-            for _ in range(WARM_UP // 4):
+            answered = refusals = 0
+            for k in range(WARM_UP // 2):
+                # a cold door may keep one longer than the SLO in its queue (refused there):
+                # as many again, in rounds of their own
+                n = 4 if k < WARM_UP // 4 else min(4, WARM_UP - answered) * bool(refusals)
+                if n <= 0:
+                    break
                 answers = await asyncio.gather(
-                    *(client.infer(io.name, inputs, parameters=params) for _ in range(4)),
+                    *(client.infer(io.name, inputs, parameters=params) for _ in range(n)),
                     return_exceptions=True,
                 )
                 answered += sum(not isinstance(a, BaseException) for a in answers)
+                refusals += sum(isinstance(a, BaseException) and refused(str(a)) for a in answers)
             return answered
 
         async def warm() -> int:
