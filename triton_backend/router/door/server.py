@@ -307,9 +307,9 @@ class Frontend:
             answered = refusals = 0
             for k in range(WARM_UP // 2):
                 # a cold door may keep one longer than the SLO in its queue (refused there):
-                # as many again, in rounds of their own
-                n = 4 if k < WARM_UP // 4 else min(4, WARM_UP - answered) * bool(refusals)
-                if n <= 0:
+                # after WARM_UP // 4 rounds of 4, rounds again until WARM_UP are answered
+                n = 4 if k < WARM_UP // 4 else min(4, WARM_UP - answered)
+                if n <= 0 or (k >= WARM_UP // 4 and not refusals):
                     break
                 answers = await asyncio.gather(
                     *(client.infer(io.name, inputs, parameters=params) for _ in range(n)),
