@@ -561,9 +561,9 @@ class RouterCore:
 
     def take_answer_delays(self) -> tuple[tuple[float, ...], ...]:
         """Per pool of the serving plan (a pipeline's last), how much later than reserved
-        batches that found every vGPU idle were answered, beyond their stages' own time,
-        since the last call: what the simulator delays its answers by to predict this
-        router (SimConfig.answer_delays; ServingRuntime.take_answer_delays)."""
+        its batches were answered, beyond their stages' own time, since the last call: what
+        the simulator delays its answers by to predict this router (SimConfig.answer_delays;
+        ServingRuntime.take_answer_delays)."""
         return self._call(self.runtime.take_answer_delays)
 
     def recalibrations(self) -> int:
