@@ -44,7 +44,7 @@ from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
 from testbed.emulated import GROUP2, MAF19, group2_inputs, group_plans
 from testbed.emulated import MIX_STEPS as STEPS  # the grid: ppipe's planned rate / this
-from testbed.loadgen import CAPACITY_TARGET, mix_times
+from testbed.loadgen import CAPACITY_TARGET, keeps_target, mix_times
 
 # --parts shares: (lead-in s not judged, s judged) per trace kind; the main job's is the first
 SHARE_TRACES = ((0.0, 1.25), (0.5, 1.25), (0.0, 5.0))
@@ -155,7 +155,7 @@ def shares_table(
                     for k in range(patterns)
                 ]
                 mean = float(np.mean([on / max(1, n) for on, n in got]))
-                kept = sum(1 for on, n in got if n - on <= (1 - CAPACITY_TARGET) * n + 1e-6)
+                kept = sum(1 for on, n in got if keeps_target(n - on, n))
                 cfg = f"{cluster} {strategy} {rate:.0f} req/s trace {length:g} s lead {lead:g} s"
                 rows.record("trace-length-shares", cfg, "share_mean", mean)
                 rows.record("trace-length-shares", cfg, "patterns_kept", kept)

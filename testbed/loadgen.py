@@ -299,6 +299,12 @@ CAPACITY_TARGET = 0.99  # the share of requests on time that a load must keep
 TRACES_PER_RATE = 2  # traces a rate is judged on together (see rate_passes)
 
 
+def keeps_target(missed: float, requests: float) -> bool:
+    """Whether `requests` with `missed` of them not on time keep CAPACITY_TARGET (a
+    float's round-off is not a miss)."""
+    return missed <= (1.0 - CAPACITY_TARGET) * requests + 1e-6
+
+
 def rate_passes(
     traces: int, run: Callable[[int], tuple[float, int]], extra: int = 0
 ) -> tuple[bool, float]:
@@ -321,9 +327,9 @@ def rate_passes(
         total += n
         k += 1
         missed = total - on
-        if missed > (1.0 - CAPACITY_TARGET) * (total + (last - k) * n) + 1e-6:
+        if not keeps_target(missed, total + (last - k) * n):
             return False, on / total
-        if k >= traces and missed <= (1.0 - CAPACITY_TARGET) * total + 1e-6:
+        if k >= traces and keeps_target(missed, total):
             break
     return True, on / total if total else 1.0
 
@@ -350,7 +356,7 @@ def kept_rungs(shares: Sequence[float], counts: Sequence[int]) -> int:
             blocks[-1][2] += k
     kept = 0
     for on, m, k in blocks:
-        if m - on > (1.0 - CAPACITY_TARGET) * m + 1e-6:
+        if not keeps_target(m - on, m):
             break
         kept += int(k)
     return kept
