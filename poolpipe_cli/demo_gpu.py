@@ -122,6 +122,9 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
             # a plan that keeps every load driven one load further (about 26 s here), so
             # that its figure is not the ladder's top where it keeps more
             beyond=1,
+            # the traces of the typical one of 64 arrival patterns (typical_pattern), a
+            # few seconds of the simulator before the cluster serves
+            typical=emu.TYPICAL_PATTERNS,
             on_point=point,
             on_step=step,
         )
@@ -182,10 +185,21 @@ def live_ratio_text(pp: dict, whole: dict, d: float) -> str:
     """ppipe's live figure over np's (np's above 0), as the main job says it: of the loads
     both were driven at (a ladder), where one plan kept all of them ("at least"), and where
     ppipe kept none (below the lowest: "less than", not 0.00x)."""
-    ratio = f"{pp['live'] / whole['live']:.2f}x"
     if not pp["ladder"]:
-        return ratio
+        return f"{pp['live'] / whole['live']:.2f}x"
     lowest = min(pp["ladder"])
+    if not whole["live"]:  # np below the lowest load: ppipe's figure over it, a bound
+        if not pp["live"]:
+            return (
+                f"an unknown multiple ({lowest * d:.0f} req/s, the lowest load both were "
+                "driven at, was kept >= 99% by neither)"
+            )
+        return (
+            f"more than {pp['live'] / lowest:.2f}x (np kept 99% at none of the loads both "
+            f"were driven at, the lowest {lowest * d:.0f} req/s; ppipe "
+            f"{'at least ' if pp['capped'] else ''}{pp['live'] * d:.0f})"
+        )
+    ratio = f"{pp['live'] / whole['live']:.2f}x"
     if not pp["live"]:
         return (
             f"less than {lowest / whole['live']:.2f}x (ppipe kept 99% at none of the loads "
@@ -262,7 +276,7 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
                 f"{HOST_BUSY_SHARE:.0%}): run it on a quieter host or at a larger --time-scale"
             )
     pp, whole = res["ppipe"], res["np"]
-    if whole["live"]:
+    if whole["live"] or whole["ladder"]:
         sim = f"{pp['sim'] / whole['sim']:.2f}x" if whole["sim"] else "-"
         stated = (
             f"{pp['deliverable'] / whole['deliverable']:.2f}x"
@@ -310,9 +324,10 @@ def _side_by_side(res: dict, d: float, traces: str) -> None:
     """Both plans' share on time at the same offered loads, live and simulated."""
     from testbed.emulated import wilson
 
+    typ = f", seed {res['pattern']['seed']}" if "pattern" in res else ""
     t = Table(
         title=f"on time at the same offered loads on the same EMULATED nodes ({traces}, the "
-        "same pattern scaled; live with its 95% interval and requests, simulated on the same "
+        f"same pattern scaled{typ}; live with its 95% interval and requests, simulated on the same "
         f"traces; D = {d:g}, figures undilated; -: not driven)",
         title_justify="left",
     )
@@ -357,6 +372,8 @@ def _store(res: dict, warehouse: str, cluster: str, d: float, transport: str) ->
         ):
             if value is not None:
                 rows.record("demo", config, metric, value)
+        if "pattern" in res:  # the arrival pattern's seed (typical_pattern)
+            rows.record("demo", config, "pattern_seed", res["pattern"]["seed"])
         for rate in r["ladder"]:  # the loads both plans were driven at
             at = f"{config}/load{rate * d:.0f}"
             rows.record("demo", at, "on_time_live", r["points"]["live"][rate])

@@ -15,7 +15,7 @@ that short states more than the plan serves for longer. Rows: bench_serving, ben
 
 `--parts shares`: what decides the main job's figures, the mean or the spread. At the main
 job's loads (--loads, grid steps), each plan's share on time over --patterns arrival
-patterns (its traces' seeds: the k-th as the job's k-th, 200 + 1000 k, scaled to each load)
+patterns (seeds 200 + 1000 k, scaled to each load: the candidates of the job's typical pattern)
 of 1.25 s from an idle cluster (the job's), of 1.25 s judged after a 0.5-s lead-in at the
 same load (requests arriving in the lead-in not judged: the cluster's queues as they are
 in steady state), and of 5 s: the mean share, and in how many patterns the load keeps 99%.
@@ -36,15 +36,20 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from poolpipe.runtime import ON_TIME
-from poolpipe.scheduler import make_data_plane
 from poolpipe.scheduler.topology import simulated_topology
-from poolpipe.sim import ArrivalSpec, SimConfig, Simulator, run_once
+from poolpipe.sim import ArrivalSpec, SimConfig, run_once
 from poolpipe.store.bench_rows import BenchRows
 from poolpipe.store.warehouse import Warehouse
-from testbed.emulated import GROUP2, MAF19, group2_inputs, group_plans
+from testbed.emulated import (
+    GROUP2,
+    MAF19,
+    PATTERN_SEED,
+    group2_inputs,
+    group_plans,
+    simulated_share,
+)
 from testbed.emulated import MIX_STEPS as STEPS  # the grid: ppipe's planned rate / this
-from testbed.loadgen import CAPACITY_TARGET, keeps_target, mix_times
+from testbed.loadgen import CAPACITY_TARGET, keeps_target
 
 # --parts shares: (lead-in s not judged, s judged) per trace kind; the main job's is the first
 SHARE_TRACES = ((0.0, 1.25), (0.5, 1.25), (0.0, 5.0))
@@ -119,19 +124,6 @@ def capacity_table(
     return table
 
 
-def judged_share(topo, weights: list[float], rate: float, lead: float, length: float, seed: int):
-    """(on time, judged) of a trace of `lead` + `length` s at `rate` (the main job's
-    pattern `seed`, scaled), requests arriving in the first `lead` s not judged."""
-    times, which = mix_times(rate, weights, lead + length, seed, scaled=True)
-    sim = Simulator(
-        topo, make_data_plane("reservation", topo), times * 1e6, which,
-        SimConfig(lead + length, seed=1), None,
-    )  # fmt: skip
-    sim.run()
-    judged = np.asarray(sim.arrival_us) >= lead * 1e6
-    return int((np.asarray(sim.outcome)[judged] == ON_TIME).sum()), int(judged.sum())
-
-
 def shares_table(
     served: dict, step: float, loads: list[int], patterns: int, cluster: str, rows: BenchRows
 ) -> Table:
@@ -151,7 +143,9 @@ def shares_table(
             cells = []
             for lead, length in SHARE_TRACES:
                 got = [
-                    judged_share(topo, shares, rate, lead, length, 200 + 1000 * k)
+                    simulated_share(
+                        topo, shares, rate, length, PATTERN_SEED + 1000 * k, lead_s=lead
+                    )
                     for k in range(patterns)
                 ]
                 mean = float(np.mean([on / max(1, n) for on, n in got]))

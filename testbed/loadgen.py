@@ -8,7 +8,7 @@ import selectors
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,6 +360,24 @@ def kept_rungs(shares: Sequence[float], counts: Sequence[int]) -> int:
             break
         kept += int(k)
     return kept
+
+
+def nearest_to_mean(shares: Mapping[int, Sequence[float]]) -> int:
+    """The key (an arrival pattern's seed) whose shares on time (one per plan and load, in
+    the same order for every key) lie nearest their means over all keys: the least sum of
+    squares, each share's distance in its own standard deviations over the keys (a load
+    far past a plan's capacity spreads most and would outweigh the loads near 99%; one
+    where every key gives the same share counts for nothing). The typical pattern, neither
+    kinder nor harsher than the mean to any plan. Ties go to the lowest key."""
+    if not shares:
+        raise ValueError("no patterns to choose from")
+    keys = sorted(shares)
+    m = np.asarray([shares[k] for k in keys], dtype=float)
+    if m.ndim != 2 or m.shape[1] == 0:
+        raise ValueError("every pattern needs the same number of shares, at least one")
+    sd = m.std(axis=0)
+    z = np.divide(m - m.mean(axis=0), sd, out=np.zeros_like(m), where=sd > 0)
+    return keys[int(np.argmin((z**2).sum(axis=1)))]
 
 
 def ladder_gap(rungs: Sequence[int]) -> int:

@@ -134,7 +134,8 @@ def test_first_solver_prints_no_banner() -> None:
 
 def test_the_live_ratio_says_less_than_where_ppipe_kept_none_of_the_loads() -> None:
     """A ladder where ppipe lost 3 of 200 at the lowest load read "ppipe serves 0.00x": it
-    is below that load, so less than the lowest load over np's figure."""
+    is below that load, so less than the lowest load over np's figure; where np lost it,
+    more than ppipe's figure over that load."""
     from poolpipe_cli.demo_gpu import live_ratio_text
 
     ladder = [167 / 20, 212 / 20, 245 / 20]  # dilated req/s at D = 20
@@ -146,3 +147,9 @@ def test_the_live_ratio_says_less_than_where_ppipe_kept_none_of_the_loads() -> N
     said = live_ratio_text(kept, np_, 20)
     assert said.startswith("at least 1.47x (of the loads driven: 245 against 167")
     assert live_ratio_text({"live": 2.0, "ladder": []}, {"live": 1.0}, 20) == "2.00x"
+    # np lost the lowest load: above ppipe's figure over it, not a division by 0
+    np_none = {"live": 0.0, "ladder": ladder, "capped": False}
+    said = live_ratio_text(kept, np_none, 20)
+    assert said.startswith("more than 1.47x (np kept 99% at none") and "ppipe at least 245" in said
+    said = live_ratio_text(none, np_none, 20)
+    assert said.startswith("an unknown multiple (167 req/s") and "by neither" in said

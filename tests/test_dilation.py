@@ -280,3 +280,63 @@ def test_a_plan_that_keeps_every_load_of_the_ladder_is_driven_further():
     asked, drive = plan({})
     assert climb_ladder([15, 19, 22], drive) == ([15, 19, 22], 3)  # beyond 0: the ladder
     assert climb_ladder([], drive, beyond=2) == ([], 0)
+
+
+def test_the_typical_arrival_pattern_is_the_one_nearest_the_mean_share():
+    """loadgen.nearest_to_mean: the pattern whose shares (per plan and load) lie nearest
+    their means over all patterns, each in its own standard deviations; not the kindest to
+    either plan."""
+    from testbed.loadgen import nearest_to_mean
+
+    shares = {
+        200: [1.000, 0.992, 0.986],  # kind at the first two loads, harsh at the third
+        1200: [0.995, 0.986, 0.990],  # the means: 0.99525, 0.98675, 0.990
+        2200: [0.990, 0.984, 0.993],  # harsh at the first, kind at the third
+        3200: [0.996, 0.985, 0.991],
+    }
+    assert nearest_to_mean(shares) == 1200
+    del shares[1200]  # the means now 0.9953, 0.9870, 0.9900: 3200 nearest
+    assert nearest_to_mean(shares) == 3200
+    # a load near 99% and one far past the capacity whose shares spread widely (in the sum
+    # of plain squares 2 is nearest, kind at the first load): each in its own spread
+    wide = {
+        1: [0.990, 1.0, 0.90],
+        2: [0.996, 1.0, 0.94],
+        3: [0.984, 1.0, 0.97],
+        4: [0.991, 1.0, 0.99],  # the mean at the first load: 0.99025
+    }
+    assert nearest_to_mean(wide) == 4
+    assert nearest_to_mean({7: [0.9], 5: [0.9]}) == 5  # a tie: the lowest seed
+    with pytest.raises(ValueError):
+        nearest_to_mean({})
+    with pytest.raises(ValueError):
+        nearest_to_mean({1: [], 2: []})
+
+
+def test_a_comparison_on_short_traces_is_driven_with_the_typical_pattern(group2_plan):
+    """testbed.emulated.typical_pattern on hc2-small's ppipe plan: of four patterns, the one
+    whose simulated shares at two loads near its capacity lie nearest the mean of the four
+    (each share simulated again here), with the mean and the patterns that keep 99%."""
+    import numpy as np
+
+    from poolpipe.scheduler.topology import simulated_topology
+    from testbed.emulated import MAF19, simulated_share, typical_pattern
+
+    plan, profiles, _ = group2_plan
+    weights = {m.name: w for m, w in zip(plan.models, MAF19, strict=True)}
+    rates = [0.6 * plan.objective, 0.8 * plan.objective]
+    chosen = typical_pattern({"ppipe": (plan, 1)}, profiles, weights, rates, 1.25, candidates=4)
+    seeds = [200, 1200, 2200, 3200]
+    assert chosen["candidates"] == 4 and chosen["seed"] in seeds
+    topo = simulated_topology(plan, profiles)
+    w = [weights[m.name] for m in topo.models]
+    got = {s: [simulated_share(topo, w, r, 1.25, s) for r in rates] for s in seeds}
+    share = {s: np.array([on / n for on, n in v]) for s, v in got.items()}
+    mean = np.mean(list(share.values()), axis=0)
+    dist = {s: float(((v - mean) ** 2).sum()) for s, v in share.items()}
+    assert dist[chosen["seed"]] == min(dist.values())
+    assert len(set(dist.values())) > 1  # the patterns differ: a choice was made
+    for k, r in enumerate(rates):
+        assert chosen["shares"]["ppipe"][r] == share[chosen["seed"]][k]
+        assert chosen["mean"]["ppipe"][r] == pytest.approx(mean[k])
+        assert 0 <= chosen["kept"]["ppipe"][r] <= 4
