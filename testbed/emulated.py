@@ -31,6 +31,7 @@ from testbed.loadgen import (
     bisect_grid,
     climb_ladder,
     drive_mix,
+    keeps_target,
     ladder_gap,
     mix_times,
     nearest_to_mean,
@@ -437,7 +438,6 @@ def typical_pattern(
     "candidates", and per plan and rate the chosen pattern's share ("shares"), the mean
     ("mean") and the patterns that keep CAPACITY_TARGET ("kept")."""
     from poolpipe.scheduler.topology import simulated_topology
-    from testbed.loadgen import keeps_target
 
     seeds = [PATTERN_SEED + 1000 * c for c in range(max(1, candidates))]
     got: dict[str, dict[float, dict[int, tuple[int, int]]]] = {}
