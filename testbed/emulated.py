@@ -31,6 +31,7 @@ from testbed.loadgen import (
     bisect_grid,
     climb_ladder,
     drive_mix,
+    further_loads,
     keeps_target,
     ladder_gap,
     mix_times,
@@ -719,14 +720,13 @@ def compare_plans(
     pattern = PATTERN_SEED
     out: dict = {}
     if rungs and typical:
-        gap = ladder_gap(rungs)
-        steps = [*rungs, *(rungs[-1] + gap * (j + 1) for j in range(beyond))]
+        steps = [*rungs, *further_loads(rungs, beyond, MIX_STEPS)]
         with Warehouse.open(warehouse) as wh:
             names = {m.name for plan, _ in plans.values() for m in plan.models}
             profiles = {name: wh.load_profile(name) for name in names}
         out["pattern"] = typical_pattern(
             plans, profiles, weights,
-            [i * top * d / MIX_STEPS for i in steps if i <= MIX_STEPS],
+            [i * top * d / MIX_STEPS for i in steps],
             duration_s / d, candidates=typical, plane=plane,
         )  # fmt: skip
         pattern = out["pattern"]["seed"]

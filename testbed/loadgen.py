@@ -386,6 +386,16 @@ def ladder_gap(rungs: Sequence[int]) -> int:
     return rungs[-1] - rungs[-2] if len(rungs) > 1 else 1
 
 
+def further_loads(rungs: Sequence[int], beyond: int, top: int | None = None) -> list[int]:
+    """The loads climb_ladder may drive past a ladder (grid steps, ascending): up to
+    `beyond`, each the gap between the ladder's top two above the last, none above `top`."""
+    if not rungs:
+        return []
+    gap = ladder_gap(rungs)
+    out = [rungs[-1] + gap * (j + 1) for j in range(beyond)]
+    return [i for i in out if top is None or i <= top]
+
+
 def climb_ladder(
     rungs: Sequence[int],
     drive: Callable[[int], tuple[float, int]],
@@ -405,10 +415,8 @@ def climb_ladder(
         shares.append(share)
         counts.append(n)
     kept = kept_rungs(shares, counts)
-    gap = ladder_gap(driven)
-    for _ in range(beyond if driven else 0):
-        nxt = driven[-1] + gap
-        if kept < len(driven) or (top is not None and nxt > top):
+    for nxt in further_loads(driven, beyond, top):
+        if kept < len(driven):
             break
         share, n = drive(nxt)
         driven.append(nxt)
