@@ -546,13 +546,21 @@ def attainment_at(dep, load: MixLoad, rates, duration_s: float, seed: int = 500)
 
 @contextlib.contextmanager
 def emulated_nodes(
-    cluster, workspace: Path, time_scale: float, token_file: Path, node_per_server: bool = False
+    cluster,
+    workspace: Path,
+    time_scale: float,
+    token_file: Path,
+    node_per_server: bool = False,
+    link_scale: tuple[float, float] = (1.0, 1.0),
 ):
     """`cluster` (a preset) as namespaces, an emulated GPU node per GPU at `time_scale`,
     named <GPU>-<i> as a plan's layout names them (`node_per_server`: a node per server
-    serving its GPUs, named <GPU>-s<i>, its GPUs <GPU>-s<i>/gpu<j>); yields the
+    serving its GPUs, named <GPU>-s<i>, its GPUs <GPU>-s<i>/gpu<j>), the NICs shaped at
+    `link_scale` (uplink, downlink) times the cluster's bandwidth; yields the
     EmulatedCluster."""
-    with EmulatedCluster.from_cluster(cluster, workspace, time_scale, node_per_server) as em:
+    with EmulatedCluster.from_cluster(
+        cluster, workspace, time_scale, node_per_server, link_scale
+    ) as em:
         count: dict[str, int] = {}
         for k, gpu in enumerate(em.devices):
             i = count.get(gpu, 0)

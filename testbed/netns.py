@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import math
 import os
 import re
 import shutil
@@ -129,13 +130,27 @@ class EmulatedCluster:
     each; a list: the node slots of each server); use as a context manager. Node slots are
     numbered across the servers in order (`nodes`)."""
 
-    def __init__(self, servers: int | list[int], workspace: Path, bandwidth_gbps: float = 1.0):
+    def __init__(
+        self,
+        servers: int | list[int],
+        workspace: Path,
+        bandwidth_gbps: float = 1.0,
+        link_scale: tuple[float, float] = (1.0, 1.0),
+    ):
         slots = [1] * servers if isinstance(servers, int) else list(servers)
         if not slots or min(slots) < 1:
             raise EmulationError(
                 f"an emulated cluster needs at least one server of at least one node, got {servers}"
             )
+        if len(link_scale) != 2 or not all(x > 0 and math.isfinite(x) for x in link_scale):
+            raise EmulationError(
+                "the links' scale needs two finite factors > 0 (uplink, downlink), got "
+                f"{link_scale}"
+            )
         self.bandwidth_gbps = bandwidth_gbps
+        # what the NICs are shaped to, against `bandwidth_gbps` (the plan's): a probe of
+        # how much the links' own timing costs (scripts/bench_links.py); 1, 1 elsewhere
+        self.link_scale = (float(link_scale[0]), float(link_scale[1]))
         self.workspace = Path(workspace)
         self.tag = f"pp{uuid.uuid4().hex[:5]}"  # interface names stay within 15 characters
         self.bridge = f"{self.tag}br"
@@ -155,11 +170,13 @@ class EmulatedCluster:
         workspace: Path,
         time_scale: float = 1.0,
         node_per_server: bool = False,
+        link_scale: tuple[float, float] = (1.0, 1.0),
     ) -> EmulatedCluster:
         """A server per `gpus_per_server` GPUs of each pool of `cluster` (a clusters-file
         preset), a node slot per GPU (`devices` says its type; with `node_per_server`, one
         slot per server, `gpus` its GPUs), NICs at the cluster's bandwidth / `time_scale`
-        (time-dilated emulation: docs/design/emulation.md)."""
+        (time-dilated emulation: docs/design/emulation.md), shaped at `link_scale` (uplink,
+        downlink) times that."""
         if time_scale <= 0:
             raise EmulationError(f"the time scale must be > 0, got {time_scale:g}")
         slots: list[int] = []
@@ -175,7 +192,7 @@ class EmulatedCluster:
                 left -= n
         if not slots:
             raise EmulationError(f"cluster {cluster.name} has no GPUs")
-        em = cls(slots, workspace, cluster.bandwidth_gbps / time_scale)
+        em = cls(slots, workspace, cluster.bandwidth_gbps / time_scale, link_scale)
         em.devices = devices
         em.gpus = gpus
         return em
@@ -209,21 +226,27 @@ class EmulatedCluster:
         self._made.append(("ip", "link", "del", self.bridge))
         _run("ip", "addr", "add", f"{self.router_address}/{prefix}", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
-        rate = tc_rate(self.bandwidth_gbps * 1000)
+        up, down = (tc_rate(self.bandwidth_gbps * 1000 * x) for x in self.link_scale)
         for k, slots in enumerate(self._slots):
             s = EmulatedNode(
                 len(self.nodes), k, 0, f"{self.tag}-s{k}", str(hosts[9 + k]),
                 f"{self.tag}v{k}", f"{self.tag}p{k}",
             )  # fmt: skip
-            self._namespace(s.namespace, s.veth, s.peer, s.address, rate)
+            self._namespace(s.namespace, s.veth, s.peer, s.address, (up, down))
             self.nodes += [replace(s, index=len(self.nodes) + j, slot=j) for j in range(slots)]
 
     def _namespace(
-        self, namespace: str, veth: str, peer: str, address: str, rate: str, burst: str = "256kb"
+        self,
+        namespace: str,
+        veth: str,
+        peer: str,
+        address: str,
+        rate: str | tuple[str, str],
+        burst: str = "256kb",
     ) -> None:
         """A namespace on the bridge at `address`, its NIC limited to `rate` (tc's: tc_rate)
-        both ways, `burst` passing at once: the namespace end its uplink, the bridge end its
-        downlink."""
+        both ways, or (uplink, downlink), `burst` passing at once: the namespace end its
+        uplink, the bridge end its downlink."""
         assert self.subnet is not None
         _run("ip", "netns", "add", namespace)
         self._made.append(("ip", "netns", "del", namespace))
@@ -236,9 +259,9 @@ class EmulatedCluster:
         _run(*inside, "ip", "link", "set", "lo", "up")
         _run("ip", "link", "set", veth, "master", self.bridge)
         _run("ip", "link", "set", veth, "up")
-        for cmd in (("tc",), (*inside, "tc")):
-            dev = veth if len(cmd) == 1 else peer
-            _run(*cmd, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+        up, down = (rate, rate) if isinstance(rate, str) else rate
+        for cmd, dev, r in (("tc",), veth, down), ((*inside, "tc"), peer, up):
+            _run(*cmd, "qdisc", "add", "dev", dev, "root", "tbf", "rate", r,
                  "burst", burst, "latency", "100ms")  # fmt: skip
 
     def add_client(self, mbit_s: float) -> tuple[str, str]:

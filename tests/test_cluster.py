@@ -21,7 +21,7 @@ import pytest
 
 from poolpipe.client.control import new_token_file, node_key, read_token
 from poolpipe.domain.inventory import Inventory, InventoryError, InventoryNode, load_inventory
-from testbed.netns import EmulatedCluster, unavailable
+from testbed.netns import EmulatedCluster, EmulationError, unavailable
 from tests.test_serving import (
     SLO_MS,
     _grpc,
@@ -162,22 +162,41 @@ def test_bad_inventories_fail_before_anything_is_loaded(cluster, onboarded_tiny,
     assert _loaded(inv, _key(cluster)) == []
 
 
-def test_each_nic_carries_the_planned_bandwidth_of_payload(cluster):
-    """tc counts frames; the planner's 1 Gbit/s is TCP payload: each server's NIC is shaped
-    at 1,514 / 1,448 of it both ways (its uplink in the namespace, its downlink on the
-    bridge)."""
+def _shaped_mbit(s) -> tuple[float, float]:
+    """A server's NIC as tc shapes it, Mbit/s of frames: (uplink, downlink)."""
 
     def rate_mbit(*cmd: str) -> float:
         out = subprocess.run([*cmd], capture_output=True, text=True, check=True).stdout
         value, unit = re.search(r" tbf .*? rate (\d+(?:\.\d+)?)([KMG])bit", out).groups()
         return float(value) * {"K": 1e-3, "M": 1.0, "G": 1e3}[unit]
 
+    up = rate_mbit("ip", "netns", "exec", s.namespace, "tc", "qdisc", "show", "dev", s.peer)
+    return up, rate_mbit("tc", "qdisc", "show", "dev", s.veth)
+
+
+def test_each_nic_carries_the_planned_bandwidth_of_payload(cluster):
+    """tc counts frames; the planner's 1 Gbit/s is TCP payload: each server's NIC is shaped
+    at 1,514 / 1,448 of it both ways (its uplink in the namespace, its downlink on the
+    bridge)."""
     want = 1000 * 1514 / 1448
     for s in cluster.nodes:
-        up = rate_mbit("ip", "netns", "exec", s.namespace, "tc", "qdisc", "show", "dev", s.peer)
-        down = rate_mbit("tc", "qdisc", "show", "dev", s.veth)
+        up, down = _shaped_mbit(s)
         assert abs(up - want) / want < 0.005, (s.namespace, up)
         assert abs(down - want) / want < 0.005, (s.veth, down)
+
+
+def test_links_shaped_faster_than_planned_one_way_only(tmp_path):
+    """bench-links' arms: the uplinks at 4x the planned bandwidth, the downlinks as planned
+    (the plan's figure stays the cluster's); a scale that is not two factors > 0 is refused
+    before a namespace is made."""
+    with EmulatedCluster(1, tmp_path, bandwidth_gbps=0.5, link_scale=(4.0, 1.0)) as c:
+        assert c.bandwidth_gbps == 0.5
+        up, down = _shaped_mbit(c.nodes[0])
+        want = 500 * 1514 / 1448
+        assert abs(up - 4 * want) / want < 0.02 and abs(down - want) / want < 0.005, (up, down)
+    for bad in ((0.0, 1.0), (1.0, float("inf")), (1.0,)):
+        with pytest.raises(EmulationError, match="links' scale"):
+            EmulatedCluster(1, tmp_path, link_scale=bad)
 
 
 def test_a_node_stops_cleanly_on_sigterm(cluster):
