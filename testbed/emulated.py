@@ -729,9 +729,12 @@ def compare_plans(
     out: dict = {}
     if rungs and typical:
         steps = [*rungs, *further_loads(rungs, beyond, MIX_STEPS)]
+        from poolpipe.store.plan_inputs import served_profiles
+
         with Warehouse.open(warehouse) as wh:
-            names = {m.name for plan, _ in plans.values() for m in plan.models}
-            profiles = {name: wh.load_profile(name) for name in names}
+            profiles = {
+                n: p for plan, _ in plans.values() for n, p in served_profiles(wh, plan).items()
+            }
         out["pattern"] = typical_pattern(
             plans, profiles, weights,
             [i * top * d / MIX_STEPS for i in steps],
