@@ -241,12 +241,12 @@ class EmulatedCluster:
         veth: str,
         peer: str,
         address: str,
-        rate: str | tuple[str, str],
+        rates: tuple[str, str],
         burst: str = "256kb",
     ) -> None:
-        """A namespace on the bridge at `address`, its NIC limited to `rate` (tc's: tc_rate)
-        both ways, or (uplink, downlink), `burst` passing at once: the namespace end its
-        uplink, the bridge end its downlink."""
+        """A namespace on the bridge at `address`, its NIC limited to `rates` (tc's: tc_rate;
+        uplink, downlink), `burst` passing at once: the namespace end its uplink, the bridge
+        end its downlink."""
         assert self.subnet is not None
         _run("ip", "netns", "add", namespace)
         self._made.append(("ip", "netns", "del", namespace))
@@ -259,7 +259,7 @@ class EmulatedCluster:
         _run(*inside, "ip", "link", "set", "lo", "up")
         _run("ip", "link", "set", veth, "master", self.bridge)
         _run("ip", "link", "set", veth, "up")
-        up, down = (rate, rate) if isinstance(rate, str) else rate
+        up, down = rates
         for cmd, dev, r in (("tc",), veth, down), ((*inside, "tc"), peer, up):
             _run(*cmd, "qdisc", "add", "dev", dev, "root", "tbf", "rate", r,
                  "burst", burst, "latency", "100ms")  # fmt: skip
@@ -281,7 +281,9 @@ class EmulatedCluster:
         namespace, address = f"{self.tag}-c{k}", str(hosts[-1 - k])
         rate = tc_rate(mbit_s)
         burst = f"{max(2_000, round(mbit_s * 1e6 / 8 * 0.002))}b"  # 2 ms, at least a frame
-        self._namespace(namespace, f"{self.tag}c{k}", f"{self.tag}q{k}", address, rate, burst)
+        self._namespace(
+            namespace, f"{self.tag}c{k}", f"{self.tag}q{k}", address, (rate, rate), burst
+        )
         return namespace, address
 
     # ------------------------------------------------------------------ nodes
