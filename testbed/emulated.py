@@ -554,19 +554,26 @@ def emulated_nodes(
     link_scale: tuple[float, float] = (1.0, 1.0),
 ):
     """`cluster` (a preset) as namespaces, an emulated GPU node per GPU at `time_scale`,
-    named <GPU>-<i> as a plan's layout names them (`node_per_server`: a node per server
-    serving its GPUs, named <GPU>-s<i>, its GPUs <GPU>-s<i>/gpu<j>), the NICs shaped at
-    `link_scale` (uplink, downlink) times the cluster's bandwidth; yields the
-    EmulatedCluster."""
+    named <GPU>-<i> as a plan's layout names them (GPU i of a type on the type's server
+    i mod servers, as the layout deals them and the inventory assigns them:
+    Inventory.gpus_by_device; `node_per_server`: a node per server serving its GPUs, named
+    <GPU>-s<i>, its GPUs <GPU>-s<i>/gpu<j>), the NICs shaped at `link_scale` (uplink,
+    downlink) times the cluster's bandwidth; yields the EmulatedCluster."""
     with EmulatedCluster.from_cluster(
         cluster, workspace, time_scale, node_per_server, link_scale
     ) as em:
-        count: dict[str, int] = {}
+        names: dict[int, str] = {}
+        for gpu in dict.fromkeys(em.devices):
+            slots = [k for k, device in enumerate(em.devices) if device == gpu]
+            if node_per_server:  # (one slot per server, in server order)
+                names.update({k: f"{gpu}-s{i}" for i, k in enumerate(slots)})
+                continue
+            # dealt: each server's first slot, then each one's second, ...
+            dealt = sorted(slots, key=lambda k: (em.nodes[k].slot, em.nodes[k].server))
+            names.update({k: f"{gpu}-{i}" for i, k in enumerate(dealt)})
         for k, gpu in enumerate(em.devices):
-            i = count.get(gpu, 0)
-            count[gpu] = i + 1
             em.start_node(
-                k, gpu, name=f"{gpu}-s{i}" if node_per_server else f"{gpu}-{i}", wait=False,
+                k, gpu, name=names[k], wait=False,
                 token_file=token_file, emulate=True, time_scale=time_scale,
             )  # fmt: skip
         for k in range(len(em.nodes)):

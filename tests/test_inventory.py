@@ -3,6 +3,8 @@ planner sees, which node serves which GPU of a plan, and planning for an invento
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 
 from poolpipe.domain.inventory import (
@@ -274,3 +276,34 @@ def test_a_node_joins_and_one_is_released(tmp_path):
     assert inv.mark_down({"d"}).released("d").down == frozenset()
     with pytest.raises(InventoryError, match="no node 'z' to release"):
         inv.released("z")
+
+
+def _servers_of_three(node_per_server: bool) -> str:
+    """Three servers of two T4s each: a node per server (gpus = 2) or a node per GPU."""
+    text = "".join(f'[[servers]]\nname = "s{k}"\nbandwidth_gbps = 10\n' for k in range(3))
+    for k in range(3):
+        nodes = [(f"n{k}", 2)] if node_per_server else [(f"n{k}a", 1), (f"n{k}b", 1)]
+        for j, (name, gpus) in enumerate(nodes):
+            text += (
+                f'[[nodes]]\nname = "{name}"\nserver = "s{k}"\ndevice = "T4"\n'
+                f'grpc = "10.0.0.{k + 2}:{8001 + 10 * j}"\ngpus = {gpus}\n'
+            )
+    return text
+
+
+@pytest.mark.parametrize("node_per_server", [True, False])
+def test_a_plans_gpus_are_dealt_over_the_servers_as_its_layout_deals_them(node_per_server):
+    # the plan's layout puts GPU i of a type on the type's server i mod servers
+    # (scheduler.topology._lay_out), and the router reserves that server's NIC for its
+    # transfers: the inventory's GPU i must sit there, not fill the servers one by one
+    inv = parse_inventory(tomllib.loads(_servers_of_three(node_per_server)))
+    got = assign({f"T4-{i}": ("T4", i) for i in range(6)}, inv)
+    assert [got[f"T4-{i}"].node.server for i in range(6)] == ["s0", "s1", "s2"] * 2
+    # a server's GPUs in its turns as listed: its first node (or GPU) first
+    first = "n0/gpu0" if node_per_server else "n0a"
+    second = "n0/gpu1" if node_per_server else "n0b"
+    assert (got["T4-0"].name, got["T4-3"].name) == (first, second)
+    # a GPU marked down leaves its server's turn to the next server's
+    down = inv.mark_down({"n1/gpu0" if node_per_server else "n1a"})
+    got = assign({f"T4-{i}": ("T4", i) for i in range(5)}, down)
+    assert [got[f"T4-{i}"].node.server for i in range(5)] == ["s0", "s1", "s2", "s0", "s2"]

@@ -173,15 +173,19 @@ class Inventory:
         return dict(out)
 
     def gpus_by_device(self, live_only: bool = False) -> dict[str, list[InventoryGpu]]:
-        """GPUs per device type, node by node as by_device lists them: the i-th is the
-        plan's GPU i of that type. `live_only`: without the nodes and GPUs marked down."""
+        """GPUs per device type, dealt over their servers in turn (each server's first GPU,
+        in server order, then each one's second, ...; a server's GPUs node by node as
+        by_device lists them): the i-th is the plan's GPU i of that type, on the server the
+        plan's layout deals it to (scheduler.topology._lay_out: GPU i on the type's server
+        i mod servers), so that the links the router reserves are the NICs its bytes cross.
+        `live_only`: without the nodes and GPUs marked down."""
         out: dict[str, list[InventoryGpu]] = {}
         for device, nodes in self.by_device(live_only).items():
             gpus = [g for n in nodes for g in n.each_gpu()]
             if live_only:
                 gpus = [g for g in gpus if g.name not in self.down]
             if gpus:
-                out[device] = gpus
+                out[device] = dealt(gpus)
         return out
 
     def gpu_count(self) -> int:
@@ -411,6 +415,19 @@ def _tables(data: dict, key: str, source: str) -> list[dict]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise InventoryError(f"{source}: {key} must be an array of tables ([[{key}]])")
     return value
+
+
+def dealt(gpus: list[InventoryGpu]) -> list[InventoryGpu]:
+    """`gpus` (listed server by server) dealt over their servers in turn: every server's
+    first, in the order the servers first appear, then every server's second, ..."""
+    first: dict[str, int] = {}
+    held: dict[str, int] = defaultdict(int)
+    keyed = []
+    for k, g in enumerate(gpus):
+        server = g.node.server
+        keyed.append((held[server], first.setdefault(server, len(first)), k))
+        held[server] += 1
+    return [gpus[k] for _, _, k in sorted(keyed)]
 
 
 def assign(
