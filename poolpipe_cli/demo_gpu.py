@@ -214,6 +214,16 @@ def live_ratio_text(pp: dict, whole: dict, d: float) -> str:
     )
 
 
+def live_over_sim(r: dict) -> str:
+    """A plan's live figure over its simulated one, as far as the two are known: a figure
+    that is a bound (the plan kept every load driven or searched: "capped") makes the
+    ratio one ("<=", ">="), two make it unknown."""
+    if not r["sim"] or (r["capped"] and r["sim_capped"]):
+        return "-"
+    bound = ">= " if r["capped"] else "<= " if r["sim_capped"] else ""
+    return f"{bound}{r['live'] / r['sim']:.2f}"
+
+
 def _results(res: dict, d: float, args: argparse.Namespace) -> None:
     from testbed.emulated import (
         EXTRA_TRACES,
@@ -259,7 +269,7 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
             "-" if r.get("deliverable") is None else f"{r['deliverable']:.1f}",
             f"{'>= ' if r['sim_capped'] else ''}{r['sim'] * d:.0f}",
             f"{'>= ' if r['capped'] else ''}{r['live'] * d:.0f}",
-            f"{r['live'] / r['sim']:.2f}" if r["sim"] else "-",
+            live_over_sim(r),
             judged_text(r),
             host_above(r),
         )

@@ -153,3 +153,16 @@ def test_the_live_ratio_says_less_than_where_ppipe_kept_none_of_the_loads() -> N
     assert said.startswith("more than 1.47x (np kept 99% at none") and "ppipe at least 245" in said
     said = live_ratio_text(none, np_none, 20)
     assert said.startswith("an unknown multiple (167 req/s") and "by neither" in said
+
+
+def test_live_over_simulated_is_a_bound_where_a_figure_is_one() -> None:
+    """ppipe kept every load driven (live >= 279) and every rate simulated (>= 357): the
+    table read "0.78" live / simulated, a ratio of two bounds; it says what is known."""
+    from poolpipe_cli.demo_gpu import live_over_sim
+
+    base = {"live": 14.0, "sim": 17.0, "capped": False, "sim_capped": False}
+    assert live_over_sim(base) == "0.82"
+    assert live_over_sim({**base, "capped": True}) == ">= 0.82"
+    assert live_over_sim({**base, "sim_capped": True}) == "<= 0.82"
+    assert live_over_sim({**base, "capped": True, "sim_capped": True}) == "-"
+    assert live_over_sim({**base, "sim": 0.0}) == "-"
