@@ -139,7 +139,7 @@ def cmd_demo_gpu(args: argparse.Namespace) -> int:
 
 
 # Trace length (undilated s) at which the main job's figures stopped moving between runs:
-# two runs of 5-s traces (docs/benchmarks.md, the main job).
+# two runs of 5-s traces (docs/benchmarks-history.md, the main job).
 SETTLED_TRACE_S = 5.0
 
 
@@ -315,7 +315,7 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
             f"move by a load between runs. --duration {SETTLED_TRACE_S * d:g} ("
             f"{SETTLED_TRACE_S:g}-s traces, {SETTLED_TRACE_S * d / args.duration:.0f}x the "
             "requests; the job takes about three times as long) settles them "
-            "(docs/benchmarks.md, the main job)."
+            "(docs/benchmarks-history.md, the main job)."
         )
     roll = res["rollout"]
     att = roll["attainment"]
