@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from poolpipe.domain.cluster import Cluster
+from poolpipe.domain.inventory import dealt
 from poolpipe.domain.plan import Plan, dilated
 from poolpipe.domain.profiles import ModelProfile
 from poolpipe.errors import PoolpipeError
@@ -568,9 +569,8 @@ def emulated_nodes(
             if node_per_server:  # (one slot per server, in server order)
                 names.update({k: f"{gpu}-s{i}" for i, k in enumerate(slots)})
                 continue
-            # dealt: each server's first slot, then each one's second, ...
-            dealt = sorted(slots, key=lambda k: (em.nodes[k].slot, em.nodes[k].server))
-            names.update({k: f"{gpu}-{i}" for i, k in enumerate(dealt)})
+            in_turn = dealt(slots, lambda k: em.nodes[k].server)  # as the inventory deals
+            names.update({k: f"{gpu}-{i}" for i, k in enumerate(in_turn)})
         for k, gpu in enumerate(em.devices):
             em.start_node(
                 k, gpu, name=names[k], wait=False,

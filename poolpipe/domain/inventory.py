@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from poolpipe.domain.cluster import Cluster, GpuPool
 from poolpipe.domain.gpus import gpu_node, split_gpu
@@ -43,6 +43,8 @@ from poolpipe.domain.tier import (
 from poolpipe.domain.tomlfile import need as need_field
 from poolpipe.domain.tomlfile import only_known, read_toml
 from poolpipe.errors import ClusterError
+
+T = TypeVar("T")
 
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 
@@ -185,7 +187,7 @@ class Inventory:
             if live_only:
                 gpus = [g for g in gpus if g.name not in self.down]
             if gpus:
-                out[device] = dealt(gpus)
+                out[device] = dealt(gpus, lambda g: g.node.server)
         return out
 
     def gpu_count(self) -> int:
@@ -417,17 +419,19 @@ def _tables(data: dict, key: str, source: str) -> list[dict]:
     return value
 
 
-def dealt(gpus: list[InventoryGpu]) -> list[InventoryGpu]:
-    """`gpus` (listed server by server) dealt over their servers in turn: every server's
-    first, in the order the servers first appear, then every server's second, ..."""
-    first: dict[str, int] = {}
-    held: dict[str, int] = defaultdict(int)
+def dealt(items: Sequence[T], server: Callable[[T], Hashable]) -> list[T]:
+    """`items` (GPUs, or node slots, listed server by server; `server` names an item's)
+    dealt over their servers in turn: every server's first, in the order the servers first
+    appear, then every server's second, ... The plan's GPU i of a type is the i-th so dealt,
+    as its layout deals GPU i to the type's server i mod servers."""
+    first: dict[Hashable, int] = {}
+    held: dict[Hashable, int] = defaultdict(int)
     keyed = []
-    for k, g in enumerate(gpus):
-        server = g.node.server
-        keyed.append((held[server], first.setdefault(server, len(first)), k))
-        held[server] += 1
-    return [gpus[k] for _, _, k in sorted(keyed)]
+    for k, item in enumerate(items):
+        s = server(item)
+        keyed.append((held[s], first.setdefault(s, len(first)), k))
+        held[s] += 1
+    return [items[k] for _, _, k in sorted(keyed)]
 
 
 def assign(
