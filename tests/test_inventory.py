@@ -307,3 +307,61 @@ def test_a_plans_gpus_are_dealt_over_the_servers_as_its_layout_deals_them(node_p
     down = inv.mark_down({"n1/gpu0" if node_per_server else "n1a"})
     got = assign({f"T4-{i}": ("T4", i) for i in range(5)}, down)
     assert [got[f"T4-{i}"].node.server for i in range(5)] == ["s0", "s1", "s2", "s0", "s2"]
+
+
+def _inventory(t4_per_server: tuple[int, ...]) -> str:
+    """An L4 server of four GPUs and T4 servers of the given counts, a node per server."""
+    counts = (("L4", 4), *(("T4", n) for n in t4_per_server))
+    text = ""
+    for k, (device, gpus) in enumerate(counts):
+        text += (
+            f'[[servers]]\nname = "s{k}"\nbandwidth_gbps = 10\n'
+            f'[[nodes]]\nname = "n{k}"\nserver = "s{k}"\ndevice = "{device}"\n'
+            f'grpc = "10.0.0.{k + 2}:8001"\ngpus = {gpus}\n'
+        )
+    return text
+
+
+@pytest.mark.parametrize("t4_per_server", [(2,) * 6, (4, 2, 2, 2, 2)])
+def test_the_router_reserves_the_nics_of_the_servers_an_inventory_puts_gpus_on(
+    t4_per_server, ppipe_profiles
+):
+    # The layout deals a type's GPU i to its server i mod servers, each as full as the
+    # fullest; on servers of different counts the inventory's GPU i sits elsewhere, and the
+    # router's topology takes the inventory's servers (each vGPU on its GPU's server).
+    from poolpipe.planner import PlanRequest, make_plan
+    from poolpipe.runtime.placement import layout
+    from poolpipe.scheduler import build_topology
+    from poolpipe.scheduler.topology import on_servers
+    from triton_backend.deploy.load import gpu_servers
+
+    inv = parse_inventory(tomllib.loads(_inventory(t4_per_server)))
+    group = ("colorization-v2", "googlenet-v3-pytorch", "repvgg-b3")
+    plan = make_plan(
+        PlanRequest(
+            delivery="off",
+            models=tuple(ppipe_profiles[n] for n in group),
+            weights=(0.30, 0.33, 0.37),
+            slos_us=tuple(5 * ppipe_profiles[n].reference_latency_us for n in group),
+            cluster=inv.cluster("irregular"),
+            strategy="ppipe",
+            max_partitions=2,
+        )
+    )
+    topo = build_topology(plan, ppipe_profiles)
+    where = gpu_servers(layout(topo), inv)
+    got = on_servers(topo, where)
+    regular = len(set(t4_per_server)) == 1
+    assert (got is topo) == regular
+    t4 = [v for v in topo.vgpus if v.gpu == "T4"]
+    assert len({v.physical for v in t4}) > 4  # the plan uses GPUs of a third T4 server
+    # two vGPUs share a server in the router's topology iff their GPUs share one
+    for v in got.vgpus:
+        for w in got.vgpus:
+            same = where[(v.gpu, v.physical)] == where[(w.gpu, w.physical)]
+            assert (v.server == w.server) == same
+    assert [s.id for s in got.servers] == list(range(len(got.servers)))
+    assert all(got.servers[v.server].gpu == v.gpu for v in got.vgpus)
+    if not regular:  # the layout's three T4 servers of four were not where the GPUs are
+        assert len({v.server for v in t4}) == 3
+        assert len({v.server for v in got.vgpus if v.gpu == "T4"}) > 3

@@ -268,6 +268,33 @@ def _lay_out(
     return servers, vgpus, overcommitted
 
 
+def on_servers(topo: Topology, server_of: Mapping[tuple[str, int], str]) -> Topology:
+    """`topo` with its GPUs on the servers they run on: `server_of` names the server of each
+    (GPU type, physical GPU) that a vGPU uses (an inventory's: deploy/load.gpu_servers). The
+    layout deals a type's GPU i to the type's server i mod servers, each as full as the
+    fullest server; where an inventory's servers hold different counts, its GPU i sits
+    elsewhere, and the router must reserve the NICs that GPU's bytes cross. Servers are
+    numbered type by type as the layout numbers them, in the order their GPUs first come;
+    where the inventory's servers are the layout's, `topo` itself comes back."""
+    first: dict[str, int] = {}  # type -> its first server's id in the layout
+    for s in topo.servers:
+        first.setdefault(s.gpu, s.id)
+    servers: list[Server] = []
+    index: dict[tuple[str, str], int] = {}  # (type, server name) -> server id
+    for v in sorted(topo.vgpus, key=lambda v: (first[v.gpu], v.physical)):
+        key = (v.gpu, server_of[(v.gpu, v.physical)])
+        if key not in index:
+            index[key] = len(servers)
+            mine = sum(s.gpu == v.gpu for s in servers)
+            servers.append(Server(id=len(servers), gpu=v.gpu, index=mine))
+    vgpus = tuple(
+        replace(v, server=index[(v.gpu, server_of[(v.gpu, v.physical)])]) for v in topo.vgpus
+    )
+    if tuple(servers) == topo.servers and vgpus == topo.vgpus:
+        return topo
+    return replace(topo, servers=tuple(servers), vgpus=vgpus)
+
+
 def _gpu_group(plan: Plan, pool: Pool) -> tuple[int, ...]:
     """Which pools' vGPUs may share a physical GPU, as the plan's packing counts GPUs:
     per-position, a model's partitions at one position; per-share, a model's (every

@@ -34,7 +34,7 @@ from poolpipe.runtime import (
 )
 from poolpipe.runtime.placement import Layout
 from poolpipe.scheduler import make_data_plane
-from poolpipe.scheduler.topology import Topology, with_inputs, with_latencies
+from poolpipe.scheduler.topology import Topology, on_servers, with_inputs, with_latencies
 from triton_backend import (
     DOOR_QUEUE,
     DOOR_RING_MB,
@@ -42,7 +42,14 @@ from triton_backend import (
     TRANSPORT_CHOICES,
     TRANSPORTS,
 )
-from triton_backend.deploy.load import LocalNodes, Supervisor, attach, load_layout, unload_all
+from triton_backend.deploy.load import (
+    LocalNodes,
+    Supervisor,
+    attach,
+    gpu_servers,
+    load_layout,
+    unload_all,
+)
 from triton_backend.deploy.prepare import model_io, prepare, remove_files
 from triton_backend.env import is_loopback, signals_held, triton_home
 from triton_backend.node.triton import RemoteNode, RepositoryAPI, TritonNode, refuse_taken_ports
@@ -355,6 +362,7 @@ class Deployment:
             ios = model_io(topo, lay, parts)
             topo = _with_inputs(topo, plan, ios)
             nodes, inventory = _attach(lay, inventory, local, workspace, key)
+            topo = on_servers(topo, gpu_servers(lay, inventory))
             urls = [n.grpc_url for n in nodes.values()]
             options = ServeOptions(
                 plane,
@@ -471,6 +479,7 @@ class Deployment:
             nodes, inventory = _attach(
                 lay, self._inventory_now(), self.local, self.workspace, opt.key
             )
+            topo = on_servers(topo, gpu_servers(lay, inventory))
             load_layout(lay, parts, nodes, opt.max_batch, loaded)
             self.fence(nodes)
             warm(lay, nodes, parts)

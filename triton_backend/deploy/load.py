@@ -74,6 +74,13 @@ def attach(
     return out
 
 
+def gpu_servers(lay: Layout, inv: Inventory) -> dict[tuple[str, int], str]:
+    """The inventory server each of the layout's GPUs (type, physical index) sits on, as
+    attach assigns them: what the router reserves NICs by (topology.on_servers)."""
+    picked = assign({s.name: (s.gpu, s.physical) for s in lay.nodes}, inv)
+    return {(s.gpu, s.physical): picked[s.name].node.server for s in lay.nodes}
+
+
 def load_layout(
     lay: Layout,
     parts: dict[str, PartitionFile],
