@@ -322,13 +322,16 @@ def _inventory(t4_per_server: tuple[int, ...]) -> str:
     return text
 
 
-@pytest.mark.parametrize("t4_per_server", [(2,) * 6, (4, 2, 2, 2, 2)])
+@pytest.mark.parametrize(
+    "t4_per_server, down", [((2,) * 6, None), ((4, 2, 2, 2, 2), None), ((2,) * 6, "n1/gpu0")]
+)
 def test_the_router_reserves_the_nics_of_the_servers_an_inventory_puts_gpus_on(
-    t4_per_server, ppipe_profiles
+    t4_per_server, down, ppipe_profiles
 ):
     # The layout deals a type's GPU i to its server i mod servers, each as full as the
-    # fullest; on servers of different counts the inventory's GPU i sits elsewhere, and the
-    # router's topology takes the inventory's servers (each vGPU on its GPU's server).
+    # fullest; on servers of different counts (or with a GPU down) the inventory's GPU i
+    # may sit elsewhere, and the router's topology takes the inventory's servers (each vGPU
+    # on its GPU's server).
     from poolpipe.planner import PlanRequest, make_plan
     from poolpipe.runtime.placement import layout
     from poolpipe.scheduler import build_topology
@@ -336,6 +339,7 @@ def test_the_router_reserves_the_nics_of_the_servers_an_inventory_puts_gpus_on(
     from triton_backend.deploy.load import gpu_servers
 
     inv = parse_inventory(tomllib.loads(_inventory(t4_per_server)))
+    inv = inv.mark_down({down}) if down else inv
     group = ("colorization-v2", "googlenet-v3-pytorch", "repvgg-b3")
     plan = make_plan(
         PlanRequest(
@@ -352,7 +356,8 @@ def test_the_router_reserves_the_nics_of_the_servers_an_inventory_puts_gpus_on(
     where = gpu_servers(layout(topo), inv)
     got = on_servers(topo, where)
     regular = len(set(t4_per_server)) == 1
-    assert (got is topo) == regular
+    # a first server's GPU down: the others' second GPUs move up a turn
+    assert (got is topo) == (regular and not down)
     t4 = [v for v in topo.vgpus if v.gpu == "T4"]
     assert len({v.physical for v in t4}) > 4  # the plan uses GPUs of a third T4 server
     # two vGPUs share a server in the router's topology iff their GPUs share one
