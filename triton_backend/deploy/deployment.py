@@ -46,7 +46,6 @@ from triton_backend.deploy.load import (
     LocalNodes,
     Supervisor,
     attach,
-    gpu_servers,
     load_layout,
     unload_all,
 )
@@ -361,8 +360,7 @@ class Deployment:
             topo, lay, parts = prepare(plan, warehouse, workspace, generation_tag(owner, 0))
             ios = model_io(topo, lay, parts)
             topo = _with_inputs(topo, plan, ios)
-            nodes, inventory = _attach(lay, inventory, local, workspace, key)
-            topo = on_servers(topo, gpu_servers(lay, inventory))
+            nodes, inventory, topo = _attach(topo, lay, inventory, local, workspace, key)
             urls = [n.grpc_url for n in nodes.values()]
             options = ServeOptions(
                 plane,
@@ -476,10 +474,9 @@ class Deployment:
             topo = _with_inputs(topo, plan, ios)
             if self.local is not None:
                 started = self.local.ensure(lay)
-            nodes, inventory = _attach(
-                lay, self._inventory_now(), self.local, self.workspace, opt.key
+            nodes, inventory, topo = _attach(
+                topo, lay, self._inventory_now(), self.local, self.workspace, opt.key
             )
-            topo = on_servers(topo, gpu_servers(lay, inventory))
             load_layout(lay, parts, nodes, opt.max_batch, loaded)
             self.fence(nodes)
             warm(lay, nodes, parts)
@@ -789,21 +786,26 @@ def _with_inputs(topo: Topology, plan: Plan, ios: list[ModelIO]) -> Topology:
 
 
 def _attach(
+    topo: Topology,
     lay: Layout,
     inventory: Inventory | None,
     local: LocalNodes | None,
     workspace: Path,
     key: str | None,
-) -> tuple[dict[str, RepositoryAPI], Inventory]:
+) -> tuple[dict[str, RepositoryAPI], Inventory, Topology]:
     """The nodes behind the layout: those of `inventory`, or `local`'s (started for the
-    layout first, their inventory written to the workspace). One attach path either way."""
+    layout first, their inventory written to the workspace). One attach path either way.
+    Beside them the inventory, and `topo` on the inventory's servers (topology.on_servers:
+    the NICs the router reserves are those of the servers the nodes are on)."""
     if local is not None:
         local.ensure(lay)
         inventory = local.inventory()
         (workspace / "inventory.toml").write_text(inventory.to_toml())
-        return attach(lay, inventory, dict(local.nodes), key), inventory
-    assert inventory is not None
-    return attach(lay, inventory, key=key), inventory
+        nodes, servers = attach(lay, inventory, dict(local.nodes), key)
+    else:
+        assert inventory is not None
+        nodes, servers = attach(lay, inventory, key=key)
+    return nodes, inventory, on_servers(topo, servers)
 
 
 def resolve_answers(answers: str, urls: Iterable[str]) -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from poolpipe.domain.inventory import (
     Inventory,
     InventoryError,
+    InventoryGpu,
     InventoryNode,
     InventoryServer,
     assign,
@@ -41,14 +42,15 @@ def attach(
     inv: Inventory,
     have: dict[str, RepositoryAPI] | None = None,
     key: str | None = None,
-) -> dict[str, RepositoryAPI]:
+) -> tuple[dict[str, RepositoryAPI], dict[tuple[str, int], str]]:
     """The node behind each of the layout's nodes (by layout node name): GPU i of a device
     type is the inventory's i-th live GPU of that type (a node of several GPUs is one
-    RemoteNode per GPU). Nodes in `have` (by inventory name) are used as they are; the
+    RemoteNode per GPU); beside it, the inventory server each layout GPU sits on
+    (gpu_servers). Nodes in `have` (by inventory name) are used as they are; the
     others are reached by address. InventoryError, before
     anything is loaded, when the inventory has too few nodes or one does not answer.
     `key`: what the nodes' restricted APIs expect (poolpipe.client.control.node_key)."""
-    picked = assign({s.name: (s.gpu, s.physical) for s in lay.nodes}, inv)
+    picked = _picked(lay, inv)
     have = have or {}
     out: dict[str, RepositoryAPI] = {}
     for name, g in picked.items():
@@ -71,14 +73,22 @@ def attach(
             f"{inv.source}: node(s) not answering on gRPC: {', '.join(dead)}; start them "
             "(poolpipe node ...) or mark them down"
         )
-    return out
+    return out, _servers(lay, picked)
+
+
+def _picked(lay: Layout, inv: Inventory) -> dict[str, InventoryGpu]:
+    """The inventory GPU behind each of the layout's nodes (by layout node name)."""
+    return assign({s.name: (s.gpu, s.physical) for s in lay.nodes}, inv)
+
+
+def _servers(lay: Layout, picked: dict[str, InventoryGpu]) -> dict[tuple[str, int], str]:
+    return {(s.gpu, s.physical): picked[s.name].node.server for s in lay.nodes}
 
 
 def gpu_servers(lay: Layout, inv: Inventory) -> dict[tuple[str, int], str]:
     """The inventory server each of the layout's GPUs (type, physical index) sits on, as
     attach assigns them: what the router reserves NICs by (topology.on_servers)."""
-    picked = assign({s.name: (s.gpu, s.physical) for s in lay.nodes}, inv)
-    return {(s.gpu, s.physical): picked[s.name].node.server for s in lay.nodes}
+    return _servers(lay, _picked(lay, inv))
 
 
 def load_layout(
