@@ -34,6 +34,7 @@ from testbed.loadgen import (
     drive_mix,
     further_loads,
     keeps_target,
+    kept_rungs,
     ladder_gap,
     mix_times,
     nearest_to_mean,
@@ -248,7 +249,11 @@ def mix_capacity(
     where a search's answer moves by steps from run to run and its traces by minutes.
     `beyond`: loads past the ladder driven, one at a time, while every load so far is kept
     (the gap between the ladder's top two apart), so that a plan's figure is not the
-    ladder's top where it keeps more; "ladder" then holds them too.
+    ladder's top where it keeps more; "ladder" then holds them too. The first load not kept
+    is driven the next trace of its pattern where it failed narrowly (climb_ladder `again`),
+    and the simulator runs every trace driven live. "sim_ladder": the simulator's figure
+    judged as live's, on the same loads and traces ("sim_ladder_capped": it kept all);
+    "sim" is still searched on the grid, a load of the ladder judged as there.
     `pattern`: the seed of the first trace's arrival pattern (the k-th: + 1000 k).
     "live_requests" and "live_interval": the requests the live capacity was judged on and a 95%
     interval of their share on time (Wilson). `cpu`: CPU seconds so far by part
@@ -279,7 +284,12 @@ def mix_capacity(
     live_cpu: dict[str, float] = {}
     live_wall = [0.0, 0]  # wall seconds and requests of the live traces
 
-    def passes(kind: str, i: int) -> bool:
+    drawn: dict[str, dict[float, int]] = {"live": {}, "sim": {}, "guide": {}}  # traces a rate
+    host_sums: dict[float, list[float]] = {}  # rate -> CPU busy, total ticks; stages on, late
+
+    def passes(kind: str, i: int, ks: Sequence[int] = ()) -> bool:
+        """Whether rate i keeps the target (rate_passes), or, given `ks`, those traces
+        of it (each at most once per kind) judged with the ones driven there before."""
         rate = i * top / steps
         count = 0
         live = kind == "live"
@@ -289,6 +299,7 @@ def mix_capacity(
         def trace(k: int) -> tuple[float, int]:
             nonlocal count
             seed = pattern + 1000 * k  # the k-th trace of every rate: one pattern, scaled
+            drawn[kind][rate] = max(drawn[kind].get(rate, 0), k + 1)
             times, which = mix_times(rate, load.weights, duration_s, seed, scaled=True)
             if kind != "live":
                 near = min(measured, key=lambda j: (abs(j - i), j))
@@ -314,14 +325,29 @@ def mix_capacity(
             count += len(times)
             return got, len(times)
 
-        ok, points[kind][rate] = rate_passes(traces, trace, extra)
-        judged[kind][rate] = count
+        if ks:  # more traces of a rate judged before: pooled with them
+            before_n = judged[kind].get(rate, 0)
+            on = points[kind].get(rate, 1.0) * before_n
+            for k in ks:
+                share, n = trace(k)
+                on += share * n
+            ok = keeps_target(before_n + count - on, before_n + count)
+            points[kind][rate] = on / max(1, before_n + count)
+            judged[kind][rate] = before_n + count
+        else:
+            ok, points[kind][rate] = rate_passes(traces, trace, extra)
+            judged[kind][rate] = count
+        sums = host_sums.setdefault(rate, [0.0] * 4) if live else []
         if ticks is not None:
             busy, total = (a - b for a, b in zip(host_cpu_ticks(), ticks, strict=True))
-            host_cpu[rate] = busy / total if total > 0 else 0.0
+            sums[0] += busy
+            sums[1] += total
+            host_cpu[rate] = sums[0] / sums[1] if sums[1] > 0 else 0.0
         if before is not None and stages is not None:  # (stages: for the type checker)
             on, late = (a - b for a, b in zip(stages(), before, strict=True))
-            host_late[rate] = late / (on + late) if on + late > 0 else 0.0
+            sums[2] += on
+            sums[3] += late
+            host_late[rate] = sums[3] / (sums[2] + sums[3]) if sums[2] + sums[3] > 0 else 0.0
         return ok
 
     if guide:  # the simulator with the warm-up's stage times and delays: where to start
@@ -335,22 +361,34 @@ def mix_capacity(
     rungs = sorted(set(ladder))
     if rungs:  # every load of the ladder live, the capacity the highest kept (kept_rungs)
 
-        def drive(i: int) -> tuple[float, int]:
-            passes("live", i)
+        def drive(i: int, more: bool = False) -> tuple[float, int]:
             rate = i * top / steps
+            passes("live", i, ks=(drawn["live"][rate],) if more else ())
             return points["live"][rate], judged["live"][rate]
 
-        rungs, fell = climb_ladder(rungs, drive, beyond, steps)
+        rungs, fell = climb_ladder(rungs, drive, beyond, steps, again=partial(drive, more=True))
         found = {"live": rungs[fell - 1] if fell else 0}
         capped = fell == len(rungs)
         above = rungs[fell] * top / steps if not capped else -1.0  # -1: none
-        for i in rungs:  # the simulator at each, on the same traces
-            passes("sim", i)
+        on_rungs = {  # the simulator at each, on the same traces
+            i: passes("sim", i, ks=range(drawn["live"][i * top / steps])) for i in rungs
+        }
+        # judged as live was: the simulated figure on the same loads
+        kept_sim = kept_rungs(
+            [points["sim"][i * top / steps] for i in rungs],
+            [judged["sim"][i * top / steps] for i in rungs],
+        )
+        found["sim_ladder"] = rungs[kept_sim - 1] if kept_sim else 0
+        sim_capped = kept_sim == len(rungs)
     else:
         found = {"live": bisect_grid(lambda i: passes("live", i), steps, first)}
         capped = found["live"] == steps
         above = (found["live"] + 1) * top / steps
-    found["sim"] = bisect_grid(lambda i: passes("sim", i), steps, guess=found["live"])
+        on_rungs = {}
+        sim_capped = False
+    found["sim"] = bisect_grid(  # a load of the ladder as judged there, on the same traces
+        lambda i: on_rungs[i] if i in on_rungs else passes("sim", i), steps, guess=found["live"]
+    )
     live = found["live"] * top / steps
     n = judged["live"].get(live, 0)
     return {
@@ -361,6 +399,10 @@ def mix_capacity(
         "sim": found["sim"] * top / steps,
         "live": live,
         "sim_capped": found["sim"] == steps,
+        # on a ladder: the simulator's figure judged as live's, on the same loads and traces
+        # (None: searched live); "sim_ladder_capped": it kept every one
+        "sim_ladder": found["sim_ladder"] * top / steps if rungs else None,
+        "sim_ladder_capped": bool(rungs) and sim_capped,
         "capped": capped,
         "step": top / steps,
         "points": points,
@@ -810,7 +852,9 @@ def compare_plans(
                 ladder=rungs,
                 beyond=beyond,
                 pattern=pattern,
-                extra=0 if rungs else EXTRA_TRACES,  # one trace a load, each run
+                # one trace a load on a ladder, and one more at the load that failed by a
+                # request or two (climb_ladder `again`)
+                extra=0 if rungs else EXTRA_TRACES,
                 # from what the planner states the plan delivers (>= 99% on time, simulated):
                 # near the capacity, where the rates far below it cost a trace or two each
                 start=None if plan.deliverable is None else plan.deliverable / d,

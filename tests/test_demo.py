@@ -74,6 +74,10 @@ def test_demo_on_emulated_gpus(tmp_path: Path) -> None:
         judged, live = got[strategy, "live_requests_judged"], got[strategy, "capacity_live_req_s"]
         assert judged > 0 or live == 0
         assert got[strategy, "host_bound"] in (0.0, 1.0)
+        # the simulator's figure judged as live's: one of the loads driven, or none kept
+        sim = got[strategy, "capacity_sim_ladder_req_s"]
+        driven = [float(x[4:]) for x, s in loads.items() if strategy in s]
+        assert sim == 0 or min(abs(sim - x) for x in driven) < 1, (sim, driven)
         busy = got.get((strategy, "host_cpu_busy_above"))
         assert busy is None or 0.0 <= busy <= 1.0
 
@@ -166,3 +170,12 @@ def test_live_over_simulated_is_a_bound_where_a_figure_is_one() -> None:
     assert live_over_sim({**base, "sim_capped": True}) == "<= 0.82"
     assert live_over_sim({**base, "capped": True, "sim_capped": True}) == "-"
     assert live_over_sim({**base, "sim": 0.0}) == "-"
+    # on a ladder, the simulated figure on the same loads, not the searched one (6b464a2:
+    # live 245 that lost 279 by a request read 0.71 against a search that reached 346)
+    ladder = {**base, "sim": 20.0, "sim_ladder": 14.0, "sim_ladder_capped": False}
+    assert live_over_sim(ladder) == "1.00"
+    assert live_over_sim({**ladder, "sim_ladder": 16.0}) == "0.88"
+    assert live_over_sim({**ladder, "sim_ladder_capped": True}) == "<= 1.00"
+    both = {**ladder, "capped": True, "sim_ladder_capped": True}
+    assert live_over_sim(both) == "1.00 (both kept every load)"
+    assert live_over_sim({**ladder, "sim_ladder": None}) == "0.70"  # searched: no ladder

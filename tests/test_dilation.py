@@ -282,6 +282,51 @@ def test_a_plan_that_keeps_every_load_of_the_ladder_is_driven_further():
     assert climb_ladder([], drive, beyond=2) == ([], 0)
 
 
+def test_the_load_that_sets_a_ladders_figure_by_a_request_or_two_is_driven_once_more():
+    """loadgen.climb_ladder `again`: the first load not kept, where it failed narrowly
+    (kept, were one more trace of its size all on time), is driven one trace more and
+    judged on both, once a ladder; a clear failure, a load kept and the loads below are
+    not."""
+    from testbed.loadgen import climb_ladder
+
+    def plan(lost: dict[int, int], lost_again: dict[int, int]):
+        asked: list[tuple[str, int]] = []
+
+        def drive(i: int) -> tuple[float, int]:
+            asked.append(("drive", i))
+            return 1.0 - lost.get(i, 0) / 300, 300
+
+        def again(i: int) -> tuple[float, int]:
+            asked.append(("again", i))
+            return 1.0 - lost_again.get(i, 0) / 300, 300
+
+        return asked, drive, again
+
+    # 4 of 300 lost at 25 (0.987), none of 300 more: 0.993, kept; none further past top
+    asked, drive, again = plan({25: 4}, {})
+    assert climb_ladder([15, 19, 22], drive, 1, 25, again=again) == ([15, 19, 22, 25], 4)
+    assert asked == [("drive", 15), ("drive", 19), ("drive", 22), ("drive", 25), ("again", 25)]
+    # the trace more loses as many: 0.987 of 600, not kept, and not driven a third time
+    asked, drive, again = plan({25: 4}, {25: 4})
+    assert climb_ladder([15, 19, 22], drive, 1, 32, again=again) == ([15, 19, 22, 25], 3)
+    assert asked.count(("again", 25)) == 1
+    # 7 of 300 (0.977): would miss 99% with 300 more on time; not driven again
+    asked, drive, again = plan({22: 7}, {})
+    assert climb_ladder([15, 19, 22], drive, 1, 32, again=again) == ([15, 19, 22], 2)
+    assert all(kind == "drive" for kind, _ in asked)
+    # narrowly missed in the ladder, kept on a trace more: driven further
+    asked, drive, again = plan({19: 4, 22: 3}, {})  # pooled 0.988
+    assert climb_ladder([15, 19, 22], drive, 1, 32, again=again) == ([15, 19, 22, 25], 4)
+    assert asked[3:] == [("again", 19), ("drive", 25)]
+    # two loads narrowly missed: the first driven again, once a ladder
+    asked, drive, again = plan({19: 4, 22: 4}, {})
+    assert climb_ladder([15, 19, 22], drive, 1, 32, again=again) == ([15, 19, 22], 2)
+    assert asked[3:] == [("again", 19)]
+    # without `again`, as before
+    asked, drive, _ = plan({25: 4}, {})
+    assert climb_ladder([15, 19, 22], drive, 1, 32) == ([15, 19, 22, 25], 3)
+
+
 def test_the_typical_arrival_pattern_is_the_one_nearest_the_mean_share():
     """loadgen.nearest_to_mean: the pattern whose shares (per plan and load) lie nearest
     their means over all patterns, each in its own standard deviations; not the kindest to

@@ -287,6 +287,7 @@ def test_a_burst_through_the_balancer_is_counted_from_its_stamp(tier):
     dropped = [s for s in shots if s.outcome == "dropped"]
     assert len(ok) + len(dropped) == N_BURST, {s.outcome for s in shots}
     assert win.arrivals == N_BURST and win.late == 0, win
+
     def client_within(ms: float) -> int:
         return sum(s.latency_s <= ms / 1e3 for s in ok)
 

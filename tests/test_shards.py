@@ -118,6 +118,7 @@ def test_the_joint_bound_is_the_best_split_found_by_brute_force():
             if all(v > 0 for v in served):  # every router serves
                 best = max(best, sum(served))
     assert best == pytest.approx(got.bound, rel=1e-6)
+
     def plan(c):
         return objective(c), (objective(c),)
 
