@@ -25,6 +25,11 @@ DEFAULT_PPIPE_DIR = REPO_ROOT.parent / "shared" / "profiles" / "ppipe-gpu"
 PPIPE_DIR_ENV = "POOLPIPE_PPIPE_PROFILES"
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 request', '2 requests': a count with its noun as a person writes it."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def step(text: str) -> None:
     """A step of a demo, as it starts."""
     demo_console.print(f"[bold cyan]▶[/] {text}")

@@ -27,8 +27,8 @@ from rich.table import Table
 from poolpipe.client.control import new_token_file
 from poolpipe.errors import PoolpipeError
 from poolpipe.store.warehouse import REPO_ROOT
+from poolpipe_cli.common import counted, step
 from poolpipe_cli.common import demo_console as console
-from poolpipe_cli.common import step
 from poolpipe_cli.serve import add_router_arguments, router_options
 
 CLUSTERS = REPO_ROOT / "local-clusters.toml"
@@ -187,8 +187,9 @@ def cmd_demo_cpu(args: argparse.Namespace) -> int:
     console.print(
         f"rollout to whole-model serving under {roll['rate']:.0f} req/s: {roll['status']} "
         f"{roll['reason']}\n  prepared in {roll['prepare_s']:.1f} s while the old plan served, "
-        f"downtime {roll['downtime_ms']:.1f} ms, {roll['held']} requests held during the "
-        f"switch, {roll['failed']} failed, {roll['unanswered']} of {roll['sent']} unanswered\n"
+        f"downtime {roll['downtime_ms']:.1f} ms, {counted(roll['held'], 'request')} held "
+        f"during the switch, {roll['failed']} failed, {roll['unanswered']} of {roll['sent']} "
+        "unanswered\n"
         f"  attainment before {att['before']:.3f}, while preparing {att['preparing']:.3f}, "
         f"after the switch {att['after']:.3f}"
     )

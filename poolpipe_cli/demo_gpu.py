@@ -22,8 +22,8 @@ from pathlib import Path
 from rich.table import Table
 
 from poolpipe.errors import PoolpipeError
+from poolpipe_cli.common import counted, parse_margins, step
 from poolpipe_cli.common import demo_console as console
-from poolpipe_cli.common import parse_margins, step
 
 EMULATED = "EMULATED GPUs: real processes, network and bytes; device times from the profiles"
 
@@ -348,7 +348,7 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
     console.print(
         f"rollout ppipe -> np under {roll['rate'] * d:.0f} req/s: {roll['status']}; "
         f"prepared in {roll['prepare_s']:.1f} s wall clock while ppipe served, switch "
-        f"{roll['downtime_ms']:.1f} ms wall clock, {roll['held']} requests held, "
+        f"{roll['downtime_ms']:.1f} ms wall clock, {counted(roll['held'], 'request')} held, "
         f"{roll['failed']} failed, {roll['unanswered']} of {roll['sent']} unanswered; on time "
         f"before {att['before']:.3f}, while preparing {att['preparing']:.3f}, after "
         f"{att['after']:.3f}",

@@ -20,7 +20,7 @@ from poolpipe.sim.explain import explain
 from poolpipe.sim.records import capacity_rows, sim_rows
 from poolpipe.store.plan_inputs import check_plan
 from poolpipe.store.warehouse import Warehouse
-from poolpipe_cli.common import console
+from poolpipe_cli.common import console, counted
 
 
 def _read_plan(path: str | Path) -> Plan:
@@ -186,7 +186,7 @@ def print_timeline(result: SimResult) -> None:
     for r in result.rollouts:
         console.print(
             f"  rollout to {r['plan']} at {r['at_s']:.2f} s: downtime {r['downtime_ms']:.2f} ms "
-            f"(simulated), {r['held']} requests held, {r['failed']} failed"
+            f"(simulated), {counted(r['held'], 'request')} held, {r['failed']} failed"
         )
     t = Table(title="per second of simulated time (by arrival, all models)", title_justify="left")
     for col in ("second", "arrived", "on time", "late", "dropped", "failed", "attainment"):
