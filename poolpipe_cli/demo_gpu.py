@@ -320,8 +320,13 @@ def _results(res: dict, d: float, args: argparse.Namespace) -> None:
             else "-"
         )
         ratio = live_ratio_text(pp, whole, d)
+        limited = [s for s in ("ppipe", "np") if res[s]["host_bound"]]
+        # a figure the host set is not the plan's: the ratio says so before it is read
+        host = (
+            f"On this host ({' and '.join(limited)}'s figure its limit, above): " if limited else ""
+        )
         console.print(
-            f"ppipe serves [bold]{ratio}[/] the load of whole-model "
+            f"{host}ppipe serves [bold]{ratio}[/] the load of whole-model "
             f"serving live (simulator {sim}; the planner states {stated} of what they deliver, "
             f"{pp['planned'] / whole['planned']:.2f}x of their fluid figures). Both plans count "
             "each request's "
