@@ -277,19 +277,17 @@ def mix_capacity(
     warm = dep.core.take_stage_factors(), dep.core.take_answer_delays()  # the last trace's
     points: dict[str, dict[float, float]] = {"live": {}, "sim": {}, "guide": {}}
     judged: dict[str, dict[float, int]] = {"live": {}, "sim": {}, "guide": {}}
-    host_late: dict[float, float] = {}
-    host_cpu: dict[float, float] = {}
     measured: dict[int, list[list[float]]] = {}  # grid step -> per pool, live
     delays: dict[int, list[list[float]]] = {}  # grid step -> answer delays per pool, live
     live_cpu: dict[str, float] = {}
     live_wall = [0.0, 0]  # wall seconds and requests of the live traces
 
-    drawn: dict[str, dict[float, int]] = {"live": {}, "sim": {}, "guide": {}}  # traces a rate
+    drawn: dict[float, int] = {}  # rate -> live traces driven there
     host_sums: dict[float, list[float]] = {}  # rate -> CPU busy, total ticks; stages on, late
 
     def passes(kind: str, i: int, ks: Sequence[int] = ()) -> bool:
         """Whether rate i keeps the target (rate_passes), or, given `ks`, those traces
-        of it (each at most once per kind) judged with the ones driven there before."""
+        of it judged with the ones of this kind driven there before."""
         rate = i * top / steps
         count = 0
         live = kind == "live"
@@ -299,7 +297,8 @@ def mix_capacity(
         def trace(k: int) -> tuple[float, int]:
             nonlocal count
             seed = pattern + 1000 * k  # the k-th trace of every rate: one pattern, scaled
-            drawn[kind][rate] = max(drawn[kind].get(rate, 0), k + 1)
+            if live:
+                drawn[rate] = max(drawn.get(rate, 0), k + 1)
             times, which = mix_times(rate, load.weights, duration_s, seed, scaled=True)
             if kind != "live":
                 near = min(measured, key=lambda j: (abs(j - i), j))
@@ -337,17 +336,15 @@ def mix_capacity(
         else:
             ok, points[kind][rate] = rate_passes(traces, trace, extra)
             judged[kind][rate] = count
-        sums = host_sums.setdefault(rate, [0.0] * 4) if live else []
-        if ticks is not None:
+        if ticks is not None:  # live: the host's CPU and late stages, over all its traces
+            sums = host_sums.setdefault(rate, [0.0] * 4)
             busy, total = (a - b for a, b in zip(host_cpu_ticks(), ticks, strict=True))
             sums[0] += busy
             sums[1] += total
-            host_cpu[rate] = sums[0] / sums[1] if sums[1] > 0 else 0.0
-        if before is not None and stages is not None:  # (stages: for the type checker)
-            on, late = (a - b for a, b in zip(stages(), before, strict=True))
-            sums[2] += on
-            sums[3] += late
-            host_late[rate] = sums[3] / (sums[2] + sums[3]) if sums[2] + sums[3] > 0 else 0.0
+            if before is not None and stages is not None:  # (stages: for the type checker)
+                on, late = (a - b for a, b in zip(stages(), before, strict=True))
+                sums[2] += on
+                sums[3] += late
         return ok
 
     if guide:  # the simulator with the warm-up's stage times and delays: where to start
@@ -363,7 +360,7 @@ def mix_capacity(
 
         def drive(i: int, more: bool = False) -> tuple[float, int]:
             rate = i * top / steps
-            passes("live", i, ks=(drawn["live"][rate],) if more else ())
+            passes("live", i, ks=(drawn[rate],) if more else ())
             return points["live"][rate], judged["live"][rate]
 
         rungs, fell = climb_ladder(rungs, drive, beyond, steps, again=partial(drive, more=True))
@@ -371,7 +368,7 @@ def mix_capacity(
         capped = fell == len(rungs)
         above = rungs[fell] * top / steps if not capped else -1.0  # -1: none
         on_rungs = {  # the simulator at each, on the same traces
-            i: passes("sim", i, ks=range(drawn["live"][i * top / steps])) for i in rungs
+            i: passes("sim", i, ks=range(drawn[i * top / steps])) for i in rungs
         }
         # judged as live was: the simulated figure on the same loads
         kept_sim = kept_rungs(
@@ -391,6 +388,17 @@ def mix_capacity(
     )
     live = found["live"] * top / steps
     n = judged["live"].get(live, 0)
+    host_cpu = {
+        r: busy / total if total > 0 else 0.0 for r, (busy, total, _, _) in host_sums.items()
+    }
+    host_late = (
+        {
+            r: late / (on + late) if on + late > 0 else 0.0
+            for r, (_, _, on, late) in host_sums.items()
+        }
+        if stages is not None
+        else {}
+    )
     return {
         "top": top,
         "guide": first * top / steps,

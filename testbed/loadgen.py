@@ -418,15 +418,16 @@ def climb_ladder(
     driven = sorted(rungs)
     shares: list[float] = []
     counts: list[int] = []
-    redone: set[int] = set()
+    tried = False  # `again` is called once a ladder
 
     def judge() -> int:
+        nonlocal tried
         kept = kept_rungs(shares, counts)
-        if again is not None and kept < len(driven) and not redone:
+        if again is not None and kept < len(driven) and not tried:
             n = counts[kept]
             if not keeps_target((1.0 - shares[kept]) * n, 2 * n):  # not narrowly
                 return kept
-            redone.add(driven[kept])
+            tried = True
             share, m = again(driven[kept])
             shares[kept] = (shares[kept] * n + share * m) / (n + m)
             counts[kept] = n + m
